@@ -1,0 +1,96 @@
+"""What a generation returns: plain data, no MLX, shared by the engine and the runner."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import List, Optional
+
+
+class GenerationError(ValueError):
+    """A prompt the engine refuses (empty, too long, bad type). The runner turns it into an error row."""
+
+
+class EmptyPromptError(GenerationError):
+    pass
+
+
+class PromptTooLongError(GenerationError):
+    pass
+
+
+class ModelMismatchError(ValueError):
+    """A drafter that does not fit its target (hidden size, tap layers, vocabulary)."""
+
+
+@dataclass
+class GenerationStats:
+    """Per-item counters. Raw counts are kept so every derived rate can be recomputed.
+
+    A verify cycle drafts ``block_size - 1`` tokens and commits ``a + 1`` of them: the ``a``
+    drafted tokens that match the target's own choice, plus one bonus token from the target.
+    ``acceptance_histogram[k]`` counts cycles that committed ``k`` tokens (0 only if a cycle was
+    cut before committing, which does not happen; index runs 0..block_size).
+    """
+
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    cycles: int = 0  # target verify passes (or AR steps when no drafter)
+    drafted_tokens: int = 0  # draft tokens put up for verification
+    accepted_tokens: int = 0  # draft tokens the target agreed with, counted where they were emitted
+    block_size: int = 0  # 0 means plain autoregressive decoding
+    acceptance_histogram: List[int] = field(default_factory=list)
+    peak_memory_gb: float = 0.0
+
+    @property
+    def prefill_tps(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        # The first token comes from prefill; decode rate counts the ones after it.
+        n = max(self.generated_tokens - 1, 0)
+        return n / self.decode_s if self.decode_s > 0 else 0.0
+
+    @property
+    def tokens_per_cycle(self) -> float:
+        """Mean acceptance length tau: committed tokens per verify cycle, bonus included."""
+        committed = sum(k * n for k, n in enumerate(self.acceptance_histogram))
+        return committed / self.cycles if self.cycles else 0.0
+
+    @property
+    def acceptance_drafted(self) -> float:
+        """accepted / drafted: the share of proposed draft tokens the target kept."""
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def acceptance_generated(self) -> float:
+        """accepted / generated: the share of output tokens that came from the drafter."""
+        return self.accepted_tokens / self.generated_tokens if self.generated_tokens else 0.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        for name in ("prefill_tps", "decode_tps", "tokens_per_cycle", "acceptance_drafted", "acceptance_generated"):
+            d[name] = getattr(self, name)
+        return d
+
+
+@dataclass
+class Completion:
+    text: str
+    token_ids: List[int]
+    finish_reason: str  # "stop" (EOS id or stop string) or "length" (max_tokens)
+    stats: GenerationStats
+    stop_reason: Optional[str] = None  # the stop string or "eos" that ended it, if any
+
+
+@dataclass
+class Piece:
+    """One streamed step: the text and tokens committed since the previous piece."""
+
+    text: str
+    token_ids: List[int]
+    finish_reason: Optional[str] = None
+    stats: Optional[GenerationStats] = None  # set on the last piece
+    stop_reason: Optional[str] = None  # "eos" or the stop string, on the last piece

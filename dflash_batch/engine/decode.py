@@ -1,0 +1,127 @@
+"""The DFlash decode loop, one short function per step.
+
+Per cycle, with B = block size and ``last`` the newest committed token (not yet in the cache):
+
+    draft:   d_1..d_{B-1} = argmax lm_head(drafter([last, MASK x (B-1)], new context rows))
+    verify:  t_0..t_{L-1} = choose(target([last, d_1..d_{L-1}]))        L = min(B, budget)
+    accept:  a = longest prefix with d_{i+1} == t_i;  commit d_1..d_a, then the bonus t_a
+    rollback: the target cache keeps last, d_1..d_a (a+1 rows); the bonus becomes ``last``
+    context: the a+1 verify rows of tapped hidden state feed the next draft
+
+Every committed token is the target's own choice given the committed prefix, so greedy
+output equals plain greedy decoding of the target.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterator, List, Optional
+
+import mlx.core as mx
+
+from .target import Target
+
+Chooser = Callable[[mx.array], mx.array]  # logits [1, L, V] -> token ids [1, L]
+
+
+@dataclass
+class Step:
+    """Tokens committed by one target pass (prefill, verify cycle or AR step)."""
+
+    tokens: List[int]
+    from_draft: int = 0  # leading tokens that were the drafter's proposals
+    drafted: int = 0  # draft tokens put up for verification in this pass
+    verify: bool = False  # a verify cycle (or an AR step), not the prefill
+
+
+def make_chooser(temperature: float = 0.0, seed: Optional[int] = None) -> Chooser:
+    """Greedy argmax at temperature 0, else a categorical sample per position.
+
+    With sampling, a draft token is kept only if it equals the target's own sample at its
+    position, so every emitted token is still distributed as the target's sample.
+    """
+    if temperature <= 0:
+        return lambda logits: mx.argmax(logits, axis=-1)
+    key = [mx.random.key(seed if seed is not None else int.from_bytes(__import__("os").urandom(4), "little"))]
+
+    def sample(logits: mx.array) -> mx.array:
+        key[0], sub = mx.random.split(key[0])
+        return mx.random.categorical(logits.astype(mx.float32) / temperature, key=sub)
+
+    return sample
+
+
+def prefill(target: Target, prompt: List[int], cache: list, chunk: int):
+    """Run the prompt in chunks; return the last logits and the tapped hidden state of every row."""
+    hidden = []
+    logits = None
+    for i in range(0, len(prompt), chunk):
+        logits, h = target(mx.array([prompt[i : i + chunk]]), cache)
+        if h is not None:
+            hidden.append(h)
+        mx.eval(logits, h) if h is not None else mx.eval(logits)
+    context = mx.concatenate(hidden, axis=1) if len(hidden) > 1 else (hidden[0] if hidden else None)
+    return logits[:, -1:, :], context
+
+
+def draft_block(drafter, target: Target, last: mx.array, context: mx.array, cache: list) -> mx.array:
+    """Propose B-1 tokens in one drafter pass: ids [1, B-1] (position 0's output is unused)."""
+    B = drafter.args.block_size
+    block = mx.concatenate([last, mx.full((1, B - 1), drafter.args.mask_token_id, dtype=last.dtype)], axis=1)
+    h = drafter(target.embed(block), context, cache)
+    return mx.argmax(target.lm_head(h[:, 1:, :]), axis=-1).astype(last.dtype)
+
+
+def accept_length(drafted: List[int], chosen: List[int]) -> int:
+    """a = number of leading draft tokens equal to the target's choice one position earlier."""
+    a = 0
+    while a < len(drafted) and drafted[a] == chosen[a]:
+        a += 1
+    return a
+
+
+def dflash_steps(
+    target: Target,
+    drafter,
+    prompt: List[int],
+    max_tokens: int,
+    choose: Chooser,
+    prefill_chunk: int = 2048,
+    block_size: Optional[int] = None,
+) -> Iterator[Step]:
+    """Yield committed tokens, one Step per target pass, until ``max_tokens`` are committed.
+
+    ``block_size`` caps the verified rows per cycle; the drafter always runs at its own size.
+    """
+    cache, draft_cache = target.make_cache(), drafter.make_cache()
+    logits, context = prefill(target, prompt, cache, prefill_chunk)
+    first = choose(logits)
+    yield Step(tokens=first.tolist()[0])
+    last, produced = first.astype(mx.int32), 1
+    B = min(block_size or drafter.args.block_size, drafter.args.block_size)
+    while produced < max_tokens:
+        L = min(B, max_tokens - produced)  # never verify more than the budget can commit
+        drafted = draft_block(drafter, target, last, context, draft_cache)[:, : L - 1]
+        logits, hidden = target(mx.concatenate([last, drafted], axis=1), cache)
+        chosen = choose(logits)
+        d, t = drafted.tolist()[0], chosen.tolist()[0]  # the cycle's one host sync
+        a = accept_length(d, t)
+        target.rollback(cache, keep=a + 1, verified=L)
+        context = hidden[:, : a + 1, :]
+        last = chosen[:, a : a + 1].astype(mx.int32)
+        produced += a + 1
+        yield Step(tokens=d[:a] + [t[a]], from_draft=a, drafted=L - 1, verify=True)
+
+
+def ar_steps(
+    target: Target, prompt: List[int], max_tokens: int, choose: Chooser, prefill_chunk: int = 2048
+) -> Iterator[Step]:
+    """Plain autoregressive decoding with the same interface (used when there is no drafter)."""
+    cache = target.make_cache()
+    logits, _ = prefill(target, prompt, cache, prefill_chunk)
+    token = choose(logits).astype(mx.int32)
+    yield Step(tokens=token.tolist()[0])
+    for _ in range(max_tokens - 1):
+        logits, _ = target(token, cache)
+        token = choose(logits[:, -1:, :]).astype(mx.int32)
+        yield Step(tokens=token.tolist()[0], verify=True)

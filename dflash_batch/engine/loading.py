@@ -1,0 +1,94 @@
+"""Finding and loading models: a local folder, or a Hugging Face repo id at a pinned revision."""
+
+from __future__ import annotations
+
+import glob
+import json
+from pathlib import Path
+from typing import Optional, Sequence, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from . import drafter as drafter_model
+
+MODEL_PATTERNS = ("*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken", "*.py")
+DRAFTER_PATTERNS = ("*.json", "*.safetensors")
+
+
+def resolve_model_path(
+    name_or_path: str | Path, revision: Optional[str] = None, allow_patterns: Sequence[str] = MODEL_PATTERNS
+) -> Path:
+    """A local folder as it is, else a snapshot of the Hugging Face repo (cached; offline-aware).
+
+    ``revision`` pins a branch, tag or commit; set it for drafters, which are retrained in place.
+    """
+    path = Path(name_or_path).expanduser()
+    if path.exists():
+        return path
+    if str(name_or_path).startswith((".", "/", "~")) or str(name_or_path).count("/") != 1:
+        raise FileNotFoundError(f"model folder not found: {name_or_path}")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(str(name_or_path), revision=revision, allow_patterns=list(allow_patterns)))
+    except Exception as e:  # network, auth, missing repo: one clear message
+        rev = f" at revision {revision}" if revision else ""
+        raise FileNotFoundError(f"could not get {name_or_path}{rev} from the Hugging Face hub: {e}") from e
+
+
+def load_safetensors(folder: Path) -> dict:
+    files = sorted(glob.glob(str(folder / "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {folder}")
+    weights = {}
+    for f in files:
+        weights.update(mx.load(f))
+    return weights
+
+
+def load_drafter(
+    name_or_path: str | Path, revision: Optional[str] = None, dtype: Optional[mx.Dtype] = None
+) -> drafter_model.Model:
+    """Load a DFlash drafter (``config.json`` + ``*.safetensors``, z-lab format)."""
+    folder = resolve_model_path(name_or_path, revision, DRAFTER_PATTERNS)
+    config_file = folder / "config.json"
+    if not config_file.exists():
+        raise FileNotFoundError(f"drafter folder {folder} has no config.json")
+    config = json.loads(config_file.read_text())
+    args = drafter_model.ModelArgs.from_config(config)
+    weights = load_safetensors(folder)
+    fc = weights.get("fc.weight")
+    if fc is None:
+        raise KeyError(f"drafter weights in {folder} have no fc.weight: not a DFlash drafter")
+    fc_in = fc.shape[1] if "fc.scales" not in weights else fc.shape[1] * 32 // config["quantization"]["bits"]
+    model = drafter_model.Model(args, target_hidden_size=fc_in // len(args.target_layer_ids))
+    quant = config.get("quantization")
+    if quant:
+        nn.quantize(
+            model,
+            group_size=quant["group_size"],
+            bits=quant["bits"],
+            class_predicate=lambda p, m: f"{p}.scales" in weights,
+        )
+    model.load_weights(list(weights.items()), strict=True)
+    if dtype is not None:
+        model.set_dtype(dtype)
+    mx.eval(model.parameters())
+    model.eval()
+    return model
+
+
+def load_target(
+    name_or_path: str | Path, revision: Optional[str] = None, dtype: Optional[mx.Dtype] = None
+) -> Tuple[nn.Module, object, dict]:
+    """Load an mlx-lm target and its tokenizer: (model, TokenizerWrapper, config)."""
+    from mlx_lm.utils import load_model, load_tokenizer
+
+    folder = resolve_model_path(name_or_path, revision)
+    model, config = load_model(folder)
+    if dtype is not None:
+        model.set_dtype(dtype)
+        mx.eval(model.parameters())
+    tokenizer = load_tokenizer(folder, eos_token_ids=config.get("eos_token_id"))
+    return model, tokenizer, config

@@ -1,0 +1,206 @@
+"""Seeded random models saved in the real on-disk formats, for tests and benchmarks.
+
+A model's speed does not depend on its weights' values, and exactness tests need only a real
+architecture, a real tokenizer and real files; none of this needs a model hub.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_map
+
+CHATML = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
+_CORPUS = (
+    "The quick brown fox jumps over the lazy dog. Speculative decoding drafts a block of tokens and "
+    "the target model verifies them in one pass. Summaries, code, arithmetic: 1 + 2 = 3, 12 * 7 = 84. "
+    "def add(a, b):\n    return a + b\nHello! How are you today? I am fine, thank you. "
+)
+
+
+def save_tokenizer(folder: Path, vocab_size: int = 512) -> Dict[str, int]:
+    """Train a tiny byte-level BPE (deterministic, offline) and save HF tokenizer files.
+
+    Returns the ids of the special tokens.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([_CORPUS] * 50, trainer)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "bos_token": None,
+        "chat_template": CHATML,
+        "add_bos_token": False,
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    return ids
+
+
+def _randomize(model: nn.Module, seed: int, scale: float) -> None:
+    """Seeded normal weights for every matrix; norms stay at one."""
+    mx.random.seed(seed)
+    params = tree_flatten(model.parameters())
+    new = []
+    for name, p in params:
+        if p.ndim >= 2:
+            fan_in = p.shape[-1]
+            new.append((name, (mx.random.normal(p.shape) * (scale / fan_in**0.5)).astype(p.dtype)))
+    model.load_weights(new, strict=False)
+    mx.eval(model.parameters())
+
+
+def save_target(
+    folder: Path,
+    config: dict,
+    seed: int = 0,
+    scale: float = 1.0,
+    zero_head: bool = False,
+    dtype: mx.Dtype = mx.float32,
+    with_tokenizer: bool = True,
+) -> Path:
+    """Build an mlx-lm model from ``config`` with seeded random weights and save it.
+
+    ``zero_head`` zeroes the (tied) embedding's output projection so every logit is equal and
+    the greedy next token is always id 0: a target whose choice is known in advance.
+    """
+    from mlx_lm.utils import _get_classes, save_config, save_model
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))
+    model.set_dtype(dtype)
+    _randomize(model, seed, scale)
+    if zero_head:
+        head = getattr(model, "lm_head", None) or getattr(getattr(model, "language_model", None), "lm_head", None)
+        if head is not None:
+            head.weight = mx.zeros_like(head.weight)
+        else:
+            model.apply_to_modules(
+                lambda k, m: setattr(m, "weight", mx.zeros_like(m.weight)) if k.endswith("embed_tokens") else None
+            )
+    if with_tokenizer:
+        ids = save_tokenizer(folder, vocab_size=min(config.get("vocab_size", 512), 512))
+        config = dict(config, eos_token_id=ids["<|im_end|>"])
+    save_model(folder, model)
+    save_config(config, folder / "config.json")
+    return folder
+
+
+def tiny_qwen3_config(vocab_size: int = 512, layers: int = 4, hidden: int = 128) -> dict:
+    return {
+        "model_type": "qwen3",
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "intermediate_size": hidden * 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": hidden // 4,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": vocab_size,
+        "rope_theta": 1e6,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": True,
+    }
+
+
+def tiny_llama_config(vocab_size: int = 512, layers: int = 4, hidden: int = 128) -> dict:
+    return {
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "intermediate_size": hidden * 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": vocab_size,
+        "rope_theta": 1e4,
+        "max_position_embeddings": 2048,
+        "tie_word_embeddings": False,
+    }
+
+
+def drafter_config(
+    target_config: dict,
+    layers: int = 2,
+    block_size: int = 16,
+    mask_token_id: int = 3,
+    target_layer_ids: Optional[List[int]] = None,
+    nested: bool = False,
+    sliding_window: Optional[int] = None,
+) -> dict:
+    """A drafter config in the z-lab format, flat (older) or nested ``dflash_config`` (newer)."""
+    hidden = target_config["hidden_size"]
+    heads = target_config["num_attention_heads"]
+    taps = target_layer_ids
+    if taps is None:
+        from .drafter import build_target_layer_ids
+
+        taps = build_target_layer_ids(target_config["num_hidden_layers"], layers)
+    cfg = {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "intermediate_size": target_config["intermediate_size"],
+        "num_attention_heads": heads,
+        "num_key_value_heads": target_config.get("num_key_value_heads", heads),
+        "head_dim": target_config.get("head_dim", hidden // heads),
+        "rms_norm_eps": 1e-6,
+        "vocab_size": target_config["vocab_size"],
+        "num_target_layers": target_config["num_hidden_layers"],
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": True,
+        "attention_bias": False,
+    }
+    if sliding_window:
+        cfg["layer_types"] = ["sliding_attention"] * (layers - 1) + ["full_attention"]
+        cfg["sliding_window"] = sliding_window
+    dflash = {"block_size": block_size, "mask_token_id": mask_token_id, "target_layer_ids": taps}
+    if nested:
+        cfg["dflash_config"] = dflash
+        cfg["rope_parameters"] = {"rope_theta": 1e6, "rope_type": "default"}
+    else:
+        cfg.update(dflash)
+        cfg["rope_theta"] = 1e6
+    return cfg
+
+
+def save_drafter(folder: Path, config: dict, seed: int = 1, scale: float = 1.0, dtype=mx.float32) -> Path:
+    """A seeded random drafter with exactly the published weight names (no embedding, no head)."""
+    from .drafter import Model, ModelArgs
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    model = Model(ModelArgs.from_config(config))
+    model.set_dtype(dtype)
+    _randomize(model, seed, scale)
+    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())), metadata={"format": "mlx"})
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    return folder
+
+
+def zero_params(model: nn.Module) -> None:
+    model.update(tree_map(lambda p: mx.zeros_like(p), model.parameters()))

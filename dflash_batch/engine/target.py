@@ -1,0 +1,127 @@
+"""The target model: an mlx-lm model whose chosen layers report their outputs.
+
+Capture wraps the tapped layers in place, so the model runs its own forward and the logits
+are the ones ``model(...)`` gives, bit for bit. Works for models built as
+``model.model.layers`` (llama, qwen2, qwen3, ...) and ``model.language_model.model.layers``
+(qwen3_5).
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import make_prompt_cache
+
+
+class _Tap(nn.Module):
+    """Runs a decoder layer and stores its output (the pre-norm residual stream) in ``store``."""
+
+    def __init__(self, layer: nn.Module, store: List[Optional[mx.array]], slot: int):
+        super().__init__()
+        self.layer = layer
+        # Plain attributes: a list set on an nn.Module would join its parameter tree.
+        object.__setattr__(self, "_store", store)
+        object.__setattr__(self, "_slot", slot)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if "layer" not in self:
+                raise
+            return getattr(self["layer"], name)  # e.g. is_linear on qwen3_5 layers
+
+    def __call__(self, *args, **kwargs):
+        out = self.layer(*args, **kwargs)
+        self._store[self._slot] = out
+        return out
+
+
+def _inner_model(model: nn.Module) -> Tuple[nn.Module, nn.Module]:
+    """(the module that holds lm_head or ties it, the module that holds embed_tokens and layers)."""
+    for outer in (model, getattr(model, "language_model", None)):
+        if outer is None:
+            continue
+        inner = getattr(outer, "model", None)
+        if inner is not None and hasattr(inner, "layers") and hasattr(inner, "embed_tokens"):
+            return outer, inner
+    raise TypeError(
+        f"unsupported target {type(model).__module__}: expected model.model.layers "
+        "or model.language_model.model.layers with embed_tokens"
+    )
+
+
+class Target:
+    """A loaded target model with hidden-state capture at ``tap_ids`` (0-based layer indices)."""
+
+    def __init__(self, model: nn.Module, tap_ids: Sequence[int] = ()):
+        self.model = model
+        self._outer, self._inner = _inner_model(model)
+        self.layers: list = self._inner.layers
+        self.embed_tokens = self._inner.embed_tokens
+        self._store: List[Optional[mx.array]] = []
+        self.tap_ids: List[int] = []
+        if tap_ids:
+            self.set_taps(tap_ids)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def hidden_size(self) -> int:
+        w = self.embed_tokens.weight
+        dims = w.shape[1]
+        if hasattr(self.embed_tokens, "bits"):  # quantized: packed uint32 columns
+            dims = dims * 32 // self.embed_tokens.bits
+        return dims
+
+    @property
+    def vocab_size(self) -> int:
+        return self.embed_tokens.weight.shape[0]
+
+    def set_taps(self, tap_ids: Sequence[int]) -> None:
+        bad = [i for i in tap_ids if not 0 <= i < self.num_layers]
+        if bad:
+            raise ValueError(f"tap layer {bad[0]} does not exist: the target has {self.num_layers} layers")
+        for i, layer in enumerate(self.layers):  # undo an earlier set of taps
+            if isinstance(layer, _Tap):
+                self.layers[i] = layer.layer
+        self.tap_ids = list(tap_ids)
+        self._store[:] = [None] * len(self.tap_ids)
+        for slot, i in enumerate(self.tap_ids):
+            self.layers[i] = _Tap(self.layers[i], self._store, slot)
+
+    def make_cache(self) -> list:
+        return make_prompt_cache(self.model)
+
+    def check_rollback(self) -> None:
+        """Refuse, before decoding starts, a target whose cache cannot be rolled back."""
+        stuck = {type(c).__name__ for c in self.make_cache() if not c.is_trimmable()}
+        if stuck:
+            raise TypeError(f"speculative decoding needs trimmable caches; this target has {sorted(stuck)}")
+
+    def rollback(self, cache: list, keep: int, verified: int) -> None:
+        """After a verify pass over ``verified`` rows, keep only the first ``keep`` of them."""
+        for c in cache:
+            c.trim(verified - keep)
+
+    def embed(self, tokens: mx.array) -> mx.array:
+        return self.embed_tokens(tokens)
+
+    def lm_head(self, h: mx.array) -> mx.array:
+        head = getattr(self._outer, "lm_head", None)
+        if head is not None:
+            return head(h)
+        return self.embed_tokens.as_linear(h)
+
+    def __call__(self, tokens: mx.array, cache: list) -> Tuple[mx.array, Optional[mx.array]]:
+        """logits [B, L, V] and the tapped hidden states concatenated on the last axis."""
+        logits = self.model(tokens, cache=cache)
+        if not self.tap_ids:
+            return logits, None
+        hidden = mx.concatenate(self._store, axis=-1)
+        self._store[:] = [None] * len(self.tap_ids)
+        return logits, hidden
