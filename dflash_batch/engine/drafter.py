@@ -185,14 +185,11 @@ class Model(nn.Module):
         super().__init__()
         self.args = args
         th = target_hidden_size or args.hidden_size
+        self.target_hidden_size = th
         self.fc = nn.Linear(len(args.target_layer_ids) * th, args.hidden_size, bias=False)
         self.hidden_norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.layers = [DecoderLayer(args, t == "sliding_attention") for t in args.layer_types]
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-
-    @property
-    def target_hidden_size(self) -> int:
-        return self.fc.weight.shape[1] // len(self.args.target_layer_ids)
 
     def make_cache(self) -> List[KVCache]:
         return [KVCache() for _ in self.layers]

@@ -26,6 +26,20 @@ _CORPUS = (
 )
 
 
+def _syllable_text(lines: int = 400) -> List[str]:
+    """Deterministic pseudo-words, enough for a BPE to fill a vocabulary of a few thousand."""
+    cons, vows = "bcdfghjklmnprstvwz", "aeiou"
+    out = []
+    for i in range(lines):
+        words = []
+        for j in range(12):
+            n = (i * 31 + j * 17) % 997
+            syl = [cons[(n + 7 * k) % len(cons)] + vows[(n // 3 + k) % len(vows)] for k in range(1 + n % 3)]
+            words.append("".join(syl))
+        out.append(" ".join(words) + (". " if i % 2 else ", ") + str(i * 13))
+    return out
+
+
 def save_tokenizer(folder: Path, vocab_size: int = 512) -> Dict[str, int]:
     """Train a tiny byte-level BPE (deterministic, offline) and save HF tokenizer files.
 
@@ -42,7 +56,9 @@ def save_tokenizer(folder: Path, vocab_size: int = 512) -> Dict[str, int]:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator([_CORPUS] * 50, trainer)
+    tok.train_from_iterator([_CORPUS] * 50 + _syllable_text(), trainer)
+    if tok.get_vocab_size() != vocab_size:
+        raise ValueError(f"tokenizer came out with {tok.get_vocab_size()} ids, wanted {vocab_size}")
     folder.mkdir(parents=True, exist_ok=True)
     tok.save(str(folder / "tokenizer.json"))
     ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}

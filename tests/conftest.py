@@ -1,0 +1,52 @@
+"""Shared fixtures: tiny seeded random models saved in the real on-disk formats."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a model hub
+
+import dflash_batch.engine  # noqa: E402,F401  (preloads the BLAS before mlx.core)
+from dflash_batch.engine import synthetic  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="session")
+def qwen3_target(model_dir) -> Path:
+    return synthetic.save_target(model_dir / "qwen3", synthetic.tiny_qwen3_config(), seed=0)
+
+
+@pytest.fixture(scope="session")
+def llama_target(model_dir) -> Path:
+    return synthetic.save_target(model_dir / "llama", synthetic.tiny_llama_config(), seed=2)
+
+
+@pytest.fixture(scope="session")
+def zero_head_target(model_dir) -> Path:
+    """Every logit equal: the greedy choice is always token 0, known in advance."""
+    return synthetic.save_target(model_dir / "zero", synthetic.tiny_qwen3_config(), seed=0, zero_head=True)
+
+
+def make_drafter(model_dir: Path, name: str, target_config: dict, **kw) -> Path:
+    folder = model_dir / name
+    if not folder.exists():
+        synthetic.save_drafter(folder, synthetic.drafter_config(target_config, **kw), seed=kw.get("layers", 2) + 7)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def qwen3_drafter(model_dir) -> Path:
+    return make_drafter(model_dir, "draft-qwen3-b16", synthetic.tiny_qwen3_config(), block_size=16)
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(qwen3_target, qwen3_drafter):
+    """(target folder, drafter folder): a tiny qwen3 target and a random drafter for it."""
+    return qwen3_target, qwen3_drafter

@@ -1,0 +1,124 @@
+"""Greedy DFlash output must equal the target's own greedy output, token for token (fp32, CPU)."""
+
+from __future__ import annotations
+
+import random
+
+import mlx.core as mx
+import pytest
+from mlx_lm import load as mlx_load
+from mlx_lm.generate import generate_step
+
+from dflash_batch.engine import decode, load_engine, synthetic
+from tests.conftest import make_drafter
+
+PROMPTS = [
+    "Hi",
+    "Write a haiku about the sea.",
+    "Summarize: The quick brown fox jumps over the lazy dog. " * 3,
+    "def add(a, b):\n    return a + b\n# now multiply",
+    "12 * 7 = ? Explain step by step.",
+    "How are you today? " * 20,
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "List three colors."}],
+]
+
+
+def greedy_reference(folder, ids, max_tokens, eos=()):
+    """mlx-lm's own greedy decoding of the target from the same prompt ids."""
+    model, _ = _mlx_model(folder)
+    out = []
+    for tok, _ in generate_step(mx.array(ids), model, max_tokens=max_tokens):
+        tok = int(tok)
+        if tok in eos:
+            break
+        out.append(tok)
+    return out
+
+
+_MODELS = {}
+
+
+def _mlx_model(folder):
+    if folder not in _MODELS:
+        _MODELS[folder] = mlx_load(str(folder))
+    return _MODELS[folder]
+
+
+@pytest.fixture
+def scripted(monkeypatch):
+    """Replace the drafter's proposals by the true continuation, corrupted at random positions.
+
+    The real drafter still runs (its cache advances as usual); only the proposed ids change.
+    This drives every acceptance length 0..B-1 through verify, accept and rollback.
+    """
+    real = decode.draft_block
+    state = {}
+
+    def install(reference, p_wrong, seed=0):
+        state.update(reference=reference, p_wrong=p_wrong, rng=random.Random(seed))
+
+    def draft_block(drafter, target, last, context, cache):
+        pos = cache[0].offset + context.shape[1]  # position of `last` in prompt+output
+        real(drafter, target, last, context, cache)
+        B = drafter.args.block_size
+        ref, rng = state["reference"], state["rng"]
+        ids = []
+        for i in range(1, B):
+            true = ref[pos + i] if pos + i < len(ref) else 0
+            ids.append((true + 1) % 100 if rng.random() < state["p_wrong"] else true)
+        return mx.array([ids], dtype=last.dtype)
+
+    monkeypatch.setattr(decode, "draft_block", draft_block)
+    return install
+
+
+def _cases():
+    for target in ("qwen3", "llama"):
+        for block, nested in ((4, False), (8, True), (16, False), (16, True)):
+            yield target, block, nested
+
+
+@pytest.mark.parametrize("target_name,block,nested", list(_cases()))
+def test_greedy_dflash_equals_target_greedy(request, model_dir, target_name, block, nested, scripted):
+    target = request.getfixturevalue(f"{target_name}_target")
+    cfg = synthetic.tiny_qwen3_config() if target_name == "qwen3" else synthetic.tiny_llama_config()
+    draft = make_drafter(model_dir, f"d-{target_name}-{block}-{nested}", cfg, block_size=block, nested=nested)
+    engine = load_engine(str(target), str(draft))
+    assert engine.block_size == block
+    hist = [0] * (block + 1)
+    for n, prompt in enumerate(PROMPTS):
+        ids = engine.encode(prompt)
+        max_tokens = [7, 33, 64, 100][n % 4]
+        ref = greedy_reference(target, ids, max_tokens, engine.tokenizer.eos_token_ids)
+        scripted(ids + ref + [0] * block, p_wrong=[0.0, 0.1, 0.3, 0.7][n % 4], seed=n)
+        c = engine.generate(ids, max_tokens=max_tokens)
+        assert c.token_ids == ref, f"prompt {n}: diverged at {_first_diff(c.token_ids, ref)}"
+        s = c.stats
+        assert s.generated_tokens == len(ref) + (c.finish_reason == "stop")
+        assert sum(s.acceptance_histogram) == s.cycles
+        hist = [a + b for a, b in zip(hist, s.acceptance_histogram)]
+    # Every acceptance length showed up at least somewhere across the prompts for small blocks.
+    assert sum(1 for h in hist[1:] if h) >= min(block, 4)
+
+
+def test_random_drafter_lossless_without_scripting(tiny_pair):
+    target, draft = tiny_pair
+    engine = load_engine(str(target), str(draft))
+    for prompt in PROMPTS[:4]:
+        ids = engine.encode(prompt)
+        c = engine.generate(ids, max_tokens=40)
+        assert c.token_ids == greedy_reference(target, ids, 40, engine.tokenizer.eos_token_ids)
+        assert c.stats.acceptance_drafted < 0.2  # a random drafter rarely guesses right
+
+
+def test_long_prompt_over_one_prefill_chunk(tiny_pair, scripted):
+    target, draft = tiny_pair
+    engine = load_engine(str(target), str(draft), prefill_chunk=256)
+    ids = [(i * 37) % 500 + 4 for i in range(1100)]
+    ref = greedy_reference(target, ids, 48, engine.tokenizer.eos_token_ids)
+    scripted(ids + ref + [0] * 16, p_wrong=0.2)
+    assert engine.generate(ids, max_tokens=48).token_ids == ref
+
+
+def _first_diff(a, b):
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
