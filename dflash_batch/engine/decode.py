@@ -116,12 +116,18 @@ def dflash_steps(
 def ar_steps(
     target: Target, prompt: List[int], max_tokens: int, choose: Chooser, prefill_chunk: int = 2048
 ) -> Iterator[Step]:
-    """Plain autoregressive decoding with the same interface (used when there is no drafter)."""
+    """Plain autoregressive decoding with the same interface (used when there is no drafter).
+
+    Step n+1 is queued on the device before step n's token is read back, as mlx-lm does.
+    """
     cache = target.make_cache()
     logits, _ = prefill(target, prompt, cache, prefill_chunk)
     token = choose(logits).astype(mx.int32)
-    yield Step(tokens=token.tolist()[0])
-    for _ in range(max_tokens - 1):
-        logits, _ = target(token, cache)
-        token = choose(logits[:, -1:, :]).astype(mx.int32)
-        yield Step(tokens=token.tolist()[0], verify=True)
+    mx.async_eval(token)
+    for n in range(max_tokens):
+        if n + 1 < max_tokens:
+            logits, _ = target(token, cache)
+            queued = choose(logits[:, -1:, :]).astype(mx.int32)
+            mx.async_eval(queued)
+        yield Step(tokens=token.tolist()[0], verify=n > 0)
+        token = queued
