@@ -102,7 +102,7 @@ def dflash_steps(
     while produced < max_tokens:
         L = min(B, max_tokens - produced)  # never verify more than the budget can commit
         drafted = draft_block(drafter, target, last, context, draft_cache)[:, : L - 1]
-        logits, hidden = target(mx.concatenate([last, drafted], axis=1), cache)
+        logits, hidden = target.verify(mx.concatenate([last, drafted], axis=1), cache)
         chosen = choose(logits)
         d, t = drafted.tolist()[0], chosen.tolist()[0]  # the cycle's one host sync
         a = accept_length(d, t)

@@ -220,3 +220,38 @@ def save_drafter(folder: Path, config: dict, seed: int = 1, scale: float = 1.0, 
 
 def zero_params(model: nn.Module) -> None:
     model.update(tree_map(lambda p: mx.zeros_like(p), model.parameters()))
+
+
+def tiny_qwen3_5_config(vocab_size: int = 512, layers: int = 4, hidden: int = 64, moe: bool = False) -> dict:
+    """A tiny mlx-lm ``qwen3_5`` (or ``qwen3_5_moe``) text config: 3 GatedDeltaNet layers, then
+    1 attention layer, repeated. Linear heads are 32 wide so the fused kernels accept them."""
+    cfg = {
+        "model_type": "qwen3_5_moe" if moe else "qwen3_5",
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "intermediate_size": hidden * 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "linear_num_value_heads": 4,
+        "linear_num_key_heads": 2,
+        "linear_key_head_dim": 32,
+        "linear_value_head_dim": 32,
+        "linear_conv_kernel_dim": 4,
+        "full_attention_interval": 4,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": vocab_size,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": True,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25},
+    }
+    if moe:
+        cfg.update(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=hidden,
+            shared_expert_intermediate_size=hidden,
+            decoder_sparse_step=1,
+            norm_topk_prob=True,
+        )
+    return cfg

@@ -14,6 +14,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
+from . import hybrid
+
 
 class _Tap(nn.Module):
     """Runs a decoder layer and stores its output (the pre-norm residual stream) in ``store``."""
@@ -59,6 +61,7 @@ class Target:
     def __init__(self, model: nn.Module, tap_ids: Sequence[int] = ()):
         self.model = model
         self._outer, self._inner = _inner_model(model)
+        self.hybrid = hybrid.attach(model) > 0  # qwen3_5 GatedDeltaNet layers: tape-replay rollback
         self.layers: list = self._inner.layers
         self.embed_tokens = self._inner.embed_tokens
         self._store: List[Optional[mx.array]] = []
@@ -95,7 +98,7 @@ class Target:
             self.layers[i] = _Tap(self.layers[i], self._store, slot)
 
     def make_cache(self) -> list:
-        return make_prompt_cache(self.model)
+        return hybrid.make_cache(self.model) if self.hybrid else make_prompt_cache(self.model)
 
     def check_rollback(self) -> None:
         """Refuse, before decoding starts, a target whose cache cannot be rolled back."""
@@ -116,6 +119,12 @@ class Target:
         if head is not None:
             return head(h)
         return self.embed_tokens.as_linear(h)
+
+    def verify(self, tokens: mx.array, cache: list) -> Tuple[mx.array, Optional[mx.array]]:
+        """A pass that ``rollback`` may cut short: recurrent layers record a tape for it."""
+        if self.hybrid:
+            hybrid.arm(cache)
+        return self(tokens, cache)
 
     def __call__(self, tokens: mx.array, cache: list) -> Tuple[mx.array, Optional[mx.array]]:
         """logits [B, L, V] and the tapped hidden states concatenated on the last axis."""

@@ -1,0 +1,156 @@
+"""Hybrid targets (mlx-lm ``qwen3_5`` / ``qwen3_5_moe``): GatedDeltaNet layers that roll back.
+
+A recurrent state cannot be trimmed like a KV cache. Instead, a verify pass records a tape, and
+rollback replays the accepted prefix of it from the state saved before the pass:
+
+    arm:      save (conv state, S_0) by reference (MLX arrays are immutable: no copy)
+    verify:   run the T rows; per step record delta_t = beta_t (v_t - g_t S_{t-1} k_t), k_t, g_t
+              and the conv input concat(conv state, qkv rows)
+    rollback: keep n rows: S_n = replay(delta_1..n, k_1..n, g_1..n from S_0)
+              conv state = conv input rows [n, n + K - 1)
+
+No projection is re-run and no state is copied. Only armed passes record; prefill and plain
+decoding run mlx-lm's own layer, except on CUDA where the recurrence always runs the fused
+kernel (mlx-lm runs it there as a Python loop over the tokens), without a tape when unarmed.
+
+``attach(model)`` changes the class of each qwen3_5 GatedDeltaNet instance to ``TapeGatedDeltaNet``
+(a subclass; the parameter tree and weights are untouched; nothing class-wide is patched).
+``make_cache(model)`` gives ``TapeCache`` (an ``ArraysCache``) for those layers.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models import qwen3_5
+from mlx_lm.models.cache import ArraysCache, make_prompt_cache
+from mlx_lm.models.gated_delta import compute_g, normalize_qk
+
+from .kernels import gated_delta
+
+
+class TapeCache(ArraysCache):
+    """``cache[0]`` conv state [B, K-1, conv_dim], ``cache[1]`` recurrent state [B, Hv, Dv, Dk],
+    plus the state before the armed pass and that pass's tape."""
+
+    def __init__(self):
+        super().__init__(size=2)
+        self.armed = False
+        self.before = None  # (conv state, recurrent state) when armed
+        self.tape = None  # (delta, k, g, conv input) of the armed pass
+
+    def arm(self) -> None:
+        self.armed = True
+        self.before = (self[0], self[1])
+        self.tape = None
+
+    def record(self, delta: mx.array, k: mx.array, g: mx.array, conv_input: mx.array) -> None:
+        self.tape = (delta, k, g, conv_input)
+
+    def disarm(self) -> None:
+        self.armed, self.before, self.tape = False, None, None
+
+    def is_trimmable(self) -> bool:
+        return True  # right after an armed pass, which is the only time rollback happens
+
+    def trim(self, n: int) -> int:
+        """Drop the last ``n`` rows of the armed pass: replay the kept ones from the saved state."""
+        if n == 0:
+            self.disarm()
+            return 0
+        if self.tape is None:
+            raise RuntimeError("this GatedDeltaNet cache recorded no tape: verify with Target.verify()")
+        delta, k, g, conv_input = self.tape
+        keep = delta.shape[1] - n
+        if keep < 0:
+            raise ValueError(f"cannot trim {n} rows from a pass of {delta.shape[1]}")
+        conv_before, state_before = self.before
+        width = conv_before.shape[1]
+        self[0] = mx.contiguous(conv_input[:, keep : keep + width, :])
+        self[1] = gated_delta.replay(delta[:, :keep], k[:, :keep], g[:, :keep], state_before)
+        self.disarm()
+        return n
+
+
+class TapeGatedDeltaNet(qwen3_5.GatedDeltaNet):
+    """mlx-lm's qwen3_5 GatedDeltaNet, recording a tape when its cache is armed."""
+
+    def __call__(self, inputs: mx.array, mask: Optional[mx.array] = None, cache=None) -> mx.array:
+        armed = isinstance(cache, TapeCache) and cache.armed
+        own = armed or gated_delta.backend() == "cuda"
+        batched = cache is not None and (cache.lengths is not None or cache.left_padding is not None)
+        if not own or mask is not None or batched or self.sharding_group is not None:
+            if armed:
+                raise RuntimeError("tape recording supports one unpadded, unsharded sequence")
+            return super().__call__(inputs, mask, cache)
+        B, S, _ = inputs.shape
+        qkv = self.in_proj_qkv(inputs)
+        z = self.in_proj_z(inputs).reshape(B, S, self.num_v_heads, self.head_v_dim)
+        b = self.in_proj_b(inputs)
+        a = self.in_proj_a(inputs)
+
+        width = self.conv_kernel_size - 1
+        conv_state = cache[0] if cache is not None and cache[0] is not None else None
+        if conv_state is None:
+            conv_state = mx.zeros((B, width, self.conv_dim), dtype=inputs.dtype)
+        conv_input = mx.concatenate([conv_state, qkv], axis=1)  # [B, K-1+S, conv_dim]
+        if cache is not None:
+            cache[0] = mx.contiguous(conv_input[:, -width:, :])
+        conv_out = nn.silu(self.conv1d(conv_input))
+        q, k, v = [
+            t.reshape(B, S, heads, dim)
+            for t, heads, dim in zip(
+                mx.split(conv_out, [self.key_dim, 2 * self.key_dim], -1),
+                [self.num_k_heads, self.num_k_heads, self.num_v_heads],
+                [self.head_k_dim, self.head_k_dim, self.head_v_dim],
+            )
+        ]
+        q, k = normalize_qk(q, k, inv_scale=self.head_k_dim**-0.5, eps=1e-6)
+        beta = mx.sigmoid(b)
+        g = compute_g(self.A_log, a, self.dt_bias)  # exp(-exp(A_log) softplus(a + dt_bias))
+
+        state = cache[1] if cache is not None else None
+        if state is None:
+            state = mx.zeros((B, self.num_v_heads, self.head_v_dim, self.head_k_dim), dtype=mx.float32)
+        y, state, delta = gated_delta.recurrence(q, k, v, g, beta, state, record=armed)
+        if cache is not None:
+            cache[1] = state
+            cache.advance(S)
+        if armed:
+            cache.record(delta, k, g, conv_input)
+        out = self.norm(y, z)
+        return self.out_proj(out.reshape(B, S, -1))
+
+
+def _gdn_layers(model: nn.Module) -> list:
+    layers = getattr(model, "layers", None) or []
+    return [getattr(layer, "linear_attn", None) for layer in layers if getattr(layer, "is_linear", False)]
+
+
+def attach(model: nn.Module) -> int:
+    """Give each qwen3_5 GatedDeltaNet of ``model`` the tape path. Returns how many there are."""
+    count = 0
+    for gdn in _gdn_layers(model):
+        if isinstance(gdn, qwen3_5.GatedDeltaNet):
+            gdn.__class__ = TapeGatedDeltaNet
+            count += 1
+    return count
+
+
+def make_cache(model: nn.Module) -> list:
+    """mlx-lm's cache for ``model`` with a ``TapeCache`` for every attached GatedDeltaNet layer."""
+    cache = make_prompt_cache(model)
+    layers = model.layers
+    for i, c in enumerate(cache):
+        if type(c) is ArraysCache and isinstance(getattr(layers[i], "linear_attn", None), TapeGatedDeltaNet):
+            cache[i] = TapeCache()
+    return cache
+
+
+def arm(cache: list) -> None:
+    """Make the next pass over ``cache`` record a tape in every GatedDeltaNet layer."""
+    for c in cache:
+        if isinstance(c, TapeCache):
+            c.arm()

@@ -1,0 +1,342 @@
+"""The GatedDeltaNet recurrence with an innovation tape, and the tape replay that rolls it back.
+
+Per step t, with state S [Dv, Dk] per value head (mlx-lm's layout [B, Hv, Dv, Dk]):
+
+    S'    = g_t * S_{t-1}                      decay
+    delta = beta_t * (v_t - S' k_t)            the innovation (fp32): what step t writes
+    S_t   = S' + delta k_t^T                   (S'[i, j] + delta[i] * k_t[j])
+    y_t   = S_t q_t
+
+and S_t is rounded to the state's storage dtype after every step, as token-by-token decoding
+stores it between calls. Given S_0 and the tape (delta_t, k_t, g_t), S_t is rebuilt without
+q, v or beta:  ``replay``:  S_t = g_t * S_{t-1} + delta_t k_t^T.
+
+Two functions, three implementations each, chosen by backend:
+
+- ``recurrence(q, k, v, g, beta, state, record)`` -> (y, state, tape or None)
+- ``replay(tape, k, g, state)`` -> state
+
+``reference``: pure MLX, one compiled step per token, the same operations in the same order as
+mlx-lm's own step (``_gated_delta_step_ops``) so that on CPU it is bit-identical to it; the test
+oracle. ``metal``: ``mx.fast.metal_kernel`` (one simdgroup per state row). ``cuda``:
+``mx.fast.cuda_kernel`` (one warp per state row). Kernels need Dk % 32 == 0 and Dv % 4 == 0,
+scalar gates and no mask; other shapes use the reference.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import mlx.core as mx
+
+IMPLEMENTATIONS = ("reference", "metal", "cuda")
+
+
+def backend() -> str:
+    """The implementation the current default device runs."""
+    if mx.default_device() != mx.gpu:
+        return "reference"
+    if mx.metal.is_available():
+        return "metal"
+    if mx.cuda.is_available():
+        return "cuda"
+    return "reference"
+
+
+def _pick(impl: Optional[str], k: mx.array, v: mx.array, g: mx.array) -> str:
+    impl = impl or backend()
+    if impl not in IMPLEMENTATIONS:
+        raise ValueError(f"unknown implementation {impl!r}; expected one of {IMPLEMENTATIONS}")
+    if impl != "reference" and (k.shape[-1] % 32 or v.shape[-1] % 4 or g.ndim != 3):
+        return "reference"
+    return impl
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference (pure MLX)
+
+
+@mx.compile
+def _reference_step(q, k, v, g, beta, state):
+    """One token. q, k: [B, Hv, Dk]; v: [B, Hv, Dv]; g, beta: [B, Hv]; state: [B, Hv, Dv, Dk]."""
+    state = state * g[..., None, None]  # S' = g S
+    kv_mem = (state * k[..., None, :]).sum(axis=-1)  # S' k
+    delta = (v - kv_mem) * beta[..., None]  # beta (v - S' k)
+    state = state + k[..., None, :] * delta[..., None]  # S' + delta k^T
+    y = (state * q[..., None, :]).sum(axis=-1)  # S q
+    return y.astype(q.dtype), state, delta
+
+
+@mx.compile
+def _reference_replay_step(k, g, delta, state):
+    state = state * g[..., None, None]
+    return state + k[..., None, :] * delta[..., None]
+
+
+def _round_to(state: mx.array, dtype: mx.Dtype) -> mx.array:
+    return state if state.dtype == dtype else state.astype(dtype)
+
+
+def _repeat_heads(x: mx.array, hv: int) -> mx.array:
+    """[B, T, Hk, D] -> [B, T, Hv, D]: value head h reads key head h // (Hv / Hk)."""
+    factor = hv // x.shape[2]
+    return mx.repeat(x, factor, axis=2) if factor > 1 else x
+
+
+def _reference_recurrence(q, k, v, g, beta, state, record):
+    store = state.dtype
+    q, k = _repeat_heads(q, v.shape[2]), _repeat_heads(k, v.shape[2])
+    ys, deltas = [], []
+    for t in range(q.shape[1]):
+        y, new, delta = _reference_step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state)
+        state = _round_to(new, store)
+        ys.append(y)
+        deltas.append(delta)
+    tape = mx.stack(deltas, axis=1).astype(mx.float32) if record else None
+    return mx.stack(ys, axis=1), state, tape
+
+
+def _reference_replay(tape, k, g, state):
+    store = state.dtype
+    k = _repeat_heads(k, tape.shape[2])
+    for t in range(tape.shape[1]):
+        state = _round_to(_reference_replay_step(k[:, t], g[:, t], tape[:, t], state), store)
+    return state
+
+
+# ---------------------------------------------------------------------------------------------
+# Metal: grid (32, Dv, B*Hv), threadgroup (32, 4, 1). One simdgroup per state row (b, hv, dv);
+# lane l owns columns [l * Dk/32, (l+1) * Dk/32).
+
+_METAL_RECURRENCE = """
+    const int n = thread_position_in_grid.z;
+    const int b = n / Hv;
+    const int hv = n % Hv;
+    const int hk = hv / (Hv / Hk);
+    const int lane = thread_position_in_threadgroup.x;
+    const int dv = thread_position_in_grid.y;
+    constexpr int per_lane = Dk / 32;
+    const int steps = T;
+
+    const int64_t row = (int64_t(n) * Dv + dv) * Dk + lane * per_lane;
+    float s[per_lane];
+    for (int i = 0; i < per_lane; ++i) {
+      s[i] = static_cast<float>(state_in[row + i]);
+    }
+    for (int t = 0; t < steps; ++t) {
+      const int64_t kq = (int64_t(b * steps + t) * Hk + hk) * Dk + lane * per_lane;
+      const int64_t vh = int64_t(b * steps + t) * Hv + hv;
+      const float gt = static_cast<float>(g[vh]);
+      float kv = 0.0f;
+      for (int i = 0; i < per_lane; ++i) {
+        s[i] = s[i] * gt;
+        kv += s[i] * static_cast<float>(k[kq + i]);
+      }
+      kv = simd_sum(kv);
+      const float delta = (static_cast<float>(v[vh * Dv + dv]) - kv) * static_cast<float>(beta[vh]);
+      float out = 0.0f;
+      for (int i = 0; i < per_lane; ++i) {
+        s[i] = fma(static_cast<float>(k[kq + i]), delta, s[i]);
+        out += s[i] * static_cast<float>(q[kq + i]);
+        s[i] = static_cast<float>(static_cast<StT>(s[i]));
+      }
+      out = simd_sum(out);
+      if (lane == 0) {
+        y[vh * Dv + dv] = static_cast<InT>(out);
+        if (Record) {
+          tape[vh * Dv + dv] = delta;
+        }
+      }
+    }
+    for (int i = 0; i < per_lane; ++i) {
+      state_out[row + i] = static_cast<StT>(s[i]);
+    }
+"""
+
+# grid (Dk, Dv, B*Hv), threadgroup (32, 4, 1): one thread per state element.
+_METAL_REPLAY = """
+    const int c = thread_position_in_grid.x;
+    const int dv = thread_position_in_grid.y;
+    const int n = thread_position_in_grid.z;
+    const int b = n / Hv;
+    const int hv = n % Hv;
+    const int hk = hv / (Hv / Hk);
+    const int steps = T;
+    const int64_t at = (int64_t(n) * Dv + dv) * Dk + c;
+    float s = static_cast<float>(state_in[at]);
+    for (int t = 0; t < steps; ++t) {
+      const int64_t vh = int64_t(b * steps + t) * Hv + hv;
+      s = s * static_cast<float>(g[vh]);
+      s = fma(static_cast<float>(k[(int64_t(b * steps + t) * Hk + hk) * Dk + c]), tape[vh * Dv + dv], s);
+      s = static_cast<float>(static_cast<StT>(s));
+    }
+    state_out[at] = static_cast<StT>(s);
+"""
+
+# ---------------------------------------------------------------------------------------------
+# CUDA: grid (32, Dv, B*Hv), block (32, 4, 1). One warp per state row (b, hv, dv); lane l owns
+# columns l, l + 32, ... (coalesced loads). Same operation order as the Metal kernel.
+
+_CUDA_RECURRENCE = """
+    const int n = blockIdx.z;
+    const int b = n / Hv;
+    const int hv = n % Hv;
+    const int hk = hv / (Hv / Hk);
+    const int lane = threadIdx.x;
+    const int dv = blockIdx.y * blockDim.y + threadIdx.y;
+    constexpr int per_lane = Dk / 32;
+    const int steps = k_shape[1];
+
+    const int64_t row = ((int64_t)n * Dv + dv) * Dk + lane;
+    float s[per_lane];
+    #pragma unroll
+    for (int i = 0; i < per_lane; ++i) {
+      s[i] = static_cast<float>(state_in[row + 32 * i]);
+    }
+    for (int t = 0; t < steps; ++t) {
+      const int64_t kq = ((int64_t)(b * steps + t) * Hk + hk) * Dk + lane;
+      const int64_t vh = (int64_t)(b * steps + t) * Hv + hv;
+      const float gt = static_cast<float>(g[vh]);
+      float kc[per_lane];
+      float kv = 0.0f;
+      #pragma unroll
+      for (int i = 0; i < per_lane; ++i) {
+        kc[i] = static_cast<float>(k[kq + 32 * i]);
+        s[i] = s[i] * gt;
+        kv += s[i] * kc[i];
+      }
+      #pragma unroll
+      for (int m = 16; m > 0; m >>= 1) {
+        kv += __shfl_xor_sync(0xffffffffu, kv, m);
+      }
+      const float delta = (static_cast<float>(v[vh * Dv + dv]) - kv) * static_cast<float>(beta[vh]);
+      float out = 0.0f;
+      #pragma unroll
+      for (int i = 0; i < per_lane; ++i) {
+        s[i] = fmaf(kc[i], delta, s[i]);
+        out += s[i] * static_cast<float>(q[kq + 32 * i]);
+        s[i] = static_cast<float>(static_cast<StT>(s[i]));
+      }
+      #pragma unroll
+      for (int m = 16; m > 0; m >>= 1) {
+        out += __shfl_xor_sync(0xffffffffu, out, m);
+      }
+      if (lane == 0) {
+        y[vh * Dv + dv] = static_cast<InT>(out);
+        if (Record) {
+          tape[vh * Dv + dv] = delta;
+        }
+      }
+    }
+    #pragma unroll
+    for (int i = 0; i < per_lane; ++i) {
+      state_out[row + 32 * i] = static_cast<StT>(s[i]);
+    }
+"""
+
+# grid (Dk, Dv, B*Hv), block (32, 4, 1): one thread per state element.
+_CUDA_REPLAY = """
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    const int dv = blockIdx.y * blockDim.y + threadIdx.y;
+    const int n = blockIdx.z;
+    const int b = n / Hv;
+    const int hv = n % Hv;
+    const int hk = hv / (Hv / Hk);
+    const int steps = k_shape[1];
+    const int64_t at = ((int64_t)n * Dv + dv) * Dk + c;
+    float s = static_cast<float>(state_in[at]);
+    for (int t = 0; t < steps; ++t) {
+      const int64_t vh = (int64_t)(b * steps + t) * Hv + hv;
+      s = s * static_cast<float>(g[vh]);
+      s = fmaf(static_cast<float>(k[((int64_t)(b * steps + t) * Hk + hk) * Dk + c]), tape[vh * Dv + dv], s);
+      s = static_cast<float>(static_cast<StT>(s));
+    }
+    state_out[at] = static_cast<StT>(s);
+"""
+
+_built = {}
+
+
+def _kernel(impl: str, which: str):
+    """Build (once) the Metal or CUDA kernel ``which`` in ("recurrence", "replay")."""
+    key = (impl, which)
+    if key not in _built:
+        recurrence = which == "recurrence"
+        if impl == "metal":
+            make, source = mx.fast.metal_kernel, _METAL_RECURRENCE if recurrence else _METAL_REPLAY
+            inputs = ["q", "k", "v", "g", "beta", "state_in", "T"] if recurrence else ["tape", "k", "g", "state_in", "T"]
+        else:
+            make, source = mx.fast.cuda_kernel, _CUDA_RECURRENCE if recurrence else _CUDA_REPLAY
+            inputs = ["q", "k", "v", "g", "beta", "state_in"] if recurrence else ["tape", "k", "g", "state_in"]
+        outputs = ["y", "state_out", "tape"] if recurrence else ["state_out"]
+        _built[key] = make(name=f"dflash_gated_delta_{which}", input_names=inputs, output_names=outputs, source=source)
+    return _built[key]
+
+
+def _kernel_recurrence(impl, q, k, v, g, beta, state, record):
+    B, T, Hk, Dk = k.shape
+    Hv, Dv = v.shape[2:]
+    inputs = [q, k, v, g, beta, state] + ([T] if impl == "metal" else [])
+    y, state_out, tape = _kernel(impl, "recurrence")(
+        inputs=inputs,
+        template=[("InT", q.dtype), ("StT", state.dtype), ("Dk", Dk), ("Dv", Dv), ("Hk", Hk), ("Hv", Hv), ("Record", record)],
+        grid=(32, Dv, B * Hv),
+        threadgroup=(32, 4, 1),
+        output_shapes=[(B, T, Hv, Dv), state.shape, (B, T, Hv, Dv) if record else (1,)],
+        output_dtypes=[q.dtype, state.dtype, mx.float32],
+    )
+    return y, state_out, (tape if record else None)
+
+
+def _kernel_replay(impl, tape, k, g, state):
+    B, T, Hk, Dk = k.shape
+    Hv, Dv = tape.shape[2:]
+    inputs = [tape, k, g, state] + ([T] if impl == "metal" else [])
+    (state_out,) = _kernel(impl, "replay")(
+        inputs=inputs,
+        template=[("StT", state.dtype), ("Dk", Dk), ("Dv", Dv), ("Hk", Hk), ("Hv", Hv)],
+        grid=(Dk, Dv, B * Hv),
+        threadgroup=(32, 4, 1),
+        output_shapes=[state.shape],
+        output_dtypes=[state.dtype],
+    )
+    return state_out
+
+
+# ---------------------------------------------------------------------------------------------
+# The interface
+
+
+def recurrence(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    g: mx.array,
+    beta: mx.array,
+    state: mx.array,
+    record: bool = True,
+    impl: Optional[str] = None,
+) -> Tuple[mx.array, mx.array, Optional[mx.array]]:
+    """Run T steps of the gated delta rule from ``state``.
+
+    q, k: [B, T, Hk, Dk] (q pre-scaled, as mlx-lm's ``normalize_qk`` leaves it); v: [B, T, Hv, Dv];
+    g, beta: [B, T, Hv]; state: [B, Hv, Dv, Dk]. Returns y [B, T, Hv, Dv] in q's dtype, the
+    final state in state's dtype and, with ``record``, the tape delta [B, T, Hv, Dv] in fp32.
+    """
+    impl = _pick(impl, k, v, g)
+    if impl == "reference":
+        return _reference_recurrence(q, k, v, g, beta, state, record)
+    return _kernel_recurrence(impl, q, k, v, g, beta, state, record)
+
+
+def replay(tape: mx.array, k: mx.array, g: mx.array, state: mx.array, impl: Optional[str] = None) -> mx.array:
+    """Rebuild the state after the taped steps: S_t = g_t * S_{t-1} + delta_t k_t^T, from ``state``.
+
+    tape: [B, n, Hv, Dv] fp32; k: [B, n, Hk, Dk]; g: [B, n, Hv]; n may be 0.
+    """
+    if tape.shape[1] == 0:
+        return state
+    impl = _pick(impl, k, tape, g)
+    if impl == "reference":
+        return _reference_replay(tape, k, g, state)
+    return _kernel_replay(impl, tape, k, g, state)
