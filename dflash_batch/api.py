@@ -1,0 +1,203 @@
+"""Python API of the batch runner, for other apps.
+
+    import dflash_batch
+    job = dflash_batch.submit("prompts.jsonl", max_tokens=128)   # queued; a worker runs it
+    job.wait(timeout=600)
+    df = job.to_pandas()
+
+    job = dflash_batch.run("jobs/dataset.yaml", engine=my_engine)  # in this process, no queue
+
+Keyword overrides use the flat spec names (``target``, ``draft``, ``max_tokens``, ``temperature``,
+``seed``, ``stop``, ``system_prompt``, ``output_dir``, ``chunk_size``...; see ``JobSpec``).
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Union
+
+from .runner.execution import run_chunk
+from .runner.jobs import JobRecord, create_job, home_dir, load_job
+from .runner.lock import DirLock
+from .runner.spec import JobSpec, SpecError, load_spec, validate
+
+Source = Union[str, Path, Dict[str, Any]]
+FINAL_STATES = ("completed", "cancelled", "failed")
+
+
+def load_model(**model):
+    """The default engine factory: ``dflash_batch.engine.load_engine`` (MLX is imported here,
+    lazily, and only by whoever calls it)."""
+    from .engine import load_engine
+
+    return load_engine(**model)
+
+
+class Job:
+    """A submitted or finished job: its id, live status and results."""
+
+    def __init__(self, job_id: str, home: Optional[Union[str, Path]] = None):
+        self.home = Path(home) if home else home_dir()
+        self.record: JobRecord = load_job(self.home, job_id)
+        self.id = self.record.id
+
+    def __repr__(self) -> str:
+        return f"Job({self.id!r})"
+
+    @property
+    def output_dir(self) -> Path:
+        return self.record.output_dir
+
+    def status(self) -> Dict[str, Any]:
+        """``{"state", "total", "done", "ok", "failed", "mean_decode_tps", ...}``."""
+        return self.record.status()
+
+    def wait(self, timeout: Optional[float] = None, poll: float = 0.5) -> Dict[str, Any]:
+        """Block until the job is completed, cancelled or failed; ``TimeoutError`` after ``timeout`` s."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            status = self.status()
+            if status["state"] in FINAL_STATES:
+                return status
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"job {self.id} still {status['state']} after {timeout}s ({status['done']}/{status['total']} done)")
+            time.sleep(poll)
+
+    def to_arrow(self):
+        """This job's rows (one per input id, in no particular order) as a pyarrow Table."""
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        table = self.record.store().read()
+        return table.filter(pc.is_in(table.column("id"), value_set=pa.array(self.record.ids(), pa.string())))
+
+    def to_pandas(self):
+        return self.to_arrow().to_pandas()
+
+    def cancel(self) -> None:
+        cancel(self.id, home=self.home)
+
+
+def _spec(source: Union[Source, JobSpec], overrides: Dict[str, Any]) -> JobSpec:
+    if isinstance(source, JobSpec):
+        spec = JobSpec.from_dict(dict(source.to_dict(), **{k: v for k, v in overrides.items() if v is not None}))
+        validate(spec)
+        return spec
+    return load_spec(source, **overrides)
+
+
+def submit(input: Source, *, home: Optional[Union[str, Path]] = None, **overrides) -> Job:
+    """Create a job from a YAML spec, a JSONL/Parquet file or a spec dict, and queue its chunks
+    for a worker (``dflash-batch worker``). Raises ``InputError``/``SpecError`` for bad input."""
+    from .runner.tasks import Queue
+
+    home = Path(home) if home else home_dir()
+    record = create_job(_spec(input, overrides), home)
+    Queue(home).enqueue_job(record)
+    return Job(record.id, home)
+
+
+def run(
+    input: Source,
+    *,
+    engine: Any = None,
+    engine_factory: Optional[Callable[..., Any]] = None,
+    home: Optional[Union[str, Path]] = None,
+    progress: bool = False,
+    **overrides,
+) -> Job:
+    """Run a job to the end in this process, without the queue. ``engine``: an engine object to
+    use as it is; else ``engine_factory(**spec.model)`` (default: ``load_model``). A rerun with
+    the same output dir skips the items already done. Raises ``lock.Locked`` when another process
+    is working on the output dir."""
+    from .runner.tasks import Engines
+
+    home = Path(home) if home else home_dir()
+    record = create_job(_spec(input, overrides), home)
+    engines = (lambda spec: engine) if engine is not None else Engines(engine_factory or load_model)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        status = record.status()
+        bar = tqdm(total=record.total, initial=status["done"], unit="item", desc=record.id, dynamic_ncols=True)
+    try:
+        for chunk in record.pending_chunks():
+            run_chunk(record, chunk, engines, on_row=(lambda row: bar.update(1)) if bar else None)
+    finally:
+        if bar is not None:
+            bar.close()
+    return Job(record.id, home)
+
+
+def cancel(job_id: str, *, home: Optional[Union[str, Path]] = None) -> Job:
+    """Stop a job: queued chunks are dropped when they come up, a running chunk stops between
+    items (its finished items stay)."""
+    job = Job(job_id, home)
+    job.record.mark_cancelled()
+    return job
+
+
+def retry(job_id: str, *, failed_only: bool = False, home: Optional[Union[str, Path]] = None) -> Dict[str, int]:
+    """Queue a job again. Error rows are removed and generated anew; without ``failed_only``
+    the items never finished (cancelled, failed job) run too. Raises ``lock.Locked`` while a
+    worker is on the job."""
+    from .runner.tasks import Queue
+
+    job = Job(job_id, home)
+    record = job.record
+    store = record.store()
+    ids = record.ids()
+    size = record.spec.chunk_size
+    with DirLock(record.output_dir):
+        store.ensure()
+        store.recover()
+        rows = store.read(["id", "status"]).to_pylist()
+        wanted = set(ids)
+        failed = {r["id"] for r in rows if r["status"] != "ok" and r["id"] in wanted}
+        ok = {r["id"] for r in rows if r["status"] == "ok"}
+        store.drop_ids(failed)
+        redo = failed if failed_only else {i for i in ids if i not in ok}
+        chunks = sorted({n // size for n, i in enumerate(ids) if i in redo})
+        record.reopen(chunks, retry_ids=sorted(failed) if failed_only else None)
+    queued = Queue(job.home).enqueue_job(record, chunks) if chunks else 0
+    return {"failed_dropped": len(failed), "items": len(redo), "chunks": queued}
+
+
+def add_schedule(spec_file: Union[str, Path], *, home: Optional[Union[str, Path]] = None) -> Path:
+    """Register a YAML job with a ``schedule`` for every worker on this home (copied, with its
+    paths made absolute, to ``$DFLASH_BATCH_HOME/schedules/<name>.yaml``; workers read it at start)."""
+    import yaml
+
+    spec = load_spec(spec_file)
+    if not spec.schedule:
+        raise SpecError(f"{spec_file}: no 'schedule' key; use submit to run it once")
+    home = Path(home) if home else home_dir()
+    name = spec.name or Path(spec_file).stem
+    target = home / "schedules" / f"{name}.yaml"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    layout = spec_layout(spec)
+    tmp = target.with_suffix(".yaml.tmp")
+    tmp.write_text(f"# registered from {Path(spec_file).resolve()}\n" + yaml.safe_dump(layout, sort_keys=False))
+    shutil.move(str(tmp), target)
+    return target
+
+
+def spec_layout(spec: JobSpec) -> Dict[str, Any]:
+    """A spec in the YAML layout (model and sampling sections), paths absolute."""
+    from .runner.spec import MODEL_KEYS, SAMPLING_KEYS
+
+    flat = spec.to_dict()
+    out: Dict[str, Any] = {k: v for k, v in flat.items() if k not in MODEL_KEYS + SAMPLING_KEYS}
+    out["model"] = {k: flat[k] for k in MODEL_KEYS}
+    out["sampling"] = {k: flat[k] for k in SAMPLING_KEYS}
+    return out
+
+
+def jobs(home: Optional[Union[str, Path]] = None) -> List[Job]:
+    from .runner.jobs import list_jobs
+
+    home = Path(home) if home else home_dir()
+    return [Job(r.id, home) for r in list_jobs(home)]

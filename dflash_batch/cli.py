@@ -1,0 +1,354 @@
+"""``dflash-batch``: run batches of prompts through DFlash speculative decoding.
+
+Exit codes: 0 success, 1 runtime failure, 2 bad usage/spec/input, 3 output dir busy
+(another process holds its lock), 4 no such job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+EXAMPLES = """\
+examples:
+  dflash-batch run examples/prompts.jsonl --target ./my-model --max-tokens 64
+  dflash-batch submit jobs/dataset.yaml          # prints the job id
+  dflash-batch worker                            # in another terminal: runs queued jobs
+  dflash-batch status JOB_ID
+  dflash-batch results JOB_ID --format openai --out batch_output.jsonl
+
+Results are Parquet part files in the job's output dir: pandas.read_parquet(output_dir).
+Queue, job records and default output dirs live in $DFLASH_BATCH_HOME (see --home).
+"""
+
+
+def _overrides(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("job settings (override the YAML spec)")
+    g.add_argument("--name", help="job name (default: input file name + path hash)")
+    g.add_argument("-o", "--output-dir", help="folder for the Parquet parts (may use {name} {date} {time})")
+    g.add_argument("--input-format", choices=["auto", "jsonl", "openai", "parquet"], help="default: from the suffix")
+    g.add_argument("--id-field", help="column/key holding the row id (default: id, then custom_id)")
+    g.add_argument("--prompt-field", help="column/key holding the prompt text (default: prompt)")
+    g.add_argument("--messages-field", help="column/key holding chat messages (default: messages)")
+    g.add_argument("--prompt-template", help="build prompts from row fields, e.g. 'Summarize:\\n\\n$text'")
+    g.add_argument("--system", dest="system_prompt", help="system prompt for every row without its own")
+    g.add_argument("--no-chat-template", dest="chat_template", action="store_const", const=False,
+                   help="feed prompt text to the model as it is")  # fmt: skip
+    g.add_argument("--target", "--model", dest="target", help="target model: folder, hub repo id or .gguf")
+    g.add_argument("--target-revision", help="hub revision (branch, tag, commit) of the target")
+    g.add_argument("--draft", help="DFlash drafter: folder, hub repo id, or 'auto' (registered one)")
+    g.add_argument("--no-draft", dest="draft", action="store_const", const="none", help="plain autoregressive decoding")
+    g.add_argument("--draft-revision", help="hub revision of the drafter")
+    g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--block-size", type=int, help="verify at most this many tokens per cycle")
+    g.add_argument("--max-tokens", type=int, help="completion tokens per row (default 256)")
+    g.add_argument("--temperature", type=float, help="0 = greedy (default)")
+    g.add_argument("--seed", type=int)
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--chunk-size", type=int, help="rows per queue task (default 64)")
+    g.add_argument("--retries", type=int, help="task retries after a job-level failure")
+    g.add_argument("--export-openai", action="store_const", const=True,
+                   help="also write _openai_output.jsonl when the job completes")  # fmt: skip
+    g.add_argument("--force", action="store_const", const=True,
+                   help="write into an output dir made with another model/sampling config")  # fmt: skip
+
+
+OVERRIDE_KEYS = (
+    "name", "output_dir", "input_format", "id_field", "prompt_field", "messages_field", "prompt_template",
+    "system_prompt", "chat_template", "target", "target_revision", "draft", "draft_revision", "dtype",
+    "block_size", "max_tokens", "temperature", "seed", "stop", "chunk_size", "retries", "export_openai", "force",
+)  # fmt: skip
+
+
+def _override_values(args) -> Dict[str, Any]:
+    values = {k: getattr(args, k, None) for k in OVERRIDE_KEYS}
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dflash-batch",
+        description="Run large batches of prompts through an MLX model with DFlash speculative decoding.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--home", help="state folder (default: $DFLASH_BATCH_HOME or the user data dir)")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("submit", help="queue a job for a worker; prints the job id",
+                       description="Queue FILE (JSONL/Parquet) or JOB.yaml for `dflash-batch worker`. "
+                       "A YAML job with a `schedule` is registered for the workers' cron instead "
+                       "(use --now to also run it once now).")  # fmt: skip
+    p.add_argument("source", metavar="FILE|JOB.yaml")
+    p.add_argument("--now", action="store_true", help="for a scheduled YAML job: also queue it now")
+    p.add_argument("--json", action="store_true", help="print the job as JSON")
+    _overrides(p)
+
+    p = sub.add_parser("run", help="run a job here in the foreground (no queue), with a progress bar",
+                       description="Run FILE or JOB.yaml to the end in this process. Rerunning resumes: "
+                       "rows already in the output dir are skipped.")  # fmt: skip
+    p.add_argument("source", metavar="FILE|JOB.yaml")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--json", action="store_true", help="print the final status as JSON")
+    _overrides(p)
+
+    p = sub.add_parser("worker", help="run the queue consumer (one resident engine)",
+                       description="Process queued jobs one item at a time with one engine kept in memory. "
+                       "SIGINT/SIGTERM stop gracefully: the current item finishes and its chunk is "
+                       "checkpointed and requeued.")  # fmt: skip
+    p.add_argument("--target", "--model", dest="target", help="load this target at start (else on the first job)")
+    p.add_argument("--draft", default="auto", help="drafter for --target (default: auto)")
+    p.add_argument("--target-revision")
+    p.add_argument("--draft-revision")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--block-size", type=int)
+    p.add_argument("--preload-default", action="store_true", help="load the embedded default pair at start")
+    p.add_argument("--schedules", action="append", default=[], metavar="PATH",
+                   help="YAML job file or folder whose `schedule` to run (repeatable; "
+                   "$DFLASH_BATCH_HOME/schedules is always read)")  # fmt: skip
+    p.add_argument("--no-periodic", action="store_true", help="do not run cron schedules (other workers do)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to finish the current item on stop")
+
+    p = sub.add_parser("status", help="counts, mean tok/s and acceptance of one job or all")
+    p.add_argument("job", nargs="?", metavar="JOB")
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("cancel", help="stop a job between items")
+    p.add_argument("job", metavar="JOB")
+
+    p = sub.add_parser("retry", help="queue a job again (error rows and unfinished items)")
+    p.add_argument("job", metavar="JOB")
+    p.add_argument("--failed-only", action="store_true", help="only the error rows, not unfinished items")
+
+    p = sub.add_parser("results", help="export a job's rows (Parquet folder, JSON lines, OpenAI batch output)")
+    p.add_argument("job", metavar="JOB")
+    p.add_argument("--format", choices=["parquet", "jsonl", "openai"], default="parquet")
+    p.add_argument("--out", help="file to write (default: parquet prints the output dir, others go to stdout)")
+
+    sub.add_parser("train-drafter", help="train a DFlash drafter (see `dflash-batch train-drafter --help`)", add_help=False)
+    return parser
+
+
+class CliError(Exception):
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "train-drafter":
+        return _train_drafter(argv[1:])
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    if args.home:
+        os.environ["DFLASH_BATCH_HOME"] = str(Path(args.home).expanduser().resolve())
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s [%(threadName)s] %(name)s: %(message)s",
+    )
+    from .runner.items import InputError
+    from .runner.jobs import JobNotFound
+    from .runner.lock import Locked
+    from .runner.spec import SpecError
+
+    try:
+        return COMMANDS[args.command](args)
+    except (InputError, SpecError) as e:
+        return _fail(str(e), 2)
+    except Locked as e:
+        return _fail(f"{e}; wait for it, or cancel that job", 3)
+    except JobNotFound as e:
+        return _fail(str(e), 4)
+    except CliError as e:
+        return _fail(str(e), e.code)
+    except KeyboardInterrupt:
+        return _fail("interrupted (finished items are saved; rerun to resume)", 130)
+
+
+def _fail(message: str, code: int) -> int:
+    print(f"dflash-batch: error: {message}", file=sys.stderr)
+    return code
+
+
+def _print_json(data) -> None:
+    import orjson
+
+    sys.stdout.write(orjson.dumps(data, option=orjson.OPT_INDENT_2, default=str).decode() + "\n")
+
+
+def _load(args):
+    from .runner.spec import load_spec
+
+    return load_spec(args.source, **_override_values(args))
+
+
+# -- commands --------------------------------------------------------------------------------
+def cmd_submit(args) -> int:
+    from . import api
+    from .runner.jobs import create_job, home_dir
+    from .runner.tasks import Queue
+
+    spec = _load(args)
+    home = home_dir()
+    if spec.schedule:
+        path = api.add_schedule(args.source, home=home)
+        print(f"scheduled {spec.name or Path(args.source).stem!r} at {spec.schedule!r} (UTC): {path}")
+        print("workers read schedules at start: restart running workers to pick it up")
+        if not args.now:
+            return 0
+    record = create_job(spec, home)
+    Queue(home).enqueue_job(record)
+    if args.json:
+        _print_json(record.status())
+    else:
+        print(record.id)
+        print(f"{record.total} rows in {record.chunks} chunk(s) queued; output: {record.output_dir}", file=sys.stderr)
+    return 0
+
+
+def cmd_run(args) -> int:
+    from . import api
+
+    job = api.run(_load(args), progress=not args.no_progress)
+    status = job.status()
+    if args.json:
+        _print_json(status)
+    else:
+        print(_status_line(status))
+        print(f"results: {status['output_dir']}")
+    return 0 if status["state"] == "completed" else 1
+
+
+def cmd_worker(args) -> int:
+    from .api import load_model
+    from .runner.jobs import home_dir
+    from .runner.tasks import run_worker
+
+    preload = None
+    if args.target or args.preload_default:
+        draft = None if args.draft in ("none", "") else args.draft
+        preload = {
+            "target": args.target,
+            "target_revision": args.target_revision,
+            "draft": draft,
+            "draft_revision": args.draft_revision,
+            "dtype": args.dtype,
+            "block_size": args.block_size,
+            "max_context": None,
+        }
+    run_worker(
+        home_dir(),
+        load_model,
+        preload=preload,
+        schedules=[Path(p) for p in args.schedules],
+        periodic=not args.no_periodic,
+        shutdown_timeout=args.shutdown_timeout,
+    )
+    return 0
+
+
+def _fmt(value, spec=".1f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _status_line(s: Dict[str, Any]) -> str:
+    return (
+        f"{s['id']}  {s['state']:<11} {s['done']}/{s['total']} done ({s['ok']} ok, {s['failed']} failed)  "
+        f"decode {_fmt(s['mean_decode_tps'])} tok/s  acceptance {_fmt(s['mean_acceptance_drafted'], '.2f')} "
+        f"(of drafted) {_fmt(s['mean_acceptance_generated'], '.2f')} (of generated)  "
+        f"tau {_fmt(s['mean_tokens_per_cycle'], '.2f')}"
+        + (f"\n  error: {s['error']}" if s.get("error") else "")
+    )
+
+
+def cmd_status(args) -> int:
+    from .runner.jobs import home_dir, list_jobs, load_job
+
+    home = home_dir()
+    records = [load_job(home, args.job)] if args.job else list_jobs(home)
+    statuses = [r.status() for r in records]
+    if args.json:
+        _print_json(statuses[0] if args.job else statuses)
+    elif not statuses:
+        print(f"no jobs in {home}")
+    else:
+        for s in statuses:
+            print(_status_line(s))
+    return 0
+
+
+def cmd_cancel(args) -> int:
+    from . import api
+
+    job = api.cancel(args.job)
+    print(f"cancelled {job.id}: queued chunks are dropped, a running one stops after its current item")
+    return 0
+
+
+def cmd_retry(args) -> int:
+    from . import api
+
+    counts = api.retry(args.job, failed_only=args.failed_only)
+    print(f"queued {counts['items']} item(s) in {counts['chunks']} chunk(s) ({counts['failed_dropped']} error rows dropped)")
+    return 0
+
+
+def cmd_results(args) -> int:
+    from .api import Job
+    from .runner.export import write_lines
+
+    job = Job(args.job)
+    if args.format == "parquet":
+        if not args.out:
+            print(job.output_dir)
+            return 0
+        import pyarrow.parquet as pq
+
+        pq.write_table(job.to_arrow(), args.out)
+        print(args.out)
+        return 0
+    table = job.to_arrow()
+    if args.out:
+        with open(args.out, "wb") as f:
+            n = write_lines(table, f, args.format, model=job.record.spec.target)
+        print(f"{n} lines -> {args.out}", file=sys.stderr)
+    else:
+        write_lines(table, sys.stdout.buffer, args.format, model=job.record.spec.target)
+    return 0
+
+
+def _train_drafter(argv: List[str]) -> int:
+    try:
+        from .training.cli import main as train_main
+    except ImportError as e:
+        missing = getattr(e, "name", "") or ""
+        if missing.startswith("dflash_batch.training"):
+            print("dflash-batch: error: drafter training is not available in this install "
+                  f"(module {missing} is missing)", file=sys.stderr)  # fmt: skip
+            return 2
+        raise
+    return train_main(argv) or 0
+
+
+COMMANDS = {
+    "submit": cmd_submit,
+    "run": cmd_run,
+    "worker": cmd_worker,
+    "status": cmd_status,
+    "cancel": cmd_cancel,
+    "retry": cmd_retry,
+    "results": cmd_results,
+}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

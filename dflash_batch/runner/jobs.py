@@ -1,0 +1,244 @@
+"""Job records under ``$DFLASH_BATCH_HOME/jobs/<job id>/``, and what ``status`` reports.
+
+A record is a few small files, each written atomically: ``job.json`` (the resolved spec, output
+dir, config hash, total rows, chunk count), ``ids.json`` (the input's ids in order), marker files
+``cancelled``, ``failed.json``, ``chunk-00003.done`` and, during ``retry --failed-only``,
+``retry_ids.json``. Progress itself lives in the output dir (store.py), never here.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Set
+
+import orjson
+
+from .items import read_items
+from .lock import is_locked
+from .spec import JobSpec, SpecError, default_name
+from .store import ResultStore, write_atomic
+
+
+class JobNotFound(LookupError):
+    pass
+
+
+def home_dir() -> Path:
+    """``$DFLASH_BATCH_HOME``, else the user's data dir (XDG on Linux, Application Support on macOS)."""
+    env = os.environ.get("DFLASH_BATCH_HOME")
+    if env:
+        return Path(env).expanduser().resolve()
+    if sys.platform == "darwin":
+        return Path.home() / "Library" / "Application Support" / "dflash-batch"
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(base).expanduser().resolve() / "dflash-batch"
+
+
+def new_job_id(name: str) -> str:
+    slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-.")[:40] or "job"
+    return f"{slug}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{secrets.token_hex(2)}"
+
+
+class JobRecord:
+    def __init__(self, home: Path, job_id: str):
+        self.home = Path(home)
+        self.id = job_id
+        self.dir = self.home / "jobs" / job_id
+        self._data: Optional[Dict[str, Any]] = None
+
+    # -- stored fields --------------------------------------------------------------------
+    @property
+    def data(self) -> Dict[str, Any]:
+        if self._data is None:
+            try:
+                self._data = orjson.loads((self.dir / "job.json").read_bytes())
+            except FileNotFoundError:
+                raise JobNotFound(f"no job {self.id!r} in {self.home / 'jobs'}") from None
+        return self._data
+
+    @property
+    def spec(self) -> JobSpec:
+        return JobSpec.from_dict(self.data["spec"])
+
+    @property
+    def output_dir(self) -> Path:
+        return Path(self.data["output_dir"])
+
+    @property
+    def chunks(self) -> int:
+        return self.data["chunks"]
+
+    @property
+    def total(self) -> int:
+        return self.data["total"]
+
+    def ids(self) -> List[str]:
+        return orjson.loads((self.dir / "ids.json").read_bytes())
+
+    def store(self) -> ResultStore:
+        return ResultStore(self.output_dir)
+
+    # -- markers ----------------------------------------------------------------------------
+    def _marker(self, name: str) -> Path:
+        return self.dir / name
+
+    def cancelled(self) -> bool:
+        return self._marker("cancelled").exists()
+
+    def failure(self) -> Optional[str]:
+        try:
+            return orjson.loads(self._marker("failed.json").read_bytes())["error"]
+        except (FileNotFoundError, orjson.JSONDecodeError, KeyError):
+            return None
+
+    def mark_cancelled(self) -> None:
+        write_atomic(self._marker("cancelled"), str(time.time()).encode())
+
+    def mark_failed(self, error: str) -> None:
+        write_atomic(self._marker("failed.json"), orjson.dumps({"error": error, "at": time.time()}))
+
+    def mark_chunk_done(self, chunk: int) -> None:
+        write_atomic(self._marker(f"chunk-{chunk:05d}.done"), b"")
+
+    def chunk_done(self, chunk: int) -> bool:
+        return self._marker(f"chunk-{chunk:05d}.done").exists()
+
+    def pending_chunks(self) -> List[int]:
+        return [c for c in range(self.chunks) if not self.chunk_done(c)]
+
+    def retry_ids(self) -> Optional[Set[str]]:
+        try:
+            return set(orjson.loads(self._marker("retry_ids.json").read_bytes()))
+        except FileNotFoundError:
+            return None
+
+    def reopen(self, chunks: List[int], retry_ids: Optional[List[str]] = None) -> None:
+        """Make the job runnable again: clear cancel/failure and the given chunks' markers."""
+        for name in ("cancelled", "failed.json", "retry_ids.json"):
+            self._marker(name).unlink(missing_ok=True)
+        if retry_ids is not None:
+            write_atomic(self._marker("retry_ids.json"), orjson.dumps(sorted(retry_ids)))
+        for c in chunks:
+            self._marker(f"chunk-{c:05d}.done").unlink(missing_ok=True)
+
+    def chunk_range(self, chunk: int):
+        size = self.spec.chunk_size
+        return chunk * size, min((chunk + 1) * size, self.total)
+
+    def items(self, chunk: int):
+        """The input rows of one chunk, as Items."""
+        import itertools
+
+        spec = self.spec
+        start, end = self.chunk_range(chunk)
+        return itertools.islice(read_items(spec.input, spec.input_format, spec.fields), start, end)
+
+    # -- status ---------------------------------------------------------------------------
+    def status(self) -> Dict[str, Any]:
+        """Counts and means over this job's ids, as found in the output dir right now."""
+        ids = set(self.ids())
+        store = self.store()
+        table = store.read(["id", "status", "decode_tps", "acceptance_drafted", "acceptance_generated", "tokens_per_cycle"])
+        rows = [r for r in table.to_pylist() if r["id"] in ids]
+        seen = {r["id"] for r in rows}
+        rows += [r for r in store.journal_rows() if r["id"] in ids and r["id"] not in seen]
+        ok = [r for r in rows if r["status"] == "ok"]
+        failed = len(rows) - len(ok)
+        done = len(rows)
+        if done >= self.total:
+            state = "completed"
+        elif self.cancelled():
+            state = "cancelled"
+        elif self.failure():
+            state = "failed"
+        elif is_locked(self.output_dir):
+            state = "running"
+        else:
+            state = "queued" if done == 0 else "in_progress"
+
+        def mean(key):
+            values = [r[key] for r in ok if r.get(key) is not None]
+            return sum(values) / len(values) if values else None
+
+        return {
+            "id": self.id,
+            "name": self.data["name"],
+            "state": state,
+            "total": self.total,
+            "done": done,
+            "ok": len(ok),
+            "failed": failed,
+            "remaining": self.total - done,
+            "mean_decode_tps": mean("decode_tps"),
+            "mean_acceptance_drafted": mean("acceptance_drafted"),
+            "mean_acceptance_generated": mean("acceptance_generated"),
+            "mean_tokens_per_cycle": mean("tokens_per_cycle"),
+            "output_dir": str(self.output_dir),
+            "config_hash": self.data["config_hash"],
+            "created_at": self.data["created_at"],
+            "error": self.failure(),
+        }
+
+
+def create_job(spec: JobSpec, home: Path, job_id: Optional[str] = None) -> JobRecord:
+    """Validate the input (whole-input problems raise ``InputError``), check the output dir's
+    config hash (a different one raises ``SpecError`` unless ``spec.force``), write the record."""
+    home = Path(home)
+    name = spec.name or default_name(spec.input)
+    output_dir = spec.resolved_output_dir(home)
+    ids = [item.id for item in read_items(spec.input, spec.input_format, spec.fields)]
+    config_hash = spec.config_hash()
+    store = ResultStore(output_dir)
+    previous = store.manifest().get("config_hash")
+    if previous and previous != config_hash and not spec.force:
+        raise SpecError(
+            f"{output_dir} holds results made with another model/sampling config (hash {previous}, now "
+            f"{config_hash}); use a new output_dir, or --force to add to it anyway"
+        )
+    store.write_manifest(config_hash=config_hash, name=name)
+    record = JobRecord(home, job_id or new_job_id(name))
+    record.dir.mkdir(parents=True, exist_ok=False)
+    write_atomic(record.dir / "ids.json", orjson.dumps(ids))
+    data = {
+        "id": record.id,
+        "name": name,
+        "spec": spec.to_dict(),
+        "output_dir": str(output_dir),
+        "config_hash": config_hash,
+        "total": len(ids),
+        "chunks": (len(ids) + spec.chunk_size - 1) // spec.chunk_size,
+        "created_at": time.time(),
+    }
+    write_atomic(record.dir / "job.json", orjson.dumps(data, option=orjson.OPT_INDENT_2))
+    return record
+
+
+def load_job(home: Path, job_id: str) -> JobRecord:
+    """A job by id, or by a unique prefix of its id."""
+    record = JobRecord(home, job_id)
+    if (record.dir / "job.json").exists():
+        return record
+    jobs_dir = Path(home) / "jobs"
+    matches = [p.name for p in jobs_dir.glob(f"{glob_escape(job_id)}*") if (p / "job.json").exists()] if jobs_dir.is_dir() else []
+    if len(matches) == 1:
+        return JobRecord(home, matches[0])
+    if len(matches) > 1:
+        raise JobNotFound(f"{job_id!r} matches several jobs: {', '.join(sorted(matches))}")
+    raise JobNotFound(f"no job {job_id!r} in {jobs_dir} (see `dflash-batch status`)")
+
+
+def glob_escape(text: str) -> str:
+    return re.sub(r"([*?\[])", r"[\1]", text)
+
+
+def list_jobs(home: Path) -> List[JobRecord]:
+    jobs_dir = Path(home) / "jobs"
+    if not jobs_dir.is_dir():
+        return []
+    records = [JobRecord(home, p.name) for p in jobs_dir.iterdir() if (p / "job.json").exists()]
+    return sorted(records, key=lambda r: r.data["created_at"])

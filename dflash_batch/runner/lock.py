@@ -1,0 +1,65 @@
+"""One worker per output dir at a time: ``fcntl.flock`` on ``<out_dir>/.lock``.
+
+The kernel drops a flock when its process dies (even by ``kill -9``), so a dead worker cannot
+leave a job locked. The holder's pid and host are written into the file for messages.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import socket
+from pathlib import Path
+from typing import Optional
+
+
+class Locked(RuntimeError):
+    """Another live process holds the lock."""
+
+
+class DirLock:
+    def __init__(self, directory: os.PathLike):
+        self.path = Path(directory) / ".lock"
+        self._fd: Optional[int] = None
+
+    def acquire(self) -> "DirLock":
+        """Take the lock or raise ``Locked`` at once (never waits)."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            raise Locked(f"{self.path.parent} is in use by {holder}") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> "DirLock":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def is_locked(directory: os.PathLike) -> bool:
+    """Whether a live process holds the dir's lock right now."""
+    path = Path(directory) / ".lock"
+    if not path.exists():
+        return False
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # closing drops the probe's own shared lock
+    return False

@@ -1,0 +1,311 @@
+"""Job specs: YAML files (or a bare input file) plus overrides, validated, with a config hash.
+
+Precedence: keyword/CLI overrides > YAML > defaults. The YAML groups model and sampling keys::
+
+    name: summaries
+    input: ../examples/prompts.jsonl     # relative paths are relative to the YAML file
+    model: {target: ./models/t, draft: auto, target_revision: null, dtype: auto, block_size: null}
+    sampling: {max_tokens: 256, temperature: 0.0, seed: 0, stop: ["\\n\\n"]}
+    schedule: "0 2 * * *"                # cron, UTC
+
+Everything else is a top-level key (see ``TOP_KEYS``). Unknown keys are errors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Union
+
+import orjson
+
+from .items import Fields, _template_keys
+
+MODEL_KEYS = ("target", "target_revision", "draft", "draft_revision", "dtype", "block_size", "max_context")
+SAMPLING_KEYS = ("max_tokens", "temperature", "seed", "stop")
+TOP_KEYS = (
+    "name", "input", "input_format", "id_field", "prompt_field", "messages_field", "output_dir",
+    "system_prompt", "prompt_template", "chat_template", "chat_template_kwargs", "model", "sampling",
+    "chunk_size", "schedule", "retries", "export_openai", "force",
+)  # fmt: skip
+CRON_ALIASES = {"@hourly": "0 * * * *", "@daily": "0 0 * * *", "@midnight": "0 0 * * *",
+                "@weekly": "0 0 * * 0", "@monthly": "0 0 1 * *"}  # fmt: skip
+
+
+class SpecError(ValueError):
+    """A job spec that cannot be used; the message names the key (and the file)."""
+
+
+@dataclass
+class JobSpec:
+    """A fully resolved job: what to read, which model, how to sample, where to write."""
+
+    input: Optional[str] = None
+    name: Optional[str] = None
+    input_format: str = "auto"  # auto | jsonl | openai | parquet
+    id_field: Optional[str] = None  # None: "id", then "custom_id", then derived
+    prompt_field: str = "prompt"
+    messages_field: str = "messages"
+    output_dir: Optional[str] = None  # default: $DFLASH_BATCH_HOME/results/<name>; may use {name} {date} {time}
+    system_prompt: Optional[str] = None
+    prompt_template: Optional[str] = None  # string.Template over row fields: "Summarize:\n\n$text"
+    chat_template: Optional[bool] = None  # None: use the tokenizer's template when it has one
+    chat_template_kwargs: Dict[str, Any] = field(default_factory=dict)
+    # model
+    target: Optional[str] = None  # None: the embedded default pair
+    target_revision: Optional[str] = None
+    draft: Optional[str] = "auto"  # "auto": the registered drafter; None: plain autoregressive
+    draft_revision: Optional[str] = None
+    dtype: str = "auto"
+    block_size: Optional[int] = None
+    max_context: Optional[int] = None
+    # sampling
+    max_tokens: int = 256
+    temperature: float = 0.0
+    seed: Optional[int] = None
+    stop: List[str] = field(default_factory=list)
+    # running
+    chunk_size: int = 64
+    schedule: Optional[str] = None  # cron expression (UTC)
+    retries: int = 0
+    export_openai: bool = False  # also write _openai_output.jsonl when a job completes
+    force: bool = False  # accept an output dir written with another config hash
+
+    # -- derived ---------------------------------------------------------------------------
+    @property
+    def fields(self) -> Fields:
+        return Fields(self.id_field, self.prompt_field, self.messages_field, self.prompt_template)
+
+    @property
+    def model(self) -> Dict[str, Any]:
+        """Keyword arguments for ``load_engine``."""
+        return {k: getattr(self, k) for k in MODEL_KEYS}
+
+    @property
+    def sampling(self) -> Dict[str, Any]:
+        return {k: getattr(self, k) for k in SAMPLING_KEYS}
+
+    def config_hash(self) -> str:
+        """Hash of everything that changes what is generated for a row: model, sampling, prompt
+        building. Resuming into an output dir written under another hash is refused."""
+        model = dict(self.model)
+        for key in ("target", "draft"):
+            if model[key] not in (None, "auto") and Path(model[key]).expanduser().exists():
+                model[key] = str(Path(model[key]).expanduser().resolve())
+        payload = {
+            "model": model,
+            "sampling": self.sampling,
+            "prompt": {
+                "system_prompt": self.system_prompt,
+                "prompt_template": self.prompt_template,
+                "chat_template": self.chat_template,
+                "chat_template_kwargs": self.chat_template_kwargs,
+            },
+        }
+        return hashlib.sha256(orjson.dumps(payload, option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
+
+    def resolved_output_dir(self, home: Path, now: Optional[float] = None) -> Path:
+        name = self.name or default_name(self.input)
+        if self.output_dir is None:
+            return (home / "results" / name).resolve()
+        stamp = time.gmtime(now if now is not None else time.time())
+        text = self.output_dir.format(name=name, date=time.strftime("%Y-%m-%d", stamp), time=time.strftime("%H%M%S", stamp))
+        return Path(text).expanduser().resolve()
+
+    def to_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Dict[str, Any]) -> "JobSpec":
+        return cls(**data)
+
+
+def default_name(input_path: Optional[str]) -> str:
+    if not input_path:
+        return "job"
+    path = Path(input_path).expanduser().resolve()
+    return f"{path.stem}-{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
+
+
+# -- loading ---------------------------------------------------------------------------------
+def load_spec(source: Union[str, Path, Dict[str, Any], None] = None, **overrides) -> JobSpec:
+    """A validated ``JobSpec`` from a YAML file, an input file (JSONL/Parquet), or a dict in the
+    YAML layout; ``overrides`` are flat field names (``max_tokens=``, ``target=``...) and win.
+    An override of None means "not given"."""
+    data: Dict[str, Any] = {}
+    where = "overrides"
+    if isinstance(source, dict):
+        data = _flatten(source, "spec")
+    elif source is not None:
+        path = Path(source).expanduser()
+        if path.suffix.lower() in (".yaml", ".yml"):
+            data = _read_yaml(path)
+            where = str(path)
+        else:
+            data = {"input": str(path)}
+    known = {f.name for f in dataclasses.fields(JobSpec)}
+    for key, value in overrides.items():
+        if key not in known:
+            raise SpecError(f"unknown option {key!r}{_suggest(key, known)}")
+        if value is not None:
+            data[key] = value
+    spec = JobSpec(**data)
+    validate(spec, where)
+    return spec
+
+
+def _read_yaml(path: Path) -> Dict[str, Any]:
+    import yaml
+
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise SpecError(f"{path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise SpecError(f"{path}: cannot read: {e}") from e
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise SpecError(f"{path}: invalid YAML: {e}") from e
+    if not isinstance(raw, dict):
+        raise SpecError(f"{path}: a job spec must be a YAML mapping, got {type(raw).__name__}")
+    data = _flatten(raw, str(path))
+    # Relative file paths are relative to the YAML file, so a spec works from any directory.
+    base = path.resolve().parent
+    for key in ("input", "output_dir", "target", "draft"):
+        value = data.get(key)
+        if not isinstance(value, str) or value == "auto":
+            continue
+        local = Path(value).expanduser()
+        if local.is_absolute():
+            continue
+        # A model may be a hub repo id ("org/name"): only paths that look local or exist move.
+        if key in ("input", "output_dir") or value.startswith(".") or (base / local).exists():
+            data[key] = str(base / local)
+    return data
+
+
+def _flatten(raw: Dict[str, Any], where: str) -> Dict[str, Any]:
+    data: Dict[str, Any] = {}
+    for key, value in raw.items():
+        if key not in TOP_KEYS:
+            raise SpecError(f"{where}: unknown key {key!r}{_suggest(key, TOP_KEYS + MODEL_KEYS + SAMPLING_KEYS)}")
+        if key == "model":
+            if isinstance(value, str):
+                value = {"target": value}
+            _section(value, "model", MODEL_KEYS, where, data)
+        elif key == "sampling":
+            _section(value, "sampling", SAMPLING_KEYS, where, data)
+        else:
+            data[key] = value
+    return data
+
+
+def _section(value, name: str, keys, where: str, data: Dict[str, Any]) -> None:
+    if value is None:
+        return
+    if not isinstance(value, dict):
+        raise SpecError(f"{where}: {name!r} must be a mapping with keys {', '.join(keys)}")
+    for key, item in value.items():
+        if key not in keys:
+            raise SpecError(f"{where}: unknown key '{name}.{key}'{_suggest(key, keys)}")
+        data[key] = item
+
+
+def _suggest(key, choices) -> str:
+    close = difflib.get_close_matches(str(key), list(choices), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else f" (known: {', '.join(choices)})"
+
+
+# -- validation ------------------------------------------------------------------------------
+def validate(spec: JobSpec, where: str = "spec") -> None:
+    def bad(key, message):
+        raise SpecError(f"{where}: {key!r} {message}")
+
+    if spec.input is None:
+        bad("input", "is required (a JSONL or Parquet file)")
+    for key in ("input", "name", "id_field", "prompt_field", "messages_field", "output_dir", "system_prompt",
+                "prompt_template", "target", "target_revision", "draft", "draft_revision", "dtype"):  # fmt: skip
+        value = getattr(spec, key)
+        if value is not None and not isinstance(value, str):
+            bad(key, f"must be a string, got {type(value).__name__} {value!r}")
+    spec.input = str(Path(spec.input).expanduser().resolve())
+    if isinstance(spec.draft, str) and spec.draft.lower() in ("none", "off", ""):
+        spec.draft = None  # plain autoregressive decoding
+    for key in ("target", "draft"):  # a local model folder is recorded by absolute path
+        value = getattr(spec, key)
+        if value not in (None, "auto") and Path(value).expanduser().exists():
+            setattr(spec, key, str(Path(value).expanduser().resolve()))
+    if spec.input_format not in ("auto", "jsonl", "openai", "parquet"):
+        bad("input_format", f"must be auto, jsonl, openai or parquet, got {spec.input_format!r}")
+    if spec.dtype not in ("auto", "float32", "bfloat16", "float16"):
+        bad("dtype", f"must be auto, float32, bfloat16 or float16, got {spec.dtype!r}")
+    for key, low in (("max_tokens", 1), ("chunk_size", 1), ("retries", 0)):
+        value = getattr(spec, key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            bad(key, f"must be an integer >= {low}, got {value!r}")
+    for key in ("block_size", "max_context", "seed"):
+        value = getattr(spec, key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            bad(key, f"must be a non-negative integer, got {value!r}")
+    if isinstance(spec.temperature, bool) or not isinstance(spec.temperature, (int, float)) or spec.temperature < 0:
+        bad("temperature", f"must be a number >= 0, got {spec.temperature!r}")
+    spec.temperature = float(spec.temperature)
+    if isinstance(spec.stop, str):
+        spec.stop = [spec.stop]
+    if spec.stop is None:
+        spec.stop = []
+    if not isinstance(spec.stop, list) or not all(isinstance(s, str) and s for s in spec.stop):
+        bad("stop", f"must be a string or a list of non-empty strings, got {spec.stop!r}")
+    if spec.chat_template not in (None, True, False):
+        bad("chat_template", f"must be true, false or null (auto), got {spec.chat_template!r}")
+    if spec.chat_template_kwargs is None:
+        spec.chat_template_kwargs = {}
+    if not isinstance(spec.chat_template_kwargs, dict):
+        bad("chat_template_kwargs", f"must be a mapping, got {spec.chat_template_kwargs!r}")
+    for key in ("export_openai", "force"):
+        if not isinstance(getattr(spec, key), bool):
+            bad(key, f"must be true or false, got {getattr(spec, key)!r}")
+    if spec.prompt_template is not None:
+        import string
+
+        try:
+            string.Template(spec.prompt_template).substitute({k: "" for k in _template_keys(spec.prompt_template)})
+        except (ValueError, KeyError) as e:
+            bad("prompt_template", f"is malformed ({e}); use $field or ${{field}}, and $$ for a dollar sign")
+        if not _template_keys(spec.prompt_template):
+            bad("prompt_template", "uses no $field: every row would get the same prompt")
+    if spec.output_dir is not None:
+        try:
+            spec.output_dir.format(name="n", date="d", time="t")
+        except (KeyError, IndexError, ValueError) as e:
+            bad("output_dir", f"may use only {{name}}, {{date}} and {{time}} placeholders ({e})")
+    if spec.schedule is not None:
+        try:
+            cron_fields(spec.schedule)
+        except ValueError as e:
+            bad("schedule", str(e))
+
+
+def cron_fields(expression) -> Dict[str, str]:
+    """``"0 2 * * *"`` -> crontab keyword arguments, checked with huey's strict parser."""
+    from huey import crontab
+
+    if not isinstance(expression, str):
+        raise ValueError(f"must be a cron string like '0 2 * * *', got {expression!r}")
+    text = CRON_ALIASES.get(expression.strip(), expression)
+    parts = text.split()
+    names = ("minute", "hour", "day", "month", "day_of_week")
+    if len(parts) != 5:
+        raise ValueError(f"{expression!r} is not a cron expression: need 5 fields (minute hour day month day_of_week), got {len(parts)}")
+    kwargs = dict(zip(names, parts))
+    for name, value in kwargs.items():
+        try:
+            crontab(strict=True, **{name: value})
+        except ValueError as e:
+            raise ValueError(f"{expression!r}: bad {name} field {value!r} ({e})") from None
+    return kwargs

@@ -1,0 +1,263 @@
+"""Result storage: Parquet part files in one output dir, committed atomically, plus a per-item
+journal so a killed worker loses at most the item it was generating.
+
+Layout (readers skip names starting with "." or "_", so ``pd.read_parquet(out_dir)`` only ever
+sees complete parts)::
+
+    out_dir/part-c00003-1732230000123-4f2a.parquet   committed rows (immutable)
+    out_dir/.inflight/c00003-<token>.jsonl            rows finished since the last commit
+    out_dir/_manifest.json                            schema version and config hash
+    out_dir/.lock                                     see lock.py
+
+The store knows rows and bytes, not tasks or engines.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Dict, Iterable, List, Optional, Set
+
+import orjson
+import pyarrow as pa
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+
+SCHEMA_VERSION = 1
+RESULT_SCHEMA = pa.schema(
+    [
+        pa.field("id", pa.string(), nullable=False),
+        pa.field("status", pa.string(), nullable=False),  # "ok" | "error"
+        pa.field("output", pa.string()),
+        pa.field("finish_reason", pa.string()),  # "stop" | "length" | null on error
+        pa.field("stop_reason", pa.string()),  # "eos" or the stop string that ended it
+        pa.field("error", pa.string()),
+        pa.field("prompt_tokens", pa.int64()),
+        pa.field("completion_tokens", pa.int64()),
+        pa.field("prefill_s", pa.float64()),
+        pa.field("decode_s", pa.float64()),
+        pa.field("prefill_tps", pa.float64()),
+        pa.field("decode_tps", pa.float64()),
+        pa.field("verify_cycles", pa.int64()),
+        pa.field("drafted_tokens", pa.int64()),
+        pa.field("accepted_tokens", pa.int64()),  # accepted from the draft
+        pa.field("acceptance_drafted", pa.float64()),  # accepted / drafted
+        pa.field("acceptance_generated", pa.float64()),  # accepted / completion tokens
+        pa.field("tokens_per_cycle", pa.float64()),  # committed tokens per verify cycle
+        pa.field("acceptance_histogram", pa.list_(pa.int64())),  # [k] = cycles that committed k tokens
+        pa.field("block_size", pa.int64()),  # 0: plain autoregressive
+        pa.field("peak_memory_gb", pa.float64()),
+        pa.field("started_at", pa.timestamp("us", tz="UTC")),
+        pa.field("finished_at", pa.timestamp("us", tz="UTC")),
+        pa.field("input_index", pa.int64()),
+        pa.field("job_id", pa.string()),
+        pa.field("config_hash", pa.string()),
+        pa.field("metadata", pa.string()),  # the row's metadata as JSON text
+    ],
+    metadata={"schema_version": str(SCHEMA_VERSION), "producer": "dflash-batch"},
+)
+TIMESTAMPS = ("started_at", "finished_at")
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to a hidden temp name in the same dir, fsync, rename over ``path``."""
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def to_table(rows: List[Dict[str, Any]]) -> pa.Table:
+    """Rows (timestamps as epoch seconds) -> a table with exactly ``RESULT_SCHEMA``."""
+    converted = []
+    for row in rows:
+        row = {name: row.get(name) for name in RESULT_SCHEMA.names}
+        for name in TIMESTAMPS:
+            if isinstance(row[name], (int, float)):
+                row[name] = datetime.fromtimestamp(row[name], tz=timezone.utc)
+        converted.append(row)
+    return pa.Table.from_pylist(converted, schema=RESULT_SCHEMA)
+
+
+class Journal:
+    """Append-only JSON lines of finished rows for one chunk run, fsynced per row."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.rows: List[Dict[str, Any]] = []
+        self._file = None
+
+    def append(self, row: Dict[str, Any]) -> None:
+        if self._file is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "ab")
+        self._file.write(orjson.dumps(row) + b"\n")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self.rows.append(row)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def read_journal(path: Path) -> List[Dict[str, Any]]:
+    """Rows of a journal; a torn last line (killed mid-write) is ignored: that item was not
+    finished as far as anyone knows, and is generated again."""
+    rows = []
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return rows
+    for line in data.splitlines():
+        try:
+            row = orjson.loads(line)
+        except orjson.JSONDecodeError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get("id"), str):
+            rows.append(row)
+    return rows
+
+
+class ResultStore:
+    def __init__(self, out_dir: os.PathLike):
+        self.dir = Path(out_dir)
+        self.inflight = self.dir / ".inflight"
+        self.manifest_path = self.dir / "_manifest.json"
+
+    def ensure(self) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+
+    # -- parts ----------------------------------------------------------------------------
+    def parts(self) -> List[Path]:
+        if not self.dir.is_dir():
+            return []
+        return sorted(p for p in self.dir.glob("part-*.parquet") if p.is_file())
+
+    def write_part(self, rows: List[Dict[str, Any]], chunk: int) -> Optional[Path]:
+        """Commit rows as a new part file (atomically); nothing for no rows."""
+        if not rows:
+            return None
+        self.ensure()
+        name = f"part-c{chunk:05d}-{int(time.time() * 1000):013d}-{secrets.token_hex(2)}.parquet"
+        path = self.dir / name
+        tmp = self.dir / f".{name}.tmp"
+        pq.write_table(to_table(rows), tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(self.dir)
+        return path
+
+    def read(self, columns: Optional[List[str]] = None) -> pa.Table:
+        """All committed rows (an empty table with the schema when there are none)."""
+        parts = self.parts()
+        if not parts:
+            table = RESULT_SCHEMA.empty_table()
+            return table.select(columns) if columns else table
+        dataset = ds.dataset([str(p) for p in parts], format="parquet", schema=RESULT_SCHEMA)
+        return dataset.to_table(columns=columns)
+
+    def committed_ids(self) -> Set[str]:
+        return set(self.read(["id"]).column("id").to_pylist())
+
+    # -- journals ---------------------------------------------------------------------------
+    def journal(self, chunk: int) -> Journal:
+        return Journal(self.inflight / f"c{chunk:05d}-{int(time.time() * 1000):013d}-{secrets.token_hex(3)}.jsonl")
+
+    def journals(self) -> List[Path]:
+        return sorted(self.inflight.glob("*.jsonl")) if self.inflight.is_dir() else []
+
+    def journal_rows(self) -> List[Dict[str, Any]]:
+        return [row for path in self.journals() for row in read_journal(path)]
+
+    def commit_journal(self, journal: Journal, chunk: int) -> Optional[Path]:
+        """Rows of a live journal -> a part, then drop the journal."""
+        journal.close()
+        part = self.write_part(journal.rows, chunk)
+        journal.path.unlink(missing_ok=True)
+        journal.rows = []
+        return part
+
+    def recover(self) -> int:
+        """Commit journals left by a dead process (call with the lock held). Rows whose id a
+        part already has (the process died between the commit and the unlink) are dropped."""
+        recovered = 0
+        committed = None
+        for path in self.journals():
+            rows = read_journal(path)
+            if rows:
+                committed = self.committed_ids() if committed is None else committed
+                rows = [r for r in _unique(rows) if r["id"] not in committed]
+                chunk = int(path.name[1:6]) if path.name[1:6].isdigit() else 99999
+                self.write_part(rows, chunk)
+                committed.update(r["id"] for r in rows)
+                recovered += len(rows)
+            path.unlink(missing_ok=True)
+        return recovered
+
+    def done_ids(self) -> Set[str]:
+        """Ids with a finished row, committed or journaled: these are never generated again."""
+        return self.committed_ids() | {row["id"] for row in self.journal_rows()}
+
+    def drop_ids(self, ids: Iterable[str]) -> int:
+        """Rewrite the parts without rows for ``ids`` (each part replaced atomically); returns
+        how many rows went. Used by ``retry --failed-only``."""
+        ids = set(ids)
+        dropped = 0
+        for path in self.parts():
+            table = pq.read_table(path, schema=RESULT_SCHEMA)
+            keep = pa.array([i not in ids for i in table.column("id").to_pylist()], type=pa.bool_())
+            n_keep = sum(keep.to_pylist())
+            if n_keep == table.num_rows:
+                continue
+            dropped += table.num_rows - n_keep
+            if n_keep == 0:
+                path.unlink()
+                continue
+            tmp = path.with_name(f".{path.name}.tmp")
+            pq.write_table(table.filter(keep), tmp)
+            os.replace(tmp, path)
+        _fsync_dir(self.dir)
+        return dropped
+
+    # -- manifest -------------------------------------------------------------------------
+    def manifest(self) -> Dict[str, Any]:
+        try:
+            return orjson.loads(self.manifest_path.read_bytes())
+        except (FileNotFoundError, orjson.JSONDecodeError):
+            return {}
+
+    def write_manifest(self, **fields) -> None:
+        self.ensure()
+        data = dict(self.manifest(), schema_version=SCHEMA_VERSION, updated_at=time.time(), **fields)
+        write_atomic(self.manifest_path, orjson.dumps(data, option=orjson.OPT_INDENT_2))
+
+
+def _unique(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    seen, out = set(), []
+    for row in rows:
+        if row["id"] not in seen:
+            seen.add(row["id"])
+            out.append(row)
+    return out

@@ -1,0 +1,232 @@
+"""The Huey queue: chunk tasks, the resident-engine worker, and cron schedules from YAML.
+
+Tasks carry only ``(job_id, chunk)``; everything else is read from the job record. Huey deletes
+a task when it is dequeued, so a worker killed mid-chunk loses the task but not the work: its
+rows are journaled per item, and ``requeue_unfinished`` (run at every worker start) puts back
+each chunk that has no done marker and no queued task.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+
+import orjson
+
+from .execution import ConfigChanged, run_chunk
+from .items import InputError
+from .jobs import JobNotFound, JobRecord, create_job, list_jobs, load_job
+from .lock import Locked
+from .spec import JobSpec, SpecError, cron_fields, default_name, load_spec
+
+log = logging.getLogger("dflash_batch.worker")
+CHUNK_TASK = "dflash_batch.chunk"
+LOCK_RETRY_S = 2.0  # a chunk whose output dir is busy goes back on the queue for this long
+RETRY_DELAY_S = 5
+
+
+def task_id(job_id: str, chunk: int) -> str:
+    return f"{job_id}:{chunk:05d}"
+
+
+class Engines:
+    """The worker's resident engine: loaded on first use in the calling (worker) thread, kept
+    across jobs, replaced only when a job names a different model."""
+
+    def __init__(self, factory: Callable[..., Any]):
+        self.factory = factory
+        self.engine = None
+        self.key: Optional[bytes] = None
+        self.thread: Optional[str] = None
+
+    def __call__(self, spec: JobSpec):
+        return self.get(spec.model)
+
+    def get(self, model: Dict[str, Any]):
+        key = orjson.dumps(model, option=orjson.OPT_SORT_KEYS)
+        if self.engine is None or key != self.key:
+            if self.engine is not None:
+                log.info("releasing engine %s for a job with another model", self.key.decode())
+            self.engine = None  # drop the old model before loading the next
+            log.info("loading engine %s in thread %s", key.decode(), threading.current_thread().name)
+            self.engine = self.factory(**model)
+            self.key, self.thread = key, threading.current_thread().name
+            log.info("engine ready: %s", getattr(self.engine, "description", model))
+        return self.engine
+
+
+class Queue:
+    """A ``SqliteHuey`` at an absolute path under the home dir, with the chunk task on it."""
+
+    def __init__(self, home: Path):
+        from huey import SqliteHuey
+
+        self.home = Path(home).resolve()
+        self.home.mkdir(parents=True, exist_ok=True)
+        # filename= must be given by keyword: the first positional argument is the queue name.
+        self.huey = SqliteHuey(name="dflash-batch", filename=str(self.home / "queue.db"), results=False, timeout=30)
+        self.chunk_task = self.huey.task(name=CHUNK_TASK, context=True)(self._run_chunk)
+        self.engines: Optional[Engines] = None
+        self.stop_flag: Optional[threading.Event] = None
+        self.schedules: List[Tuple[str, str]] = []
+
+    # -- producer side ----------------------------------------------------------------------
+    def enqueue_chunk(self, record: JobRecord, chunk: int, delay: Optional[float] = None) -> None:
+        retries = record.spec.retries
+        if delay:
+            self.chunk_task.schedule(
+                args=(record.id, chunk), delay=delay, id=task_id(record.id, chunk), retries=retries, retry_delay=RETRY_DELAY_S
+            )
+        else:
+            self.huey.enqueue(
+                self.chunk_task.s(record.id, chunk, id=task_id(record.id, chunk), retries=retries, retry_delay=RETRY_DELAY_S)
+            )
+
+    def enqueue_job(self, record: JobRecord, chunks: Optional[Iterable[int]] = None) -> int:
+        chunks = list(record.pending_chunks() if chunks is None else chunks)
+        for c in chunks:
+            self.enqueue_chunk(record, c)
+        return len(chunks)
+
+    def queued_task_ids(self) -> set:
+        """Ids of tasks waiting in the queue or the schedule (read without taking them)."""
+        ids = set()
+        storage = self.huey.storage
+        for data in list(storage.enqueued_items()) + list(storage.scheduled_items()):
+            try:
+                ids.add(self.huey.serializer.deserialize(data).id)
+            except Exception:  # a message from other code: not ours to judge
+                continue
+        return ids
+
+    def requeue_unfinished(self) -> int:
+        """Put back every unfinished chunk of every live job that has no task waiting: the
+        recovery after a killed worker. Extra copies are harmless (done ids are skipped)."""
+        queued = self.queued_task_ids()
+        n = 0
+        for record in list_jobs(self.home):
+            if record.cancelled() or record.failure():
+                continue
+            for c in record.pending_chunks():
+                if task_id(record.id, c) not in queued:
+                    self.enqueue_chunk(record, c)
+                    n += 1
+        return n
+
+    # -- worker side --------------------------------------------------------------------------
+    def stopping(self) -> bool:
+        return self.stop_flag is not None and self.stop_flag.is_set()
+
+    def _run_chunk(self, job_id: str, chunk: int, task=None) -> None:
+        try:
+            record = load_job(self.home, job_id)
+        except JobNotFound:
+            log.warning("chunk %d of unknown job %s dropped", chunk, job_id)
+            return
+        if self.engines is None:
+            raise RuntimeError("chunk tasks run only in `dflash-batch worker` (no engine factory set)")
+        try:
+            result = run_chunk(record, chunk, self.engines, should_stop=self.stopping)
+        except Locked as e:
+            log.info("chunk %d of %s waits: %s", chunk, job_id, e)
+            self.enqueue_chunk(record, chunk, delay=LOCK_RETRY_S)
+            return
+        except (ConfigChanged, InputError, SpecError) as e:
+            log.error("job %s failed: %s", job_id, e)
+            record.mark_failed(str(e))
+            return
+        except Exception as e:
+            if task is not None and task.retries:
+                log.exception("chunk %d of %s failed; %d retries left", chunk, job_id, task.retries)
+                raise
+            log.exception("job %s failed", job_id)
+            record.mark_failed(f"{type(e).__name__}: {e}")
+            return
+        if result.stopped and not record.cancelled():
+            log.info("chunk %d of %s checkpointed (%d items done); requeued", chunk, job_id, result.generated)
+            self.enqueue_chunk(record, chunk)
+        else:
+            log.info(
+                "chunk %d of %s: %d generated (%d errors), %d already done",
+                chunk, job_id, result.generated, result.errors, result.skipped,
+            )  # fmt: skip
+
+    # -- cron ---------------------------------------------------------------------------------
+    def add_schedule(self, path: Path) -> Optional[Tuple[str, str]]:
+        """Register a YAML job's ``schedule`` as a Huey periodic task that submits the job
+        (re-reading the YAML each time, so edits apply). Raises ``SpecError`` for a bad spec."""
+        from huey import crontab
+
+        spec = load_spec(path)
+        if not spec.schedule:
+            return None
+        name = spec.name or default_name(spec.input)
+
+        def submit_scheduled():
+            record = create_job(load_spec(path), self.home)
+            n = self.enqueue_job(record)
+            log.info("schedule %s submitted job %s (%d chunks)", name, record.id, n)
+
+        self.huey.periodic_task(crontab(**cron_fields(spec.schedule)), name=f"dflash_batch.cron.{name}")(submit_scheduled)
+        self.schedules.append((name, spec.schedule))
+        log.info("schedule registered: %s at %r (UTC) from %s", name, spec.schedule, path)
+        return name, spec.schedule
+
+
+def schedule_files(home: Path, extra: Iterable[Path] = ()) -> List[Path]:
+    """``$DFLASH_BATCH_HOME/schedules/*.yaml`` plus the given files or folders of YAML."""
+    out: List[Path] = []
+    for source in [Path(home) / "schedules", *map(Path, extra)]:
+        if source.is_dir():
+            out += sorted(p for p in source.iterdir() if p.suffix in (".yaml", ".yml"))
+        elif source.exists():
+            out.append(source)
+        elif source != Path(home) / "schedules":
+            raise SpecError(f"{source}: no such schedule file or folder")
+    return out
+
+
+def run_worker(
+    home: Path,
+    engine_factory: Callable[..., Any],
+    *,
+    preload: Optional[Dict[str, Any]] = None,
+    schedules: Iterable[Path] = (),
+    periodic: bool = True,
+    shutdown_timeout: float = 30.0,
+    poll_max_delay: float = 2.0,
+) -> None:
+    """Run the consumer: one thread worker holding one resident engine. SIGINT and SIGTERM both
+    stop gracefully: the current item finishes, its chunk is checkpointed and requeued."""
+    queue = Queue(home)
+    queue.engines = Engines(engine_factory)
+    for path in schedule_files(queue.home, schedules):
+        queue.add_schedule(path)
+
+    if preload is not None:
+
+        @queue.huey.on_startup(name="dflash_batch.load_engine")
+        def load_engine_in_worker_thread():
+            queue.engines.get(preload)  # MLX objects are created in the worker thread
+
+    requeued = queue.requeue_unfinished()
+    if requeued:
+        log.info("requeued %d unfinished chunk(s)", requeued)
+    consumer = queue.huey.create_consumer(
+        workers=1,
+        worker_type="thread",
+        periodic=periodic,
+        max_delay=poll_max_delay,
+        check_worker_health=True,
+        shutdown_timeout=shutdown_timeout,
+        graceful_signal="TERM",
+    )
+    # Huey makes the other signal an immediate stop; with a thread worker that would abandon
+    # the item mid-way. Both are graceful here: the loop sees the stop flag between items.
+    consumer._signal_actions[signal.SIGINT] = (False, True)
+    queue.stop_flag = consumer.stop_flag
+    log.info("worker started: queue %s, home %s", queue.home / "queue.db", queue.home)
+    consumer.run()
