@@ -1,0 +1,138 @@
+"""Shared fixtures of the runner tests: a tiny seeded model pair, homes, worker processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """{"target", "draft", "agreeing_target"}: seeded random models saved in real formats.
+
+    ``agreeing_target`` has a zeroed output head (every logit equal, greedy choice always id 0),
+    so the drafter, which reuses the target's head, agrees with it: acceptance is 1.
+    """
+    from dflash_batch.engine import synthetic
+
+    root = tmp_path_factory.mktemp("runner-models")
+    cfg = synthetic.tiny_qwen3_config()
+    synthetic.save_target(root / "target", cfg, seed=0)
+    synthetic.save_target(root / "agreeing_target", cfg, seed=0, zero_head=True)
+    synthetic.save_drafter(root / "draft", synthetic.drafter_config(cfg, block_size=8), seed=1)
+    return {k: str(root / k) for k in ("target", "draft", "agreeing_target")}
+
+
+@pytest.fixture(scope="session")
+def engine(tiny_models):
+    from dflash_batch.engine import load_engine
+
+    return load_engine(tiny_models["target"], tiny_models["draft"])
+
+
+class CountingEngine:
+    """Wraps a real engine and records each prompt it is asked to generate."""
+
+    def __init__(self, engine, fail_ids=()):
+        self.engine = engine
+        self.calls = []
+        self.fail_prompts = set(fail_ids)
+
+    def generate(self, prompt, **kwargs):
+        self.calls.append(prompt)
+        if isinstance(prompt, str) and prompt in self.fail_prompts:
+            raise RuntimeError("simulated failure")
+        return self.engine.generate(prompt, **kwargs)
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    path = tmp_path / "home"
+    monkeypatch.setenv("DFLASH_BATCH_HOME", str(path))
+    return path
+
+
+def write_jsonl(path: Path, rows) -> Path:
+    with open(path, "w") as f:
+        for row in rows:
+            f.write((row if isinstance(row, str) else json.dumps(row)) + "\n")
+    return path
+
+
+def cli(*args, home: Path, timeout: float = 300, check: bool = False) -> subprocess.CompletedProcess:
+    env = dict(os.environ, DFLASH_BATCH_HOME=str(home))
+    proc = subprocess.run(
+        [sys.executable, "-m", "dflash_batch.cli", *map(str, args)],
+        env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+    if check and proc.returncode != 0:
+        raise AssertionError(f"dflash-batch {' '.join(map(str, args))} -> {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+class Worker:
+    """A real ``dflash-batch worker`` process with its log in a file."""
+
+    def __init__(self, home: Path, log: Path, *extra):
+        self.log_path = log
+        self._log = open(log, "wb")
+        env = dict(os.environ, DFLASH_BATCH_HOME=str(home), PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "dflash_batch.cli", "worker", "--shutdown-timeout", "60", *map(str, extra)],
+            env=env, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def kill9(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+    def stop(self, sig=signal.SIGTERM, timeout: float = 120) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout=timeout)
+        finally:
+            self._log.close()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+        self._log.close()
+
+
+@pytest.fixture
+def workers(home, tmp_path):
+    """Start workers with ``workers(*extra_args)``; all are killed at teardown."""
+    started = []
+
+    def start(*extra):
+        w = Worker(home, tmp_path / f"worker-{len(started)}.log", *extra)
+        started.append(w)
+        return w
+
+    yield start
+    for w in started:
+        w.close()
+
+
+def wait_for(predicate, timeout: float = 240, interval: float = 0.2, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")

@@ -1,0 +1,222 @@
+"""Input readers and job specs: every accepted format, every bad input and its message."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from dflash_batch.runner.items import Fields, InputError, count_rows, read_items
+from dflash_batch.runner.spec import JobSpec, SpecError, cron_fields, load_spec
+from tests.runner_fixtures import write_jsonl
+
+
+def items(path, **fields):
+    return list(read_items(path, fields=Fields(**fields)))
+
+
+def test_simple_rows_prompt_messages_and_options(tmp_path):
+    path = write_jsonl(tmp_path / "in.jsonl", [
+        {"id": "a", "prompt": "Hello", "max_tokens": 5, "temperature": 0.5, "stop": "\n", "system": "Be brief.",
+         "metadata": {"k": 1}},
+        {"custom_id": "b", "messages": [{"role": "user", "content": "Hi"}]},
+        {"id": 7, "prompt": "seven"},
+    ])  # fmt: skip
+    a, b, c = items(path)
+    assert (a.id, a.prompt, a.where, a.index) == ("a", "Hello", "line 1", 0)
+    assert a.options == {"max_tokens": 5, "temperature": 0.5, "stop": ["\n"], "system": "Be brief."}
+    assert a.metadata == {"k": 1} and a.error is None
+    assert b.id == "b" and b.prompt == [{"role": "user", "content": "Hi"}]
+    assert c.id == "7"
+
+
+def test_openai_batch_request_format(tmp_path):
+    path = write_jsonl(tmp_path / "batch.jsonl", [
+        {"custom_id": "r1", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"model": "m", "messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}],
+                  "max_tokens": 9, "temperature": 0, "stop": ["END"]}},
+        {"custom_id": "r2", "method": "POST", "url": "/v1/completions", "body": {"prompt": "P", "max_completion_tokens": 4}},
+        {"custom_id": "r3", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}},
+    ])  # fmt: skip
+    r1, r2, r3 = items(path)
+    assert r1.prompt[1] == {"role": "user", "content": "U"} and r1.options == {"max_tokens": 9, "temperature": 0.0, "stop": ["END"]}
+    assert r1.metadata["model"] == "m"
+    assert r2.prompt == "P" and r2.options == {"max_tokens": 4}
+    assert r3.error.startswith("line 3: url '/v1/embeddings' is not supported")
+
+
+def test_derived_ids_are_stable_and_unique(tmp_path):
+    rows = [{"prompt": "same"}, {"prompt": "same"}, {"prompt": "other"}]
+    first = [i.id for i in items(write_jsonl(tmp_path / "a.jsonl", rows))]
+    again = [i.id for i in items(write_jsonl(tmp_path / "a.jsonl", rows))]
+    appended = [i.id for i in items(write_jsonl(tmp_path / "a.jsonl", rows + [{"prompt": "new"}]))]
+    assert first == again == appended[:3] and len(set(first)) == 3
+    assert first[0].startswith("a-000000-")
+
+
+def test_duplicate_ids_name_both_lines(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"id": "x", "prompt": "1"}, {"id": "y", "prompt": "2"}, {"id": "x", "prompt": "3"}])
+    with pytest.raises(InputError, match=r"duplicate id 'x' on line 1 and line 3"):
+        items(path)
+
+
+def test_bad_rows_become_error_items_named_by_line(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    lines = [
+        b'{"id": "ok", "prompt": "fine"}',
+        b'{"id": "broken", "prompt": ',  # malformed JSON
+        b'{"id": "noprompt"}',  # missing prompt field
+        b'{"id": "wrongtype", "prompt": 42}',
+        b'{"id": "empty", "prompt": "   "}',
+        b'{"id": "bad-utf8", "prompt": "caf\xe9"}',
+        b'[1, 2]',
+        b'{"id": "badmax", "prompt": "x", "max_tokens": "12"}',
+        b'{"id": "badmsg", "messages": [{"role": "user", "content": 5}]}',
+        b'{"id": "badrole", "messages": [{"role": "wizard", "content": "x"}]}',
+        b'{"id": "badstop", "prompt": "x", "stop": [1]}',
+        b'{"id": ["list"], "prompt": "x"}',
+        b'',
+        b'{"id": "last", "prompt": "also fine"}',
+    ]
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    got = items(path)
+    errors = {i.where: i.error for i in got if i.error}
+    assert [i.id for i in got if not i.error] == ["ok", "last"]
+    assert len(got) == 13  # the blank line is not a row; nothing else is dropped
+    assert "malformed JSON" in errors["line 2"]
+    assert "no 'prompt' or 'messages' field" in errors["line 3"]
+    assert "'prompt' must be a string, got int" in errors["line 4"]
+    assert "'prompt' is empty" in errors["line 5"]
+    assert "not valid UTF-8 (byte 0xe9" in errors["line 6"]
+    assert "expected a JSON object, got a list" in errors["line 7"]
+    assert "'max_tokens' must be a positive integer, got '12'" in errors["line 8"]
+    assert "messages[0].content must be a string" in errors["line 9"]
+    assert "messages[0].role must be one of" in errors["line 10"]
+    assert "'stop' must be a string or a list" in errors["line 11"]
+    assert "'id' must be a string or an integer" in errors["line 12"]
+    assert all(e.startswith(w + ": ") for w, e in errors.items())
+    assert count_rows(path) == (13, 11)
+
+
+def test_prompt_template_over_row_fields(tmp_path):
+    path = write_jsonl(tmp_path / "t.jsonl", [{"id": "1", "title": "T", "text": "body"}, {"id": "2", "title": "U"}])
+    one, two = items(path, prompt_template="Summarize $title:\n${text}")
+    assert one.prompt == "Summarize T:\nbody"
+    assert two.error == "line 2: prompt_template needs field 'text', which the row lacks"
+
+
+def test_parquet_fields_and_wrong_columns(tmp_path):
+    table = pa.table({
+        "doc": ["d1", "d2", "d3"],
+        "question": ["What?", "", "Why?"],
+        "chat": [[{"role": "user", "content": "hi"}], None, None],
+        "max_tokens": [4, None, 6],
+    })  # fmt: skip
+    path = tmp_path / "q.parquet"
+    pq.write_table(table, path)
+    d1, d2, d3 = items(path, id_field="doc", prompt_field="question", messages_field="chat")
+    assert d1.id == "d1" and d1.prompt == [{"role": "user", "content": "hi"}] and d1.options == {"max_tokens": 4}
+    assert d2.error == "row 1: 'question' is empty"
+    assert d3.prompt == "Why?" and d3.where == "row 2"
+    with pytest.raises(InputError, match=r"no prompt column 'prompt' and no messages column 'messages' \(columns: doc, question, chat, max_tokens\)"):
+        items(path)
+    with pytest.raises(InputError, match=r"id_field 'uid' is not a column"):
+        items(path, id_field="uid", prompt_field="question")
+    with pytest.raises(InputError, match=r"prompt_template uses 'body', not a column"):
+        items(path, prompt_template="$body")
+
+
+def test_unreadable_and_missing_files(tmp_path):
+    with pytest.raises(InputError, match=r"no such file"):
+        items(tmp_path / "missing.jsonl")
+    bad = tmp_path / "notparquet.parquet"
+    bad.write_bytes(b"not parquet at all")
+    with pytest.raises(InputError, match=r"not a readable Parquet file"):
+        items(bad)
+    odd = tmp_path / "data.csv"
+    odd.write_text("a,b\n")
+    with pytest.raises(InputError, match=r"cannot tell the format"):
+        items(odd)
+    with pytest.raises(InputError, match=r"not a file"):
+        items(tmp_path)
+
+
+# -- job specs ---------------------------------------------------------------------------------
+def write_yaml(path, text):
+    path.write_text(text)
+    return path
+
+
+def test_yaml_spec_sections_paths_and_precedence(tmp_path):
+    (tmp_path / "data").mkdir()
+    write_jsonl(tmp_path / "data" / "in.jsonl", [{"prompt": "x"}])
+    path = write_yaml(tmp_path / "job.yaml", """
+name: demo
+input: data/in.jsonl
+output_dir: out/{name}
+model: {target: ./models/t, draft: auto, dtype: float32}
+sampling: {max_tokens: 32, temperature: 0.0, seed: 3, stop: "END"}
+system_prompt: Be brief.
+chunk_size: 4
+schedule: "0 2 * * *"
+""")
+    spec = load_spec(path)
+    assert spec.input == str(tmp_path / "data" / "in.jsonl")
+    assert spec.target == str(tmp_path / "models" / "t") and spec.dtype == "float32"
+    assert (spec.max_tokens, spec.seed, spec.stop, spec.chunk_size) == (32, 3, ["END"], 4)
+    assert spec.resolved_output_dir(tmp_path / "home") == tmp_path / "out" / "demo"
+    over = load_spec(path, max_tokens=8, temperature=None, chunk_size=2)
+    assert (over.max_tokens, over.temperature, over.chunk_size) == (8, 0.0, 2)
+    assert JobSpec().max_tokens == 256 and load_spec(tmp_path / "data" / "in.jsonl").max_tokens == 256
+    assert load_spec(path, draft="none").draft is None
+
+
+def test_config_hash_tracks_model_and_sampling_only(tmp_path):
+    write_jsonl(tmp_path / "in.jsonl", [{"prompt": "x"}])
+    base = load_spec(tmp_path / "in.jsonl", target="m")
+    assert base.config_hash() == load_spec(tmp_path / "in.jsonl", target="m", chunk_size=3, retries=2).config_hash()
+    for change in ({"max_tokens": 7}, {"temperature": 0.7}, {"seed": 1}, {"stop": ["x"]}, {"target": "n"},
+                   {"draft": "d"}, {"block_size": 4}, {"system_prompt": "s"}, {"target_revision": "abc"}):  # fmt: skip
+        assert load_spec(tmp_path / "in.jsonl", **dict({"target": "m"}, **change)).config_hash() != base.config_hash(), change
+
+
+@pytest.mark.parametrize("text, message", [
+    ("input: x.jsonl\nmax_token: 3\n", r"unknown key 'max_token'"),
+    ("input: x.jsonl\nsampling: {max_tokns: 3}\n", r"unknown key 'sampling.max_tokns' \(did you mean 'max_tokens'\?\)"),
+    ("input: x.jsonl\nmodel: {targt: m}\n", r"unknown key 'model.targt'"),
+    ("input: x.jsonl\nschedule: '61 2 * * *'\n", r"'schedule' '61 2 \* \* \*': bad minute field '61'"),
+    ("input: x.jsonl\nschedule: 'every night'\n", r"'schedule' 'every night' is not a cron expression: need 5 fields"),
+    ("input: x.jsonl\nsampling: {max_tokens: 0}\n", r"'max_tokens' must be an integer >= 1, got 0"),
+    ("input: x.jsonl\nsampling: {temperature: hot}\n", r"'temperature' must be a number >= 0"),
+    ("input: x.jsonl\nchunk_size: 2.5\n", r"'chunk_size' must be an integer >= 1"),
+    ("input: x.jsonl\nprompt_template: 'no fields'\n", r"'prompt_template' uses no \$field"),
+    ("input: x.jsonl\nprompt_template: 'cost $'\n", r"'prompt_template' is malformed"),
+    ("input: x.jsonl\noutput_dir: 'out/{user}'\n", r"'output_dir' may use only"),
+    ("input: x.jsonl\nchat_template: maybe\n", r"'chat_template' must be true, false or null"),
+    ("name: only-a-name\n", r"'input' is required"),
+    ("- a\n- b\n", r"must be a YAML mapping"),
+    ("input: [unclosed\n", r"invalid YAML"),
+])  # fmt: skip
+def test_bad_specs_name_the_key(tmp_path, text, message):
+    path = write_yaml(tmp_path / "job.yaml", text)
+    with pytest.raises(SpecError, match=message) as info:
+        load_spec(path)
+    assert str(path) in str(info.value)
+
+
+def test_missing_spec_file_and_unknown_override(tmp_path):
+    with pytest.raises(SpecError, match=r"no such file"):
+        load_spec(tmp_path / "nope.yaml")
+    with pytest.raises(SpecError, match=r"unknown option 'max_tokns' \(did you mean 'max_tokens'\?\)"):
+        load_spec(tmp_path / "in.jsonl", max_tokns=3)
+
+
+def test_cron_fields():
+    assert cron_fields("0 2 * * *") == {"minute": "0", "hour": "2", "day": "*", "month": "*", "day_of_week": "*"}
+    assert cron_fields("@daily")["hour"] == "0"
+    assert cron_fields("*/15 1-5 * * 1,3")["minute"] == "*/15"
+    with pytest.raises(ValueError, match="bad hour field '25'"):
+        cron_fields("0 25 * * *")
+    json.dumps(cron_fields("@hourly"))
