@@ -111,7 +111,12 @@ def _jsonl_rows(path: Path):
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                yield where, raw, None, f"not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})"
+                problem = f"not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})"
+                try:  # keep the row's own id when the rest of the line still parses
+                    row = orjson.loads(raw.decode("utf-8", errors="replace"))
+                except orjson.JSONDecodeError:
+                    row = None
+                yield where, raw, row if isinstance(row, dict) else None, problem
                 continue
             try:
                 row = orjson.loads(text)
@@ -160,6 +165,11 @@ def _to_item(path: Path, index: int, where: str, raw: bytes, row, problem, field
     item = Item(id=derived, index=index, where=where)
     if problem is not None:
         item.error = f"{where}: {problem}"
+        if row is not None:
+            try:
+                item.id = _row_id(row, fields) or derived
+            except RowError:
+                pass
         return item
     try:
         item.id = _row_id(row, fields) or derived
