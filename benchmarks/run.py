@@ -67,7 +67,7 @@ SUITES: Dict[str, Suite] = {
     s.name: s
     for s in [
         Suite("smoke", ["qwen3-tiny"], [64, 32], max_tokens=24, reps=1, dtype="float32", batches=[1, 2],
-              acceptance=["drafted=0.89", "full", "random"], note="harness smoke test on a tiny model"),
+              acceptance=["drafted=0.89", "full", "random"], runner=True, note="harness smoke test on a tiny model"),
         Suite("cpu", ["qwen3-small"], [512, 256, 1024], max_tokens=64, reps=3, dtype="float32", runner=True,
               note="CPU: a scaled-down Qwen3 layout (hidden 512, 12 layers, vocab 32768) at contexts "
               "256/512/1024 (a quarter of the GPU contexts); 4B shapes are too slow for 2 shared cores"),

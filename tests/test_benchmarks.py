@@ -1,0 +1,117 @@
+"""The benchmark harness on tiny models: well-formed results, and scripted acceptance that
+lands exactly where it was scripted. No timing assertions (performance lives in benchmarks)."""
+
+import json
+
+import pytest
+
+import dflash_batch.engine  # noqa: F401  (BLAS before mlx)
+import mlx.core as mx
+
+from benchmarks import arms, report, run
+from benchmarks.scripted import AcceptanceScript, ScriptedDrafter, head_rows_of, per_token_rate
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return arms.build_setup("qwen3-tiny", mx.float32)
+
+
+def test_per_token_rate_inverts_the_truncated_geometric_mean():
+    for mean in (0.5, 6.05, 8.57, 13.35):
+        q = per_token_rate(mean, 15)
+        assert sum(q**k for k in range(1, 16)) == pytest.approx(mean, abs=1e-9)
+    with pytest.raises(ValueError):
+        per_token_rate(16, 15)
+
+
+def test_script_draws_average_to_the_requested_rate():
+    script = AcceptanceScript.of_drafted(0.89, 16, seed=3)
+    for _ in range(20000):
+        script.corrupted()
+    assert sum(script.drawn) / len(script.drawn) / 15 == pytest.approx(0.89, abs=0.01)
+    tau = AcceptanceScript.of_tokens_per_cycle(9.57, 16, seed=4)
+    for _ in range(20000):
+        tau.corrupted()
+    assert 1 + sum(tau.drawn) / len(tau.drawn) == pytest.approx(9.57, abs=0.1)
+
+
+def _verify_steps(engine, prompt, max_tokens):
+    from dflash_batch.engine.decode import dflash_steps, make_chooser
+
+    steps = list(dflash_steps(engine.target, engine.drafter, prompt, max_tokens, make_chooser(0.0)))
+    return [t for s in steps for t in s.tokens], [s for s in steps if s.verify]
+
+
+def _check_cycles_follow_script(cycles, drawn):
+    """Every cycle accepted exactly the script's draw; the last may be cut short by the budget."""
+    assert len(cycles) == len(drawn)
+    assert [c.from_draft for c in cycles[:-1]] == drawn[:-1]
+    assert cycles[-1].from_draft == min(drawn[-1], cycles[-1].drafted)
+
+
+def test_scripted_acceptance_on_a_zeroed_norm_target_hits_the_requested_rate(tiny):
+    engine = arms.make_engine(tiny, tiny.drafter)
+    script = AcceptanceScript.of_drafted(0.6, engine.block_size, seed=7)
+    engine.drafter = arms.scripted_drafter(tiny, script)
+    prompt = arms.prompt_ids(40, tiny.vocab_size)
+    with arms.zeroed_final_norm(tiny.model):
+        tokens, cycles = _verify_steps(engine, prompt, 1000)
+        assert tokens == [0] * 1000  # the target's known continuation
+        _check_cycles_follow_script(cycles, script.drawn)
+        script.reset()
+        stats = engine.generate(prompt, max_tokens=1000).stats
+    assert stats.acceptance_drafted == pytest.approx(0.6, abs=0.08)
+    assert stats.accepted_tokens == sum(c.from_draft for c in cycles)
+
+
+def test_scripted_drafter_replays_a_recorded_greedy_continuation(tiny):
+    """Random weights, fp32: the target's own greedy output is the reference; proposals built
+    from it are accepted exactly where the script says, and the output is unchanged."""
+    prompt = arms.prompt_ids(24, tiny.vocab_size, seed=5)
+    plain = arms.make_engine(tiny).generate(prompt, max_tokens=150).token_ids
+    engine = arms.make_engine(tiny, tiny.drafter)
+    script = AcceptanceScript(q=0.8, block_size=engine.block_size, seed=11)
+    engine.drafter = ScriptedDrafter(tiny.drafter, head_rows_of(tiny.model), script, tiny.vocab_size,
+                                     reference=plain + [0] * 32)
+    tokens, cycles = _verify_steps(engine, prompt, 150)
+    assert tokens == plain
+    _check_cycles_follow_script(cycles, script.drawn)
+
+
+def test_random_weights_give_about_one_token_per_cycle(tiny):
+    engine = arms.make_engine(tiny, tiny.drafter)
+    stats = engine.generate(arms.prompt_ids(32, tiny.vocab_size), max_tokens=60).stats
+    assert stats.tokens_per_cycle < 1.5
+
+
+def test_smoke_suite_results_are_well_formed(tmp_path):
+    path = run.main(["--suite", "smoke", "--out", str(tmp_path)])
+    doc = json.loads(path.read_text())
+    assert doc["machine"]["backend"] == "cpu" and doc["machine"]["mlx"]
+    assert doc["bandwidth_gbps"] > 0
+    shape = doc["shapes"]["qwen3-tiny"]
+    assert shape["physical_limit_tps"] > 0 and shape["target_gb"] > 0
+    arms_seen = {(r["arm"], r.get("acceptance"), r.get("batch"), r["context"]) for r in doc["results"]}
+    for ctx in doc["suite"]["contexts"]:
+        assert ("mlx_lm.stream_generate", None, None, ctx) in arms_seen
+        assert ("dflash.engine", "drafted=0.89", None, ctx) in arms_seen
+        for b in doc["suite"]["batches"]:
+            assert ("mlx_lm.batch_generate", None, b, ctx) in arms_seen
+    for r in doc["results"]:
+        assert r["status"] == "ok", r
+        f = r["figures"]
+        if r["arm"] == "dflash.cycle-breakdown":
+            assert f["verify_ms"] > 0 and f["draft_ms"] > 0
+            continue
+        assert f["decode_tps"] > 0 and f["prefill_tps"] > 0
+        if r["arm"] != "dflash.runner":
+            assert f["generated_tokens"] == doc["suite"]["max_tokens"]
+            assert f["prompt_tokens"] == r["context"]
+        if r["arm"] == "dflash.engine" and r["acceptance"] == "full":
+            assert f["acceptance_drafted"] == 1.0
+        if r["arm"] == "dflash.engine" and "=" in r["acceptance"]:
+            assert f["script_matches_target"] is True
+    report.main([str(path), "--page", ""])
+    md = path.with_suffix(".md").read_text()
+    assert "mlx_lm stream_generate" in md and "Physical limit" in md
