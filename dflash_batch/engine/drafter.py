@@ -13,9 +13,10 @@ from typing import Any, Dict, List, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.base import create_causal_mask, scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
+
+from .attention import drafter_attention
 
 REQUIRED_KEYS = (
     "hidden_size",
@@ -146,10 +147,8 @@ class Attention(nn.Module):
         # Keys sit at absolute positions 0..T+L-1 and queries at T..T+L-1 (T = context length).
         # Full layers: every query sees all context and the whole block (bidirectional).
         # Sliding layers: causal inside the block, context limited to the window.
-        mask = None
-        if self.window is not None:
-            mask = create_causal_mask(L, offset=k_ctx.shape[2], window_size=self.window)
-        out = scaled_dot_product_attention(q, keys, values, cache=None, scale=self.scale, mask=mask)
+        # (stock SDPA with that mask, or the two-pass block attention on GPU: engine/attention.py)
+        out = drafter_attention(q, keys, values, scale=self.scale, window=self.window)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 

@@ -17,7 +17,7 @@ from ..completion import (
     Piece,
     PromptTooLongError,
 )
-from . import loading, registry
+from . import attention, loading, registry
 from .decode import ar_steps, dflash_steps, make_chooser
 from .stopping import StopText
 from .target import Target
@@ -44,6 +44,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.drafter = drafter
         self.target = Target(model)
+        attention.install(model)  # verify passes: multi-row attention routed per backend
         self.config = config or {}
         self.prefill_chunk = prefill_chunk
         self.max_context = max_context or self.config.get("max_position_embeddings")

@@ -1,0 +1,128 @@
+"""Which attention a verify or draft pass runs: stock SDPA or the two-pass block attention.
+
+On MLX's CUDA backend, ``mx.fast.scaled_dot_product_attention`` with more than one query row
+costs 35-52 ms whenever the key length differs from the previous call (0.14 ms when it repeats).
+A DFlash cycle grows the KV cache every time, so every verify pass and every draft pass would
+pay it. Routing sends attention with 2..MAX_ROWS query rows to
+``kernels.attention.block_attention_*``, whose kernels are compiled once per dtype and head dim.
+Single-row decode steps and long prefill chunks keep stock SDPA.
+
+Modes (``set_mode``, or the environment variable DFLASH_BATCH_ATTENTION):
+    stock      stock SDPA everywhere (default on CPU, and on Metal, where the kernels are untested)
+    kernel     the CUDA / Metal kernels (default on CUDA)
+    reference  the same two passes in MLX ops (any backend; used by the tests)
+
+The target's attention layers reach the op through ``install``: mlx-lm model files call
+``scaled_dot_product_attention`` imported by name from ``mlx_lm.models.base``; ``install``
+points that name, in the model's own modules, at ``target_sdpa``, which falls back to the
+original for everything it does not route (one row, array masks, quantized caches, sinks).
+The drafter calls ``drafter_attention`` directly.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Dict, List, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models import base as mlx_lm_base
+from mlx_lm.models.base import create_causal_mask
+
+from .kernels import attention as block
+
+MODES = ("stock", "kernel", "reference")
+ENV = "DFLASH_BATCH_ATTENTION"
+MAX_ROWS = 64  # more query rows than this (prefill chunks) stay on stock SDPA
+
+_stock_sdpa = mlx_lm_base.scaled_dot_product_attention
+_mode: Optional[str] = None
+_counts: Dict[str, int] = {"routed": 0, "stock": 0}
+
+
+def default_mode() -> str:
+    """DFLASH_BATCH_ATTENTION if set, else "kernel" on CUDA and "stock" elsewhere."""
+    env = os.environ.get(ENV)
+    if env:
+        if env not in MODES:
+            raise ValueError(f"{ENV}={env!r}: expected one of {MODES}")
+        return env
+    return "kernel" if block.gpu_backend() == "cuda" else "stock"
+
+
+def set_mode(mode: Optional[str]) -> None:
+    """Choose the mode for the whole process; None returns to the default."""
+    if mode is not None and mode not in MODES:
+        raise ValueError(f"attention mode must be one of {MODES} or None, got {mode!r}")
+    global _mode
+    _mode = mode
+
+
+def mode() -> str:
+    return _mode or default_mode()
+
+
+def counters() -> Dict[str, int]:
+    """How many attention calls went through the routed op and how many through stock SDPA."""
+    return dict(_counts)
+
+
+def _route(q: mx.array, k: mx.array, v: mx.array) -> Optional[str]:
+    """The implementation to use for these arrays ("kernel" / "reference"), or None for stock."""
+    chosen = mode()
+    if chosen == "stock" or not 2 <= q.shape[2] <= MAX_ROWS:
+        return None
+    if chosen == "kernel" and (block.gpu_backend() is None or block.unsupported(q, k, v)):
+        return None
+    if chosen == "reference" and block.unsupported(q, k, v, head_dims=None):
+        return None
+    return chosen
+
+
+def _block_attention(impl: str, q, k, v, scale: float, causal: bool, window: Optional[int]) -> mx.array:
+    _counts["routed"] += 1
+    if impl == "kernel":
+        return block.block_attention_kernel(q, k, v, scale=scale, causal=causal, window=window)
+    return block.block_attention_reference(q, k, v, scale=scale, causal=causal, window=window)
+
+
+def target_sdpa(queries, keys, values, cache, scale: float, mask, sinks=None) -> mx.array:
+    """Drop-in for ``mlx_lm.models.base.scaled_dot_product_attention``.
+
+    Routed: mask "causal" (rows causal inside the block, all earlier keys visible) or None
+    (every row sees every key), plain (unquantized) caches, no attention sinks.
+    """
+    plain_mask = mask is None or (isinstance(mask, str) and mask == "causal")
+    if plain_mask and sinks is None and not hasattr(cache, "bits"):
+        impl = _route(queries, keys, values)
+        if impl is not None:
+            return _block_attention(impl, queries, keys, values, scale, causal=mask is not None, window=None)
+    _counts["stock"] += 1
+    return _stock_sdpa(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+
+
+def drafter_attention(q: mx.array, keys: mx.array, values: mx.array, *, scale: float, window: Optional[int]) -> mx.array:
+    """Draft-block attention over [context, block] keys: bidirectional (full layers), or causal
+    within a sliding window (sliding layers); the block's rows are the last ``L`` key positions."""
+    impl = _route(q, keys, values)
+    if impl is not None:
+        return _block_attention(impl, q, keys, values, scale, causal=window is not None, window=window)
+    _counts["stock"] += 1
+    mask = None
+    if window is not None:
+        L = q.shape[2]
+        mask = create_causal_mask(L, offset=keys.shape[2] - L, window_size=window)
+    return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
+
+
+def install(model: nn.Module) -> List[str]:
+    """Point the attention layers of an mlx-lm model at ``target_sdpa``; returns the modules
+    patched (none when already installed). Harmless in "stock" mode: the same SDPA runs."""
+    patched = []
+    for _, module in model.named_modules():
+        owner = sys.modules.get(type(module).__module__)
+        if owner is not None and getattr(owner, "scaled_dot_product_attention", None) is _stock_sdpa:
+            owner.scaled_dot_product_attention = target_sdpa
+            patched.append(owner.__name__)
+    return patched

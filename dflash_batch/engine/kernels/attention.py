@@ -1,0 +1,635 @@
+"""Block attention for verify and draft passes: a few query rows over a KV cache of any length.
+
+``q [B, H, Lq, D]`` (Lq up to 16 or so, the rows of a verify or draft block) attends to
+``k, v [B, Hk, Lk, D]`` (GQA: query head h reads KV head h // (H / Hk)). Query row i sits at
+key position ``Lk - Lq + i``. Masks, all optional and combined:
+
+    causal:    key j is visible to row i iff j <= Lk - Lq + i      (verify: causal in the block)
+    window w:  ... and (Lk - Lq + i) - j < w                        (sliding-window drafter layers)
+    kv_start:  ... and j >= kv_start[b]                             (left-padded batch rows)
+
+Two passes, as a split-K decode step does for its one row:
+
+    pass 1, per chunk c of keys and per row:  m_c = max_j s_j,  l_c = sum_j 2^(s_j - m_c),
+                                              o_c = sum_j 2^(s_j - m_c) v_j
+              with s_j = (q . k_j) * scale * log2(e)   (base-2 exponent, same softmax)
+    pass 2, per row:  M = max_c m_c,  w_c = 2^(m_c - M),  out = sum_c w_c o_c / sum_c w_c l_c
+
+All partials are fp32. ``reference`` computes exactly this with MLX ops (any backend; the test
+oracle). ``kernel`` runs it as two ``mx.fast.cuda_kernel`` / ``mx.fast.metal_kernel`` launches
+that are compiled once per (dtype, head dim): shapes, strides and mask parameters are run-time
+arguments, so a new KV length costs no compilation (stock SDPA's multi-row path on CUDA pays
+35-50 ms for every new key length). Both kernels share one body, written against a few macros
+that each backend's header defines.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Optional, Tuple
+
+import mlx.core as mx
+
+LOG2E = 1.4426950408889634
+HEAD_DIMS = (64, 128, 256)
+DTYPES = (mx.float32, mx.float16, mx.bfloat16)
+TILE = 32  # keys per tile: one per lane of a 32-wide warp / simdgroup
+REFERENCE_CHUNK = 128  # keys per chunk in the reference's first pass
+TARGET_BLOCKS = 264  # pass-1 blocks to aim for (about two per SM on an H100/H200)
+
+
+# --------------------------------------------------------------------------------------------
+# Reference (pure MLX): the oracle, and the CPU path
+# --------------------------------------------------------------------------------------------
+
+
+def visible_keys(
+    Lq: int, Lk: int, *, causal: bool, window: Optional[int], kv_start: Optional[mx.array], width: int
+) -> mx.array:
+    """Bool mask [B or 1, 1, Lq, width] of the keys each row may see (keys >= Lk are padding)."""
+    rows = mx.arange(Lq)[:, None] + (Lk - Lq)  # absolute position of each query row
+    keys = mx.arange(width)[None, :]
+    ok = keys < Lk
+    if causal:
+        ok = ok & (keys <= rows)
+    if window:
+        ok = ok & (rows - keys < window)
+    ok = ok[None, None]
+    if kv_start is not None:
+        ok = ok & (keys[None, None] >= kv_start.reshape(-1, 1, 1, 1))
+    return ok
+
+
+def block_attention_reference(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    *,
+    scale: float,
+    causal: bool = True,
+    window: Optional[int] = None,
+    kv_start: Optional[mx.array] = None,
+    chunk: int = REFERENCE_CHUNK,
+) -> mx.array:
+    """The two-pass block attention in MLX ops, fp32 inside; returns q's dtype, shape [B, H, Lq, D]."""
+    B, H, Lq, D = q.shape
+    Hk, Lk = k.shape[1], k.shape[2]
+    G = H // Hk
+    n_chunks = -(-Lk // chunk)
+    pad = n_chunks * chunk - Lk
+    qf = q.astype(mx.float32).reshape(B, Hk, G * Lq, D) * scale  # rows r = g * Lq + i
+    kf, vf = k.astype(mx.float32), v.astype(mx.float32)
+    if pad:
+        widths = [(0, 0), (0, 0), (0, pad), (0, 0)]
+        kf, vf = mx.pad(kf, widths), mx.pad(vf, widths)
+    s = qf @ kf.transpose(0, 1, 3, 2)  # [B, Hk, R, Lk + pad] (natural log base; kernels use base 2)
+    ok = visible_keys(Lq, Lk, causal=causal, window=window, kv_start=kv_start, width=Lk + pad)
+    ok = mx.broadcast_to(ok[:, :, None], (ok.shape[0], 1, G, Lq, Lk + pad)).reshape(ok.shape[0], 1, G * Lq, -1)
+    s = mx.where(ok, s, -mx.inf).reshape(B, Hk, G * Lq, n_chunks, chunk)
+    # pass 1: per chunk, m_c = max s, p = e^(s - m_c), l_c = sum p, o_c = p @ v
+    m = s.max(axis=-1)
+    m_safe = mx.where(m == -mx.inf, 0.0, m)
+    p = mx.exp(s - m_safe[..., None])  # e^-inf = 0 on hidden keys
+    l = p.sum(axis=-1)
+    o = p.transpose(0, 1, 3, 2, 4) @ vf.reshape(B, Hk, n_chunks, chunk, D)  # [B, Hk, C, R, D]
+    # pass 2: M = max_c m_c, w_c = e^(m_c - M), out = sum w_c o_c / sum w_c l_c
+    M = m.max(axis=-1, keepdims=True)
+    w = mx.where(m == -mx.inf, 0.0, mx.exp(m - mx.where(M == -mx.inf, 0.0, M)))
+    L = (l * w).sum(axis=-1)
+    out = (o * w.transpose(0, 1, 3, 2)[..., None]).sum(axis=2)
+    out = mx.where(L[..., None] > 0, out / mx.where(L > 0, L, 1.0)[..., None], 0.0)
+    return out.reshape(B, H, Lq, D).astype(q.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Kernels: one body for both backends
+# --------------------------------------------------------------------------------------------
+
+# Pass 1. Block (split, b * Hk + kv head, row group). NW warps of 32 lanes; warp w owns RW rows
+# (row r = g * Lq + i of this KV head's G * Lq rows). For each tile of 32 keys:
+#   QK: lane = key; s[r] = sum_d q_s[r][d] * k_s[lane][d]  (q rows pre-scaled by scale * log2 e)
+#   online softmax per row: m' = max(m, warp_max s), alpha = 2^(m - m'), p = 2^(s - m')
+#   PV: lane owns dims d = e * 32 + lane; o[r][e] = alpha o[r][e] + sum_key p[r][key] v[key][d]
+# The row sum l is kept per lane and reduced once at the end.
+PASS1_BODY = r"""
+    const int H = q_shape[1];
+    const int Lq = q_shape[2];
+    const int Hk = k_shape[1];
+    const int Lk = k_shape[2];
+    const int G = H / Hk;
+    const int R = G * Lq;
+    const int b = bh / Hk;
+    const int kvh = bh - b * Hk;
+    const bool causal = flags[0] != 0;
+    const int window = flags[1];
+    const float qscale = scale[0];
+    const int first_key = kv_start[b];
+    const int q_pos0 = Lk - Lq;
+
+    constexpr int ROWS = NW * RW;
+    constexpr int NT = NW * 32;
+    constexpr int DPL = D / 32;
+    constexpr int KSTRIDE = DK + 4;
+    SPTR k_s = smem;
+    SPTR v_s = k_s + 32 * KSTRIDE;
+    SPTR q_s = v_s + (V_SMEM ? 32 * D : 0);
+    SPTR p_s = q_s + ROWS * D;
+
+    // Keys before key_begin are outside every row's window: no tile reads them.
+    int key_begin = 0;
+    if (window > 0) {
+        key_begin = IMAX(0, q_pos0 - window + 1);
+    }
+    key_begin = IMAX(key_begin, first_key);
+    const int tiles = IMAX(0, (Lk - key_begin + 31) / 32);
+    const int tps = (tiles + n_splits - 1) / n_splits;
+    const int t_begin = split * tps;
+    const int t_end = IMIN(t_begin + tps, tiles);
+
+    const I64 kb = (I64)b * k_strides[0] + (I64)kvh * k_strides[1];
+    const I64 vb = (I64)b * v_strides[0] + (I64)kvh * v_strides[1];
+
+    for (int idx = tid; idx < ROWS * D; idx += NT) {
+        const int rl = idx / D;
+        const int d = idx - rl * D;
+        const int row = rg * ROWS + rl;
+        float val = 0.0f;
+        if (row < R) {
+            const int g = row / Lq;
+            const int i = row - g * Lq;
+            const int h = kvh * G + g;
+            val = static_cast<float>(q[(I64)b * q_strides[0] + (I64)h * q_strides[1] +
+                                       (I64)i * q_strides[2] + (I64)d * q_strides[3]]) * qscale;
+        }
+        q_s[idx] = val;
+    }
+
+    const int wrow = warp * RW;
+    float m_i[RW];
+    float l_i[RW];
+    float o_i[RW][DPL];
+    UNROLL
+    for (int r = 0; r < RW; ++r) {
+        m_i[r] = NEG_INF;
+        l_i[r] = 0.0f;
+        UNROLL
+        for (int e = 0; e < DPL; ++e) {
+            o_i[r][e] = 0.0f;
+        }
+    }
+
+    for (int t = t_begin; t < t_end; ++t) {
+        const int j0 = key_begin + t * 32;
+        float s[RW];
+        UNROLL
+        for (int r = 0; r < RW; ++r) {
+            s[r] = 0.0f;
+        }
+        for (int dk0 = 0; dk0 < D; dk0 += DK) {
+            SYNC_BLOCK();
+            for (int idx = tid; idx < 32 * DK; idx += NT) {
+                const int kk = idx / DK;
+                const int dd = idx - kk * DK;
+                const int j = j0 + kk;
+                k_s[kk * KSTRIDE + dd] = (j < Lk)
+                    ? static_cast<float>(k[kb + (I64)j * k_strides[2] + (I64)(dk0 + dd) * k_strides[3]])
+                    : 0.0f;
+            }
+            if (V_SMEM && dk0 == 0) {
+                for (int idx = tid; idx < 32 * D; idx += NT) {
+                    const int kk = idx / D;
+                    const int d = idx - kk * D;
+                    const int j = j0 + kk;
+                    v_s[idx] = (j < Lk)
+                        ? static_cast<float>(v[vb + (I64)j * v_strides[2] + (I64)d * v_strides[3]])
+                        : 0.0f;
+                }
+            }
+            SYNC_BLOCK();
+            UNROLL
+            for (int dd = 0; dd < DK; dd += 4) {
+                const float4 kx = LDS4(k_s + lane * KSTRIDE + dd);
+                UNROLL
+                for (int r = 0; r < RW; ++r) {
+                    const float4 qx = LDS4(q_s + (wrow + r) * D + dk0 + dd);
+                    s[r] += qx.x * kx.x + qx.y * kx.y + qx.z * kx.z + qx.w * kx.w;
+                }
+            }
+        }
+
+        const int j = j0 + lane;
+        UNROLL
+        for (int r = 0; r < RW; ++r) {
+            const int row = rg * ROWS + wrow + r;
+            const int qpos = q_pos0 + (row % Lq);
+            const bool ok = (j < Lk) && (j >= first_key) && (!causal || j <= qpos) &&
+                            (window <= 0 || qpos - j < window);
+            const float sv = ok ? s[r] : NEG_INF;
+            const float m_new = FMAX(m_i[r], WARP_MAX(sv));
+            float p = 0.0f;
+            float alpha = 1.0f;
+            if (m_new != NEG_INF) {
+                alpha = (m_i[r] == NEG_INF) ? 0.0f : EXP2(m_i[r] - m_new);
+                p = ok ? EXP2(sv - m_new) : 0.0f;
+            }
+            l_i[r] = l_i[r] * alpha + p;
+            UNROLL
+            for (int e = 0; e < DPL; ++e) {
+                o_i[r][e] *= alpha;
+            }
+            m_i[r] = m_new;
+            p_s[(wrow + r) * 32 + lane] = p;
+        }
+        SYNC_WARP();
+
+        for (int kk = 0; kk < 32; kk += 4) {
+            float4 pv[RW];
+            UNROLL
+            for (int r = 0; r < RW; ++r) {
+                pv[r] = LDS4(p_s + (wrow + r) * 32 + kk);
+            }
+            UNROLL
+            for (int c = 0; c < 4; ++c) {
+                const int jj = j0 + kk + c;
+                float vx[DPL];
+                UNROLL
+                for (int e = 0; e < DPL; ++e) {
+                    const int d = e * 32 + lane;
+                    if (V_SMEM) {
+                        vx[e] = v_s[(kk + c) * D + d];
+                    } else {
+                        vx[e] = (jj < Lk) ? static_cast<float>(v[vb + (I64)jj * v_strides[2] + (I64)d * v_strides[3]]) : 0.0f;
+                    }
+                }
+                UNROLL
+                for (int r = 0; r < RW; ++r) {
+                    const float pr = F4GET(pv[r], c);
+                    UNROLL
+                    for (int e = 0; e < DPL; ++e) {
+                        o_i[r][e] += pr * vx[e];
+                    }
+                }
+            }
+        }
+        SYNC_WARP();
+    }
+
+    UNROLL
+    for (int r = 0; r < RW; ++r) {
+        const float l = WARP_SUM(l_i[r]);
+        const int row = rg * ROWS + wrow + r;
+        if (row < R) {
+            const int g = row / Lq;
+            const int i = row - g * Lq;
+            const int h = kvh * G + g;
+            const I64 part = (((I64)b * H + h) * Lq + i) * n_splits + split;
+            if (lane == 0) {
+                m_part[part] = m_i[r];
+                l_part[part] = l;
+            }
+            UNROLL
+            for (int e = 0; e < DPL; ++e) {
+                o_part[part * D + e * 32 + lane] = o_i[r][e];
+            }
+        }
+    }
+"""
+
+# Pass 2. Block per output row (b, h, i), thread per dim d:
+#   M = max_c m_c;  out[d] = sum_c 2^(m_c - M) o_c[d] / sum_c 2^(m_c - M) l_c   (0 if no key seen)
+PASS2_BODY = r"""
+    const int n_splits = m_part_shape[3];
+    const I64 base = (I64)row * n_splits;
+    float M = NEG_INF;
+    for (int c = 0; c < n_splits; ++c) {
+        M = FMAX(M, m_part[base + c]);
+    }
+    float acc = 0.0f;
+    float L = 0.0f;
+    if (M != NEG_INF) {
+        for (int c = 0; c < n_splits; ++c) {
+            const float mc = m_part[base + c];
+            if (mc != NEG_INF) {
+                const float w = EXP2(mc - M);
+                L += l_part[base + c] * w;
+                acc += o_part[(base + c) * D + d] * w;
+            }
+        }
+    }
+    out[(I64)row * D + d] = static_cast<T>(L > 0.0f ? acc / L : 0.0f);
+"""
+
+CUDA_HEADER = r"""
+#define SPTR float*
+#define I64 long long
+#define NEG_INF (-__int_as_float(0x7f800000))
+#define IMAX(a, b) max((a), (b))
+#define IMIN(a, b) min((a), (b))
+#define FMAX(a, b) fmaxf((a), (b))
+#define EXP2(x) exp2f(x)
+#define UNROLL _Pragma("unroll")
+#define SYNC_BLOCK() __syncthreads()
+#define SYNC_WARP() __syncwarp()
+#define LDS4(ptr) (*reinterpret_cast<const float4*>(ptr))
+#define F4GET(v, c) ((c) == 0 ? (v).x : (c) == 1 ? (v).y : (c) == 2 ? (v).z : (v).w)
+__device__ __forceinline__ float dflash_warp_max(float x) {
+    for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+    return x;
+}
+__device__ __forceinline__ float dflash_warp_sum(float x) {
+    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+    return x;
+}
+#define WARP_MAX(x) dflash_warp_max(x)
+#define WARP_SUM(x) dflash_warp_sum(x)
+"""
+
+CUDA_PASS1 = (
+    r"""
+    extern __shared__ float4 dflash_smem4[];
+    float* smem = reinterpret_cast<float*>(dflash_smem4);
+    const int tid = threadIdx.x;
+    const int lane = tid & 31;
+    const int warp = tid >> 5;
+    const int split = blockIdx.x;
+    const int n_splits = gridDim.x;
+    const int bh = blockIdx.y;
+    const int rg = blockIdx.z;
+"""
+    + PASS1_BODY
+)
+
+CUDA_PASS2 = (
+    r"""
+    const int row = blockIdx.x;
+    const int d = threadIdx.x;
+"""
+    + PASS2_BODY
+)
+
+METAL_HEADER = r"""
+#define SPTR threadgroup float*
+#define I64 long
+#define NEG_INF (-INFINITY)
+#define IMAX(a, b) metal::max((a), (b))
+#define IMIN(a, b) metal::min((a), (b))
+#define FMAX(a, b) metal::fmax((a), (b))
+#define EXP2(x) metal::exp2(x)
+#define UNROLL _Pragma("clang loop unroll(full)")
+#define SYNC_BLOCK() threadgroup_barrier(mem_flags::mem_threadgroup)
+#define SYNC_WARP() simdgroup_barrier(mem_flags::mem_threadgroup)
+#define LDS4(ptr) (*((threadgroup const float4*)(ptr)))
+#define F4GET(v, c) ((v)[(c)])
+#define WARP_MAX(x) simd_max(x)
+#define WARP_SUM(x) simd_sum(x)
+"""
+
+METAL_PASS1 = (
+    r"""
+    threadgroup float4 smem4[SMEM_FLOATS / 4];
+    threadgroup float* smem = (threadgroup float*)smem4;
+    const int tid = (int)thread_position_in_threadgroup.x;
+    const int lane = (int)thread_index_in_simdgroup;
+    const int warp = (int)simdgroup_index_in_threadgroup;
+    const int split = (int)threadgroup_position_in_grid.x;
+    const int n_splits = (int)threadgroups_per_grid.x;
+    const int bh = (int)threadgroup_position_in_grid.y;
+    const int rg = (int)threadgroup_position_in_grid.z;
+"""
+    + PASS1_BODY
+)
+
+METAL_PASS2 = (
+    r"""
+    const int row = (int)threadgroup_position_in_grid.x;
+    const int d = (int)thread_position_in_threadgroup.x;
+"""
+    + PASS2_BODY
+)
+
+PASS1_INPUTS = ["q", "k", "v", "kv_start", "flags", "scale"]
+PASS1_OUTPUTS = ["o_part", "m_part", "l_part"]
+PASS2_INPUTS = ["o_part", "m_part", "l_part"]
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Compile-time shape of pass 1 for one (backend, head dim)."""
+
+    warps: int  # NW
+    rows_per_warp: int  # RW
+    k_tile_dims: int  # DK: dims of K held in the tile at once (D on CUDA; at most 128 on Metal)
+    v_in_smem: bool  # V tile staged in shared memory (CUDA) or read from device memory (Metal)
+    head_dim: int
+
+    @property
+    def rows(self) -> int:
+        return self.warps * self.rows_per_warp
+
+    @property
+    def smem_floats(self) -> int:
+        D, DK = self.head_dim, self.k_tile_dims
+        return TILE * (DK + 4) + (TILE * D if self.v_in_smem else 0) + self.rows * D + self.rows * TILE
+
+
+def kernel_config(backend: str, head_dim: int) -> KernelConfig:
+    """CUDA: 4 warps x 8 rows (4 x 4 at D=256), K and V tiles in dynamic shared memory (54-84 KB).
+    Metal: must fit 32 KB of threadgroup memory, so V streams from device memory and K is
+    tiled 128 dims at a time."""
+    if backend == "cuda":
+        rw = 4 if head_dim > 128 else 8
+        return KernelConfig(warps=4, rows_per_warp=rw, k_tile_dims=head_dim, v_in_smem=True, head_dim=head_dim)
+    rw = 2 if head_dim > 128 else 4
+    return KernelConfig(warps=4, rows_per_warp=rw, k_tile_dims=min(head_dim, 128), v_in_smem=False, head_dim=head_dim)
+
+
+def gpu_backend() -> Optional[str]:
+    """"cuda" or "metal" when that backend is present and the default device is the GPU."""
+    if mx.default_device() != mx.gpu:
+        return None
+    if mx.cuda.is_available():
+        return "cuda"
+    if mx.metal.is_available():
+        return "metal"
+    return None
+
+
+_kernels: Dict[Tuple[str, str, int], object] = {}
+_consts: Dict[tuple, mx.array] = {}
+
+
+def _kernel(backend: str, which: str, head_dim: int):
+    """Build (once per backend, pass and head dim) the kernel object; dtype is a template arg."""
+    key = (backend, which, head_dim)
+    if key not in _kernels:
+        if backend == "cuda":
+            cfg = kernel_config("cuda", head_dim)
+            if which == "pass1":
+                _kernels[key] = mx.fast.cuda_kernel(
+                    name="dflash_block_attn_pass1",
+                    input_names=PASS1_INPUTS,
+                    output_names=PASS1_OUTPUTS,
+                    source=CUDA_PASS1,
+                    header=CUDA_HEADER,
+                    ensure_row_contiguous=False,
+                    shared_memory=cfg.smem_floats * 4,
+                )
+            else:
+                _kernels[key] = mx.fast.cuda_kernel(
+                    name="dflash_block_attn_pass2",
+                    input_names=PASS2_INPUTS,
+                    output_names=["out"],
+                    source=CUDA_PASS2,
+                    header=CUDA_HEADER,
+                )
+        else:
+            if which == "pass1":
+                _kernels[key] = mx.fast.metal_kernel(
+                    name="dflash_block_attn_pass1",
+                    input_names=PASS1_INPUTS,
+                    output_names=PASS1_OUTPUTS,
+                    source=METAL_PASS1,
+                    header=METAL_HEADER,
+                    ensure_row_contiguous=False,
+                )
+            else:
+                _kernels[key] = mx.fast.metal_kernel(
+                    name="dflash_block_attn_pass2",
+                    input_names=PASS2_INPUTS,
+                    output_names=["out"],
+                    source=METAL_PASS2,
+                    header=METAL_HEADER,
+                )
+    return _kernels[key]
+
+
+def _const(key: tuple, make) -> mx.array:
+    """Small parameter arrays, made once and reused (no host-to-device copy per call)."""
+    if key not in _consts:
+        _consts[key] = make()
+    return _consts[key]
+
+
+def split_count(Lq: int, Lk: int, H: int, Hk: int, B: int, rows: int, window: Optional[int]) -> int:
+    """Key chunks for pass 1: enough blocks to fill the GPU, at least two tiles per chunk."""
+    key_begin = max(0, Lk - Lq - window + 1) if window else 0
+    tiles = max(1, -(-(Lk - key_begin) // TILE))
+    groups = -(-((H // Hk) * Lq) // rows)
+    want = max(1, TARGET_BLOCKS // (B * Hk * groups))
+    return max(1, min(want, -(-tiles // 2)))
+
+
+def block_attention_kernel(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    *,
+    scale: float,
+    causal: bool = True,
+    window: Optional[int] = None,
+    kv_start: Optional[mx.array] = None,
+    backend: Optional[str] = None,
+) -> mx.array:
+    """The two-pass block attention as GPU kernels (CUDA or Metal). k and v may be strided views
+    (e.g. the live slice of a KV cache buffer): they are read in place, not copied."""
+    backend = backend or gpu_backend()
+    if backend is None:
+        raise RuntimeError("block_attention_kernel needs the CUDA or Metal backend as the default device")
+    B, H, Lq, D = q.shape
+    Hk, Lk = k.shape[1], k.shape[2]
+    check_supported(q, k, v)
+    cfg = kernel_config(backend, D)
+    splits = split_count(Lq, Lk, H, Hk, B, cfg.rows, window)
+    groups = -(-((H // Hk) * Lq) // cfg.rows)
+    threads = cfg.warps * 32
+    if kv_start is None:
+        kv_start = _const(("zeros", B), lambda: mx.zeros((B,), dtype=mx.int32))
+    flags = _const(("flags", bool(causal), int(window or 0)), lambda: mx.array([int(causal), int(window or 0)], dtype=mx.int32))
+    qscale = _const(("scale", float(scale)), lambda: mx.array([scale * LOG2E], dtype=mx.float32))
+    template = [
+        ("T", q.dtype),
+        ("D", D),
+        ("DK", cfg.k_tile_dims),
+        ("RW", cfg.rows_per_warp),
+        ("NW", cfg.warps),
+        ("V_SMEM", cfg.v_in_smem),
+    ]
+    if backend == "metal":
+        template.append(("SMEM_FLOATS", cfg.smem_floats))
+    o_part, m_part, l_part = _kernel(backend, "pass1", D)(
+        inputs=[q, k, v, kv_start.astype(mx.int32), flags, qscale],
+        output_shapes=[(B, H, Lq, splits, D), (B, H, Lq, splits), (B, H, Lq, splits)],
+        output_dtypes=[mx.float32] * 3,
+        grid=(splits * threads, B * Hk, groups),
+        threadgroup=(threads, 1, 1),
+        template=template,
+    )
+    return _kernel(backend, "pass2", D)(
+        inputs=[o_part, m_part, l_part],
+        output_shapes=[(B, H, Lq, D)],
+        output_dtypes=[q.dtype],
+        grid=(B * H * Lq * D, 1, 1),
+        threadgroup=(D, 1, 1),
+        template=[("T", q.dtype), ("D", D)],
+    )[0]
+
+
+def check_supported(q: mx.array, k: mx.array, v: mx.array) -> None:
+    """Raise ValueError for what the kernels do not cover."""
+    reason = unsupported(q, k, v)
+    if reason:
+        raise ValueError(reason)
+
+
+def unsupported(q: mx.array, k: mx.array, v: mx.array, head_dims: Optional[tuple] = HEAD_DIMS) -> Optional[str]:
+    """Why the kernels (or, with head_dims=None, the reference) cannot run these arrays, or None."""
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        return "q, k and v must be [B, heads, length, head_dim]"
+    B, H, Lq, D = q.shape
+    if head_dims is not None and D not in head_dims:
+        return f"head dim {D} is not one of {head_dims}"
+    if k.shape != v.shape or k.shape[0] != B or k.shape[3] != D:
+        return f"k {k.shape} and v {v.shape} do not match q {q.shape}"
+    if H % k.shape[1]:
+        return f"{H} query heads are not a multiple of {k.shape[1]} KV heads"
+    if k.shape[2] < Lq:
+        return f"{Lq} query rows need at least as many keys, got {k.shape[2]}"
+    if (head_dims is not None and q.dtype not in DTYPES) or k.dtype != q.dtype or v.dtype != q.dtype:
+        return f"dtypes {q.dtype}, {k.dtype}, {v.dtype}: need one of {DTYPES}, all the same"
+    return None
+
+
+def block_attention(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    *,
+    scale: float,
+    causal: bool = True,
+    window: Optional[int] = None,
+    kv_start: Optional[mx.array] = None,
+) -> mx.array:
+    """The kernel on a GPU backend, else the reference."""
+    if gpu_backend() is not None and unsupported(q, k, v) is None:
+        return block_attention_kernel(q, k, v, scale=scale, causal=causal, window=window, kv_start=kv_start)
+    return block_attention_reference(q, k, v, scale=scale, causal=causal, window=window, kv_start=kv_start)
+
+
+def kernel_sources(backend: str) -> Tuple[str, str, str]:
+    """(header, pass-1 body, pass-2 body) for a backend: for inspection and offline compile checks."""
+    if backend == "cuda":
+        return CUDA_HEADER, CUDA_PASS1, CUDA_PASS2
+    return METAL_HEADER, METAL_PASS1, METAL_PASS2
+
+
+__all__ = [
+    "block_attention",
+    "block_attention_kernel",
+    "block_attention_reference",
+    "gpu_backend",
+    "kernel_config",
+    "kernel_sources",
+    "split_count",
+    "unsupported",
+    "visible_keys",
+]
