@@ -11,6 +11,9 @@ Run on a machine with ``mlx[cuda13]`` from the project root (PYTHONPATH=.):
    one decode step, a 16-token verify (tape recorded), and rollback to 1, 8 and 15 kept rows;
    the same verify and decode with mlx-lm's stock GatedDeltaNet for comparison. Every timed pass
    starts from the same cache length, so attention's key length repeats from call to call.
+3. Unless --no-growing: cycles as the decode loop runs them (verify 16, keep 4, one decode step),
+   so the key length grows every call, with engine/attention.py's routing in "kernel" and
+   "stock" modes.
 
 Imports only mlx, mlx_lm and the engine modules it needs (not the package ``__init__``).
 """
@@ -181,7 +184,51 @@ def set_stock(target, stock):
             layer.linear_attn.__class__ = cls
 
 
-def check_model(report, context, iters):
+def growing_cycles(target, cache, reset, one, block, iters):
+    """Cycles as the DFlash loop runs them: verify 16, roll back to 4 kept rows, so the key length
+    grows every call; one decode step per cycle at the same growing length for comparison. With the
+    GPU attention issue's routing (engine/attention.py) in each of its modes."""
+    from dflash_batch.engine import attention
+
+    attention.install(target.model)
+    gdn = [c for c in cache if isinstance(c, hybrid.TapeCache)]
+    out = {}
+    for mode in ("kernel", "stock"):
+        attention.set_mode(mode)
+        before = attention.counters()
+        reset()
+        verify_ms, rollback_ms, decode_ms = [], [], []
+        n = iters if mode == "kernel" else max(4, iters // 3)
+        for i in range(n + 2):
+            t0 = time.perf_counter()
+            logits, h = target.verify(block, cache)
+            mx.eval(logits, h)
+            t1 = time.perf_counter()
+            target.rollback(cache, keep=4, verified=16)
+            mx.eval([c[0] for c in gdn], [c[1] for c in gdn])
+            t2 = time.perf_counter()
+            logits, h = target(one, cache)
+            mx.eval(logits, h)
+            t3 = time.perf_counter()
+            if i >= 2:
+                verify_ms.append((t1 - t0) * 1e3)
+                rollback_ms.append((t2 - t1) * 1e3)
+                decode_ms.append((t3 - t2) * 1e3)
+        after = attention.counters()
+        med = {k: round(statistics.median(x), 4) for k, x in (("verify_16", verify_ms), ("rollback_keep_4", rollback_ms), ("decode_step", decode_ms))}
+        out[mode] = dict(
+            med,
+            iters=n,
+            verify16_over_decode_step=round(med["verify_16"] / med["decode_step"], 3),
+            rollback_over_verify=round(med["rollback_keep_4"] / med["verify_16"], 4),
+            attention_calls={k: after[k] - before[k] for k in after},
+        )
+    attention.set_mode(None)
+    reset()
+    return out
+
+
+def check_model(report, context, iters, growing=True):
     out = {"shape": "Qwen3.5-9B-like (random weights, real shapes), bf16", "config": CONFIG, "context": context, "taps": TAPS}
     t0 = time.perf_counter()
     model = build_model()
@@ -250,6 +297,9 @@ def check_model(report, context, iters):
     res["stock_verify_16"] = timed(stock_verify, max(5, iters // 2))
     set_stock(target, False)
 
+    if growing:
+        out["growing"] = growing_cycles(target, cache, reset, one, block, iters)
+
     v, d, sd = res["verify_16"]["median_ms"], res["decode_step"]["median_ms"], res["stock_decode_step"]["median_ms"]
     out["times"] = res
     out["verify16_over_decode_step"] = round(v / d, 3)
@@ -277,6 +327,8 @@ def main():
     p.add_argument("--context", type=int, default=2048)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--skip-model", action="store_true")
+    p.add_argument("--skip-kernels", action="store_true")
+    p.add_argument("--no-growing", action="store_true", help="skip the growing-key-length cycles")
     p.add_argument("--impl", default="cuda", help="reference: dry run on a CPU")
     p.add_argument("--tiny", action="store_true", help="a tiny model of the same layout (dry run)")
     a = p.parse_args()
@@ -291,9 +343,9 @@ def main():
         "backend": gd.backend(),
         "gpu": _gpu_name(),
     }
-    steps = [("kernels", lambda: check_kernels(report, a.iters))]
+    steps = [] if a.skip_kernels else [("kernels", lambda: check_kernels(report, a.iters))]
     if not a.skip_model:
-        steps.append(("model", lambda: check_model(report, a.context, a.iters)))
+        steps.append(("model", lambda: check_model(report, a.context, a.iters, growing=not a.no_growing)))
     for name, step in steps:
         try:
             step()
