@@ -253,7 +253,12 @@ def cmd_worker(args) -> int:
         periodic=not args.no_periodic,
         shutdown_timeout=args.shutdown_timeout,
     )
-    return 0
+    # Everything is committed by now. Skip interpreter teardown: MLX's C++ runtime can abort
+    # ("terminate called without an active exception") destroying streams whose thread ended.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _fmt(value, spec=".1f") -> str:

@@ -13,6 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import dflash_batch
+from dflash_batch import api
 from dflash_batch.runner.items import InputError
 from dflash_batch.runner.lock import DirLock, Locked, is_locked
 from dflash_batch.runner.spec import SpecError
@@ -111,7 +112,7 @@ def test_retry_failed_only_regenerates_just_the_error_rows(tmp_path, home, engin
     src = write_jsonl(tmp_path / "in.jsonl", PROMPTS[:4])
     job = dflash_batch.run(src, engine=CountingEngine(engine, fail_ids=[PROMPTS[2]["prompt"]]), max_tokens=3, chunk_size=2)
     assert job.status()["failed"] == 1
-    counts = dflash_batch.api.retry(job.id, failed_only=True)
+    counts = api.retry(job.id, failed_only=True)
     assert counts == {"failed_dropped": 1, "items": 1, "chunks": 1}
     # Run the queued chunk in this process, as a worker would.
     from dflash_batch.runner.execution import run_chunk

@@ -1,0 +1,157 @@
+"""The queue for real: SqliteHuey on a real file, `dflash-batch worker` processes started here,
+a real tiny engine. Kill -9 and resume, two workers on one job, graceful stop, cancel, cron."""
+
+from __future__ import annotations
+
+import datetime
+import signal
+import time
+
+import pandas as pd
+import pytest
+
+import dflash_batch
+from dflash_batch import api
+from dflash_batch.runner.lock import is_locked
+from dflash_batch.runner.store import ResultStore
+from dflash_batch.runner.tasks import Queue
+from tests.runner_fixtures import cli, home, tiny_models, wait_for, workers, write_jsonl  # noqa: F401
+
+pytestmark = pytest.mark.slow
+
+
+def prompts(n, words=3):
+    return [{"id": f"item-{i:03d}", "prompt": f"Item {i}: " + "tell me more " * words} for i in range(n)]
+
+
+def model(tiny_models, **kw):
+    return dict(target=tiny_models["target"], draft=tiny_models["draft"], **kw)
+
+
+def done(job):
+    return job.status()["done"]
+
+
+def test_submit_worker_pandas_and_resident_engine(tmp_path, home, tiny_models, workers):
+    first = dflash_batch.submit(write_jsonl(tmp_path / "a.jsonl", prompts(5)), **model(tiny_models, max_tokens=8, chunk_size=2))
+    second = dflash_batch.submit(write_jsonl(tmp_path / "b.jsonl", prompts(3)), **model(tiny_models, max_tokens=8))
+    assert first.status()["state"] == "queued"
+    w = workers()
+    assert first.wait(timeout=240)["state"] == "completed"
+    assert second.wait(timeout=240)["state"] == "completed"
+    df = pd.read_parquet(first.output_dir)
+    assert sorted(df["id"]) == [f"item-{i:03d}" for i in range(5)] and (df["status"] == "ok").all()
+    assert df["decode_tps"].gt(0).all() and df["acceptance_drafted"].notna().all() and df["verify_cycles"].gt(0).all()
+    status = cli("status", first.id, "--json", home=home, check=True).stdout
+    assert '"state": "completed"' in status and '"mean_decode_tps"' in status
+    log = w.log()
+    assert log.count("loading engine") == 1 and "in thread Worker-1" in log  # loaded once, in the worker thread
+    assert w.stop() == 0
+
+
+def test_kill_9_mid_job_then_restart_every_id_exactly_once(tmp_path, home, tiny_models, workers):
+    n = 40
+    job = dflash_batch.submit(write_jsonl(tmp_path / "in.jsonl", prompts(n, words=20)), **model(tiny_models, max_tokens=48, chunk_size=12))
+    w = workers()
+    wait_for(lambda: done(job) >= 3, timeout=240, interval=0.05, what="first items")
+    w.kill9()
+    store = ResultStore(job.output_dir)
+    before = {r["id"]: r["started_at"] for r in store.journal_rows()}
+    before.update({r["id"]: r["started_at"].timestamp() for r in store.read(["id", "started_at"]).to_pylist()})
+    assert 3 <= len(before) < n, "the worker must die mid-job for this test to mean anything"
+    assert store.journals(), "rows finished since the last part live in the journal"
+    w2 = workers()
+    assert job.wait(timeout=300)["state"] == "completed"
+    df = pd.read_parquet(job.output_dir)
+    assert len(df) == n and df["id"].is_unique and set(df["id"]) == {f"item-{i:03d}" for i in range(n)}
+    after = dict(zip(df["id"], (t.timestamp() for t in df["started_at"])))
+    assert all(after[i] == pytest.approx(t, abs=1e-5) for i, t in before.items())  # finished items were not regenerated
+    assert "requeued" in w2.log()
+    assert w2.stop() == 0
+
+
+def test_two_workers_on_one_job(tmp_path, home, tiny_models, workers):
+    job = dflash_batch.submit(write_jsonl(tmp_path / "in.jsonl", prompts(18)), **model(tiny_models, max_tokens=12, chunk_size=3))
+    a, b = workers(), workers()
+    assert job.wait(timeout=300)["state"] == "completed"
+    df = job.to_pandas()
+    assert len(df) == 18 and df["id"].is_unique
+    assert a.stop() == 0 and b.stop() == 0
+
+
+def test_sigterm_checkpoints_and_requeues_the_current_chunk(tmp_path, home, tiny_models, workers):
+    n = 30
+    job = dflash_batch.submit(write_jsonl(tmp_path / "in.jsonl", prompts(n, words=20)), **model(tiny_models, max_tokens=48, chunk_size=30))
+    w = workers()
+    wait_for(lambda: done(job) >= 2, timeout=240, interval=0.05, what="first items")
+    assert w.stop(signal.SIGTERM) == 0
+    store = ResultStore(job.output_dir)
+    assert not store.journals(), "a graceful stop commits the journal to a part"
+    committed = len(store.committed_ids())
+    assert 2 <= committed < n
+    assert f"{job.id}:00000" in Queue(home).queued_task_ids()
+    assert "checkpointed" in w.log()
+    workers()
+    assert job.wait(timeout=300)["state"] == "completed"
+    df = job.to_pandas()
+    assert len(df) == n and df["id"].is_unique
+
+
+def test_cancel_stops_between_items_and_retry_finishes(tmp_path, home, tiny_models, workers):
+    n = 30
+    job = dflash_batch.submit(write_jsonl(tmp_path / "in.jsonl", prompts(n, words=20)), **model(tiny_models, max_tokens=48, chunk_size=5))
+    w = workers()
+    wait_for(lambda: done(job) >= 1, timeout=240, interval=0.05, what="first item")
+    assert cli("cancel", job.id, home=home, check=True).returncode == 0
+    status = job.wait(timeout=120)
+    assert status["state"] == "cancelled" and status["done"] < n
+    wait_for(lambda: not is_locked(job.output_dir), timeout=120, what="the worker to leave the cancelled job")
+    stopped_at = done(job)
+    time.sleep(2)
+    assert done(job) == stopped_at < n  # nothing more is generated for a cancelled job
+    out = cli("retry", job.id, home=home, check=True)
+    assert "queued" in out.stdout
+    assert job.wait(timeout=300)["state"] == "completed"
+    assert len(job.to_pandas()) == n and job.to_pandas()["id"].is_unique
+    assert w.proc.poll() is None  # the worker kept running through cancel and retry
+    assert w.stop() == 0
+
+
+def test_job_level_failure_is_reported_and_the_worker_goes_on(tmp_path, home, tiny_models, workers):
+    bad = dflash_batch.submit(write_jsonl(tmp_path / "a.jsonl", prompts(2)), target=str(tmp_path / "no-model"), draft="none")
+    good = dflash_batch.submit(write_jsonl(tmp_path / "b.jsonl", prompts(2)), **model(tiny_models, max_tokens=4))
+    w = workers()
+    status = bad.wait(timeout=240)
+    assert status["state"] == "failed" and "no-model" in status["error"]
+    assert good.wait(timeout=240)["state"] == "completed"
+    assert w.stop() == 0
+
+
+def test_cron_schedule_from_yaml(tmp_path, home, tiny_models, workers):
+    write_jsonl(tmp_path / "docs.jsonl", prompts(2))
+    spec = tmp_path / "nightly.yaml"
+    spec.write_text(
+        f"name: nightly\ninput: docs.jsonl\nschedule: '0 2 * * *'\nmodel: {{target: {tiny_models['target']}, "
+        f"draft: {tiny_models['draft']}}}\nsampling: {{max_tokens: 4}}\noutput_dir: out/{{date}}\n"
+    )
+    out = cli("submit", spec, home=home, check=True)
+    assert "scheduled 'nightly' at '0 2 * * *'" in out.stdout
+    assert (home / "schedules" / "nightly.yaml").exists() and not (home / "jobs").exists()
+    # The schedule as a worker registers it: a Huey periodic task due at 02:00 UTC only.
+    queue = Queue(home)
+    assert queue.add_schedule(home / "schedules" / "nightly.yaml") == ("nightly", "0 2 * * *")
+    due = queue.huey.read_periodic(datetime.datetime(2026, 1, 1, 2, 0))
+    assert [t.name for t in due] == ["dflash_batch.cron.nightly"]
+    assert queue.huey.read_periodic(datetime.datetime(2026, 1, 1, 2, 1)) == []
+    queue.huey.execute(due[0])  # what the consumer does when the minute comes: submit the job
+    [record] = api.jobs(home)
+    assert record.record.spec.schedule == "0 2 * * *" and record.output_dir.parent == tmp_path / "out"
+    # A real worker registers it from the home's schedules and runs the submitted job.
+    w = workers()
+    assert record.wait(timeout=240)["state"] == "completed"
+    assert "schedule registered: nightly at '0 2 * * *' (UTC)" in w.log()
+    assert w.stop() == 0
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("input: docs.jsonl\nschedule: '0 2 * *'\n")
+    refused = cli("worker", "--schedules", bad, home=home, timeout=120)
+    assert refused.returncode == 2 and "need 5 fields" in refused.stderr and str(bad) in refused.stderr
