@@ -64,6 +64,13 @@ def build_setup(name: str, dtype: mx.Dtype, with_ar_draft: bool = True) -> Setup
     )
 
 
+def engine_setup(setup: Setup) -> Setup:
+    """The same shape with a second copy of the target (same seed, same weights) for the engine,
+    which wraps layers of the model it is given; the drafter is shared."""
+    model = build_target(setup.shape.target, setup.dtype, seed=0)
+    return Setup(setup.shape, model, setup.tokenizer, setup.drafter, None, setup.dtype, setup.target_bytes, setup.drafter_bytes)
+
+
 class zeroed_final_norm:
     """Context manager: zero a model's final-norm scale, so every logit is exactly 0 and the
     greedy choice is token 0 (a known continuation). Every pass still does all its work."""

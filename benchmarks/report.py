@@ -190,7 +190,8 @@ def file_markdown(doc, stem: str, plots: List[str]) -> str:
         "",
         f"- Machine: {machine_line(doc)}",
         f"- Command: `{doc.get('command', '')}` (started {doc.get('started')}, {doc.get('elapsed_s', '?')} s)",
-        f"- Suite: {suite['name']}: contexts {suite['contexts']}, max_tokens {suite['max_tokens']} "
+        f"- Suite: {suite['name']}: " + "; ".join(f"{p['shape']} at contexts {p['contexts']}" for p in suite["plans"])
+        + f"; max_tokens {suite['max_tokens']} "
         f"(~1 token/cycle arms: {suite.get('slow_tokens') or suite['max_tokens']}), warm-up 1, median of {suite['reps']}, {suite['dtype']}",
         f"- Measured device copy bandwidth: {doc['bandwidth_gbps']:.1f} GB/s",
         "",

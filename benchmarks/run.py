@@ -45,20 +45,29 @@ SCRIPTED_NOTE = (
 
 
 @dataclass
-class Suite:
-    name: str
-    shapes: List[str]
-    contexts: List[int]  # in the order they are run (the headline context first)
-    max_tokens: int
-    reps: int
-    dtype: str
+class Plan:
+    """What to run on one shape. Contexts run in the order given (the headline one first), all
+    arms of a context before the next, so a run cut short by the time budget keeps whole contexts."""
+
+    shape: str
+    contexts: List[int]
     batches: List[int] = field(default_factory=lambda: [1, 4, 8, 16])
     acceptance: List[str] = field(default_factory=lambda: ["drafted=0.89", "tau=9.57", "full", "random"])
     mlx_speculative: List[str] = field(default_factory=lambda: ["full", "random"])
-    slow_tokens: int = 0  # max_tokens for the ~1 token/cycle arms (0: same as max_tokens)
     engine_ar: bool = True
     runner: bool = False
     breakdown: bool = True
+    share: float = 1.0  # share of the suite's time budget
+
+
+@dataclass
+class Suite:
+    name: str
+    plans: List[Plan]
+    max_tokens: int
+    reps: int
+    dtype: str
+    slow_tokens: int = 0  # max_tokens for the ~1 token/cycle arms (0: same as max_tokens)
     budget_s: float = 0.0  # stop starting new measurements after this long (0: no limit)
     note: str = ""
 
@@ -66,20 +75,31 @@ class Suite:
 SUITES: Dict[str, Suite] = {
     s.name: s
     for s in [
-        Suite("smoke", ["qwen3-tiny"], [64, 32], max_tokens=24, reps=1, dtype="float32", batches=[1, 2],
-              acceptance=["drafted=0.89", "full", "random"], runner=True, note="harness smoke test on a tiny model"),
-        Suite("cpu", ["qwen3-small"], [512, 256, 1024], max_tokens=64, reps=3, dtype="float32", runner=True,
+        Suite("smoke", [Plan("qwen3-tiny", [64, 32], batches=[1, 2], acceptance=["drafted=0.89", "full", "random"],
+                             runner=True)],
+              max_tokens=24, reps=1, dtype="float32", note="harness smoke test on a tiny model"),
+        Suite("cpu", [Plan("qwen3-small", [512, 256, 1024], runner=True)], max_tokens=64, reps=3, dtype="float32",
+              slow_tokens=32,
               note="CPU: a scaled-down Qwen3 layout (hidden 512, 12 layers, vocab 32768) at contexts "
-              "256/512/1024 (a quarter of the GPU contexts); 4B shapes are too slow for 2 shared cores"),
-        Suite("cpu-hybrid", ["qwen3.5-tiny"], [256, 128, 512], max_tokens=48, reps=3, dtype="float32",
-              batches=[1, 4], note="CPU: tiny Qwen3.5 hybrid layout"),
-        Suite("gpu", ["qwen3-4b", "qwen3.5-9b"], [2048, 1024, 4096], max_tokens=128, reps=3, dtype="bfloat16",
-              slow_tokens=32, budget_s=420,
-              note="GPU: Qwen3-4B and Qwen3.5-9B shapes in bf16, built in memory on the device"),
-        Suite("gpu-qwen3-8b", ["qwen3-8b"], [2048, 1024, 4096], max_tokens=128, reps=3, dtype="bfloat16",
+              "256/512/1024 (a quarter of the GPU contexts): 4B shapes are too slow for 2 shared cores"),
+        Suite("cpu-hybrid", [Plan("qwen3.5-tiny", [256, 128, 512], batches=[1, 4], mlx_speculative=[])],
+              max_tokens=48, reps=3, dtype="float32", note="CPU: tiny Qwen3.5 hybrid layout"),
+        Suite(
+            "gpu",
+            [
+                Plan("qwen3-4b", [2048, 1024, 4096], share=0.6),
+                # mlx-lm runs GatedDeltaNet as a Python loop over tokens on CUDA: its prefill is
+                # slow, so the hybrid shape gets the headline context and small batches only.
+                Plan("qwen3.5-9b", [2048], batches=[1, 4], acceptance=["drafted=0.89", "tau=9.57", "full"],
+                     mlx_speculative=[], share=0.4),
+            ],
+            max_tokens=128, reps=3, dtype="bfloat16", slow_tokens=32, budget_s=380,
+            note="GPU: Qwen3-4B and Qwen3.5-9B shapes in bf16, built in memory on the device",
+        ),
+        Suite("gpu-qwen3-8b", [Plan("qwen3-8b", [2048, 1024, 4096])], max_tokens=128, reps=3, dtype="bfloat16",
               slow_tokens=32),
-        Suite("gpu-qwen3.5-4b", ["qwen3.5-4b"], [2048, 1024, 4096], max_tokens=128, reps=3, dtype="bfloat16",
-              slow_tokens=32),
+        Suite("gpu-qwen3.5-4b", [Plan("qwen3.5-4b", [2048, 1024, 4096], mlx_speculative=[])], max_tokens=128,
+              reps=3, dtype="bfloat16", slow_tokens=32),
     ]
 }
 
@@ -178,11 +198,11 @@ class Recorder:
         return row.get("figures")
 
 
-def run_shape(rec: Recorder, suite: Suite, name: str, deadline: float) -> None:
-    rec.deadline = deadline
+def run_shape(rec: Recorder, suite: Suite, plan: Plan) -> None:
+    name = plan.shape
     dtype = getattr(mx, suite.dtype)
     t0 = time.perf_counter()
-    setup = arms.build_setup(name, dtype, with_ar_draft=bool(suite.mlx_speculative))
+    setup = arms.build_setup(name, dtype, with_ar_draft=bool(plan.mlx_speculative))
     bandwidth = rec.doc["bandwidth_gbps"]
     rec.doc["shapes"][name] = {
         "source": setup.shape.source,
@@ -195,72 +215,82 @@ def run_shape(rec: Recorder, suite: Suite, name: str, deadline: float) -> None:
         "build_s": round(time.perf_counter() - t0, 1),
         # One decode step reads every weight once: bandwidth / weight bytes is the ceiling.
         "physical_limit_tps": bandwidth * 1e9 / setup.target_bytes,
+        "plan": asdict(plan),
     }
     rec.save()
-    prompts = {ctx: arms.prompt_ids(ctx, setup.vocab_size, seed=ctx) for ctx in suite.contexts}
     slow = suite.slow_tokens or suite.max_tokens
     reps, n = suite.reps, suite.max_tokens
+    # The engine gets its own copy of the target (same seed, same weights): it wraps layers of
+    # the model it is given, and mlx-lm's arms must run on a pristine one.
+    engine_ar = engine = engine_setup = None
+    engine_error = None
+    try:
+        engine_setup = arms.engine_setup(setup)
+        engine_ar = arms.make_engine(engine_setup) if plan.engine_ar else None
+        engine = arms.make_engine(engine_setup, engine_setup.drafter) if engine_setup.drafter is not None else None
+    except Exception as e:
+        engine_error = f"engine refuses this target: {type(e).__name__}: {e}"
 
-    # Phase 1, mlx-lm on the pristine model (the engine later wraps layers of the same model).
-    for ctx, p in prompts.items():
+    def unsupported(message):
+        raise arms.Unsupported(message)
+
+    for ctx in plan.contexts:
+        p = arms.prompt_ids(ctx, setup.vocab_size, seed=ctx)
         base = {"shape": name, "context": ctx}
         rec.run(dict(base, arm="mlx_lm.stream_generate"), lambda: arms.measure(lambda: arms.stream_generate(setup, p, n), reps))
-        for acc in suite.mlx_speculative:
-            tokens = slow if acc == "random" else n
-            key = dict(base, arm="mlx_lm.speculative", acceptance=acc)
-            with arms.zeroed_final_norm(*((setup.model, setup.ar_draft) if acc == "full" else ())):
-                rec.run(key, lambda: arms.measure(lambda: arms.mlx_speculative(setup, p, tokens), reps))
-        for b in suite.batches:
-            rec.run(dict(base, arm="mlx_lm.batch_generate", batch=b),
-                    lambda: arms.measure(lambda: arms.batch_generate(setup, p, n, b), reps))
-
-    # Phase 2, dflash-batch's engine.
-    if suite.engine_ar:
-        engine = arms.make_engine(setup)
-        for ctx, p in prompts.items():
-            rec.run({"shape": name, "context": ctx, "arm": "dflash.engine-ar"},
-                    lambda: arms.measure(lambda: arms.engine_generate(engine, p, n), reps))
-    if setup.drafter is None:
-        return
-    try:
-        engine = arms.make_engine(setup, setup.drafter)
-    except Exception as e:
-        for ctx in prompts:
-            rec.run({"shape": name, "context": ctx, "arm": "dflash.engine"},
-                    lambda: (_ for _ in ()).throw(arms.Unsupported(f"engine refuses this target: {type(e).__name__}: {e}")))
-        return
-    B = engine.block_size
-    for ctx, p in prompts.items():
-        for acc in suite.acceptance:
-            key = {"shape": name, "context": ctx, "arm": "dflash.engine", "acceptance": acc}
-            if acc == "random":
-                rec.run(key, lambda: arms.measure(lambda: arms.engine_generate(engine, p, slow), reps))
+        for acc in [a for a in plan.acceptance if a != "random"]:
+            key = dict(base, arm="dflash.engine", acceptance=acc)
+            if engine is None:
+                rec.run(key, lambda: unsupported(engine_error or "no drafter"))
                 continue
             if acc == "full":
-                with arms.zeroed_final_norm(setup.model, setup.drafter):
+                with arms.zeroed_final_norm(engine_setup.model, engine_setup.drafter):
                     rec.run(key, lambda: arms.measure(lambda: arms.engine_generate(engine, p, n), reps))
                 continue
-            scripted = arms.scripted_drafter(setup, script_for(acc, B))
-            engine.drafter = scripted
+            scripted = arms.scripted_drafter(engine_setup, script_for(acc, engine.block_size))
             key["script"] = {"label": scripted.script.label, "q": scripted.script.q,
                              "expected_tokens_per_cycle": 1 + scripted.script.expected_accepted}
-            with arms.zeroed_final_norm(setup.model):
-                rec.run(key, lambda: arms.measure(lambda: arms.engine_generate(engine, p, n, scripted), reps))
-            engine.drafter = setup.drafter
-        if suite.breakdown:
-            # keep = 10 rows per cycle: about the published acceptance (tau 9.6)
-            rec.run({"shape": name, "context": ctx, "arm": "dflash.cycle-breakdown", "keep": 10},
-                    lambda: arms.cycle_breakdown(engine, p, keep=10))
-    if suite.runner:
-        acc = next((a for a in suite.acceptance if "=" in a), None)
-        if acc:
-            engine.drafter = arms.scripted_drafter(setup, script_for(acc, B))
-        for ctx in prompts:
-            with arms.zeroed_final_norm(setup.model):
-                rec.run({"shape": name, "context": ctx, "arm": "dflash.runner", "acceptance": acc or "random"},
-                        lambda: arms.measure(lambda: arms.runner_end_to_end(engine, ctx, n), reps))
-        engine.drafter = setup.drafter
-    del engine, setup
+            engine.drafter = scripted
+            try:
+                with arms.zeroed_final_norm(engine_setup.model):
+                    rec.run(key, lambda: arms.measure(lambda: arms.engine_generate(engine, p, n, scripted), reps))
+            finally:
+                engine.drafter = engine_setup.drafter
+        if plan.breakdown and engine is not None:
+            # keep 10 of 16 rows per cycle: about the published acceptance (tau 9.6)
+            rec.run(dict(base, arm="dflash.cycle-breakdown", keep=10), lambda: arms.cycle_breakdown(engine, p, keep=10))
+        if engine_ar is not None:
+            rec.run(dict(base, arm="dflash.engine-ar"), lambda: arms.measure(lambda: arms.engine_generate(engine_ar, p, n), reps))
+        elif plan.engine_ar:
+            rec.run(dict(base, arm="dflash.engine-ar"), lambda: unsupported(engine_error))
+        for acc in [a for a in plan.mlx_speculative if a != "random"]:
+            with arms.zeroed_final_norm(setup.model, setup.ar_draft):
+                rec.run(dict(base, arm="mlx_lm.speculative", acceptance=acc),
+                        lambda: arms.measure(lambda: arms.mlx_speculative(setup, p, n), reps))
+        for b in plan.batches:
+            rec.run(dict(base, arm="mlx_lm.batch_generate", batch=b),
+                    lambda: arms.measure(lambda: arms.batch_generate(setup, p, n, b), reps))
+        if plan.runner and engine is not None:
+            acc = next((a for a in plan.acceptance if "=" in a), None)
+            if acc:
+                engine.drafter = arms.scripted_drafter(engine_setup, script_for(acc, engine.block_size))
+            try:
+                with arms.zeroed_final_norm(engine_setup.model):
+                    rec.run(dict(base, arm="dflash.runner", acceptance=acc or "random"),
+                            lambda: arms.measure(lambda: arms.runner_end_to_end(engine, ctx, n), reps))
+            finally:
+                engine.drafter = engine_setup.drafter
+        # The slow (about one token per cycle) arms last.
+        if "random" in plan.mlx_speculative:
+            rec.run(dict(base, arm="mlx_lm.speculative", acceptance="random"),
+                    lambda: arms.measure(lambda: arms.mlx_speculative(setup, p, slow), reps))
+        if "random" in plan.acceptance:
+            key = dict(base, arm="dflash.engine", acceptance="random")
+            if engine is None:
+                rec.run(key, lambda: unsupported(engine_error or "no drafter"))
+            else:
+                rec.run(key, lambda: arms.measure(lambda: arms.engine_generate(engine, p, slow), reps))
+    del engine, engine_ar, setup, engine_setup
     mx.clear_cache()
 
 
@@ -277,9 +307,10 @@ def main(argv: Optional[List[str]] = None) -> Path:
     args = ap.parse_args(argv)
     suite = SUITES[args.suite]
     if args.shapes:
-        suite.shapes = args.shapes.split(",")
+        suite.plans = [p for p in suite.plans if p.shape in args.shapes.split(",")]
     if args.contexts:
-        suite.contexts = [int(c) for c in args.contexts.split(",")]
+        for plan in suite.plans:
+            plan.contexts = [int(c) for c in args.contexts.split(",")]
     suite.reps = args.reps or suite.reps
     suite.max_tokens = args.max_tokens or suite.max_tokens
     if args.budget_s is not None:
@@ -305,17 +336,18 @@ def main(argv: Optional[List[str]] = None) -> Path:
     rec = Recorder(path, doc, 0.0)
     rec.save()
     budget = suite.budget_s
-    # Each shape gets an equal share of what is left of the budget.
-    for i, name in enumerate(suite.shapes):
-        left = budget - (time.perf_counter() - start) if budget else 0
-        deadline = time.perf_counter() + left / (len(suite.shapes) - i) if budget else 0.0
+    for i, plan in enumerate(suite.plans):
+        # Each shape gets its share of what is left of the budget.
+        if budget:
+            left = budget - (time.perf_counter() - start)
+            rec.deadline = time.perf_counter() + left * plan.share / sum(p.share for p in suite.plans[i:])
         try:
-            run_shape(rec, suite, name, deadline)
+            run_shape(rec, suite, plan)
         except Exception as e:  # e.g. out of memory while building: record and go on
-            rec.doc.setdefault("failures", []).append({"shape": name, "error": f"{type(e).__name__}: {e}",
+            rec.doc.setdefault("failures", []).append({"shape": plan.shape, "error": f"{type(e).__name__}: {e}",
                                                        "traceback": traceback.format_exc(limit=6)})
             rec.save()
-            print(f"[failed] {name}: {e}", flush=True)
+            print(f"[failed] {plan.shape}: {e}", flush=True)
         mx.clear_cache()
     doc["finished"] = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     doc["elapsed_s"] = round(time.perf_counter() - start, 1)

@@ -93,10 +93,12 @@ def test_smoke_suite_results_are_well_formed(tmp_path):
     shape = doc["shapes"]["qwen3-tiny"]
     assert shape["physical_limit_tps"] > 0 and shape["target_gb"] > 0
     arms_seen = {(r["arm"], r.get("acceptance"), r.get("batch"), r["context"]) for r in doc["results"]}
-    for ctx in doc["suite"]["contexts"]:
+    plan = doc["suite"]["plans"][0]
+    for ctx in plan["contexts"]:
         assert ("mlx_lm.stream_generate", None, None, ctx) in arms_seen
         assert ("dflash.engine", "drafted=0.89", None, ctx) in arms_seen
-        for b in doc["suite"]["batches"]:
+        assert ("dflash.runner", "drafted=0.89", None, ctx) in arms_seen
+        for b in plan["batches"]:
             assert ("mlx_lm.batch_generate", None, b, ctx) in arms_seen
     for r in doc["results"]:
         assert r["status"] == "ok", r
