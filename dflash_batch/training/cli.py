@@ -1,0 +1,119 @@
+"""``dflash-batch train-drafter``: train a DFlash drafter for a target by self-distillation.
+
+The target answers a built-in varied prompt set (greedy); the drafter learns to predict the
+target's own tokens with the DFlash block objective. Re-running with the same ``--out``
+resumes from the last checkpoint and reuses the generated data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import List, Optional
+
+EXAMPLES = """\
+examples:
+  dflash-batch train-drafter --out runs/smollm2 --time-budget 300          # default target
+  dflash-batch train-drafter --target ./my-model --out runs/mine --steps 2000 --layers 2
+  dflash-batch train-drafter --out runs/smollm2 --prepare-only             # encode prompts only
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="dflash-batch train-drafter",
+        description="Train a DFlash drafter for a target model (self-distillation, MLX).",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--target", help="target: MLX folder, hub repo id or .gguf (default: the embedded SmolLM2 GGUF)")
+    p.add_argument("--out", required=True, help="run folder: data, checkpoints, log, exported drafter")
+    d = p.add_argument_group("data")
+    d.add_argument("--prompts", type=int, default=4000, dest="num_prompts", help="prompts to build (default 4000)")
+    d.add_argument("--eval-percent", type=int, default=3, help="share held out for evaluation (default 3)")
+    d.add_argument("--max-answer-tokens", type=int, default=256)
+    d.add_argument("--gen-batch", type=int, default=128, help="prompts answered at once")
+    d.add_argument("--prepare-only", action="store_true", help="encode the prompts (needs the tokenizer) and stop")
+    d.add_argument("--generate-only", action="store_true", help="also generate the answers, then stop")
+    m = p.add_argument_group("drafter")
+    m.add_argument("--layers", type=int, default=4)
+    m.add_argument("--taps", type=int, default=5, dest="num_taps", help="target layers tapped (spread evenly)")
+    m.add_argument("--block-size", type=int, default=16)
+    m.add_argument("--mask-token-id", type=int, help="default: an unused special token of the tokenizer")
+    m.add_argument("--intermediate-size", type=int, help="default: the target's")
+    o = p.add_argument_group("optimisation")
+    o.add_argument("--steps", type=int, default=0, help="training steps (0: fill --time-budget)")
+    o.add_argument("--time-budget", type=float, help="seconds for the training loop")
+    o.add_argument("--batch-size", type=int, default=16, help="sequences per step")
+    o.add_argument("--anchors", type=int, default=32, help="anchor blocks per sequence")
+    o.add_argument("--max-len", type=int, default=448, help="tokens per sequence (prompt + answer), padded")
+    o.add_argument("--lr", type=float, default=6e-4)
+    o.add_argument("--warmup", type=int, default=100)
+    o.add_argument("--gamma", type=float, default=7.0, help="loss weight decay over block positions")
+    o.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="target compute dtype")
+    o.add_argument("--seed", type=int, default=0)
+    k = p.add_argument_group("checkpoints and export")
+    k.add_argument("--checkpoint-every", type=int, default=500)
+    k.add_argument("--eval-every", type=int, default=250)
+    k.add_argument("--log-every", type=int, default=25)
+    k.add_argument("--no-resume", action="store_true", help="start over even if checkpoints exist")
+    k.add_argument("--quantize-bits", type=int, default=8, help="export bits for linear layers (0: none)")
+    k.add_argument("--export-dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    from .trainer import TrainConfig, Trainer, prepare_answers, prepare_prompts, load_target_model
+
+    cfg = TrainConfig(
+        out=args.out,
+        target=args.target,
+        num_prompts=args.num_prompts,
+        eval_percent=args.eval_percent,
+        max_answer_tokens=args.max_answer_tokens,
+        gen_batch=args.gen_batch,
+        layers=args.layers,
+        num_taps=args.num_taps,
+        block_size=args.block_size,
+        mask_token_id=args.mask_token_id,
+        intermediate_size=args.intermediate_size,
+        steps=args.steps,
+        time_budget=args.time_budget,
+        batch_size=args.batch_size,
+        anchors=args.anchors,
+        max_len=args.max_len,
+        lr=args.lr,
+        warmup=args.warmup,
+        gamma=args.gamma,
+        dtype=args.dtype,
+        seed=args.seed,
+        checkpoint_every=args.checkpoint_every,
+        eval_every=args.eval_every,
+        log_every=args.log_every,
+        quantize_bits=args.quantize_bits or None,
+        export_dtype=args.export_dtype,
+    )
+    start = time.perf_counter()
+
+    def log(msg: str) -> None:
+        print(f"[{time.perf_counter() - start:7.1f}s] {msg}", file=sys.stderr, flush=True)
+
+    if not args.steps and not args.time_budget and not (args.prepare_only or args.generate_only):
+        print("train-drafter: give --steps or --time-budget", file=sys.stderr)
+        return 2
+    prepare_prompts(cfg, log)
+    if args.prepare_only:
+        return 0
+    if args.generate_only:
+        model, _ = load_target_model(cfg.target, cfg.dtype)
+        prepare_answers(cfg, model, log)
+        return 0
+    out = Trainer(cfg, log).run(resume=not args.no_resume)
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

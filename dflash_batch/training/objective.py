@@ -1,0 +1,177 @@
+"""The DFlash training objective, packed: many anchor blocks per sequence in one pass.
+
+Inference (engine/decode.py) drafts from an anchor position p: the block is
+``[x_p, MASK x (B-1)]`` at positions p..p+B-1, the drafter sees the target's tapped hidden
+states of positions < p as extra keys/values, and block position k predicts x_{p+k}.
+Training does exactly that for A random anchors per sequence at once:
+
+    keys    = [context rows 0..T-1] ++ [all A*B block rows]
+    visible = context row s for an anchor-p block row iff s < p;  block rows of the same anchor
+    loss    = sum_k w_k CE(lm_head(h_{p,k}), x_{p+k}) / sum_k w_k,   w_k = exp(-(k-1)/gamma)
+
+The target's embedding and LM head are frozen inputs, never drafter parameters.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+
+# -- batches (numpy: host-side sampling) ------------------------------------------------------
+def sample_anchors(rng: np.random.Generator, prompt_len: int, total_len: int, count: int) -> np.ndarray:
+    """``count`` anchor positions p in the answer with at least one label (p + 1 < total_len).
+
+    The first anchor is the last prompt position's successor, as after prefill; distinct
+    positions when the answer is long enough, repeats otherwise.
+    """
+    low, high = max(prompt_len, 1), total_len - 1  # p in [low, high)
+    if high <= low:
+        return np.full(count, -1, dtype=np.int64)  # no usable anchor: every weight is zero
+    span = high - low
+    picks = rng.choice(span, size=count, replace=span < count)
+    return np.sort(low + picks)
+
+
+def make_batch(
+    samples: Sequence[dict],
+    rng: np.random.Generator,
+    anchors_per_seq: int,
+    block_size: int,
+    mask_token_id: int,
+    gamma: float,
+    max_len: int,
+    pad_to: int = 64,
+) -> Dict[str, np.ndarray]:
+    """Host arrays for one step: tokens [N, T], anchors [N, A], block ids [N, A, B],
+    labels and weights [N, A, B-1]."""
+    seqs = [(s["prompt"] + s["answer"])[:max_len] for s in samples]
+    T = max(len(x) for x in seqs)
+    T = int(math.ceil(T / pad_to) * pad_to)  # few distinct shapes
+    N, A, B = len(seqs), anchors_per_seq, block_size
+    tokens = np.zeros((N, T), dtype=np.int32)
+    anchors = np.zeros((N, A), dtype=np.int64)
+    labels = np.zeros((N, A, B - 1), dtype=np.int32)
+    weights = np.zeros((N, A, B - 1), dtype=np.float32)
+    decay = np.exp(-np.arange(B - 1, dtype=np.float32) / gamma)  # w_k for k = 1..B-1
+    for i, (s, seq) in enumerate(zip(samples, seqs)):
+        tokens[i, : len(seq)] = seq
+        picks = sample_anchors(rng, min(len(s["prompt"]), len(seq)), len(seq), A)
+        for a, p in enumerate(picks):
+            if p < 0:
+                continue
+            anchors[i, a] = p
+            for k in range(1, B):
+                if p + k < len(seq):
+                    labels[i, a, k - 1] = seq[p + k]
+                    weights[i, a, k - 1] = decay[k - 1]
+    block = np.full((N, A, B), mask_token_id, dtype=np.int32)
+    block[:, :, 0] = np.take_along_axis(tokens, anchors.clip(0), axis=1)
+    return {"tokens": tokens, "anchors": anchors.astype(np.int32), "block": block, "labels": labels, "weights": weights}
+
+
+def attention_mask(anchors: mx.array, context_len: int, block_size: int) -> mx.array:
+    """Boolean [N, 1, A*B, T + A*B]: what each block row may attend to."""
+    N, A = anchors.shape
+    B = block_size
+    row_anchor = mx.repeat(anchors, B, axis=1)  # [N, A*B]: the anchor p of each block row
+    ctx = mx.arange(context_len)[None, None, :] < row_anchor[:, :, None]  # context s < p
+    owner = mx.repeat(mx.arange(A), B)
+    same = owner[:, None] == owner[None, :]  # block rows of the same anchor see each other
+    same = mx.broadcast_to(same[None], (N, A * B, A * B))
+    return mx.concatenate([ctx, same], axis=2)[:, None]
+
+
+# -- the drafter's forward over packed blocks ---------------------------------------------------
+def _heads(x: mx.array, n: int, head_dim: int) -> mx.array:
+    N, L, _ = x.shape
+    return x.reshape(N, L, n, head_dim).transpose(0, 2, 1, 3)
+
+
+def _rope_blocks(rope, x: mx.array, anchors: mx.array, block_size: int) -> mx.array:
+    """RoPE for block rows: row k of anchor p sits at position p + k (one offset per block)."""
+    N, H, L, D = x.shape
+    A = anchors.shape[1]
+    x = x.reshape(N, H, A, block_size, D).transpose(0, 2, 1, 3, 4).reshape(N * A, H, block_size, D)
+    x = rope(x, offset=anchors.reshape(-1))
+    return x.reshape(N, A, H, block_size, D).transpose(0, 2, 1, 3, 4).reshape(N, H, L, D)
+
+
+def _attention(attn, x: mx.array, ctx: mx.array, anchors: mx.array, mask: mx.array, block_size: int) -> mx.array:
+    """The drafter layer's attention with every anchor block at once (same maths as
+    drafter.Attention with a fresh cache holding the anchor's context)."""
+    N, L, _ = x.shape
+    hd, nh, nkv = attn.head_dim, attn.n_heads, attn.n_kv_heads
+    q = _rope_blocks(attn.rope, attn.q_norm(_heads(attn.q_proj(x), nh, hd)), anchors, block_size)
+    k_blk = _rope_blocks(attn.rope, attn.k_norm(_heads(attn.k_proj(x), nkv, hd)), anchors, block_size)
+    v_blk = _heads(attn.v_proj(x), nkv, hd)
+    k_ctx = attn.rope(attn.k_norm(_heads(attn.k_proj(ctx), nkv, hd)), offset=0)  # context row s at position s
+    v_ctx = _heads(attn.v_proj(ctx), nkv, hd)
+    keys = mx.concatenate([k_ctx, k_blk], axis=2)
+    values = mx.concatenate([v_ctx, v_blk], axis=2)
+    # Grouped heads: query head h reads key/value head h // (nh / nkv).
+    rep = nh // nkv
+    q = q.reshape(N, nkv, rep, L, hd)
+    scores = (q * attn.scale) @ keys[:, :, None].swapaxes(-1, -2)  # [N, kv, rep, L, S]
+    scores = mx.where(mask[:, :, None], scores.astype(mx.float32), -1e30)
+    probs = mx.softmax(scores, axis=-1).astype(values.dtype)
+    out = (probs @ values[:, :, None]).reshape(N, nh, L, hd)
+    return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(N, L, -1))
+
+
+def packed_forward(drafter, block_embeddings: mx.array, context: mx.array, anchors: mx.array) -> mx.array:
+    """Drafter hidden states [N, A*B, H] for all anchor blocks of a batch."""
+    B = drafter.args.block_size
+    if any(t != "full_attention" for t in drafter.args.layer_types):
+        raise ValueError("training supports full-attention drafter layers only")
+    ctx = drafter.hidden_norm(drafter.fc(context))  # concat(taps) -> fc -> RMSNorm
+    mask = attention_mask(anchors, context.shape[1], B)
+    x = block_embeddings
+    for layer in drafter.layers:
+        x = x + _attention(layer.self_attn, layer.input_layernorm(x), ctx, anchors, mask, B)
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return drafter.norm(x)
+
+
+# -- loss ------------------------------------------------------------------------------------
+def block_logits(drafter, lm_head, block_embeddings, context, anchors) -> mx.array:
+    """Logits [N, A, B-1, V] of block positions 1..B-1."""
+    N, A = anchors.shape
+    B = drafter.args.block_size
+    h = packed_forward(drafter, block_embeddings, context, anchors).reshape(N, A, B, -1)
+    return lm_head(h[:, :, 1:, :])
+
+
+def dflash_loss(drafter, lm_head, block_embeddings, context, anchors, labels, weights):
+    """Position-weighted cross-entropy (the DFlash objective) and the weight total."""
+    logits = block_logits(drafter, lm_head, block_embeddings, context, anchors).astype(mx.float32)
+    ce = nn.losses.cross_entropy(logits, labels, reduction="none")
+    total = weights.sum()
+    return (ce * weights).sum() / mx.maximum(total, 1e-6), total
+
+
+def acceptance_stats(logits: mx.array, labels: mx.array, weights: mx.array) -> Dict[str, float]:
+    """Teacher-forced greedy acceptance: per anchor, the run of leading correct positions + 1."""
+    valid = weights > 0
+    correct = (mx.argmax(logits, axis=-1) == labels) & valid
+    run = mx.cumprod(correct.astype(mx.int32), axis=-1).sum(axis=-1)  # accepted drafts per block
+    has = valid[..., 0]
+    n = mx.maximum(has.sum(), 1)
+    tau = ((run + 1) * has).sum() / n
+    acc1 = (correct[..., 0] & has).sum() / n
+    return {"tau": float(tau.item()), "acc_pos1": float(acc1.item())}
+
+
+def tap_ids_for(num_target_layers: int, count: int) -> List[int]:
+    from ..engine.drafter import build_target_layer_ids
+
+    return build_target_layer_ids(num_target_layers, count)
+
+
+def to_mx(batch: Dict[str, np.ndarray]) -> Dict[str, mx.array]:
+    return {k: mx.array(v) for k, v in batch.items()}
+

@@ -1,0 +1,395 @@
+"""Training a DFlash drafter by self-distillation: data, loop, checkpoints, resume, export.
+
+Layout of the output folder::
+
+    data/prompts.jsonl      encoded prompts with their split ("train" / "eval") and meta.json
+    data/train.jsonl        target answers (training never reads data/eval.jsonl)
+    checkpoints/step-N/     drafter + optimizer state + state.json (the last two are kept)
+    drafter/                the exported drafter (z-lab format: config.json + model.safetensors)
+    train.log.jsonl         one JSON object per logged step / evaluation
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, List, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
+
+from ..engine import drafter as drafter_model
+from ..engine.target import Target
+from . import data, export, objective, prompts
+
+
+@dataclass
+class TrainConfig:
+    out: str
+    target: Optional[str] = None  # None: the embedded default target (SmolLM2-135M-Instruct GGUF)
+    # data
+    num_prompts: int = 4000
+    eval_percent: int = 3
+    max_answer_tokens: int = 256
+    gen_batch: int = 128
+    prompt_seed: int = 0
+    # drafter
+    layers: int = 4
+    num_taps: int = 5
+    taps: Optional[List[int]] = None
+    block_size: int = 16
+    mask_token_id: Optional[int] = None
+    intermediate_size: Optional[int] = None
+    # optimisation
+    steps: int = 0  # 0: as many as ``time_budget`` allows
+    time_budget: Optional[float] = None  # seconds for the training loop
+    batch_size: int = 16
+    anchors: int = 32
+    max_len: int = 448
+    lr: float = 6e-4
+    min_lr_ratio: float = 0.1
+    warmup: int = 100
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    gamma: float = 7.0
+    dtype: str = "float32"  # target compute dtype
+    seed: int = 0
+    # bookkeeping
+    checkpoint_every: int = 500
+    eval_every: int = 250
+    log_every: int = 25
+    keep_checkpoints: int = 2
+    quantize_bits: Optional[int] = 8
+    export_dtype: str = "bfloat16"
+    extra: dict = field(default_factory=dict)
+
+
+# -- target ----------------------------------------------------------------------------------
+def load_target_model(target: Optional[str], dtype: str):
+    """(model, config) without a tokenizer: a GGUF file, an MLX folder, or the default GGUF."""
+    from ..engine import gguf
+
+    if target is None:
+        from ..engine.default_model import gguf_path
+
+        target = str(gguf_path())
+    mx_dtype = getattr(mx, dtype)
+    if str(target).endswith(".gguf"):
+        weights, meta = gguf.read_gguf(target)
+        config = gguf.llama_config(meta, weights)
+        return gguf.build_model(config, weights, mx_dtype), config
+    from mlx_lm.utils import load_model
+
+    from ..engine.loading import resolve_model_path
+
+    model, config = load_model(resolve_model_path(target))
+    model.set_dtype(mx_dtype)
+    mx.eval(model.parameters())
+    return model, config
+
+
+def load_tokenizer_for(target: Optional[str]):
+    from ..engine import gguf
+
+    if target is None:
+        from ..engine.default_model import gguf_path
+
+        target = str(gguf_path())
+    if str(target).endswith(".gguf"):
+        weights_meta = mx.load(str(target), return_metadata=True)[1]
+        eos = int(gguf._scalar(weights_meta.get("tokenizer.ggml.eos_token_id", 2)))
+        return gguf._load_tokenizer(weights_meta, eos)
+    from mlx_lm.utils import load_config, load_tokenizer
+
+    from ..engine.loading import resolve_model_path
+
+    folder = resolve_model_path(target)
+    return load_tokenizer(folder, eos_token_ids=load_config(folder).get("eos_token_id"))
+
+
+def tapped_hidden(target: Target, tokens: mx.array) -> mx.array:
+    """Concatenated tap outputs [N, T, taps*H] of a causal forward (no cache, no LM head)."""
+    h = target.embed(tokens)
+    last = max(target.tap_ids)
+    for layer in target.layers[: last + 1]:
+        h = layer(h, "causal", cache=None)
+    hidden = mx.concatenate(target._store, axis=-1)
+    target._store[:] = [None] * len(target.tap_ids)
+    return hidden
+
+
+def pick_mask_token(tokenizer) -> int:
+    """A special token that the chat template and ordinary text never produce: the highest
+    added/special id other than BOS, EOS, PAD and UNK (and the template's own tokens)."""
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    reserved = set(tokenizer.eos_token_ids) | {getattr(hf, n, None) for n in ("bos_token_id", "pad_token_id", "unk_token_id")}
+    sample = tokenizer.apply_chat_template(
+        [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}],
+        add_generation_prompt=True,
+        tokenize=True,
+    )
+    reserved |= set(sample)
+    candidates = sorted(set(hf.all_special_ids) | set(getattr(hf, "added_tokens_decoder", {}) or {}))
+    free = [i for i in candidates if i not in reserved]
+    if not free:
+        raise ValueError("the tokenizer has no unused special token to serve as MASK; pass --mask-token-id")
+    return free[-1]
+
+
+# -- data stage -------------------------------------------------------------------------------
+def prepare_prompts(cfg: TrainConfig, log: Callable[[str], None]) -> None:
+    """Encode the prompt set (needs the tokenizer) into data/prompts.jsonl + data/meta.json."""
+    folder = Path(cfg.out) / "data"
+    if (folder / "prompts.jsonl").exists() and (folder / "meta.json").exists():
+        return
+    tokenizer = load_tokenizer_for(cfg.target)
+    built = prompts.build_prompts(cfg.num_prompts, cfg.prompt_seed)
+    train, held = prompts.split_prompts(built, cfg.eval_percent)
+    encoded = [dict(p, split="train") for p in data.encode_prompts(tokenizer, train)]
+    encoded += [dict(p, split="eval") for p in data.encode_prompts(tokenizer, held)]
+    mask = cfg.mask_token_id if cfg.mask_token_id is not None else pick_mask_token(tokenizer)
+    meta = {
+        "eos_token_ids": sorted(int(e) for e in tokenizer.eos_token_ids),
+        "mask_token_id": int(mask),
+        "mask_token": tokenizer.convert_ids_to_tokens(int(mask)) if hasattr(tokenizer, "convert_ids_to_tokens") else None,
+        "num_prompts": len(encoded),
+        "train_prompts": len(train),
+        "eval_prompts": len(held),
+        "eval_percent": cfg.eval_percent,
+        "prompt_seed": cfg.prompt_seed,
+    }
+    data.save_samples(folder / "prompts.jsonl", encoded)
+    (folder / "meta.json").write_text(json.dumps(meta, indent=2))
+    log(f"encoded {len(train)} training and {len(held)} held-out prompts; mask token {mask} ({meta['mask_token']})")
+
+
+def prepare_answers(cfg: TrainConfig, model, log: Callable[[str], None]) -> None:
+    """Generate the target's answers for both splits (data/train.jsonl, data/eval.jsonl)."""
+    folder = Path(cfg.out) / "data"
+    meta = json.loads((folder / "meta.json").read_text())
+    encoded = data.load_samples(folder / "prompts.jsonl")
+    for split in ("train", "eval"):
+        path = folder / f"{split}.jsonl"
+        if path.exists():
+            continue
+        todo = [p for p in encoded if p["split"] == split]
+        start = time.perf_counter()
+        samples = data.generate_answers(model, todo, meta["eos_token_ids"], cfg.max_answer_tokens, cfg.gen_batch, log)
+        data.save_samples(path, samples)
+        log(f"{split}: {len(samples)} answers, {sum(len(s['answer']) for s in samples)} tokens in {time.perf_counter() - start:.1f}s")
+
+
+# -- optimisation -----------------------------------------------------------------------------
+def learning_rate(cfg: TrainConfig, step: int, total: int) -> float:
+    """Linear warm-up, then cosine decay to ``min_lr_ratio * lr``."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    progress = min(1.0, (step - cfg.warmup) / max(1, total - cfg.warmup))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def batch_indices(cfg: TrainConfig, step: int, n: int) -> np.ndarray:
+    """Sample indices of a step: a fresh permutation per epoch, a function of (seed, step)."""
+    per_epoch = max(1, n // cfg.batch_size)
+    epoch, k = divmod(step, per_epoch)
+    order = np.random.default_rng([cfg.seed, epoch]).permutation(n)
+    idx = order[k * cfg.batch_size : (k + 1) * cfg.batch_size]
+    return idx if len(idx) == cfg.batch_size else order[: cfg.batch_size]
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, log: Callable[[str], None] = print):
+        self.cfg, self.log = cfg, log
+        self.out = Path(cfg.out)
+        self.log_file = self.out / "train.log.jsonl"
+
+    def record(self, entry: dict) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        with self.log_file.open("a") as f:
+            f.write(json.dumps(entry) + "\n")
+
+    # -- set-up ---------------------------------------------------------------------------
+    def setup(self) -> None:
+        cfg = self.cfg
+        prepare_prompts(cfg, self.log)
+        self.model, self.target_config = load_target_model(cfg.target, cfg.dtype)
+        prepare_answers(cfg, self.model, self.log)
+        folder = self.out / "data"
+        self.meta = json.loads((folder / "meta.json").read_text())
+        self.train_samples = [s for s in data.load_samples(folder / "train.jsonl") if len(s["answer"]) >= 2]
+        self.eval_samples = [s for s in data.load_samples(folder / "eval.jsonl") if len(s["answer"]) >= 2]
+        n_layers = self.target_config["num_hidden_layers"]
+        taps = cfg.taps or objective.tap_ids_for(n_layers, cfg.num_taps)
+        self.drafter_config = export.drafter_config(
+            self.target_config,
+            layers=cfg.layers,
+            block_size=cfg.block_size,
+            mask_token_id=self.meta["mask_token_id"],
+            target_layer_ids=taps,
+            intermediate_size=cfg.intermediate_size,
+        )
+        self.target = Target(self.model, taps)
+        mx.random.seed(cfg.seed)
+        self.drafter = drafter_model.Model(drafter_model.ModelArgs.from_config(self.drafter_config))
+        # The drafter's output feeds the target's LM head: start from the target's final norm scale.
+        final_norm = getattr(self.target._inner, "norm", None)
+        if final_norm is not None and final_norm.weight.shape == self.drafter.norm.weight.shape:
+            self.drafter.norm.weight = final_norm.weight.astype(mx.float32)
+        mx.eval(self.drafter.parameters())
+        self.optimizer = optim.AdamW(learning_rate=cfg.lr, betas=[0.9, 0.95], weight_decay=cfg.weight_decay)
+        self.optimizer.init(self.drafter.trainable_parameters())
+        self.step, self.total_steps, self.elapsed = 0, cfg.steps or None, 0.0
+        self._grad = nn.value_and_grad(self.drafter, self._loss)
+
+    def _loss(self, emb, context, anchors, labels, weights):
+        return objective.dflash_loss(self.drafter, self.target.lm_head, emb, context, anchors, labels, weights)
+
+    # -- one step ---------------------------------------------------------------------------
+    def _inputs(self, samples, rng):
+        cfg = self.cfg
+        host = objective.make_batch(
+            samples, rng, cfg.anchors, cfg.block_size, self.meta["mask_token_id"], cfg.gamma, cfg.max_len, cfg.max_len
+        )
+        b = objective.to_mx(host)
+        context = tapped_hidden(self.target, b["tokens"]).astype(mx.float32)
+        N, A, B = b["block"].shape
+        emb = self.target.embed(b["block"].reshape(N, A * B)).astype(mx.float32)
+        return emb, context, b["anchors"], b["labels"], b["weights"]
+
+    def train_step(self, step: int) -> float:
+        cfg = self.cfg
+        idx = batch_indices(cfg, step, len(self.train_samples))
+        rng = np.random.default_rng([cfg.seed, step, 1])
+        emb, context, anchors, labels, weights = self._inputs([self.train_samples[i] for i in idx], rng)
+        (loss, _), grads = self._grad(emb, context, anchors, labels, weights)
+        grads, _ = optim.clip_grad_norm(grads, cfg.grad_clip)
+        self.optimizer.learning_rate = learning_rate(cfg, step, self.total_steps or cfg.warmup * 10)
+        self.optimizer.update(self.drafter, grads)
+        mx.eval(self.drafter.parameters(), self.optimizer.state, loss)
+        return float(loss.item())
+
+    def evaluate(self, max_samples: int = 64) -> dict:
+        """Loss and teacher-forced acceptance on the held-out split (fixed anchors)."""
+        cfg = self.cfg
+        rng = np.random.default_rng([cfg.seed, 10**9])
+        samples = self.eval_samples[:max_samples]
+        totals = {"loss": 0.0, "tau": 0.0, "acc_pos1": 0.0}
+        batches = 0
+        for first in range(0, len(samples), cfg.batch_size):
+            emb, context, anchors, labels, weights = self._inputs(samples[first : first + cfg.batch_size], rng)
+            logits = objective.block_logits(self.drafter, self.target.lm_head, emb, context, anchors).astype(mx.float32)
+            ce = nn.losses.cross_entropy(logits, labels, reduction="none")
+            totals["loss"] += float(((ce * weights).sum() / mx.maximum(weights.sum(), 1e-6)).item())
+            for k, v in objective.acceptance_stats(logits, labels, weights).items():
+                totals[k] += v
+            batches += 1
+        return {k: v / max(batches, 1) for k, v in totals.items()}
+
+    # -- checkpoints ------------------------------------------------------------------------
+    def checkpoint_dir(self) -> Path:
+        return self.out / "checkpoints"
+
+    def save_checkpoint(self) -> Path:
+        folder = self.checkpoint_dir() / f"step-{self.step:07d}"
+        tmp = folder.with_name(folder.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        mx.save_safetensors(str(tmp / "drafter.safetensors"), dict(tree_flatten(self.drafter.parameters())))
+        mx.save_safetensors(str(tmp / "optimizer.safetensors"), dict(tree_flatten(self.optimizer.state)))
+        state = {
+            "step": self.step,
+            "total_steps": self.total_steps,
+            "elapsed_s": self.elapsed,
+            "drafter_config": self.drafter_config,
+            "train_config": asdict(self.cfg),
+        }
+        (tmp / "state.json").write_text(json.dumps(state, indent=2))
+        shutil.rmtree(folder, ignore_errors=True)
+        tmp.rename(folder)
+        kept = sorted(p for p in self.checkpoint_dir().glob("step-*") if not p.name.endswith(".tmp"))
+        for old in kept[: -self.cfg.keep_checkpoints]:
+            shutil.rmtree(old, ignore_errors=True)
+        return folder
+
+    def latest_checkpoint(self) -> Optional[Path]:
+        found = sorted(p for p in self.checkpoint_dir().glob("step-*") if (p / "state.json").exists())
+        return found[-1] if found else None
+
+    def resume(self, folder: Path) -> None:
+        state = json.loads((folder / "state.json").read_text())
+        if state["drafter_config"] != self.drafter_config:
+            raise ValueError(f"checkpoint {folder} is for a different drafter configuration")
+        self.drafter.load_weights(list(mx.load(str(folder / "drafter.safetensors")).items()), strict=True)
+        self.optimizer.state = tree_unflatten(list(mx.load(str(folder / "optimizer.safetensors")).items()))
+        mx.eval(self.drafter.parameters(), self.optimizer.state)
+        self.step, self.elapsed = state["step"], state["elapsed_s"]
+        self.total_steps = self.cfg.steps or state["total_steps"]  # a new --steps extends the run
+        self.log(f"resumed from {folder} at step {self.step}")
+
+    # -- the loop ---------------------------------------------------------------------------
+    def run(self, resume: bool = True) -> Path:
+        cfg = self.cfg
+        self.setup()
+        latest = self.latest_checkpoint() if resume else None
+        if latest is not None:
+            self.resume(latest)
+        if not cfg.steps and not cfg.time_budget:
+            raise ValueError("give a step count (steps) or a time budget (time_budget)")
+        n_params = sum(p.size for _, p in tree_flatten(self.drafter.parameters()))
+        self.log(f"drafter: {n_params / 1e6:.2f}M parameters, taps {self.drafter_config['dflash_config']['target_layer_ids']}")
+        self.log(f"training on {len(self.train_samples)} sequences, evaluating on {len(self.eval_samples)}")
+        session_start = time.perf_counter()
+        timed_from, timed_steps = None, 0
+        losses: List[float] = []
+        while self.total_steps is None or self.step < self.total_steps:
+            t0 = time.perf_counter()
+            losses.append(self.train_step(self.step))
+            self.step += 1
+            now = time.perf_counter()
+            self.elapsed += now - t0
+            # Calibrate the step count to the time budget once steps have a steady cost.
+            if self.total_steps is None:
+                if self.step == 5:
+                    timed_from, timed_steps = now, 0
+                elif timed_from is not None:
+                    timed_steps += 1
+                    if timed_steps == 20:
+                        per_step = (now - timed_from) / timed_steps
+                        left = cfg.time_budget - (now - session_start)
+                        self.total_steps = self.step + max(1, int(left * 0.95 / per_step))
+                        self.log(f"{per_step * 1000:.0f} ms/step: training {self.total_steps} steps in the budget")
+            if self.step % cfg.log_every == 0:
+                entry = {"step": self.step, "loss": float(np.mean(losses)), "lr": learning_rate(cfg, self.step - 1, self.total_steps or 1), "elapsed_s": round(self.elapsed, 1)}
+                self.record(entry)
+                self.log(json.dumps(entry))
+                losses = []
+            if self.step % cfg.eval_every == 0:
+                entry = {"step": self.step, "eval": self.evaluate()}
+                self.record(entry)
+                self.log(json.dumps(entry))
+            if self.step % cfg.checkpoint_every == 0:
+                self.save_checkpoint()
+            if cfg.time_budget and now - session_start > cfg.time_budget:
+                self.log(f"time budget reached at step {self.step}")
+                break
+        self.save_checkpoint()
+        final = {"step": self.step, "final_eval": self.evaluate(), "elapsed_s": round(self.elapsed, 1)}
+        self.record(final)
+        self.log(json.dumps(final))
+        return self.export()
+
+    def export(self) -> Path:
+        cfg = self.cfg
+        out = self.out / "drafter"
+        export.save_drafter(
+            out, self.drafter, self.drafter_config, dtype=cfg.export_dtype, quantize_bits=cfg.quantize_bits
+        )
+        self.log(f"exported the drafter to {out}")
+        return out
