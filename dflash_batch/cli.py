@@ -237,9 +237,9 @@ def cmd_worker(args) -> int:
     if args.target or args.preload_default:
         draft = None if args.draft in ("none", "") else args.draft
         preload = {
-            "target": args.target,
+            "target": _local_abs(args.target),
             "target_revision": args.target_revision,
-            "draft": draft,
+            "draft": _local_abs(draft),
             "draft_revision": args.draft_revision,
             "dtype": args.dtype,
             "block_size": args.block_size,
@@ -259,6 +259,13 @@ def cmd_worker(args) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _local_abs(value: Optional[str]) -> Optional[str]:
+    """A local model folder as an absolute path (as job specs record it), a repo id as it is."""
+    if value in (None, "auto") or not Path(value).expanduser().exists():
+        return value
+    return str(Path(value).expanduser().resolve())
 
 
 def _fmt(value, spec=".1f") -> str:

@@ -36,7 +36,7 @@ def test_submit_worker_pandas_and_resident_engine(tmp_path, home, tiny_models, w
     first = dflash_batch.submit(write_jsonl(tmp_path / "a.jsonl", prompts(5)), **model(tiny_models, max_tokens=8, chunk_size=2))
     second = dflash_batch.submit(write_jsonl(tmp_path / "b.jsonl", prompts(3)), **model(tiny_models, max_tokens=8))
     assert first.status()["state"] == "queued"
-    w = workers()
+    w = workers("--target", tiny_models["target"], "--draft", tiny_models["draft"])  # preloaded at start
     assert first.wait(timeout=240)["state"] == "completed"
     assert second.wait(timeout=240)["state"] == "completed"
     df = pd.read_parquet(first.output_dir)
@@ -46,6 +46,7 @@ def test_submit_worker_pandas_and_resident_engine(tmp_path, home, tiny_models, w
     assert '"state": "completed"' in status and '"mean_decode_tps"' in status
     log = w.log()
     assert log.count("loading engine") == 1 and "in thread Worker-1" in log  # loaded once, in the worker thread
+    assert log.index("engine ready") < log.index("Executing")  # by the start-up hook, before any job
     assert w.stop() == 0
 
 
@@ -79,12 +80,13 @@ def test_two_workers_on_one_job(tmp_path, home, tiny_models, workers):
     assert a.stop() == 0 and b.stop() == 0
 
 
-def test_sigterm_checkpoints_and_requeues_the_current_chunk(tmp_path, home, tiny_models, workers):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_graceful_stop_checkpoints_and_requeues_the_current_chunk(tmp_path, home, tiny_models, workers, sig):
     n = 30
     job = dflash_batch.submit(write_jsonl(tmp_path / "in.jsonl", prompts(n, words=20)), **model(tiny_models, max_tokens=48, chunk_size=30))
     w = workers()
     wait_for(lambda: done(job) >= 2, timeout=240, interval=0.05, what="first items")
-    assert w.stop(signal.SIGTERM) == 0
+    assert w.stop(sig) == 0
     store = ResultStore(job.output_dir)
     assert not store.journals(), "a graceful stop commits the journal to a part"
     committed = len(store.committed_ids())
