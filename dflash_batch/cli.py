@@ -29,7 +29,7 @@ Queue, job records and default output dirs live in $DFLASH_BATCH_HOME (see --hom
 def _overrides(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("job settings (override the YAML spec)")
     g.add_argument("--name", help="job name (default: input file name + path hash)")
-    g.add_argument("-o", "--output-dir", help="folder for the Parquet parts (may use {name} {date} {time})")
+    g.add_argument("-o", "--output-dir", help="folder for the Parquet parts (may use {home} {name} {date} {time})")
     g.add_argument("--input-format", choices=["auto", "jsonl", "openai", "parquet"], help="default: from the suffix")
     g.add_argument("--id-field", help="column/key holding the row id (default: id, then custom_id)")
     g.add_argument("--prompt-field", help="column/key holding the prompt text (default: prompt)")

@@ -220,3 +220,17 @@ def test_cron_fields():
     with pytest.raises(ValueError, match="bad hour field '25'"):
         cron_fields("0 25 * * *")
     json.dumps(cron_fields("@hourly"))
+
+
+def test_shipped_jobs_and_examples_are_valid():
+    from tests.runner_fixtures import REPO
+
+    for path in sorted((REPO / "jobs").glob("*.yaml")):
+        spec = load_spec(path)
+        got = list(read_items(spec.input, spec.input_format, spec.fields))
+        assert got and not [i.error for i in got if i.error], path
+    assert load_spec(REPO / "jobs" / "nightly-summaries.yaml").schedule == "0 2 * * *"
+    for name in ("prompts.jsonl", "openai_batch.jsonl", "articles.parquet"):
+        fields = Fields(id_field="doc_id", prompt_field="text") if name.endswith(".parquet") else Fields()
+        got = list(read_items(REPO / "examples" / name, fields=fields))
+        assert len(got) >= 3 and not [i.error for i in got if i.error], name

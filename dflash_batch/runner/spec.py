@@ -50,7 +50,7 @@ class JobSpec:
     id_field: Optional[str] = None  # None: "id", then "custom_id", then derived
     prompt_field: str = "prompt"
     messages_field: str = "messages"
-    output_dir: Optional[str] = None  # default: $DFLASH_BATCH_HOME/results/<name>; may use {name} {date} {time}
+    output_dir: Optional[str] = None  # default: {home}/results/{name}; may use {home} {name} {date} {time}
     system_prompt: Optional[str] = None
     prompt_template: Optional[str] = None  # string.Template over row fields: "Summarize:\n\n$text"
     chat_template: Optional[bool] = None  # None: use the tokenizer's template when it has one
@@ -113,7 +113,9 @@ class JobSpec:
         if self.output_dir is None:
             return (home / "results" / name).resolve()
         stamp = time.gmtime(now if now is not None else time.time())
-        text = self.output_dir.format(name=name, date=time.strftime("%Y-%m-%d", stamp), time=time.strftime("%H%M%S", stamp))
+        text = self.output_dir.format(
+            name=name, home=home, date=time.strftime("%Y-%m-%d", stamp), time=time.strftime("%H%M%S", stamp)
+        )
         return Path(text).expanduser().resolve()
 
     def to_dict(self) -> Dict[str, Any]:
@@ -181,7 +183,7 @@ def _read_yaml(path: Path) -> Dict[str, Any]:
         if not isinstance(value, str) or value == "auto":
             continue
         local = Path(value).expanduser()
-        if local.is_absolute():
+        if local.is_absolute() or value.startswith("{home}"):
             continue
         # A model may be a hub repo id ("org/name"): only paths that look local or exist move.
         if key in ("input", "output_dir") or value.startswith(".") or (base / local).exists():
@@ -281,9 +283,9 @@ def validate(spec: JobSpec, where: str = "spec") -> None:
             bad("prompt_template", "uses no $field: every row would get the same prompt")
     if spec.output_dir is not None:
         try:
-            spec.output_dir.format(name="n", date="d", time="t")
+            spec.output_dir.format(name="n", home="h", date="d", time="t")
         except (KeyError, IndexError, ValueError) as e:
-            bad("output_dir", f"may use only {{name}}, {{date}} and {{time}} placeholders ({e})")
+            bad("output_dir", f"may use only {{home}}, {{name}}, {{date}} and {{time}} placeholders ({e})")
     if spec.schedule is not None:
         try:
             cron_fields(spec.schedule)

@@ -1,0 +1,43 @@
+"""Notebook-style look at a finished job with pandas (run cell by cell, or as a script).
+
+    python examples/analyze_results.py JOB_ID_OR_OUTPUT_DIR
+"""
+
+# %% Load: a job id (looked up in $DFLASH_BATCH_HOME) or any output dir of Parquet parts.
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+source = sys.argv[1] if len(sys.argv) > 1 else "."
+if Path(source).is_dir():
+    df = pd.read_parquet(source)
+else:
+    from dflash_batch.api import Job
+
+    df = Job(source).to_pandas()
+print(f"{len(df)} rows, {df['status'].eq('ok').sum()} ok, {df['status'].eq('error').sum()} errors")
+
+# %% Errors, with the line or row of the input they came from
+errors = df[df["status"] == "error"]
+if len(errors):
+    print(errors[["id", "error"]].to_string(index=False))
+
+# %% Speed and speculation per item. acceptance_drafted = accepted / drafted tokens;
+# acceptance_generated = share of output tokens that came from the drafter;
+# tokens_per_cycle = mean tokens committed per target verify pass (tau).
+ok = df[df["status"] == "ok"]
+cols = ["prompt_tokens", "completion_tokens", "decode_tps", "acceptance_drafted", "acceptance_generated", "tokens_per_cycle"]
+print(ok[cols].describe().round(3).to_string())
+
+# %% Token-weighted totals: what the whole batch achieved
+total_decode_s = ok["decode_s"].sum()
+print(f"decode: {(ok['completion_tokens'] - 1).clip(lower=0).sum() / total_decode_s:.1f} tok/s over {total_decode_s:.1f} s")
+print(f"acceptance (drafted): {ok['accepted_tokens'].sum() / max(ok['drafted_tokens'].sum(), 1):.3f}")
+
+# %% Where speculation helps least: the prompts with the lowest acceptance
+print(ok.nsmallest(5, "acceptance_drafted")[["id", "acceptance_drafted", "tokens_per_cycle", "decode_tps"]].to_string(index=False))
+
+# %% Histogram of committed tokens per verify cycle, summed over items
+hist = pd.DataFrame(ok["acceptance_histogram"].tolist()).fillna(0).sum().astype(int)
+print(hist.rename("cycles").rename_axis("tokens committed").to_string())

@@ -1,0 +1,40 @@
+"""Queue a batch from another application and wait for it (a worker must be running:
+``dflash-batch worker``).
+
+    python examples/enqueue.py [--target MODEL --draft DRAFTER]
+
+Without --target the embedded default model pair is used.
+"""
+
+import argparse
+from pathlib import Path
+
+import dflash_batch
+
+HERE = Path(__file__).parent
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target")
+    parser.add_argument("--draft", default="auto")
+    parser.add_argument("--timeout", type=float, default=3600)
+    args = parser.parse_args()
+
+    job = dflash_batch.submit(
+        HERE / "prompts.jsonl",
+        target=args.target,
+        draft=args.draft,
+        max_tokens=64,
+        system_prompt="You are a concise assistant.",
+    )
+    print("queued", job.id, "->", job.output_dir)
+    status = job.wait(timeout=args.timeout)
+    print(f"{status['state']}: {status['ok']} ok, {status['failed']} failed, "
+          f"mean decode {status['mean_decode_tps'] or 0:.1f} tok/s")  # fmt: skip
+    df = job.to_pandas()
+    print(df[["id", "status", "completion_tokens", "decode_tps", "acceptance_drafted"]].to_string(index=False))
+
+
+if __name__ == "__main__":
+    main()
