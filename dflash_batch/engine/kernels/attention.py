@@ -454,16 +454,15 @@ def gpu_backend() -> Optional[str]:
     return None
 
 
-_kernels: Dict[Tuple[str, str, int], object] = {}
+_kernels: Dict[Tuple[str, str, KernelConfig], object] = {}
 _consts: Dict[tuple, mx.array] = {}
 
 
-def _kernel(backend: str, which: str, head_dim: int):
-    """Build (once per backend, pass and head dim) the kernel object; dtype is a template arg."""
-    key = (backend, which, head_dim)
+def _kernel(backend: str, which: str, cfg: KernelConfig):
+    """Build (once per backend, pass and config) the kernel object; dtype is a template arg."""
+    key = (backend, which, cfg if which == "pass1" else cfg.head_dim)
     if key not in _kernels:
         if backend == "cuda":
-            cfg = kernel_config("cuda", head_dim)
             if which == "pass1":
                 _kernels[key] = mx.fast.cuda_kernel(
                     name="dflash_block_attn_pass1",
@@ -529,17 +528,20 @@ def block_attention_kernel(
     window: Optional[int] = None,
     kv_start: Optional[mx.array] = None,
     backend: Optional[str] = None,
+    config: Optional[KernelConfig] = None,
+    splits: Optional[int] = None,
 ) -> mx.array:
     """The two-pass block attention as GPU kernels (CUDA or Metal). k and v may be strided views
-    (e.g. the live slice of a KV cache buffer): they are read in place, not copied."""
+    (e.g. the live slice of a KV cache buffer): they are read in place, not copied.
+    ``config`` and ``splits`` override the tuned defaults (for benchmarks)."""
     backend = backend or gpu_backend()
     if backend is None:
         raise RuntimeError("block_attention_kernel needs the CUDA or Metal backend as the default device")
     B, H, Lq, D = q.shape
     Hk, Lk = k.shape[1], k.shape[2]
     check_supported(q, k, v)
-    cfg = kernel_config(backend, D)
-    splits = split_count(Lq, Lk, H, Hk, B, cfg.rows, window)
+    cfg = config or kernel_config(backend, D)
+    splits = splits or split_count(Lq, Lk, H, Hk, B, cfg.rows, window)
     groups = -(-((H // Hk) * Lq) // cfg.rows)
     threads = cfg.warps * 32
     if kv_start is None:
@@ -556,15 +558,17 @@ def block_attention_kernel(
     ]
     if backend == "metal":
         template.append(("SMEM_FLOATS", cfg.smem_floats))
-    o_part, m_part, l_part = _kernel(backend, "pass1", D)(
-        inputs=[q, k, v, kv_start.astype(mx.int32), flags, qscale],
+    if kv_start.dtype != mx.int32:
+        kv_start = kv_start.astype(mx.int32)
+    o_part, m_part, l_part = _kernel(backend, "pass1", cfg)(
+        inputs=[q, k, v, kv_start, flags, qscale],
         output_shapes=[(B, H, Lq, splits, D), (B, H, Lq, splits), (B, H, Lq, splits)],
         output_dtypes=[mx.float32] * 3,
         grid=(splits * threads, B * Hk, groups),
         threadgroup=(threads, 1, 1),
         template=template,
     )
-    return _kernel(backend, "pass2", D)(
+    return _kernel(backend, "pass2", cfg)(
         inputs=[o_part, m_part, l_part],
         output_shapes=[(B, H, Lq, D)],
         output_dtypes=[q.dtype],

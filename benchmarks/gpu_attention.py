@@ -1,0 +1,350 @@
+"""GPU check and benchmark of the two-pass block attention (issue 3), on CUDA (or Metal).
+
+    python -m benchmarks.gpu_attention --out gpu_attention.json [--sections check,micro,verify,cycle]
+
+Sections (the JSON is rewritten after each, so a cut-off run keeps what it finished):
+  check   kernel vs the MLX reference on random data: head dims 64/128/256, GQA 1-8, causal,
+          bidirectional, sliding window, left padding, bf16/fp16/fp32, strided cache views
+  micro   ms per call with the key length growing every call (the DFlash pattern): stock SDPA
+          vs the kernel at the Qwen3-4B attention shape (32 / 8 heads, dim 128, 16 rows)
+  verify  Qwen3-4B-shaped bf16 target, random weights, context 2048: AR decode step vs a
+          16-token verify pass with a growing cache, routed through stock SDPA and the kernel
+  cycle   full DFlash cycles with every block accepted (zeroed tied embedding: target and
+          drafter both always pick token 0) vs mlx_lm AR tok/s on the same model; phase times
+
+Imports only mlx, mlx_lm, numpy and the engine (the GPU machine has nothing else).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+
+import mlx.core as mx
+
+from benchmarks.shapes import SHAPES, build_drafter, build_target
+from dflash_batch.engine import attention as routing
+from dflash_batch.engine.kernels import attention as ka
+
+TOL = {"bfloat16": 1.6e-2, "float16": 2e-3, "float32": 2e-5}  # as in tests/test_attention.py
+DT = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
+
+# (B, H, Hk, Lq, Lk, D, dtype, causal, window, kv_start)
+CHECK_CASES = [
+    (1, 32, 8, 16, 2048, 128, "bfloat16", True, None, None),
+    (1, 32, 8, 16, 2051, 128, "float16", True, None, None),
+    (1, 32, 8, 16, 2049, 128, "float32", True, None, None),
+    (1, 32, 8, 16, 2049, 128, "bfloat16", False, None, None),
+    (1, 16, 8, 16, 777, 64, "bfloat16", False, None, None),
+    (1, 16, 8, 3, 777, 64, "bfloat16", True, None, None),
+    (2, 8, 2, 16, 300, 256, "bfloat16", True, 64, None),
+    (1, 16, 2, 16, 1500, 256, "bfloat16", False, None, None),
+    (3, 32, 8, 16, 500, 128, "bfloat16", True, None, [0, 100, 480]),
+    (1, 8, 8, 16, 16, 128, "bfloat16", True, None, None),
+    (4, 32, 8, 16, 4096, 128, "bfloat16", True, None, None),
+    (1, 64, 8, 16, 8192, 128, "bfloat16", True, None, None),
+]
+
+
+def now_ms() -> float:
+    return time.perf_counter() * 1e3
+
+
+def timed(fn) -> float:
+    mx.synchronize()
+    t0 = now_ms()
+    mx.eval(fn())
+    mx.synchronize()
+    return now_ms() - t0
+
+
+def summary(ts, skip=3):
+    rest = ts[skip:] if len(ts) > skip else ts
+    return {"median_ms": round(statistics.median(rest), 3), "max_ms": round(max(rest), 3), "first_ms": round(ts[0], 1)}
+
+
+def qkv(B, H, Hk, Lq, Lk, D, dtype, cap, seed=0):
+    mx.random.seed(seed)
+    q = mx.random.normal((B, H, Lq, D)).astype(dtype)
+    kb = mx.random.normal((B, Hk, cap, D)).astype(dtype)
+    vb = mx.random.normal((B, Hk, cap, D)).astype(dtype)
+    mx.eval(q, kb, vb)
+    return q, kb, vb
+
+
+def section_check():
+    rows = []
+    for B, H, Hk, Lq, Lk, D, dt, causal, window, starts in CHECK_CASES:
+        dtype = DT[dt]
+        q, kb, vb = qkv(B, H, Hk, Lq, Lk, D, dtype, cap=Lk + 100, seed=Lk)
+        k, v = kb[:, :, :Lk], vb[:, :, :Lk]
+        kv_start = None if starts is None else mx.array(starts, dtype=mx.int32)
+        kw = dict(scale=D**-0.5, causal=causal, window=window, kv_start=kv_start)
+        t0 = now_ms()
+        got = ka.block_attention_kernel(q, k, v, **kw)
+        mx.eval(got)
+        first = now_ms() - t0
+        ref = ka.block_attention_reference(q, k, v, **kw)
+        exact = ka.block_attention_reference(q.astype(mx.float32), k.astype(mx.float32), v.astype(mx.float32), **kw)
+        err = mx.abs(got.astype(mx.float32) - ref.astype(mx.float32)).max().item()
+        err_exact = mx.abs(got.astype(mx.float32) - exact).max().item()
+        ref_exact = mx.abs(ref.astype(mx.float32) - exact).max().item()
+        rows.append({
+            "case": dict(B=B, H=H, Hk=Hk, Lq=Lq, Lk=Lk, D=D, dtype=dt, causal=causal, window=window, kv_start=starts),
+            "max_abs_err_vs_reference": err,
+            "kernel_vs_fp32_exact": err_exact,
+            "reference_vs_fp32_exact": ref_exact,
+            "tolerance": TOL[dt],
+            "ok": bool(err < TOL[dt]) and not bool(mx.isnan(got).any().item()),
+            "first_call_ms": round(first, 1),
+        })
+        print(json.dumps(rows[-1]), flush=True)
+    return {"cases": rows, "all_ok": all(r["ok"] for r in rows)}
+
+
+def grow(fn, L0, n, cap_kb, cap_vb, q):
+    """Per-call ms with key length L0, L0+1, ... (the live slice of a fixed buffer)."""
+    ts = []
+    for i in range(n):
+        L = L0 + i
+        k, v = cap_kb[:, :, :L], cap_vb[:, :, :L]
+        ts.append(timed(lambda: fn(q, k, v)))
+    return ts
+
+
+def section_micro():
+    H, Hk, D, Lq = 32, 8, 128, 16
+    out = {}
+    scale = D**-0.5
+    stock_causal = lambda q, k, v: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask="causal")  # noqa: E731
+    stock_full = lambda q, k, v: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)  # noqa: E731
+    kern_causal = lambda q, k, v: ka.block_attention_kernel(q, k, v, scale=scale, causal=True)  # noqa: E731
+    kern_full = lambda q, k, v: ka.block_attention_kernel(q, k, v, scale=scale, causal=False)  # noqa: E731
+    for L0 in (2048, 8192, 32768):
+        q, kb, vb = qkv(1, H, Hk, Lq, L0, D, mx.bfloat16, cap=L0 + 64)
+        n = 30 if L0 == 2048 else 12
+        res = {
+            "kernel_causal_growing": summary(grow(kern_causal, L0, n, kb, vb, q)),
+            "kernel_bidirectional_growing": summary(grow(kern_full, L0, n, kb, vb, q)),
+            "stock_causal_fixed": summary([timed(lambda: stock_causal(q, kb[:, :, :L0], vb[:, :, :L0])) for _ in range(n)]),
+        }
+        if L0 == 2048:
+            res["stock_causal_growing"] = summary(grow(stock_causal, L0, 15, kb, vb, q))
+            res["stock_bidirectional_growing"] = summary(grow(stock_full, L0, 15, kb, vb, q))
+            q1 = q[:, :, :1]
+            res["stock_1row_growing"] = summary(grow(lambda q, k, v: stock_full(q1, k, v), L0, 15, kb, vb, q))
+        if L0 <= 8192:
+            res["tuning"] = tuning(q, kb, vb, L0, scale)
+        out[f"ctx{L0}"] = res
+        print(json.dumps({f"ctx{L0}": res}), flush=True)
+    return out
+
+
+def tuning(q, kb, vb, L0, scale):
+    """Median ms (growing key length) of other pass-1 shapes and chunk counts, for retuning."""
+    B, H, Lq, D = q.shape
+    Hk = kb.shape[1]
+    base = ka.kernel_config("cuda" if ka.gpu_backend() == "cuda" else "metal", D)
+    out = {}
+    for warps, rw in ((4, 8), (8, 8), (4, 4), (2, 8)):
+        cfg = ka.KernelConfig(warps, rw, base.k_tile_dims, base.v_in_smem, D)
+        auto = ka.split_count(Lq, L0, H, Hk, B, cfg.rows, None)
+        for factor in (0.5, 1, 2):
+            splits = max(1, int(auto * factor))
+            fn = lambda q, k, v: ka.block_attention_kernel(q, k, v, scale=scale, config=cfg, splits=splits)  # noqa: E731
+            out[f"nw{warps}_rw{rw}_splits{splits}"] = round(statistics.median(grow(fn, L0, 8, kb, vb, q)[2:]), 4)
+    return out
+
+
+def prefill(model, cache, n, chunk=2048):
+    ids = mx.random.randint(0, 1000, (1, n))
+    for i in range(0, n, chunk):
+        model(ids[:, i : i + chunk], cache=cache)
+        mx.eval([c.state for c in cache])
+
+
+def section_verify(model, context):
+    from mlx_lm.models.cache import make_prompt_cache
+
+    out = {}
+    cache = make_prompt_cache(model)
+    prefill(model, cache, context)
+    x1 = mx.array([[5]])
+    x16 = mx.random.randint(0, 1000, (1, 16))
+    ar = [timed(lambda: model(x1, cache=cache)) for _ in range(20)]  # grows by one each step
+    out["ar_step_growing"] = summary(ar)
+    for c in cache:
+        c.trim(20)
+    for mode in ("kernel", "stock"):
+        routing.set_mode(mode)
+        ts = []
+        for _ in range(15):
+            ts.append(timed(lambda: model(x16, cache=cache)))
+            for c in cache:
+                c.trim(15)  # keep one row: the cache grows by one per pass, like a cycle
+        out[f"verify16_growing_{mode}"] = summary(ts)
+        for c in cache:
+            c.trim(15)
+        ts = []
+        for _ in range(10):
+            ts.append(timed(lambda: model(x16, cache=cache)))
+            for c in cache:
+                c.trim(16)
+        out[f"verify16_fixed_{mode}"] = summary(ts)
+    routing.set_mode(None)
+    out["verify_over_ar_kernel"] = round(out["verify16_growing_kernel"]["median_ms"] / out["ar_step_growing"]["median_ms"], 2)
+    out["verify_over_ar_stock"] = round(out["verify16_growing_stock"]["median_ms"] / out["ar_step_growing"]["median_ms"], 2)
+    out["context"] = context
+    print(json.dumps(out), flush=True)
+    return out
+
+
+def dflash_rate(target, drafter, prompt, max_tokens):
+    from dflash_batch.engine.decode import dflash_steps, make_chooser
+
+    steps = dflash_steps(target, drafter, prompt, max_tokens, make_chooser(0.0), 2048, 16)
+    next(steps)  # prefill + first token
+    mx.synchronize()
+    t0 = time.perf_counter()
+    n = cycles = 0
+    for step in steps:
+        n += len(step.tokens)
+        cycles += 1
+    dt = time.perf_counter() - t0
+    return {"tok_s": round(n / dt, 1), "tokens": n, "cycles": cycles, "tokens_per_cycle": round(n / cycles, 2)}
+
+
+def mlx_lm_ar_rate(model, prompt, max_tokens):
+    from mlx_lm.generate import generate_step
+
+    first = None
+    count = 0
+    for _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens):
+        if first is None:
+            first = time.perf_counter()
+        count += 1
+    return {"tok_s": round((count - 1) / (time.perf_counter() - first), 1), "tokens": count}
+
+
+def cycle_phases(target, drafter, prompt, cycles=20):
+    """Per-phase ms of a cycle with syncs between phases (every block accepted)."""
+    from dflash_batch.engine.decode import draft_block, prefill as dprefill
+
+    cache, dcache = target.make_cache(), drafter.make_cache()
+    logits, context = dprefill(target, prompt, cache, 2048)
+    last = mx.argmax(logits, axis=-1).astype(mx.int32)
+    ph = {"draft": [], "verify": [], "host_sync": [], "rollback": []}
+    for _ in range(cycles):
+        t0 = now_ms()
+        drafted = draft_block(drafter, target, last, context, dcache)
+        mx.eval(drafted)
+        t1 = now_ms()
+        logits, hidden = target(mx.concatenate([last, drafted], axis=1), cache)
+        mx.eval(logits, hidden)
+        t2 = now_ms()
+        chosen = mx.argmax(logits, axis=-1)
+        d, t = drafted.tolist()[0], chosen.tolist()[0]
+        t3 = now_ms()
+        a = 0
+        while a < len(d) and d[a] == t[a]:
+            a += 1
+        target.rollback(cache, keep=a + 1, verified=16)
+        context = hidden[:, : a + 1, :]
+        last = chosen[:, a : a + 1].astype(mx.int32)
+        mx.eval(context, last)
+        t4 = now_ms()
+        for k, v in zip(ph, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+            ph[k].append(v)
+    return {k: round(statistics.median(v[3:]), 3) for k, v in ph.items()}
+
+
+def section_cycle(model, shape, context):
+    from dflash_batch.engine.target import Target
+
+    drafter = build_drafter(shape.drafter, shape.target["hidden_size"], mx.bfloat16)
+    model.model.embed_tokens.weight = mx.zeros_like(model.model.embed_tokens.weight)  # all logits 0
+    mx.eval(model.parameters())
+    target = Target(model, tap_ids=drafter.args.target_layer_ids)
+    prompt = mx.random.randint(0, 1000, (context,)).tolist()
+    out = {"context": context}
+    routing.set_mode("kernel")
+    dflash_rate(target, drafter, prompt, 64)  # warm-up
+    out["dflash_kernel"] = dflash_rate(target, drafter, prompt, 513)
+    out["phases_kernel_ms"] = cycle_phases(target, drafter, prompt)
+    print(json.dumps(out), flush=True)
+    routing.set_mode(None)
+    mlx_lm_ar_rate(model, prompt, 16)  # warm-up
+    out["mlx_lm_ar"] = mlx_lm_ar_rate(model, prompt, 257)
+    out["speedup_vs_mlx_lm_ar"] = round(out["dflash_kernel"]["tok_s"] / out["mlx_lm_ar"]["tok_s"], 2)
+    print(json.dumps(out), flush=True)
+    routing.set_mode("stock")
+    out["dflash_stock"] = dflash_rate(target, drafter, prompt, 129)
+    out["phases_stock_ms"] = cycle_phases(target, drafter, prompt, cycles=8)
+    routing.set_mode(None)
+    print(json.dumps(out), flush=True)
+    return out
+
+
+def device_name() -> str:
+    try:
+        info = mx.device_info()
+        return str(info.get("device_name") or info.get("name") or info)
+    except Exception:  # older MLX
+        return "unknown"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--sections", default="check,micro,verify,cycle")
+    ap.add_argument("--shape", default="qwen3-4b", help="a Qwen3 shape from benchmarks/shapes.py")
+    ap.add_argument("--context", type=int, default=2048)
+    args = ap.parse_args(argv)
+    backend = ka.gpu_backend()
+    if backend is None:
+        sys.exit("needs the CUDA or Metal backend")
+    res = {
+        "command": "python -m benchmarks.gpu_attention " + " ".join(argv or sys.argv[1:]),
+        "date_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "backend": backend,
+        "device": device_name(),
+        "mlx": mx.__version__,
+        "python": platform.python_version(),
+    }
+
+    def save():
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+    def run(name, fn, *a):
+        try:
+            res[name] = fn(*a)
+        except Exception as e:  # keep the other sections' results
+            res[name] = {"error": f"{type(e).__name__}: {e}"}
+            print(name, "failed:", res[name]["error"], flush=True)
+        save()
+
+    sections = args.sections.split(",")
+    if "check" in sections:
+        run("check", section_check)
+    if "micro" in sections:
+        run("micro", section_micro)
+    if "verify" in sections or "cycle" in sections:
+        shape = SHAPES[args.shape]
+        res["shape"] = args.shape
+        model = build_target(shape.target, mx.bfloat16)
+        routing.install(model)
+        if "verify" in sections:
+            run("verify", section_verify, model, args.context)
+        if "cycle" in sections:
+            run("cycle", section_cycle, model, shape, args.context)
+    print("done", flush=True)
+
+
+if __name__ == "__main__":
+    main()
