@@ -95,7 +95,8 @@ def test_bf16_state_is_rounded_every_step_like_decoding():
     assert state.dtype == mx.bfloat16
     assert mx.array_equal(state, one_at_a_time(q, k, v, g, beta, s0, 16)).item()
     for n in (1, 7, 16):
-        assert mx.array_equal(gd.replay(tape[:, :n], k[:, :n], g[:, :n], s0, impl="reference"), one_at_a_time(q, k, v, g, beta, s0, n)).item()
+        replayed = gd.replay(tape[:, :n], k[:, :n], g[:, :n], s0, impl="reference")
+        assert mx.array_equal(replayed, one_at_a_time(q, k, v, g, beta, s0, n)).item()
 
 
 @pytest.mark.parametrize("impl", KERNELS)
@@ -118,7 +119,8 @@ def test_kernel_matches_reference(impl, dtype):
     for n in (0, 1, 9, 16):
         stopped = gd.recurrence(*(x[:, :n] for x in (q, k, v, g, beta)), s0, record=False, impl=impl)[1] if n else s0
         assert mx.array_equal(gd.replay(tape[:, :n], k[:, :n], g[:, :n], s0, impl=impl), stopped).item()
-        assert close(gd.replay(tape_r[:, :n], k[:, :n], g[:, :n], s0, impl=impl), gd.replay(tape_r[:, :n], k[:, :n], g[:, :n], s0, impl="reference"), 1e-5)
+        from_ref_tape = [gd.replay(tape_r[:, :n], k[:, :n], g[:, :n], s0, impl=i) for i in (impl, "reference")]
+        assert close(*from_ref_tape, 1e-5)
 
 
 def test_unsupported_shapes_fall_back_to_the_reference():
@@ -137,7 +139,8 @@ def qwen35_folder(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def qwen35_moe_folder(tmp_path_factory):
-    return synthetic.save_target(tmp_path_factory.mktemp("q35moe") / "t", synthetic.tiny_qwen3_5_config(moe=True), seed=4)
+    folder = tmp_path_factory.mktemp("q35moe") / "t"
+    return synthetic.save_target(folder, synthetic.tiny_qwen3_5_config(moe=True), seed=4)
 
 
 def _target(folder) -> Target:
@@ -179,7 +182,10 @@ def rollback_check(folder, exact: bool) -> None:
     """
     if exact:
         assert loaded_blas() is None
-    same = (lambda a, b: mx.array_equal(a, b).item()) if exact else (lambda a, b: mx.allclose(a, b, rtol=1e-4, atol=1e-4).item())
+
+    def same(a, b):
+        return (mx.array_equal(a, b) if exact else mx.allclose(a, b, rtol=1e-4, atol=1e-4)).item()
+
     target = _target(folder)
     prompt = mx.array([[(i * 13) % 500 + 4 for i in range(37)]])
     block = mx.array([[11, 250, 3, 99, 402, 17, 64, 5]])
@@ -219,7 +225,8 @@ def test_rollback_equals_feeding_the_kept_tokens_one_at_a_time(request, folder):
 
 @pytest.mark.parametrize("folder", ["qwen35_folder", "qwen35_moe_folder"])
 def test_rollback_is_bit_exact_when_matmuls_are_row_invariant(request, folder):
-    code = f"from tests.test_hybrid import rollback_check; rollback_check({str(request.getfixturevalue(folder))!r}, exact=True)"
+    path = str(request.getfixturevalue(folder))
+    code = f"from tests.test_hybrid import rollback_check; rollback_check({path!r}, exact=True)"
     env = dict(os.environ, DFLASH_BATCH_BLAS="none", HF_HUB_OFFLINE="1")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -254,23 +254,29 @@ _CUDA_REPLAY = """
     state_out[at] = static_cast<StT>(s);
 """
 
+_SOURCES = {
+    ("metal", "recurrence"): _METAL_RECURRENCE,
+    ("metal", "replay"): _METAL_REPLAY,
+    ("cuda", "recurrence"): _CUDA_RECURRENCE,
+    ("cuda", "replay"): _CUDA_REPLAY,
+}
+_INPUTS = {"recurrence": ["q", "k", "v", "g", "beta", "state_in"], "replay": ["tape", "k", "g", "state_in"]}
+_OUTPUTS = {"recurrence": ["y", "state_out", "tape"], "replay": ["state_out"]}
 _built = {}
 
 
 def _kernel(impl: str, which: str):
     """Build (once) the Metal or CUDA kernel ``which`` in ("recurrence", "replay")."""
-    key = (impl, which)
-    if key not in _built:
-        recurrence = which == "recurrence"
-        if impl == "metal":
-            make, source = mx.fast.metal_kernel, _METAL_RECURRENCE if recurrence else _METAL_REPLAY
-            inputs = ["q", "k", "v", "g", "beta", "state_in", "T"] if recurrence else ["tape", "k", "g", "state_in", "T"]
-        else:
-            make, source = mx.fast.cuda_kernel, _CUDA_RECURRENCE if recurrence else _CUDA_REPLAY
-            inputs = ["q", "k", "v", "g", "beta", "state_in"] if recurrence else ["tape", "k", "g", "state_in"]
-        outputs = ["y", "state_out", "tape"] if recurrence else ["state_out"]
-        _built[key] = make(name=f"dflash_gated_delta_{which}", input_names=inputs, output_names=outputs, source=source)
-    return _built[key]
+    if (impl, which) not in _built:
+        make = mx.fast.metal_kernel if impl == "metal" else mx.fast.cuda_kernel
+        inputs = _INPUTS[which] + (["T"] if impl == "metal" else [])  # CUDA reads T from k's shape
+        _built[(impl, which)] = make(
+            name=f"dflash_gated_delta_{which}",
+            input_names=inputs,
+            output_names=_OUTPUTS[which],
+            source=_SOURCES[(impl, which)],
+        )
+    return _built[(impl, which)]
 
 
 def _kernel_recurrence(impl, q, k, v, g, beta, state, record):
@@ -279,7 +285,15 @@ def _kernel_recurrence(impl, q, k, v, g, beta, state, record):
     inputs = [q, k, v, g, beta, state] + ([T] if impl == "metal" else [])
     y, state_out, tape = _kernel(impl, "recurrence")(
         inputs=inputs,
-        template=[("InT", q.dtype), ("StT", state.dtype), ("Dk", Dk), ("Dv", Dv), ("Hk", Hk), ("Hv", Hv), ("Record", record)],
+        template=[
+            ("InT", q.dtype),
+            ("StT", state.dtype),
+            ("Dk", Dk),
+            ("Dv", Dv),
+            ("Hk", Hk),
+            ("Hv", Hv),
+            ("Record", record),
+        ],
         grid=(32, Dv, B * Hv),
         threadgroup=(32, 4, 1),
         output_shapes=[(B, T, Hv, Dv), state.shape, (B, T, Hv, Dv) if record else (1,)],
