@@ -234,3 +234,16 @@ def test_shipped_jobs_and_examples_are_valid():
         fields = Fields(id_field="doc_id", prompt_field="text") if name.endswith(".parquet") else Fields()
         got = list(read_items(REPO / "examples" / name, fields=fields))
         assert len(got) >= 3 and not [i.error for i in got if i.error], name
+
+
+def test_runner_api_and_cli_import_no_mlx():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, dflash_batch.runner, dflash_batch.runner.tasks, dflash_batch.api, dflash_batch.cli; "
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm') or m.startswith('dflash_batch.engine')]; "
+        "print(bad); sys.exit(1 if bad else 0)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
