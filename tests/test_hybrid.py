@@ -29,7 +29,7 @@ from dflash_batch.engine.target import Target
 ROOT = Path(__file__).resolve().parents[1]
 KERNELS = [
     pytest.param("metal", marks=pytest.mark.skipif(not mx.metal.is_available(), reason="no Metal")),
-    pytest.param("cuda", marks=pytest.mark.skipif(not mx.cuda.is_available(), reason="no CUDA")),
+    pytest.param("cuda", marks=pytest.mark.skipif(not gd.cuda_available(), reason="no CUDA")),
 ]
 
 

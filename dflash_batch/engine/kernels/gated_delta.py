@@ -38,9 +38,14 @@ def backend() -> str:
         return "reference"
     if mx.metal.is_available():
         return "metal"
-    if mx.cuda.is_available():
+    if cuda_available():
         return "cuda"
     return "reference"
+
+
+def cuda_available() -> bool:
+    cuda = getattr(mx, "cuda", None)  # absent from some MLX builds
+    return cuda is not None and cuda.is_available()
 
 
 def _pick(impl: Optional[str], k: mx.array, v: mx.array, g: mx.array) -> str:
