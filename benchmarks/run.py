@@ -46,8 +46,9 @@ SCRIPTED_NOTE = (
 
 @dataclass
 class Plan:
-    """What to run on one shape. Contexts run in the order given (the headline one first), all
-    arms of a context before the next, so a run cut short by the time budget keeps whole contexts."""
+    """What to run on one shape. Contexts run in the order given (the headline one first), in two
+    passes: stream_generate and the engine at every context, then the batch, mlx-lm speculative,
+    runner and ~1 token/cycle arms; a run cut short by the time budget keeps the core comparison."""
 
     shape: str
     contexts: List[int]
@@ -264,6 +265,11 @@ def run_shape(rec: Recorder, suite: Suite, plan: Plan) -> None:
             rec.run(dict(base, arm="dflash.engine-ar"), lambda: arms.measure(lambda: arms.engine_generate(engine_ar, p, n), reps))
         elif plan.engine_ar:
             rec.run(dict(base, arm="dflash.engine-ar"), lambda: unsupported(engine_error))
+
+    # Second pass: the arms that matter less for the headline, and the slow ones, last.
+    for ctx in plan.contexts:
+        p = arms.prompt_ids(ctx, setup.vocab_size, seed=ctx)
+        base = {"shape": name, "context": ctx}
         for acc in [a for a in plan.mlx_speculative if a != "random"]:
             with arms.zeroed_final_norm(setup.model, setup.ar_draft):
                 rec.run(dict(base, arm="mlx_lm.speculative", acceptance=acc),
