@@ -3,9 +3,10 @@
 A recurrent state cannot be trimmed like a KV cache. Instead, a verify pass records a tape, and
 rollback replays the accepted prefix of it from the state saved before the pass:
 
-    arm:      save (conv state, S_0) by reference (MLX arrays are immutable: no copy)
-    verify:   run the T rows; per step record delta_t = beta_t (v_t - g_t S_{t-1} k_t), k_t, g_t
-              and the conv input concat(conv state, qkv rows)
+    arm:      mark the caches; the next pass records
+    verify:   run the T rows; keep S_0 by reference (MLX arrays are immutable: no copy), and per
+              step delta_t = beta_t (v_t - g_t S_{t-1} k_t), k_t, g_t, and the conv input
+              concat(conv state, qkv rows)
     rollback: keep n rows: S_n = replay(delta_1..n, k_1..n, g_1..n from S_0)
               conv state = conv input rows [n, n + K - 1)
 
@@ -33,24 +34,22 @@ from .kernels import gated_delta
 
 class TapeCache(ArraysCache):
     """``cache[0]`` conv state [B, K-1, conv_dim], ``cache[1]`` recurrent state [B, Hv, Dv, Dk],
-    plus the state before the armed pass and that pass's tape."""
+    plus, after an armed pass, that pass's tape and the recurrent state it started from."""
 
     def __init__(self):
         super().__init__(size=2)
         self.armed = False
-        self.before = None  # (conv state, recurrent state) when armed
-        self.tape = None  # (delta, k, g, conv input) of the armed pass
+        self.tape = None  # (recurrent state before, delta, k, g, conv input) of the armed pass
 
     def arm(self) -> None:
-        self.armed = True
-        self.before = (self[0], self[1])
-        self.tape = None
+        self.armed, self.tape = True, None
 
-    def record(self, delta: mx.array, k: mx.array, g: mx.array, conv_input: mx.array) -> None:
-        self.tape = (delta, k, g, conv_input)
+    def record(self, state: mx.array, delta: mx.array, k: mx.array, g: mx.array, conv_input: mx.array) -> None:
+        """Keep (by reference: MLX arrays are immutable) what ``trim`` needs to replay."""
+        self.tape = (state, delta, k, g, conv_input)
 
     def disarm(self) -> None:
-        self.armed, self.before, self.tape = False, None, None
+        self.armed, self.tape = False, None
 
     def is_trimmable(self) -> bool:
         return True  # right after an armed pass, which is the only time rollback happens
@@ -62,14 +61,14 @@ class TapeCache(ArraysCache):
             return 0
         if self.tape is None:
             raise RuntimeError("this GatedDeltaNet cache recorded no tape: verify with Target.verify()")
-        delta, k, g, conv_input = self.tape
-        keep = delta.shape[1] - n
+        state, delta, k, g, conv_input = self.tape
+        T = delta.shape[1]
+        keep = T - n
         if keep < 0:
-            raise ValueError(f"cannot trim {n} rows from a pass of {delta.shape[1]}")
-        conv_before, state_before = self.before
-        width = conv_before.shape[1]
-        self[0] = mx.contiguous(conv_input[:, keep : keep + width, :])
-        self[1] = gated_delta.replay(delta[:, :keep], k[:, :keep], g[:, :keep], state_before)
+            raise ValueError(f"cannot trim {n} rows from a pass of {T}")
+        width = conv_input.shape[1] - T  # K - 1 rows of conv state, then the pass's T rows
+        self[0] = mx.contiguous(conv_input[:, keep : keep + width, :])  # the last K-1 kept inputs
+        self[1] = gated_delta.replay(delta[:, :keep], k[:, :keep], g[:, :keep], state)
         self.disarm()
         return n
 
@@ -111,15 +110,15 @@ class TapeGatedDeltaNet(qwen3_5.GatedDeltaNet):
         beta = mx.sigmoid(b)
         g = compute_g(self.A_log, a, self.dt_bias)  # exp(-exp(A_log) softplus(a + dt_bias))
 
-        state = cache[1] if cache is not None else None
-        if state is None:
-            state = mx.zeros((B, self.num_v_heads, self.head_v_dim, self.head_k_dim), dtype=mx.float32)
-        y, state, delta = gated_delta.recurrence(q, k, v, g, beta, state, record=armed)
+        start = cache[1] if cache is not None else None
+        if start is None:
+            start = mx.zeros((B, self.num_v_heads, self.head_v_dim, self.head_k_dim), dtype=mx.float32)
+        y, state, delta = gated_delta.recurrence(q, k, v, g, beta, start, record=armed)
         if cache is not None:
             cache[1] = state
             cache.advance(S)
         if armed:
-            cache.record(delta, k, g, conv_input)
+            cache.record(start, delta, k, g, conv_input)
         out = self.norm(y, z)
         return self.out_proj(out.reshape(B, S, -1))
 
