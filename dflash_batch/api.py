@@ -13,7 +13,7 @@ Keyword overrides use the flat spec names (``target``, ``draft``, ``max_tokens``
 
 from __future__ import annotations
 
-import shutil
+import os
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Union
@@ -181,7 +181,7 @@ def add_schedule(spec_file: Union[str, Path], *, home: Optional[Union[str, Path]
     layout = spec_layout(spec)
     tmp = target.with_suffix(".yaml.tmp")
     tmp.write_text(f"# registered from {Path(spec_file).resolve()}\n" + yaml.safe_dump(layout, sort_keys=False))
-    shutil.move(str(tmp), target)
+    os.replace(tmp, target)
     return target
 
 

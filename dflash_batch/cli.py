@@ -65,8 +65,7 @@ OVERRIDE_KEYS = (
 
 
 def _override_values(args) -> Dict[str, Any]:
-    values = {k: getattr(args, k, None) for k in OVERRIDE_KEYS}
-    return values
+    return {k: getattr(args, k, None) for k in OVERRIDE_KEYS}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import sys
 from datetime import datetime
-from typing import IO, Any, Dict, Iterable, Optional
+from typing import IO, Any, Dict, Optional
 
 import orjson
 import pyarrow as pa
@@ -55,7 +54,3 @@ def write_lines(table: pa.Table, out: IO[bytes], fmt: str = "jsonl", model: Opti
         out.write(orjson.dumps(line, default=str) + b"\n")
         n += 1
     return n
-
-
-def stdout_bytes() -> IO[bytes]:
-    return sys.stdout.buffer
