@@ -247,3 +247,19 @@ def test_runner_api_and_cli_import_no_mlx():
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_reading_a_range_from_a_cursor_matches_a_full_pass(tmp_path):
+    rows = [{"id": f"r{i}", "prompt": f"p{i}"} if i % 7 else "{broken" for i in range(50)]
+    path = write_jsonl(tmp_path / "big.jsonl", rows)
+    with open(path, "a") as f:
+        f.write("\n\n" + json.dumps({"id": "tail", "prompt": "t"}) + "\n")
+    full = items(path)
+    for start in (0, 13, 48, 50):
+        part = list(read_items(path, start=start, stop=start + 5, cursor=full[start].cursor))
+        assert [(i.id, i.where, i.index, i.error) for i in part] == [(i.id, i.where, i.index, i.error) for i in full[start:start + 5]]
+    table = pa.table({"id": [f"q{i}" for i in range(40)], "prompt": [f"x{i}" for i in range(40)]})
+    pq.write_table(table, tmp_path / "g.parquet", row_group_size=8)
+    pfull = items(tmp_path / "g.parquet")
+    got = list(read_items(tmp_path / "g.parquet", start=19, stop=27))
+    assert [(i.id, i.where) for i in got] == [(i.id, i.where) for i in pfull[19:27]]

@@ -37,6 +37,7 @@ class Item:
     options: Dict[str, Any] = field(default_factory=dict)  # per-row max_tokens, temperature, stop, system
     metadata: Dict[str, Any] = field(default_factory=dict)
     error: Optional[str] = None
+    cursor: Optional[Tuple[int, int]] = None  # JSONL: (byte offset, line number) of the row
 
 
 @dataclass
@@ -66,9 +67,21 @@ def detect_format(path: Path, fmt: str = "auto") -> str:
     raise InputError(f"{path}: cannot tell the format from the suffix {suffix!r}; set input_format to jsonl or parquet")
 
 
-def read_items(path: Union[str, Path], fmt: str = "auto", fields: Optional[Fields] = None) -> Iterator[Item]:
-    """Every row of the input as an ``Item``, in file order. Raises ``InputError`` for a bad
-    file and for a repeated id (naming both places)."""
+def read_items(
+    path: Union[str, Path],
+    fmt: str = "auto",
+    fields: Optional[Fields] = None,
+    start: int = 0,
+    stop: Optional[int] = None,
+    cursor: Optional[Tuple[int, int]] = None,
+) -> Iterator[Item]:
+    """The rows ``[start, stop)`` of the input as ``Item``s, in file order. Raises
+    ``InputError`` for a bad file and for a repeated id (naming both places).
+
+    ``cursor``: the ``Item.cursor`` of row ``start`` from an earlier pass (JSONL: byte offset and
+    line number), so a chunk deep in a large file is read without parsing what precedes it.
+    Parquet skips whole row groups before ``start`` by itself.
+    """
     path = Path(path)
     fields = fields or Fields()
     if not path.exists():
@@ -76,10 +89,20 @@ def read_items(path: Union[str, Path], fmt: str = "auto", fields: Optional[Field
     if not path.is_file():
         raise InputError(f"{path}: not a file")
     kind = detect_format(path, fmt)
-    rows = _parquet_rows(path, fields) if kind == "parquet" else _jsonl_rows(path)
+    if kind == "parquet":
+        rows = _parquet_rows(path, fields, start)
+    elif cursor is not None:
+        rows = _jsonl_rows(path, start, *cursor)
+    else:
+        rows = _jsonl_rows(path)
     seen: Dict[str, str] = {}
-    for index, (where, raw, row, problem) in enumerate(rows):
+    for index, where, raw, row, problem, position in rows:
+        if index < start:
+            continue
+        if stop is not None and index >= stop:
+            break
         item = _to_item(path, index, where, raw, row, problem, fields)
+        item.cursor = position
         if item.id in seen:
             raise InputError(f"{path}: duplicate id {item.id!r} on {seen[item.id]} and {where}")
         seen[item.id] = where
@@ -97,39 +120,45 @@ def count_rows(path: Union[str, Path], fmt: str = "auto", fields: Optional[Field
 
 
 # -- raw rows -------------------------------------------------------------------------------
-def _jsonl_rows(path: Path):
-    """(where, raw bytes, parsed row or None, problem or None) per non-blank line."""
+def _jsonl_rows(path: Path, index: int = 0, offset: int = 0, line: int = 1):
+    """(row index, where, raw bytes, parsed row or None, problem or None, (offset, line)) per
+    non-blank line, from byte ``offset`` (the start of line number ``line``, row ``index``)."""
     try:
         handle = path.open("rb")
     except OSError as e:
         raise InputError(f"{path}: cannot read: {e.strerror}") from e
     with handle:
-        for number, raw in enumerate(handle, start=1):
+        handle.seek(offset)
+        for number, raw in enumerate(handle, start=line):
+            position = (offset, number)
+            offset += len(raw)
             if not raw.strip():
                 continue
-            where = f"line {number}"
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                problem = f"not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})"
-                try:  # keep the row's own id when the rest of the line still parses
-                    row = orjson.loads(raw.decode("utf-8", errors="replace"))
-                except orjson.JSONDecodeError:
-                    row = None
-                yield where, raw, row if isinstance(row, dict) else None, problem
-                continue
-            try:
-                row = orjson.loads(text)
-            except orjson.JSONDecodeError as e:
-                yield where, raw, None, f"malformed JSON: {e}"
-                continue
-            if not isinstance(row, dict):
-                yield where, raw, None, f"expected a JSON object, got {_type(row)}"
-                continue
-            yield where, raw, row, None
+            yield (index, f"line {number}", raw, *_parse_line(raw), position)
+            index += 1
 
 
-def _parquet_rows(path: Path, fields: Fields):
+def _parse_line(raw: bytes):
+    """(row or None, problem or None) for one JSONL line."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        problem = f"not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})"
+        try:  # keep the row's own id when the rest of the line still parses
+            row = orjson.loads(raw.decode("utf-8", errors="replace"))
+        except orjson.JSONDecodeError:
+            row = None
+        return (row if isinstance(row, dict) else None), problem
+    try:
+        row = orjson.loads(text)
+    except orjson.JSONDecodeError as e:
+        return None, f"malformed JSON: {e}"
+    if not isinstance(row, dict):
+        return None, f"expected a JSON object, got {_type(row)}"
+    return row, None
+
+
+def _parquet_rows(path: Path, fields: Fields, start: int = 0):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -151,11 +180,21 @@ def _parquet_rows(path: Path, fields: Fields):
             raise InputError(
                 f"{path}: prompt_template uses {', '.join(map(repr, missing))}, not a column (columns: {', '.join(columns)})"
             )
-    number = 0
-    for batch in handle.iter_batches(batch_size=1024):
+    # Skip the row groups that end before ``start``.
+    groups, number, first = [], 0, None
+    for g in range(handle.metadata.num_row_groups):
+        size = handle.metadata.row_group(g).num_rows
+        if number + size > start:
+            groups.append(g)
+            first = number if first is None else first
+        number += size
+    number = first or 0
+    if not groups:
+        return
+    for batch in handle.iter_batches(batch_size=1024, row_groups=groups):
         for row in batch.to_pylist():
             raw = orjson.dumps(row, default=str, option=orjson.OPT_SORT_KEYS | orjson.OPT_NON_STR_KEYS)
-            yield f"row {number}", raw, row, None
+            yield number, f"row {number}", raw, row, None, None
             number += 1
 
 

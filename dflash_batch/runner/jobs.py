@@ -131,12 +131,12 @@ class JobRecord:
         return chunk * size, min((chunk + 1) * size, self.total)
 
     def items(self, chunk: int):
-        """The input rows of one chunk, as Items."""
-        import itertools
-
+        """The input rows of one chunk, as Items (read from the chunk's recorded file position)."""
         spec = self.spec
         start, end = self.chunk_range(chunk)
-        return itertools.islice(read_items(spec.input, spec.input_format, spec.fields), start, end)
+        cursors = self.data.get("chunk_cursors") or []
+        cursor = tuple(cursors[chunk]) if chunk < len(cursors) and cursors[chunk] else None
+        return read_items(spec.input, spec.input_format, spec.fields, start=start, stop=end, cursor=cursor)
 
     # -- status ---------------------------------------------------------------------------
     def status(self) -> Dict[str, Any]:
@@ -191,7 +191,11 @@ def create_job(spec: JobSpec, home: Path, job_id: Optional[str] = None) -> JobRe
     home = Path(home)
     name = spec.name or default_name(spec.input)
     output_dir = spec.resolved_output_dir(home)
-    ids = [item.id for item in read_items(spec.input, spec.input_format, spec.fields)]
+    ids, cursors = [], []
+    for item in read_items(spec.input, spec.input_format, spec.fields):
+        if item.index % spec.chunk_size == 0:
+            cursors.append(item.cursor)  # where each chunk starts in the file
+        ids.append(item.id)
     config_hash = spec.config_hash()
     store = ResultStore(output_dir)
     previous = store.manifest().get("config_hash")
@@ -212,6 +216,7 @@ def create_job(spec: JobSpec, home: Path, job_id: Optional[str] = None) -> JobRe
         "config_hash": config_hash,
         "total": len(ids),
         "chunks": (len(ids) + spec.chunk_size - 1) // spec.chunk_size,
+        "chunk_cursors": cursors,
         "created_at": time.time(),
     }
     write_atomic(record.dir / "job.json", orjson.dumps(data, option=orjson.OPT_INDENT_2))
