@@ -60,6 +60,7 @@ RESULT_SCHEMA = pa.schema(
     metadata={"schema_version": str(SCHEMA_VERSION), "producer": "dflash-batch"},
 )
 TIMESTAMPS = ("started_at", "finished_at")
+_ID_CACHE: Dict[str, Dict[str, Any]] = {}  # output dir -> part name -> ((size, mtime_ns), ids)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -179,7 +180,26 @@ class ResultStore:
         return dataset.to_table(columns=columns)
 
     def committed_ids(self) -> Set[str]:
-        return set(self.read(["id"]).column("id").to_pylist())
+        """Ids in committed parts. Each part's ids are read once per process and kept, keyed by
+        the file's name, size and mtime (parts are immutable but for ``drop_ids`` rewrites)."""
+        cache = _ID_CACHE.setdefault(str(self.dir.resolve()), {})
+        seen: Set[str] = set()
+        ids: Set[str] = set()
+        for path in self.parts():
+            try:
+                st = path.stat()
+            except FileNotFoundError:
+                continue
+            key = (st.st_size, st.st_mtime_ns)
+            entry = cache.get(path.name)
+            if entry is None or entry[0] != key:
+                entry = (key, frozenset(pq.read_table(path, columns=["id"]).column("id").to_pylist()))
+                cache[path.name] = entry
+            seen.add(path.name)
+            ids |= entry[1]
+        for name in set(cache) - seen:
+            del cache[name]
+        return ids
 
     # -- journals ---------------------------------------------------------------------------
     def journal(self, chunk: int) -> Journal:
