@@ -90,6 +90,36 @@ class zeroed_final_norm:
             n.weight = w
 
 
+class stock_attention:
+    """Context manager for the mlx-lm arms: stock MLX attention. The engine routes multi-row
+    attention for every model of the same architecture in the process (engine/attention.py
+    patches the model file), so the routing is switched off around mlx-lm's own runs."""
+
+    def __enter__(self):
+        try:
+            from dflash_batch.engine import attention
+        except ImportError:  # an engine without attention routing
+            self.attention = None
+            return self
+        self.attention = attention
+        self.saved = attention.mode()
+        attention.set_mode("stock")
+        return self
+
+    def __exit__(self, *exc):
+        if self.attention is not None:
+            self.attention.set_mode(None if self.saved == self.attention.default_mode() else self.saved)
+
+
+def attention_mode() -> str:
+    """The engine's attention routing for multi-row passes ("stock", "kernel", ...)."""
+    try:
+        from dflash_batch.engine import attention
+    except ImportError:
+        return "stock"
+    return attention.mode()
+
+
 def prompt_ids(length: int, vocab_size: int, seed: int = 0) -> List[int]:
     """Seeded random prompt ids (the same ids for every arm of a suite)."""
     key = mx.random.key(seed)
@@ -123,15 +153,16 @@ def stream_generate(setup: Setup, prompt: List[int], max_tokens: int, draft_mode
     from mlx_lm import stream_generate as mlx_stream
 
     kwargs = {"draft_model": draft_model, "num_draft_tokens": num_draft_tokens} if draft_model is not None else {}
-    _peak_reset()
-    start = time.perf_counter()
-    first, last, from_draft = None, None, 0
-    for r in mlx_stream(setup.model, setup.tokenizer, mx.array(prompt), max_tokens=max_tokens, **kwargs):
-        if first is None:
-            first = time.perf_counter()
-        last = r
-        from_draft += bool(r.from_draft)
-    end = time.perf_counter()
+    with stock_attention():
+        _peak_reset()
+        start = time.perf_counter()
+        first, last, from_draft = None, None, 0
+        for r in mlx_stream(setup.model, setup.tokenizer, mx.array(prompt), max_tokens=max_tokens, **kwargs):
+            if first is None:
+                first = time.perf_counter()
+            last = r
+            from_draft += bool(r.from_draft)
+        end = time.perf_counter()
     extra = {"mlx_lm_generation_tps": last.generation_tps, "mlx_lm_prompt_tps": last.prompt_tps}
     if draft_model is not None:
         extra.update(
@@ -153,10 +184,11 @@ def batch_generate(setup: Setup, prompt: List[int], max_tokens: int, batch: int)
     """``mlx_lm.batch_generate`` over ``batch`` copies of the prompt; tok/s per sequence and total."""
     from mlx_lm import batch_generate as mlx_batch
 
-    _peak_reset()
-    start = time.perf_counter()
-    resp = mlx_batch(setup.model, setup.tokenizer, [list(prompt)] * batch, max_tokens=max_tokens)
-    wall = time.perf_counter() - start
+    with stock_attention():
+        _peak_reset()
+        start = time.perf_counter()
+        resp = mlx_batch(setup.model, setup.tokenizer, [list(prompt)] * batch, max_tokens=max_tokens)
+        wall = time.perf_counter() - start
     s = resp.stats
     per_seq = s.generation_tokens // batch
     decode_s = s.generation_time
@@ -197,6 +229,7 @@ def engine_generate(engine, prompt: List[int], max_tokens: int, scripted: Option
         acceptance_histogram=s.acceptance_histogram,
         peak_memory_gb=s.peak_memory_gb,
         block_size=s.block_size,
+        attention=attention_mode(),
     )
     if scripted is not None:
         # The script assumes the target always picks token 0 (zeroed final norm): check it did.

@@ -127,3 +127,12 @@ def test_the_engine_copy_of_the_target_has_the_same_weights():
     ours, theirs = dict(tree_flatten(setup.model.parameters())), dict(tree_flatten(copy.model.parameters()))
     assert ours.keys() == theirs.keys()
     assert all(mx.array_equal(ours[k], theirs[k]).item() for k in ours)
+
+
+def test_mlx_lm_arms_run_with_stock_attention_and_restore_the_engine_routing():
+    from dflash_batch.engine import attention
+
+    before = attention.mode()
+    with arms.stock_attention():
+        assert attention.mode() == "stock"
+    assert attention.mode() == before
