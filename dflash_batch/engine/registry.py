@@ -17,11 +17,14 @@ DRAFTERS = {
     "qwen3.5-9b": ("z-lab/Qwen3.5-9B-DFlash", None),
     "qwen3.5-27b": ("z-lab/Qwen3.5-27B-DFlash", None),
     "qwen3.5-35b-a3b": ("z-lab/Qwen3.5-35B-A3B-DFlash", None),
+    # The embedded default's drafter, trained by this project (dflash_batch/assets/drafters).
+    "smollm2-135m-instruct": ("embedded", None),
 }
 
 
 def _base_name(target: str) -> str:
     name = Path(str(target).rstrip("/")).name.lower()
+    name = re.sub(r"(\.q\d\w*)?\.gguf$", "", name)  # SmolLM2-135M-Instruct.Q4_1.gguf
     return re.sub(r"^(mlx-community|qwen|z-lab)[-_]", "", name)
 
 
@@ -45,6 +48,11 @@ def registered_drafter(target: str) -> Optional[Tuple[str, Optional[str]]]:
         if base.startswith(key) and (len(base) == len(key) or not base[len(key)].isdigit() and base[len(key)] != "."):
             if best is None or len(key) > len(best[0]):
                 best = (key, value)
+    if best and best[1][0] == "embedded":
+        from . import default_model
+
+        drafter = default_model.ensure_drafter()
+        return (str(drafter), None) if drafter else None
     return best[1] if best else None
 
 

@@ -1,0 +1,87 @@
+"""The embedded default pair: SmolLM2-135M-Instruct (GGUF) + the drafter shipped in the package."""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import pytest
+
+from dflash_batch.engine import default_model, load_drafter, load_engine, registry
+
+PROMPTS = [
+    "What is 25 + 17?",
+    "Summarize in one sentence: The water cycle moves water between the oceans, the air and the land.",
+    "Write a Python function that reverses a string.",
+]
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory):
+    """A fresh DFLASH_BATCH_HOME: the conversion runs as on a first install."""
+    mp = pytest.MonkeyPatch()
+    path = tmp_path_factory.mktemp("dflash-home")
+    mp.setenv(default_model.HOME_ENV, str(path))
+    yield path
+    mp.undo()
+
+
+@pytest.fixture(scope="module")
+def engines(home):
+    return load_engine(), load_engine(draft=None)
+
+
+def test_shipped_drafter_fits_and_matches_the_target():
+    asset = default_model.DRAFTER_ASSET
+    size = sum(f.stat().st_size for f in asset.iterdir())
+    assert size <= 20 * 1024 * 1024
+    config = json.loads((asset / "config.json").read_text())
+    dflash = config["dflash_config"]
+    assert dflash["block_size"] == 16 and max(dflash["target_layer_ids"]) < 30
+    # The mask id is a control token of the GGUF vocabulary (never produced from ordinary text).
+    _, meta = mx.load(str(default_model.gguf_path()), return_metadata=True)
+    assert meta["tokenizer.ggml.token_type"][dflash["mask_token_id"]].item() == 3
+    assert meta["tokenizer.ggml.tokens"][dflash["mask_token_id"]] == "<empty_output>"
+    assert (asset / "TRAINING.md").exists()
+
+
+def test_default_pair_is_lossless_and_accepts(engines):
+    dflash, plain = engines
+    assert dflash.drafter is not None and dflash.block_size == 16 and plain.drafter is None
+    assert dflash.target.embed_tokens.weight.dtype == mx.float32
+    cycles = generated = 0
+    for text in PROMPTS:
+        a = dflash.generate(text, max_tokens=48)
+        b = plain.generate(text, max_tokens=48)
+        assert a.token_ids == b.token_ids and a.text == b.text
+        cycles += a.stats.cycles
+        generated += a.stats.generated_tokens - 1  # the prefill's token is not a cycle's
+    # A trained drafter: on average more than one token per verify cycle is committed.
+    assert generated / cycles > 1.5
+
+
+def test_cache_layout_and_pairing(home, engines):
+    target, drafter = default_model.ensure_default_pair()
+    assert target.startswith(str(home)) and drafter.startswith(str(home))
+    assert default_model.ensure_default_pair() == (target, drafter)  # converted once
+    assert not [p for p in (home / "models").iterdir() if p.name.startswith(".")]  # no temp folders left
+    assert registry.registered_drafter(target) == (drafter, None)  # via dflash_drafter.json
+    assert "quantization" not in json.loads((default_model.Path(drafter) / "config.json").read_text())
+
+
+def test_named_target_gets_its_registered_drafter(home, engines):
+    assert registry.registered_drafter("HuggingFaceTB/SmolLM2-135M-Instruct")[0] == str(default_model.ensure_drafter())
+    engine = load_engine(str(default_model.gguf_path()))  # the GGUF file itself, no drafter named
+    assert engine.drafter is not None
+    text = PROMPTS[0]
+    assert engine.generate(text, max_tokens=24).token_ids == engines[1].generate(text, max_tokens=24).token_ids
+
+
+def test_dequantized_copy_matches_the_shipped_drafter(home):
+    shipped = load_drafter(default_model.DRAFTER_ASSET, dtype=mx.float32)
+    plain = load_drafter(default_model.ensure_drafter())
+    mx.random.seed(0)
+    x, ctx = mx.random.normal((1, 16, 576)), mx.random.normal((1, 7, 576 * 5))
+    a = shipped(x, ctx, shipped.make_cache())
+    b = plain(x, ctx, plain.make_cache())
+    assert mx.allclose(a, b, atol=1e-3).item()

@@ -1,0 +1,137 @@
+"""train-drafter: the packed objective equals inference, batches, checkpoints, resume, export."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from dflash_batch.engine import Engine, drafter as drafter_model, load_drafter, loading, synthetic
+from dflash_batch.training import cli, export, objective, prompts
+from dflash_batch.training.trainer import pick_mask_token
+
+
+def test_packed_forward_equals_inference_forward():
+    """Every anchor block of the packed training pass equals the engine's drafter call with a
+    fresh cache holding exactly the context before the anchor."""
+    target = synthetic.tiny_llama_config(layers=4)
+    cfg = export.drafter_config(target, layers=2, block_size=8, mask_token_id=3, target_layer_ids=[1, 2])
+    mx.random.seed(0)
+    model = drafter_model.Model(drafter_model.ModelArgs.from_config(cfg))
+    H, T = target["hidden_size"], 40
+    context = mx.random.normal((2, T, 2 * H))
+    table = mx.random.normal((512, H))
+    anchors = mx.array([[5, 17, 30], [1, 9, 33]])
+    block = mx.random.randint(0, 512, (2, 3, 8))
+    packed = objective.packed_forward(model, table[block.reshape(2, 24)], context, anchors).reshape(2, 3, 8, H)
+    for n in range(2):
+        for a in range(3):
+            p = anchors[n, a].item()
+            ref = model(table[block[n, a]][None], context[n : n + 1, :p], model.make_cache())[0]
+            assert mx.allclose(ref, packed[n, a], atol=1e-4).item(), (n, a)
+
+
+def test_batch_blocks_labels_and_weights():
+    samples = [
+        {"prompt": [1, 2, 3], "answer": [10, 11, 12, 13, 14, 15, 16]},
+        {"prompt": [1, 2], "answer": [20, 21]},
+        {"prompt": [1, 2, 3, 4], "answer": [30]},  # no usable anchor
+    ]
+    B, mask = 4, 99
+    batch = objective.make_batch(samples, np.random.default_rng(0), 3, B, mask, gamma=2.0, max_len=64, pad_to=16)
+    assert batch["tokens"].shape == (3, 16)
+    decay = np.exp(-np.arange(B - 1) / 2.0)
+    for i, s in enumerate(samples):
+        seq = s["prompt"] + s["answer"]
+        for a, p in enumerate(batch["anchors"][i]):
+            w = batch["weights"][i, a]
+            if i == 2:
+                assert not w.any()  # weight zero: nothing to learn from this sequence
+                continue
+            assert len(s["prompt"]) <= p < len(seq) - 1  # anchors lie in the answer
+            assert batch["block"][i, a, 0] == seq[p] and (batch["block"][i, a, 1:] == mask).all()
+            for k in range(1, B):
+                if p + k < len(seq):
+                    assert batch["labels"][i, a, k - 1] == seq[p + k] and w[k - 1] == pytest.approx(decay[k - 1])
+                else:
+                    assert w[k - 1] == 0
+
+
+def test_attention_mask():
+    m = objective.attention_mask(mx.array([[2, 4]]), context_len=5, block_size=2)[0, 0]
+    expected = np.array(
+        [
+            # context 0..4     block rows a0 a0 a1 a1
+            [1, 1, 0, 0, 0, 1, 1, 0, 0],
+            [1, 1, 0, 0, 0, 1, 1, 0, 0],
+            [1, 1, 1, 1, 0, 0, 0, 1, 1],
+            [1, 1, 1, 1, 0, 0, 0, 1, 1],
+        ],
+        dtype=bool,
+    )
+    assert (np.array(m) == expected).all()
+
+
+def test_prompt_set_and_held_out_split():
+    built = prompts.build_prompts(1500, seed=0)
+    assert len(built) == 1500 and {p["kind"] for p in built} == set(prompts.KINDS)
+    train, held = prompts.split_prompts(built, 3)
+    assert held and not {p["id"] for p in train} & {p["id"] for p in held}
+    # Membership depends on the prompt text alone: a bigger set keeps the same prompts held out.
+    _, held_big = prompts.split_prompts(prompts.build_prompts(3000, seed=0), 3)
+    text = lambda p: "\n".join(m["content"] for m in p["messages"])  # noqa: E731
+    assert {text(p) for p in held} <= {text(p) for p in held_big}
+    assert not {text(p) for p in train} & {text(p) for p in held_big}
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("train") / "target"
+    return synthetic.save_target(folder, synthetic.tiny_llama_config(layers=6), seed=3)
+
+
+def test_mask_token_is_an_unused_special(tiny_target):
+    tok = loading.load_target(tiny_target)[1]
+    assert pick_mask_token(tok) == tok.convert_tokens_to_ids("<|mask|>")
+
+
+def test_train_checkpoint_resume_export(tiny_target, tmp_path, capsys):
+    out = tmp_path / "run"
+    argv = [
+        "--target", str(tiny_target), "--out", str(out), "--prompts", "30", "--eval-percent", "20",
+        "--max-answer-tokens", "20", "--gen-batch", "16", "--steps", "4", "--batch-size", "4", "--anchors", "4",
+        "--max-len", "96", "--layers", "1", "--taps", "2", "--checkpoint-every", "2", "--eval-every", "2",
+        "--log-every", "1", "--warmup", "2",
+    ]  # fmt: skip
+    assert cli.main(argv) == 0
+    assert "exported the drafter" in capsys.readouterr().err
+    meta = json.loads((out / "data" / "meta.json").read_text())
+    assert meta["eval_prompts"] > 0 and meta["train_prompts"] + meta["eval_prompts"] == 30
+    ckpts = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert ckpts == ["step-0000002", "step-0000004"]
+    first = mx.load(str(out / "checkpoints" / "step-0000004" / "drafter.safetensors"))
+
+    # Lose the last checkpoint; the same command resumes at step 2 and reaches the same weights.
+    shutil.rmtree(out / "checkpoints" / "step-0000004")
+    assert cli.main(argv) == 0
+    assert "resumed from" in capsys.readouterr().err
+    again = mx.load(str(out / "checkpoints" / "step-0000004" / "drafter.safetensors"))
+    assert first.keys() == again.keys()
+    for k in first:
+        assert mx.allclose(first[k], again[k], atol=1e-6).item(), k
+    log = [json.loads(line) for line in (out / "train.log.jsonl").read_text().splitlines()]
+    assert any("final_eval" in e for e in log) and any("eval" in e for e in log)
+
+    # The export is a z-lab-format drafter (8-bit linears) that the engine loads and uses losslessly.
+    config = json.loads((out / "drafter" / "config.json").read_text())
+    assert config["dflash_config"]["mask_token_id"] == meta["mask_token_id"]
+    assert config["quantization"] == {"group_size": 64, "bits": 8}
+    drafter = load_drafter(out / "drafter")
+    model, tok, cfg = loading.load_target(tiny_target)
+    dflash = Engine(model, tok, drafter, config=cfg).generate("Hello there", max_tokens=24)
+    model2, tok2, cfg2 = loading.load_target(tiny_target)
+    plain = Engine(model2, tok2, None, config=cfg2).generate("Hello there", max_tokens=24)
+    assert dflash.token_ids == plain.token_ids and dflash.stats.cycles > 0
