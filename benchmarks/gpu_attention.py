@@ -151,8 +151,9 @@ def tuning(q, kb, vb, L0, scale):
     Hk = kb.shape[1]
     base = ka.kernel_config("cuda" if ka.gpu_backend() == "cuda" else "metal", D)
     out = {}
-    for warps, rw in ((4, 8), (8, 8), (4, 4), (2, 8)):
-        cfg = ka.KernelConfig(warps, rw, base.k_tile_dims, base.v_in_smem, D)
+    for warps in (4, 2, 8):
+        cfg = ka.KernelConfig(warps, base.rows_per_warp, base.dim_groups, base.k_tile_dims, base.v_in_smem, D)
+        rw = cfg.rows_per_warp
         auto = ka.split_count(Lq, L0, H, Hk, B, cfg.rows, None)
         for factor in (0.5, 1, 2):
             splits = max(1, int(auto * factor))

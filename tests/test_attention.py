@@ -165,13 +165,27 @@ static float warp_reduce(Ctx* ctx, int warp, int lane, float x, bool is_max) {
 #define SYNC_WARP() ctx->warps[warp]->arrive_and_wait()
 #define LDS4(ptr) (*reinterpret_cast<const float4*>(ptr))
 #define F4GET(v, c) ((c) == 0 ? (v).x : (c) == 1 ? (v).y : (c) == 2 ? (v).z : (v).w)
+static float group8_reduce(Ctx* ctx, int warp, int lane, float x, bool is_max) {
+  ctx->warps[warp]->arrive_and_wait();
+  ctx->red[warp][lane] = x;
+  ctx->warps[warp]->arrive_and_wait();
+  const int base = lane & ~7;
+  float r = ctx->red[warp][base];
+  for (int i = 1; i < 8; ++i) r = is_max ? std::fmax(r, ctx->red[warp][base + i]) : r + ctx->red[warp][base + i];
+  ctx->warps[warp]->arrive_and_wait();
+  return r;
+}
 #define WARP_MAX(x) warp_reduce(ctx, warp, lane, (x), true)
 #define WARP_SUM(x) warp_reduce(ctx, warp, lane, (x), false)
+#define GROUP8_MAX(x) group8_reduce(ctx, warp, lane, (x), true)
+#define GROUP8_SUM(x) group8_reduce(ctx, warp, lane, (x), false)
+#define LOADV(dst, src) for (int _e = 0; _e < VEC; ++_e) (dst)[_e] = static_cast<float>((src)[_e])
+#define ALIGNED16(p) true
 using T = float;
 """
 
 EMU_MAIN = r"""
-template <int D, int DK, int RW, int NW, bool V_SMEM>
+template <int D, int DK, int WR, int DG, int NW, bool V_SMEM>
 void pass1(Ctx* ctx, int tid, int split, int n_splits, int bh, int rg, float* smem,
            const T* q, Shape q_shape, Strides q_strides, const T* k, Shape k_shape, Strides k_strides,
            const T* v, Strides v_strides, const int32_t* kv_start, const int32_t* flags, const float* scale,
@@ -194,7 +208,7 @@ template <typename X> std::vector<X> load(const char* path, size_t n) {
   return x;
 }
 
-template <int D, int DK, int RW, int NW, bool V_SMEM>
+template <int D, int DK, int WR, int DG, int NW, bool V_SMEM, int SMEM>
 int run(const char* dir, int B, int H, int Hk, int Lq, int Lk, int cap, int splits, int groups) {
   std::string d(dir);
   auto q = load<float>((d + "/q.bin").c_str(), (size_t)B * H * Lq * D);
@@ -209,7 +223,6 @@ int run(const char* dir, int B, int H, int Hk, int Lq, int Lk, int cap, int spli
   const size_t rows = (size_t)B * H * Lq;
   std::vector<float> o_part(rows * splits * D, NAN), m_part(rows * splits, NAN), l_part(rows * splits, NAN);
   constexpr int NT = NW * 32;
-  constexpr int SMEM = 32 * (DK + 4) + (V_SMEM ? 32 * D : 0) + NW * RW * D + NW * RW * 32;
   for (int split = 0; split < splits; ++split)
     for (int bh = 0; bh < B * Hk; ++bh)
       for (int rg = 0; rg < groups; ++rg) {
@@ -224,7 +237,7 @@ int run(const char* dir, int B, int H, int Hk, int Lq, int Lk, int cap, int spli
         std::vector<std::thread> th;
         for (int tid = 0; tid < NT; ++tid)
           th.emplace_back([&, tid] {
-            pass1<D, DK, RW, NW, V_SMEM>(&ctx, tid, split, splits, bh, rg, reinterpret_cast<float*>(smem4.data()),
+            pass1<D, DK, WR, DG, NW, V_SMEM>(&ctx, tid, split, splits, bh, rg, reinterpret_cast<float*>(smem4.data()),
                                          q.data(), qs, qst, kb.data(), ks, kst, vb.data(), kst, kv_start.data(),
                                          flags.data(), scale.data(), o_part.data(), m_part.data(), l_part.data());
           });
@@ -253,7 +266,7 @@ int main(int argc, char** argv) {
 """
 
 # (backend, head dim) configurations the emulator is built for
-EMU_CONFIGS = [("cuda", 64), ("cuda", 128), ("cuda", 256), ("metal", 128), ("metal", 256)]
+EMU_CONFIGS = [("cuda", 64), ("cuda", 128), ("cuda", 256), ("metal", 64), ("metal", 128), ("metal", 256)]
 
 
 @pytest.fixture(scope="module")
@@ -266,8 +279,8 @@ def emulator(tmp_path_factory):
     for n, (backend, D) in enumerate(EMU_CONFIGS):
         c = ka.kernel_config(backend, D)
         v = "true" if c.v_in_smem else "false"
-        cases.append(f"case {n}: return run<{D}, {c.k_tile_dims}, {c.rows_per_warp}, {c.warps}, {v}>"
-                     "(dir, B, H, Hk, Lq, Lk, cap, splits, groups);")
+        args = f"{D}, {c.k_tile_dims}, {c.rows_per_warp}, {c.dim_groups}, {c.warps}, {v}, {c.smem_floats}"
+        cases.append(f"case {n}: return run<{args}>(dir, B, H, Hk, Lq, Lk, cap, splits, groups);")
     body1 = ka.PASS1_BODY
     body2 = ka.PASS2_BODY
     src = EMU_HEADER + EMU_MAIN.replace("PASS1", body1).replace("PASS2", body2).replace("CASES", "\n    ".join(cases))
@@ -309,7 +322,9 @@ EMU_CASES = [
     ("cuda", 2, 4, 2, 3, 70, 80, 64, False, None, [0, 33], 5),  # bidirectional, padding, empty splits
     ("cuda", 1, 8, 2, 16, 150, 150, 256, True, 20, None, None),  # sliding window
     ("metal", 1, 8, 2, 16, 100, 120, 128, True, None, None, 2),
-    ("metal", 1, 4, 2, 5, 90, 90, 256, True, 7, [3], None),  # K tiled over 2 x 128 dims, V from memory
+    ("metal", 1, 4, 2, 5, 90, 90, 256, True, 7, [3], None),  # K staged 64 dims at a time, V from memory
+    ("metal", 2, 8, 8, 16, 70, 75, 64, False, None, [5, 0], 3),  # MHA: rows past R in the block
+    ("cuda", 1, 16, 2, 16, 64, 64, 256, True, None, None, 1),  # 128 rows: 4 row groups
 ]
 
 

@@ -105,12 +105,16 @@ def block_attention_reference(
 # Kernels: one body for both backends
 # --------------------------------------------------------------------------------------------
 
-# Pass 1. Block (split, b * Hk + kv head, row group). NW warps of 32 lanes; warp w owns RW rows
-# (row r = g * Lq + i of this KV head's G * Lq rows). For each tile of 32 keys:
-#   QK: lane = key; s[r] = sum_d q_s[r][d] * k_s[lane][d]  (q rows pre-scaled by scale * log2 e)
-#   online softmax per row: m' = max(m, warp_max s), alpha = 2^(m - m'), p = 2^(s - m')
-#   PV: lane owns dims d = e * 32 + lane; o[r][e] = alpha o[r][e] + sum_key p[r][key] v[key][d]
-# The row sum l is kept per lane and reduced once at the end.
+# Pass 1. Block (split, b * Hk + kv head, row group): NW warps of 32 lanes; warp w owns WR rows
+# (row r = g * Lq + i of this KV head's G * Lq rows), so one K/V tile serves every query head
+# that shares the KV head. Per tile of 32 keys, staged in shared memory as fp32:
+#   QK: lane = (key group kg = lane % 8, row group rg = lane / 8) computes a 4 x (WR / 4) block
+#       of scores, keys kg + 8c and rows rg + 4i:  s = sum_d q[row][d] k[key][d]
+#       (q pre-scaled by scale * log2 e; register tiling keeps shared-memory traffic per FMA low)
+#   online softmax per row: m' = max(m, max over the 8 lanes of a row group),
+#       alpha = 2^(m - m'), p = 2^(s - m'); l keeps per-lane partial sums until the end
+#   PV: lane = (dim group dg = lane % DG, row group pg = lane / DG) owns PR rows x D / DG dims:
+#       o[row][d] = alpha[row] o[row][d] + sum_key p[row][key] v[key][d]   (p, alpha via smem)
 PASS1_BODY = r"""
     const int H = q_shape[1];
     const int Lq = q_shape[2];
@@ -126,14 +130,21 @@ PASS1_BODY = r"""
     const int first_key = kv_start[b];
     const int q_pos0 = Lk - Lq;
 
-    constexpr int ROWS = NW * RW;
     constexpr int NT = NW * 32;
-    constexpr int DPL = D / 32;
+    constexpr int ROWS = NW * WR;       // rows per block
+    constexpr int QR = WR / 4;          // rows per lane in QK
+    constexpr int PG = 32 / DG;         // row groups in PV
+    constexpr int PR = WR / PG;         // rows per lane in PV
+    constexpr int DPL = D / DG;         // dims per lane in PV (DPL / 4 chunks of 4)
     constexpr int KSTRIDE = DK + 4;
-    SPTR k_s = smem;
-    SPTR v_s = k_s + 32 * KSTRIDE;
-    SPTR q_s = v_s + (V_SMEM ? 32 * D : 0);
-    SPTR p_s = q_s + ROWS * D;
+    constexpr int QSTRIDE = D + 4;
+    constexpr int PSTRIDE = WR + 4;
+    constexpr int VEC = 16 / (int)sizeof(T);
+    SPTR k_s = smem;                                  // [32][KSTRIDE]
+    SPTR v_s = k_s + 32 * KSTRIDE;                    // [32][D]       (V_SMEM)
+    SPTR q_s = v_s + (V_SMEM ? 32 * D : 0);           // [ROWS][QSTRIDE]
+    SPTR p_s = q_s + ROWS * QSTRIDE;                  // [NW][32][PSTRIDE]: p[key][row]
+    SPTR a_s = p_s + NW * 32 * PSTRIDE;               // [NW][WR]: alpha per row
 
     // Keys before key_begin are outside every row's window: no tile reads them.
     int key_begin = 0;
@@ -148,6 +159,9 @@ PASS1_BODY = r"""
 
     const I64 kb = (I64)b * k_strides[0] + (I64)kvh * k_strides[1];
     const I64 vb = (I64)b * v_strides[0] + (I64)kvh * v_strides[1];
+    const bool vec_ok = k_strides[3] == 1 && v_strides[3] == 1 && ALIGNED16(k) && ALIGNED16(v) &&
+                        k_strides[0] % VEC == 0 && k_strides[1] % VEC == 0 && k_strides[2] % VEC == 0 &&
+                        v_strides[0] % VEC == 0 && v_strides[1] % VEC == 0 && v_strides[2] % VEC == 0;
 
     for (int idx = tid; idx < ROWS * D; idx += NT) {
         const int rl = idx / D;
@@ -161,17 +175,27 @@ PASS1_BODY = r"""
             val = static_cast<float>(q[(I64)b * q_strides[0] + (I64)h * q_strides[1] +
                                        (I64)i * q_strides[2] + (I64)d * q_strides[3]]) * qscale;
         }
-        q_s[idx] = val;
+        q_s[rl * QSTRIDE + d] = val;
     }
 
-    const int wrow = warp * RW;
-    float m_i[RW];
-    float l_i[RW];
-    float o_i[RW][DPL];
+    const int wrow = warp * WR;         // first block-local row of this warp
+    const int kg = lane & 7;            // QK: keys kg + 8c
+    const int qg = lane >> 3;           // QK: rows qg + 4i
+    const int dg = lane % DG;           // PV: dims (j * DG + dg) * 4 + e
+    const int pg = lane / DG;           // PV: rows pg * PR + r
+    SPTR p_w = p_s + warp * 32 * PSTRIDE;
+    SPTR a_w = a_s + warp * WR;
+
+    float m_i[QR];
+    float l_i[QR];
+    float o_i[PR][DPL];
     UNROLL
-    for (int r = 0; r < RW; ++r) {
-        m_i[r] = NEG_INF;
-        l_i[r] = 0.0f;
+    for (int i = 0; i < QR; ++i) {
+        m_i[i] = NEG_INF;
+        l_i[i] = 0.0f;
+    }
+    UNROLL
+    for (int r = 0; r < PR; ++r) {
         UNROLL
         for (int e = 0; e < DPL; ++e) {
             o_i[r][e] = 0.0f;
@@ -180,94 +204,162 @@ PASS1_BODY = r"""
 
     for (int t = t_begin; t < t_end; ++t) {
         const int j0 = key_begin + t * 32;
-        float s[RW];
+        float s[QR][4];
         UNROLL
-        for (int r = 0; r < RW; ++r) {
-            s[r] = 0.0f;
+        for (int i = 0; i < QR; ++i) {
+            UNROLL
+            for (int c = 0; c < 4; ++c) {
+                s[i][c] = 0.0f;
+            }
         }
         for (int dk0 = 0; dk0 < D; dk0 += DK) {
             SYNC_BLOCK();
-            for (int idx = tid; idx < 32 * DK; idx += NT) {
-                const int kk = idx / DK;
-                const int dd = idx - kk * DK;
-                const int j = j0 + kk;
-                k_s[kk * KSTRIDE + dd] = (j < Lk)
-                    ? static_cast<float>(k[kb + (I64)j * k_strides[2] + (I64)(dk0 + dd) * k_strides[3]])
-                    : 0.0f;
-            }
-            if (V_SMEM && dk0 == 0) {
-                for (int idx = tid; idx < 32 * D; idx += NT) {
-                    const int kk = idx / D;
-                    const int d = idx - kk * D;
+            if (vec_ok) {
+                for (int idx = tid; idx < 32 * (DK / VEC); idx += NT) {
+                    const int kk = idx / (DK / VEC);
+                    const int dd = (idx - kk * (DK / VEC)) * VEC;
                     const int j = j0 + kk;
-                    v_s[idx] = (j < Lk)
-                        ? static_cast<float>(v[vb + (I64)j * v_strides[2] + (I64)d * v_strides[3]])
+                    SPTR dst = k_s + kk * KSTRIDE + dd;
+                    if (j < Lk) {
+                        LOADV(dst, k + (kb + (I64)j * k_strides[2] + dk0 + dd));
+                    } else {
+                        for (int e = 0; e < VEC; ++e) {
+                            dst[e] = 0.0f;
+                        }
+                    }
+                }
+                if (V_SMEM && dk0 == 0) {
+                    for (int idx = tid; idx < 32 * (D / VEC); idx += NT) {
+                        const int kk = idx / (D / VEC);
+                        const int dd = (idx - kk * (D / VEC)) * VEC;
+                        const int j = j0 + kk;
+                        SPTR dst = v_s + kk * D + dd;
+                        if (j < Lk) {
+                            LOADV(dst, v + (vb + (I64)j * v_strides[2] + dd));
+                        } else {
+                            for (int e = 0; e < VEC; ++e) {
+                                dst[e] = 0.0f;
+                            }
+                        }
+                    }
+                }
+            } else {
+                for (int idx = tid; idx < 32 * DK; idx += NT) {
+                    const int kk = idx / DK;
+                    const int dd = idx - kk * DK;
+                    const int j = j0 + kk;
+                    k_s[kk * KSTRIDE + dd] = (j < Lk)
+                        ? static_cast<float>(k[kb + (I64)j * k_strides[2] + (I64)(dk0 + dd) * k_strides[3]])
                         : 0.0f;
+                }
+                if (V_SMEM && dk0 == 0) {
+                    for (int idx = tid; idx < 32 * D; idx += NT) {
+                        const int kk = idx / D;
+                        const int d = idx - kk * D;
+                        const int j = j0 + kk;
+                        v_s[idx] = (j < Lk)
+                            ? static_cast<float>(v[vb + (I64)j * v_strides[2] + (I64)d * v_strides[3]])
+                            : 0.0f;
+                    }
                 }
             }
             SYNC_BLOCK();
             UNROLL
             for (int dd = 0; dd < DK; dd += 4) {
-                const float4 kx = LDS4(k_s + lane * KSTRIDE + dd);
+                float4 kx[4];
                 UNROLL
-                for (int r = 0; r < RW; ++r) {
-                    const float4 qx = LDS4(q_s + (wrow + r) * D + dk0 + dd);
-                    s[r] += qx.x * kx.x + qx.y * kx.y + qx.z * kx.z + qx.w * kx.w;
+                for (int c = 0; c < 4; ++c) {
+                    kx[c] = LDS4(k_s + (kg + 8 * c) * KSTRIDE + dd);
+                }
+                UNROLL
+                for (int i = 0; i < QR; ++i) {
+                    const float4 qx = LDS4(q_s + (wrow + qg + 4 * i) * QSTRIDE + dk0 + dd);
+                    UNROLL
+                    for (int c = 0; c < 4; ++c) {
+                        s[i][c] += qx.x * kx[c].x + qx.y * kx[c].y + qx.z * kx[c].z + qx.w * kx[c].w;
+                    }
                 }
             }
         }
 
-        const int j = j0 + lane;
         UNROLL
-        for (int r = 0; r < RW; ++r) {
-            const int row = rg * ROWS + wrow + r;
-            const int qpos = q_pos0 + (row % Lq);
-            const bool ok = (j < Lk) && (j >= first_key) && (!causal || j <= qpos) &&
-                            (window <= 0 || qpos - j < window);
-            const float sv = ok ? s[r] : NEG_INF;
-            const float m_new = FMAX(m_i[r], WARP_MAX(sv));
-            float p = 0.0f;
-            float alpha = 1.0f;
-            if (m_new != NEG_INF) {
-                alpha = (m_i[r] == NEG_INF) ? 0.0f : EXP2(m_i[r] - m_new);
-                p = ok ? EXP2(sv - m_new) : 0.0f;
-            }
-            l_i[r] = l_i[r] * alpha + p;
+        for (int i = 0; i < QR; ++i) {
+            const int lr = wrow + qg + 4 * i;
+            const int qpos = q_pos0 + ((rg * ROWS + lr) % Lq);
+            bool ok[4];
+            float sv[4];
+            float tmax = NEG_INF;
             UNROLL
-            for (int e = 0; e < DPL; ++e) {
-                o_i[r][e] *= alpha;
+            for (int c = 0; c < 4; ++c) {
+                const int j = j0 + kg + 8 * c;
+                ok[c] = (j < Lk) && (j >= first_key) && (!causal || j <= qpos) && (window <= 0 || qpos - j < window);
+                sv[c] = ok[c] ? s[i][c] : NEG_INF;
+                tmax = FMAX(tmax, sv[c]);
             }
-            m_i[r] = m_new;
-            p_s[(wrow + r) * 32 + lane] = p;
+            const float m_new = FMAX(m_i[i], GROUP8_MAX(tmax));
+            float alpha = 1.0f;
+            float psum = 0.0f;
+            UNROLL
+            for (int c = 0; c < 4; ++c) {
+                float p = 0.0f;
+                if (m_new != NEG_INF && ok[c]) {
+                    p = EXP2(sv[c] - m_new);
+                }
+                psum += p;
+                p_w[(kg + 8 * c) * PSTRIDE + qg + 4 * i] = p;
+            }
+            if (m_new != NEG_INF) {
+                alpha = (m_i[i] == NEG_INF) ? 0.0f : EXP2(m_i[i] - m_new);
+            }
+            l_i[i] = l_i[i] * alpha + psum;
+            m_i[i] = m_new;
+            if (kg == 0) {
+                a_w[qg + 4 * i] = alpha;
+            }
         }
         SYNC_WARP();
 
-        for (int kk = 0; kk < 32; kk += 4) {
-            float4 pv[RW];
+        UNROLL
+        for (int r0 = 0; r0 < PR; r0 += 4) {
+            const float4 ax = LDS4(a_w + pg * PR + r0);
             UNROLL
-            for (int r = 0; r < RW; ++r) {
-                pv[r] = LDS4(p_s + (wrow + r) * 32 + kk);
+            for (int e = 0; e < DPL; ++e) {
+                o_i[r0][e] *= ax.x;
+                o_i[r0 + 1][e] *= ax.y;
+                o_i[r0 + 2][e] *= ax.z;
+                o_i[r0 + 3][e] *= ax.w;
             }
+        }
+        for (int kk = 0; kk < 32; ++kk) {
+            const int jj = j0 + kk;
+            float vx[DPL];
             UNROLL
-            for (int c = 0; c < 4; ++c) {
-                const int jj = j0 + kk + c;
-                float vx[DPL];
-                UNROLL
-                for (int e = 0; e < DPL; ++e) {
-                    const int d = e * 32 + lane;
-                    if (V_SMEM) {
-                        vx[e] = v_s[(kk + c) * D + d];
-                    } else {
-                        vx[e] = (jj < Lk) ? static_cast<float>(v[vb + (I64)jj * v_strides[2] + (I64)d * v_strides[3]]) : 0.0f;
+            for (int jc = 0; jc < DPL / 4; ++jc) {
+                const int d0 = (jc * DG + dg) * 4;
+                if (V_SMEM) {
+                    const float4 w = LDS4(v_s + kk * D + d0);
+                    vx[jc * 4] = w.x;
+                    vx[jc * 4 + 1] = w.y;
+                    vx[jc * 4 + 2] = w.z;
+                    vx[jc * 4 + 3] = w.w;
+                } else {
+                    UNROLL
+                    for (int e = 0; e < 4; ++e) {
+                        vx[jc * 4 + e] = (jj < Lk)
+                            ? static_cast<float>(v[vb + (I64)jj * v_strides[2] + (I64)(d0 + e) * v_strides[3]])
+                            : 0.0f;
                     }
                 }
+            }
+            UNROLL
+            for (int r0 = 0; r0 < PR; r0 += 4) {
+                const float4 px = LDS4(p_w + kk * PSTRIDE + pg * PR + r0);
                 UNROLL
-                for (int r = 0; r < RW; ++r) {
-                    const float pr = F4GET(pv[r], c);
-                    UNROLL
-                    for (int e = 0; e < DPL; ++e) {
-                        o_i[r][e] += pr * vx[e];
-                    }
+                for (int e = 0; e < DPL; ++e) {
+                    o_i[r0][e] += px.x * vx[e];
+                    o_i[r0 + 1][e] += px.y * vx[e];
+                    o_i[r0 + 2][e] += px.z * vx[e];
+                    o_i[r0 + 3][e] += px.w * vx[e];
                 }
             }
         }
@@ -275,21 +367,30 @@ PASS1_BODY = r"""
     }
 
     UNROLL
-    for (int r = 0; r < RW; ++r) {
-        const float l = WARP_SUM(l_i[r]);
-        const int row = rg * ROWS + wrow + r;
+    for (int i = 0; i < QR; ++i) {
+        const float l = GROUP8_SUM(l_i[i]);
+        const int row = rg * ROWS + wrow + qg + 4 * i;
+        if (row < R && kg == 0) {
+            const int g = row / Lq;
+            const int qi = row - g * Lq;
+            const I64 part = (((I64)b * H + kvh * G + g) * Lq + qi) * n_splits + split;
+            m_part[part] = m_i[i];
+            l_part[part] = l;
+        }
+    }
+    UNROLL
+    for (int r = 0; r < PR; ++r) {
+        const int row = rg * ROWS + wrow + pg * PR + r;
         if (row < R) {
             const int g = row / Lq;
-            const int i = row - g * Lq;
-            const int h = kvh * G + g;
-            const I64 part = (((I64)b * H + h) * Lq + i) * n_splits + split;
-            if (lane == 0) {
-                m_part[part] = m_i[r];
-                l_part[part] = l;
-            }
+            const int qi = row - g * Lq;
+            const I64 part = (((I64)b * H + kvh * G + g) * Lq + qi) * n_splits + split;
             UNROLL
-            for (int e = 0; e < DPL; ++e) {
-                o_part[part * D + e * 32 + lane] = o_i[r][e];
+            for (int jc = 0; jc < DPL / 4; ++jc) {
+                UNROLL
+                for (int e = 0; e < 4; ++e) {
+                    o_part[part * D + (jc * DG + dg) * 4 + e] = o_i[r][jc * 4 + e];
+                }
             }
         }
     }
@@ -340,8 +441,27 @@ __device__ __forceinline__ float dflash_warp_sum(float x) {
     for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
     return x;
 }
+__device__ __forceinline__ float dflash_group8_max(float x) {
+    for (int o = 1; o < 8; o <<= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+    return x;
+}
+__device__ __forceinline__ float dflash_group8_sum(float x) {
+    for (int o = 1; o < 8; o <<= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+    return x;
+}
+template <typename TT>
+__device__ __forceinline__ void dflash_loadv(float* dst, const TT* src) {
+    // one 16-byte global load, converted to fp32 (callers check alignment)
+    const uint4 raw = *reinterpret_cast<const uint4*>(src);
+    const TT* vals = reinterpret_cast<const TT*>(&raw);
+    for (int e = 0; e < (int)(16 / sizeof(TT)); ++e) dst[e] = static_cast<float>(vals[e]);
+}
 #define WARP_MAX(x) dflash_warp_max(x)
 #define WARP_SUM(x) dflash_warp_sum(x)
+#define GROUP8_MAX(x) dflash_group8_max(x)
+#define GROUP8_SUM(x) dflash_group8_sum(x)
+#define LOADV(dst, src) dflash_loadv((dst), (src))
+#define ALIGNED16(p) ((reinterpret_cast<unsigned long long>(p) & 15ull) == 0)
 """
 
 CUDA_PASS1 = (
@@ -382,6 +502,18 @@ METAL_HEADER = r"""
 #define F4GET(v, c) ((v)[(c)])
 #define WARP_MAX(x) simd_max(x)
 #define WARP_SUM(x) simd_sum(x)
+inline float dflash_group8_max(float x) {
+    for (ushort o = 1; o < 8; o <<= 1) x = metal::fmax(x, simd_shuffle_xor(x, o));
+    return x;
+}
+inline float dflash_group8_sum(float x) {
+    for (ushort o = 1; o < 8; o <<= 1) x += simd_shuffle_xor(x, o);
+    return x;
+}
+#define GROUP8_MAX(x) dflash_group8_max(x)
+#define GROUP8_SUM(x) dflash_group8_sum(x)
+#define LOADV(dst, src) for (int _e = 0; _e < VEC; ++_e) (dst)[_e] = static_cast<float>((src)[_e])
+#define ALIGNED16(p) true
 """
 
 METAL_PASS1 = (
@@ -417,8 +549,9 @@ class KernelConfig:
     """Compile-time shape of pass 1 for one (backend, head dim)."""
 
     warps: int  # NW
-    rows_per_warp: int  # RW
-    k_tile_dims: int  # DK: dims of K held in the tile at once (D on CUDA; at most 128 on Metal)
+    rows_per_warp: int  # WR: 16 or 8
+    dim_groups: int  # DG: lanes across D in PV (16 with WR 16, 32 with WR 8: 8 rows per lane)
+    k_tile_dims: int  # DK: dims of K staged at once (D on CUDA; less on Metal)
     v_in_smem: bool  # V tile staged in shared memory (CUDA) or read from device memory (Metal)
     head_dim: int
 
@@ -428,19 +561,25 @@ class KernelConfig:
 
     @property
     def smem_floats(self) -> int:
-        D, DK = self.head_dim, self.k_tile_dims
-        return TILE * (DK + 4) + (TILE * D if self.v_in_smem else 0) + self.rows * D + self.rows * TILE
+        D, DK, WR = self.head_dim, self.k_tile_dims, self.rows_per_warp
+        k_tile = TILE * (DK + 4)
+        v_tile = TILE * D if self.v_in_smem else 0
+        return k_tile + v_tile + self.rows * (D + 4) + self.warps * TILE * (WR + 4) + self.warps * WR
+
+    def template(self):
+        return [("D", self.head_dim), ("DK", self.k_tile_dims), ("WR", self.rows_per_warp),
+                ("DG", self.dim_groups), ("NW", self.warps), ("V_SMEM", self.v_in_smem)]
 
 
 def kernel_config(backend: str, head_dim: int) -> KernelConfig:
-    """CUDA: 4 warps x 8 rows (4 x 4 at D=256), K and V tiles in dynamic shared memory (54-84 KB).
-    Metal: must fit 32 KB of threadgroup memory, so V streams from device memory and K is
-    tiled 128 dims at a time."""
+    """CUDA: 4 warps x 16 rows (x 8 at D=256), K and V tiles in dynamic shared memory (44-103 KB).
+    Metal: at most 32 KB of threadgroup memory: 2 warps, V read from device memory, K staged
+    32 (D=128) or 64 dims at a time (22-28 KB)."""
+    wr, dg = (8, 32) if head_dim > 128 else (16, 16)
     if backend == "cuda":
-        rw = 4 if head_dim > 128 else 8
-        return KernelConfig(warps=4, rows_per_warp=rw, k_tile_dims=head_dim, v_in_smem=True, head_dim=head_dim)
-    rw = 2 if head_dim > 128 else 4
-    return KernelConfig(warps=4, rows_per_warp=rw, k_tile_dims=min(head_dim, 128), v_in_smem=False, head_dim=head_dim)
+        return KernelConfig(4, wr, dg, k_tile_dims=head_dim, v_in_smem=True, head_dim=head_dim)
+    dk = 32 if head_dim == 128 else 64
+    return KernelConfig(2, wr, dg, k_tile_dims=dk, v_in_smem=False, head_dim=head_dim)
 
 
 def gpu_backend() -> Optional[str]:
@@ -548,14 +687,7 @@ def block_attention_kernel(
         kv_start = _const(("zeros", B), lambda: mx.zeros((B,), dtype=mx.int32))
     flags = _const(("flags", bool(causal), int(window or 0)), lambda: mx.array([int(causal), int(window or 0)], dtype=mx.int32))
     qscale = _const(("scale", float(scale)), lambda: mx.array([scale * LOG2E], dtype=mx.float32))
-    template = [
-        ("T", q.dtype),
-        ("D", D),
-        ("DK", cfg.k_tile_dims),
-        ("RW", cfg.rows_per_warp),
-        ("NW", cfg.warps),
-        ("V_SMEM", cfg.v_in_smem),
-    ]
+    template = [("T", q.dtype)] + cfg.template()
     if backend == "metal":
         template.append(("SMEM_FLOATS", cfg.smem_floats))
     if kv_start.dtype != mx.int32:
