@@ -21,7 +21,6 @@ from typing import Dict, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
 
 GROUP_SIZE = 32  # every GGUF block type mx.load converts uses blocks of 32
 _RENAMES = (
@@ -41,14 +40,15 @@ _RENAMES = (
 DTYPE_NAMES = {None: "as-stored", mx.float32: "float32", mx.bfloat16: "bfloat16", mx.float16: "float16"}
 
 
-def _scalar(value):
+def scalar(value):
+    """A GGUF metadata value as a Python scalar (numbers come back as 0-d arrays)."""
     return value.item() if isinstance(value, mx.array) else value
 
 
 def read_gguf(path: str | Path) -> Tuple[Dict[str, mx.array], dict]:
     """(tensors under mlx-lm names, metadata) of a llama GGUF file."""
     tensors, meta = mx.load(str(path), return_metadata=True)
-    arch = _scalar(meta.get("general.architecture"))
+    arch = scalar(meta.get("general.architecture"))
     if arch != "llama":
         raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported (only 'llama')")
     weights = {}
@@ -71,11 +71,11 @@ def llama_config(meta: dict, weights: Dict[str, mx.array]) -> dict:
         value = meta.get(f"llama.{key}", default)
         if value is None:
             raise KeyError(f"GGUF metadata has no llama.{key}")
-        return _scalar(value)
+        return scalar(value)
 
     heads = int(get("attention.head_count"))
     hidden = int(get("embedding_length"))
-    vocab = int(_scalar(meta.get("llama.vocab_size", len(meta["tokenizer.ggml.tokens"]))))
+    vocab = int(scalar(meta.get("llama.vocab_size", len(meta["tokenizer.ggml.tokens"]))))
     config = {
         "model_type": "llama",
         "architectures": ["LlamaForCausalLM"],
@@ -91,8 +91,8 @@ def llama_config(meta: dict, weights: Dict[str, mx.array]) -> dict:
         "rope_traditional": True,  # llama.cpp's interleaved RoPE layout of q/k rows
         "max_position_embeddings": int(get("context_length", 2048)),
         "tie_word_embeddings": "lm_head.weight" not in weights,
-        "bos_token_id": int(_scalar(meta.get("tokenizer.ggml.bos_token_id", 1))),
-        "eos_token_id": int(_scalar(meta.get("tokenizer.ggml.eos_token_id", 2))),
+        "bos_token_id": int(scalar(meta.get("tokenizer.ggml.bos_token_id", 1))),
+        "eos_token_id": int(scalar(meta.get("tokenizer.ggml.eos_token_id", 2))),
     }
     quantized = [k[: -len(".scales")] for k in weights if k.endswith(".scales")]
     if quantized:
@@ -149,7 +149,7 @@ def tokenizer_files(meta: dict) -> Dict[str, str]:
     """``tokenizer.json`` and ``tokenizer_config.json`` rebuilt from GGUF metadata (gpt2 BPE)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
-    kind = _scalar(meta.get("tokenizer.ggml.model"))
+    kind = scalar(meta.get("tokenizer.ggml.model"))
     if kind != "gpt2":
         raise ValueError(f"GGUF tokenizer model {kind!r} is not supported (only 'gpt2' BPE)")
     tokens = list(meta["tokenizer.ggml.tokens"])
@@ -157,7 +157,7 @@ def tokenizer_files(meta: dict) -> Dict[str, str]:
     merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
     tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    pre = _scalar(meta.get("tokenizer.ggml.pre", "default"))
+    pre = scalar(meta.get("tokenizer.ggml.pre", "default"))
     if pre == "smollm":  # StarCoder-family: digits split one by one before byte-level BPE
         tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
     else:
@@ -168,7 +168,7 @@ def tokenizer_files(meta: dict) -> Dict[str, str]:
 
     def token(key):
         value = meta.get(f"tokenizer.ggml.{key}_token_id")
-        return None if value is None else tokens[int(_scalar(value))]
+        return None if value is None else tokens[int(scalar(value))]
 
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -176,17 +176,18 @@ def tokenizer_files(meta: dict) -> Dict[str, str]:
         "eos_token": token("eos"),
         "pad_token": token("padding"),
         "unk_token": token("unknown"),
-        "add_bos_token": bool(_scalar(meta.get("tokenizer.ggml.add_bos_token", False))),
+        "add_bos_token": bool(scalar(meta.get("tokenizer.ggml.add_bos_token", False))),
         "clean_up_tokenization_spaces": False,
-        "model_max_length": int(_scalar(meta.get("llama.context_length", 2048))),
+        "model_max_length": int(scalar(meta.get("llama.context_length", 2048))),
     }
     template = meta.get("tokenizer.chat_template")
     if template:
-        config["chat_template"] = _scalar(template)
+        config["chat_template"] = scalar(template)
     return {"tokenizer.json": tok.to_str(), "tokenizer_config.json": json.dumps(config, indent=2)}
 
 
-def _load_tokenizer(meta: dict, eos_token_id: int):
+def load_gguf_tokenizer(meta: dict, eos_token_id: int):
+    """mlx-lm's TokenizerWrapper for a GGUF file's tokenizer metadata."""
     from mlx_lm.utils import load_tokenizer
 
     with tempfile.TemporaryDirectory(prefix="dflash-gguf-tok-") as tmp:
@@ -205,7 +206,7 @@ def load_gguf_target(path: str | Path, dtype: Optional[mx.Dtype] = None) -> Tupl
     weights, meta = read_gguf(path)
     config = llama_config(meta, weights)
     model = build_model(config, weights, dtype)
-    tokenizer = _load_tokenizer(meta, config["eos_token_id"])
+    tokenizer = load_gguf_tokenizer(meta, config["eos_token_id"])
     if dtype is not None:
         config.pop("quantization", None)
     return model, tokenizer, config
@@ -241,6 +242,3 @@ def convert_gguf(path: str | Path, out: str | Path, dtype: Optional[mx.Dtype] = 
         raise
     return out
 
-
-def parameter_count(model: nn.Module) -> int:
-    return sum(p.size for _, p in tree_flatten(model.parameters()))

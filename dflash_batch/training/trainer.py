@@ -103,9 +103,8 @@ def load_tokenizer_for(target: Optional[str]):
 
         target = str(gguf_path())
     if str(target).endswith(".gguf"):
-        weights_meta = mx.load(str(target), return_metadata=True)[1]
-        eos = int(gguf._scalar(weights_meta.get("tokenizer.ggml.eos_token_id", 2)))
-        return gguf._load_tokenizer(weights_meta, eos)
+        meta = mx.load(str(target), return_metadata=True)[1]
+        return gguf.load_gguf_tokenizer(meta, int(gguf.scalar(meta.get("tokenizer.ggml.eos_token_id", 2))))
     from mlx_lm.utils import load_config, load_tokenizer
 
     from ..engine.loading import resolve_model_path
