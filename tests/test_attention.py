@@ -413,6 +413,14 @@ def test_dflash_is_lossless_with_reference_routing(tiny_pair, reference_routing)
     assert routing.counters()["routed"] > before  # verify and draft passes went through the op
 
 
+def test_kernel_sources_keep_preprocessor_lines_whole():
+    """MLX pastes header and body between its own lines: each must start and end on a line."""
+    for backend in ("cuda", "metal"):
+        for src in ka.kernel_sources(backend):
+            assert src.startswith("\n") and src.endswith("\n")
+            assert all(line.startswith("#define") for line in src.splitlines() if "#define" in line)
+
+
 def test_metal_source_builds_a_kernel_object():
     """metal_kernel objects build on any backend (they run only on Apple silicon)."""
     header, p1, p2 = ka.kernel_sources("metal")

@@ -37,7 +37,8 @@ ENV = "DFLASH_BATCH_ATTENTION"
 MAX_ROWS = 64  # more query rows than this (prefill chunks) stay on stock SDPA
 
 _stock_sdpa = mlx_lm_base.scaled_dot_product_attention
-_mode: Optional[str] = None
+_mode: Optional[str] = None  # as set; None: default_mode(), resolved once into _resolved
+_resolved: Optional[str] = None
 _counts: Dict[str, int] = {"routed": 0, "stock": 0}
 
 
@@ -55,12 +56,16 @@ def set_mode(mode: Optional[str]) -> None:
     """Choose the mode for the whole process; None returns to the default."""
     if mode is not None and mode not in MODES:
         raise ValueError(f"attention mode must be one of {MODES} or None, got {mode!r}")
-    global _mode
-    _mode = mode
+    global _mode, _resolved
+    _mode, _resolved = mode, None
 
 
 def mode() -> str:
-    return _mode or default_mode()
+    """The mode in force (the default is resolved on first use and kept)."""
+    global _resolved
+    if _resolved is None:
+        _resolved = _mode or default_mode()
+    return _resolved
 
 
 def counters() -> Dict[str, int]:
@@ -70,10 +75,10 @@ def counters() -> Dict[str, int]:
 
 def _route(q: mx.array, k: mx.array, v: mx.array) -> Optional[str]:
     """The implementation to use for these arrays ("kernel" / "reference"), or None for stock."""
-    chosen = mode()
+    chosen = _resolved or mode()
     if chosen == "stock" or not 2 <= q.shape[2] <= MAX_ROWS:
         return None
-    if chosen == "kernel" and (block.gpu_backend() is None or block.unsupported(q, k, v)):
+    if chosen == "kernel" and (block._backend() is None or block.unsupported(q, k, v)):
         return None
     if chosen == "reference" and block.unsupported(q, k, v, head_dims=None):
         return None
@@ -83,7 +88,7 @@ def _route(q: mx.array, k: mx.array, v: mx.array) -> Optional[str]:
 def _block_attention(impl: str, q, k, v, scale: float, causal: bool, window: Optional[int]) -> mx.array:
     _counts["routed"] += 1
     if impl == "kernel":
-        return block.block_attention_kernel(q, k, v, scale=scale, causal=causal, window=window)
+        return block.block_attention_kernel(q, k, v, scale=scale, causal=causal, window=window, checked=True)
     return block.block_attention_reference(q, k, v, scale=scale, causal=causal, window=window)
 
 

@@ -539,6 +539,15 @@ METAL_PASS2 = (
     + PASS2_BODY
 )
 
+def _compact(source: str) -> str:
+    """Drop comments and indentation: MLX rebuilds and hashes the source on every call."""
+    lines = (line.split("//")[0].strip() for line in source.splitlines())
+    return "\n" + "\n".join(line for line in lines if line) + "\n"  # MLX pastes it between lines
+
+
+CUDA_HEADER, CUDA_PASS1, CUDA_PASS2 = map(_compact, (CUDA_HEADER, CUDA_PASS1, CUDA_PASS2))
+METAL_HEADER, METAL_PASS1, METAL_PASS2 = map(_compact, (METAL_HEADER, METAL_PASS1, METAL_PASS2))
+
 PASS1_INPUTS = ["q", "k", "v", "kv_start", "flags", "scale"]
 PASS1_OUTPUTS = ["o_part", "m_part", "l_part"]
 PASS2_INPUTS = ["o_part", "m_part", "l_part"]
@@ -591,6 +600,17 @@ def gpu_backend() -> Optional[str]:
     if mx.metal.is_available():
         return "metal"
     return None
+
+
+_backend_cache: Dict[object, Optional[str]] = {}
+
+
+def _backend() -> Optional[str]:
+    """gpu_backend(), remembered per default device (asked on every attention call)."""
+    device = mx.default_device()
+    if device not in _backend_cache:
+        _backend_cache[device] = gpu_backend()
+    return _backend_cache[device]
 
 
 _kernels: Dict[Tuple[str, str, KernelConfig], object] = {}
@@ -649,12 +669,58 @@ def _const(key: tuple, make) -> mx.array:
 
 
 def split_count(Lq: int, Lk: int, H: int, Hk: int, B: int, rows: int, window: Optional[int]) -> int:
-    """Key chunks for pass 1: enough blocks to fill the GPU, at least two tiles per chunk."""
-    key_begin = max(0, Lk - Lq - window + 1) if window else 0
-    tiles = max(1, -(-(Lk - key_begin) // TILE))
+    """Key chunks for pass 1: enough blocks to fill the GPU, at least two tiles per chunk
+    (the rule block_attention_kernel applies inline)."""
+    keys = min(Lk, Lq + window - 1) if window else Lk
     groups = -(-((H // Hk) * Lq) // rows)
-    want = max(1, TARGET_BLOCKS // (B * Hk * groups))
-    return max(1, min(want, -(-tiles // 2)))
+    return max(1, min(TARGET_BLOCKS // (B * Hk * groups), (keys + 2 * TILE - 1) // (2 * TILE)))
+
+
+@dataclass
+class _Plan:
+    """Everything a call needs that does not depend on the key length, built once per signature
+    (the per-layer call is on the critical path of a CPU-bound forward pass)."""
+
+    pass1: object
+    pass2: object
+    template1: list
+    template2: list
+    flags: mx.array
+    qscale: mx.array
+    zeros: mx.array
+    shape: Tuple[int, int, int, int]  # B, H, Lq, D
+    threads: int
+    grid_yz: Tuple[int, int]  # (B * Hk, row groups)
+    blocks_per_split: int
+    key_skip: int  # keys before Lk - key_skip are outside every row's window (0: none)
+    dtype: object
+
+
+_plans: Dict[tuple, _Plan] = {}
+
+
+def _plan(backend, q, Hk, scale, causal, window, config) -> _Plan:
+    B, H, Lq, D = q.shape
+    cfg = config or kernel_config(backend, D)
+    template1 = [("T", q.dtype)] + cfg.template()
+    if backend == "metal":
+        template1.append(("SMEM_FLOATS", cfg.smem_floats))
+    groups = -(-((H // Hk) * Lq) // cfg.rows)
+    return _Plan(
+        pass1=_kernel(backend, "pass1", cfg),
+        pass2=_kernel(backend, "pass2", cfg),
+        template1=template1,
+        template2=[("T", q.dtype), ("D", D)],
+        flags=_const(("flags", bool(causal), int(window or 0)), lambda: mx.array([int(causal), int(window or 0)], dtype=mx.int32)),
+        qscale=_const(("scale", float(scale)), lambda: mx.array([scale * LOG2E], dtype=mx.float32)),
+        zeros=_const(("zeros", B), lambda: mx.zeros((B,), dtype=mx.int32)),
+        shape=(B, H, Lq, D),
+        threads=cfg.warps * 32,
+        grid_yz=(B * Hk, groups),
+        blocks_per_split=B * Hk * groups,
+        key_skip=(Lq + window - 1) if window else 0,
+        dtype=q.dtype,
+    )
 
 
 def block_attention_kernel(
@@ -669,44 +735,46 @@ def block_attention_kernel(
     backend: Optional[str] = None,
     config: Optional[KernelConfig] = None,
     splits: Optional[int] = None,
+    checked: bool = False,
 ) -> mx.array:
     """The two-pass block attention as GPU kernels (CUDA or Metal). k and v may be strided views
     (e.g. the live slice of a KV cache buffer): they are read in place, not copied.
-    ``config`` and ``splits`` override the tuned defaults (for benchmarks)."""
-    backend = backend or gpu_backend()
+    ``config`` and ``splits`` override the tuned defaults (for benchmarks); ``checked`` skips
+    the argument checks (the caller ran ``unsupported``)."""
+    backend = backend or _backend()
     if backend is None:
         raise RuntimeError("block_attention_kernel needs the CUDA or Metal backend as the default device")
-    B, H, Lq, D = q.shape
+    if not checked:
+        check_supported(q, k, v)
     Hk, Lk = k.shape[1], k.shape[2]
-    check_supported(q, k, v)
-    cfg = config or kernel_config(backend, D)
-    splits = splits or split_count(Lq, Lk, H, Hk, B, cfg.rows, window)
-    groups = -(-((H // Hk) * Lq) // cfg.rows)
-    threads = cfg.warps * 32
+    key = (backend, q.dtype, q.shape, Hk, scale, causal, window, config)
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _plans[key] = _plan(backend, q, Hk, scale, causal, window, config)
+    B, H, Lq, D = plan.shape
+    if not splits:
+        # chunks of keys: enough blocks to fill the GPU, at least two 32-key tiles per chunk
+        keys = min(Lk, plan.key_skip) if plan.key_skip else Lk
+        splits = max(1, min(TARGET_BLOCKS // plan.blocks_per_split, (keys + 2 * TILE - 1) // (2 * TILE)))
     if kv_start is None:
-        kv_start = _const(("zeros", B), lambda: mx.zeros((B,), dtype=mx.int32))
-    flags = _const(("flags", bool(causal), int(window or 0)), lambda: mx.array([int(causal), int(window or 0)], dtype=mx.int32))
-    qscale = _const(("scale", float(scale)), lambda: mx.array([scale * LOG2E], dtype=mx.float32))
-    template = [("T", q.dtype)] + cfg.template()
-    if backend == "metal":
-        template.append(("SMEM_FLOATS", cfg.smem_floats))
-    if kv_start.dtype != mx.int32:
+        kv_start = plan.zeros
+    elif kv_start.dtype != mx.int32:
         kv_start = kv_start.astype(mx.int32)
-    o_part, m_part, l_part = _kernel(backend, "pass1", cfg)(
-        inputs=[q, k, v, kv_start, flags, qscale],
+    o_part, m_part, l_part = plan.pass1(
+        inputs=[q, k, v, kv_start, plan.flags, plan.qscale],
         output_shapes=[(B, H, Lq, splits, D), (B, H, Lq, splits), (B, H, Lq, splits)],
         output_dtypes=[mx.float32] * 3,
-        grid=(splits * threads, B * Hk, groups),
-        threadgroup=(threads, 1, 1),
-        template=template,
+        grid=(splits * plan.threads, plan.grid_yz[0], plan.grid_yz[1]),
+        threadgroup=(plan.threads, 1, 1),
+        template=plan.template1,
     )
-    return _kernel(backend, "pass2", cfg)(
+    return plan.pass2(
         inputs=[o_part, m_part, l_part],
         output_shapes=[(B, H, Lq, D)],
-        output_dtypes=[q.dtype],
+        output_dtypes=[plan.dtype],
         grid=(B * H * Lq * D, 1, 1),
         threadgroup=(D, 1, 1),
-        template=[("T", q.dtype), ("D", D)],
+        template=plan.template2,
     )[0]
 
 
