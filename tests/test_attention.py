@@ -161,6 +161,8 @@ static float warp_reduce(Ctx* ctx, int warp, int lane, float x, bool is_max) {
 #define FMAX(a, b) std::fmax((a), (b))
 #define EXP2(x) std::exp2(x)
 #define UNROLL
+#define UNROLL4
+#define UNROLL8
 #define SYNC_BLOCK() ctx->block->arrive_and_wait()
 #define SYNC_WARP() ctx->warps[warp]->arrive_and_wait()
 #define LDS4(ptr) (*reinterpret_cast<const float4*>(ptr))

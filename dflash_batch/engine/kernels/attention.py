@@ -163,19 +163,43 @@ PASS1_BODY = r"""
                         k_strides[0] % VEC == 0 && k_strides[1] % VEC == 0 && k_strides[2] % VEC == 0 &&
                         v_strides[0] % VEC == 0 && v_strides[1] % VEC == 0 && v_strides[2] % VEC == 0;
 
-    for (int idx = tid; idx < ROWS * D; idx += NT) {
-        const int rl = idx / D;
-        const int d = idx - rl * D;
-        const int row = rg * ROWS + rl;
-        float val = 0.0f;
-        if (row < R) {
-            const int g = row / Lq;
-            const int i = row - g * Lq;
-            const int h = kvh * G + g;
-            val = static_cast<float>(q[(I64)b * q_strides[0] + (I64)h * q_strides[1] +
-                                       (I64)i * q_strides[2] + (I64)d * q_strides[3]]) * qscale;
+    const bool q_vec = q_strides[3] == 1 && ALIGNED16(q) && q_strides[0] % VEC == 0 &&
+                       q_strides[1] % VEC == 0 && q_strides[2] % VEC == 0;
+    if (q_vec) {
+        UNROLL4
+        for (int idx = tid; idx < ROWS * (D / VEC); idx += NT) {
+            const int rl = idx / (D / VEC);
+            const int d0 = (idx - rl * (D / VEC)) * VEC;
+            const int row = rg * ROWS + rl;
+            SPTR dst = q_s + rl * QSTRIDE + d0;
+            if (row < R) {
+                const int g = row / Lq;
+                const int i = row - g * Lq;
+                LOADV(dst, q + ((I64)b * q_strides[0] + (I64)(kvh * G + g) * q_strides[1] + (I64)i * q_strides[2] + d0));
+                for (int e = 0; e < VEC; ++e) {
+                    dst[e] *= qscale;
+                }
+            } else {
+                for (int e = 0; e < VEC; ++e) {
+                    dst[e] = 0.0f;
+                }
+            }
         }
-        q_s[rl * QSTRIDE + d] = val;
+    } else {
+        for (int idx = tid; idx < ROWS * D; idx += NT) {
+            const int rl = idx / D;
+            const int d = idx - rl * D;
+            const int row = rg * ROWS + rl;
+            float val = 0.0f;
+            if (row < R) {
+                const int g = row / Lq;
+                const int i = row - g * Lq;
+                const int h = kvh * G + g;
+                val = static_cast<float>(q[(I64)b * q_strides[0] + (I64)h * q_strides[1] +
+                                           (I64)i * q_strides[2] + (I64)d * q_strides[3]]) * qscale;
+            }
+            q_s[rl * QSTRIDE + d] = val;
+        }
     }
 
     const int wrow = warp * WR;         // first block-local row of this warp
@@ -215,6 +239,7 @@ PASS1_BODY = r"""
         for (int dk0 = 0; dk0 < D; dk0 += DK) {
             SYNC_BLOCK();
             if (vec_ok) {
+                UNROLL4
                 for (int idx = tid; idx < 32 * (DK / VEC); idx += NT) {
                     const int kk = idx / (DK / VEC);
                     const int dd = (idx - kk * (DK / VEC)) * VEC;
@@ -229,6 +254,7 @@ PASS1_BODY = r"""
                     }
                 }
                 if (V_SMEM && dk0 == 0) {
+                    UNROLL4
                     for (int idx = tid; idx < 32 * (D / VEC); idx += NT) {
                         const int kk = idx / (D / VEC);
                         const int dd = (idx - kk * (D / VEC)) * VEC;
@@ -402,12 +428,14 @@ PASS2_BODY = r"""
     const int n_splits = m_part_shape[3];
     const I64 base = (I64)row * n_splits;
     float M = NEG_INF;
+    UNROLL8
     for (int c = 0; c < n_splits; ++c) {
         M = FMAX(M, m_part[base + c]);
     }
     float acc = 0.0f;
     float L = 0.0f;
     if (M != NEG_INF) {
+        UNROLL8
         for (int c = 0; c < n_splits; ++c) {
             const float mc = m_part[base + c];
             if (mc != NEG_INF) {
@@ -429,6 +457,8 @@ CUDA_HEADER = r"""
 #define FMAX(a, b) fmaxf((a), (b))
 #define EXP2(x) exp2f(x)
 #define UNROLL _Pragma("unroll")
+#define UNROLL4 _Pragma("unroll 4")
+#define UNROLL8 _Pragma("unroll 8")
 #define SYNC_BLOCK() __syncthreads()
 #define SYNC_WARP() __syncwarp()
 #define LDS4(ptr) (*reinterpret_cast<const float4*>(ptr))
@@ -496,6 +526,8 @@ METAL_HEADER = r"""
 #define FMAX(a, b) metal::fmax((a), (b))
 #define EXP2(x) metal::exp2(x)
 #define UNROLL _Pragma("clang loop unroll(full)")
+#define UNROLL4 _Pragma("clang loop unroll_count(4)")
+#define UNROLL8 _Pragma("clang loop unroll_count(8)")
 #define SYNC_BLOCK() threadgroup_barrier(mem_flags::mem_threadgroup)
 #define SYNC_WARP() simdgroup_barrier(mem_flags::mem_threadgroup)
 #define LDS4(ptr) (*((threadgroup const float4*)(ptr)))
