@@ -123,9 +123,11 @@ def main(argv=None) -> int:
     # -- acceptance and exactness (one run each) --------------------------------------------------
     hist = [0] * (engine.block_size + 1)
     rows = []
+    run_mlx_lm(ref_model, tokenizer, prompts[0]["prompt"], 32)  # warm-up of both sides
+    run_engine(engine, prompts[0]["prompt"], 32)
     for p in prompts:
-        ref_ids, _, _ = run_mlx_lm(ref_model, tokenizer, p["prompt"], args.max_tokens)
-        ids, _, _, stats = run_engine(engine, p["prompt"], args.max_tokens)
+        ref_ids, ref_tps, _ = run_mlx_lm(ref_model, tokenizer, p["prompt"], args.max_tokens)
+        ids, tps, _, stats = run_engine(engine, p["prompt"], args.max_tokens)
         for k, n in enumerate(stats.acceptance_histogram):
             hist[k] += n
         rows.append(
@@ -137,11 +139,17 @@ def main(argv=None) -> int:
                 "cycles": stats.cycles,
                 "tokens_per_cycle": round(stats.tokens_per_cycle, 3),
                 "exact": ids == ref_ids,
+                "mlx_lm_decode_tps": round(ref_tps, 2),
+                "dflash_decode_tps": round(tps, 2),
             }
         )
         print(json.dumps(rows[-1]), file=sys.stderr)
     cycles = sum(hist)
     mean_accept = sum(k * n for k, n in enumerate(hist)) / max(cycles, 1)
+    # Every prompt, one run each: decode tokens over decode seconds, summed over the prompts.
+    timed_rows = [r for r in rows if r["tokens"] > 1]
+    ar_rate = sum(r["tokens"] - 1 for r in timed_rows) / sum((r["tokens"] - 1) / r["mlx_lm_decode_tps"] for r in timed_rows)
+    df_rate = sum(r["tokens"] - 1 for r in timed_rows) / sum((r["tokens"] - 1) / r["dflash_decode_tps"] for r in timed_rows)
 
     # -- speed -------------------------------------------------------------------------------------
     speed = []
@@ -176,6 +184,10 @@ def main(argv=None) -> int:
         "mean_acceptance_length": round(mean_accept, 3),
         "acceptance_histogram": hist,
         "exact_prompts": sum(r["exact"] for r in rows),
+        "mean_tokens_per_cycle_per_prompt": round(statistics.mean(r["tokens_per_cycle"] for r in rows), 3),
+        "all_prompts_mlx_lm_decode_tps": round(ar_rate, 2),
+        "all_prompts_dflash_decode_tps": round(df_rate, 2),
+        "all_prompts_speedup": round(df_rate / ar_rate, 3),
         "speed_runs": args.runs,
         "speedup_median": round(statistics.median(s["speedup"] for s in speed), 3) if speed else None,
         "mlx_lm_decode_tps_median": round(statistics.median(s["mlx_lm_decode_tps"] for s in speed), 2) if speed else None,
@@ -202,14 +214,23 @@ def markdown(r: dict) -> str:
         f"block {r['block_size']}, greedy, max {r['max_tokens']} tokens.",
         "",
         f"- Mean acceptance length on {r['held_out_prompts']} held-out prompts: **{r['mean_acceptance_length']}** tokens per verify cycle",
+        f"  (total committed tokens / total cycles; the mean of the per-prompt values is {r['mean_tokens_per_cycle_per_prompt']})",
         f"- Exact (DFlash tokens == mlx_lm.stream_generate tokens): {r['exact_prompts']} / {r['held_out_prompts']}",
-        f"- Decode speed, median over prompts of the median of {r['speed_runs']} runs: mlx_lm {r['mlx_lm_decode_tps_median']} tok/s, "
-        f"DFlash {r['dflash_decode_tps_median']} tok/s, speed-up **{r['speedup_median']}x**",
+        f"- Decode speed over all {r['held_out_prompts']} held-out prompts (one run each, decode tokens / decode seconds): "
+        f"mlx_lm {r['all_prompts_mlx_lm_decode_tps']} tok/s, DFlash {r['all_prompts_dflash_decode_tps']} tok/s, "
+        f"speed-up **{r['all_prompts_speedup']}x**",
+        f"- Decode speed on the first {len(r['speed'])} prompts, median over prompts of the median of {r['speed_runs']} runs: "
+        f"mlx_lm {r['mlx_lm_decode_tps_median']} tok/s, DFlash {r['dflash_decode_tps_median']} tok/s, "
+        f"speed-up **{r['speedup_median']}x**",
         "",
-        "| prompt | kind | tokens | tokens/cycle | exact |",
-        "| --- | --- | --- | --- | --- |",
+        "| prompt | kind | tokens | tokens/cycle | exact | mlx_lm tok/s | DFlash tok/s |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
-    lines += [f"| {p['id']} | {p['kind']} | {p['tokens']} | {p['tokens_per_cycle']} | {p['exact']} |" for p in r["prompts"]]
+    lines += [
+        f"| {p['id']} | {p['kind']} | {p['tokens']} | {p['tokens_per_cycle']} | {p['exact']} | "
+        f"{p['mlx_lm_decode_tps']} | {p['dflash_decode_tps']} |"
+        for p in r["prompts"]
+    ]
     lines += ["", "| prompt | tokens | mlx_lm tok/s | DFlash tok/s | speed-up |", "| --- | --- | --- | --- | --- |"]
     lines += [
         f"| {s['id']} | {s['tokens']} | {s['mlx_lm_decode_tps']} | {s['dflash_decode_tps']} | {s['speedup']} |" for s in r["speed"]
