@@ -187,8 +187,9 @@ def section_verify(model, context):
         return ts
 
     ar = ar_steps()
-    for mode in ("kernel", "stock"):
-        routing.set_mode(mode)
+    for mode in ("kernel", "kernel_split", "stock"):
+        routing.set_mode(mode.split("_")[0])
+        ka.FUSE_REDUCTION = mode != "kernel_split"  # split: pass 2 as a second kernel
         ts = []
         for _ in range(15):
             ts.append(timed(lambda: model(x16, cache=cache)))
@@ -204,9 +205,11 @@ def section_verify(model, context):
                 c.trim(16)
         out[f"verify16_fixed_{mode}"] = summary(ts)
     routing.set_mode(None)
+    ka.FUSE_REDUCTION = True
     ar += ar_steps()[3:]  # AR again after the verify passes: one median over both, against drift
     out["ar_step_growing"] = summary(ar)
     out["verify_over_ar_kernel"] = round(out["verify16_growing_kernel"]["median_ms"] / out["ar_step_growing"]["median_ms"], 2)
+    out["verify_over_ar_kernel_split"] = round(out["verify16_growing_kernel_split"]["median_ms"] / out["ar_step_growing"]["median_ms"], 2)
     out["verify_over_ar_stock"] = round(out["verify16_growing_stock"]["median_ms"] / out["ar_step_growing"]["median_ms"], 2)
     out["context"] = context
     print(json.dumps(out), flush=True)
@@ -285,6 +288,10 @@ def section_cycle(model, shape, context):
     dflash_rate(target, drafter, prompt, 64)  # warm-up
     out["dflash_kernel"] = dflash_rate(target, drafter, prompt, 513)
     out["phases_kernel_ms"] = cycle_phases(target, drafter, prompt)
+    ka.FUSE_REDUCTION = False
+    dflash_rate(target, drafter, prompt, 64)  # warm-up
+    out["dflash_kernel_split"] = dflash_rate(target, drafter, prompt, 513)
+    ka.FUSE_REDUCTION = True
     print(json.dumps(out), flush=True)
     routing.set_mode(None)
     mlx_lm_ar_rate(model, prompt, 16)  # warm-up

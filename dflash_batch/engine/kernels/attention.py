@@ -420,6 +420,67 @@ PASS1_BODY = r"""
             }
         }
     }
+#if DFLASH_FUSED
+    // Fused pass 2: the last block of this (batch, KV head, row group) to finish reduces the
+    // partials of every split (fence, then a ticket from a counter that it resets to 0).
+    FENCE_DEVICE();
+    SYNC_BLOCK();
+    const int ticket_at = bh * GROUPS_Z + rg;
+    if (tid == 0) {
+        const int ticket = ATOMIC_ADD(counters, ticket_at, 1);
+        smem[0] = (ticket == n_splits - 1) ? 1.0f : 0.0f;
+    }
+    SYNC_BLOCK();
+    const bool last = smem[0] != 0.0f;
+    SYNC_BLOCK();
+    if (last) {
+        FENCE_DEVICE();
+        SPTR w_s = smem;                        // [ROWS][n_splits]: 2^(m_c - M)
+        SPTR inv_s = smem + ROWS * n_splits;    // [ROWS]: 1 / sum_c 2^(m_c - M) l_c (0: no key)
+        for (int rl = tid; rl < ROWS; rl += NT) {
+            const int row = rg * ROWS + rl;
+            float inv = 0.0f;
+            if (row < R) {
+                const int g = row / Lq;
+                const int qi = row - g * Lq;
+                const I64 base = (((I64)b * H + kvh * G + g) * Lq + qi) * n_splits;
+                float M = NEG_INF;
+                for (int c = 0; c < n_splits; ++c) {
+                    M = FMAX(M, LOAD_CG(m_part + base + c));
+                }
+                float L = 0.0f;
+                for (int c = 0; c < n_splits; ++c) {
+                    const float mc = LOAD_CG(m_part + base + c);
+                    const float w = (M == NEG_INF || mc == NEG_INF) ? 0.0f : EXP2(mc - M);
+                    w_s[rl * n_splits + c] = w;
+                    L += LOAD_CG(l_part + base + c) * w;
+                }
+                inv = L > 0.0f ? 1.0f / L : 0.0f;
+            }
+            inv_s[rl] = inv;
+        }
+        SYNC_BLOCK();
+        for (int idx = tid; idx < ROWS * D; idx += NT) {
+            const int rl = idx / D;
+            const int d = idx - rl * D;
+            const int row = rg * ROWS + rl;
+            if (row < R) {
+                const int g = row / Lq;
+                const int qi = row - g * Lq;
+                const I64 orow = ((I64)b * H + kvh * G + g) * Lq + qi;
+                float acc = 0.0f;
+                UNROLL8
+                for (int c = 0; c < n_splits; ++c) {
+                    acc += LOAD_CG(o_part + (orow * n_splits + c) * D + d) * w_s[rl * n_splits + c];
+                }
+                out[orow * D + d] = static_cast<T>(acc * inv_s[rl]);
+            }
+        }
+        if (tid == 0) {
+            ATOMIC_STORE(counters, ticket_at, 0);
+        }
+    }
+#endif
 """
 
 # Pass 2. Block per output row (b, h, i), thread per dim d:
@@ -492,6 +553,10 @@ __device__ __forceinline__ void dflash_loadv(float* dst, const TT* src) {
 #define GROUP8_SUM(x) dflash_group8_sum(x)
 #define LOADV(dst, src) dflash_loadv((dst), (src))
 #define ALIGNED16(p) ((reinterpret_cast<unsigned long long>(p) & 15ull) == 0)
+#define FENCE_DEVICE() __threadfence()
+#define LOAD_CG(ptr) __ldcg(ptr)
+#define ATOMIC_ADD(base, i, x) atomicAdd(const_cast<int*>(reinterpret_cast<const int*>(base)) + (i), (x))
+#define ATOMIC_STORE(base, i, x) atomicExch(const_cast<int*>(reinterpret_cast<const int*>(base)) + (i), (x))
 """
 
 CUDA_PASS1 = (
@@ -505,6 +570,7 @@ CUDA_PASS1 = (
     const int n_splits = gridDim.x;
     const int bh = blockIdx.y;
     const int rg = blockIdx.z;
+    const int GROUPS_Z = gridDim.z;
 """
     + PASS1_BODY
 )
@@ -580,9 +646,12 @@ def _compact(source: str) -> str:
 CUDA_HEADER, CUDA_PASS1, CUDA_PASS2 = map(_compact, (CUDA_HEADER, CUDA_PASS1, CUDA_PASS2))
 METAL_HEADER, METAL_PASS1, METAL_PASS2 = map(_compact, (METAL_HEADER, METAL_PASS1, METAL_PASS2))
 
-PASS1_INPUTS = ["q", "k", "v", "kv_start", "flags", "scale"]
+PASS1_INPUTS = ["q", "k", "v", "kv_start", "flags", "scale", "counters"]
 PASS1_OUTPUTS = ["o_part", "m_part", "l_part"]
 PASS2_INPUTS = ["o_part", "m_part", "l_part"]
+# CUDA: the last block of each (batch, KV head, row group) does pass 2 (one launch per call).
+# Metal (and CUDA with this off): pass 2 is a second kernel.
+FUSE_REDUCTION = True
 
 
 @dataclass(frozen=True)
@@ -650,17 +719,19 @@ _consts: Dict[tuple, mx.array] = {}
 
 
 def _kernel(backend: str, which: str, cfg: KernelConfig):
-    """Build (once per backend, pass and config) the kernel object; dtype is a template arg."""
-    key = (backend, which, cfg if which == "pass1" else cfg.head_dim)
+    """Build (once per backend, pass and config) the kernel object; dtype is a template arg.
+    ``which``: "pass1", "pass2" or "fused" (pass 1 whose last blocks also do pass 2; CUDA)."""
+    key = (backend, which, cfg if which != "pass2" else cfg.head_dim)
     if key not in _kernels:
         if backend == "cuda":
-            if which == "pass1":
+            if which in ("pass1", "fused"):
+                fused = which == "fused"
                 _kernels[key] = mx.fast.cuda_kernel(
-                    name="dflash_block_attn_pass1",
+                    name=f"dflash_block_attn_{which}",
                     input_names=PASS1_INPUTS,
-                    output_names=PASS1_OUTPUTS,
+                    output_names=PASS1_OUTPUTS + (["out"] if fused else []),
                     source=CUDA_PASS1,
-                    header=CUDA_HEADER,
+                    header=f"\n#define DFLASH_FUSED {int(fused)}\n" + CUDA_HEADER,
                     ensure_row_contiguous=False,
                     shared_memory=cfg.smem_floats * 4,
                 )
@@ -679,7 +750,7 @@ def _kernel(backend: str, which: str, cfg: KernelConfig):
                     input_names=PASS1_INPUTS,
                     output_names=PASS1_OUTPUTS,
                     source=METAL_PASS1,
-                    header=METAL_HEADER,
+                    header="\n#define DFLASH_FUSED 0\n" + METAL_HEADER,
                     ensure_row_contiguous=False,
                 )
             else:
@@ -714,7 +785,9 @@ class _Plan:
     (the per-layer call is on the critical path of a CPU-bound forward pass)."""
 
     pass1: object
-    pass2: object
+    pass2: Optional[object]  # None when pass 1 is fused with the reduction
+    counters: mx.array  # fused: one ticket counter per (batch, KV head, row group), kept at 0
+    max_splits: int  # fused: the reduction's weights must fit in shared memory
     template1: list
     template2: list
     flags: mx.array
@@ -738,9 +811,14 @@ def _plan(backend, q, Hk, scale, causal, window, config) -> _Plan:
     if backend == "metal":
         template1.append(("SMEM_FLOATS", cfg.smem_floats))
     groups = -(-((H // Hk) * Lq) // cfg.rows)
+    fused = backend == "cuda" and FUSE_REDUCTION
+    counters = mx.zeros((B * Hk * groups,), dtype=mx.int32)
+    mx.eval(counters)  # a real buffer now: the fused kernel updates it in place
     return _Plan(
-        pass1=_kernel(backend, "pass1", cfg),
-        pass2=_kernel(backend, "pass2", cfg),
+        pass1=_kernel(backend, "fused" if fused else "pass1", cfg),
+        pass2=None if fused else _kernel(backend, "pass2", cfg),
+        counters=counters,
+        max_splits=cfg.smem_floats // cfg.rows - 2 if fused else 1 << 30,
         template1=template1,
         template2=[("T", q.dtype), ("D", D)],
         flags=_const(("flags", bool(causal), int(window or 0)), lambda: mx.array([int(causal), int(window or 0)], dtype=mx.int32)),
@@ -779,7 +857,7 @@ def block_attention_kernel(
     if not checked:
         check_supported(q, k, v)
     Hk, Lk = k.shape[1], k.shape[2]
-    key = (backend, q.dtype, q.shape, Hk, scale, causal, window, config)
+    key = (backend, q.dtype, q.shape, Hk, scale, causal, window, config, FUSE_REDUCTION)
     plan = _plans.get(key)
     if plan is None:
         plan = _plans[key] = _plan(backend, q, Hk, scale, causal, window, config)
@@ -788,18 +866,23 @@ def block_attention_kernel(
         # chunks of keys: enough blocks to fill the GPU, at least two 32-key tiles per chunk
         keys = min(Lk, plan.key_skip) if plan.key_skip else Lk
         splits = max(1, min(TARGET_BLOCKS // plan.blocks_per_split, (keys + 2 * TILE - 1) // (2 * TILE)))
+    splits = min(splits, plan.max_splits)
     if kv_start is None:
         kv_start = plan.zeros
     elif kv_start.dtype != mx.int32:
         kv_start = kv_start.astype(mx.int32)
-    o_part, m_part, l_part = plan.pass1(
-        inputs=[q, k, v, kv_start, plan.flags, plan.qscale],
-        output_shapes=[(B, H, Lq, splits, D), (B, H, Lq, splits), (B, H, Lq, splits)],
-        output_dtypes=[mx.float32] * 3,
+    parts = [(B, H, Lq, splits, D), (B, H, Lq, splits), (B, H, Lq, splits)]
+    outs = plan.pass1(
+        inputs=[q, k, v, kv_start, plan.flags, plan.qscale, plan.counters],
+        output_shapes=parts + ([(B, H, Lq, D)] if plan.pass2 is None else []),
+        output_dtypes=[mx.float32] * 3 + ([plan.dtype] if plan.pass2 is None else []),
         grid=(splits * plan.threads, plan.grid_yz[0], plan.grid_yz[1]),
         threadgroup=(plan.threads, 1, 1),
         template=plan.template1,
     )
+    if plan.pass2 is None:
+        return outs[3]
+    o_part, m_part, l_part = outs
     return plan.pass2(
         inputs=[o_part, m_part, l_part],
         output_shapes=[(B, H, Lq, D)],
