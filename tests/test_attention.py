@@ -311,12 +311,12 @@ def emulator(tmp_path_factory):
             pytest.skip("C++ compiler lacks <barrier>")
         assert done.returncode == 0, done.stderr[-4000:]
 
-    def run(backend, q, k_buf, v_buf, Lk, *, scale, causal, window, kv_start, splits=None):
+    def run(backend, q, k_buf, v_buf, Lk, *, scale, causal, window, kv_start, splits=None, fused=False):
         B, H, Lq, D = q.shape
         Hk, cap = k_buf.shape[1], k_buf.shape[2]
         c = ka.kernel_config(backend, D)
         splits = splits or ka.split_count(Lq, Lk, H, Hk, B, c.rows, window)
-        if backend == "cuda":
+        if fused:
             splits = min(splits, c.smem_floats // c.rows - 2)
         groups = -(-((H // Hk) * Lq) // c.rows)
         d = Path(folder) / "case"
@@ -328,7 +328,7 @@ def emulator(tmp_path_factory):
         np.asarray([int(causal), int(window or 0)], dtype=np.int32).tofile(d / "flags.bin")
         np.asarray([scale * ka.LOG2E], dtype=np.float32).tofile(d / "scale.bin")
         cfg = EMU_CONFIGS.index((backend, D))
-        exe = exes[int(backend == "cuda" and ka.FUSE_REDUCTION)]
+        exe = exes[int(fused)]
         args = [str(exe), str(d), cfg, B, H, Hk, Lq, Lk, cap, splits, groups]
         subprocess.run([str(a) for a in args], check=True, timeout=300)
         return mx.array(np.fromfile(d / "out.bin", dtype=np.float32).reshape(B, H, Lq, D))
@@ -359,11 +359,12 @@ def test_kernel_body_on_emulated_gpu_matches_reference(emulator, case):
     pad = [(0, 0), (0, 0), (0, cap - Lk), (0, 0)]
     k_buf, v_buf = mx.pad(k_buf, pad, constant_values=float("nan")), mx.pad(v_buf, pad, constant_values=float("nan"))
     starts = None if kv_start is None else mx.array(kv_start, dtype=mx.int32)
-    got = emulator(backend, q, k_buf, v_buf, Lk, scale=D**-0.5, causal=causal, window=window,
-                   kv_start=kv_start, splits=splits)
     want = ka.block_attention_reference(q, k, v, scale=D**-0.5, causal=causal, window=window, kv_start=starts)
-    assert not mx.isnan(got).any().item(), "a key past Lk leaked into the result"
-    assert max_err(got, want) < 2e-5
+    for fused in (False, True) if backend == "cuda" else (False,):  # CUDA has both pass-2 forms
+        got = emulator(backend, q, k_buf, v_buf, Lk, scale=D**-0.5, causal=causal, window=window,
+                       kv_start=kv_start, splits=splits, fused=fused)
+        assert not mx.isnan(got).any().item(), "a key past Lk leaked into the result"
+        assert max_err(got, want) < 2e-5
 
 
 # --------------------------------------------------------------------------------------------

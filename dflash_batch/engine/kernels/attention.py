@@ -649,9 +649,10 @@ METAL_HEADER, METAL_PASS1, METAL_PASS2 = map(_compact, (METAL_HEADER, METAL_PASS
 PASS1_INPUTS = ["q", "k", "v", "kv_start", "flags", "scale", "counters"]
 PASS1_OUTPUTS = ["o_part", "m_part", "l_part"]
 PASS2_INPUTS = ["o_part", "m_part", "l_part"]
-# CUDA: the last block of each (batch, KV head, row group) does pass 2 (one launch per call).
-# Metal (and CUDA with this off): pass 2 is a second kernel.
-FUSE_REDUCTION = True
+# True (CUDA only): the last block of each (batch, KV head, row group) does pass 2, one launch
+# per call. Off by default: measured on an H200 (docs/gpu-attention.md), the serial tail made a
+# Qwen3-4B verify pass 14.9 ms against 9.8 ms with pass 2 as its own kernel.
+FUSE_REDUCTION = False
 
 
 @dataclass(frozen=True)
