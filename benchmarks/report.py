@@ -341,6 +341,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     docs = []
     for path in files:
         doc = json.loads(path.read_text())
+        if not all(k in doc for k in ("suite", "machine", "results", "shapes")):
+            print(f"skipped {path}: not a benchmarks.run results file")
+            continue
         stem = path.stem
         made = plots(doc, stem, path.parent)
         (path.parent / f"{stem}.md").write_text(file_markdown(doc, stem, made))
