@@ -94,7 +94,7 @@ SUITES: Dict[str, Suite] = {
                 Plan("qwen3.5-9b", [2048], batches=[1], acceptance=["tau=9.57", "drafted=0.89", "full"],
                      mlx_speculative=[], share=0.4),
             ],
-            max_tokens=128, reps=3, dtype="bfloat16", slow_tokens=32, budget_s=330,
+            max_tokens=256, reps=3, dtype="bfloat16", slow_tokens=32, budget_s=330,
             note="GPU: Qwen3-4B and Qwen3.5-9B shapes in bf16, built in memory on the device",
         ),
         Suite("gpu-qwen3-8b", [Plan("qwen3-8b", [2048, 1024, 4096])], max_tokens=128, reps=3, dtype="bfloat16",
