@@ -66,10 +66,10 @@ def test_eos_and_stop_string_mid_block(tiny_pair, monkeypatch):
     ref = greedy_reference(target, ids, 60, engine.tokenizer.eos_token_ids)
     full = ids + ref + [0] * 16
 
-    def perfect(drafter, target, last, context, cache):  # the true continuation: full blocks
+    def perfect(drafter, target, last, context, cache, rows=None):  # the true continuation: full blocks
         pos = cache[0].offset + context.shape[1]
-        decode_draft(drafter, target, last, context, cache)
-        return mx.array([full[pos + 1 : pos + 16]], dtype=last.dtype)
+        decode_draft(drafter, target, last, context, cache, rows)
+        return mx.array([full[pos + 1 : pos + 16][:rows]], dtype=last.dtype)
 
     decode_draft = decode.draft_block
     monkeypatch.setattr(decode, "draft_block", perfect)
@@ -174,9 +174,9 @@ def test_drafter_context_is_the_committed_tapped_hidden_state(tiny_pair, monkeyp
     seen = []
     real = decode.draft_block
 
-    def spy(drafter, target, last, context, cache):
+    def spy(drafter, target, last, context, cache, rows=None):
         seen.append(context)
-        return real(drafter, target, last, context, cache)
+        return real(drafter, target, last, context, cache, rows)
 
     monkeypatch.setattr(decode, "draft_block", spy)
     ids = engine.encode("Count: one two three four")

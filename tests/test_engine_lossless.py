@@ -57,7 +57,7 @@ def scripted(monkeypatch):
     def install(reference, p_wrong, seed=0):
         state.update(reference=reference, p_wrong=p_wrong, rng=random.Random(seed))
 
-    def draft_block(drafter, target, last, context, cache):
+    def draft_block(drafter, target, last, context, cache, rows=None):
         pos = cache[0].offset + context.shape[1]  # position of `last` in prompt+output
         real(drafter, target, last, context, cache)
         B = drafter.args.block_size
@@ -66,7 +66,7 @@ def scripted(monkeypatch):
         for i in range(1, B):
             true = ref[pos + i] if pos + i < len(ref) else 0
             ids.append((true + 1) % 100 if rng.random() < state["p_wrong"] else true)
-        return mx.array([ids], dtype=last.dtype)
+        return mx.array([ids[:rows]], dtype=last.dtype)
 
     monkeypatch.setattr(decode, "draft_block", draft_block)
     return install
@@ -122,3 +122,18 @@ def test_long_prompt_over_one_prefill_chunk(tiny_pair, scripted):
 
 def _first_diff(a, b):
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def test_adaptive_verify_length_is_lossless_and_drafts_less(tiny_pair, scripted):
+    target, draft = tiny_pair
+    fixed = load_engine(str(target), str(draft), adaptive_block=False)
+    adaptive = load_engine(str(target), str(draft), adaptive_block=True)
+    ids = fixed.encode(PROMPTS[2])
+    ref = greedy_reference(target, ids, 80, fixed.tokenizer.eos_token_ids)
+    runs = []
+    for engine in (fixed, adaptive):
+        scripted(ids + ref + [0] * 16, p_wrong=0.5, seed=5)
+        runs.append(engine.generate(ids, max_tokens=80))
+    assert runs[0].token_ids == runs[1].token_ids == ref
+    assert runs[1].stats.drafted_tokens < runs[0].stats.drafted_tokens / 2  # low acceptance: short blocks
+    assert all(n == 0 for n in runs[1].stats.acceptance_histogram[9:])  # never more than 8 rows after misses

@@ -252,7 +252,7 @@ def scripted(monkeypatch):
     real = decode.draft_block
     script = {}
 
-    def draft_block(drafter, target, last, context, cache):
+    def draft_block(drafter, target, last, context, cache, rows=None):
         pos = cache[0].offset + context.shape[1]  # the position of `last` in prompt + output
         real(drafter, target, last, context, cache)
         ref, rng = script["ref"], script["rng"]
@@ -260,7 +260,7 @@ def scripted(monkeypatch):
         for i in range(1, drafter.args.block_size):
             true = ref[pos + i] if pos + i < len(ref) else 0
             ids.append((true + 1) % 100 if rng.random() < script["p_wrong"] else true)
-        return mx.array([ids], dtype=last.dtype)
+        return mx.array([ids[:rows]], dtype=last.dtype)
 
     monkeypatch.setattr(decode, "draft_block", draft_block)
     return lambda ref, p_wrong, seed=0: script.update(ref=ref, p_wrong=p_wrong, rng=random.Random(seed))

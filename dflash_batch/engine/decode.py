@@ -14,6 +14,7 @@ output equals plain greedy decoding of the target.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Iterator, List, Optional
 
@@ -64,12 +65,41 @@ def prefill(target: Target, prompt: List[int], cache: list, chunk: int):
     return logits[:, -1:, :], context
 
 
-def draft_block(drafter, target: Target, last: mx.array, context: mx.array, cache: list) -> mx.array:
-    """Propose B-1 tokens in one drafter pass: ids [1, B-1] (position 0's output is unused)."""
+def draft_block(
+    drafter, target: Target, last: mx.array, context: mx.array, cache: list, rows: Optional[int] = None
+) -> mx.array:
+    """Propose tokens in one drafter pass: ids [1, rows] (default B-1; position 0's output is unused).
+
+    The drafter always runs the whole block; only the LM head is cut to the rows to be verified.
+    """
     B = drafter.args.block_size
     block = mx.concatenate([last, mx.full((1, B - 1), drafter.args.mask_token_id, dtype=last.dtype)], axis=1)
     h = drafter(target.embed(block), context, cache)
-    return mx.argmax(target.lm_head(h[:, 1:, :]), axis=-1).astype(last.dtype)
+    n = B - 1 if rows is None else rows
+    return mx.argmax(target.lm_head(h[:, 1 : 1 + n, :]), axis=-1).astype(last.dtype)
+
+
+class VerifyLength:
+    """How many rows to verify next cycle: the whole block, or fewer while drafts keep failing.
+
+    A verify row costs little on a GPU but a few percent of a pass on a CPU, and rows past the
+    first wrong draft are wasted. Adaptive mode aims at twice the recent mean committed length
+    (at least ``floor``) and doubles after a fully accepted block to look further ahead.
+    """
+
+    def __init__(self, block: int, adaptive: bool, floor: int = 4, window: int = 8):
+        self.block, self.adaptive, self.floor = block, adaptive, min(floor, block)
+        self.cap, self.recent, self.window = block, [], window
+
+    def update(self, committed: int, verified: int) -> None:
+        if not self.adaptive:
+            return
+        self.recent = (self.recent + [committed])[-self.window :]
+        if committed == verified:
+            self.cap = min(self.block, 2 * self.cap)
+        else:
+            mean = sum(self.recent) / len(self.recent)
+            self.cap = min(self.block, max(self.floor, math.ceil(2 * mean)))
 
 
 def accept_length(drafted: List[int], chosen: List[int]) -> int:
@@ -88,10 +118,12 @@ def dflash_steps(
     choose: Chooser,
     prefill_chunk: int = 2048,
     block_size: Optional[int] = None,
+    adaptive: bool = False,
 ) -> Iterator[Step]:
     """Yield committed tokens, one Step per target pass, until ``max_tokens`` are committed.
 
     ``block_size`` caps the verified rows per cycle; the drafter always runs at its own size.
+    ``adaptive`` verifies fewer rows while acceptance is low (see VerifyLength).
     """
     cache, draft_cache = target.make_cache(), drafter.make_cache()
     logits, context = prefill(target, prompt, cache, prefill_chunk)
@@ -99,9 +131,13 @@ def dflash_steps(
     yield Step(tokens=first.tolist()[0])
     last, produced = first.astype(mx.int32), 1
     B = min(block_size or drafter.args.block_size, drafter.args.block_size)
+    length = VerifyLength(B, adaptive)
     while produced < max_tokens:
-        L = min(B, max_tokens - produced)  # never verify more than the budget can commit
-        drafted = draft_block(drafter, target, last, context, draft_cache)[:, : L - 1]
+        L = min(length.cap, max_tokens - produced)  # never verify more than the budget can commit
+        if L > 1:
+            drafted = draft_block(drafter, target, last, context, draft_cache, L - 1)
+        else:  # the budget's last token: the target alone picks it
+            drafted = mx.zeros((1, 0), dtype=mx.int32)
         logits, hidden = target.verify(mx.concatenate([last, drafted], axis=1), cache)
         chosen = choose(logits)
         d, t = drafted.tolist()[0], chosen.tolist()[0]  # the cycle's one host sync
@@ -110,6 +146,7 @@ def dflash_steps(
         context = hidden[:, : a + 1, :]
         last = chosen[:, a : a + 1].astype(mx.int32)
         produced += a + 1
+        length.update(a + 1, L)
         yield Step(tokens=d[:a] + [t[a]], from_draft=a, drafted=L - 1, verify=True)
 
 

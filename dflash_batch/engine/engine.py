@@ -37,6 +37,7 @@ class Engine:
         *,
         config: Optional[dict] = None,
         block_size: Optional[int] = None,
+        adaptive_block: Optional[bool] = None,
         prefill_chunk: int = 2048,
         max_context: Optional[int] = None,
         description: Optional[dict] = None,
@@ -51,7 +52,9 @@ class Engine:
         self.block_size = 0
         if drafter is not None:
             self._attach(drafter, block_size)
-        self.description = dict(description or {}, block_size=self.block_size)
+        # Fewer verify rows while acceptance is low: worth it where a row costs (CPU), not on a GPU.
+        self.adaptive_block = mx.default_device() == mx.cpu if adaptive_block is None else adaptive_block
+        self.description = dict(description or {}, block_size=self.block_size, adaptive_block=self.adaptive_block)
 
     def _attach(self, drafter, block_size: Optional[int]) -> None:
         args = drafter.args
@@ -142,7 +145,9 @@ class Engine:
         stats = GenerationStats(prompt_tokens=len(ids), block_size=B, acceptance_histogram=[0] * (max(B, 1) + 1))
         choose = make_chooser(temperature, seed)
         if self.drafter is not None:
-            steps = dflash_steps(self.target, self.drafter, ids, max_tokens, choose, self.prefill_chunk, B)
+            steps = dflash_steps(
+                self.target, self.drafter, ids, max_tokens, choose, self.prefill_chunk, B, self.adaptive_block
+            )
         else:
             steps = ar_steps(self.target, ids, max_tokens, choose, self.prefill_chunk)
         eos = self.tokenizer.eos_token_ids
@@ -234,6 +239,7 @@ def load_engine(
     draft_revision: Optional[str] = None,
     dtype: Optional[str] = "auto",
     block_size: Optional[int] = None,
+    adaptive_block: Optional[bool] = None,
     prefill_chunk: int = 2048,
     max_context: Optional[int] = None,
 ) -> Engine:
@@ -246,6 +252,7 @@ def load_engine(
         target_revision, draft_revision: pin a branch, tag or commit on the hub.
         dtype: "auto" (fp32 on CPU, as stored on GPU), "float32", "bfloat16" or "float16".
         block_size: verify at most this many tokens per cycle (at most the drafter's own).
+        adaptive_block: verify fewer rows while drafts keep failing (default: on CPU only).
         prefill_chunk: prompt tokens per prefill pass.
         max_context: refuse prompts this long or longer (default: the target config's limit).
     """
@@ -272,6 +279,7 @@ def load_engine(
         drafter,
         config=config,
         block_size=block_size,
+        adaptive_block=adaptive_block,
         prefill_chunk=prefill_chunk,
         max_context=max_context,
         description=description,
