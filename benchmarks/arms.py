@@ -209,10 +209,11 @@ def batch_generate(setup: Setup, prompt: List[int], max_tokens: int, batch: int)
 # -- dflash-batch arms ---------------------------------------------------------------------------
 
 
-def make_engine(setup: Setup, drafter=None):
+def make_engine(setup: Setup, drafter=None, **options):
+    """The engine as a user gets it (its defaults), on the setup's model; ``options`` go to Engine."""
     from dflash_batch.engine import Engine
 
-    return Engine(setup.model, setup.tokenizer, drafter, config=text_config(setup.shape.target))
+    return Engine(setup.model, setup.tokenizer, drafter, config=text_config(setup.shape.target), **options)
 
 
 def engine_generate(engine, prompt: List[int], max_tokens: int, scripted: Optional[ScriptedDrafter] = None):
@@ -230,6 +231,7 @@ def engine_generate(engine, prompt: List[int], max_tokens: int, scripted: Option
         peak_memory_gb=s.peak_memory_gb,
         block_size=s.block_size,
         attention=attention_mode(),
+        engine=dict(getattr(engine, "description", {})),
     )
     if scripted is not None:
         # The script assumes the target always picks token 0 (zeroed final norm): check it did.

@@ -44,14 +44,14 @@ def _verify_steps(engine, prompt, max_tokens):
 
 
 def _check_cycles_follow_script(cycles, drawn):
-    """Every cycle accepted exactly the script's draw; the last may be cut short by the budget."""
-    assert len(cycles) == len(drawn)
-    assert [c.from_draft for c in cycles[:-1]] == drawn[:-1]
-    assert cycles[-1].from_draft == min(drawn[-1], cycles[-1].drafted)
+    """Every cycle that drafted accepted exactly the script's draw, capped by the rows verified."""
+    drafting = [c for c in cycles if c.drafted > 0]  # the budget's last token may need no draft
+    assert len(drafting) == len(drawn)
+    assert [c.from_draft for c in drafting] == [min(a, c.drafted) for a, c in zip(drawn, drafting)]
 
 
 def test_scripted_acceptance_on_a_zeroed_norm_target_hits_the_requested_rate(tiny):
-    engine = arms.make_engine(tiny, tiny.drafter)
+    engine = arms.make_engine(tiny, tiny.drafter, adaptive_block=False)  # every cycle verifies 16 rows
     script = AcceptanceScript.of_drafted(0.6, engine.block_size, seed=7)
     engine.drafter = arms.scripted_drafter(tiny, script)
     prompt = arms.prompt_ids(40, tiny.vocab_size)
