@@ -136,3 +136,25 @@ def test_mlx_lm_arms_run_with_stock_attention_and_restore_the_engine_routing():
     with arms.stock_attention():
         assert attention.mode() == "stock"
     assert attention.mode() == before
+
+
+def test_scripted_acceptance_on_an_untied_hybrid_target_uses_its_lm_head():
+    """Qwen3.5-9B has an untied head under ``language_model``: the draft must be scored with it."""
+    import copy
+
+    from benchmarks import shapes
+
+    shape = copy.deepcopy(shapes.SHAPES["qwen3.5-tiny"])
+    shape.name = "qwen3.5-tiny-untied"
+    shape.target["text_config"]["tie_word_embeddings"] = False
+    shapes.SHAPES[shape.name] = shape
+    try:
+        setup = arms.build_setup(shape.name, mx.float32, with_ar_draft=False)
+        engine = arms.make_engine(setup, setup.drafter, adaptive_block=False)
+        script = AcceptanceScript.of_drafted(0.89, engine.block_size, seed=1)
+        engine.drafter = arms.scripted_drafter(setup, script)
+        with arms.zeroed_final_norm(setup.model):
+            _, cycles = _verify_steps(engine, arms.prompt_ids(32, setup.vocab_size), 64)
+        _check_cycles_follow_script(cycles, script.drawn)
+    finally:
+        del shapes.SHAPES[shape.name]

@@ -42,8 +42,11 @@ class _Tap(nn.Module):
 
 
 def _inner_model(model: nn.Module) -> Tuple[nn.Module, nn.Module]:
-    """(the module that holds lm_head or ties it, the module that holds embed_tokens and layers)."""
-    for outer in (model, getattr(model, "language_model", None)):
+    """(the module that holds lm_head or ties it, the module that holds embed_tokens and layers).
+
+    ``language_model`` first: qwen3_5.Model also answers ``.model`` (a property), but its
+    ``lm_head`` lives on ``language_model``."""
+    for outer in (getattr(model, "language_model", None), model):
         if outer is None:
             continue
         inner = getattr(outer, "model", None)
