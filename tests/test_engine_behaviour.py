@@ -262,3 +262,18 @@ def test_quantized_drafter_loads(tmp_path, qwen3_drafter, qwen3_target):
     assert engine.generate(ids, max_tokens=20).token_ids == greedy_reference(
         qwen3_target, ids, 20, engine.tokenizer.eos_token_ids
     )
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3_5"])
+def test_target_lm_head_is_the_models_own_untied_head(tmp_path, kind):
+    """The drafter scores its proposals with the target's real head (untied heads included)."""
+    if kind == "llama":
+        cfg = synthetic.tiny_llama_config()
+    else:
+        cfg = dict(synthetic.tiny_qwen3_5_config(), tie_word_embeddings=False)
+    model, _ = mlx_load(str(synthetic.save_target(tmp_path / kind, cfg, seed=4)))
+    inner = (getattr(model, "language_model", None) or model).model
+    target = Target(model, tap_ids=[len(inner.layers) - 1])  # tap the last layer: pre-norm output
+    logits, hidden = target(mx.array([[5, 9, 100, 7]]), target.make_cache())
+    assert mx.allclose(target.lm_head(inner.norm(hidden)), logits, atol=1e-5).item()
+    assert not mx.allclose(target.embed_tokens.as_linear(inner.norm(hidden)), logits, atol=1e-3).item()
