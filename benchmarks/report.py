@@ -31,7 +31,7 @@ def label(row: Dict[str, Any]) -> str:
     if arm == "dflash.engine-ar":
         return "dflash engine, no drafter (AR)"
     if arm == "dflash.runner":
-        return f"dflash runner end to end ({_acc(acc)})"
+        return f"dflash runner end to end ({_acc(acc)}; per-item decode from its Parquet rows)"
     if arm == "dflash.engine":
         return f"dflash engine ({_acc(acc)})"
     return arm
@@ -318,7 +318,8 @@ def readme_section(docs: List[Tuple[str, Dict[str, Any]]]) -> List[str]:
         + " | physical limit |",
         "| --- | --- | --- |" + " --- |" * len(README_ARMS) + " --- |",
     ]
-    for _, doc in docs:
+    invalid = False
+    for _, doc in sorted(docs, key=lambda d: d[1]["machine"]["backend"] == "cpu"):  # GPU rows first
         m = doc["machine"]
         for plan in doc["suite"]["plans"]:
             shape, ctx = plan["shape"], plan["contexts"][0]
@@ -333,10 +334,19 @@ def readme_section(docs: List[Tuple[str, Dict[str, Any]]]) -> List[str]:
             if base is None or base["status"] != "ok":
                 continue
             b = base["figures"]["decode_tps"]
-            cells = [_cell(find("dflash.engine", acc), b) for acc, _ in README_ARMS]
+            rows = [find("dflash.engine", acc) for acc, _ in README_ARMS]
+            invalid = invalid or any(r is not None and r.get("invalid") for r in rows)
+            cells = [_cell(r, b) for r in rows]
             limit = doc["shapes"][shape]["physical_limit_tps"]
             out.append(f"| {m['backend']} {m['chip']} | {shape}, {ctx} | {b:,.1f} | " + " | ".join(cells)
                        + f" | {limit:,.0f} |")
+    out += [
+        "",
+        "Physical limit: weight bytes / measured copy bandwidth, tok/s per sequence for plain decoding "
+        "(on CPU the copy runs on one MLX thread: a lower bound of the bandwidth, not a ceiling)."
+        + (" invalid: a run made meaningless by the engine bug it exposed (fixed since, not re-measured; "
+           "see docs/benchmarks.md)." if invalid else ""),
+    ]
     return out
 
 
