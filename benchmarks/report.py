@@ -344,8 +344,8 @@ def readme_section(docs: List[Tuple[str, Dict[str, Any]]]) -> List[str]:
         "",
         "Physical limit: weight bytes / measured copy bandwidth, tok/s per sequence for plain decoding "
         "(on CPU the copy runs on one MLX thread: a lower bound of the bandwidth, not a ceiling)."
-        + (" invalid: a run made meaningless by the engine bug it exposed (fixed since, not re-measured; "
-           "see docs/benchmarks.md)." if invalid else ""),
+        + (" invalid: a run made meaningless by the engine bug it exposed (fixed since; see "
+           "docs/benchmarks.md for the rerun)." if invalid else ""),
     ]
     return out
 
