@@ -15,6 +15,7 @@ output equals plain greedy decoding of the target.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Callable, Iterator, List, Optional
 
@@ -43,10 +44,11 @@ def make_chooser(temperature: float = 0.0, seed: Optional[int] = None) -> Choose
     """
     if temperature <= 0:
         return lambda logits: mx.argmax(logits, axis=-1)
-    key = [mx.random.key(seed if seed is not None else int.from_bytes(__import__("os").urandom(4), "little"))]
+    key = mx.random.key(seed if seed is not None else int.from_bytes(os.urandom(4), "little"))
 
     def sample(logits: mx.array) -> mx.array:
-        key[0], sub = mx.random.split(key[0])
+        nonlocal key
+        key, sub = mx.random.split(key)
         return mx.random.categorical(logits.astype(mx.float32) / temperature, key=sub)
 
     return sample

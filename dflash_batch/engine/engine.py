@@ -96,10 +96,12 @@ class Engine:
             if not use_template:
                 return tok.encode(prompt if system is None else f"{system}\n\n{prompt}")
             prompt = [{"role": "user", "content": prompt}]
-        if not isinstance(prompt, list) or not prompt:
-            raise EmptyPromptError("prompt is empty") if prompt == [] else GenerationError(
+        if not isinstance(prompt, list):
+            raise GenerationError(
                 f"prompt must be a string, a list of chat messages or a list of token ids, not {type(prompt).__name__}"
             )
+        if not prompt:
+            raise EmptyPromptError("prompt is empty")
         if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             bad = [t for t in prompt if not 0 <= t < self.target.vocab_size]
             if bad:
