@@ -62,7 +62,7 @@ def prefill(target: Target, prompt: List[int], cache: list, chunk: int):
         logits, h = target(mx.array([prompt[i : i + chunk]]), cache)
         if h is not None:
             hidden.append(h)
-        mx.eval(logits, h) if h is not None else mx.eval(logits)
+        mx.eval(logits, hidden[-1:])
     context = mx.concatenate(hidden, axis=1) if len(hidden) > 1 else (hidden[0] if hidden else None)
     return logits[:, -1:, :], context
 
