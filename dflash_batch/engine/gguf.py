@@ -22,6 +22,8 @@ from typing import Dict, Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
+from .loading import quantize_like
+
 GROUP_SIZE = 32  # every GGUF block type mx.load converts uses blocks of 32
 _RENAMES = (
     (r"^token_embd\.", "model.embed_tokens."),
@@ -120,18 +122,7 @@ def build_model(config: dict, weights: Dict[str, mx.array], dtype: Optional[mx.D
 
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))
-    quant = config.get("quantization")
-    if quant:
-        nn.quantize(
-            model,
-            group_size=quant["group_size"],
-            bits=quant["bits"],
-            class_predicate=lambda p, m: (
-                quant.get(p, {"group_size": quant["group_size"], "bits": quant["bits"]})
-                if f"{p}.scales" in weights
-                else False
-            ),
-        )
+    quantize_like(model, weights, config.get("quantization"))
     model.load_weights(list(weights.items()), strict=True)
     if dtype is not None:
         dequantize_model(model)

@@ -47,6 +47,20 @@ def load_safetensors(folder: Path) -> dict:
     return weights
 
 
+def quantize_like(model: nn.Module, weights: dict, quant: Optional[dict]) -> None:
+    """Quantize the layers that ``weights`` stores quantized (those with ``.scales``), as the
+    config's ``quantization`` says; a per-layer entry (keyed by path) overrides the default."""
+    if not quant:
+        return
+    default = {"group_size": quant["group_size"], "bits": quant["bits"]}
+    nn.quantize(
+        model,
+        group_size=quant["group_size"],
+        bits=quant["bits"],
+        class_predicate=lambda p, m: quant.get(p, default) if f"{p}.scales" in weights else False,
+    )
+
+
 def load_drafter(
     name_or_path: str | Path, revision: Optional[str] = None, dtype: Optional[mx.Dtype] = None
 ) -> drafter_model.Model:
@@ -63,14 +77,7 @@ def load_drafter(
         raise KeyError(f"drafter weights in {folder} have no fc.weight: not a DFlash drafter")
     fc_in = fc.shape[1] if "fc.scales" not in weights else fc.shape[1] * 32 // config["quantization"]["bits"]
     model = drafter_model.Model(args, target_hidden_size=fc_in // len(args.target_layer_ids))
-    quant = config.get("quantization")
-    if quant:
-        nn.quantize(
-            model,
-            group_size=quant["group_size"],
-            bits=quant["bits"],
-            class_predicate=lambda p, m: f"{p}.scales" in weights,
-        )
+    quantize_like(model, weights, config.get("quantization"))
     model.load_weights(list(weights.items()), strict=True)
     if dtype is not None:
         model.set_dtype(dtype)
