@@ -32,11 +32,12 @@ class ChunkResult:
     stopped: bool = False  # left early (stop or cancel); the rest is still to do
 
 
-def error_row(item: Item, message: str, started: float, job_id: str, config_hash: str) -> Dict[str, Any]:
+def _row(item: Item, status: str, started: float, job_id: str, config_hash: str, **fields) -> Dict[str, Any]:
+    """The fields every result row carries, plus the status-specific ones."""
     return {
         "id": item.id,
-        "status": "error",
-        "error": message,
+        "status": status,
+        **fields,
         "started_at": started,
         "finished_at": time.time(),
         "input_index": item.index,
@@ -44,6 +45,10 @@ def error_row(item: Item, message: str, started: float, job_id: str, config_hash
         "config_hash": config_hash,
         "metadata": orjson.dumps(item.metadata, default=str).decode(),
     }
+
+
+def error_row(item: Item, message: str, started: float, job_id: str, config_hash: str) -> Dict[str, Any]:
+    return _row(item, "error", started, job_id, config_hash, error=message)
 
 
 def generate_row(engine, spec: JobSpec, item: Item, job_id: str, config_hash: str) -> Dict[str, Any]:
@@ -63,40 +68,36 @@ def generate_row(engine, spec: JobSpec, item: Item, job_id: str, config_hash: st
             chat_template=spec.chat_template,
             chat_template_kwargs=spec.chat_template_kwargs or None,
         )
-    except GenerationError as e:
-        return error_row(item, f"{item.where}: {type(e).__name__}: {e}", started, job_id, config_hash)
-    except Exception as e:  # one bad item must not end the job
-        log.exception("item %s (%s) failed", item.id, item.where)
+    except Exception as e:  # a refused prompt, or any failure: one bad item must not end the job
+        if not isinstance(e, GenerationError):
+            log.exception("item %s (%s) failed", item.id, item.where)
         return error_row(item, f"{item.where}: {type(e).__name__}: {e}", started, job_id, config_hash)
     s = completion.stats
-    return {
-        "id": item.id,
-        "status": "ok",
-        "output": completion.text,
-        "finish_reason": completion.finish_reason,
-        "stop_reason": completion.stop_reason,
-        "prompt_tokens": s.prompt_tokens,
-        "completion_tokens": s.generated_tokens,
-        "prefill_s": s.prefill_s,
-        "decode_s": s.decode_s,
-        "prefill_tps": s.prefill_tps,
-        "decode_tps": s.decode_tps,
-        "verify_cycles": s.cycles,
-        "drafted_tokens": s.drafted_tokens,
-        "accepted_tokens": s.accepted_tokens,
-        "acceptance_drafted": s.acceptance_drafted,
-        "acceptance_generated": s.acceptance_generated,
-        "tokens_per_cycle": s.tokens_per_cycle,
-        "acceptance_histogram": list(s.acceptance_histogram),
-        "block_size": s.block_size,
-        "peak_memory_gb": s.peak_memory_gb,
-        "started_at": started,
-        "finished_at": time.time(),
-        "input_index": item.index,
-        "job_id": job_id,
-        "config_hash": config_hash,
-        "metadata": orjson.dumps(item.metadata, default=str).decode(),
-    }
+    return _row(
+        item,
+        "ok",
+        started,
+        job_id,
+        config_hash,
+        output=completion.text,
+        finish_reason=completion.finish_reason,
+        stop_reason=completion.stop_reason,
+        prompt_tokens=s.prompt_tokens,
+        completion_tokens=s.generated_tokens,
+        prefill_s=s.prefill_s,
+        decode_s=s.decode_s,
+        prefill_tps=s.prefill_tps,
+        decode_tps=s.decode_tps,
+        verify_cycles=s.cycles,
+        drafted_tokens=s.drafted_tokens,
+        accepted_tokens=s.accepted_tokens,
+        acceptance_drafted=s.acceptance_drafted,
+        acceptance_generated=s.acceptance_generated,
+        tokens_per_cycle=s.tokens_per_cycle,
+        acceptance_histogram=list(s.acceptance_histogram),
+        block_size=s.block_size,
+        peak_memory_gb=s.peak_memory_gb,
+    )
 
 
 def process_items(
