@@ -12,7 +12,7 @@ from typing import Dict, List, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten, tree_map
+from mlx.utils import tree_flatten
 
 CHATML = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -216,10 +216,6 @@ def save_drafter(folder: Path, config: dict, seed: int = 1, scale: float = 1.0, 
     mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())), metadata={"format": "mlx"})
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     return folder
-
-
-def zero_params(model: nn.Module) -> None:
-    model.update(tree_map(lambda p: mx.zeros_like(p), model.parameters()))
 
 
 def tiny_qwen3_5_config(vocab_size: int = 512, layers: int = 4, hidden: int = 64, moe: bool = False) -> dict:
