@@ -11,6 +11,9 @@ Sections (the JSON is rewritten after each, so a cut-off run keeps what it finis
           16-token verify pass with a growing cache, routed through stock SDPA and the kernel
   cycle   full DFlash cycles with every block accepted (zeroed tied embedding: target and
           drafter both always pick token 0) vs mlx_lm AR tok/s on the same model; phase times
+  profile where a verify pass's time goes: the pass with the routed op replaced by nothing
+          (attention output = q), and the op alone called 36 times in one graph (host and GPU
+          cost per call together); kernel times from the CUDA profiler when PyTorch is present
 
 Imports only mlx, mlx_lm, numpy and the engine (the GPU machine has nothing else).
 """
@@ -216,6 +219,119 @@ def section_verify(model, context):
     return out
 
 
+def section_profile(model, context):
+    from mlx_lm.models.cache import make_prompt_cache
+
+    out = {}
+    cache = make_prompt_cache(model)
+    prefill(model, cache, context)
+    x16 = mx.random.randint(0, 1000, (1, 16))
+    real = ka.block_attention_kernel
+
+    def verify_growing(n=15):
+        ts = []
+        for _ in range(n):
+            ts.append(timed(lambda: model(x16, cache=cache)))
+            for c in cache:
+                c.trim(15)
+        for c in cache:
+            c.trim(n)
+        return summary(ts)
+
+    routing.set_mode("kernel")
+    ka.FUSE_REDUCTION = False
+    variants = {
+        "kernel": real,
+        "no_attention": lambda q, k, v, **kw: q,  # the rest of the pass alone
+        "one_elementwise_op": lambda q, k, v, **kw: q * 1,  # one launch in place of the op
+    }
+    for name, fn in variants.items():
+        ka.block_attention_kernel = fn
+        try:
+            verify_growing(4)  # warm-up
+            out[f"verify16_growing_{name}"] = verify_growing()
+        finally:
+            ka.block_attention_kernel = real
+    routing.set_mode("stock")
+    out["verify16_fixed_stock"] = summary([timed(lambda: _fixed(model, cache, x16)) for _ in range(12)])
+    routing.set_mode(None)
+
+    # the op alone: 36 chained calls (one per layer of the shape) in one graph
+    H, Hk, D, Lq = 32, 8, 128, 16
+    q, kb, vb = qkv(1, H, Hk, Lq, context, D, mx.bfloat16, cap=context + 64)
+    scale = D**-0.5
+    ops = {
+        "kernel": lambda q, k, v: ka.block_attention_kernel(q, k, v, scale=scale, causal=True),
+        "stock_fixed_length": lambda q, k, v: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask="causal"),
+        "elementwise": lambda q, k, v: q * 1,
+    }
+    for name, op in ops.items():
+        ts = []
+        for i in range(8):
+            L = context if name == "stock_fixed_length" else context + i
+            k, v = kb[:, :, :L], vb[:, :, :L]
+
+            def chain():
+                x = q
+                for _ in range(36):
+                    x = op(x, k, v)
+                return x
+
+            ts.append(timed(chain) / 36)
+        out[f"chained36_per_call_{name}"] = summary(ts, skip=2)
+    for splits in (4, 8, 16, 32, 64):
+        ts = []
+        for i in range(8):
+            k, v = kb[:, :, : context + i], vb[:, :, : context + i]
+
+            def chain():
+                x = q
+                for _ in range(36):
+                    x = ka.block_attention_kernel(x, k, v, scale=scale, causal=True, splits=splits)
+                return x
+
+            ts.append(timed(chain) / 36)
+        out[f"chained36_per_call_kernel_splits{splits}"] = summary(ts, skip=2)
+    out["cuda_profile"] = torch_profile(model, cache, x16)
+    print(json.dumps(out), flush=True)
+    return out
+
+
+def _fixed(model, cache, x):
+    y = model(x, cache=cache)
+    for c in cache:
+        c.trim(x.shape[1])
+    return y
+
+
+def torch_profile(model, cache, x16):
+    """GPU time per kernel name over 5 verify passes, from PyTorch's CUDA profiler (CUPTI sees
+    every kernel of the process, MLX's included); None when PyTorch is not installed."""
+    try:
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+    except Exception as e:  # noqa: BLE001
+        return {"skipped": f"{type(e).__name__}: {e}"}
+    torch.cuda.init()
+    routing.set_mode("kernel")
+    res = {}
+    for label, cuda_graphs in (("kernel", True),):
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                mx.eval(model(x16, cache=cache))
+                for c in cache:
+                    c.trim(15)
+            mx.synchronize()
+        rows = []
+        for ev in prof.key_averages():
+            us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+            rows.append((us, ev.key, ev.count))
+        rows.sort(reverse=True)
+        res[label] = [{"name": k[:90], "total_us_5_passes": round(us, 1), "calls": n} for us, k, n in rows[:25]]
+    routing.set_mode(None)
+    return res
+
+
 def dflash_rate(target, drafter, prompt, max_tokens):
     from dflash_batch.engine.decode import dflash_steps, make_chooser
 
@@ -351,13 +467,15 @@ def main(argv=None):
         run("check", section_check)
     if "micro" in sections:
         run("micro", section_micro, args.tuning)
-    if "verify" in sections or "cycle" in sections:
+    if {"verify", "cycle", "profile"} & set(sections):
         shape = SHAPES[args.shape]
         res["shape"] = args.shape
         model = build_target(shape.target, mx.bfloat16)
         routing.install(model)
         if "verify" in sections:
             run("verify", section_verify, model, args.context)
+        if "profile" in sections:
+            run("profile", section_profile, model, args.context)
         if "cycle" in sections:
             run("cycle", section_cycle, model, shape, args.context)
     print("done", flush=True)
