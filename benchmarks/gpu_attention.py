@@ -11,6 +11,7 @@ Sections (the JSON is rewritten after each, so a cut-off run keeps what it finis
           16-token verify pass with a growing cache, routed through stock SDPA and the kernel
   cycle   full DFlash cycles with every block accepted (zeroed tied embedding: target and
           drafter both always pick token 0) vs mlx_lm AR tok/s on the same model; phase times
+  tune    tensor-core kernel configurations and chunk counts, the op chained 36 times per graph
   profile where a verify pass's time goes: the pass with the routed op replaced by nothing
           (attention output = q), and the op alone called 36 times in one graph (host and GPU
           cost per call together); kernel times from the CUDA profiler when PyTorch is present
@@ -26,6 +27,7 @@ import platform
 import statistics
 import sys
 import time
+from contextlib import contextmanager
 from datetime import datetime, timezone
 
 import mlx.core as mx
@@ -92,6 +94,11 @@ def section_check():
         got = ka.block_attention_kernel(q, k, v, **kw)
         mx.eval(got)
         first = now_ms() - t0
+        others = {"cuda_cores": ka.block_attention_kernel(q, k, v, config=ka.kernel_config("cuda", D), **kw)}
+        if dtype != mx.float32:  # the tensor-core kernel serves bf16 / fp16: its other forms
+            others["mma_pass2"] = ka.block_attention_kernel(q, k, v, config=ka.mma_config(D, fused=False), **kw)
+            others["mma_2warps_one_chunk"] = ka.block_attention_kernel(q, k, v, config=ka.mma_config(D, 2), splits=1, **kw)
+            others["mma_fused_many_chunks"] = ka.block_attention_kernel(q, k, v, config=ka.mma_config(D, fused=True), splits=40, **kw)
         ref = ka.block_attention_reference(q, k, v, **kw)
         with mx.stream(mx.cpu):  # fp32 oracle on the CPU: GPU fp32 matmuls may round through TF32
             exact = ka.block_attention_reference(q.astype(mx.float32), k.astype(mx.float32), v.astype(mx.float32), **kw)
@@ -109,6 +116,11 @@ def section_check():
             "ok": bool(min(err, err_exact) < TOL[dt]) and not bool(mx.isnan(got).any().item()),
             "first_call_ms": round(first, 1),
         })
+        for name, x in others.items():
+            e = mx.abs(x.astype(mx.float32) - ref.astype(mx.float32)).max().item()
+            e2 = mx.abs(x.astype(mx.float32) - exact).max().item()
+            rows[-1][f"{name}_vs_reference"] = e
+            rows[-1]["ok"] = rows[-1]["ok"] and bool(min(e, e2) < TOL[dt]) and not bool(mx.isnan(x).any().item())
         print(json.dumps(rows[-1]), flush=True)
     return {"cases": rows, "all_ok": all(r["ok"] for r in rows)}
 
@@ -175,48 +187,148 @@ def prefill(model, cache, n, chunk=2048):
         mx.eval([c.state for c in cache])
 
 
-def section_verify(model, context):
+# Kernel variants timed side by side: (attention mode, USE_MMA, MMA_FUSED, FUSE_REDUCTION).
+# "kernel" is what the engine runs by default on CUDA.
+VARIANTS = {
+    "kernel": ("kernel", True, True, False),  # tensor-core pass 1, reduction fused: one launch
+    "kernel_mma_pass2": ("kernel", True, False, False),  # tensor-core pass 1, pass 2 its own kernel
+    "kernel_cuda_cores": ("kernel", False, True, False),  # the CUDA-core kernel (v4) and its pass 2
+    "stock": ("stock", True, True, False),
+}
+
+
+@contextmanager
+def variant(name):
+    mode, use_mma, mma_fused, fuse = VARIANTS[name]
+    saved = ka.USE_MMA, ka.MMA_FUSED, ka.FUSE_REDUCTION
+    routing.set_mode(mode)
+    ka.USE_MMA, ka.MMA_FUSED, ka.FUSE_REDUCTION = use_mma, mma_fused, fuse
+    try:
+        yield
+    finally:
+        routing.set_mode(None)
+        ka.USE_MMA, ka.MMA_FUSED, ka.FUSE_REDUCTION = saved
+
+
+def section_verify(model, context, rounds=5):
+    """AR decode steps and 16-token verify passes, the cache growing by one per step or pass,
+    in interleaved rounds (AR, then each variant, order rotated): per-round medians, and the
+    median over rounds of each round's verify / AR ratio."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    out = {}
     cache = make_prompt_cache(model)
     prefill(model, cache, context)
     x1 = mx.array([[5]])
     x16 = mx.random.randint(0, 1000, (1, 16))
-    def ar_steps():
-        ts = [timed(lambda: model(x1, cache=cache)) for _ in range(20)]  # grows by one each step
-        for c in cache:
-            c.trim(20)
-        return ts
 
-    ar = ar_steps()
-    for mode in ("kernel", "kernel_split", "stock"):
-        routing.set_mode(mode.split("_")[0])
-        ka.FUSE_REDUCTION = mode != "kernel_split"  # split: pass 2 as a second kernel
+    def ar_block(n=12):
+        ts = [timed(lambda: model(x1, cache=cache)) for _ in range(n)]  # grows by one each step
+        for c in cache:
+            c.trim(n)
+        return statistics.median(ts[2:])
+
+    def verify_block(n=12):
         ts = []
-        for _ in range(15):
+        for _ in range(n):
             ts.append(timed(lambda: model(x16, cache=cache)))
             for c in cache:
                 c.trim(15)  # keep one row: the cache grows by one per pass, like a cycle
-        out[f"verify16_growing_{mode}"] = summary(ts)
         for c in cache:
-            c.trim(15)
-        ts = []
-        for _ in range(10):
-            ts.append(timed(lambda: model(x16, cache=cache)))
-            for c in cache:
-                c.trim(16)
-        out[f"verify16_fixed_{mode}"] = summary(ts)
-    routing.set_mode(None)
-    ka.FUSE_REDUCTION = True
-    ar += ar_steps()[3:]  # AR again after the verify passes: one median over both, against drift
-    out["ar_step_growing"] = summary(ar)
-    out["verify_over_ar_kernel"] = round(out["verify16_growing_kernel"]["median_ms"] / out["ar_step_growing"]["median_ms"], 2)
-    out["verify_over_ar_kernel_split"] = round(out["verify16_growing_kernel_split"]["median_ms"] / out["ar_step_growing"]["median_ms"], 2)
-    out["verify_over_ar_stock"] = round(out["verify16_growing_stock"]["median_ms"] / out["ar_step_growing"]["median_ms"], 2)
-    out["context"] = context
+            c.trim(n)
+        return statistics.median(ts[2:])
+
+    names = [n for n in VARIANTS if n != "stock"]
+    for name in names:  # warm-up: compile every kernel
+        with variant(name):
+            verify_block(3)
+    ar_block(3)
+    runs = {name: [] for name in ["ar"] + names}
+    for r in range(rounds):
+        runs["ar"].append(ar_block())
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            with variant(name):
+                runs[name].append(verify_block())
+    out = {"context": context, "rounds": rounds, "ms_per_round": {k: [round(x, 3) for x in v] for k, v in runs.items()}}
+    out["ar_step_ms_median"] = round(statistics.median(runs["ar"]), 3)
+    for name in names:
+        out[f"verify16_ms_median_{name}"] = round(statistics.median(runs[name]), 3)
+        ratios = [v / a for v, a in zip(runs[name], runs["ar"])]
+        out[f"verify_over_ar_{name}"] = {"median": round(statistics.median(ratios), 3),
+                                         "min": round(min(ratios), 3), "max": round(max(ratios), 3)}
+    with variant("stock"):  # stock SDPA: a new key length every pass costs tens of ms
+        out["verify16_ms_stock_growing"] = round(verify_block(6), 3)
     print(json.dumps(out), flush=True)
     return out
+
+
+def section_tune(context):
+    """ms per call of the op chained 36 times in one graph (host and GPU together, as in a
+    forward pass) at the Qwen3-4B attention shape, for tensor-core configurations and chunk
+    counts, key length growing by one per repetition; and GPU us per call from the CUDA
+    profiler (PyTorch) where present."""
+    H, Hk, D, Lq = 32, 8, 128, 16
+    q, kb, vb = qkv(1, H, Hk, Lq, context, D, mx.bfloat16, cap=context + 64)
+    scale = D**-0.5
+    out = {"context": context, "chained_ms_per_call": {}, "gpu_us_per_call": {}}
+    for warps in (4, 8):
+        for kt, stages in ((16, 2), (16, 3), (32, 2)):
+            for fused in (True, False):
+                cfg = ka.mma_config(D, warps, fused, kt, stages)
+                if cfg.smem_bytes > 200 * 1024:
+                    continue
+                for splits in (1, 2, 3, 4, 8):
+                    def chain():
+                        x = q
+                        for _ in range(36):
+                            x = ka.block_attention_kernel(x, k, v, scale=scale, causal=True, config=cfg, splits=splits)
+                        return x
+
+                    ts = []
+                    for i in range(6):
+                        k, v = kb[:, :, : context + i], vb[:, :, : context + i]
+                        ts.append(timed(chain) / 36)
+                    name = f"nw{warps}_kt{kt}_st{stages}_{'fused' if fused else 'pass2'}_splits{splits}"
+                    out["chained_ms_per_call"][name] = round(statistics.median(ts[2:]), 4)
+                    gpu = gpu_us(chain, 36)
+                    if gpu is not None:
+                        out["gpu_us_per_call"][name] = gpu
+    auto = {}
+    for name in ("kernel", "kernel_cuda_cores"):
+        with variant(name):
+            ts = []
+            for i in range(6):
+                k, v = kb[:, :, : context + i], vb[:, :, : context + i]
+                ts.append(timed(lambda: _chain36(q, k, v, scale)) / 36)
+            auto[name] = {"chained_ms_per_call": round(statistics.median(ts[2:]), 4),
+                          "gpu_us_per_call": gpu_us(lambda: _chain36(q, k, v, scale), 36)}
+    out["defaults"] = auto
+    best = sorted(out["chained_ms_per_call"].items(), key=lambda kv: kv[1])[:8]
+    out["fastest_chained"] = best
+    print(json.dumps(out), flush=True)
+    return out
+
+
+def gpu_us(fn, calls):
+    """GPU us per call of the dflash kernels that ``fn`` runs (CUDA profiler), or None."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+    except Exception:  # noqa: BLE001
+        return None
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        mx.eval(fn())
+        mx.synchronize()
+    total = 0.0
+    for ev in prof.key_averages():
+        if "dflash" in ev.key:
+            total += getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+    return round(total / calls, 2)
+
+
+def _chain36(q, k, v, scale):
+    x = q
+    for _ in range(36):
+        x = ka.block_attention_kernel(x, k, v, scale=scale, causal=True)
+    return x
 
 
 def section_profile(model, context):
@@ -238,8 +350,6 @@ def section_profile(model, context):
             c.trim(n)
         return summary(ts)
 
-    routing.set_mode("kernel")
-    ka.FUSE_REDUCTION = False
     variants = {
         "kernel": real,
         "no_attention": lambda q, k, v, **kw: q,  # the rest of the pass alone
@@ -248,13 +358,13 @@ def section_profile(model, context):
     for name, fn in variants.items():
         ka.block_attention_kernel = fn
         try:
-            verify_growing(4)  # warm-up
-            out[f"verify16_growing_{name}"] = verify_growing()
+            with variant("kernel"):
+                verify_growing(4)  # warm-up
+                out[f"verify16_growing_{name}"] = verify_growing()
         finally:
             ka.block_attention_kernel = real
-    routing.set_mode("stock")
-    out["verify16_fixed_stock"] = summary([timed(lambda: _fixed(model, cache, x16)) for _ in range(12)])
-    routing.set_mode(None)
+    with variant("stock"):
+        out["verify16_fixed_stock"] = summary([timed(lambda: _fixed(model, cache, x16)) for _ in range(12)])
 
     # the op alone: 36 chained calls (one per layer of the shape) in one graph
     H, Hk, D, Lq = 32, 8, 128, 16
@@ -313,10 +423,9 @@ def torch_profile(model, cache, x16):
     except Exception as e:  # noqa: BLE001
         return {"skipped": f"{type(e).__name__}: {e}"}
     torch.cuda.init()
-    routing.set_mode("kernel")
     res = {}
-    for label, cuda_graphs in (("kernel", True),):
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    for label in ("kernel", "kernel_cuda_cores"):
+        with variant(label), profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(5):
                 mx.eval(model(x16, cache=cache))
                 for c in cache:
@@ -327,8 +436,7 @@ def torch_profile(model, cache, x16):
             us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
             rows.append((us, ev.key, ev.count))
         rows.sort(reverse=True)
-        res[label] = [{"name": k[:90], "total_us_5_passes": round(us, 1), "calls": n} for us, k, n in rows[:25]]
-    routing.set_mode(None)
+        res[label] = [{"name": k[:90], "total_us_5_passes": round(us, 1), "calls": n} for us, k, n in rows[:25] if us > 0]
     return res
 
 
@@ -391,7 +499,9 @@ def cycle_phases(target, drafter, prompt, cycles=20):
     return {k: round(statistics.median(v[3:]), 3) for k, v in ph.items()}
 
 
-def section_cycle(model, shape, context):
+def section_cycle(model, shape, context, rounds=5):
+    """DFlash tok/s (every block accepted) for each kernel variant and mlx_lm AR tok/s, in
+    interleaved rounds on the same prompt; ratios of medians."""
     from dflash_batch.engine.target import Target
 
     drafter = build_drafter(shape.drafter, shape.target["hidden_size"], mx.bfloat16)
@@ -399,25 +509,37 @@ def section_cycle(model, shape, context):
     mx.eval(model.parameters())
     target = Target(model, tap_ids=drafter.args.target_layer_ids)
     prompt = mx.random.randint(0, 1000, (context,)).tolist()
-    out = {"context": context}
-    routing.set_mode("kernel")
-    dflash_rate(target, drafter, prompt, 64)  # warm-up
-    out["dflash_kernel"] = dflash_rate(target, drafter, prompt, 513)
-    out["phases_kernel_ms"] = cycle_phases(target, drafter, prompt)
-    ka.FUSE_REDUCTION = False
-    dflash_rate(target, drafter, prompt, 64)  # warm-up
-    out["dflash_kernel_split"] = dflash_rate(target, drafter, prompt, 513)
-    ka.FUSE_REDUCTION = True
-    print(json.dumps(out), flush=True)
-    routing.set_mode(None)
+    out = {"context": context, "rounds": rounds}
+    arms = ("kernel", "kernel_cuda_cores")
+    for name in arms:
+        with variant(name):
+            dflash_rate(target, drafter, prompt, 64)  # warm-up
     mlx_lm_ar_rate(model, prompt, 16)  # warm-up
-    out["mlx_lm_ar"] = mlx_lm_ar_rate(model, prompt, 257)
-    out["speedup_vs_mlx_lm_ar"] = round(out["dflash_kernel"]["tok_s"] / out["mlx_lm_ar"]["tok_s"], 2)
+    runs = {name: [] for name in arms + ("mlx_lm_ar",)}
+    order = list(arms) + ["mlx_lm_ar"]
+    for r in range(rounds):
+        for name in order[r % len(order):] + order[: r % len(order)]:  # rotated: no arm always first
+            if name == "mlx_lm_ar":
+                runs[name].append(mlx_lm_ar_rate(model, prompt, 257))
+            else:
+                with variant(name):
+                    runs[name].append(dflash_rate(target, drafter, prompt, 513))
+        print(json.dumps({k: v[-1] for k, v in runs.items()}), flush=True)
+    ar = statistics.median(r["tok_s"] for r in runs["mlx_lm_ar"])
+    out["mlx_lm_ar_tok_s"] = {"median": ar, "runs": [r["tok_s"] for r in runs["mlx_lm_ar"]]}
+    for name in arms:
+        rate = statistics.median(r["tok_s"] for r in runs[name])
+        ratios = [d["tok_s"] / a["tok_s"] for d, a in zip(runs[name], runs["mlx_lm_ar"])]
+        out[f"dflash_{name}_tok_s"] = {"median": rate, "runs": [r["tok_s"] for r in runs[name]],
+                                        "tokens_per_cycle": runs[name][0]["tokens_per_cycle"]}
+        out[f"speedup_{name}_vs_mlx_lm_ar"] = round(rate / ar, 2)  # ratio of medians
+        out[f"speedup_{name}_per_round"] = {"median": round(statistics.median(ratios), 2),
+                                            "min": round(min(ratios), 2), "max": round(max(ratios), 2)}
+    with variant("kernel"):
+        out["phases_kernel_ms"] = cycle_phases(target, drafter, prompt)
     print(json.dumps(out), flush=True)
-    routing.set_mode("stock")
-    out["dflash_stock"] = dflash_rate(target, drafter, prompt, 129)
-    out["phases_stock_ms"] = cycle_phases(target, drafter, prompt, cycles=8)
-    routing.set_mode(None)
+    with variant("stock"):
+        out["dflash_stock"] = dflash_rate(target, drafter, prompt, 129)
     print(json.dumps(out), flush=True)
     return out
 
@@ -467,6 +589,8 @@ def main(argv=None):
         run("check", section_check)
     if "micro" in sections:
         run("micro", section_micro, args.tuning)
+    if "tune" in sections:
+        run("tune", section_tune, args.context)
     if {"verify", "cycle", "profile"} & set(sections):
         shape = SHAPES[args.shape]
         res["shape"] = args.shape

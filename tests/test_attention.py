@@ -185,6 +185,7 @@ static float group8_reduce(Ctx* ctx, int warp, int lane, float x, bool is_max) {
 #define ALIGNED16(p) true
 #define FENCE_DEVICE()
 #define LOAD_CG(ptr) (*(ptr))
+#define LOAD_CG4(ptr) (*reinterpret_cast<const float4*>(ptr))
 static int emu_atomic_add(const int32_t* base, int i, int x) {  // thread 0 only: no race
   int32_t* p = const_cast<int32_t*>(base) + i;
   const int old = *p;
@@ -193,10 +194,11 @@ static int emu_atomic_add(const int32_t* base, int i, int x) {  // thread 0 only
 }
 #define ATOMIC_ADD(base, i, x) emu_atomic_add((base), (i), (x))
 #define ATOMIC_STORE(base, i, x) (const_cast<int32_t*>(base)[i] = (x))
-using T = float;
+#define OUT_CAST(x) (x)
 """
 
 EMU_MAIN = r"""
+using T = float;
 template <int D, int DK, int WR, int DG, int NW, bool V_SMEM>
 void pass1(Ctx* ctx, int tid, int split, int n_splits, int bh, int rg, float* smem,
            const T* q, Shape q_shape, Strides q_strides, const T* k, Shape k_shape, Strides k_strides,
@@ -365,6 +367,234 @@ def test_kernel_body_on_emulated_gpu_matches_reference(emulator, case):
                        kv_start=kv_start, splits=splits, fused=fused)
         assert not mx.isnan(got).any().item(), "a key past Lk leaked into the result"
         assert max_err(got, want) < 2e-5
+
+
+# The tensor-core pass 1 (CUDA, bf16) under the same emulator. What the GPU does per warp is
+# emulated from the PTX ISA's fragment layouts for mma.m16n8k16 (.row.col, bf16 in, fp32
+# accumulate): every lane posts its A and B registers, then computes its own four accumulators
+# from the whole 16 x 16 and 16 x 8 tiles. A wrong lane-to-row or lane-to-key mapping in
+# PASS1_MMA_BODY gives a wrong result here, as it would on the GPU.
+EMU_MMA = r"""
+#include <cstring>
+struct bf16 {
+  uint16_t bits;
+  bf16() = default;
+  bf16(float f) {  // round to nearest even
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    bits = (uint16_t)(u >> 16);
+  }
+  operator float() const {
+    uint32_t u = (uint32_t)bits << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  }
+};
+using T = bf16;
+struct uint4 { uint32_t x, y, z, w; };
+struct Frags { uint32_t a[32][4]; uint32_t b[32][2]; };
+static Frags frags[8];
+static float emu_half(uint32_t reg, int hi) { bf16 h; h.bits = (uint16_t)(hi ? reg >> 16 : reg & 0xffffu); return h; }
+static void emu_mma(Ctx* ctx, int warp, int lane, float* d, const uint32_t* a, const uint32_t* b) {
+  ctx->warps[warp]->arrive_and_wait();
+  for (int i = 0; i < 4; ++i) frags[warp].a[lane][i] = a[i];
+  for (int i = 0; i < 2; ++i) frags[warp].b[lane][i] = b[i];
+  ctx->warps[warp]->arrive_and_wait();
+  const int g = lane >> 2, t = lane & 3;
+  for (int c = 0; c < 4; ++c) {
+    const int row = g + 8 * (c >> 1), col = 2 * t + (c & 1);
+    float acc = d[c];
+    for (int kk = 0; kk < 16; ++kk) {
+      // A[row][kk]: lane (row % 8) * 4 + (kk % 8) / 2, register (row >= 8) + 2 (kk >= 8), half kk & 1
+      const float x = emu_half(frags[warp].a[(row % 8) * 4 + (kk % 8) / 2][(row >= 8) + 2 * (kk >= 8)], kk & 1);
+      // B[kk][col]: lane col * 4 + (kk % 8) / 2, register (kk >= 8), half kk & 1
+      const float y = emu_half(frags[warp].b[col * 4 + (kk % 8) / 2][kk >= 8], kk & 1);
+      acc += x * y;
+    }
+    d[c] = acc;
+  }
+  ctx->warps[warp]->arrive_and_wait();
+}
+static float quad_reduce(Ctx* ctx, int warp, int lane, float x, bool is_max) {
+  ctx->warps[warp]->arrive_and_wait();
+  ctx->red[warp][lane] = x;
+  ctx->warps[warp]->arrive_and_wait();
+  const int base = lane & ~3;
+  float r = ctx->red[warp][base];
+  for (int i = 1; i < 4; ++i) r = is_max ? std::fmax(r, ctx->red[warp][base + i]) : r + ctx->red[warp][base + i];
+  ctx->warps[warp]->arrive_and_wait();
+  return r;
+}
+static uint32_t ld32(const void* p) { uint32_t u; std::memcpy(&u, p, 4); return u; }
+#define TPTR T*
+#define CP_ASYNC16(dst, src, valid) ((valid) ? (void)std::memcpy((dst), (src), 16) : (void)std::memset((dst), 0, 16))
+#define CP_ASYNC_COMMIT()
+#define CP_ASYNC_WAIT(n)
+#define LD32(ptr) ld32(ptr)
+#define RAW16(x) ((uint32_t)(x).bits)
+#define QUAD_MAX(x) quad_reduce(ctx, warp, lane, (x), true)
+#define QUAD_SUM(x) quad_reduce(ctx, warp, lane, (x), false)
+#define MMA16816(d, a, b) emu_mma(ctx, warp, lane, (d), (a), (b))
+#define PACK2(x, y) ((uint32_t)bf16(x).bits | ((uint32_t)bf16(y).bits << 16))
+#define ROUND_T(x) ((float)bf16(x))
+
+template <int D, int NW, int KT, int STAGES, bool FUSED>
+void pass1(Ctx* ctx, int tid, int split, int n_splits, int bh, int rg, float* smem,
+           const T* q, Shape q_shape, Strides q_strides, const T* k, Shape k_shape, Strides k_strides,
+           const T* v, Strides v_strides, const int32_t* kv_start, const int32_t* flags, const float* scale,
+           const int32_t* counters, float* o_part, float* m_part, float* l_part, float* out, int GROUPS_Z) {
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  PASS1
+}
+
+template <int D>
+void pass2(int row, int d, const float* o_part, Shape m_part_shape, const float* m_part, const float* l_part, float* out) {
+  PASS2
+}
+
+template <typename X> std::vector<X> load(const char* path, size_t n) {
+  std::vector<X> x(n);
+  FILE* f = fopen(path, "rb");
+  if (fread(x.data(), sizeof(X), n, f) != n) { fprintf(stderr, "short read %s\n", path); std::exit(2); }
+  fclose(f);
+  return x;
+}
+
+template <int D, int NW, int KT, int STAGES, bool FUSED, int SMEM_BYTES>
+int run(const char* dir, int B, int H, int Hk, int Lq, int Lk, int cap, int splits, int groups) {
+  std::string d(dir);
+  auto q = load<bf16>((d + "/q.bin").c_str(), (size_t)B * H * Lq * D);
+  auto kb = load<bf16>((d + "/k.bin").c_str(), (size_t)B * Hk * cap * D);
+  auto vb = load<bf16>((d + "/v.bin").c_str(), (size_t)B * Hk * cap * D);
+  auto kv_start = load<int32_t>((d + "/kv_start.bin").c_str(), B);
+  auto flags = load<int32_t>((d + "/flags.bin").c_str(), 2);
+  auto scale = load<float>((d + "/scale.bin").c_str(), 1);
+  Shape qs{B, H, Lq, D}, ks{B, Hk, Lk, D};
+  Strides qst{(int64_t)H * Lq * D, (int64_t)Lq * D, D, 1};
+  Strides kst{(int64_t)Hk * cap * D, (int64_t)cap * D, D, 1};
+  const size_t rows = (size_t)B * H * Lq;
+  std::vector<float> o_part(rows * splits * D, NAN), m_part(rows * splits, NAN), l_part(rows * splits, NAN);
+  std::vector<float> out(rows * D, NAN);
+  std::vector<int32_t> counters(B * Hk * groups, 0);
+  constexpr int NT = NW * 32;
+  for (int split = 0; split < splits; ++split)
+    for (int bh = 0; bh < B * Hk; ++bh)
+      for (int rg = 0; rg < groups; ++rg) {
+        std::vector<float4> smem4(SMEM_BYTES / 16, float4{NAN, NAN, NAN, NAN});
+        Ctx ctx;
+        std::barrier<> block(NT);
+        ctx.block = &block;
+        std::vector<std::barrier<>*> wp;
+        for (int w = 0; w < NW; ++w) wp.push_back(new std::barrier<>(32));
+        ctx.warps = wp;
+        std::vector<std::thread> th;
+        for (int tid = 0; tid < NT; ++tid)
+          th.emplace_back([&, tid] {
+            pass1<D, NW, KT, STAGES, FUSED>(&ctx, tid, split, splits, bh, rg, reinterpret_cast<float*>(smem4.data()),
+                                    q.data(), qs, qst, kb.data(), ks, kst, vb.data(), kst, kv_start.data(),
+                                    flags.data(), scale.data(), counters.data(), o_part.data(),
+                                    m_part.data(), l_part.data(), out.data(), groups);
+          });
+        for (auto& t : th) t.join();
+        for (auto* w : wp) delete w;
+      }
+  for (int c : counters)
+    if (c != 0) { fprintf(stderr, "a ticket counter was left at %d\n", c); return 4; }
+  Shape ms{B, H, Lq, splits};
+  if (!FUSED && splits > 1)
+    for (size_t row = 0; row < rows; ++row)
+      for (int dd = 0; dd < D; ++dd) pass2<D>((int)row, dd, o_part.data(), ms, m_part.data(), l_part.data(), out.data());
+  FILE* f = fopen((d + "/out.bin").c_str(), "wb");
+  fwrite(out.data(), sizeof(float), out.size(), f);
+  fclose(f);
+  return 0;
+}
+
+int main(int argc, char** argv) {
+  const char* dir = argv[1];
+  int cfg = atoi(argv[2]), B = atoi(argv[3]), H = atoi(argv[4]), Hk = atoi(argv[5]), Lq = atoi(argv[6]);
+  int Lk = atoi(argv[7]), cap = atoi(argv[8]), splits = atoi(argv[9]), groups = atoi(argv[10]);
+  switch (cfg) {
+    CASES
+  }
+  return 3;
+}
+"""
+
+# (head dim, warps, fused, keys per tile, stages) configurations the tensor-core emulator is built for
+EMU_MMA_CONFIGS = [(64, 4, True, 16, 2), (128, 8, True, 16, 2), (256, 4, True, 16, 2), (128, 2, False, 32, 3),
+                   (128, 1, True, 16, 4)]
+
+
+@pytest.fixture(scope="module")
+def mma_emulator(tmp_path_factory):
+    cxx = shutil.which("g++") or shutil.which("clang++")
+    if cxx is None:
+        pytest.skip("no C++ compiler for the kernel emulator")
+    folder = tmp_path_factory.mktemp("emu_mma")
+    cases = []
+    for n, (D, warps, fused, kt, stages) in enumerate(EMU_MMA_CONFIGS):
+        c = ka.mma_config(D, warps, fused, kt, stages)
+        f = "true" if fused else "false"
+        cases.append(f"case {n}: return run<{D}, {warps}, {kt}, {stages}, {f}, {c.smem_bytes}>(dir, B, H, Hk, Lq, Lk, cap, splits, groups);")
+    src = EMU_HEADER + EMU_MMA.replace("PASS1", ka.PASS1_MMA_BODY).replace("PASS2", ka.PASS2_BODY).replace("CASES", "\n    ".join(cases))
+    (folder / "emu.cpp").write_text(src)
+    exe = folder / "emu"
+    cmd = [cxx, "-std=c++20", "-O1", "-fno-strict-aliasing", "-pthread", "-o", str(exe), str(folder / "emu.cpp")]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0 and "barrier" in done.stderr and "No such file" in done.stderr:
+        pytest.skip("C++ compiler lacks <barrier>")
+    assert done.returncode == 0, done.stderr[-4000:]
+
+    def run(cfg, q, k_buf, v_buf, Lk, *, scale, causal, window, kv_start, splits):
+        B, H, Lq, D = q.shape
+        Hk, cap = k_buf.shape[1], k_buf.shape[2]
+        groups = -(-((H // Hk) * Lq) // 16)
+        d = Path(folder) / "case"
+        d.mkdir(exist_ok=True)
+        for name, x in (("q", q), ("k", k_buf), ("v", v_buf)):
+            np.asarray(x.astype(mx.bfloat16).view(mx.uint16)).tofile(d / f"{name}.bin")
+        np.asarray(kv_start if kv_start is not None else np.zeros(B), dtype=np.int32).tofile(d / "kv_start.bin")
+        np.asarray([int(causal), int(window or 0)], dtype=np.int32).tofile(d / "flags.bin")
+        np.asarray([scale * ka.LOG2E], dtype=np.float32).tofile(d / "scale.bin")
+        args = [str(exe), str(d), cfg, B, H, Hk, Lq, Lk, cap, splits, groups]
+        subprocess.run([str(a) for a in args], check=True, timeout=300)
+        return mx.array(np.fromfile(d / "out.bin", dtype=np.float32).reshape(B, H, Lq, D))
+
+    return run
+
+
+# (config index, B, H, Hk, Lq, Lk, cap, causal, window, kv_start, splits)
+EMU_MMA_CASES = [
+    (1, 1, 8, 2, 16, 200, 230, True, None, None, 3),  # 4 row groups, 3 chunks, 8 warps (some idle), fused
+    (1, 1, 4, 4, 16, 16, 16, True, None, None, 1),  # keys == rows, one chunk: output written directly
+    (1, 1, 8, 4, 16, 600, 600, True, None, None, 1),  # one chunk of 38 tiles: rescaling, ring reuse, combine
+    (0, 2, 4, 2, 3, 70, 80, False, None, [0, 33], 5),  # bidirectional, padding, rows past R, empty chunks
+    (2, 1, 8, 2, 16, 150, 150, True, 20, None, 2),  # D=256, sliding window
+    (3, 1, 8, 2, 16, 260, 270, True, None, [7], 4),  # pass 2 as its own kernel, 2 warps, 3 stages
+    (4, 1, 8, 2, 16, 500, 500, True, None, None, 2),  # one warp, 4 stages, 16 tiles per chunk
+    (0, 1, 9, 3, 5, 64, 64, True, None, None, 2),  # SmolLM2-like: 3 query heads per KV head, 5 rows
+]
+
+
+@pytest.mark.parametrize("case", EMU_MMA_CASES, ids=lambda c: f"cfg{c[0]}-Lq{c[4]}-Lk{c[5]}-s{c[10]}")
+def test_tensor_core_body_on_emulated_gpu_matches_reference(mma_emulator, case):
+    cfg, B, H, Hk, Lq, Lk, cap, causal, window, kv_start, splits = case
+    D = EMU_MMA_CONFIGS[cfg][0]
+    q, k, v = (x.astype(mx.bfloat16).astype(mx.float32) for x in make_qkv(B, H, Hk, Lq, Lk, D, mx.float32, seed=Lk + D, cap=cap))
+    pad = [(0, 0), (0, 0), (0, cap - Lk), (0, 0)]
+    k_buf, v_buf = mx.pad(k, pad, constant_values=float("nan")), mx.pad(v, pad, constant_values=float("nan"))
+    starts = None if kv_start is None else mx.array(kv_start, dtype=mx.int32)
+    # fp32 oracle on the bf16-rounded inputs: the kernel's products are exact and its sums fp32;
+    # P is carried as hi + lo bf16 terms (relative error about 2^-16), so the two agree to ~1e-5
+    want = ka.block_attention_reference(q, k, v, scale=D**-0.5, causal=causal, window=window, kv_start=starts)
+    got = mma_emulator(cfg, q, k_buf, v_buf, Lk, scale=D**-0.5, causal=causal, window=window,
+                       kv_start=kv_start, splits=splits)
+    assert not mx.isnan(got).any().item(), "a key past Lk leaked into the result"
+    assert max_err(got, want) < 5e-5
 
 
 # --------------------------------------------------------------------------------------------

@@ -473,7 +473,7 @@ PASS1_BODY = r"""
                 for (int c = 0; c < n_splits; ++c) {
                     acc += LOAD_CG(o_part + (orow * n_splits + c) * D + d) * w_s[rl * n_splits + c];
                 }
-                out[orow * D + d] = static_cast<T>(acc * inv_s[rl]);
+                out[orow * D + d] = OUT_CAST(acc * inv_s[rl]);
             }
         }
         if (tid == 0) {
@@ -506,7 +506,360 @@ PASS2_BODY = r"""
             }
         }
     }
-    out[(I64)row * D + d] = static_cast<T>(L > 0.0f ? acc / L : 0.0f);
+    out[(I64)row * D + d] = OUT_CAST(L > 0.0f ? acc / L : 0.0f);
+"""
+
+# Pass 1 on tensor cores (CUDA; T = bf16 or fp16), with the reduction over key chunks fused in.
+# Block (split, b * Hk + kv head, group of 16 rows): NW warps share the block's 16 rows; warp w
+# takes key tiles w, w + NW, ... of the block's chunk (KT keys each), staged in its own ring of
+# STAGES shared-memory buffers by 16-byte asynchronous copies (STAGES - 1 tiles in flight), so
+# the main loop needs no block barrier. Per tile, with mma.sync m16n8k16 (A 16 x 16 row-major,
+# B 16 x 8 column-major, fp32 accumulators; lane = (g = lane / 4, t = lane % 4) holds rows g, g + 8):
+#   S = Q K^T: A = the 16 rows of q, B = K rows as columns; exact products, fp32 sums, then
+#       s = S * scale * log2 e
+#   masks as in PASS1_BODY; online softmax per row: m' = max(m, max over the row's 4 lanes),
+#       alpha = 2^(m - m'), p = 2^(s - m'), l = alpha l + sum p
+#   O = alpha O + P V: the accumulator layout of S is the A layout of P, so P stays in
+#       registers; P = hi + lo, both rounded to T, two MMAs: P loses about 2^-16, not 2^-8
+# Then the warps' (m, l, O) are combined in shared memory (pass 2's formula), and the block
+# writes the output (one chunk) or its chunk's partials; FUSED, the last block of a (batch, KV
+# head, row group) to finish (a ticket from a counter that it resets) reduces those as pass 2
+# would, with 16-byte loads, so a call is one launch.
+PASS1_MMA_BODY = r"""
+    const int H = q_shape[1];
+    const int Lq = q_shape[2];
+    const int Hk = k_shape[1];
+    const int Lk = k_shape[2];
+    const int G = H / Hk;
+    const int R = G * Lq;
+    const int b = bh / Hk;
+    const int kvh = bh - b * Hk;
+    const bool causal = flags[0] != 0;
+    const int window = flags[1];
+    const float qscale = scale[0];
+    const int first_key = kv_start[b];
+    const int q_pos0 = Lk - Lq;
+
+    constexpr int NT = NW * 32;
+    constexpr int ROWS = 16;
+    constexpr int DS = D + 8;           // row stride (elements of T) of q, K and V in shared memory
+    constexpr int NKS = D / 16;         // k-steps of Q K^T
+    constexpr int NST = KT / 8;         // 8-key column tiles of S
+    constexpr int NDT = D / 8;          // 8-dim column tiles of O
+    constexpr int OS = D + 4;           // row stride (floats) of the combine buffer
+    constexpr int VEC = 16 / (int)sizeof(T);
+    TPTR q_s = reinterpret_cast<TPTR>(smem);                  // [16][DS]
+    TPTR kv_w = q_s + ROWS * DS + warp * STAGES * 2 * KT * DS;  // this warp's ring: [STAGES][K, V][KT][DS]
+
+    int key_begin = 0;
+    if (window > 0) {
+        key_begin = IMAX(0, q_pos0 - window + 1);
+    }
+    key_begin = IMAX(key_begin, first_key);
+    const int tiles = IMAX(0, (Lk - key_begin + KT - 1) / KT);
+    const int tps = (tiles + n_splits - 1) / n_splits;
+    const int t_begin = split * tps;
+    const int t_end = IMIN(t_begin + tps, tiles);
+
+    const I64 kb = (I64)b * k_strides[0] + (I64)kvh * k_strides[1];
+    const I64 vb = (I64)b * v_strides[0] + (I64)kvh * v_strides[1];
+    const bool vec_ok = k_strides[3] == 1 && v_strides[3] == 1 && ALIGNED16(k) && ALIGNED16(v) &&
+                        k_strides[0] % VEC == 0 && k_strides[1] % VEC == 0 && k_strides[2] % VEC == 0 &&
+                        v_strides[0] % VEC == 0 && v_strides[1] % VEC == 0 && v_strides[2] % VEC == 0;
+    const bool q_vec = q_strides[3] == 1 && ALIGNED16(q) && q_strides[0] % VEC == 0 &&
+                       q_strides[1] % VEC == 0 && q_strides[2] % VEC == 0;
+
+    // the block's q rows (zero past R)
+    UNROLL4
+    for (int idx = tid; idx < ROWS * (D / VEC); idx += NT) {
+        const int rl = idx / (D / VEC);
+        const int d0 = (idx - rl * (D / VEC)) * VEC;
+        const int row = IMIN(rg * ROWS + rl, R - 1);
+        const int gq = row / Lq;
+        const I64 at = (I64)b * q_strides[0] + (I64)(kvh * G + gq) * q_strides[1] + (I64)(row - gq * Lq) * q_strides[2];
+        TPTR dst = q_s + rl * DS + d0;
+        if (q_vec) {
+            CP_ASYNC16(dst, q + at + d0, rg * ROWS + rl < R);
+        } else {
+            for (int e = 0; e < VEC; ++e) {
+                dst[e] = (rg * ROWS + rl < R) ? q[at + (I64)(d0 + e) * q_strides[3]] : static_cast<T>(0.0f);
+            }
+        }
+    }
+    CP_ASYNC_COMMIT();
+
+    // this warp's buffer `buf` <- K and V rows of tile `tile` (zero past Lk); a commit group per tile
+#define DFLASH_LOAD_TILE(tile, buf)                                                               \
+    {                                                                                             \
+        const int j0_ = key_begin + (tile) * KT;                                                  \
+        TPTR kd_ = kv_w + (buf) * 2 * KT * DS;                                                    \
+        TPTR vd_ = kd_ + KT * DS;                                                                 \
+        UNROLL4                                                                                   \
+        for (int idx = lane; idx < KT * (D / VEC); idx += 32) {                                   \
+            const int kk = idx / (D / VEC);                                                       \
+            const int d0 = (idx - kk * (D / VEC)) * VEC;                                          \
+            const int j = j0_ + kk;                                                               \
+            const I64 jr = IMIN(j, Lk - 1);                                                       \
+            if (vec_ok) {                                                                         \
+                CP_ASYNC16(kd_ + kk * DS + d0, k + (kb + jr * k_strides[2] + d0), j < Lk);        \
+                CP_ASYNC16(vd_ + kk * DS + d0, v + (vb + jr * v_strides[2] + d0), j < Lk);        \
+            } else {                                                                              \
+                for (int e = 0; e < VEC; ++e) {                                                   \
+                    kd_[kk * DS + d0 + e] = (j < Lk) ? k[kb + jr * k_strides[2] + (I64)(d0 + e) * k_strides[3]] : static_cast<T>(0.0f); \
+                    vd_[kk * DS + d0 + e] = (j < Lk) ? v[vb + jr * v_strides[2] + (I64)(d0 + e) * v_strides[3]] : static_cast<T>(0.0f); \
+                }                                                                                 \
+            }                                                                                     \
+        }                                                                                         \
+        CP_ASYNC_COMMIT();                                                                        \
+    }
+
+    UNROLL
+    for (int st = 0; st < STAGES - 1; ++st) {
+        if (t_begin + warp + st * NW < t_end) {
+            DFLASH_LOAD_TILE(t_begin + warp + st * NW, st);
+        } else {
+            CP_ASYNC_COMMIT();
+        }
+    }
+    CP_ASYNC_WAIT(STAGES - 1);  // this thread's q copies have landed (tiles may be in flight) ...
+    SYNC_BLOCK();               // ... and every thread's
+
+    const int g = lane >> 2;
+    const int t = lane & 3;
+    TPTR q_w = q_s;
+    int qpos[2];
+    UNROLL
+    for (int h = 0; h < 2; ++h) {
+        qpos[h] = q_pos0 + ((rg * ROWS + g + 8 * h) % Lq);
+    }
+    float m_i[2] = {NEG_INF, NEG_INF};
+    float l_i[2] = {0.0f, 0.0f};
+    float o_i[NDT][4];
+    UNROLL
+    for (int n = 0; n < NDT; ++n) {
+        UNROLL
+        for (int c = 0; c < 4; ++c) {
+            o_i[n][c] = 0.0f;
+        }
+    }
+
+    for (int tile = t_begin + warp; tile < t_end; tile += NW) {
+        const int i = (tile - t_begin) / NW;  // this warp's i-th tile
+        const int j0 = key_begin + tile * KT;
+        CP_ASYNC_WAIT(STAGES - 2);  // this tile has landed (this lane's copies) ...
+        SYNC_WARP();                // ... every lane's; and the warp is done with its tile i - 1
+        if (tile + (STAGES - 1) * NW < t_end) {
+            DFLASH_LOAD_TILE(tile + (STAGES - 1) * NW, (i + STAGES - 1) % STAGES);  // tile i - 1's buffer
+        } else {
+            CP_ASYNC_COMMIT();
+        }
+        TPTR k_s = kv_w + (i % STAGES) * 2 * KT * DS;
+        TPTR v_s = k_s + KT * DS;
+
+        float s[NST][4];
+        UNROLL
+        for (int n = 0; n < NST; ++n) {
+            UNROLL
+            for (int c = 0; c < 4; ++c) {
+                s[n][c] = 0.0f;
+            }
+        }
+        UNROLL
+        for (int ks = 0; ks < NKS; ++ks) {
+            unsigned a[4];
+            a[0] = LD32(q_w + g * DS + ks * 16 + 2 * t);
+            a[1] = LD32(q_w + (g + 8) * DS + ks * 16 + 2 * t);
+            a[2] = LD32(q_w + g * DS + ks * 16 + 2 * t + 8);
+            a[3] = LD32(q_w + (g + 8) * DS + ks * 16 + 2 * t + 8);
+            UNROLL
+            for (int n = 0; n < NST; ++n) {
+                unsigned bq[2];
+                bq[0] = LD32(k_s + (n * 8 + g) * DS + ks * 16 + 2 * t);
+                bq[1] = LD32(k_s + (n * 8 + g) * DS + ks * 16 + 2 * t + 8);
+                MMA16816(s[n], a, bq);
+            }
+        }
+
+        float tmax[2] = {NEG_INF, NEG_INF};
+        UNROLL
+        for (int n = 0; n < NST; ++n) {
+            UNROLL
+            for (int c = 0; c < 4; ++c) {
+                const int h = c >> 1;
+                const int j = j0 + n * 8 + 2 * t + (c & 1);
+                const bool ok = (j < Lk) && (j >= first_key) && (!causal || j <= qpos[h]) &&
+                                (window <= 0 || qpos[h] - j < window);
+                s[n][c] = ok ? s[n][c] * qscale : NEG_INF;
+                tmax[h] = FMAX(tmax[h], s[n][c]);
+            }
+        }
+        float m_new[2];
+        UNROLL
+        for (int h = 0; h < 2; ++h) {
+            m_new[h] = FMAX(m_i[h], QUAD_MAX(tmax[h]));
+            const float alpha = (m_new[h] == NEG_INF) ? 1.0f : EXP2(m_i[h] - m_new[h]);
+            m_i[h] = m_new[h];
+            l_i[h] *= alpha;
+            UNROLL
+            for (int n = 0; n < NDT; ++n) {
+                o_i[n][2 * h] *= alpha;
+                o_i[n][2 * h + 1] *= alpha;
+            }
+        }
+        UNROLL
+        for (int n = 0; n < NST; ++n) {
+            UNROLL
+            for (int c = 0; c < 4; ++c) {
+                const int h = c >> 1;
+                s[n][c] = (m_new[h] == NEG_INF) ? 0.0f : EXP2(s[n][c] - m_new[h]);
+                l_i[h] += s[n][c];
+            }
+        }
+        UNROLL
+        for (int kk = 0; kk < KT / 16; ++kk) {
+            unsigned hi[4];
+            unsigned lo[4];
+            UNROLL
+            for (int r = 0; r < 4; ++r) {
+                const float* pr = &s[2 * kk + (r >> 1)][2 * (r & 1)];
+                const float h0 = ROUND_T(pr[0]);
+                const float h1 = ROUND_T(pr[1]);
+                hi[r] = PACK2(h0, h1);
+                lo[r] = PACK2(pr[0] - h0, pr[1] - h1);
+            }
+            TPTR v0 = v_s + (kk * 16 + 2 * t) * DS + g;
+            UNROLL
+            for (int n = 0; n < NDT; ++n) {
+                unsigned bv[2];
+                bv[0] = RAW16(v0[n * 8]) | (RAW16(v0[DS + n * 8]) << 16);
+                bv[1] = RAW16(v0[8 * DS + n * 8]) | (RAW16(v0[9 * DS + n * 8]) << 16);
+                MMA16816(o_i[n], hi, bv);
+                MMA16816(o_i[n], lo, bv);
+            }
+        }
+    }
+    CP_ASYNC_WAIT(0);
+#undef DFLASH_LOAD_TILE
+
+    // Combine the warps: M = max_w m_w, O = sum_w 2^(m_w - M) O_w, L = sum_w 2^(m_w - M) l_w;
+    // then the output O / L (one chunk) or this chunk's partials (M, L, O)
+    SYNC_BLOCK();
+    SPTR cm = smem;                     // [NW][16]
+    SPTR cl = cm + NW * 16;             // [NW][16]
+    SPTR co = cl + NW * 16;             // [NW][16][OS]
+    UNROLL
+    for (int h = 0; h < 2; ++h) {
+        const float l = QUAD_SUM(l_i[h]);
+        if (t == 0) {
+            cm[warp * 16 + g + 8 * h] = m_i[h];
+            cl[warp * 16 + g + 8 * h] = l;
+        }
+    }
+    UNROLL
+    for (int n = 0; n < NDT; ++n) {
+        UNROLL
+        for (int c = 0; c < 4; ++c) {
+            co[(warp * 16 + g + 8 * (c >> 1)) * OS + n * 8 + 2 * t + (c & 1)] = o_i[n][c];
+        }
+    }
+    SYNC_BLOCK();
+    for (int idx = tid; idx < 16 * D; idx += NT) {
+        const int rl = idx / D;
+        const int d = idx - rl * D;
+        const int row = rg * ROWS + rl;
+        if (row < R) {
+            float M = NEG_INF;
+            for (int w = 0; w < NW; ++w) {
+                M = FMAX(M, cm[w * 16 + rl]);
+            }
+            float O = 0.0f;
+            float L = 0.0f;
+            if (M != NEG_INF) {
+                for (int w = 0; w < NW; ++w) {
+                    const float wt = EXP2(cm[w * 16 + rl] - M);
+                    O += wt * co[(w * 16 + rl) * OS + d];
+                    L += wt * cl[w * 16 + rl];
+                }
+            }
+            const int gq = row / Lq;
+            const I64 orow = ((I64)b * H + kvh * G + gq) * Lq + (row - gq * Lq);
+            if (n_splits == 1) {
+                out[orow * D + d] = OUT_CAST(L > 0.0f ? O / L : 0.0f);
+            } else {
+                o_part[(orow * n_splits + split) * D + d] = O;
+                if (d == 0) {
+                    m_part[orow * n_splits + split] = M;
+                    l_part[orow * n_splits + split] = L;
+                }
+            }
+        }
+    }
+    if (FUSED && n_splits > 1) {
+        FENCE_DEVICE();
+        SYNC_BLOCK();
+        const int ticket_at = bh * GROUPS_Z + rg;
+        if (tid == 0) {
+            const int ticket = ATOMIC_ADD(counters, ticket_at, 1);
+            smem[0] = (ticket == n_splits - 1) ? 1.0f : 0.0f;
+        }
+        SYNC_BLOCK();
+        const bool last = smem[0] != 0.0f;
+        SYNC_BLOCK();
+        if (last) {
+            FENCE_DEVICE();
+            SPTR w_s = smem;                      // [ROWS][n_splits]: 2^(m_c - M)
+            SPTR inv_s = smem + ROWS * n_splits;  // [ROWS]: 1 / sum_c 2^(m_c - M) l_c (0: no key)
+            for (int rl = tid; rl < ROWS; rl += NT) {
+                const int row = rg * ROWS + rl;
+                float inv = 0.0f;
+                if (row < R) {
+                    const int gq = row / Lq;
+                    const I64 base = (((I64)b * H + kvh * G + gq) * Lq + (row - gq * Lq)) * n_splits;
+                    float M = NEG_INF;
+                    for (int c = 0; c < n_splits; ++c) {
+                        M = FMAX(M, LOAD_CG(m_part + base + c));
+                    }
+                    float L = 0.0f;
+                    for (int c = 0; c < n_splits; ++c) {
+                        const float mc = LOAD_CG(m_part + base + c);
+                        const float wt = (M == NEG_INF || mc == NEG_INF) ? 0.0f : EXP2(mc - M);
+                        w_s[rl * n_splits + c] = wt;
+                        L += LOAD_CG(l_part + base + c) * wt;
+                    }
+                    inv = L > 0.0f ? 1.0f / L : 0.0f;
+                }
+                inv_s[rl] = inv;
+            }
+            SYNC_BLOCK();
+            for (int idx = tid; idx < ROWS * (D / 4); idx += NT) {
+                const int rl = idx / (D / 4);
+                const int d = (idx - rl * (D / 4)) * 4;
+                const int row = rg * ROWS + rl;
+                if (row < R) {
+                    const int gq = row / Lq;
+                    const I64 orow = ((I64)b * H + kvh * G + gq) * Lq + (row - gq * Lq);
+                    float4 acc = {0.0f, 0.0f, 0.0f, 0.0f};
+                    UNROLL4
+                    for (int c = 0; c < n_splits; ++c) {
+                        const float4 x = LOAD_CG4(o_part + (orow * n_splits + c) * D + d);
+                        const float wt = w_s[rl * n_splits + c];
+                        acc.x += wt * x.x;
+                        acc.y += wt * x.y;
+                        acc.z += wt * x.z;
+                        acc.w += wt * x.w;
+                    }
+                    const float inv = inv_s[rl];
+                    out[orow * D + d] = OUT_CAST(acc.x * inv);
+                    out[orow * D + d + 1] = OUT_CAST(acc.y * inv);
+                    out[orow * D + d + 2] = OUT_CAST(acc.z * inv);
+                    out[orow * D + d + 3] = OUT_CAST(acc.w * inv);
+                }
+            }
+            if (tid == 0) {
+                ATOMIC_STORE(counters, ticket_at, 0);
+            }
+        }
+    }
 """
 
 CUDA_HEADER = r"""
@@ -555,8 +908,60 @@ __device__ __forceinline__ void dflash_loadv(float* dst, const TT* src) {
 #define ALIGNED16(p) ((reinterpret_cast<unsigned long long>(p) & 15ull) == 0)
 #define FENCE_DEVICE() __threadfence()
 #define LOAD_CG(ptr) __ldcg(ptr)
+#define LOAD_CG4(ptr) __ldcg(reinterpret_cast<const float4*>(ptr))
 #define ATOMIC_ADD(base, i, x) atomicAdd(const_cast<int*>(reinterpret_cast<const int*>(base)) + (i), (x))
 #define ATOMIC_STORE(base, i, x) atomicExch(const_cast<int*>(reinterpret_cast<const int*>(base)) + (i), (x))
+#define OUT_CAST(x) static_cast<T>(x)
+#define TPTR T*
+#define COPY16(dst, src) (*reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src))
+#define LD32(ptr) (*reinterpret_cast<const unsigned int*>(ptr))
+#define RAW16(x) ((unsigned int)(*reinterpret_cast<const unsigned short*>(&(x))))
+__device__ __forceinline__ float dflash_quad_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float dflash_quad_sum(float x) {
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+template <typename TT> struct dflash_mma;
+template <> struct dflash_mma<__nv_bfloat16> {
+    __device__ __forceinline__ static float round(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
+    __device__ __forceinline__ static unsigned int pack(float x, float y) {
+        __nv_bfloat162 h = __floats2bfloat162_rn(x, y);
+        return *reinterpret_cast<unsigned int*>(&h);
+    }
+    __device__ __forceinline__ static void run(float* d, const unsigned int* a, const unsigned int* b) {
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+    }
+};
+template <> struct dflash_mma<__half> {
+    __device__ __forceinline__ static float round(float x) { return __half2float(__float2half_rn(x)); }
+    __device__ __forceinline__ static unsigned int pack(float x, float y) {
+        __half2 h = __floats2half2_rn(x, y);
+        return *reinterpret_cast<unsigned int*>(&h);
+    }
+    __device__ __forceinline__ static void run(float* d, const unsigned int* a, const unsigned int* b) {
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+    }
+};
+__device__ __forceinline__ void dflash_cp_async16(void* dst, const void* src, bool valid) {
+    // 16 bytes global -> shared without a register round trip; valid false: 16 zero bytes
+    const unsigned int to = static_cast<unsigned int>(__cvta_generic_to_shared(dst));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(to), "l"(src), "r"(valid ? 16 : 0));
+}
+#define CP_ASYNC16(dst, src, valid) dflash_cp_async16((dst), (src), (valid))
+#define CP_ASYNC_COMMIT() asm volatile("cp.async.commit_group;")
+#define CP_ASYNC_WAIT(n) asm volatile("cp.async.wait_group %0;" ::"n"(n))
+#define QUAD_MAX(x) dflash_quad_max(x)
+#define QUAD_SUM(x) dflash_quad_sum(x)
+#define MMA16816(d, a, b) dflash_mma<T>::run((d), (a), (b))
+#define PACK2(x, y) dflash_mma<T>::pack((x), (y))
+#define ROUND_T(x) dflash_mma<T>::round(x)
 """
 
 CUDA_PASS1 = (
@@ -574,6 +979,8 @@ CUDA_PASS1 = (
 """
     + PASS1_BODY
 )
+
+CUDA_MMA = CUDA_PASS1.replace(PASS1_BODY, PASS1_MMA_BODY)
 
 CUDA_PASS2 = (
     r"""
@@ -612,6 +1019,7 @@ inline float dflash_group8_sum(float x) {
 #define GROUP8_SUM(x) dflash_group8_sum(x)
 #define LOADV(dst, src) for (int _e = 0; _e < VEC; ++_e) (dst)[_e] = static_cast<float>((src)[_e])
 #define ALIGNED16(p) true
+#define OUT_CAST(x) static_cast<T>(x)
 """
 
 METAL_PASS1 = (
@@ -643,16 +1051,24 @@ def _compact(source: str) -> str:
     return "\n" + "\n".join(line for line in lines if line) + "\n"  # MLX pastes it between lines
 
 
-CUDA_HEADER, CUDA_PASS1, CUDA_PASS2 = map(_compact, (CUDA_HEADER, CUDA_PASS1, CUDA_PASS2))
+CUDA_HEADER, CUDA_PASS1, CUDA_MMA, CUDA_PASS2 = map(_compact, (CUDA_HEADER, CUDA_PASS1, CUDA_MMA, CUDA_PASS2))
 METAL_HEADER, METAL_PASS1, METAL_PASS2 = map(_compact, (METAL_HEADER, METAL_PASS1, METAL_PASS2))
 
 PASS1_INPUTS = ["q", "k", "v", "kv_start", "flags", "scale", "counters"]
 PASS1_OUTPUTS = ["o_part", "m_part", "l_part"]
 PASS2_INPUTS = ["o_part", "m_part", "l_part"]
 # True (CUDA only): the last block of each (batch, KV head, row group) does pass 2, one launch
-# per call. Off by default: measured on an H200 (docs/gpu-attention.md), the serial tail made a
-# Qwen3-4B verify pass 14.9 ms against 9.8 ms with pass 2 as its own kernel.
+# per call. Off by default for the CUDA-core kernel: measured on an H200 (docs/gpu-attention.md),
+# its serial tail made a Qwen3-4B verify pass 14.9 ms against 9.8 ms with pass 2 as its own kernel.
 FUSE_REDUCTION = False
+# The tensor-core pass 1 (CUDA, bf16 / fp16; PASS1_MMA_BODY): used when True. Its blocks hold
+# 16 rows, so each reduction tail is short; MMA_FUSED makes the whole call one launch.
+USE_MMA = True
+MMA_FUSED = True
+MMA_WARPS = 8
+MMA_TILES_PER_WARP = 8  # per chunk, at least
+MMA_TARGET_BLOCKS = 132  # one 8-warp block per SM of an H100 / H200
+MMA_MAX_SPLITS = 64
 
 
 @dataclass(frozen=True)
@@ -693,6 +1109,39 @@ def kernel_config(backend: str, head_dim: int) -> KernelConfig:
     return KernelConfig(2, wr, dg, k_tile_dims=dk, v_in_smem=False, head_dim=head_dim)
 
 
+@dataclass(frozen=True)
+class MmaConfig:
+    """Compile-time shape of the tensor-core pass 1: NW warps over one block's 16 rows, each with
+    its own ring of STAGES tiles of KT keys (q rows and the rings in shared memory)."""
+
+    warps: int
+    tile_keys: int  # KT: 16 or 32
+    stages: int  # 2..4: STAGES - 1 tiles are copied while one is computed
+    head_dim: int
+    fused: bool
+
+    rows = 16
+
+    @property
+    def smem_bytes(self) -> int:
+        D, NW = self.head_dim, self.warps
+        tiles = 2 * (16 * (D + 8) + NW * self.stages * 2 * self.tile_keys * (D + 8))  # T is 2 bytes
+        combine = 4 * (NW * 16 * 2 + NW * 16 * (D + 4))  # m, l, O of every warp (fp32)
+        return max(tiles, combine)
+
+    def template(self):
+        return [("D", self.head_dim), ("NW", self.warps), ("KT", self.tile_keys), ("STAGES", self.stages),
+                ("FUSED", self.fused)]
+
+
+def mma_config(head_dim: int, warps: int = 0, fused: Optional[bool] = None, tile_keys: int = 16,
+               stages: int = 2) -> MmaConfig:
+    """Defaults: MMA_WARPS warps, 16-key tiles, 2 stages (D=128: 139 KB with 8 warps); at D=256
+    4 warps (the same bytes)."""
+    warps = warps or (MMA_WARPS if head_dim <= 128 else MMA_WARPS // 2)
+    return MmaConfig(warps, tile_keys, stages, head_dim, MMA_FUSED if fused is None else fused)
+
+
 def gpu_backend() -> Optional[str]:
     """"cuda" or "metal" when that backend is present and the default device is the GPU."""
     if mx.default_device() != mx.gpu:
@@ -715,17 +1164,28 @@ def _backend() -> Optional[str]:
     return _backend_cache[device]
 
 
-_kernels: Dict[Tuple[str, str, KernelConfig], object] = {}
+_kernels: Dict[tuple, object] = {}
 _consts: Dict[tuple, mx.array] = {}
 
 
-def _kernel(backend: str, which: str, cfg: KernelConfig):
+def _kernel(backend: str, which: str, cfg):
     """Build (once per backend, pass and config) the kernel object; dtype is a template arg.
-    ``which``: "pass1", "pass2" or "fused" (pass 1 whose last blocks also do pass 2; CUDA)."""
+    ``which``: "pass1", "pass2", "fused" (pass 1 whose last blocks also do pass 2; CUDA) or
+    "mma" (the tensor-core pass 1, fused or not by its template; CUDA)."""
     key = (backend, which, cfg if which != "pass2" else cfg.head_dim)
     if key not in _kernels:
         if backend == "cuda":
-            if which in ("pass1", "fused"):
+            if which == "mma":
+                _kernels[key] = mx.fast.cuda_kernel(
+                    name="dflash_block_attn_mma",
+                    input_names=PASS1_INPUTS,
+                    output_names=PASS1_OUTPUTS + ["out"],
+                    source=CUDA_MMA,
+                    header=CUDA_HEADER,
+                    ensure_row_contiguous=False,
+                    shared_memory=cfg.smem_bytes,
+                )
+            elif which in ("pass1", "fused"):
                 fused = which == "fused"
                 _kernels[key] = mx.fast.cuda_kernel(
                     name=f"dflash_block_attn_{which}",
@@ -772,12 +1232,13 @@ def _const(key: tuple, make) -> mx.array:
     return _consts[key]
 
 
-def split_count(Lq: int, Lk: int, H: int, Hk: int, B: int, rows: int, window: Optional[int]) -> int:
-    """Key chunks for pass 1: enough blocks to fill the GPU, at least two tiles per chunk
-    (the rule block_attention_kernel applies inline)."""
+def split_count(Lq: int, Lk: int, H: int, Hk: int, B: int, rows: int, window: Optional[int],
+                min_keys: int = 2 * TILE, max_splits: int = 1 << 30) -> int:
+    """Key chunks for pass 1: enough blocks to fill the GPU, at least ``min_keys`` keys per chunk
+    (two 32-key tiles for the CUDA-core kernel; two tiles per warp for the tensor-core one)."""
     keys = min(Lk, Lq + window - 1) if window else Lk
     groups = -(-((H // Hk) * Lq) // rows)
-    return max(1, min(TARGET_BLOCKS // (B * Hk * groups), (keys + 2 * TILE - 1) // (2 * TILE)))
+    return max(1, min(TARGET_BLOCKS // (B * Hk * groups), (keys + min_keys - 1) // min_keys, max_splits))
 
 
 @dataclass
@@ -786,9 +1247,12 @@ class _Plan:
     (the per-layer call is on the critical path of a CPU-bound forward pass)."""
 
     pass1: object
-    pass2: Optional[object]  # None when pass 1 is fused with the reduction
+    pass2: Optional[object]  # None when every call is one launch (fused reduction)
+    mma: bool  # the tensor-core pass 1 (four outputs; with one chunk it writes the output itself)
     counters: mx.array  # fused: one ticket counter per (batch, KV head, row group), kept at 0
     max_splits: int  # fused: the reduction's weights must fit in shared memory
+    min_keys: int  # keys per chunk, at least
+    target_blocks: int  # pass-1 blocks to aim for
     template1: list
     template2: list
     flags: mx.array
@@ -807,19 +1271,36 @@ _plans: Dict[tuple, _Plan] = {}
 
 def _plan(backend, q, Hk, scale, causal, window, config) -> _Plan:
     B, H, Lq, D = q.shape
-    cfg = config or kernel_config(backend, D)
-    template1 = [("T", q.dtype)] + cfg.template()
-    if backend == "metal":
-        template1.append(("SMEM_FLOATS", cfg.smem_floats))
-    groups = -(-((H // Hk) * Lq) // cfg.rows)
-    fused = backend == "cuda" and FUSE_REDUCTION
+    mma = isinstance(config, MmaConfig) or (
+        config is None and backend == "cuda" and USE_MMA and q.dtype in (mx.bfloat16, mx.float16)
+    )
+    if mma:
+        cfg = config or mma_config(D)
+        template1 = [("T", q.dtype)] + cfg.template()
+        fused, rows, min_keys = cfg.fused, cfg.rows, MMA_TILES_PER_WARP * cfg.warps * cfg.tile_keys
+        target_blocks = MMA_TARGET_BLOCKS
+        max_splits = min(MMA_MAX_SPLITS, cfg.smem_bytes // (4 * rows) - 1)
+        pass1 = _kernel(backend, "mma", cfg)
+    else:
+        cfg = config or kernel_config(backend, D)
+        template1 = [("T", q.dtype)] + cfg.template()
+        if backend == "metal":
+            template1.append(("SMEM_FLOATS", cfg.smem_floats))
+        fused, rows, min_keys = backend == "cuda" and FUSE_REDUCTION, cfg.rows, 2 * TILE
+        target_blocks = TARGET_BLOCKS
+        max_splits = cfg.smem_floats // cfg.rows - 2 if fused else 1 << 30
+        pass1 = _kernel(backend, "fused" if fused else "pass1", cfg)
+    groups = -(-((H // Hk) * Lq) // rows)
     counters = mx.zeros((B * Hk * groups,), dtype=mx.int32)
     mx.eval(counters)  # a real buffer now: the fused kernel updates it in place
     return _Plan(
-        pass1=_kernel(backend, "fused" if fused else "pass1", cfg),
+        pass1=pass1,
         pass2=None if fused else _kernel(backend, "pass2", cfg),
+        mma=mma,
         counters=counters,
-        max_splits=cfg.smem_floats // cfg.rows - 2 if fused else 1 << 30,
+        max_splits=max_splits,
+        min_keys=min_keys,
+        target_blocks=target_blocks,
         template1=template1,
         template2=[("T", q.dtype), ("D", D)],
         flags=_const(("flags", bool(causal), int(window or 0)), lambda: mx.array([int(causal), int(window or 0)], dtype=mx.int32)),
@@ -844,46 +1325,48 @@ def block_attention_kernel(
     window: Optional[int] = None,
     kv_start: Optional[mx.array] = None,
     backend: Optional[str] = None,
-    config: Optional[KernelConfig] = None,
+    config=None,
     splits: Optional[int] = None,
     checked: bool = False,
 ) -> mx.array:
     """The two-pass block attention as GPU kernels (CUDA or Metal). k and v may be strided views
     (e.g. the live slice of a KV cache buffer): they are read in place, not copied.
-    ``config`` and ``splits`` override the tuned defaults (for benchmarks); ``checked`` skips
-    the argument checks (the caller ran ``unsupported``)."""
+    ``config`` (a KernelConfig or MmaConfig) and ``splits`` override the tuned defaults (for
+    benchmarks); ``checked`` skips the argument checks (the caller ran ``unsupported``)."""
     backend = backend or _backend()
     if backend is None:
         raise RuntimeError("block_attention_kernel needs the CUDA or Metal backend as the default device")
     if not checked:
         check_supported(q, k, v)
     Hk, Lk = k.shape[1], k.shape[2]
-    key = (backend, q.dtype, q.shape, Hk, scale, causal, window, config, FUSE_REDUCTION)
+    key = (backend, q.dtype, q.shape, Hk, scale, causal, window, config, FUSE_REDUCTION, USE_MMA, MMA_FUSED)
     plan = _plans.get(key)
     if plan is None:
         plan = _plans[key] = _plan(backend, q, Hk, scale, causal, window, config)
     B, H, Lq, D = plan.shape
     if not splits:
-        # chunks of keys: enough blocks to fill the GPU, at least two 32-key tiles per chunk
+        # chunks of keys: enough blocks to fill the GPU, at least plan.min_keys keys per chunk
         keys = min(Lk, plan.key_skip) if plan.key_skip else Lk
-        splits = max(1, min(TARGET_BLOCKS // plan.blocks_per_split, (keys + 2 * TILE - 1) // (2 * TILE)))
+        splits = max(1, min(plan.target_blocks // plan.blocks_per_split, (keys + plan.min_keys - 1) // plan.min_keys))
     splits = min(splits, plan.max_splits)
     if kv_start is None:
         kv_start = plan.zeros
     elif kv_start.dtype != mx.int32:
         kv_start = kv_start.astype(mx.int32)
     parts = [(B, H, Lq, splits, D), (B, H, Lq, splits), (B, H, Lq, splits)]
+    one_launch = plan.pass2 is None or (plan.mma and splits == 1)
+    with_out = plan.mma or plan.pass2 is None
     outs = plan.pass1(
         inputs=[q, k, v, kv_start, plan.flags, plan.qscale, plan.counters],
-        output_shapes=parts + ([(B, H, Lq, D)] if plan.pass2 is None else []),
-        output_dtypes=[mx.float32] * 3 + ([plan.dtype] if plan.pass2 is None else []),
+        output_shapes=parts + ([(B, H, Lq, D)] if with_out else []),
+        output_dtypes=[mx.float32] * 3 + ([plan.dtype] if with_out else []),
         grid=(splits * plan.threads, plan.grid_yz[0], plan.grid_yz[1]),
         threadgroup=(plan.threads, 1, 1),
         template=plan.template1,
     )
-    if plan.pass2 is None:
+    if one_launch:
         return outs[3]
-    o_part, m_part, l_part = outs
+    o_part, m_part, l_part = outs[:3]
     return plan.pass2(
         inputs=[o_part, m_part, l_part],
         output_shapes=[(B, H, Lq, D)],
@@ -935,10 +1418,11 @@ def block_attention(
     return block_attention_reference(q, k, v, scale=scale, causal=causal, window=window, kv_start=kv_start)
 
 
-def kernel_sources(backend: str) -> Tuple[str, str, str]:
-    """(header, pass-1 body, pass-2 body) for a backend: for inspection and offline compile checks."""
+def kernel_sources(backend: str) -> Tuple[str, ...]:
+    """(header, pass-1 body, pass-2 body[, tensor-core pass 1]) for a backend: for inspection and
+    offline compile checks."""
     if backend == "cuda":
-        return CUDA_HEADER, CUDA_PASS1, CUDA_PASS2
+        return CUDA_HEADER, CUDA_PASS1, CUDA_PASS2, CUDA_MMA
     return METAL_HEADER, METAL_PASS1, METAL_PASS2
 
 
@@ -949,6 +1433,7 @@ __all__ = [
     "gpu_backend",
     "kernel_config",
     "kernel_sources",
+    "mma_config",
     "split_count",
     "unsupported",
     "visible_keys",

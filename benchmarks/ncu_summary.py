@@ -1,0 +1,30 @@
+"""Summarise Nsight Compute's CSV (``ncu --csv --page details``): a few metrics per kernel launch.
+
+    python benchmarks/ncu_summary.py ncu.csv
+"""
+
+import collections
+import csv
+import sys
+
+WANT = ["Duration", "SM Frequency", "Achieved Occupancy", "Theoretical Occupancy", "Registers Per Thread",
+        "Compute (SM) Throughput", "DRAM Throughput", "L2 Hit Rate", "Dynamic Shared Memory Per Block",
+        "Warp Cycles Per Issued Instruction", "Waves Per SM"]
+
+
+def main(path):
+    rows = list(csv.reader(line for line in open(path) if line.startswith('"')))
+    idx = {h: j for j, h in enumerate(rows[0])}
+    per = collections.OrderedDict()
+    for r in rows[1:]:
+        r = r + [""] * (len(idx) - len(r))
+        key = (r[idx["ID"]], r[idx["Kernel Name"]].split("(")[0].replace("custom_kernel_dflash_block_attn_", ""),
+               r[idx["Grid Size"]], r[idx["Block Size"]])
+        if r[idx["Metric Name"]]:
+            per.setdefault(key, {})[r[idx["Metric Name"]]] = f"{r[idx['Metric Value']]} {r[idx['Metric Unit']]}".strip()
+    for key, m in per.items():
+        print(*key, "|", "; ".join(f"{w}: {m[w]}" for w in WANT if w in m))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
