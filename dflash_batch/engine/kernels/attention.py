@@ -1046,8 +1046,9 @@ METAL_PASS2 = (
 )
 
 def _compact(source: str) -> str:
-    """Drop comments and indentation: MLX rebuilds and hashes the source on every call."""
-    lines = (line.split("//")[0].strip() for line in source.splitlines())
+    """Drop comments, indentation and runs of blanks: MLX rebuilds and hashes the source on
+    every call."""
+    lines = (" ".join(line.split("//")[0].split()) for line in source.splitlines())
     return "\n" + "\n".join(line for line in lines if line) + "\n"  # MLX pastes it between lines
 
 
