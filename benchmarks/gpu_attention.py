@@ -210,10 +210,11 @@ def variant(name):
         ka.USE_MMA, ka.MMA_FUSED, ka.FUSE_REDUCTION = saved
 
 
-def section_verify(model, context, rounds=5):
+def section_verify(model, context, pairs=60):
     """AR decode steps and 16-token verify passes, the cache growing by one per step or pass,
-    in interleaved rounds (AR, then each variant, order rotated): per-round medians, and the
-    median over rounds of each round's verify / AR ratio."""
+    measured in alternation: each repetition times one AR step, then one verify pass per kernel
+    variant (order rotated), so that drift of the machine hits all alike. Reported: the median
+    over repetitions of each verify / AR ratio (with quartiles), and the median times."""
     from mlx_lm.models.cache import make_prompt_cache
 
     cache = make_prompt_cache(model)
@@ -221,42 +222,36 @@ def section_verify(model, context, rounds=5):
     x1 = mx.array([[5]])
     x16 = mx.random.randint(0, 1000, (1, 16))
 
-    def ar_block(n=12):
-        ts = [timed(lambda: model(x1, cache=cache)) for _ in range(n)]  # grows by one each step
+    def verify_pass():
+        t = timed(lambda: model(x16, cache=cache))
         for c in cache:
-            c.trim(n)
-        return statistics.median(ts[2:])
-
-    def verify_block(n=12):
-        ts = []
-        for _ in range(n):
-            ts.append(timed(lambda: model(x16, cache=cache)))
-            for c in cache:
-                c.trim(15)  # keep one row: the cache grows by one per pass, like a cycle
-        for c in cache:
-            c.trim(n)
-        return statistics.median(ts[2:])
+            c.trim(15)  # keep one row: the cache grows by one per pass, like a cycle
+        return t
 
     names = [n for n in VARIANTS if n != "stock"]
     for name in names:  # warm-up: compile every kernel
         with variant(name):
-            verify_block(3)
-    ar_block(3)
+            for _ in range(3):
+                verify_pass()
+    for _ in range(3):
+        timed(lambda: model(x1, cache=cache))
     runs = {name: [] for name in ["ar"] + names}
-    for r in range(rounds):
-        runs["ar"].append(ar_block())
+    for r in range(pairs):
+        runs["ar"].append(timed(lambda: model(x1, cache=cache)))
         for name in names[r % len(names):] + names[: r % len(names)]:
             with variant(name):
-                runs[name].append(verify_block())
-    out = {"context": context, "rounds": rounds, "ms_per_round": {k: [round(x, 3) for x in v] for k, v in runs.items()}}
-    out["ar_step_ms_median"] = round(statistics.median(runs["ar"]), 3)
+                runs[name].append(verify_pass())
+
+    def quartiles(xs):
+        q = statistics.quantiles(xs, n=4)
+        return {"median": round(statistics.median(xs), 3), "q1": round(q[0], 3), "q3": round(q[2], 3)}
+
+    out = {"context": context, "pairs": pairs, "ar_step_ms": quartiles(runs["ar"])}
     for name in names:
-        out[f"verify16_ms_median_{name}"] = round(statistics.median(runs[name]), 3)
-        ratios = [v / a for v, a in zip(runs[name], runs["ar"])]
-        out[f"verify_over_ar_{name}"] = {"median": round(statistics.median(ratios), 3),
-                                         "min": round(min(ratios), 3), "max": round(max(ratios), 3)}
+        out[f"verify16_ms_{name}"] = quartiles(runs[name])
+        out[f"verify_over_ar_{name}"] = quartiles([v / a for v, a in zip(runs[name], runs["ar"])])
     with variant("stock"):  # stock SDPA: a new key length every pass costs tens of ms
-        out["verify16_ms_stock_growing"] = round(verify_block(6), 3)
+        out["verify16_ms_stock_growing"] = round(statistics.median(verify_pass() for _ in range(6)), 3)
     print(json.dumps(out), flush=True)
     return out
 
