@@ -195,25 +195,6 @@ static int emu_atomic_add(const int32_t* base, int i, int x) {  // thread 0 only
 #define ATOMIC_ADD(base, i, x) emu_atomic_add((base), (i), (x))
 #define ATOMIC_STORE(base, i, x) (const_cast<int32_t*>(base)[i] = (x))
 #define OUT_CAST(x) (x)
-"""
-
-EMU_MAIN = r"""
-using T = float;
-template <int D, int DK, int WR, int DG, int NW, bool V_SMEM>
-void pass1(Ctx* ctx, int tid, int split, int n_splits, int bh, int rg, float* smem,
-           const T* q, Shape q_shape, Strides q_strides, const T* k, Shape k_shape, Strides k_strides,
-           const T* v, Strides v_strides, const int32_t* kv_start, const int32_t* flags, const float* scale,
-           const int32_t* counters, float* o_part, float* m_part, float* l_part, T* out, int GROUPS_Z) {
-  const int lane = tid & 31;
-  const int warp = tid >> 5;
-  PASS1
-}
-
-template <int D>
-void pass2(int row, int d, const float* o_part, Shape m_part_shape, const float* m_part, const float* l_part, T* out) {
-  PASS2
-}
-
 template <typename X> std::vector<X> load(const char* path, size_t n) {
   std::vector<X> x(n);
   FILE* f = fopen(path, "rb");
@@ -221,13 +202,37 @@ template <typename X> std::vector<X> load(const char* path, size_t n) {
   fclose(f);
   return x;
 }
+"""
 
-template <int D, int DK, int WR, int DG, int NW, bool V_SMEM, int SMEM>
-int run(const char* dir, int B, int H, int Hk, int Lq, int Lk, int cap, int splits, int groups) {
+# pass1 (its template line comes first; T is the input type) and pass2, as the GPU runs them per
+# thread, with the block's shared memory and the warp barriers in ctx; out is fp32 here
+EMU_KERNELS = r"""
+void pass1(Ctx* ctx, int tid, int split, int n_splits, int bh, int rg, float* smem,
+           const T* q, Shape q_shape, Strides q_strides, const T* k, Shape k_shape, Strides k_strides,
+           const T* v, Strides v_strides, const int32_t* kv_start, const int32_t* flags, const float* scale,
+           const int32_t* counters, float* o_part, float* m_part, float* l_part, float* out, int GROUPS_Z) {
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  PASS1
+}
+
+template <int D>
+void pass2(int row, int d, const float* o_part, Shape m_part_shape, const float* m_part, const float* l_part, float* out) {
+  PASS2
+}
+"""
+
+# Every emulator's driver and entry point (after its pass1 / pass2): argv = folder, configuration
+# index, B, H, Hk, Lq, Lk, cap, splits, groups
+EMU_ENTRY = r"""
+// Runs pass 1 block by block (one OS thread per GPU thread), then pass 2 where asked; writes out.bin.
+template <typename Elem, int D, int NW, int SMEM_BYTES, typename Pass1>
+int run_blocks(const char* dir, int B, int H, int Hk, int Lq, int Lk, int cap, int splits, int groups,
+               bool pass2_after, Pass1 pass1_fn) {
   std::string d(dir);
-  auto q = load<float>((d + "/q.bin").c_str(), (size_t)B * H * Lq * D);
-  auto kb = load<float>((d + "/k.bin").c_str(), (size_t)B * Hk * cap * D);
-  auto vb = load<float>((d + "/v.bin").c_str(), (size_t)B * Hk * cap * D);
+  auto q = load<Elem>((d + "/q.bin").c_str(), (size_t)B * H * Lq * D);
+  auto kb = load<Elem>((d + "/k.bin").c_str(), (size_t)B * Hk * cap * D);
+  auto vb = load<Elem>((d + "/v.bin").c_str(), (size_t)B * Hk * cap * D);
   auto kv_start = load<int32_t>((d + "/kv_start.bin").c_str(), B);
   auto flags = load<int32_t>((d + "/flags.bin").c_str(), 2);
   auto scale = load<float>((d + "/scale.bin").c_str(), 1);
@@ -242,10 +247,9 @@ int run(const char* dir, int B, int H, int Hk, int Lq, int Lk, int cap, int spli
   for (int split = 0; split < splits; ++split)
     for (int bh = 0; bh < B * Hk; ++bh)
       for (int rg = 0; rg < groups; ++rg) {
-        std::vector<float4> smem4(SMEM / 4);
+        std::vector<float4> smem4(SMEM_BYTES / 16, float4{NAN, NAN, NAN, NAN});  // NaN: reads before writes show
         Ctx ctx;
         std::barrier<> block(NT);
-        std::vector<std::barrier<>> warps;
         ctx.block = &block;
         std::vector<std::barrier<>*> wp;
         for (int w = 0; w < NW; ++w) wp.push_back(new std::barrier<>(32));
@@ -253,10 +257,9 @@ int run(const char* dir, int B, int H, int Hk, int Lq, int Lk, int cap, int spli
         std::vector<std::thread> th;
         for (int tid = 0; tid < NT; ++tid)
           th.emplace_back([&, tid] {
-            pass1<D, DK, WR, DG, NW, V_SMEM>(&ctx, tid, split, splits, bh, rg, reinterpret_cast<float*>(smem4.data()),
-                                         q.data(), qs, qst, kb.data(), ks, kst, vb.data(), kst, kv_start.data(),
-                                         flags.data(), scale.data(), counters.data(), o_part.data(),
-                                         m_part.data(), l_part.data(), out.data(), groups);
+            pass1_fn(&ctx, tid, split, splits, bh, rg, reinterpret_cast<float*>(smem4.data()), q.data(), qs, qst,
+                     kb.data(), ks, kst, vb.data(), kst, kv_start.data(), flags.data(), scale.data(),
+                     counters.data(), o_part.data(), m_part.data(), l_part.data(), out.data(), groups);
           });
         for (auto& t : th) t.join();
         for (auto* w : wp) delete w;
@@ -264,7 +267,7 @@ int run(const char* dir, int B, int H, int Hk, int Lq, int Lk, int cap, int spli
   for (int c : counters)
     if (c != 0) { fprintf(stderr, "a ticket counter was left at %d\n", c); return 4; }
   Shape ms{B, H, Lq, splits};
-  if (!DFLASH_FUSED)
+  if (pass2_after)
     for (size_t row = 0; row < rows; ++row)
       for (int dd = 0; dd < D; ++dd) pass2<D>((int)row, dd, o_part.data(), ms, m_part.data(), l_part.data(), out.data());
   FILE* f = fopen((d + "/out.bin").c_str(), "wb");
@@ -284,6 +287,14 @@ int main(int argc, char** argv) {
 }
 """
 
+EMU_MAIN = r"""
+using T = float;
+template <int D, int DK, int WR, int DG, int NW, bool V_SMEM>
+KERNELS
+
+
+"""
+
 # (backend, head dim) configurations the emulator is built for
 EMU_CONFIGS = [("cuda", 64), ("cuda", 128), ("cuda", 256), ("metal", 64), ("metal", 128), ("metal", 256)]
 
@@ -298,11 +309,12 @@ def emulator(tmp_path_factory):
     for n, (backend, D) in enumerate(EMU_CONFIGS):
         c = ka.kernel_config(backend, D)
         v = "true" if c.v_in_smem else "false"
-        args = f"{D}, {c.k_tile_dims}, {c.rows_per_warp}, {c.dim_groups}, {c.warps}, {v}, {c.smem_floats}"
-        cases.append(f"case {n}: return run<{args}>(dir, B, H, Hk, Lq, Lk, cap, splits, groups);")
+        kernel = f"pass1<{D}, {c.k_tile_dims}, {c.rows_per_warp}, {c.dim_groups}, {c.warps}, {v}>"
+        cases.append(f"case {n}: return run_blocks<float, {D}, {c.warps}, {c.smem_floats * 4}>"
+                     f"(dir, B, H, Hk, Lq, Lk, cap, splits, groups, !DFLASH_FUSED, {kernel});")
     body1 = ka.PASS1_BODY
     body2 = ka.PASS2_BODY
-    src = EMU_HEADER + EMU_MAIN.replace("PASS1", body1).replace("PASS2", body2).replace("CASES", "\n    ".join(cases))
+    src = EMU_HEADER + (EMU_MAIN.replace("KERNELS", EMU_KERNELS) + EMU_ENTRY).replace("PASS1", body1).replace("PASS2", body2).replace("CASES", "\n    ".join(cases))
     exes = {}
     for fused in (0, 1):  # pass 2 as its own kernel (Metal), or done by the last block (CUDA)
         (folder / f"emu{fused}.cpp").write_text(f"#define DFLASH_FUSED {fused}\n" + src)
@@ -441,87 +453,9 @@ static uint32_t ld32(const void* p) { uint32_t u; std::memcpy(&u, p, 4); return 
 #define ROUND_T(x) ((float)bf16(x))
 
 template <int D, int NW, int KT, int STAGES, bool FUSED>
-void pass1(Ctx* ctx, int tid, int split, int n_splits, int bh, int rg, float* smem,
-           const T* q, Shape q_shape, Strides q_strides, const T* k, Shape k_shape, Strides k_strides,
-           const T* v, Strides v_strides, const int32_t* kv_start, const int32_t* flags, const float* scale,
-           const int32_t* counters, float* o_part, float* m_part, float* l_part, float* out, int GROUPS_Z) {
-  const int lane = tid & 31;
-  const int warp = tid >> 5;
-  PASS1
-}
+KERNELS
 
-template <int D>
-void pass2(int row, int d, const float* o_part, Shape m_part_shape, const float* m_part, const float* l_part, float* out) {
-  PASS2
-}
 
-template <typename X> std::vector<X> load(const char* path, size_t n) {
-  std::vector<X> x(n);
-  FILE* f = fopen(path, "rb");
-  if (fread(x.data(), sizeof(X), n, f) != n) { fprintf(stderr, "short read %s\n", path); std::exit(2); }
-  fclose(f);
-  return x;
-}
-
-template <int D, int NW, int KT, int STAGES, bool FUSED, int SMEM_BYTES>
-int run(const char* dir, int B, int H, int Hk, int Lq, int Lk, int cap, int splits, int groups) {
-  std::string d(dir);
-  auto q = load<bf16>((d + "/q.bin").c_str(), (size_t)B * H * Lq * D);
-  auto kb = load<bf16>((d + "/k.bin").c_str(), (size_t)B * Hk * cap * D);
-  auto vb = load<bf16>((d + "/v.bin").c_str(), (size_t)B * Hk * cap * D);
-  auto kv_start = load<int32_t>((d + "/kv_start.bin").c_str(), B);
-  auto flags = load<int32_t>((d + "/flags.bin").c_str(), 2);
-  auto scale = load<float>((d + "/scale.bin").c_str(), 1);
-  Shape qs{B, H, Lq, D}, ks{B, Hk, Lk, D};
-  Strides qst{(int64_t)H * Lq * D, (int64_t)Lq * D, D, 1};
-  Strides kst{(int64_t)Hk * cap * D, (int64_t)cap * D, D, 1};
-  const size_t rows = (size_t)B * H * Lq;
-  std::vector<float> o_part(rows * splits * D, NAN), m_part(rows * splits, NAN), l_part(rows * splits, NAN);
-  std::vector<float> out(rows * D, NAN);
-  std::vector<int32_t> counters(B * Hk * groups, 0);
-  constexpr int NT = NW * 32;
-  for (int split = 0; split < splits; ++split)
-    for (int bh = 0; bh < B * Hk; ++bh)
-      for (int rg = 0; rg < groups; ++rg) {
-        std::vector<float4> smem4(SMEM_BYTES / 16, float4{NAN, NAN, NAN, NAN});
-        Ctx ctx;
-        std::barrier<> block(NT);
-        ctx.block = &block;
-        std::vector<std::barrier<>*> wp;
-        for (int w = 0; w < NW; ++w) wp.push_back(new std::barrier<>(32));
-        ctx.warps = wp;
-        std::vector<std::thread> th;
-        for (int tid = 0; tid < NT; ++tid)
-          th.emplace_back([&, tid] {
-            pass1<D, NW, KT, STAGES, FUSED>(&ctx, tid, split, splits, bh, rg, reinterpret_cast<float*>(smem4.data()),
-                                    q.data(), qs, qst, kb.data(), ks, kst, vb.data(), kst, kv_start.data(),
-                                    flags.data(), scale.data(), counters.data(), o_part.data(),
-                                    m_part.data(), l_part.data(), out.data(), groups);
-          });
-        for (auto& t : th) t.join();
-        for (auto* w : wp) delete w;
-      }
-  for (int c : counters)
-    if (c != 0) { fprintf(stderr, "a ticket counter was left at %d\n", c); return 4; }
-  Shape ms{B, H, Lq, splits};
-  if (!FUSED && splits > 1)
-    for (size_t row = 0; row < rows; ++row)
-      for (int dd = 0; dd < D; ++dd) pass2<D>((int)row, dd, o_part.data(), ms, m_part.data(), l_part.data(), out.data());
-  FILE* f = fopen((d + "/out.bin").c_str(), "wb");
-  fwrite(out.data(), sizeof(float), out.size(), f);
-  fclose(f);
-  return 0;
-}
-
-int main(int argc, char** argv) {
-  const char* dir = argv[1];
-  int cfg = atoi(argv[2]), B = atoi(argv[3]), H = atoi(argv[4]), Hk = atoi(argv[5]), Lq = atoi(argv[6]);
-  int Lk = atoi(argv[7]), cap = atoi(argv[8]), splits = atoi(argv[9]), groups = atoi(argv[10]);
-  switch (cfg) {
-    CASES
-  }
-  return 3;
-}
 """
 
 # (head dim, warps, fused, keys per tile, stages) configurations the tensor-core emulator is built for
@@ -539,8 +473,10 @@ def mma_emulator(tmp_path_factory):
     for n, (D, warps, fused, kt, stages) in enumerate(EMU_MMA_CONFIGS):
         c = ka.mma_config(D, warps, fused, kt, stages)
         f = "true" if fused else "false"
-        cases.append(f"case {n}: return run<{D}, {warps}, {kt}, {stages}, {f}, {c.smem_bytes}>(dir, B, H, Hk, Lq, Lk, cap, splits, groups);")
-    src = EMU_HEADER + EMU_MMA.replace("PASS1", ka.PASS1_MMA_BODY).replace("PASS2", ka.PASS2_BODY).replace("CASES", "\n    ".join(cases))
+        pass2_after = "false" if fused else "splits > 1"  # one chunk: the block writes the output itself
+        cases.append(f"case {n}: return run_blocks<bf16, {D}, {warps}, {c.smem_bytes}>(dir, B, H, Hk, Lq, Lk, cap, "
+                     f"splits, groups, {pass2_after}, pass1<{D}, {warps}, {kt}, {stages}, {f}>);")
+    src = EMU_HEADER + (EMU_MMA.replace("KERNELS", EMU_KERNELS) + EMU_ENTRY).replace("PASS1", ka.PASS1_MMA_BODY).replace("PASS2", ka.PASS2_BODY).replace("CASES", "\n    ".join(cases))
     (folder / "emu.cpp").write_text(src)
     exe = folder / "emu"
     cmd = [cxx, "-std=c++20", "-O1", "-fno-strict-aliasing", "-pthread", "-o", str(exe), str(folder / "emu.cpp")]

@@ -105,17 +105,8 @@ def block_attention_reference(
 # Kernels: one body for both backends
 # --------------------------------------------------------------------------------------------
 
-# Pass 1. Block (split, b * Hk + kv head, row group): NW warps of 32 lanes; warp w owns WR rows
-# (row r = g * Lq + i of this KV head's G * Lq rows), so one K/V tile serves every query head
-# that shares the KV head. Per tile of 32 keys, staged in shared memory as fp32:
-#   QK: lane = (key group kg = lane % 8, row group rg = lane / 8) computes a 4 x (WR / 4) block
-#       of scores, keys kg + 8c and rows rg + 4i:  s = sum_d q[row][d] k[key][d]
-#       (q pre-scaled by scale * log2 e; register tiling keeps shared-memory traffic per FMA low)
-#   online softmax per row: m' = max(m, max over the 8 lanes of a row group),
-#       alpha = 2^(m - m'), p = 2^(s - m'); l keeps per-lane partial sums until the end
-#   PV: lane = (dim group dg = lane % DG, row group pg = lane / DG) owns PR rows x D / DG dims:
-#       o[row][d] = alpha[row] o[row][d] + sum_key p[row][key] v[key][d]   (p, alpha via smem)
-PASS1_BODY = r"""
+# Text shared by both pass-1 bodies. SETUP: shapes, this block's batch row and KV head, masks.
+SETUP = r"""
     const int H = q_shape[1];
     const int Lq = q_shape[2];
     const int Hk = k_shape[1];
@@ -129,6 +120,113 @@ PASS1_BODY = r"""
     const float qscale = scale[0];
     const int first_key = kv_start[b];
     const int q_pos0 = Lk - Lq;
+"""
+
+# KEY_RANGE (after TK, keys per tile, and VEC): the block's tiles [t_begin, t_end) of its chunk
+# (keys before key_begin are outside every row's window: no tile reads them); K / V bases; whether
+# 16-byte loads are safe for K / V and for q.
+KEY_RANGE = r"""
+    int key_begin = 0;
+    if (window > 0) {
+        key_begin = IMAX(0, q_pos0 - window + 1);
+    }
+    key_begin = IMAX(key_begin, first_key);
+    const int tiles = IMAX(0, (Lk - key_begin + TK - 1) / TK);
+    const int tps = (tiles + n_splits - 1) / n_splits;
+    const int t_begin = split * tps;
+    const int t_end = IMIN(t_begin + tps, tiles);
+    const I64 kb = (I64)b * k_strides[0] + (I64)kvh * k_strides[1];
+    const I64 vb = (I64)b * v_strides[0] + (I64)kvh * v_strides[1];
+    const bool vec_ok = k_strides[3] == 1 && v_strides[3] == 1 && ALIGNED16(k) && ALIGNED16(v) &&
+                        k_strides[0] % VEC == 0 && k_strides[1] % VEC == 0 && k_strides[2] % VEC == 0 &&
+                        v_strides[0] % VEC == 0 && v_strides[1] % VEC == 0 && v_strides[2] % VEC == 0;
+    const bool q_vec = q_strides[3] == 1 && ALIGNED16(q) && q_strides[0] % VEC == 0 &&
+                       q_strides[1] % VEC == 0 && q_strides[2] % VEC == 0;
+"""
+
+# The fused reduction (CUDA): the last block of this (batch, KV head, row group) to finish (a
+# ticket from a counter, fenced, that it resets to 0) reduces the partials of every chunk for its
+# ROWS rows as pass 2 does, with 16-byte loads: M = max_c m_c, out = sum_c 2^(m_c - M) o_c / L.
+FUSED_TAIL = r"""
+    FENCE_DEVICE();
+    SYNC_BLOCK();
+    const int ticket_at = bh * GROUPS_Z + rg;
+    if (tid == 0) {
+        const int ticket = ATOMIC_ADD(counters, ticket_at, 1);
+        smem[0] = (ticket == n_splits - 1) ? 1.0f : 0.0f;
+    }
+    SYNC_BLOCK();
+    const bool last = smem[0] != 0.0f;
+    SYNC_BLOCK();
+    if (last) {
+        FENCE_DEVICE();
+        SPTR w_s = smem;                      // [ROWS][n_splits]: 2^(m_c - M)
+        SPTR inv_s = smem + ROWS * n_splits;  // [ROWS]: 1 / sum_c 2^(m_c - M) l_c (0: no key)
+        for (int rl = tid; rl < ROWS; rl += NT) {
+            const int row = rg * ROWS + rl;
+            float inv = 0.0f;
+            if (row < R) {
+                const int gq = row / Lq;
+                const I64 base = (((I64)b * H + kvh * G + gq) * Lq + (row - gq * Lq)) * n_splits;
+                float M = NEG_INF;
+                for (int c = 0; c < n_splits; ++c) {
+                    M = FMAX(M, LOAD_CG(m_part + base + c));
+                }
+                float L = 0.0f;
+                for (int c = 0; c < n_splits; ++c) {
+                    const float mc = LOAD_CG(m_part + base + c);
+                    const float wt = (M == NEG_INF || mc == NEG_INF) ? 0.0f : EXP2(mc - M);
+                    w_s[rl * n_splits + c] = wt;
+                    L += LOAD_CG(l_part + base + c) * wt;
+                }
+                inv = L > 0.0f ? 1.0f / L : 0.0f;
+            }
+            inv_s[rl] = inv;
+        }
+        SYNC_BLOCK();
+        for (int idx = tid; idx < ROWS * (D / 4); idx += NT) {
+            const int rl = idx / (D / 4);
+            const int d = (idx - rl * (D / 4)) * 4;
+            const int row = rg * ROWS + rl;
+            if (row < R) {
+                const int gq = row / Lq;
+                const I64 orow = ((I64)b * H + kvh * G + gq) * Lq + (row - gq * Lq);
+                float4 acc = {0.0f, 0.0f, 0.0f, 0.0f};
+                UNROLL4
+                for (int c = 0; c < n_splits; ++c) {
+                    const float4 x = LOAD_CG4(o_part + (orow * n_splits + c) * D + d);
+                    const float wt = w_s[rl * n_splits + c];
+                    acc.x += wt * x.x;
+                    acc.y += wt * x.y;
+                    acc.z += wt * x.z;
+                    acc.w += wt * x.w;
+                }
+                const float inv = inv_s[rl];
+                out[orow * D + d] = OUT_CAST(acc.x * inv);
+                out[orow * D + d + 1] = OUT_CAST(acc.y * inv);
+                out[orow * D + d + 2] = OUT_CAST(acc.z * inv);
+                out[orow * D + d + 3] = OUT_CAST(acc.w * inv);
+            }
+        }
+        if (tid == 0) {
+            ATOMIC_STORE(counters, ticket_at, 0);
+        }
+    }
+"""
+
+# Pass 1. Block (split, b * Hk + kv head, row group): NW warps of 32 lanes; warp w owns WR rows
+# (row r = g * Lq + i of this KV head's G * Lq rows), so one K/V tile serves every query head
+# that shares the KV head. Per tile of 32 keys, staged in shared memory as fp32:
+#   QK: lane = (key group kg = lane % 8, row group rg = lane / 8) computes a 4 x (WR / 4) block
+#       of scores, keys kg + 8c and rows rg + 4i:  s = sum_d q[row][d] k[key][d]
+#       (q pre-scaled by scale * log2 e; register tiling keeps shared-memory traffic per FMA low)
+#   online softmax per row: m' = max(m, max over the 8 lanes of a row group),
+#       alpha = 2^(m - m'), p = 2^(s - m'); l keeps per-lane partial sums until the end
+#   PV: lane = (dim group dg = lane % DG, row group pg = lane / DG) owns PR rows x D / DG dims:
+#       o[row][d] = alpha[row] o[row][d] + sum_key p[row][key] v[key][d]   (p, alpha via smem)
+PASS1_BODY = (
+    SETUP
+    + r"""
 
     constexpr int NT = NW * 32;
     constexpr int ROWS = NW * WR;       // rows per block
@@ -146,25 +244,10 @@ PASS1_BODY = r"""
     SPTR p_s = q_s + ROWS * QSTRIDE;                  // [NW][32][PSTRIDE]: p[key][row]
     SPTR a_s = p_s + NW * 32 * PSTRIDE;               // [NW][WR]: alpha per row
 
-    // Keys before key_begin are outside every row's window: no tile reads them.
-    int key_begin = 0;
-    if (window > 0) {
-        key_begin = IMAX(0, q_pos0 - window + 1);
-    }
-    key_begin = IMAX(key_begin, first_key);
-    const int tiles = IMAX(0, (Lk - key_begin + 31) / 32);
-    const int tps = (tiles + n_splits - 1) / n_splits;
-    const int t_begin = split * tps;
-    const int t_end = IMIN(t_begin + tps, tiles);
-
-    const I64 kb = (I64)b * k_strides[0] + (I64)kvh * k_strides[1];
-    const I64 vb = (I64)b * v_strides[0] + (I64)kvh * v_strides[1];
-    const bool vec_ok = k_strides[3] == 1 && v_strides[3] == 1 && ALIGNED16(k) && ALIGNED16(v) &&
-                        k_strides[0] % VEC == 0 && k_strides[1] % VEC == 0 && k_strides[2] % VEC == 0 &&
-                        v_strides[0] % VEC == 0 && v_strides[1] % VEC == 0 && v_strides[2] % VEC == 0;
-
-    const bool q_vec = q_strides[3] == 1 && ALIGNED16(q) && q_strides[0] % VEC == 0 &&
-                       q_strides[1] % VEC == 0 && q_strides[2] % VEC == 0;
+    constexpr int TK = 32;              // keys per tile
+"""
+    + KEY_RANGE
+    + r"""
     if (q_vec) {
         UNROLL4
         for (int idx = tid; idx < ROWS * (D / VEC); idx += NT) {
@@ -421,67 +504,12 @@ PASS1_BODY = r"""
         }
     }
 #if DFLASH_FUSED
-    // Fused pass 2: the last block of this (batch, KV head, row group) to finish reduces the
-    // partials of every split (fence, then a ticket from a counter that it resets to 0).
-    FENCE_DEVICE();
-    SYNC_BLOCK();
-    const int ticket_at = bh * GROUPS_Z + rg;
-    if (tid == 0) {
-        const int ticket = ATOMIC_ADD(counters, ticket_at, 1);
-        smem[0] = (ticket == n_splits - 1) ? 1.0f : 0.0f;
-    }
-    SYNC_BLOCK();
-    const bool last = smem[0] != 0.0f;
-    SYNC_BLOCK();
-    if (last) {
-        FENCE_DEVICE();
-        SPTR w_s = smem;                        // [ROWS][n_splits]: 2^(m_c - M)
-        SPTR inv_s = smem + ROWS * n_splits;    // [ROWS]: 1 / sum_c 2^(m_c - M) l_c (0: no key)
-        for (int rl = tid; rl < ROWS; rl += NT) {
-            const int row = rg * ROWS + rl;
-            float inv = 0.0f;
-            if (row < R) {
-                const int g = row / Lq;
-                const int qi = row - g * Lq;
-                const I64 base = (((I64)b * H + kvh * G + g) * Lq + qi) * n_splits;
-                float M = NEG_INF;
-                for (int c = 0; c < n_splits; ++c) {
-                    M = FMAX(M, LOAD_CG(m_part + base + c));
-                }
-                float L = 0.0f;
-                for (int c = 0; c < n_splits; ++c) {
-                    const float mc = LOAD_CG(m_part + base + c);
-                    const float w = (M == NEG_INF || mc == NEG_INF) ? 0.0f : EXP2(mc - M);
-                    w_s[rl * n_splits + c] = w;
-                    L += LOAD_CG(l_part + base + c) * w;
-                }
-                inv = L > 0.0f ? 1.0f / L : 0.0f;
-            }
-            inv_s[rl] = inv;
-        }
-        SYNC_BLOCK();
-        for (int idx = tid; idx < ROWS * D; idx += NT) {
-            const int rl = idx / D;
-            const int d = idx - rl * D;
-            const int row = rg * ROWS + rl;
-            if (row < R) {
-                const int g = row / Lq;
-                const int qi = row - g * Lq;
-                const I64 orow = ((I64)b * H + kvh * G + g) * Lq + qi;
-                float acc = 0.0f;
-                UNROLL8
-                for (int c = 0; c < n_splits; ++c) {
-                    acc += LOAD_CG(o_part + (orow * n_splits + c) * D + d) * w_s[rl * n_splits + c];
-                }
-                out[orow * D + d] = OUT_CAST(acc * inv_s[rl]);
-            }
-        }
-        if (tid == 0) {
-            ATOMIC_STORE(counters, ticket_at, 0);
-        }
-    }
+"""
+    + FUSED_TAIL
+    + r"""
 #endif
 """
+)
 
 # Pass 2. Block per output row (b, h, i), thread per dim d:
 #   M = max_c m_c;  out[d] = sum_c 2^(m_c - M) o_c[d] / sum_c 2^(m_c - M) l_c   (0 if no key seen)
@@ -525,20 +553,9 @@ PASS2_BODY = r"""
 # writes the output (one chunk) or its chunk's partials; FUSED, the last block of a (batch, KV
 # head, row group) to finish (a ticket from a counter that it resets) reduces those as pass 2
 # would, with 16-byte loads, so a call is one launch.
-PASS1_MMA_BODY = r"""
-    const int H = q_shape[1];
-    const int Lq = q_shape[2];
-    const int Hk = k_shape[1];
-    const int Lk = k_shape[2];
-    const int G = H / Hk;
-    const int R = G * Lq;
-    const int b = bh / Hk;
-    const int kvh = bh - b * Hk;
-    const bool causal = flags[0] != 0;
-    const int window = flags[1];
-    const float qscale = scale[0];
-    const int first_key = kv_start[b];
-    const int q_pos0 = Lk - Lq;
+PASS1_MMA_BODY = (
+    SETUP
+    + r"""
 
     constexpr int NT = NW * 32;
     constexpr int ROWS = 16;
@@ -551,23 +568,10 @@ PASS1_MMA_BODY = r"""
     TPTR q_s = reinterpret_cast<TPTR>(smem);                  // [16][DS]
     TPTR kv_w = q_s + ROWS * DS + warp * STAGES * 2 * KT * DS;  // this warp's ring: [STAGES][K, V][KT][DS]
 
-    int key_begin = 0;
-    if (window > 0) {
-        key_begin = IMAX(0, q_pos0 - window + 1);
-    }
-    key_begin = IMAX(key_begin, first_key);
-    const int tiles = IMAX(0, (Lk - key_begin + KT - 1) / KT);
-    const int tps = (tiles + n_splits - 1) / n_splits;
-    const int t_begin = split * tps;
-    const int t_end = IMIN(t_begin + tps, tiles);
-
-    const I64 kb = (I64)b * k_strides[0] + (I64)kvh * k_strides[1];
-    const I64 vb = (I64)b * v_strides[0] + (I64)kvh * v_strides[1];
-    const bool vec_ok = k_strides[3] == 1 && v_strides[3] == 1 && ALIGNED16(k) && ALIGNED16(v) &&
-                        k_strides[0] % VEC == 0 && k_strides[1] % VEC == 0 && k_strides[2] % VEC == 0 &&
-                        v_strides[0] % VEC == 0 && v_strides[1] % VEC == 0 && v_strides[2] % VEC == 0;
-    const bool q_vec = q_strides[3] == 1 && ALIGNED16(q) && q_strides[0] % VEC == 0 &&
-                       q_strides[1] % VEC == 0 && q_strides[2] % VEC == 0;
+    constexpr int TK = KT;              // keys per tile
+"""
+    + KEY_RANGE
+    + r"""
 
     // the block's q rows (zero past R)
     UNROLL4
@@ -795,72 +799,12 @@ PASS1_MMA_BODY = r"""
         }
     }
     if (FUSED && n_splits > 1) {
-        FENCE_DEVICE();
-        SYNC_BLOCK();
-        const int ticket_at = bh * GROUPS_Z + rg;
-        if (tid == 0) {
-            const int ticket = ATOMIC_ADD(counters, ticket_at, 1);
-            smem[0] = (ticket == n_splits - 1) ? 1.0f : 0.0f;
-        }
-        SYNC_BLOCK();
-        const bool last = smem[0] != 0.0f;
-        SYNC_BLOCK();
-        if (last) {
-            FENCE_DEVICE();
-            SPTR w_s = smem;                      // [ROWS][n_splits]: 2^(m_c - M)
-            SPTR inv_s = smem + ROWS * n_splits;  // [ROWS]: 1 / sum_c 2^(m_c - M) l_c (0: no key)
-            for (int rl = tid; rl < ROWS; rl += NT) {
-                const int row = rg * ROWS + rl;
-                float inv = 0.0f;
-                if (row < R) {
-                    const int gq = row / Lq;
-                    const I64 base = (((I64)b * H + kvh * G + gq) * Lq + (row - gq * Lq)) * n_splits;
-                    float M = NEG_INF;
-                    for (int c = 0; c < n_splits; ++c) {
-                        M = FMAX(M, LOAD_CG(m_part + base + c));
-                    }
-                    float L = 0.0f;
-                    for (int c = 0; c < n_splits; ++c) {
-                        const float mc = LOAD_CG(m_part + base + c);
-                        const float wt = (M == NEG_INF || mc == NEG_INF) ? 0.0f : EXP2(mc - M);
-                        w_s[rl * n_splits + c] = wt;
-                        L += LOAD_CG(l_part + base + c) * wt;
-                    }
-                    inv = L > 0.0f ? 1.0f / L : 0.0f;
-                }
-                inv_s[rl] = inv;
-            }
-            SYNC_BLOCK();
-            for (int idx = tid; idx < ROWS * (D / 4); idx += NT) {
-                const int rl = idx / (D / 4);
-                const int d = (idx - rl * (D / 4)) * 4;
-                const int row = rg * ROWS + rl;
-                if (row < R) {
-                    const int gq = row / Lq;
-                    const I64 orow = ((I64)b * H + kvh * G + gq) * Lq + (row - gq * Lq);
-                    float4 acc = {0.0f, 0.0f, 0.0f, 0.0f};
-                    UNROLL4
-                    for (int c = 0; c < n_splits; ++c) {
-                        const float4 x = LOAD_CG4(o_part + (orow * n_splits + c) * D + d);
-                        const float wt = w_s[rl * n_splits + c];
-                        acc.x += wt * x.x;
-                        acc.y += wt * x.y;
-                        acc.z += wt * x.z;
-                        acc.w += wt * x.w;
-                    }
-                    const float inv = inv_s[rl];
-                    out[orow * D + d] = OUT_CAST(acc.x * inv);
-                    out[orow * D + d + 1] = OUT_CAST(acc.y * inv);
-                    out[orow * D + d + 2] = OUT_CAST(acc.z * inv);
-                    out[orow * D + d + 3] = OUT_CAST(acc.w * inv);
-                }
-            }
-            if (tid == 0) {
-                ATOMIC_STORE(counters, ticket_at, 0);
-            }
-        }
+"""
+    + FUSED_TAIL
+    + r"""
     }
 """
+)
 
 CUDA_HEADER = r"""
 #define SPTR float*
