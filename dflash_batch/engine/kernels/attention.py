@@ -16,11 +16,15 @@ Two passes, as a split-K decode step does for its one row:
     pass 2, per row:  M = max_c m_c,  w_c = 2^(m_c - M),  out = sum_c w_c o_c / sum_c w_c l_c
 
 All partials are fp32. ``reference`` computes exactly this with MLX ops (any backend; the test
-oracle). ``kernel`` runs it as two ``mx.fast.cuda_kernel`` / ``mx.fast.metal_kernel`` launches
-that are compiled once per (dtype, head dim): shapes, strides and mask parameters are run-time
-arguments, so a new KV length costs no compilation (stock SDPA's multi-row path on CUDA pays
-35-50 ms for every new key length). Both kernels share one body, written against a few macros
-that each backend's header defines.
+oracle). ``kernel`` runs it as GPU kernels compiled once per (dtype, head dim): shapes, strides
+and mask parameters are run-time arguments, so a new KV length costs no compilation (stock
+SDPA's multi-row path on CUDA pays 35-50 ms for every new key length):
+
+    CUDA, bf16 / fp16   PASS1_MMA_BODY: pass 1 on tensor cores (mma.sync), pass 2 fused in: one launch
+    CUDA fp32, Metal    PASS1_BODY on CUDA cores / SIMD lanes, then PASS2_BODY: two launches
+
+The bodies are written once against a few macros that each backend's header (and the tests'
+CPU emulator) defines.
 """
 
 from __future__ import annotations
