@@ -135,15 +135,16 @@ class Attention(nn.Module):
         B, L, _ = x.shape
         S = ctx.shape[1]
         start = cache.offset  # absolute position of the first new context row
+        # The new context rows (positions start..start+S-1) and the block rows (start+S..) are
+        # contiguous: one K/V projection, one norm and one RoPE serve both (fewer ops per pass).
+        rows = mx.concatenate([ctx, x], axis=1)
         q = self.rope(self.q_norm(self._heads(self.q_proj(x), self.n_heads)), offset=start + S)
-        k_ctx = self.rope(self.k_norm(self._heads(self.k_proj(ctx), self.n_kv_heads)), offset=start)
-        v_ctx = self._heads(self.v_proj(ctx), self.n_kv_heads)
-        k_blk = self.rope(self.k_norm(self._heads(self.k_proj(x), self.n_kv_heads)), offset=start + S)
-        v_blk = self._heads(self.v_proj(x), self.n_kv_heads)
-        # The cache keeps context K/V only; block K/V are appended for this pass and dropped.
-        k_ctx, v_ctx = cache.update_and_fetch(k_ctx, v_ctx)
-        keys = mx.concatenate([k_ctx, k_blk], axis=2)
-        values = mx.concatenate([v_ctx, v_blk], axis=2)
+        k = self.rope(self.k_norm(self._heads(self.k_proj(rows), self.n_kv_heads)), offset=start)
+        v = self._heads(self.v_proj(rows), self.n_kv_heads)
+        # The cache keeps context K/V only: the block's rows are appended for this pass, then
+        # trimmed (the arrays fetched here keep them; the next update overwrites them).
+        keys, values = cache.update_and_fetch(k, v)
+        cache.trim(L)
         # Keys sit at absolute positions 0..T+L-1 and queries at T..T+L-1 (T = context length).
         # Full layers: every query sees all context and the whole block (bidirectional).
         # Sliding layers: causal inside the block, context limited to the window.
