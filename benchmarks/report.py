@@ -304,6 +304,12 @@ def summary(docs: List[Tuple[str, Dict[str, Any]]]) -> List[str]:
     return out
 
 
+def run_tag(doc: Dict[str, Any]) -> str:
+    """The run's --tag, from its recorded command ('' if none)."""
+    words = doc.get("command", "").split()
+    return words[words.index("--tag") + 1] if "--tag" in words[:-1] else ""
+
+
 def readme_section(docs: List[Tuple[str, Dict[str, Any]]]) -> List[str]:
     """The short table for the README: each shape at its headline (first) context."""
     out = [
@@ -314,13 +320,17 @@ def readme_section(docs: List[Tuple[str, Dict[str, Any]]]) -> List[str]:
         "(only the drafter's proposed ids are; all compute is real). Method and full tables: "
         "[docs/benchmarks.md](docs/benchmarks.md).",
         "",
-        "| machine | shape, context | mlx_lm stream_generate | " + " | ".join(l for _, l in README_ARMS)
+        "| run (machine, start UTC, tag) | shape, context | mlx_lm stream_generate | " + " | ".join(l for _, l in README_ARMS)
         + " | physical limit |",
         "| --- | --- | --- |" + " --- |" * len(README_ARMS) + " --- |",
     ]
     invalid = False
-    for _, doc in sorted(docs, key=lambda d: d[1]["machine"]["backend"] == "cpu"):  # GPU rows first
+    # GPU runs first, newest first; each row names its run (start time, and the --tag if any)
+    newest_first = sorted(docs, key=lambda d: d[1].get("started", ""), reverse=True)
+    for _, doc in sorted(newest_first, key=lambda d: d[1]["machine"]["backend"] == "cpu"):
         m = doc["machine"]
+        tag = run_tag(doc)
+        run = f"{m['backend']} {m['chip']}, {doc.get('started', '')[:16].replace('T', ' ')}" + (f" ({tag})" if tag else "")
         for plan in doc["suite"]["plans"]:
             shape, ctx = plan["shape"], plan["contexts"][0]
             if shape not in doc["shapes"]:
@@ -338,8 +348,7 @@ def readme_section(docs: List[Tuple[str, Dict[str, Any]]]) -> List[str]:
             invalid = invalid or any(r is not None and r.get("invalid") for r in rows)
             cells = [_cell(r, b) for r in rows]
             limit = doc["shapes"][shape]["physical_limit_tps"]
-            out.append(f"| {m['backend']} {m['chip']} | {shape}, {ctx} | {b:,.1f} | " + " | ".join(cells)
-                       + f" | {limit:,.0f} |")
+            out.append(f"| {run} | {shape}, {ctx} | {b:,.1f} | " + " | ".join(cells) + f" | {limit:,.0f} |")
     out += [
         "",
         "Physical limit: weight bytes / measured copy bandwidth, tok/s per sequence for plain decoding "
@@ -384,6 +393,10 @@ def main(argv: Optional[List[str]] = None) -> None:
         text = _replace_block(text, README_BEGIN, README_END, readme_section(docs))
         page.write_text(text)
         print(f"refreshed {page}")
+        readme = page.parent.parent / "README.md"
+        if readme.exists() and README_BEGIN in readme.read_text():
+            readme.write_text(_replace_block(readme.read_text(), README_BEGIN, README_END, readme_section(docs)))
+            print(f"refreshed {readme}")
 
 
 if __name__ == "__main__":
