@@ -3,14 +3,17 @@
     python -m benchmarks.gpu_attention --out gpu_attention.json [--sections check,micro,verify,cycle]
 
 Sections (the JSON is rewritten after each, so a cut-off run keeps what it finished):
-  check   kernel vs the MLX reference on random data: head dims 64/128/256, GQA 1-8, causal,
-          bidirectional, sliding window, left padding, bf16/fp16/fp32, strided cache views
+  check   kernels vs the MLX reference on random data: head dims 64/128/256, GQA 1-8, causal,
+          bidirectional, sliding window, left padding, bf16/fp16/fp32, strided cache views; the
+          default kernel and its other forms (CUDA-core, tensor-core with pass 2, one chunk, ...)
   micro   ms per call with the key length growing every call (the DFlash pattern): stock SDPA
           vs the kernel at the Qwen3-4B attention shape (32 / 8 heads, dim 128, 16 rows)
-  verify  Qwen3-4B-shaped bf16 target, random weights, context 2048: AR decode step vs a
-          16-token verify pass with a growing cache, routed through stock SDPA and the kernel
+  verify  Qwen3-4B-shaped bf16 target, random weights, context 2048: AR decode steps and
+          16-token verify passes with a growing cache, in alternation (one AR step, then one
+          pass per kernel variant, 60 times); medians of the per-pair ratios
   cycle   full DFlash cycles with every block accepted (zeroed tied embedding: target and
-          drafter both always pick token 0) vs mlx_lm AR tok/s on the same model; phase times
+          drafter both always pick token 0) per kernel variant vs mlx_lm AR tok/s on the same
+          model, 5 rotated rounds; phase times
   tune    tensor-core kernel configurations and chunk counts, the op chained 36 times per graph
   profile where a verify pass's time goes: the pass with the routed op replaced by nothing
           (attention output = q), and the op alone called 36 times in one graph (host and GPU
