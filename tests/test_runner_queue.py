@@ -157,3 +157,85 @@ def test_cron_schedule_from_yaml(tmp_path, home, tiny_models, workers):
     bad.write_text("input: docs.jsonl\nschedule: '0 2 * *'\n")
     refused = cli("worker", "--schedules", bad, home=home, timeout=120)
     assert refused.returncode == 2 and "need 5 fields" in refused.stderr and str(bad) in refused.stderr
+
+
+def test_last_due_finds_the_latest_matching_minute():
+    from dflash_batch.runner.tasks import CATCH_UP_DAYS, last_due
+
+    t = datetime.datetime
+    assert last_due("0 2 * * *", t(2026, 1, 1, 3, 0), t(2026, 1, 3, 1, 0)) == t(2026, 1, 2, 2, 0)
+    assert last_due("0 2 * * *", t(2026, 1, 2, 2, 0), t(2026, 1, 3, 1, 59)) is None  # (since, now]: ran at 02:00
+    assert last_due("*/15 * * * *", t(2026, 1, 1), t(2026, 1, 1, 10, 44, 59)) == t(2026, 1, 1, 10, 30)
+    assert last_due("0 2 * * *", t(2025, 1, 1), t(2026, 1, 3, 1, 0)) == t(2026, 1, 2, 2, 0)
+    # a run older than the look-back is not made up for
+    assert last_due("0 0 1 1 *", t(2024, 6, 1), t(2026, 1, 1) + datetime.timedelta(days=CATCH_UP_DAYS + 1)) is None
+
+
+def test_missed_cron_run_is_submitted_once_at_worker_start(tmp_path, home, tiny_models):
+    import os
+
+    write_jsonl(tmp_path / "docs.jsonl", prompts(2))
+    spec = tmp_path / "nightly.yaml"
+    spec.write_text(f"name: nightly\ninput: docs.jsonl\nschedule: '0 2 * * *'\n"
+                    f"model: {{target: {tiny_models['target']}}}\noutput_dir: out/{{date}}\n")
+    cli("submit", spec, home=home, check=True)
+    registered = home / "schedules" / "nightly.yaml"
+    t = datetime.datetime
+    day0 = t(2026, 3, 1, 12, 0)  # registered at noon on day 0
+    os.utime(registered, (day0.replace(tzinfo=datetime.timezone.utc).timestamp(),) * 2)
+
+    queue = Queue(home)
+    queue.add_schedule(registered)
+    assert queue.catch_up(now=t(2026, 3, 2, 1, 0)) == []  # the first due time (day 1, 02:00) is still ahead
+    # no worker from then until day 4, 09:00: three nightly runs missed, one job submitted
+    [record] = queue.catch_up(now=t(2026, 3, 4, 9, 0))
+    assert [j.id for j in api.jobs(home)] == [record.id]
+    assert queue.last_run("nightly") == t(2026, 3, 4, 9, 0)
+    assert queue.catch_up(now=t(2026, 3, 4, 9, 5)) == []  # nothing new is due
+    assert queue.catch_up(now=t(2026, 3, 5, 2, 30)) != []  # day 5's run was missed too
+    # the cron tick in the same minute as a start-up catch-up does not submit the job again
+    from dflash_batch.runner.tasks import utcnow
+
+    queue.submit_schedule("nightly", registered, utcnow())
+    n = len(api.jobs(home))
+    [tick] = queue.huey.read_periodic(t(2026, 3, 6, 2, 0))
+    queue.huey.execute(tick)
+    assert len(api.jobs(home)) == n
+
+    off = tmp_path / "weekly.yaml"
+    off.write_text(f"name: weekly\ninput: docs.jsonl\nschedule: '@weekly'\ncatch_up: false\n"
+                   f"model: {{target: {tiny_models['target']}}}\n")
+    cli("submit", off, home=home, check=True)
+    os.utime(home / "schedules" / "weekly.yaml", (day0.replace(tzinfo=datetime.timezone.utc).timestamp(),) * 2)
+    queue = Queue(home)
+    queue.add_schedule(home / "schedules" / "weekly.yaml")
+    assert queue.catch_up(now=t(2026, 3, 20)) == []  # missed, but catch_up is off
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("input: docs.jsonl\nschedule: '@daily'\ncatch_up: maybe\n")
+    refused = cli("submit", bad, home=home)
+    assert refused.returncode == 2 and "catch_up" in refused.stderr and "true or false" in refused.stderr
+
+
+def test_worker_start_catches_up_a_missed_run(tmp_path, home, tiny_models, workers):
+    import os
+
+    write_jsonl(tmp_path / "docs.jsonl", prompts(2))
+    spec = tmp_path / "nightly.yaml"
+    spec.write_text(f"name: nightly\ninput: docs.jsonl\nschedule: '@daily'\nsampling: {{max_tokens: 4}}\n"
+                    f"model: {{target: {tiny_models['target']}, draft: {tiny_models['draft']}}}\n")
+    cli("submit", spec, home=home, check=True)
+    two_days_ago = time.time() - 2 * 86400
+    os.utime(home / "schedules" / "nightly.yaml", (two_days_ago, two_days_ago))
+    w = workers()
+    wait_for(lambda: api.jobs(home), timeout=120, what="the caught-up job")
+    [job] = api.jobs(home)
+    assert job.wait(timeout=240)["state"] == "completed"
+    assert "schedule nightly missed its run at" in w.log() and "submitting it now" in w.log()
+    assert w.stop() == 0
+    (home / "schedules" / ".last-run" / "nightly").unlink()  # missed again, as far as state goes
+    os.utime(home / "schedules" / "nightly.yaml", (two_days_ago, two_days_ago))
+    w = workers("--no-periodic")  # only the worker that runs the cron catches up
+    wait_for(lambda: "worker started" in w.log(), timeout=120, what="the second worker")
+    time.sleep(1)
+    assert len(api.jobs(home)) == 1
+    assert w.stop() == 0

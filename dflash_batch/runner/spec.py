@@ -7,6 +7,7 @@ Precedence: keyword/CLI overrides > YAML > defaults. The YAML groups model and s
     model: {target: ./models/t, draft: auto, target_revision: null, dtype: auto, block_size: null}
     sampling: {max_tokens: 256, temperature: 0.0, seed: 0, stop: ["\\n\\n"]}
     schedule: "0 2 * * *"                # cron, UTC
+    catch_up: true                       # a missed run is submitted once when a worker starts
 
 Everything else is a top-level key (see ``TOP_KEYS``). Unknown keys are errors.
 """
@@ -30,7 +31,7 @@ SAMPLING_KEYS = ("max_tokens", "temperature", "seed", "stop")
 TOP_KEYS = (
     "name", "input", "input_format", "id_field", "prompt_field", "messages_field", "output_dir",
     "system_prompt", "prompt_template", "chat_template", "chat_template_kwargs", "model", "sampling",
-    "chunk_size", "schedule", "retries", "export_openai", "force",
+    "chunk_size", "schedule", "catch_up", "retries", "export_openai", "force",
 )  # fmt: skip
 CRON_ALIASES = {"@hourly": "0 * * * *", "@daily": "0 0 * * *", "@midnight": "0 0 * * *",
                 "@weekly": "0 0 * * 0", "@monthly": "0 0 1 * *"}  # fmt: skip
@@ -71,6 +72,7 @@ class JobSpec:
     # running
     chunk_size: int = 64
     schedule: Optional[str] = None  # cron expression (UTC)
+    catch_up: bool = True  # a run missed while no worker was up is submitted once at start-up
     retries: int = 0
     export_openai: bool = False  # also write _openai_output.jsonl when a job completes
     force: bool = False  # accept an output dir written with another config hash
@@ -269,7 +271,7 @@ def validate(spec: JobSpec, where: str = "spec") -> None:
         spec.chat_template_kwargs = {}
     if not isinstance(spec.chat_template_kwargs, dict):
         bad("chat_template_kwargs", f"must be a mapping, got {spec.chat_template_kwargs!r}")
-    for key in ("export_openai", "force"):
+    for key in ("export_openai", "force", "catch_up"):
         if not isinstance(getattr(spec, key), bool):
             bad(key, f"must be true or false, got {getattr(spec, key)!r}")
     if spec.prompt_template is not None:

@@ -8,7 +8,9 @@ each chunk that has no done marker and no queued task.
 
 from __future__ import annotations
 
+import datetime
 import logging
+import os
 import signal
 import threading
 from pathlib import Path
@@ -26,6 +28,27 @@ log = logging.getLogger("dflash_batch.worker")
 CHUNK_TASK = "dflash_batch.chunk"
 LOCK_RETRY_S = 2.0  # a chunk whose output dir is busy goes back on the queue for this long
 RETRY_DELAY_S = 5
+CATCH_UP_DAYS = 35  # how far back a starting worker looks for a missed cron run
+
+
+def last_due(expression: str, since: datetime.datetime, now: datetime.datetime) -> Optional[datetime.datetime]:
+    """The latest minute in (since, now] that the cron expression matches (UTC, naive
+    datetimes), looking back at most CATCH_UP_DAYS; None if there is none."""
+    from huey import crontab
+
+    due = crontab(**cron_fields(expression))
+    minute = datetime.timedelta(minutes=1)
+    t = now.replace(second=0, microsecond=0)
+    floor = max(since, now - datetime.timedelta(days=CATCH_UP_DAYS))
+    while t > floor:
+        if due(t):
+            return t
+        t -= minute
+    return None
+
+
+def utcnow() -> datetime.datetime:
+    return datetime.datetime.now(datetime.timezone.utc).replace(tzinfo=None)
 
 
 def task_id(job_id: str, chunk: int) -> str:
@@ -72,6 +95,7 @@ class Queue:
         self.engines: Optional[Engines] = None
         self.stop_flag: Optional[threading.Event] = None
         self.schedules: List[Tuple[str, str]] = []
+        self.schedule_paths: Dict[str, Path] = {}
 
     # -- producer side ----------------------------------------------------------------------
     def enqueue_chunk(self, record: JobRecord, chunk: int, delay: Optional[float] = None) -> None:
@@ -166,14 +190,62 @@ class Queue:
         name = spec.name or default_name(spec.input)
 
         def submit_scheduled():
-            record = create_job(load_spec(path), self.home)
-            n = self.enqueue_job(record)
-            log.info("schedule %s submitted job %s (%d chunks)", name, record.id, n)
+            now = utcnow()
+            ran = self.recorded_run(name)
+            if ran is not None and ran >= now.replace(second=0, microsecond=0):
+                return  # a start-up catch-up already submitted it this minute
+            self.submit_schedule(name, path, now)
 
         self.huey.periodic_task(crontab(**cron_fields(spec.schedule)), name=f"dflash_batch.cron.{name}")(submit_scheduled)
         self.schedules.append((name, spec.schedule))
+        self.schedule_paths[name] = Path(path)
         log.info("schedule registered: %s at %r (UTC) from %s", name, spec.schedule, path)
         return name, spec.schedule
+
+    def submit_schedule(self, name: str, path: Path, when: datetime.datetime) -> JobRecord:
+        """Submit a scheduled job now (re-reading its YAML) and record ``when`` as its last run."""
+        record = create_job(load_spec(path), self.home)
+        n = self.enqueue_job(record)
+        self.last_run_file(name).parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.last_run_file(name).with_suffix(".tmp")
+        tmp.write_text(when.isoformat(timespec="seconds"))
+        os.replace(tmp, self.last_run_file(name))
+        log.info("schedule %s submitted job %s (%d chunks)", name, record.id, n)
+        return record
+
+    def last_run_file(self, name: str) -> Path:
+        return self.home / "schedules" / ".last-run" / name
+
+    def recorded_run(self, name: str) -> Optional[datetime.datetime]:
+        """When the schedule last submitted its job (UTC), if it ever did."""
+        f = self.last_run_file(name)
+        return datetime.datetime.fromisoformat(f.read_text().strip()) if f.exists() else None
+
+    def last_run(self, name: str) -> datetime.datetime:
+        """When the schedule last submitted its job; if never, when its YAML was last written."""
+        ran = self.recorded_run(name)
+        if ran is not None:
+            return ran
+        mtime = self.schedule_paths[name].stat().st_mtime
+        return datetime.datetime.fromtimestamp(mtime, datetime.timezone.utc).replace(tzinfo=None)
+
+    def catch_up(self, now: Optional[datetime.datetime] = None) -> List[JobRecord]:
+        """Submit once each registered schedule whose latest due run (within CATCH_UP_DAYS) came
+        after its last run: runs missed while no worker was up. One job however many were
+        missed (anacron's rule); a spec with ``catch_up: false`` is left to its next time."""
+        now = now or utcnow()
+        submitted = []
+        for name, expression in self.schedules:
+            path = self.schedule_paths[name]
+            missed = last_due(expression, self.last_run(name), now)
+            if missed is None:
+                continue
+            if not load_spec(path).catch_up:
+                log.info("schedule %s missed its run at %s UTC; catch_up is off", name, missed)
+                continue
+            log.info("schedule %s missed its run at %s UTC: submitting it now", name, missed)
+            submitted.append(self.submit_schedule(name, path, now))
+        return submitted
 
 
 def schedule_files(home: Path, extra: Iterable[Path] = ()) -> List[Path]:
@@ -215,6 +287,8 @@ def run_worker(
     requeued = queue.requeue_unfinished()
     if requeued:
         log.info("requeued %d unfinished chunk(s)", requeued)
+    if periodic:  # the worker that runs the cron also makes up for runs missed while none did
+        queue.catch_up()
     consumer = queue.huey.create_consumer(
         workers=1,
         worker_type="thread",
