@@ -76,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--home", help="state folder (default: $DFLASH_BATCH_HOME or the user data dir)")
+    parser.add_argument("--redis", metavar="URL", help="queue on a Redis server, e.g. redis://host:6379/0, instead "
+                        "of SQLite in the home (default: $DFLASH_BATCH_REDIS_URL)")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
@@ -150,6 +152,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     if args.home:
         os.environ["DFLASH_BATCH_HOME"] = str(Path(args.home).expanduser().resolve())
+    if args.redis:
+        os.environ["DFLASH_BATCH_REDIS_URL"] = args.redis
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s [%(threadName)s] %(name)s: %(message)s",

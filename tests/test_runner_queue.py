@@ -239,3 +239,55 @@ def test_worker_start_catches_up_a_missed_run(tmp_path, home, tiny_models, worke
     time.sleep(1)
     assert len(api.jobs(home)) == 1
     assert w.stop() == 0
+
+
+@pytest.fixture
+def redis_url(tmp_path):
+    """A throwaway redis-server on a free local port (skipped where none is installed)."""
+    import shutil
+    import socket
+    import subprocess
+
+    server = shutil.which("redis-server")
+    if server is None:
+        pytest.skip("redis-server is not installed")
+    redis = pytest.importorskip("redis")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                             "--dir", str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"redis://127.0.0.1:{port}/0"
+    client = redis.Redis.from_url(url)
+
+    def up():
+        try:
+            return client.ping()
+        except redis.exceptions.ConnectionError:
+            return False
+
+    try:
+        wait_for(up, timeout=30, what="redis-server")
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_redis_queue_submit_and_worker(tmp_path, home, tiny_models, workers, redis_url, monkeypatch):
+    monkeypatch.setenv("DFLASH_BATCH_REDIS_URL", redis_url)  # for the CLI processes started below
+    job = dflash_batch.submit(write_jsonl(tmp_path / "in.jsonl", prompts(6)), **model(tiny_models, max_tokens=6, chunk_size=2))
+    queue = Queue(home)
+    assert queue.broker == redis_url and len(queue.queued_task_ids()) == 3
+    assert not (home / "queue.db").exists()  # the tasks went to Redis, not to SQLite
+    w = workers()
+    assert job.wait(timeout=240)["state"] == "completed"
+    assert f"worker started: queue {redis_url}" in w.log()
+    assert sorted(pd.read_parquet(job.output_dir)["id"]) == [f"item-{i:03d}" for i in range(6)]
+    assert w.stop() == 0
+    # --redis on the command line does the same as the environment variable
+    monkeypatch.delenv("DFLASH_BATCH_REDIS_URL")
+    out = cli("--redis", redis_url, "submit", tmp_path / "in.jsonl", "--target", tiny_models["target"],
+              "--max-tokens", "4", "--output-dir", tmp_path / "second", home=home, check=True)
+    assert len(Queue(home, redis_url=redis_url).queued_task_ids()) == 1 and "queued" in out.stderr
+    assert Queue(home).queued_task_ids() == set()  # the SQLite queue of this home is empty

@@ -28,6 +28,18 @@ log = logging.getLogger("dflash_batch.worker")
 CHUNK_TASK = "dflash_batch.chunk"
 LOCK_RETRY_S = 2.0  # a chunk whose output dir is busy goes back on the queue for this long
 RETRY_DELAY_S = 5
+REDIS_ENV = "DFLASH_BATCH_REDIS_URL"
+
+
+def redis_huey(url: str):
+    """A ``RedisHuey`` on ``url`` (redis://host:port/db); needs the ``redis`` client package."""
+    try:
+        import redis  # noqa: F401
+    except ImportError as e:
+        raise SpecError(f"a Redis queue ({url}) needs the redis client: pip install 'dflash-batch[redis]'") from e
+    from huey import RedisHuey
+
+    return RedisHuey(name="dflash-batch", url=url, results=False, utc=True)
 CATCH_UP_DAYS = 35  # how far back a starting worker looks for a missed cron run
 
 
@@ -82,15 +94,23 @@ class Engines:
 
 
 class Queue:
-    """A ``SqliteHuey`` at an absolute path under the home dir, with the chunk task on it."""
+    """The Huey queue with the chunk task on it: a ``SqliteHuey`` at ``home/queue.db`` (one
+    machine), or a ``RedisHuey`` when a Redis URL is given or set in $DFLASH_BATCH_REDIS_URL
+    (workers on several machines; job records and outputs must then be on shared storage)."""
 
-    def __init__(self, home: Path):
-        from huey import SqliteHuey
-
+    def __init__(self, home: Path, redis_url: Optional[str] = None):
         self.home = Path(home).resolve()
         self.home.mkdir(parents=True, exist_ok=True)
-        # filename= must be given by keyword: the first positional argument is the queue name.
-        self.huey = SqliteHuey(name="dflash-batch", filename=str(self.home / "queue.db"), results=False, timeout=30)
+        redis_url = redis_url or os.environ.get(REDIS_ENV) or None
+        if redis_url:
+            self.huey = redis_huey(redis_url)
+            self.broker = redis_url
+        else:
+            from huey import SqliteHuey
+
+            # filename= must be given by keyword: the first positional argument is the queue name.
+            self.huey = SqliteHuey(name="dflash-batch", filename=str(self.home / "queue.db"), results=False, timeout=30)
+            self.broker = str(self.home / "queue.db")
         self.chunk_task = self.huey.task(name=CHUNK_TASK, context=True)(self._run_chunk)
         self.engines: Optional[Engines] = None
         self.stop_flag: Optional[threading.Event] = None
@@ -302,5 +322,5 @@ def run_worker(
     # the item mid-way. Both are graceful here: the loop sees the stop flag between items.
     consumer._signal_actions[signal.SIGINT] = (False, True)
     queue.stop_flag = consumer.stop_flag
-    log.info("worker started: queue %s, home %s", queue.home / "queue.db", queue.home)
+    log.info("worker started: queue %s, home %s", queue.broker, queue.home)
     consumer.run()
