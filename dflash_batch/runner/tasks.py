@@ -234,7 +234,8 @@ class Queue:
         return record
 
     def last_run_file(self, name: str) -> Path:
-        return self.home / "schedules" / ".last-run" / name
+        """One file per registered schedule file (its stem: unique in the schedules folder)."""
+        return self.home / "schedules" / ".last-run" / self.schedule_paths[name].stem
 
     def recorded_run(self, name: str) -> Optional[datetime.datetime]:
         """When the schedule last submitted its job (UTC), if it ever did."""
