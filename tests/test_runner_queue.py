@@ -202,6 +202,11 @@ def test_missed_cron_run_is_submitted_once_at_worker_start(tmp_path, home, tiny_
     queue.huey.execute(tick)
     assert len(api.jobs(home)) == n
 
+    # an input that has gone away: the missed run is logged, not raised (the worker must start)
+    (tmp_path / "docs.jsonl").unlink()
+    assert queue.catch_up(now=t(2026, 3, 9, 3, 0)) == []
+    write_jsonl(tmp_path / "docs.jsonl", prompts(2))
+
     off = tmp_path / "weekly.yaml"
     off.write_text(f"name: weekly\ninput: docs.jsonl\nschedule: '@weekly'\ncatch_up: false\n"
                    f"model: {{target: {tiny_models['target']}}}\n")

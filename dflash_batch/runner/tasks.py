@@ -265,7 +265,10 @@ class Queue:
                 log.info("schedule %s missed its run at %s UTC; catch_up is off", name, missed)
                 continue
             log.info("schedule %s missed its run at %s UTC: submitting it now", name, missed)
-            submitted.append(self.submit_schedule(name, path, now))
+            try:
+                submitted.append(self.submit_schedule(name, path, now))
+            except (SpecError, InputError, OSError) as e:  # the worker starts all the same
+                log.error("schedule %s: could not submit the missed run: %s", name, e)
         return submitted
 
 
