@@ -204,6 +204,7 @@ def test_missed_cron_run_is_submitted_once_at_worker_start(tmp_path, home, tiny_
 
     # an input that has gone away: the missed run is logged, not raised (the worker must start)
     (tmp_path / "docs.jsonl").unlink()
+    (home / "schedules" / ".last-run" / "nightly").unlink()  # due again since day 0
     assert queue.catch_up(now=t(2026, 3, 9, 3, 0)) == []
     write_jsonl(tmp_path / "docs.jsonl", prompts(2))
 
