@@ -88,14 +88,16 @@ def _spec(source: Union[Source, JobSpec], overrides: Dict[str, Any]) -> JobSpec:
     return load_spec(source, **overrides)
 
 
-def submit(input: Source, *, home: Optional[Union[str, Path]] = None, **overrides) -> Job:
+def submit(input: Source, *, home: Optional[Union[str, Path]] = None, redis_url: Optional[str] = None,
+           **overrides) -> Job:
     """Create a job from a YAML spec, a JSONL/Parquet file or a spec dict, and queue its chunks
-    for a worker (``dflash-batch worker``). Raises ``InputError``/``SpecError`` for bad input."""
+    for a worker (``dflash-batch worker``): on SQLite in the home, or on Redis at ``redis_url``
+    (default: $DFLASH_BATCH_REDIS_URL). Raises ``InputError``/``SpecError`` for bad input."""
     from .runner.tasks import Queue
 
     home = Path(home) if home else home_dir()
     record = create_job(_spec(input, overrides), home)
-    Queue(home).enqueue_job(record)
+    Queue(home, redis_url=redis_url).enqueue_job(record)
     return Job(record.id, home)
 
 
@@ -140,10 +142,11 @@ def cancel(job_id: str, *, home: Optional[Union[str, Path]] = None) -> Job:
     return job
 
 
-def retry(job_id: str, *, failed_only: bool = False, home: Optional[Union[str, Path]] = None) -> Dict[str, int]:
-    """Queue a job again. Error rows are removed and generated anew; without ``failed_only``
-    the items never finished (cancelled, failed job) run too. Raises ``lock.Locked`` while a
-    worker is on the job."""
+def retry(job_id: str, *, failed_only: bool = False, home: Optional[Union[str, Path]] = None,
+          redis_url: Optional[str] = None) -> Dict[str, int]:
+    """Queue a job again (on the queue ``submit`` would use). Error rows are removed and
+    generated anew; without ``failed_only`` the items never finished (cancelled, failed job)
+    run too. Raises ``lock.Locked`` while a worker is on the job."""
     from .runner.tasks import Queue
 
     job = Job(job_id, home)
@@ -162,7 +165,7 @@ def retry(job_id: str, *, failed_only: bool = False, home: Optional[Union[str, P
         redo = failed if failed_only else {i for i in ids if i not in ok}
         chunks = sorted({n // size for n, i in enumerate(ids) if i in redo})
         record.reopen(chunks, retry_ids=sorted(failed) if failed_only else None)
-    queued = Queue(job.home).enqueue_job(record, chunks) if chunks else 0
+    queued = Queue(job.home, redis_url=redis_url).enqueue_job(record, chunks) if chunks else 0
     return {"failed_dropped": len(failed), "items": len(redo), "chunks": queued}
 
 

@@ -297,3 +297,7 @@ def test_redis_queue_submit_and_worker(tmp_path, home, tiny_models, workers, red
               "--max-tokens", "4", "--output-dir", tmp_path / "second", home=home, check=True)
     assert len(Queue(home, redis_url=redis_url).queued_task_ids()) == 1 and "queued" in out.stderr
     assert Queue(home).queued_task_ids() == set()  # the SQLite queue of this home is empty
+    # and from Python, without the variable
+    dflash_batch.submit(tmp_path / "in.jsonl", home=home, redis_url=redis_url, target=tiny_models["target"],
+                        max_tokens=4, output_dir=str(tmp_path / "third"))
+    assert len(Queue(home, redis_url=redis_url).queued_task_ids()) == 2 and Queue(home).queued_task_ids() == set()
