@@ -29,6 +29,7 @@ CHUNK_TASK = "dflash_batch.chunk"
 LOCK_RETRY_S = 2.0  # a chunk whose output dir is busy goes back on the queue for this long
 RETRY_DELAY_S = 5
 REDIS_ENV = "DFLASH_BATCH_REDIS_URL"
+CATCH_UP_DAYS = 35  # how far back a starting worker looks for a missed cron run
 
 
 def redis_huey(url: str):
@@ -40,7 +41,6 @@ def redis_huey(url: str):
     from huey import RedisHuey
 
     return RedisHuey(name="dflash-batch", url=url, results=False, utc=True)
-CATCH_UP_DAYS = 35  # how far back a starting worker looks for a missed cron run
 
 
 def last_due(expression: str, since: datetime.datetime, now: datetime.datetime) -> Optional[datetime.datetime]:
@@ -114,8 +114,7 @@ class Queue:
         self.chunk_task = self.huey.task(name=CHUNK_TASK, context=True)(self._run_chunk)
         self.engines: Optional[Engines] = None
         self.stop_flag: Optional[threading.Event] = None
-        self.schedules: List[Tuple[str, str]] = []
-        self.schedule_paths: Dict[str, Path] = {}
+        self.schedules: Dict[str, Tuple[str, Path]] = {}  # name -> (cron expression, YAML file)
 
     # -- producer side ----------------------------------------------------------------------
     def enqueue_chunk(self, record: JobRecord, chunk: int, delay: Optional[float] = None) -> None:
@@ -217,8 +216,7 @@ class Queue:
             self.submit_schedule(name, path, now)
 
         self.huey.periodic_task(crontab(**cron_fields(spec.schedule)), name=f"dflash_batch.cron.{name}")(submit_scheduled)
-        self.schedules.append((name, spec.schedule))
-        self.schedule_paths[name] = Path(path)
+        self.schedules[name] = (spec.schedule, Path(path))
         log.info("schedule registered: %s at %r (UTC) from %s", name, spec.schedule, path)
         return name, spec.schedule
 
@@ -226,16 +224,17 @@ class Queue:
         """Submit a scheduled job now (re-reading its YAML) and record ``when`` as its last run."""
         record = create_job(load_spec(path), self.home)
         n = self.enqueue_job(record)
-        self.last_run_file(name).parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.last_run_file(name).with_suffix(".tmp")
+        state = self.last_run_file(name)
+        state.parent.mkdir(parents=True, exist_ok=True)
+        tmp = state.with_suffix(".tmp")
         tmp.write_text(when.isoformat(timespec="seconds"))
-        os.replace(tmp, self.last_run_file(name))
+        os.replace(tmp, state)
         log.info("schedule %s submitted job %s (%d chunks)", name, record.id, n)
         return record
 
     def last_run_file(self, name: str) -> Path:
         """One file per registered schedule file (its stem: unique in the schedules folder)."""
-        return self.home / "schedules" / ".last-run" / self.schedule_paths[name].stem
+        return self.home / "schedules" / ".last-run" / self.schedules[name][1].stem
 
     def recorded_run(self, name: str) -> Optional[datetime.datetime]:
         """When the schedule last submitted its job (UTC), if it ever did."""
@@ -247,7 +246,7 @@ class Queue:
         ran = self.recorded_run(name)
         if ran is not None:
             return ran
-        mtime = self.schedule_paths[name].stat().st_mtime
+        mtime = self.schedules[name][1].stat().st_mtime
         return datetime.datetime.fromtimestamp(mtime, datetime.timezone.utc).replace(tzinfo=None)
 
     def catch_up(self, now: Optional[datetime.datetime] = None) -> List[JobRecord]:
@@ -256,8 +255,7 @@ class Queue:
         missed (anacron's rule); a spec with ``catch_up: false`` is left to its next time."""
         now = now or utcnow()
         submitted = []
-        for name, expression in self.schedules:
-            path = self.schedule_paths[name]
+        for name, (expression, path) in self.schedules.items():
             missed = last_due(expression, self.last_run(name), now)
             if missed is None:
                 continue
