@@ -1181,13 +1181,16 @@ def _const(key: tuple, make) -> mx.array:
     return _consts[key]
 
 
-def split_count(Lq: int, Lk: int, H: int, Hk: int, B: int, rows: int, window: Optional[int],
-                min_keys: int = 2 * TILE, max_splits: int = 1 << 30) -> int:
-    """Key chunks for pass 1: enough blocks to fill the GPU, at least ``min_keys`` keys per chunk
-    (two 32-key tiles for the CUDA-core kernel; two tiles per warp for the tensor-core one)."""
+def chunk_count(keys: int, target_blocks: int, blocks_per_chunk: int, min_keys: int) -> int:
+    """Key chunks for pass 1: enough blocks to fill the GPU, at least ``min_keys`` keys each."""
+    return max(1, min(target_blocks // blocks_per_chunk, -(-keys // min_keys)))
+
+
+def split_count(Lq: int, Lk: int, H: int, Hk: int, B: int, rows: int, window: Optional[int]) -> int:
+    """chunk_count for the CUDA-core kernel (two 32-key tiles per chunk, at least), from shapes."""
     keys = min(Lk, Lq + window - 1) if window else Lk
     groups = -(-((H // Hk) * Lq) // rows)
-    return max(1, min(TARGET_BLOCKS // (B * Hk * groups), (keys + min_keys - 1) // min_keys, max_splits))
+    return chunk_count(keys, TARGET_BLOCKS, B * Hk * groups, 2 * TILE)
 
 
 @dataclass
@@ -1294,9 +1297,8 @@ def block_attention_kernel(
         plan = _plans[key] = _plan(backend, q, Hk, scale, causal, window, config)
     B, H, Lq, D = plan.shape
     if not splits:
-        # chunks of keys: enough blocks to fill the GPU, at least plan.min_keys keys per chunk
         keys = min(Lk, plan.key_skip) if plan.key_skip else Lk
-        splits = max(1, min(plan.target_blocks // plan.blocks_per_split, (keys + plan.min_keys - 1) // plan.min_keys))
+        splits = chunk_count(keys, plan.target_blocks, plan.blocks_per_split, plan.min_keys)
     splits = min(splits, plan.max_splits)
     if kv_start is None:
         kv_start = plan.zeros
@@ -1379,6 +1381,7 @@ __all__ = [
     "block_attention",
     "block_attention_kernel",
     "block_attention_reference",
+    "chunk_count",
     "gpu_backend",
     "kernel_config",
     "kernel_sources",
