@@ -275,30 +275,23 @@ def section_tune(context):
                 if cfg.smem_bytes > 200 * 1024:
                     continue
                 for splits in (1, 2, 3, 4, 8):
-                    def chain():
-                        x = q
-                        for _ in range(36):
-                            x = ka.block_attention_kernel(x, k, v, scale=scale, causal=True, config=cfg, splits=splits)
-                        return x
+                    def op(x, k, v, cfg=cfg, splits=splits):
+                        return ka.block_attention_kernel(x, k, v, scale=scale, causal=True, config=cfg, splits=splits)
 
-                    ts = []
-                    for i in range(6):
-                        k, v = kb[:, :, : context + i], vb[:, :, : context + i]
-                        ts.append(timed(chain) / 36)
+                    ts = chained_ms(op, q, kb, vb, context, reps=6)
                     name = f"nw{warps}_kt{kt}_st{stages}_{'fused' if fused else 'pass2'}_splits{splits}"
                     out["chained_ms_per_call"][name] = round(statistics.median(ts[2:]), 4)
-                    gpu = gpu_us(chain, 36)
+                    gpu = gpu_us(lambda: chain(op, q, kb[:, :, : context + 5], vb[:, :, : context + 5]), CHAIN)
                     if gpu is not None:
                         out["gpu_us_per_call"][name] = gpu
     auto = {}
+    default_op = lambda x, k, v: ka.block_attention_kernel(x, k, v, scale=scale, causal=True)  # noqa: E731
     for name in ("kernel", "kernel_cuda_cores"):
         with variant(name):
-            ts = []
-            for i in range(6):
-                k, v = kb[:, :, : context + i], vb[:, :, : context + i]
-                ts.append(timed(lambda: _chain36(q, k, v, scale)) / 36)
+            ts = chained_ms(default_op, q, kb, vb, context, reps=6)
             auto[name] = {"chained_ms_per_call": round(statistics.median(ts[2:]), 4),
-                          "gpu_us_per_call": gpu_us(lambda: _chain36(q, k, v, scale), 36)}
+                          "gpu_us_per_call": gpu_us(lambda: chain(default_op, q, kb[:, :, : context + 5],
+                                                                  vb[:, :, : context + 5]), CHAIN)}
     out["defaults"] = auto
     best = sorted(out["chained_ms_per_call"].items(), key=lambda kv: kv[1])[:8]
     out["fastest_chained"] = best
@@ -322,11 +315,25 @@ def gpu_us(fn, calls):
     return round(total / calls, 2)
 
 
-def _chain36(q, k, v, scale):
+CHAIN = 36  # attention calls per graph in the chained timings: one per layer of Qwen3-4B
+
+
+def chain(op, q, k, v):
+    """``op`` applied CHAIN times in one graph, each call on the previous call's output."""
     x = q
-    for _ in range(36):
-        x = ka.block_attention_kernel(x, k, v, scale=scale, causal=True)
+    for _ in range(CHAIN):
+        x = op(x, k, v)
     return x
+
+
+def chained_ms(op, q, kb, vb, context, reps, grow=True):
+    """ms per call of ``chain`` (host and GPU together, as in a forward pass), one time per
+    repetition; repetition i reads context + i keys (grow) or always context."""
+    ts = []
+    for i in range(reps):
+        L = context + i if grow else context
+        ts.append(timed(lambda: chain(op, q, kb[:, :, :L], vb[:, :, :L])) / CHAIN)
+    return ts
 
 
 def section_profile(model, context):
@@ -374,32 +381,13 @@ def section_profile(model, context):
         "elementwise": lambda q, k, v: q * 1,
     }
     for name, op in ops.items():
-        ts = []
-        for i in range(8):
-            L = context if name == "stock_fixed_length" else context + i
-            k, v = kb[:, :, :L], vb[:, :, :L]
-
-            def chain():
-                x = q
-                for _ in range(36):
-                    x = op(x, k, v)
-                return x
-
-            ts.append(timed(chain) / 36)
+        ts = chained_ms(op, q, kb, vb, context, reps=8, grow=name != "stock_fixed_length")
         out[f"chained36_per_call_{name}"] = summary(ts, skip=2)
     for splits in (4, 8, 16, 32, 64):
-        ts = []
-        for i in range(8):
-            k, v = kb[:, :, : context + i], vb[:, :, : context + i]
+        def op(x, k, v, splits=splits):
+            return ka.block_attention_kernel(x, k, v, scale=scale, causal=True, splits=splits)
 
-            def chain():
-                x = q
-                for _ in range(36):
-                    x = ka.block_attention_kernel(x, k, v, scale=scale, causal=True, splits=splits)
-                return x
-
-            ts.append(timed(chain) / 36)
-        out[f"chained36_per_call_kernel_splits{splits}"] = summary(ts, skip=2)
+        out[f"chained36_per_call_kernel_splits{splits}"] = summary(chained_ms(op, q, kb, vb, context, reps=8), skip=2)
     out["cuda_profile"] = torch_profile(model, cache, x16)
     print(json.dumps(out), flush=True)
     return out
