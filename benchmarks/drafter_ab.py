@@ -1,0 +1,123 @@
+"""A/B of the drafter's attention in one process: the current ``engine/drafter.py`` against an
+older copy of that file (its ``Attention.__call__`` swapped in at run time, same weights).
+
+    git show 8f034b8:dflash_batch/engine/drafter.py > /tmp/drafter_old.py   # before one K/V projection
+    python -m benchmarks.drafter_ab --old /tmp/drafter_old.py --cycles      # GPU: Qwen3-4B shapes, bf16
+    python -m benchmarks.drafter_ab --old /tmp/drafter_old.py --default-pair --new-rows 3   # CPU
+
+Reports the primitives in one draft graph (``mx.export_to_dot``), the draft pass in ms (median
+of alternating calls, each over ``--new-rows`` new context rows), and with ``--cycles`` full
+DFlash cycles (every block accepted) against mlx_lm AR in rotated rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import re
+import statistics
+import sys
+import tempfile
+
+import dflash_batch.engine  # noqa: F401  (BLAS preload before mlx)
+import mlx.core as mx
+
+from benchmarks.gpu_attention import dflash_rate, mlx_lm_ar_rate, timed
+from dflash_batch.engine import decode, load_engine
+from dflash_batch.engine import drafter as current
+
+
+def load_old(path: str):
+    spec = importlib.util.spec_from_file_location("dflash_batch.engine.drafter_old", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def primitives(drafter, target, last, ctx, cache) -> int:
+    """Primitives in the graph of one draft pass (the cache is trimmed back afterwards)."""
+    out = decode.draft_block(drafter, target, last, ctx, cache)
+    with tempfile.NamedTemporaryFile(suffix=".dot") as f:
+        mx.export_to_dot(f.name, out)
+        n = len(re.findall(r'shape=rectangle', open(f.name).read()))
+    mx.eval(out, [c.state for c in cache])  # so that the next graph does not include this one
+    for c in cache:
+        c.trim(ctx.shape[1])
+    return n
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--old", required=True, help="an older engine/drafter.py")
+    ap.add_argument("--default-pair", action="store_true", help="the embedded SmolLM2 pair (else a benchmarks.shapes shape)")
+    ap.add_argument("--shape", default="qwen3-4b")
+    ap.add_argument("--context", type=int, default=2048)
+    ap.add_argument("--new-rows", type=int, default=16, help="new context rows per draft pass")
+    ap.add_argument("--calls", type=int, default=80)
+    ap.add_argument("--cycles", action="store_true", help="also full cycles against mlx_lm AR (5 rounds)")
+    args = ap.parse_args(argv)
+    calls = {"new": current.Attention.__call__, "old": load_old(args.old).Attention.__call__}
+
+    if args.default_pair:
+        engine = load_engine()
+        target, drafter, model = engine.target, engine.drafter, engine.target.model
+        text = "Write a short story about a lighthouse keeper who finds a message in a bottle. " * 6
+        prompt = engine.tokenizer.encode(text)[: args.context]
+    else:
+        from benchmarks.shapes import SHAPES, build_drafter, build_target
+        from dflash_batch.engine import attention as routing
+        from dflash_batch.engine.target import Target
+
+        shape = SHAPES[args.shape]
+        dtype = mx.bfloat16 if mx.default_device() == mx.gpu else mx.float32
+        model = build_target(shape.target, dtype)
+        routing.install(model)
+        drafter = build_drafter(shape.drafter, shape.target["hidden_size"], dtype)
+        model.model.embed_tokens.weight = mx.zeros_like(model.model.embed_tokens.weight)  # every block accepted
+        mx.eval(model.parameters())
+        target = Target(model, tap_ids=drafter.args.target_layer_ids)
+        prompt = mx.random.randint(0, 1000, (args.context,)).tolist()
+
+    cache, dcache = target.make_cache(), drafter.make_cache()
+    logits, context = decode.prefill(target, prompt, cache, 2048)
+    last = mx.argmax(logits, axis=-1).astype(mx.int32)
+    mx.eval(decode.draft_block(drafter, target, last, context, dcache))  # the drafter cache holds the prompt
+    ctx = context[:, -args.new_rows :, :]
+    out = {"command": "python -m benchmarks.drafter_ab " + " ".join(argv or sys.argv[1:]),
+           "device": str(mx.default_device()), "primitives_per_draft_pass": {}}
+    for name, call in calls.items():
+        current.Attention.__call__ = call
+        out["primitives_per_draft_pass"][name] = primitives(drafter, target, last, ctx, dcache)
+    ts = {k: [] for k in calls}
+    for r in range(args.calls):
+        for name in (("new", "old") if r % 2 else ("old", "new")):
+            current.Attention.__call__ = calls[name]
+            ts[name].append(timed(lambda: decode.draft_block(drafter, target, last, ctx, dcache)))
+            for c in dcache:
+                c.trim(args.new_rows)
+    out["draft_ms_median"] = {k: round(statistics.median(v[10:]), 3) for k, v in ts.items()}
+    print(json.dumps(out), flush=True)
+
+    if args.cycles:
+        for name in calls:
+            current.Attention.__call__ = calls[name]
+            dflash_rate(target, drafter, prompt, 64)  # warm-up
+        rates = {k: [] for k in list(calls) + ["ar"]}
+        order = ["new", "old", "ar"]
+        for r in range(5):
+            for name in order[r % 3 :] + order[: r % 3]:
+                if name == "ar":
+                    rates["ar"].append(mlx_lm_ar_rate(model, prompt, 257)["tok_s"])
+                else:
+                    current.Attention.__call__ = calls[name]
+                    rates[name].append(dflash_rate(target, drafter, prompt, 513)["tok_s"])
+        out["cycle_tok_s"] = rates
+        out["speedup_vs_mlx_lm_ar"] = {k: round(statistics.median(rates[k]) / statistics.median(rates["ar"]), 2) for k in calls}
+        print(json.dumps(out), flush=True)
+    current.Attention.__call__ = calls["new"]
+
+
+if __name__ == "__main__":
+    main()
