@@ -1,4 +1,12 @@
-"""Kernels for Nsight Compute: the attention op at the Qwen3-4B shape, 2048 keys, one call each."""
+"""Kernels for Nsight Compute: the attention op at the Qwen3-4B shape, 2048 keys, two calls each.
+
+    MLX_USE_CUDA_GRAPHS=0 ncu --target-processes all -k regex:dflash --section SpeedOfLight \
+        --section Occupancy --section LaunchStats --csv --page details \
+        python3 benchmarks/ncu_attention.py > ncu.csv
+    python3 benchmarks/ncu_summary.py ncu.csv
+
+(docs/benchmarks/ncu-h200-run*.txt hold the summaries of the H200 runs.)
+"""
 import dflash_batch.engine  # noqa: F401
 import mlx.core as mx
 from dflash_batch.engine.kernels import attention as ka
