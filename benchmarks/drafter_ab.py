@@ -3,7 +3,7 @@ older copy of that file (its ``Attention.__call__`` swapped in at run time, same
 
     git show 8f034b8:dflash_batch/engine/drafter.py > /tmp/drafter_old.py   # before one K/V projection
     python -m benchmarks.drafter_ab --old /tmp/drafter_old.py --cycles      # GPU: Qwen3-4B shapes, bf16
-    python -m benchmarks.drafter_ab --old /tmp/drafter_old.py --default-pair --new-rows 3   # CPU
+    python -m benchmarks.drafter_ab --old /tmp/drafter_old.py --default-pair --new-rows 3 --outputs   # CPU
 
 Reports the primitives in one draft graph (``mx.export_to_dot``), the draft pass in ms (median
 of alternating calls, each over ``--new-rows`` new context rows), and with ``--cycles`` full
@@ -57,6 +57,8 @@ def main(argv=None):
     ap.add_argument("--new-rows", type=int, default=16, help="new context rows per draft pass")
     ap.add_argument("--calls", type=int, default=80)
     ap.add_argument("--cycles", action="store_true", help="also full cycles against mlx_lm AR (5 rounds)")
+    ap.add_argument("--outputs", action="store_true", help="with --default-pair: greedy outputs and tokens "
+                    "per cycle of both, on four prompts")
     args = ap.parse_args(argv)
     calls = {"new": current.Attention.__call__, "old": load_old(args.old).Attention.__call__}
 
@@ -99,6 +101,17 @@ def main(argv=None):
                 c.trim(args.new_rows)
     out["draft_ms_median"] = {k: round(statistics.median(v[10:]), 3) for k, v in ts.items()}
     print(json.dumps(out), flush=True)
+
+    if args.outputs and args.default_pair:
+        prompts = ["Explain why the sky is blue in two sentences.", "Write a haiku about autumn.",
+                   "List three uses of a paperclip.", "What is 17 times 23? Show your work."]
+        runs = {}
+        for name, call in calls.items():
+            current.Attention.__call__ = call
+            runs[name] = [engine.generate(p, max_tokens=96) for p in prompts]
+        out["same_outputs"] = all(a.token_ids == b.token_ids for a, b in zip(runs["new"], runs["old"]))
+        out["tokens_per_cycle"] = {k: [round(c.stats.tokens_per_cycle, 3) for c in v] for k, v in runs.items()}
+        print(json.dumps(out), flush=True)
 
     if args.cycles:
         for name in calls:
