@@ -7,6 +7,8 @@
 
     job = dflash_batch.run("jobs/dataset.yaml", engine=my_engine)  # in this process, no queue
 
+An engine is any ``dflash_batch.request.Generator`` (``Engine`` from ``dflash_batch.engine`` is one).
+
 Keyword overrides use the flat spec names (``target``, ``draft``, ``max_tokens``, ``temperature``,
 ``seed``, ``stop``, ``system_prompt``, ``output_dir``, ``chunk_size``...; see ``JobSpec``).
 """
@@ -18,18 +20,39 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Union
 
-from .runner.execution import run_chunk
+from . import checks
+from .runner.execution import finish_job, run_job
 from .runner.jobs import JobRecord, create_job, home_dir, load_job
-from .runner.lock import DirLock
+from .runner.lock import DirLock, Locked
 from .runner.spec import JobSpec, SpecError, load_spec, validate
 
 Source = Union[str, Path, Dict[str, Any]]
 FINAL_STATES = ("completed", "cancelled", "failed")
 
 
+class JobFailed(RuntimeError):
+    """A foreground job stopped by a job-level error (say, a model that does not load); the job
+    is marked failed, and the error is the ``__cause__``."""
+
+
+ENGINE_ENV = "DFLASH_BATCH_ENGINE"
+
+
 def load_model(**model):
     """The default engine factory: ``dflash_batch.engine.load_engine`` (MLX is imported here,
-    lazily, and only by whoever calls it)."""
+    lazily, and only by whoever calls it). ``$DFLASH_BATCH_ENGINE=module:callable`` names
+    another factory (called with the same model keywords; it must return a
+    ``request.Generator``): for another engine, or the tests' fake one."""
+    name = os.environ.get(ENGINE_ENV)
+    if name:
+        import importlib
+
+        module, _, attr = name.partition(":")
+        try:
+            factory = getattr(importlib.import_module(module), attr or "load_engine")
+        except (ImportError, AttributeError) as e:
+            raise SpecError(f"${ENGINE_ENV}={name!r} names no engine factory: {e}") from None
+        return factory(**model)
     from .engine import load_engine
 
     return load_engine(**model)
@@ -97,7 +120,10 @@ def submit(input: Source, *, home: Optional[Union[str, Path]] = None, redis_url:
 
     home = Path(home) if home else home_dir()
     record = create_job(_spec(input, overrides), home)
-    Queue(home, redis_url=redis_url).enqueue_job(record)
+    if record.pending_chunks():
+        Queue(home, redis_url=redis_url).enqueue_job(record)
+    else:  # every row is in the output dir already: nothing to queue
+        finish_job(record)
     return Job(record.id, home)
 
 
@@ -113,7 +139,7 @@ def run(
     """Run a job to the end in this process, without the queue. ``engine``: an engine object to
     use as it is; else ``engine_factory(**spec.model)`` (default: ``load_model``). A rerun with
     the same output dir skips the items already done. Raises ``lock.Locked`` when another process
-    is working on the output dir."""
+    is working on the output dir, and ``JobFailed`` (the job marked failed) for a job-level error."""
     from .runner.tasks import Engines
 
     home = Path(home) if home else home_dir()
@@ -126,8 +152,15 @@ def run(
         status = record.status()
         bar = tqdm(total=record.total, initial=status["done"], unit="item", desc=record.id, dynamic_ncols=True)
     try:
-        for chunk in record.pending_chunks():
-            run_chunk(record, chunk, engines, on_row=(lambda row: bar.update(1)) if bar else None)
+        if not record.pending_chunks():
+            finish_job(record)
+        else:  # the whole job as one stream of requests through the engine
+            run_job(record, None, engines, on_row=(lambda row: bar.update(1)) if bar else None)
+    except (Locked, checks.BadValue):  # refused before any work: the job stays as it was
+        raise
+    except Exception as e:  # as a worker does: the job is failed, its finished rows stay
+        record.mark_failed(f"{type(e).__name__}: {e}")
+        raise JobFailed(f"job {record.id} failed: {type(e).__name__}: {e}") from e
     finally:
         if bar is not None:
             bar.close()
@@ -179,13 +212,56 @@ def add_schedule(spec_file: Union[str, Path], *, home: Optional[Union[str, Path]
         raise SpecError(f"{spec_file}: no 'schedule' key; use submit to run it once")
     home = Path(home) if home else home_dir()
     name = spec.name or Path(spec_file).stem
-    target = home / "schedules" / f"{name}.yaml"
+    try:
+        target = checks.path_under(home / "schedules", f"{checks.plain_name(name)}.yaml")
+    except checks.BadValue as e:
+        raise SpecError(f"{spec_file}: cannot be registered as schedule {name!r}: {e}; give it a 'name'") from None
     target.parent.mkdir(parents=True, exist_ok=True)
     layout = spec_layout(spec)
     tmp = target.with_suffix(".yaml.tmp")
     tmp.write_text(f"# registered from {Path(spec_file).resolve()}\n" + yaml.safe_dump(layout, sort_keys=False))
     os.replace(tmp, target)
     return target
+
+
+def schedules(home: Optional[Union[str, Path]] = None) -> List[Dict[str, Any]]:
+    """The schedules registered in the home: name (what ``remove_schedule`` takes), cron
+    expression, input, last and next run (UTC, ISO text), file; ``error`` for an unreadable one."""
+    from .runner.tasks import last_run_path, next_due, utcnow
+
+    home = Path(home) if home else home_dir()
+    folder = home / "schedules"
+    out = []
+    for path in sorted(folder.glob("*.yaml")) if folder.is_dir() else []:
+        entry: Dict[str, Any] = {"name": path.stem, "file": str(path)}
+        try:
+            spec = load_spec(path)
+            state = last_run_path(home, path)
+        except SpecError as e:
+            out.append(dict(entry, error=str(e)))
+            continue
+        ran = state.read_text().strip() if state.exists() else None
+        due = next_due(spec.schedule, utcnow()) if spec.schedule else None
+        out.append(dict(entry, schedule=spec.schedule, input=spec.input, catch_up=spec.catch_up, last_run=ran,
+                        next_run=due.isoformat(timespec="minutes") if due else None))  # fmt: skip
+    return out
+
+
+def remove_schedule(name: str, *, home: Optional[Union[str, Path]] = None) -> Path:
+    """Delete a registered schedule and its last-run record; returns the file removed. Running
+    workers keep the schedule until they restart. Raises ``ScheduleNotFound``."""
+    from .runner.tasks import ScheduleNotFound, last_run_path
+
+    home = Path(home) if home else home_dir()
+    try:
+        path = checks.path_under(home / "schedules", f"{checks.plain_name(name)}.yaml")
+    except checks.BadValue as e:
+        raise ScheduleNotFound(f"{name!r} is not a schedule name: {e}") from None
+    if not path.is_file():
+        raise ScheduleNotFound(f"no schedule {name!r} in {path.parent} (see `dflash-batch schedules`)")
+    last_run_path(home, path).unlink(missing_ok=True)
+    path.unlink()
+    return path
 
 
 def spec_layout(spec: JobSpec) -> Dict[str, Any]:

@@ -43,31 +43,33 @@ class GenerationStats:
     acceptance_histogram: List[int] = field(default_factory=list)
     peak_memory_gb: float = 0.0
 
-    @property
-    def prefill_tps(self) -> float:
-        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+    # Rates are None where they are undefined (nothing to divide by), never a made-up 0.
 
     @property
-    def decode_tps(self) -> float:
+    def prefill_tps(self) -> Optional[float]:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else None
+
+    @property
+    def decode_tps(self) -> Optional[float]:
         # The first token comes from prefill; decode rate counts the ones after it.
-        n = max(self.generated_tokens - 1, 0)
-        return n / self.decode_s if self.decode_s > 0 else 0.0
+        n = self.generated_tokens - 1
+        return n / self.decode_s if n > 0 and self.decode_s > 0 else None
 
     @property
-    def tokens_per_cycle(self) -> float:
+    def tokens_per_cycle(self) -> Optional[float]:
         """Mean acceptance length tau: committed tokens per verify cycle, bonus included."""
         committed = sum(k * n for k, n in enumerate(self.acceptance_histogram))
-        return committed / self.cycles if self.cycles else 0.0
+        return committed / self.cycles if self.cycles else None
 
     @property
-    def acceptance_drafted(self) -> float:
+    def acceptance_drafted(self) -> Optional[float]:
         """accepted / drafted: the share of proposed draft tokens the target kept."""
-        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else None
 
     @property
-    def acceptance_generated(self) -> float:
+    def acceptance_generated(self) -> Optional[float]:
         """accepted / generated: the share of output tokens that came from the drafter."""
-        return self.accepted_tokens / self.generated_tokens if self.generated_tokens else 0.0
+        return self.accepted_tokens / self.generated_tokens if self.generated_tokens else None
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -83,6 +85,7 @@ class Completion:
     finish_reason: str  # "stop" (EOS id or stop string) or "length" (max_tokens)
     stats: GenerationStats
     stop_reason: Optional[str] = None  # the stop string or "eos" that ended it, if any
+    sample_index: int = 0  # which of the prompt's n samples this is
 
 
 @dataclass

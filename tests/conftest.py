@@ -9,8 +9,27 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a model hub
 
-import dflash_batch.engine  # noqa: E402,F401  (preloads the BLAS before mlx.core)
-from dflash_batch.engine import synthetic  # noqa: E402
+
+
+def pytest_collect_file(file_path, parent):
+    """Before a test module that may import mlx.core is collected, import dflash_batch.engine
+    (it preloads the BLAS before mlx.core). The runner's modules import MLX only through the
+    fixtures that load a real model, so a run of fake-engine tests never loads it."""
+    if file_path.suffix == ".py" and file_path.name.startswith("test_") and not file_path.name.startswith("test_runner_"):
+        import dflash_batch.engine  # noqa: F401
+    return None
+
+
+class _Synthetic:
+    """``dflash_batch.engine.synthetic``, imported on first use."""
+
+    def __getattr__(self, name):
+        from dflash_batch.engine import synthetic as module
+
+        return getattr(module, name)
+
+
+synthetic = _Synthetic()
 
 
 @pytest.fixture(scope="session")

@@ -97,6 +97,73 @@ def test_reference_left_padding_matches_stock(causal):
     assert max_err(ref, want) < TOL[mx.float32]
 
 
+def ragged_mask(B, Lq, Lk, *, lengths, causal, window=None, kv_start=None):
+    """The bool mask [B, 1, Lq, Lk] of per-row key lengths, built key by key in numpy (not with
+    visible_keys): row b has L = lengths[b] keys (0: Lk), its query i sits at L - Lq + i."""
+    mask = np.zeros((B, 1, Lq, Lk), dtype=bool)
+    for b in range(B):
+        L = lengths[b] or Lk
+        for i in range(Lq):
+            pos = L - Lq + i
+            for j in range(Lk):
+                mask[b, 0, i, j] = (j < L and (not causal or j <= pos) and (not window or pos - j < window)
+                                    and (kv_start is None or j >= kv_start[b]))
+    return mx.array(mask)
+
+
+# (Lq, lengths, causal, window, kv_start) over a 96-key view of a 120-key buffer, B = 4
+RAGGED_REFERENCE_CASES = [
+    (16, [96, 61, 17, 40], True, None, None),  # verify passes of a ragged batch
+    (16, [96, 61, 17, 40], False, None, None),
+    (16, [96, 61, 17, 40], True, 5, None),
+    (16, [90, 61, 30, 40], True, None, [0, 20, 14, 3]),  # with left padding
+    (16, [0, 50, 96, 33], False, 9, [4, 0, 60, 10]),  # 0: the whole length
+    (1, [96, 61, 1, 40], True, None, None),  # a decoding step of a ragged batch
+    (1, [96, 61, 2, 40], True, 3, [0, 60, 0, 39]),
+    (3, [96, 3, 17, 40], True, None, None),
+    (3, [96, 3, 17, 40], False, None, [10, 0, 5, 0]),
+]
+
+
+@pytest.mark.parametrize("case", RAGGED_REFERENCE_CASES, ids=lambda c: f"Lq{c[0]}-{'causal' if c[2] else 'bidir'}-w{c[3]}-{'pad' if c[4] else 'nopad'}")
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_reference_row_lengths_match_stock(case, dtype):
+    """kv_len against stock SDPA over the whole buffer with the equivalent bool mask, and each row
+    against stock SDPA on that row's keys alone (k[b, :, :kv_len[b]], as if it were its cache)."""
+    Lq, lengths, causal, window, kv_start = case
+    B, H, Hk, Lk, D = 4, 8, 2, 96, 64
+    q, k, v = make_qkv(B, H, Hk, Lq, Lk, D, dtype, seed=Lq + sum(lengths), cap=120)
+    kv_len = mx.array(lengths, dtype=mx.int32)
+    starts = None if kv_start is None else mx.array(kv_start, dtype=mx.int32)
+    ref = ka.block_attention_reference(q, k, v, scale=0.125, causal=causal, window=window, kv_start=starts,
+                                       kv_len=kv_len)
+    assert ref.shape == q.shape and ref.dtype == dtype
+    mask = ragged_mask(B, Lq, Lk, lengths=lengths, causal=causal, window=window, kv_start=kv_start)
+    assert mx.array_equal(mask, ka.visible_keys(Lq, Lk, causal=causal, window=window, kv_start=starts, width=Lk,
+                                                kv_len=kv_len)).item()
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask)
+    assert max_err(ref, want) < TOL[dtype]
+    for b, L in enumerate(lengths):
+        L = L or Lk
+        alone = ka.block_attention_reference(q[b : b + 1], k[b : b + 1, :, :L], v[b : b + 1, :, :L], scale=0.125,
+                                             causal=causal, window=window,
+                                             kv_start=None if starts is None else starts[b : b + 1])
+        assert max_err(ref[b : b + 1], alone) < TOL[dtype]
+        row_mask = ragged_mask(1, Lq, L, lengths=[L], causal=causal, window=window,
+                               kv_start=None if kv_start is None else kv_start[b : b + 1])
+        stock_alone = mx.fast.scaled_dot_product_attention(q[b : b + 1], k[b : b + 1, :, :L], v[b : b + 1, :, :L],
+                                                           scale=0.125, mask=row_mask)
+        assert max_err(ref[b : b + 1], stock_alone) < TOL[dtype]
+
+
+def test_reference_row_lengths_zero_or_past_the_buffer_mean_the_whole_length():
+    q, k, v = make_qkv(3, 4, 2, 5, 40, 64, mx.float32, seed=8)
+    whole = ka.block_attention_reference(q, k, v, scale=0.1, causal=True)
+    for lengths in ([0, 0, 0], [40, 41, 1000]):
+        got = ka.block_attention_reference(q, k, v, scale=0.1, causal=True, kv_len=mx.array(lengths, dtype=mx.int32))
+        assert max_err(got, whole) == 0.0
+
+
 def test_reference_chunking_does_not_change_the_result():
     q, k, v = make_qkv(1, 8, 2, 16, 1000, 128, mx.float32, seed=9)
     a = ka.block_attention_reference(q, k, v, scale=0.09, chunk=32)
@@ -209,7 +276,8 @@ template <typename X> std::vector<X> load(const char* path, size_t n) {
 EMU_KERNELS = r"""
 void pass1(Ctx* ctx, int tid, int split, int n_splits, int bh, int rg, float* smem,
            const T* q, Shape q_shape, Strides q_strides, const T* k, Shape k_shape, Strides k_strides,
-           const T* v, Strides v_strides, const int32_t* kv_start, const int32_t* flags, const float* scale,
+           const T* v, Strides v_strides, const int32_t* kv_start, const int32_t* kv_len, const int32_t* flags,
+           const float* scale,
            const int32_t* counters, float* o_part, float* m_part, float* l_part, float* out, int GROUPS_Z) {
   const int lane = tid & 31;
   const int warp = tid >> 5;
@@ -234,6 +302,7 @@ int run_blocks(const char* dir, int B, int H, int Hk, int Lq, int Lk, int cap, i
   auto kb = load<Elem>((d + "/k.bin").c_str(), (size_t)B * Hk * cap * D);
   auto vb = load<Elem>((d + "/v.bin").c_str(), (size_t)B * Hk * cap * D);
   auto kv_start = load<int32_t>((d + "/kv_start.bin").c_str(), B);
+  auto kv_len = load<int32_t>((d + "/kv_len.bin").c_str(), B);
   auto flags = load<int32_t>((d + "/flags.bin").c_str(), 2);
   auto scale = load<float>((d + "/scale.bin").c_str(), 1);
   Shape qs{B, H, Lq, D}, ks{B, Hk, Lk, D};
@@ -258,7 +327,7 @@ int run_blocks(const char* dir, int B, int H, int Hk, int Lq, int Lk, int cap, i
         for (int tid = 0; tid < NT; ++tid)
           th.emplace_back([&, tid] {
             pass1_fn(&ctx, tid, split, splits, bh, rg, reinterpret_cast<float*>(smem4.data()), q.data(), qs, qst,
-                     kb.data(), ks, kst, vb.data(), kst, kv_start.data(), flags.data(), scale.data(),
+                     kb.data(), ks, kst, vb.data(), kst, kv_start.data(), kv_len.data(), flags.data(), scale.data(),
                      counters.data(), o_part.data(), m_part.data(), l_part.data(), out.data(), groups);
           });
         for (auto& t : th) t.join();
@@ -325,7 +394,7 @@ def emulator(tmp_path_factory):
             pytest.skip("C++ compiler lacks <barrier>")
         assert done.returncode == 0, done.stderr[-4000:]
 
-    def run(backend, q, k_buf, v_buf, Lk, *, scale, causal, window, kv_start, splits=None, fused=False):
+    def run(backend, q, k_buf, v_buf, Lk, *, scale, causal, window, kv_start, kv_len=None, splits=None, fused=False):
         B, H, Lq, D = q.shape
         Hk, cap = k_buf.shape[1], k_buf.shape[2]
         c = ka.kernel_config(backend, D)
@@ -339,6 +408,7 @@ def emulator(tmp_path_factory):
         np.asarray(k_buf, dtype=np.float32).tofile(d / "k.bin")
         np.asarray(v_buf, dtype=np.float32).tofile(d / "v.bin")
         np.asarray(kv_start if kv_start is not None else np.zeros(B), dtype=np.int32).tofile(d / "kv_start.bin")
+        np.asarray(kv_len if kv_len is not None else np.zeros(B), dtype=np.int32).tofile(d / "kv_len.bin")
         np.asarray([int(causal), int(window or 0)], dtype=np.int32).tofile(d / "flags.bin")
         np.asarray([scale * ka.LOG2E], dtype=np.float32).tofile(d / "scale.bin")
         cfg = EMU_CONFIGS.index((backend, D))
@@ -378,6 +448,44 @@ def test_kernel_body_on_emulated_gpu_matches_reference(emulator, case):
         got = emulator(backend, q, k_buf, v_buf, Lk, scale=D**-0.5, causal=causal, window=window,
                        kv_start=kv_start, splits=splits, fused=fused)
         assert not mx.isnan(got).any().item(), "a key past Lk leaked into the result"
+        assert max_err(got, want) < 2e-5
+
+
+def ragged_buffers(k, v, cap, lengths):
+    """The cache buffers the emulator reads: k, v [B, Hk, Lk, D] padded to cap columns, with NaN in
+    every column at or past a row's own length (0: Lk), so a key read past it shows in the result."""
+    B, Hk, Lk, D = k.shape
+    pad = [(0, 0), (0, 0), (0, cap - Lk), (0, 0)]
+    k_buf, v_buf = mx.pad(k, pad), mx.pad(v, pad)
+    live = mx.arange(cap)[None, :] < mx.array([L or Lk for L in lengths])[:, None]  # [B, cap]
+    live = live[:, None, :, None]
+    return mx.where(live, k_buf, float("nan")), mx.where(live, v_buf, float("nan"))
+
+
+# Per-row key lengths (kv_len): (backend, B, H, Hk, Lq, Lk, cap, D, causal, window, kv_start, kv_len, splits)
+EMU_RAGGED_CASES = [
+    ("cuda", 3, 8, 2, 16, 200, 230, 128, True, None, None, [200, 61, 17], 4),  # 7 / 2 / 1 tiles over 4 splits
+    ("cuda", 2, 8, 2, 1, 130, 160, 64, True, None, [0, 5], [0, 40], 3),  # decoding step (Lq 1), 0 = all
+    ("cuda", 2, 4, 4, 3, 100, 128, 256, False, None, None, [3, 77], 2),  # Lq 3, MHA, a row of Lq keys
+    ("cuda", 2, 8, 2, 3, 150, 150, 128, True, 20, [0, 10], [150, 90], 3),  # window: key_begin per row
+    ("metal", 2, 8, 2, 1, 100, 128, 128, True, 10, None, [100, 33], 2),  # Lq 1 in a window, K staged 32 dims at a time
+    ("metal", 3, 4, 2, 3, 90, 96, 256, True, 7, [3, 0, 0], [90, 50, 4], None),
+    ("metal", 2, 8, 8, 16, 70, 75, 64, False, None, [5, 0], [64, 16], 3),  # rows past R, empty splits
+]
+
+
+@pytest.mark.parametrize("case", EMU_RAGGED_CASES, ids=lambda c: f"{c[0]}-D{c[7]}-Lq{c[4]}-len{'-'.join(map(str, c[11]))}")
+def test_kernel_body_with_row_lengths_on_emulated_gpu_matches_reference(emulator, case):
+    backend, B, H, Hk, Lq, Lk, cap, D, causal, window, kv_start, lengths, splits = case
+    q, k, v = make_qkv(B, H, Hk, Lq, Lk, D, mx.float32, seed=Lk + D + Lq, cap=cap)
+    k_buf, v_buf = ragged_buffers(k, v, cap, lengths)
+    starts = None if kv_start is None else mx.array(kv_start, dtype=mx.int32)
+    want = ka.block_attention_reference(q, k, v, scale=D**-0.5, causal=causal, window=window, kv_start=starts,
+                                        kv_len=mx.array(lengths, dtype=mx.int32))
+    for fused in (False, True) if backend == "cuda" else (False,):  # CUDA has both pass-2 forms
+        got = emulator(backend, q, k_buf, v_buf, Lk, scale=D**-0.5, causal=causal, window=window,
+                       kv_start=kv_start, kv_len=lengths, splits=splits, fused=fused)
+        assert not mx.isnan(got).any().item(), "a key past a row's length leaked into the result"
         assert max_err(got, want) < 2e-5
 
 
@@ -485,7 +593,7 @@ def mma_emulator(tmp_path_factory):
         pytest.skip("C++ compiler lacks <barrier>")
     assert done.returncode == 0, done.stderr[-4000:]
 
-    def run(cfg, q, k_buf, v_buf, Lk, *, scale, causal, window, kv_start, splits):
+    def run(cfg, q, k_buf, v_buf, Lk, *, scale, causal, window, kv_start, splits, kv_len=None):
         B, H, Lq, D = q.shape
         Hk, cap = k_buf.shape[1], k_buf.shape[2]
         groups = -(-((H // Hk) * Lq) // 16)
@@ -494,6 +602,7 @@ def mma_emulator(tmp_path_factory):
         for name, x in (("q", q), ("k", k_buf), ("v", v_buf)):
             np.asarray(x.astype(mx.bfloat16).view(mx.uint16)).tofile(d / f"{name}.bin")
         np.asarray(kv_start if kv_start is not None else np.zeros(B), dtype=np.int32).tofile(d / "kv_start.bin")
+        np.asarray(kv_len if kv_len is not None else np.zeros(B), dtype=np.int32).tofile(d / "kv_len.bin")
         np.asarray([int(causal), int(window or 0)], dtype=np.int32).tofile(d / "flags.bin")
         np.asarray([scale * ka.LOG2E], dtype=np.float32).tofile(d / "scale.bin")
         args = [str(exe), str(d), cfg, B, H, Hk, Lq, Lk, cap, splits, groups]
@@ -533,6 +642,33 @@ def test_tensor_core_body_on_emulated_gpu_matches_reference(mma_emulator, case):
     assert max_err(got, want) < 5e-5
 
 
+# Per-row key lengths (kv_len): (config index, B, H, Hk, Lq, Lk, cap, causal, window, kv_start, kv_len, splits)
+EMU_MMA_RAGGED_CASES = [
+    (1, 3, 8, 2, 16, 200, 230, True, None, None, [200, 61, 17], 3),  # 13 / 4 / 2 tiles over 3 chunks, fused
+    (0, 2, 8, 2, 1, 130, 160, True, None, [0, 5], [0, 40], 4),  # decoding step: 4 rows of 16, 0 = all
+    (3, 2, 4, 4, 1, 100, 128, False, None, None, [100, 23], 3),  # Lq 1, MHA (1 row of 16), pass 2 separate
+    (4, 2, 4, 2, 1, 60, 64, True, 12, None, [33, 0], 1),  # Lq 1 in a window, one chunk: output written directly
+    (0, 2, 9, 3, 3, 64, 80, False, None, None, [64, 3], 2),  # Lq 3, bidirectional, 3 query heads per KV head
+    (2, 2, 8, 2, 3, 150, 150, True, 20, [0, 10], [150, 90], 2),  # D=256, window: key_begin per row
+]
+
+
+@pytest.mark.parametrize("case", EMU_MMA_RAGGED_CASES, ids=lambda c: f"cfg{c[0]}-Lq{c[4]}-len{'-'.join(map(str, c[10]))}")
+def test_tensor_core_body_with_row_lengths_on_emulated_gpu_matches_reference(mma_emulator, case):
+    cfg, B, H, Hk, Lq, Lk, cap, causal, window, kv_start, lengths, splits = case
+    D = EMU_MMA_CONFIGS[cfg][0]
+    q, k, v = (x.astype(mx.bfloat16).astype(mx.float32)
+               for x in make_qkv(B, H, Hk, Lq, Lk, D, mx.float32, seed=Lk + D + Lq, cap=cap))
+    k_buf, v_buf = ragged_buffers(k, v, cap, lengths)
+    starts = None if kv_start is None else mx.array(kv_start, dtype=mx.int32)
+    want = ka.block_attention_reference(q, k, v, scale=D**-0.5, causal=causal, window=window, kv_start=starts,
+                                        kv_len=mx.array(lengths, dtype=mx.int32))
+    got = mma_emulator(cfg, q, k_buf, v_buf, Lk, scale=D**-0.5, causal=causal, window=window,
+                       kv_start=kv_start, splits=splits, kv_len=lengths)
+    assert not mx.isnan(got).any().item(), "a key past a row's length leaked into the result"
+    assert max_err(got, want) < 5e-5
+
+
 # --------------------------------------------------------------------------------------------
 # Kernels on a real GPU backend (CUDA via mlx[cuda13]; Metal on Apple silicon): skipped here
 # --------------------------------------------------------------------------------------------
@@ -555,6 +691,27 @@ def test_kernel_matches_reference_on_gpu(case):
     q, k, v = make_qkv(B, H, Hk, Lq, Lk, D, dtype, seed=Lk, cap=Lk + 100)
     got = ka.block_attention_kernel(q, k, v, scale=D**-0.5, causal=causal, window=window)
     want = ka.block_attention_reference(q, k, v, scale=D**-0.5, causal=causal, window=window)
+    assert max_err(got, want) < TOL[dtype]
+
+
+# (B, H, Hk, Lq, Lk, D, dtype, causal, window, kv_len): ragged batches (decoding steps, verify passes)
+GPU_RAGGED_CASES = [
+    (4, 32, 8, 16, 512, 128, mx.bfloat16, True, None, [512, 300, 17, 0]),
+    (4, 32, 8, 1, 512, 128, mx.bfloat16, True, None, [512, 300, 1, 77]),
+    (3, 8, 2, 3, 300, 256, mx.float16, True, 64, [300, 3, 150]),
+    (3, 8, 4, 1, 100, 64, mx.float32, True, None, [100, 1, 50]),
+    (2, 8, 4, 5, 100, 128, mx.float32, False, None, [100, 33]),
+]
+
+
+@gpu_only
+@pytest.mark.parametrize("case", GPU_RAGGED_CASES)
+def test_kernel_with_row_lengths_matches_reference_on_gpu(case):
+    B, H, Hk, Lq, Lk, D, dtype, causal, window, lengths = case
+    q, k, v = make_qkv(B, H, Hk, Lq, Lk, D, dtype, seed=Lk + Lq, cap=Lk + 100)
+    kv_len = mx.array(lengths, dtype=mx.int32)
+    got = ka.block_attention_kernel(q, k, v, scale=D**-0.5, causal=causal, window=window, kv_len=kv_len)
+    want = ka.block_attention_reference(q, k, v, scale=D**-0.5, causal=causal, window=window, kv_len=kv_len)
     assert max_err(got, want) < TOL[dtype]
 
 

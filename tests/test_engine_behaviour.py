@@ -12,16 +12,19 @@ from mlx_lm import load as mlx_load
 from dflash_batch.completion import EmptyPromptError, GenerationError, ModelMismatchError, PromptTooLongError
 from dflash_batch.engine import decode, load_drafter, load_engine, resolve_model_path, synthetic
 from dflash_batch.engine.drafter import ModelArgs, build_target_layer_ids
+from dflash_batch.engine.batch_cache import Lengths
 from dflash_batch.engine.target import Target
 from tests.conftest import make_drafter
+from tests.scripting import ScriptedDrafts
 from tests.test_engine_lossless import greedy_reference
 
 
 @pytest.fixture(scope="module")
 def full_accept(zero_head_target, model_dir):
-    """Zeroed head: target and drafter both always pick token 0, so every block is accepted."""
+    """Zeroed head: target and drafter both always pick token 0, so every block is accepted.
+    Every cycle verifies the whole block (no scheduler), so the cycle structure is known."""
     draft = make_drafter(model_dir, "draft-b8", synthetic.tiny_qwen3_config(), block_size=8)
-    return load_engine(str(zero_head_target), str(draft))
+    return load_engine(str(zero_head_target), str(draft), adaptive_block=False)
 
 
 def test_full_block_acceptance_statistics(full_accept):
@@ -42,7 +45,7 @@ def test_full_block_acceptance_statistics(full_accept):
 
 def test_block_size_option_caps_verify_rows(zero_head_target, model_dir):
     draft = make_drafter(model_dir, "draft-b8", synthetic.tiny_qwen3_config(), block_size=8)
-    engine = load_engine(str(zero_head_target), str(draft), block_size=4)
+    engine = load_engine(str(zero_head_target), str(draft), block_size=4, adaptive_block=False)
     s = engine.generate("Hello", max_tokens=17).stats  # 1 + 4 x 4
     assert s.acceptance_histogram == [0, 0, 0, 0, 4] and s.cycles == 4
 
@@ -61,18 +64,10 @@ def test_eos_inside_accepted_block_cuts_there(full_accept):
 
 def test_eos_and_stop_string_mid_block(tiny_pair, monkeypatch):
     target, draft = tiny_pair
-    engine = load_engine(str(target), str(draft))
+    engine = load_engine(str(target), str(draft), adaptive_block=False)  # whole blocks: cuts fall inside them
     ids = engine.encode("Write a haiku about the sea.")
     ref = greedy_reference(target, ids, 60, engine.tokenizer.eos_token_ids)
-    full = ids + ref + [0] * 16
-
-    def perfect(drafter, target, last, context, cache, rows=None):  # the true continuation: full blocks
-        pos = cache[0].offset + context.shape[1]
-        decode_draft(drafter, target, last, context, cache, rows)
-        return mx.array([full[pos + 1 : pos + 16][:rows]], dtype=last.dtype)
-
-    decode_draft = decode.draft_block
-    monkeypatch.setattr(decode, "draft_block", perfect)
+    ScriptedDrafts(monkeypatch)(ids + ref + [0] * 16, p_wrong=0.0)  # the true continuation: full blocks
     # EOS: the first token (after the first block) that did not occur earlier.
     k = next(i for i in range(20, len(ref)) if ref[i] not in ref[:i])
     eos = set(engine.tokenizer.eos_token_ids)
@@ -161,7 +156,7 @@ def test_capture_is_bit_identical_to_model_call(qwen3_target, llama_target):
         tokens = mx.array([[5, 9, 100, 7, 42, 3]])
         expected = model(tokens)
         target = Target(model, tap_ids=[0, 2, 3])
-        logits, hidden = target(tokens, target.make_cache())
+        logits, hidden = target(tokens, target.make_cache(Lengths([0])))
         assert mx.array_equal(logits, expected)
         assert hidden.shape == (1, 6, 3 * target.hidden_size)
 
@@ -171,20 +166,30 @@ def test_drafter_context_is_the_committed_tapped_hidden_state(tiny_pair, monkeyp
     one fresh target pass over prompt + committed tokens."""
     target_dir, draft_dir = tiny_pair
     engine = load_engine(str(target_dir), str(draft_dir))
-    seen = []
+    engine.warm_up(1)  # its passes are not the job's
+    seen = []  # context rows as the drafter receives them: the prompt's, then each cycle's new ones
+    add_context = engine.drafter.add_context
     real = decode.draft_block
 
-    def spy(drafter, target, last, context, cache, rows=None):
+    def prompt_context(context, cache):
         seen.append(context)
-        return real(drafter, target, last, context, cache, rows)
+        return add_context(context, cache)
 
+    def spy(drafter, target, last, context, counts, cache, rows):
+        assert counts is None  # one row: every context row it brings is valid
+        seen.append(context)
+        return real(drafter, target, last, context, counts, cache, rows)
+
+    monkeypatch.setattr(engine.drafter, "add_context", prompt_context)
     monkeypatch.setattr(decode, "draft_block", spy)
     ids = engine.encode("Count: one two three four")
     c = engine.generate(ids, max_tokens=30)
     context = mx.concatenate(seen, axis=1)
     full = ids + c.token_ids
-    _, hidden = engine.target(mx.array([full[: context.shape[1]]]), engine.target.make_cache())
-    assert len(ids) < context.shape[1] <= len(full)
+    n = context.shape[1]
+    lengths = Lengths([0])
+    _, hidden = engine.target(mx.array([full[:n]]), engine.target.make_cache(lengths))
+    assert len(ids) < n <= len(full)
     assert mx.allclose(context, hidden, atol=1e-4).item()
 
 
@@ -274,6 +279,6 @@ def test_target_lm_head_is_the_models_own_untied_head(tmp_path, kind):
     model, _ = mlx_load(str(synthetic.save_target(tmp_path / kind, cfg, seed=4)))
     inner = (getattr(model, "language_model", None) or model).model
     target = Target(model, tap_ids=[len(inner.layers) - 1])  # tap the last layer: pre-norm output
-    logits, hidden = target(mx.array([[5, 9, 100, 7]]), target.make_cache())
+    logits, hidden = target(mx.array([[5, 9, 100, 7]]), target.make_cache(Lengths([0])))
     assert mx.allclose(target.lm_head(inner.norm(hidden)), logits, atol=1e-5).item()
     assert not mx.allclose(target.embed_tokens.as_linear(inner.norm(hidden)), logits, atol=1e-3).item()

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import random
-
 import mlx.core as mx
 import pytest
 from mlx_lm import load as mlx_load
 from mlx_lm.generate import generate_step
 
-from dflash_batch.engine import decode, load_engine, synthetic
+from dflash_batch.engine import load_engine, synthetic
+from dflash_batch.engine.scheduler import CostModel
 from tests.conftest import make_drafter
+from tests.scripting import ScriptedDrafts
 
 PROMPTS = [
     "Hi",
@@ -46,30 +46,10 @@ def _mlx_model(folder):
 
 @pytest.fixture
 def scripted(monkeypatch):
-    """Replace the drafter's proposals by the true continuation, corrupted at random positions.
-
-    The real drafter still runs (its cache advances as usual); only the proposed ids change.
-    This drives every acceptance length 0..B-1 through verify, accept and rollback.
-    """
-    real = decode.draft_block
-    state = {}
-
-    def install(reference, p_wrong, seed=0):
-        state.update(reference=reference, p_wrong=p_wrong, rng=random.Random(seed))
-
-    def draft_block(drafter, target, last, context, cache, rows=None):
-        pos = cache[0].offset + context.shape[1]  # position of `last` in prompt+output
-        real(drafter, target, last, context, cache)
-        B = drafter.args.block_size
-        ref, rng = state["reference"], state["rng"]
-        ids = []
-        for i in range(1, B):
-            true = ref[pos + i] if pos + i < len(ref) else 0
-            ids.append((true + 1) % 100 if rng.random() < state["p_wrong"] else true)
-        return mx.array([ids[:rows]], dtype=last.dtype)
-
-    monkeypatch.setattr(decode, "draft_block", draft_block)
-    return install
+    """Replace the drafter's proposals by the true continuation, corrupted at random positions
+    (tests/scripting.py). This drives every acceptance length 0..B-1 through verify, accept and
+    rollback."""
+    return ScriptedDrafts(monkeypatch)
 
 
 def _cases():
@@ -125,9 +105,12 @@ def _first_diff(a, b):
 
 
 def test_adaptive_verify_length_is_lossless_and_drafts_less(tiny_pair, scripted):
+    """Where each verified row costs (a CPU-like cost model: 5% of a pass per row, a draft half a
+    pass) and about half the drafts fail, the scheduler verifies short blocks; output unchanged."""
     target, draft = tiny_pair
     fixed = load_engine(str(target), str(draft), adaptive_block=False)
     adaptive = load_engine(str(target), str(draft), adaptive_block=True)
+    adaptive.cost[1] = CostModel(t0=1.0, t1=0.05, d0=0.5, window=0)  # as if measured; no timing enters
     ids = fixed.encode(PROMPTS[2])
     ref = greedy_reference(target, ids, 80, fixed.tokenizer.eos_token_ids)
     runs = []

@@ -8,7 +8,6 @@ where Metal exists, CUDA where CUDA exists (CPU CI runs the reference only).
 from __future__ import annotations
 
 import os
-import random
 import subprocess
 import sys
 from pathlib import Path
@@ -21,10 +20,13 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models import qwen3_5
 from mlx_lm.models.gated_delta import gated_delta_ops
 
-from dflash_batch.engine import decode, hybrid, load_engine, synthetic
+from dflash_batch.engine import hybrid, load_engine, synthetic
 from dflash_batch.engine.backend import loaded_blas
 from dflash_batch.engine.kernels import gated_delta as gd
+from dflash_batch.engine.batch_cache import Lengths
+from dflash_batch.engine.kernels import selfcheck
 from dflash_batch.engine.target import Target
+from tests.scripting import ScriptedDrafts
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNELS = [
@@ -104,7 +106,13 @@ def test_bf16_state_is_rounded_every_step_like_decoding():
 def test_kernel_matches_reference(impl, dtype):
     """Tolerances (docs/hybrid.md): state and tape within 1e-5 of max |ref|; y within 1e-5 (fp32)
     or 4e-3 (bf16: one rounding of the output); the kernel's own replay and one-token calls
-    reproduce its T-token call bit for bit."""
+    reproduce its T-token call bit for bit. The raw kernel: no self-check, which would put the
+    reference in place of a kernel that fails it (tests/test_kernel_selfcheck.py checks that)."""
+    with selfcheck.unchecked():
+        kernel_matches_reference(impl, dtype)
+
+
+def kernel_matches_reference(impl, dtype):
     q, k, v, g, beta, s0 = inputs(Hk=2, Hv=4, Dk=128, Dv=64, dtype=dtype)
     y_r, s_r, tape_r = gd.recurrence(q, k, v, g, beta, s0, impl="reference")
     y, s, tape = gd.recurrence(q, k, v, g, beta, s0, impl=impl)
@@ -156,20 +164,23 @@ def test_attach_is_per_instance_and_keeps_the_weights(qwen35_folder):
     assert target.hybrid and [n for n, _ in tree_flatten(model.parameters())] == names
     assert type(model.layers[0].linear_attn) is hybrid.TapeGatedDeltaNet
     assert type(other.layers[0].linear_attn) is qwen3_5.GatedDeltaNet  # no class-wide patching
-    target.check_rollback()  # a hybrid target is accepted
-    cache = target.make_cache()
-    assert [type(c).__name__ for c in cache] == ["TapeCache"] * 3 + ["KVCache"] + ["TapeCache"] * 3 + ["KVCache"]
+    target.check_cache()  # a hybrid target is accepted
+    cache = target.make_cache(Lengths([0]))
+    kinds = [type(c).__name__ for c in cache]
+    assert kinds == ["TapeCache"] * 3 + ["RaggedKVCache"] + ["TapeCache"] * 3 + ["RaggedKVCache"]
 
 
 def test_prefill_and_plain_steps_record_no_tape(qwen35_folder):
     target = _target(qwen35_folder)
-    cache = target.make_cache()
+    lengths = Lengths([0])
+    cache = target.make_cache(lengths)
     target(mx.array([list(range(4, 40))]), cache)
+    lengths.advance([36])
     target(mx.array([[7]]), cache)
     gdn = [c for c in cache if isinstance(c, hybrid.TapeCache)]
     assert all(c.tape is None and not c.armed for c in gdn)
     with pytest.raises(RuntimeError, match="no tape"):
-        target.rollback(cache, keep=1, verified=2)
+        target.rollback(cache, [1])
 
 
 def rollback_check(folder, exact: bool) -> None:
@@ -191,21 +202,27 @@ def rollback_check(folder, exact: bool) -> None:
     block = mx.array([[11, 250, 3, 99, 402, 17, 64, 5]])
     B = block.shape[1]
 
-    ref = target.make_cache()
+    ref_lengths = Lengths([0])
+    ref = target.make_cache(ref_lengths)
     target(prompt, ref)
+    ref_lengths.advance([prompt.shape[1]])
     states, step_logits = [[(c[0], c[1]) for c in ref if isinstance(c, hybrid.TapeCache)]], []
     for i in range(B):
         logits, _ = target(block[:, i : i + 1], ref)
+        ref_lengths.advance([1])
         step_logits.append(logits)
         states.append([(c[0], c[1]) for c in ref if isinstance(c, hybrid.TapeCache)])
     ref_keys = [c.keys for c in ref if hasattr(c, "keys")]
 
     for keep in range(B + 1):
-        cache = target.make_cache()
+        lengths = Lengths([0])
+        cache = target.make_cache(lengths)
         target(prompt, cache)
+        lengths.advance([prompt.shape[1]])
         logits, _ = target.verify(block, cache)
         assert same(logits, mx.concatenate(step_logits, axis=1))
-        target.rollback(cache, keep=keep, verified=B)
+        target.rollback(cache, [keep])
+        lengths.advance([keep])
         gdn = [c for c in cache if isinstance(c, hybrid.TapeCache)]
         for c, (conv, state) in zip(gdn, states[keep]):
             assert same(c[0], conv) and same(c[1], state), keep
@@ -249,21 +266,7 @@ def greedy_reference(folder, ids, max_tokens, eos):
 def scripted(monkeypatch):
     """Drafts = the true continuation with deterministic random corruptions, so that every
     acceptance length 0..B-1 (and full blocks) goes through verify, accept and rollback."""
-    real = decode.draft_block
-    script = {}
-
-    def draft_block(drafter, target, last, context, cache, rows=None):
-        pos = cache[0].offset + context.shape[1]  # the position of `last` in prompt + output
-        real(drafter, target, last, context, cache)
-        ref, rng = script["ref"], script["rng"]
-        ids = []
-        for i in range(1, drafter.args.block_size):
-            true = ref[pos + i] if pos + i < len(ref) else 0
-            ids.append((true + 1) % 100 if rng.random() < script["p_wrong"] else true)
-        return mx.array([ids[:rows]], dtype=last.dtype)
-
-    monkeypatch.setattr(decode, "draft_block", draft_block)
-    return lambda ref, p_wrong, seed=0: script.update(ref=ref, p_wrong=p_wrong, rng=random.Random(seed))
+    return ScriptedDrafts(monkeypatch)
 
 
 PROMPTS = ["Hi", "Write a haiku about the sea.", "def add(a, b):\n    return a + b\n# now multiply"]

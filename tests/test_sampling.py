@@ -20,6 +20,7 @@ import mlx.core as mx
 import numpy as np
 
 from dflash_batch.engine import decode, load_engine
+from dflash_batch.engine.batch import BatchDecoder
 
 TEMPERATURE = 0.5
 CLUSTER, NOISE = 8, 0.1
@@ -28,7 +29,8 @@ TOKENS_PER_RUN = 200
 
 
 def markov_engine(target_dir, drafter_dir):
-    engine = load_engine(target_dir, draft=drafter_dir)
+    engine = load_engine(target_dir, draft=drafter_dir, adaptive_block=False)  # whole blocks: many drafts checked
+    engine.tokenizer.eos_token_ids = set()  # runs of a fixed length
     for layer in engine.target.model.model.layers:
         layer.self_attn.o_proj.weight = mx.zeros_like(layer.self_attn.o_proj.weight)
         layer.mlp.down_proj.weight = mx.zeros_like(layer.mlp.down_proj.weight)
@@ -44,20 +46,23 @@ def markov_engine(target_dir, drafter_dir):
 
 
 def propose_argmax_path(monkeypatch, probs):
-    """Drafts = the chain's most likely path from the last committed token (the real drafter
-    still runs, so its cache advances as usual)."""
-    real = decode.draft_block
+    """Drafts = the chain's most likely path from each row's last committed token (the real
+    drafter still runs, so its cache advances as usual)."""
+    real = BatchDecoder.draft
     best = probs.argmax(axis=1)
 
-    def draft_block(drafter, target, last, context, cache, rows=None):
-        real(drafter, target, last, context, cache, rows)
-        ids, tok = [], int(last.item())
-        for _ in range(rows or drafter.args.block_size - 1):
-            tok = int(best[tok])
-            ids.append(tok)
-        return mx.array([ids], dtype=last.dtype)
+    def draft(decoder, last, rows):
+        real(decoder, last, rows)
+        out = []
+        for tok in last[:, 0].tolist():
+            ids = []
+            for _ in range(rows):
+                tok = int(best[tok])
+                ids.append(tok)
+            out.append(ids)
+        return mx.array(out, dtype=mx.int32)
 
-    monkeypatch.setattr(decode, "draft_block", draft_block)
+    monkeypatch.setattr(BatchDecoder, "draft", draft)
 
 
 def transitions(engine):
@@ -65,12 +70,9 @@ def transitions(engine):
     pairs, drafted = [], 0
     for seed in SEEDS:
         prompt = [1, 2, 3, CLUSTER * (seed % 4) + 3]
-        steps = decode.dflash_steps(engine.target, engine.drafter, prompt, TOKENS_PER_RUN,
-                                    decode.make_chooser(TEMPERATURE, seed), block_size=engine.block_size)
-        seq = [prompt[-1]]
-        for step in steps:
-            seq += step.tokens
-            drafted += step.from_draft
+        c = engine.generate(prompt, max_tokens=TOKENS_PER_RUN, temperature=TEMPERATURE, seed=seed)
+        seq = [prompt[-1]] + c.token_ids
+        drafted += c.stats.accepted_tokens
         pairs += list(zip(seq[:-1], seq[1:]))
     return pairs, drafted
 
@@ -119,7 +121,19 @@ def test_sampling_keeps_the_target_distribution(tiny_pair, monkeypatch):
     assert stat < chi_square_critical(dof), (stat, dof)
 
     # Power: a decoder that keeps every draft (no check against the target's samples)
-    monkeypatch.setattr(decode, "accept_length", lambda d, t: len(d))
+    monkeypatch.setattr(decode, "accept_lengths", lambda d, t, limits: [L - 1 for L in limits])
     biased, _ = transitions(engine)
     stat_biased, dof_biased = chi_square(biased, probs)
     assert stat_biased > 3 * chi_square_critical(dof_biased), (stat_biased, dof_biased)
+
+
+def test_sampled_output_equals_plain_sampled_decoding(tiny_pair):
+    """A sampled token depends on its prefix and on noise keyed by (seed, position) alone, so with
+    the same seed DFlash emits exactly what plain decoding samples, whatever drafts and widths."""
+    spec = load_engine(str(tiny_pair[0]), str(tiny_pair[1]))
+    plain = load_engine(str(tiny_pair[0]), draft=None)
+    for seed in range(4):
+        for prompt in ("Hi", "Tell me a story about the sea."):
+            a = spec.generate(prompt, max_tokens=40, temperature=0.8, seed=seed).token_ids
+            assert a == plain.generate(prompt, max_tokens=40, temperature=0.8, seed=seed).token_ids
+            assert a != plain.generate(prompt, max_tokens=40, temperature=0.8, seed=seed + 100).token_ids

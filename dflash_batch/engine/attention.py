@@ -9,7 +9,9 @@ Single-row decode steps and long prefill chunks keep stock SDPA.
 
 Modes (``set_mode``, or the environment variable DFLASH_BATCH_ATTENTION):
     stock      stock SDPA everywhere (default on CPU, and on Metal, where the kernels are untested)
-    kernel     the CUDA / Metal kernels (default on CUDA)
+    kernel     the CUDA / Metal kernels (default on CUDA), each after its self-check
+               (``block.kernel_verified``: once per process and kind of call; a kernel that fails
+               it warns once and the reference runs in its place)
     reference  the same two passes in MLX ops (any backend; used by the tests)
 
 The target's attention layers reach the op through ``install``: mlx-lm model files call
@@ -30,6 +32,7 @@ import mlx.nn as nn
 from mlx_lm.models import base as mlx_lm_base
 from mlx_lm.models.base import create_causal_mask
 
+from .batch_cache import RaggedKVCache
 from .kernels import attention as block
 
 MODES = ("stock", "kernel", "reference")
@@ -73,10 +76,10 @@ def counters() -> Dict[str, int]:
     return dict(_counts)
 
 
-def _route(q: mx.array, k: mx.array, v: mx.array) -> Optional[str]:
+def _route(q: mx.array, k: mx.array, v: mx.array, min_rows: int = 2) -> Optional[str]:
     """The implementation to use for these arrays ("kernel" / "reference"), or None for stock."""
     chosen = _resolved or mode()
-    if chosen == "stock" or not 2 <= q.shape[2] <= MAX_ROWS:
+    if chosen == "stock" or not min_rows <= q.shape[2] <= MAX_ROWS:
         return None
     if chosen == "kernel" and (block._backend() is None or block.unsupported(q, k, v)):
         return None
@@ -85,19 +88,28 @@ def _route(q: mx.array, k: mx.array, v: mx.array) -> Optional[str]:
     return chosen
 
 
-def _block_attention(impl: str, q, k, v, scale: float, causal: bool, window: Optional[int]) -> mx.array:
+def _block_attention(
+    impl: str, q, k, v, scale: float, causal: bool, window: Optional[int], kv_len: Optional[mx.array] = None
+) -> mx.array:
     _counts["routed"] += 1
-    if impl == "kernel":
-        return block.block_attention_kernel(q, k, v, scale=scale, causal=causal, window=window, checked=True)
-    return block.block_attention_reference(q, k, v, scale=scale, causal=causal, window=window)
+    if impl == "kernel" and block.kernel_verified(q, causal=causal, window=window, kv_start=None, kv_len=kv_len):
+        return block.block_attention_kernel(q, k, v, scale=scale, causal=causal, window=window, kv_len=kv_len, checked=True)
+    return block.block_attention_reference(q, k, v, scale=scale, causal=causal, window=window, kv_len=kv_len)
 
 
 def target_sdpa(queries, keys, values, cache, scale: float, mask, sinks=None) -> mx.array:
     """Drop-in for ``mlx_lm.models.base.scaled_dot_product_attention``.
 
     Routed: mask "causal" (rows causal inside the block, all earlier keys visible) or None
-    (every row sees every key), plain (unquantized) caches, no attention sinks.
+    (every row sees every key), plain (unquantized) caches, no attention sinks; and the passes of
+    a ragged batch (``RaggedKVCache`` rows of their own lengths: row b's keys end at
+    ``lengths[b] + rows``), plain decoding steps included.
     """
+    if isinstance(cache, RaggedKVCache) and not cache.lengths.uniform and sinks is None:
+        impl = _route(queries, keys, values, min_rows=1)
+        if impl is not None:
+            kv_len = cache.lengths.device + queries.shape[2]
+            return _block_attention(impl, queries, keys, values, scale, causal=True, window=None, kv_len=kv_len)
     plain_mask = mask is None or (isinstance(mask, str) and mask == "causal")
     if plain_mask and sinks is None and not hasattr(cache, "bits"):
         impl = _route(queries, keys, values)
@@ -107,9 +119,26 @@ def target_sdpa(queries, keys, values, cache, scale: float, mask, sinks=None) ->
     return _stock_sdpa(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
 
-def drafter_attention(q: mx.array, keys: mx.array, values: mx.array, *, scale: float, window: Optional[int]) -> mx.array:
+def drafter_attention(
+    q: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    *,
+    scale: float,
+    window: Optional[int],
+    kv_len: Optional[mx.array] = None,
+) -> mx.array:
     """Draft-block attention over [context, block] keys: bidirectional (full layers), or causal
-    within a sliding window (sliding layers); the block's rows are the last ``L`` key positions."""
+    within a sliding window (sliding layers); the block's rows are the last ``L`` key positions,
+    or, in a ragged batch, the last of row b's first ``kv_len[b]`` keys."""
+    causal = window is not None
+    if kv_len is not None:
+        impl = _route(q, keys, values)
+        if impl is not None:
+            return _block_attention(impl, q, keys, values, scale, causal=causal, window=window, kv_len=kv_len)
+        _counts["stock"] += 1
+        mask = _ragged_mask(kv_len, q.shape[2], keys.shape[2], causal, window)
+        return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
     impl = _route(q, keys, values)
     if impl is not None:
         return _block_attention(impl, q, keys, values, scale, causal=window is not None, window=window)
@@ -119,6 +148,20 @@ def drafter_attention(q: mx.array, keys: mx.array, values: mx.array, *, scale: f
         L = q.shape[2]
         mask = create_causal_mask(L, offset=keys.shape[2] - L, window_size=window)
     return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
+
+
+def _ragged_mask(kv_len: mx.array, L: int, width: int, causal: bool, window: Optional[int]) -> mx.array:
+    """Bool [B, 1, L, width]: row b's query i sits at key position kv_len[b] - L + i and sees
+    keys before kv_len[b] (and, causal, none after itself; with a window, the last ``window``)."""
+    key = mx.arange(width, dtype=mx.int32)[None, None, None, :]
+    end = kv_len[:, None, None, None]
+    query = end - L + mx.arange(L, dtype=mx.int32)[None, None, :, None]
+    ok = key < end
+    if causal:
+        ok = ok & (key <= query)
+    if window:
+        ok = ok & (key > query - window)
+    return ok
 
 
 def install(model: nn.Module) -> List[str]:

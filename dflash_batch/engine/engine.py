@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import time
+import dataclasses
+import math
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 
@@ -17,12 +18,17 @@ from ..completion import (
     Piece,
     PromptTooLongError,
 )
-from . import attention, loading, registry
-from .decode import ar_steps, dflash_steps, make_chooser
-from .stopping import StopText
+from . import attention, loading, memory, prefill, registry, warmup
+from ..request import sample_seed
+from .batch import BatchDecoder, Request
+from .scheduler import CostModel, Scheduler
 from .target import Target
 
+if TYPE_CHECKING:
+    from .. import request as request_type
+
 Prompt = Union[str, List[Dict[str, Any]], List[int]]
+PREFIX_CACHE_MB = 1024  # memory for shared prompt prefixes, by default
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
 
@@ -40,7 +46,12 @@ class Engine:
         adaptive_block: Optional[bool] = None,
         prefill_chunk: int = 2048,
         max_context: Optional[int] = None,
+        batch_size: Optional[int] = None,
         description: Optional[dict] = None,
+        prefill_tokens: int = 8192,
+        prefill_rows: Optional[int] = None,
+        prefix_cache_mb: Optional[float] = None,
+        prefix_granularity: int = 64,
     ):
         self.tokenizer = tokenizer
         self.drafter = drafter
@@ -48,12 +59,28 @@ class Engine:
         attention.install(model)  # verify passes: multi-row attention routed per backend
         self.config = config or {}
         self.prefill_chunk = prefill_chunk
+        if prefill_tokens < 1:
+            raise ValueError(f"prefill_tokens must be at least 1, got {prefill_tokens}")
+        self.prefill_tokens = prefill_tokens  # tokens per packed prefill pass (rows x width), at most
+        self.prefill_rows = prefill_rows  # prompts prefilled together, at most (None: any; 1: one per pass)
+        # Prefix states kept across runs (engine/prefill.py); None: every prompt prefilled alone.
+        prefix_cache_mb = PREFIX_CACHE_MB if prefix_cache_mb is None else prefix_cache_mb
+        if prefix_cache_mb < 0:
+            raise ValueError(f"prefix_cache_mb must be >= 0, got {prefix_cache_mb}")
+        self.prefixes = (
+            prefill.PrefixCache(int(prefix_cache_mb * 2**20), prefix_granularity) if prefix_cache_mb > 0 else None
+        )
         self.max_context = max_context or self.config.get("max_position_embeddings")
         self.block_size = 0
+        self.target.check_cache()
         if drafter is not None:
             self._attach(drafter, block_size)
-        # Fewer verify rows while acceptance is low: worth it where a row costs (CPU), not on a GPU.
-        self.adaptive_block = mx.default_device() == mx.cpu if adaptive_block is None else adaptive_block
+        # The verify width per cycle from a cost model of the passes and each row's acceptance
+        # (engine/scheduler.py); False: the whole block every cycle.
+        self.adaptive_block = True if adaptive_block is None else adaptive_block
+        self.batch_cap = batch_size
+        self.cost: Dict[int, CostModel] = {}  # batch size -> measured pass costs (warm_up)
+        self.shapes_seen: set = set()  # (rows, width, key bucket) of the cycles run so far
         self.description = dict(description or {}, block_size=self.block_size, adaptive_block=self.adaptive_block)
 
     def _attach(self, drafter, block_size: Optional[int]) -> None:
@@ -71,7 +98,6 @@ class Engine:
             raise ModelMismatchError(
                 f"drafter mask token id {args.mask_token_id} is outside the target vocabulary ({self.target.vocab_size})"
             )
-        self.target.check_rollback()
         self.target.set_taps(args.target_layer_ids)
         self.block_size = min(block_size or args.block_size, args.block_size)
         if self.block_size < 2:
@@ -119,6 +145,119 @@ class Engine:
         )
 
     # -- generation ----------------------------------------------------------------------
+    def request(
+        self,
+        prompt: Prompt,
+        max_tokens: int = 256,
+        temperature: float = 0.0,
+        stop: Optional[Sequence[str]] = None,
+        seed: Optional[int] = None,
+        index: int = 0,
+        **prompt_options,
+    ) -> Request:
+        """Check and encode one prompt with its options (raises GenerationError naming the problem)."""
+        ids = self.encode(prompt, **prompt_options)
+        if not ids:
+            raise EmptyPromptError("prompt encodes to no tokens")
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise GenerationError(f"max_tokens must be an integer of at least 1, got {max_tokens!r}")
+        if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
+            raise GenerationError(f"temperature must be a finite number >= 0, got {temperature!r}")
+        if self.max_context and len(ids) >= self.max_context:
+            raise PromptTooLongError(f"prompt has {len(ids)} tokens; the target's context is {self.max_context}")
+        if self.max_context:
+            max_tokens = min(max_tokens, self.max_context - len(ids))
+        return Request(ids, max_tokens, float(temperature), seed, tuple(stop or ()), index)
+
+    def stream_batch(
+        self,
+        prompts: Sequence[Prompt],
+        max_tokens: Union[int, Sequence[int]] = 256,
+        temperature: Union[float, Sequence[float]] = 0.0,
+        stop: Optional[Sequence[str]] = None,
+        seed: Optional[int] = None,
+        batch_size: Optional[int] = None,
+        n: int = 1,
+        **prompt_options,
+    ) -> Iterator[Tuple[int, Completion]]:
+        """Decode many prompts together; yield ``(index, Completion)`` as each finishes.
+
+        ``max_tokens`` and ``temperature`` are one value or one per prompt; ``seed`` seeds
+        prompt i with ``seed + i``. ``n``: samples per prompt, each its own Completion
+        (``sample_index`` k, seeded ``request.sample_seed(seed + i, k)``); the prompt is
+        prefilled once for all of them. Every prompt is checked before any work starts.
+        """
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise GenerationError(f"n must be an integer of at least 1, got {n!r}")
+        count = len(prompts)
+        max_tokens = _per_prompt(max_tokens, count, "max_tokens")
+        temperature = _per_prompt(temperature, count, "temperature")
+        requests = []
+        for i, prompt in enumerate(prompts):
+            try:
+                first = self.request(prompt, max_tokens[i], temperature[i], stop, None if seed is None else seed + i,
+                                     index=i * n, **prompt_options)
+            except GenerationError as e:
+                raise type(e)(f"prompt {i}: {e}") from None
+            requests += _samples(first, n)
+        for index, completion in self.run(requests, batch_size):
+            completion.sample_index = index % n
+            yield index // n, completion
+
+    def run(self, requests: Sequence[Request], batch_size: Optional[int] = None) -> Iterator[Tuple[int, Completion]]:
+        """Decode checked requests (see ``request``); yield ``(request.index, Completion)`` as each
+        finishes. ``prefill_counts`` then holds the run's prefill passes, prompt tokens run through
+        them and padding tokens."""
+        if not requests:
+            return
+        slots = self.plan_batch(requests, batch_size)
+        parts: Dict[int, List[Piece]] = {}
+        decoder = BatchDecoder(self, requests, slots, self._scheduler(slots))
+        self.prefill_counts = decoder.group.counts
+        for index, piece in decoder.steps():
+            parts.setdefault(index, []).append(piece)
+            if piece.finish_reason is not None:
+                yield index, _completion(parts.pop(index))
+
+    def generate_requests(
+        self, requests: Iterable["request_type.Request"], batch_size: Optional[int] = None, window: int = 4096
+    ) -> Iterator[Tuple["request_type.Request", Union[Completion, Exception]]]:
+        """The runner's interface (``dflash_batch.request.Generator``): encode each request with
+        ``request``; one the engine refuses is yielded at once with its ``GenerationError``; the
+        rest are decoded together (``run``, ``batch_size`` rows at most) and yielded as each
+        finishes, a request of ``options.n`` samples once per sample (``sample_index``; seeds from
+        the request's seed, its id and the sample index). Requests are taken ``window`` at a
+        time, so a long job is not encoded up front."""
+        pending: List[Tuple[Any, Request]] = []
+
+        def flush():
+            by_index = {i: r for i, (r, _) in enumerate(pending)}
+            for i, completion in self.run([encoded for _, encoded in pending], batch_size):
+                completion.sample_index = pending[i][1].sample
+                yield by_index[i], completion
+            pending.clear()
+
+        for req in requests:
+            try:
+                encoded = self.request(req.prompt, index=len(pending), **req.options.as_kwargs())
+            except GenerationError as e:
+                yield req, e
+                continue
+            for sample in _samples(encoded, getattr(req.options, "n", 1), item=str(req.id)):
+                sample.index = len(pending)
+                pending.append((req, sample))
+            if len(pending) >= window:
+                yield from flush()
+        if pending:
+            yield from flush()
+
+    def generate_batch(self, prompts: Sequence[Prompt], *args, n: int = 1, **kwargs) -> List[Completion]:
+        """``stream_batch`` collected in input order: prompt i's samples at ``i * n .. i * n + n - 1``."""
+        out: List[Optional[Completion]] = [None] * (len(prompts) * n)
+        for i, c in self.stream_batch(prompts, *args, n=n, **kwargs):
+            out[i * n + c.sample_index] = c
+        return out
+
     def stream(
         self,
         prompt: Prompt,
@@ -129,76 +268,10 @@ class Engine:
         **prompt_options,
     ) -> Iterator[Piece]:
         """Yield text as it is committed (one Piece per target pass); the last carries stats."""
-        ids = self.encode(prompt, **prompt_options)
-        if not ids:
-            raise EmptyPromptError("prompt encodes to no tokens")
-        if max_tokens < 1:
-            raise GenerationError(f"max_tokens must be at least 1, got {max_tokens}")
-        if self.max_context and len(ids) >= self.max_context:
-            raise PromptTooLongError(
-                f"prompt has {len(ids)} tokens; the target's context is {self.max_context}"
-            )
-        if self.max_context:
-            max_tokens = min(max_tokens, self.max_context - len(ids))
-        yield from self._decode(ids, max_tokens, temperature, stop or (), seed)
-
-    def _decode(self, ids, max_tokens, temperature, stops, seed) -> Iterator[Piece]:
-        B = self.block_size
-        stats = GenerationStats(prompt_tokens=len(ids), block_size=B, acceptance_histogram=[0] * (max(B, 1) + 1))
-        choose = make_chooser(temperature, seed)
-        if self.drafter is not None:
-            steps = dflash_steps(
-                self.target, self.drafter, ids, max_tokens, choose, self.prefill_chunk, B, self.adaptive_block
-            )
-        else:
-            steps = ar_steps(self.target, ids, max_tokens, choose, self.prefill_chunk)
-        eos = self.tokenizer.eos_token_ids
-        detok = self.tokenizer.detokenizer
-        text = StopText(stops)
-        out: List[int] = []
-        finish, stop_reason = None, None
-        mx.reset_peak_memory()
-        start = decode_start = time.perf_counter()
-        try:
-            for step in steps:
-                now = time.perf_counter()
-                if step.verify:
-                    stats.cycles += 1
-                    stats.drafted_tokens += step.drafted
-                    stats.acceptance_histogram[len(step.tokens)] += 1
-                else:
-                    stats.prefill_s, decode_start = now - start, now
-                new_ids: List[int] = []
-                new_text = ""
-                for i, tok in enumerate(step.tokens):
-                    stats.generated_tokens += 1
-                    stats.accepted_tokens += i < step.from_draft
-                    if tok in eos:
-                        finish, stop_reason = "stop", "eos"
-                        break
-                    new_ids.append(tok)
-                    detok.add_token(tok)
-                    emitted, hit = text.feed(detok.last_segment)
-                    new_text += emitted
-                    if hit is not None:
-                        finish, stop_reason = "stop", hit
-                        break
-                    if stats.generated_tokens >= max_tokens:
-                        finish = "length"
-                        break
-                out.extend(new_ids)
-                if finish is None:
-                    yield Piece(text=new_text, token_ids=new_ids)
-                    continue
-                if stop_reason is None or stop_reason == "eos":
-                    detok.finalize()
-                    new_text += text.feed(detok.last_segment)[0]
-                stats.decode_s = time.perf_counter() - decode_start
-                stats.peak_memory_gb = mx.get_peak_memory() / 1e9
-                yield Piece(new_text + text.flush(), new_ids, finish, stats, stop_reason)
-                return
-        finally:
-            steps.close()
+        request = self.request(prompt, max_tokens, temperature, stop, seed, **prompt_options)
+        decoder = BatchDecoder(self, [request], 1, self._scheduler(1))
+        for _, piece in decoder.steps():
+            yield piece
 
     def generate(
         self,
@@ -209,16 +282,66 @@ class Engine:
         seed: Optional[int] = None,
         **prompt_options,
     ) -> Completion:
-        """Run one prompt to the end: text, token ids, finish reason and statistics."""
-        pieces = list(self.stream(prompt, max_tokens, temperature, stop, seed, **prompt_options))
-        last = pieces[-1]
-        return Completion(
-            text="".join(p.text for p in pieces),
-            token_ids=[t for p in pieces for t in p.token_ids],
-            finish_reason=last.finish_reason,
-            stats=last.stats,
-            stop_reason=last.stop_reason,
-        )
+        """Run one prompt to the end: text, token ids, finish reason and statistics (a batch of one)."""
+        return _completion(list(self.stream(prompt, max_tokens, temperature, stop, seed, **prompt_options)))
+
+    # -- batch size, pass costs ----------------------------------------------------------
+    def plan_batch(self, requests: Sequence[Request], batch_size: Optional[int] = None) -> int:
+        """Rows in flight: the asked (or configured) cap, at most what memory holds for the
+        longest request. Too little memory for even one row is an error before any work."""
+        cap = batch_size or self.batch_cap or memory.default_batch_cap()
+        if cap < 1:
+            raise ValueError(f"batch_size must be at least 1, got {cap}")
+        longest = max(len(r.ids) + r.max_tokens for r in requests) + max(self.block_size, 1)
+        per_row = memory.row_bytes(self, longest)
+        fits = memory.rows_that_fit(per_row)
+        if fits < 1:
+            raise GenerationError(
+                f"not enough memory for one sequence of {longest} tokens: it needs {per_row / 1e9:.2f} GB "
+                f"of cache, {memory.free_bytes() / 1e9:.2f} GB are free (lower max_tokens or use a smaller model)"
+            )
+        return max(1, min(cap, fits, len(requests)))
+
+    def _scheduler(self, slots: int) -> Scheduler:
+        if not self.adaptive_block or self.drafter is None:
+            return Scheduler(self.block_size, CostModel(), fixed=True)
+        if slots not in self.cost:
+            self.warm_up(slots)
+        return Scheduler(self.block_size, self.cost[slots])
+
+    def warm_up(self, batch_size: int = 1) -> CostModel:
+        """Compile and time the passes a job of this batch size runs: target passes of 1 and of
+        the block's rows, and drafter passes, at batch 1 and ``batch_size``. The first use of a
+        batch size does this by itself; call it ahead to keep it out of a job's first items."""
+        self.cost[batch_size] = warmup.measure_costs(self, batch_size)
+        return self.cost[batch_size]
+
+
+def _samples(first: Request, n: int, item: str = "") -> List[Request]:
+    """``first`` and its n - 1 siblings: the same prompt, sample k seeded ``sample_seed(seed, k, item)``."""
+    return [
+        dataclasses.replace(first, seed=sample_seed(first.seed, k, item), index=first.index + k, sample=k)
+        for k in range(n)
+    ]
+
+
+def _per_prompt(value, n: int, name: str) -> list:
+    if isinstance(value, (list, tuple)):
+        if len(value) != n:
+            raise GenerationError(f"{name} has {len(value)} values for {n} prompts")
+        return list(value)
+    return [value] * n
+
+
+def _completion(pieces: List[Piece]) -> Completion:
+    last = pieces[-1]
+    return Completion(
+        text="".join(p.text for p in pieces),
+        token_ids=[t for p in pieces for t in p.token_ids],
+        finish_reason=last.finish_reason,
+        stats=last.stats,
+        stop_reason=last.stop_reason,
+    )
 
 
 def _pick_dtype(dtype: Optional[str]) -> Optional[mx.Dtype]:
@@ -244,6 +367,11 @@ def load_engine(
     adaptive_block: Optional[bool] = None,
     prefill_chunk: int = 2048,
     max_context: Optional[int] = None,
+    batch_size: Optional[int] = None,
+    prefill_tokens: int = 8192,
+    prefill_rows: Optional[int] = None,
+    prefix_cache_mb: Optional[float] = None,
+    prefix_granularity: int = 64,
 ) -> Engine:
     """Load a target and its DFlash drafter.
 
@@ -254,9 +382,21 @@ def load_engine(
         target_revision, draft_revision: pin a branch, tag or commit on the hub.
         dtype: "auto" (fp32 on CPU, as stored on GPU), "float32", "bfloat16" or "float16".
         block_size: verify at most this many tokens per cycle (at most the drafter's own).
-        adaptive_block: verify fewer rows while drafts keep failing (default: on CPU only).
-        prefill_chunk: prompt tokens per prefill pass.
+        adaptive_block: choose each cycle's verify width from measured pass costs and each
+            row's acceptance, down to plain decoding (default on); False: the whole block.
+        prefill_chunk: prompt tokens per prefill pass of one prompt (and per engine step and
+            free slot for joining prompts).
+        prefill_tokens: most tokens in one packed prefill pass (joining prompts x tokens each).
+        prefill_rows: most prompts prefilled together (None: as many as there are free slots;
+            1: one prompt per pass, as before packing).
+        prefix_cache_mb: memory for prompt prefixes prefilled once and reused by the prompts
+            that share them (least recently used dropped; default 1024); 0: every prompt
+            prefilled alone.
+        prefix_granularity: shared prefixes are kept at multiples of this many tokens (and at
+            whole prompts, for the samples of one prompt).
         max_context: refuse prompts this long or longer (default: the target config's limit).
+        batch_size: most sequences decoded together (default: 32 on a GPU, 16 on CPU; fewer
+            when memory holds fewer).
     """
     mx_dtype = _pick_dtype(dtype)
     if target is None:
@@ -284,5 +424,10 @@ def load_engine(
         adaptive_block=adaptive_block,
         prefill_chunk=prefill_chunk,
         max_context=max_context,
+        batch_size=batch_size,
         description=description,
+        prefill_tokens=prefill_tokens,
+        prefill_rows=prefill_rows,
+        prefix_cache_mb=prefix_cache_mb,
+        prefix_granularity=prefix_granularity,
     )

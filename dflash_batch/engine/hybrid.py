@@ -13,6 +13,8 @@ rollback replays the accepted prefix of it from the state saved before the pass:
 No projection is re-run and no state is copied. Only armed passes record; prefill and plain
 decoding run mlx-lm's own layer, except on CUDA where the recurrence always runs the fused
 kernel (mlx-lm runs it there as a Python loop over the tokens), without a tape when unarmed.
+The Metal and CUDA kernels check themselves against the reference before first use and give way
+to it on a failure (``kernels/selfcheck.py``).
 
 ``attach(model)`` changes the class of each qwen3_5 GatedDeltaNet instance to ``TapeGatedDeltaNet``
 (a subclass; the parameter tree and weights are untouched; nothing class-wide is patched).
@@ -55,22 +57,85 @@ class TapeCache(ArraysCache):
         return True  # right after an armed pass, which is the only time rollback happens
 
     def trim(self, n: int) -> int:
-        """Drop the last ``n`` rows of the armed pass: replay the kept ones from the saved state."""
-        if n == 0:
-            self.disarm()
-            return 0
-        if self.tape is None:
-            raise RuntimeError("this GatedDeltaNet cache recorded no tape: verify with Target.verify()")
-        state, delta, k, g, conv_input = self.tape
-        T = delta.shape[1]
-        keep = T - n
-        if keep < 0:
-            raise ValueError(f"cannot trim {n} rows from a pass of {T}")
-        width = conv_input.shape[1] - T  # K - 1 rows of conv state, then the pass's T rows
-        self[0] = mx.contiguous(conv_input[:, keep : keep + width, :])  # the last K-1 kept inputs
-        self[1] = gated_delta.replay(delta[:, :keep], k[:, :keep], g[:, :keep], state)
+        """Drop the last ``n`` rows of the armed pass in every batch row."""
+        if n:
+            delta = self._tape()[1]
+            self.trim_rows([delta.shape[1] - n] * delta.shape[0])
         self.disarm()
         return n
+
+    def trim_rows(self, keep) -> None:
+        """Keep the first ``keep[b]`` steps of the armed pass in batch row b; replay from the saved state.
+
+        Steps past a row's keep replay as the identity (g = 1, delta = 0: S' = 1 * S + 0 k^T = S,
+        exactly, and rounding an already stored value changes nothing), so one replay of the
+        longest keep serves every row, and each row ends exactly where its own replay would.
+        """
+        state, delta, k, g, conv_input = self._tape()
+        B, T = delta.shape[:2]
+        if len(keep) != B or not all(0 <= n <= T for n in keep):
+            raise ValueError(f"cannot keep {list(keep)} steps of a pass of {T} in {B} rows")
+        width = conv_input.shape[1] - T  # K - 1 rows of conv state, then the pass's T rows
+        if all(n == T for n in keep):
+            self.disarm()
+            return
+        steps = max(keep)
+        if len(set(keep)) == 1:
+            self[0] = mx.contiguous(conv_input[:, steps : steps + width, :])  # the last K-1 kept inputs
+            self[1] = gated_delta.replay(delta[:, :steps], k[:, :steps], g[:, :steps], state)
+        else:
+            n = mx.array(list(keep), dtype=mx.int32)[:, None]
+            kept = mx.arange(steps, dtype=mx.int32)[None] < n  # [B, steps]
+            rows = (n + mx.arange(width, dtype=mx.int32)[None])[..., None]  # conv inputs keep_b .. keep_b+K-2
+            self[0] = mx.take_along_axis(conv_input, rows, axis=1)
+            g_kept = mx.where(kept[..., None], g[:, :steps], mx.array(1, g.dtype))
+            d_kept = mx.where(kept[..., None, None], delta[:, :steps], mx.array(0, delta.dtype))
+            self[1] = gated_delta.replay(d_kept, k[:, :steps], g_kept, state)
+        self.disarm()
+
+    def _tape(self):
+        if self.tape is None:
+            raise RuntimeError("this GatedDeltaNet cache recorded no tape: verify with Target.verify()")
+        return self.tape
+
+    # -- rows of a batch (engine/batch.py) ----------------------------------------------------
+    def row_state(self, b: int, n: int = 0) -> Optional[list]:
+        """A copy of batch row b's (conv state, recurrent state); None if the layer has run no pass."""
+        if self[0] is None:
+            return None
+        return [mx.contiguous(c[b : b + 1]) for c in self.cache]
+
+    def put_row(self, b: int, state: Optional[list], batch_size: int) -> None:
+        """Copy a row state (``row_state``: a prefilled prompt) into batch row ``b``."""
+        if state is None:
+            return
+        for i in (0, 1):
+            value = state[i]
+            if self[i] is None:
+                self[i] = mx.zeros((batch_size,) + value.shape[1:], value.dtype)
+            self[i][b : b + 1] = value
+
+    def add_rows(self, states, have: int) -> None:
+        """Append one row per state (``row_state``, or None: a fresh row, zero state as a first
+        pass starts from) after the ``have`` rows held."""
+        present = [s for s in states if s is not None]
+        if self[0] is None and not present:
+            return  # every row fresh: the next pass starts them all from zeros
+        like = self.cache if self[0] is not None else present[0]
+        for i in (0, 1):
+            zero = mx.zeros((1,) + like[i].shape[1:], like[i].dtype)
+            old = self[i] if self[i] is not None else mx.zeros((have,) + like[i].shape[1:], like[i].dtype)
+            self[i] = mx.concatenate([old] + [zero if s is None else s[i] for s in states], axis=0)
+
+    def take_rows(self, rows: mx.array) -> None:
+        self.cache = [None if c is None else c[rows] for c in self.cache]
+
+    def arrays(self) -> list:
+        return [c for c in self.cache if c is not None]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.cache if c is not None)
 
 
 class TapeGatedDeltaNet(qwen3_5.GatedDeltaNet):

@@ -12,9 +12,10 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from . import hybrid
+from .batch_cache import Lengths, RaggedKVCache
 
 
 class _Tap(nn.Module):
@@ -100,19 +101,35 @@ class Target:
         for slot, i in enumerate(self.tap_ids):
             self.layers[i] = _Tap(self.layers[i], self._store, slot)
 
-    def make_cache(self) -> list:
-        return hybrid.make_cache(self.model) if self.hybrid else make_prompt_cache(self.model)
+    def make_cache(self, lengths: Optional[Lengths] = None) -> list:
+        """Per-layer caches for a batch whose rows hold ``lengths`` tokens: ``RaggedKVCache`` for
+        attention layers, ``TapeCache`` for GatedDeltaNet layers (see engine/batch_cache.py).
+        None: one empty row, for a single pass (the caller advances ``lengths`` otherwise)."""
+        lengths = Lengths([0]) if lengths is None else lengths
+        caches = hybrid.make_cache(self.model) if self.hybrid else make_prompt_cache(self.model)
+        out = []
+        for i, c in enumerate(caches):
+            if type(c) is KVCache:
+                out.append(RaggedKVCache(lengths))
+            elif isinstance(c, hybrid.TapeCache):
+                out.append(c)
+            else:
+                raise TypeError(
+                    f"layer {i} uses {type(c).__name__}; this engine decodes targets whose layers use "
+                    "full attention (KVCache) or GatedDeltaNet (qwen3_5), not sliding-window or quantized caches"
+                )
+        return out
 
-    def check_rollback(self) -> None:
-        """Refuse, before decoding starts, a target whose cache cannot be rolled back."""
-        stuck = {type(c).__name__ for c in self.make_cache() if not c.is_trimmable()}
-        if stuck:
-            raise TypeError(f"speculative decoding needs trimmable caches; this target has {sorted(stuck)}")
+    def check_cache(self) -> None:
+        """Refuse, before any decoding, a target whose caches this engine cannot batch or roll back."""
+        self.make_cache(Lengths([0]))
 
-    def rollback(self, cache: list, keep: int, verified: int) -> None:
-        """After a verify pass over ``verified`` rows, keep only the first ``keep`` of them."""
+    def rollback(self, cache: list, keep: Sequence[int]) -> None:
+        """After a verify pass, keep the first ``keep[b]`` of its rows in batch row b. Attention
+        layers need nothing (the caller advances the shared lengths); recurrent layers replay."""
         for c in cache:
-            c.trim(verified - keep)
+            if isinstance(c, hybrid.TapeCache):
+                c.trim_rows(keep)
 
     def embed(self, tokens: mx.array) -> mx.array:
         return self.embed_tokens(tokens)

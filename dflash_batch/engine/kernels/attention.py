@@ -1,11 +1,14 @@
 """Block attention for verify and draft passes: a few query rows over a KV cache of any length.
 
-``q [B, H, Lq, D]`` (Lq up to 16 or so, the rows of a verify or draft block) attends to
-``k, v [B, Hk, Lk, D]`` (GQA: query head h reads KV head h // (H / Hk)). Query row i sits at
-key position ``Lk - Lq + i``. Masks, all optional and combined:
+``q [B, H, Lq, D]`` (Lq from 1 up to 16 or so: a decoding step, the rows of a verify or draft
+block) attends to ``k, v [B, Hk, Lk, D]`` (GQA: query head h reads KV head h // (H / Hk)). Batch
+row b has L_b keys: ``min(kv_len[b], Lk)`` where ``kv_len`` (int32 [B]) is given and its entry
+is > 0, else Lk; its query row i sits at key position ``L_b - Lq + i``. Masks, all optional and combined:
 
-    causal:    key j is visible to row i iff j <= Lk - Lq + i      (verify: causal in the block)
-    window w:  ... and (Lk - Lq + i) - j < w                        (sliding-window drafter layers)
+    kv_len:    key j is visible to row i of batch row b iff j < L_b   (ragged batch rows: as if
+               row b's keys were k[b, :, :L_b]; a RaggedKVCache's shared buffer)
+    causal:    ... and j <= L_b - Lq + i                            (verify: causal in the block)
+    window w:  ... and (L_b - Lq + i) - j < w                       (sliding-window drafter layers)
     kv_start:  ... and j >= kv_start[b]                             (left-padded batch rows)
 
 Two passes, as a split-K decode step does for its one row:
@@ -25,14 +28,22 @@ SDPA's multi-row path on CUDA pays 35-50 ms for every new key length):
 
 The bodies are written once against a few macros that each backend's header (and the tests'
 CPU emulator) defines.
+
+``block_attention_kernel`` runs the kernels as they are (what the GPU tests and benchmarks
+compare and time). ``block_attention`` and the engine's routing first ask ``kernel_verified``:
+once per process and kind of call (backend, dtype, head dim, mask flags), the kernel runs a
+small seeded case against the reference (``selfcheck``); after a compile error or a mismatch
+they warn once and use the reference. The Metal kernels have never run on Apple hardware.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import mlx.core as mx
+
+from . import selfcheck
 
 LOG2E = 1.4426950408889634
 HEAD_DIMS = (64, 128, 256)
@@ -47,21 +58,36 @@ TARGET_BLOCKS = 264  # pass-1 blocks to aim for (about two per SM on an H100/H20
 # --------------------------------------------------------------------------------------------
 
 
+def row_lengths(kv_len: mx.array, Lk: int) -> mx.array:
+    """Each batch row's key length as the kernels take it: kv_len[b], at most Lk; 0 (or less): Lk."""
+    kv_len = kv_len.astype(mx.int32)
+    return mx.where(kv_len > 0, mx.minimum(kv_len, Lk), Lk)
+
+
 def visible_keys(
-    Lq: int, Lk: int, *, causal: bool, window: Optional[int], kv_start: Optional[mx.array], width: int
+    Lq: int,
+    Lk: int,
+    *,
+    causal: bool,
+    window: Optional[int],
+    kv_start: Optional[mx.array],
+    width: int,
+    kv_len: Optional[mx.array] = None,
 ) -> mx.array:
-    """Bool mask [B or 1, 1, Lq, width] of the keys each row may see (keys >= Lk are padding)."""
-    rows = mx.arange(Lq)[:, None] + (Lk - Lq)  # absolute position of each query row
-    keys = mx.arange(width)[None, :]
-    ok = keys < Lk
+    """Bool mask [B or 1, 1, Lq, width] of the keys each row may see (keys >= Lk are padding).
+    With ``kv_len`` row b's key length is ``row_lengths(kv_len, Lk)[b]``: its keys past that are
+    hidden and its query row i sits at that length - Lq + i."""
+    lengths = mx.array(Lk) if kv_len is None else row_lengths(kv_len, Lk).reshape(-1, 1, 1, 1)
+    rows = mx.arange(Lq)[None, None, :, None] + (lengths - Lq)  # absolute position of each query row
+    keys = mx.arange(width)[None, None, None, :]
+    ok = keys < lengths
     if causal:
         ok = ok & (keys <= rows)
     if window:
         ok = ok & (rows - keys < window)
-    ok = ok[None, None]
     if kv_start is not None:
-        ok = ok & (keys[None, None] >= kv_start.reshape(-1, 1, 1, 1))
-    return ok
+        ok = ok & (keys >= kv_start.reshape(-1, 1, 1, 1))
+    return mx.broadcast_to(ok, (ok.shape[0], 1, Lq, width))
 
 
 def block_attention_reference(
@@ -73,9 +99,11 @@ def block_attention_reference(
     causal: bool = True,
     window: Optional[int] = None,
     kv_start: Optional[mx.array] = None,
+    kv_len: Optional[mx.array] = None,
     chunk: int = REFERENCE_CHUNK,
 ) -> mx.array:
-    """The two-pass block attention in MLX ops, fp32 inside; returns q's dtype, shape [B, H, Lq, D]."""
+    """The two-pass block attention in MLX ops, fp32 inside; returns q's dtype, shape [B, H, Lq, D].
+    ``kv_len`` (int [B]): row b as if its keys were k[b, :, :kv_len[b]] (0: all of k's length)."""
     B, H, Lq, D = q.shape
     Hk, Lk = k.shape[1], k.shape[2]
     G = H // Hk
@@ -87,7 +115,7 @@ def block_attention_reference(
         widths = [(0, 0), (0, 0), (0, pad), (0, 0)]
         kf, vf = mx.pad(kf, widths), mx.pad(vf, widths)
     s = qf @ kf.transpose(0, 1, 3, 2)  # [B, Hk, R, Lk + pad] (natural log base; kernels use base 2)
-    ok = visible_keys(Lq, Lk, causal=causal, window=window, kv_start=kv_start, width=Lk + pad)
+    ok = visible_keys(Lq, Lk, causal=causal, window=window, kv_start=kv_start, width=Lk + pad, kv_len=kv_len)
     ok = mx.broadcast_to(ok[:, :, None], (ok.shape[0], 1, G, Lq, Lk + pad)).reshape(ok.shape[0], 1, G * Lq, -1)
     s = mx.where(ok, s, -mx.inf).reshape(B, Hk, G * Lq, n_chunks, chunk)
     # pass 1: per chunk, m_c = max s, p = e^(s - m_c), l_c = sum p, o_c = p @ v
@@ -110,15 +138,17 @@ def block_attention_reference(
 # --------------------------------------------------------------------------------------------
 
 # Text shared by both pass-1 bodies. SETUP: shapes, this block's batch row and KV head, masks.
+# Lk is this batch row's key length: kv_len[b] (at most the buffer's k_shape[2]; 0: all of it),
+# so every bound below (tiles, loads, masks, the rows' positions q_pos0 + i) is per row.
 SETUP = r"""
     const int H = q_shape[1];
     const int Lq = q_shape[2];
     const int Hk = k_shape[1];
-    const int Lk = k_shape[2];
     const int G = H / Hk;
     const int R = G * Lq;
     const int b = bh / Hk;
     const int kvh = bh - b * Hk;
+    const int Lk = kv_len[b] > 0 ? IMIN(k_shape[2], kv_len[b]) : k_shape[2];
     const bool causal = flags[0] != 0;
     const int window = flags[1];
     const float qscale = scale[0];
@@ -128,7 +158,10 @@ SETUP = r"""
 
 # KEY_RANGE (after TK, keys per tile, and VEC): the block's tiles [t_begin, t_end) of its chunk
 # (keys before key_begin are outside every row's window: no tile reads them); K / V bases; whether
-# 16-byte loads are safe for K / V and for q.
+# 16-byte loads are safe for K / V and for q. The tiles are this batch row's (up to its Lk), dealt
+# over the n_splits chunks that the host planned from the buffer's length: a shorter row gets
+# fewer tiles per chunk, or none (an empty chunk writes m = -inf, l = 0, o = 0, which pass 2 and
+# the fused tail weigh 0).
 KEY_RANGE = r"""
     int key_begin = 0;
     if (window > 0) {
@@ -1003,7 +1036,7 @@ def _compact(source: str) -> str:
 CUDA_HEADER, CUDA_PASS1, CUDA_MMA, CUDA_PASS2 = map(_compact, (CUDA_HEADER, CUDA_PASS1, CUDA_MMA, CUDA_PASS2))
 METAL_HEADER, METAL_PASS1, METAL_PASS2 = map(_compact, (METAL_HEADER, METAL_PASS1, METAL_PASS2))
 
-PASS1_INPUTS = ["q", "k", "v", "kv_start", "flags", "scale", "counters"]
+PASS1_INPUTS = ["q", "k", "v", "kv_start", "kv_len", "flags", "scale", "counters"]
 PASS1_OUTPUTS = ["o_part", "m_part", "l_part"]
 PASS2_INPUTS = ["o_part", "m_part", "l_part"]
 # True (CUDA only): the last block of each (batch, KV head, row group) does pass 2, one launch
@@ -1106,8 +1139,9 @@ _backend_cache: Dict[object, Optional[str]] = {}
 
 
 def _backend() -> Optional[str]:
-    """gpu_backend(), remembered per default device (asked on every attention call)."""
-    device = mx.default_device()
+    """gpu_backend(), remembered per default device type (asked on every attention call; keyed
+    by type because mx.Device objects hash by identity: a new one from every default_device())."""
+    device = mx.default_device().type
     if device not in _backend_cache:
         _backend_cache[device] = gpu_backend()
     return _backend_cache[device]
@@ -1276,6 +1310,7 @@ def block_attention_kernel(
     causal: bool = True,
     window: Optional[int] = None,
     kv_start: Optional[mx.array] = None,
+    kv_len: Optional[mx.array] = None,
     backend: Optional[str] = None,
     config=None,
     splits: Optional[int] = None,
@@ -1284,12 +1319,24 @@ def block_attention_kernel(
     """The two-pass block attention as GPU kernels (CUDA or Metal). k and v may be strided views
     (e.g. the live slice of a KV cache buffer): they are read in place, not copied.
     ``config`` (a KernelConfig or MmaConfig) and ``splits`` override the tuned defaults (for
-    benchmarks); ``checked`` skips the argument checks (the caller ran ``unsupported``)."""
+    benchmarks); ``checked`` skips the argument checks (the caller ran ``unsupported``).
+    ``kv_len`` (int32 [B]; 0: all of k's length) gives each batch row its own key length, with
+    the reference's semantics.
+    No self-check here: callers that want the reference in place of a failing kernel ask
+    ``kernel_verified`` first, as ``block_attention`` and the engine's routing do."""
     backend = backend or _backend()
     if backend is None:
         raise RuntimeError("block_attention_kernel needs the CUDA or Metal backend as the default device")
     if not checked:
         check_supported(q, k, v)
+    return LAUNCHERS[backend](q, k, v, scale=scale, causal=causal, window=window, kv_start=kv_start,
+                              kv_len=kv_len, backend=backend, config=config, splits=splits)
+
+
+def _launch(q, k, v, *, scale, causal, window, kv_start, kv_len=None, backend, config, splits) -> mx.array:
+    """Plan (once per signature) and launch the kernels of ``backend``. The chunk count comes from
+    k's length (the longest a row may have): with ``kv_len``, shorter rows get fewer tiles per
+    chunk, or none."""
     Hk, Lk = k.shape[1], k.shape[2]
     key = (backend, q.dtype, q.shape, Hk, scale, causal, window, config, FUSE_REDUCTION, USE_MMA, MMA_FUSED)
     plan = _plans.get(key)
@@ -1304,11 +1351,15 @@ def block_attention_kernel(
         kv_start = plan.zeros
     elif kv_start.dtype != mx.int32:
         kv_start = kv_start.astype(mx.int32)
+    if kv_len is None:
+        kv_len = plan.zeros  # 0: the row's length is k's
+    elif kv_len.dtype != mx.int32:
+        kv_len = kv_len.astype(mx.int32)
     parts = [(B, H, Lq, splits, D), (B, H, Lq, splits), (B, H, Lq, splits)]
     one_launch = plan.pass2 is None or (plan.mma and splits == 1)
     with_out = plan.mma or plan.pass2 is None
     outs = plan.pass1(
-        inputs=[q, k, v, kv_start, plan.flags, plan.qscale, plan.counters],
+        inputs=[q, k, v, kv_start, kv_len, plan.flags, plan.qscale, plan.counters],
         output_shapes=parts + ([(B, H, Lq, D)] if with_out else []),
         output_dtypes=[mx.float32] * 3 + ([plan.dtype] if with_out else []),
         grid=(splits * plan.threads, plan.grid_yz[0], plan.grid_yz[1]),
@@ -1326,6 +1377,70 @@ def block_attention_kernel(
         threadgroup=(D, 1, 1),
         template=plan.template2,
     )[0]
+
+
+# The launcher per backend: the one place the kernels run (tests register deliberately broken
+# ones here to check the self-check's fallback).
+LAUNCHERS: Dict[str, Callable[..., mx.array]] = {"cuda": _launch, "metal": _launch}
+
+# The self-check case: B = 1 (2 with kv_start: rows 0 and 21 keys of padding), G = 2 query heads
+# per KV head, 16 rows over 83 live keys of a 96-key buffer (a strided view, as a KV cache's;
+# 3 tiles, the last one partial), window 24 when the call has one, in 2 chunks (pass 2 or the
+# fused reduction runs). With kv_len: B = 2, k is the first 96 keys of a 128-key buffer (a
+# ragged cache's bucketed width), rows of 83 and 61 keys (CHECK_LENGTHS; the second row's chunks
+# hold fewer tiles). The reference runs on the CPU. A few ms, once per process and kind of call.
+CHECK_SHAPE = (4, 2, 16, 83, 96)  # H, Hk, Lq, Lk, buffer length
+CHECK_WINDOW = 24
+CHECK_SPLITS = 2
+CHECK_LENGTHS = (83, 61)
+
+
+def _check_case(dtype, D: int, causal: bool, windowed: bool, padded: bool, ragged: bool = False):
+    H, Hk, Lq, Lk, cap = CHECK_SHAPE
+    B = 2 if padded or ragged else 1
+    width, buffer = (cap, cap + 32) if ragged else (Lk, cap)  # k's length, the buffer's
+    keys = mx.random.split(mx.random.key(selfcheck.SEED), 3)
+    q = mx.random.normal((B, H, Lq, D), key=keys[0]).astype(dtype)
+    k = mx.random.normal((B, Hk, buffer, D), key=keys[1]).astype(dtype)[:, :, :width]
+    v = mx.random.normal((B, Hk, buffer, D), key=keys[2]).astype(dtype)[:, :, :width]
+    kv_start = mx.array([0, 21], dtype=mx.int32) if padded else None
+    kv_len = mx.array(CHECK_LENGTHS, dtype=mx.int32) if ragged else None
+    return q, k, v, dict(scale=D**-0.5, causal=causal, window=CHECK_WINDOW if windowed else None, kv_start=kv_start,
+                         kv_len=kv_len)
+
+
+def kernel_verified(
+    q: mx.array,
+    *,
+    causal: bool = True,
+    window: Optional[int] = None,
+    kv_start: Optional[mx.array] = None,
+    kv_len: Optional[mx.array] = None,
+    backend: Optional[str] = None,
+    config=None,
+) -> bool:
+    """Whether the kernels may serve this call: they passed their self-check (run now, once per
+    process, for this backend, dtype, head dim, config and mask flags: kv_start, kv_len given or
+    not) or checks are off (``selfcheck``). False: use ``block_attention_reference``; a warning
+    has been given."""
+    backend = backend or _backend()
+    D = q.shape[-1]
+    key = (("dtype", q.dtype), ("head_dim", D), ("causal", bool(causal)), ("window", bool(window)),
+           ("kv_start", kv_start is not None), ("kv_len", kv_len is not None), ("config", config))
+    ok = selfcheck.known("block attention", backend, key)
+    if ok is not None:
+        return ok
+
+    q_, k_, v_, kw = _check_case(q.dtype, D, causal, bool(window), kv_start is not None, kv_len is not None)
+
+    def kernel():
+        return {"out": LAUNCHERS[backend](q_, k_, v_, **kw, backend=backend, config=config, splits=CHECK_SPLITS)}
+
+    def reference():
+        with mx.stream(mx.cpu):  # an fp32 oracle: MLX's fp32 matmuls on CUDA round through TF32
+            return {"out": block_attention_reference(q_, k_, v_, **kw)}
+
+    return selfcheck.verified("block attention", backend, key, kernel, reference, selfcheck.tolerance(q.dtype))
 
 
 def check_supported(q: mx.array, k: mx.array, v: mx.array) -> None:
@@ -1362,11 +1477,17 @@ def block_attention(
     causal: bool = True,
     window: Optional[int] = None,
     kv_start: Optional[mx.array] = None,
+    kv_len: Optional[mx.array] = None,
 ) -> mx.array:
-    """The kernel on a GPU backend, else the reference."""
-    if gpu_backend() is not None and unsupported(q, k, v) is None:
-        return block_attention_kernel(q, k, v, scale=scale, causal=causal, window=window, kv_start=kv_start)
-    return block_attention_reference(q, k, v, scale=scale, causal=causal, window=window, kv_start=kv_start)
+    """The kernel on a GPU backend if it passed its self-check (``kernel_verified``), else the
+    reference."""
+    backend = gpu_backend()
+    if (backend is not None and unsupported(q, k, v) is None
+            and kernel_verified(q, causal=causal, window=window, kv_start=kv_start, kv_len=kv_len, backend=backend)):
+        return block_attention_kernel(q, k, v, scale=scale, causal=causal, window=window, kv_start=kv_start,
+                                      kv_len=kv_len, backend=backend, checked=True)
+    return block_attention_reference(q, k, v, scale=scale, causal=causal, window=window, kv_start=kv_start,
+                                     kv_len=kv_len)
 
 
 def kernel_sources(backend: str) -> Tuple[str, ...]:
@@ -1385,7 +1506,9 @@ __all__ = [
     "gpu_backend",
     "kernel_config",
     "kernel_sources",
+    "kernel_verified",
     "mma_config",
+    "row_lengths",
     "split_count",
     "unsupported",
     "visible_keys",

@@ -21,6 +21,13 @@ mlx-lm's own step (``_gated_delta_step_ops``) so that on CPU it is bit-identical
 oracle. ``metal``: ``mx.fast.metal_kernel`` (one simdgroup per state row). ``cuda``:
 ``mx.fast.cuda_kernel`` (one warp per state row). Kernels need Dk % 32 == 0 and Dv % 4 == 0,
 scalar gates and no mask; other shapes use the reference.
+
+Before a kernel serves its first call of a kind (dtypes, head counts and dims, ``record``), it
+checks itself once per process against the reference on a small seeded case of that kind
+(``selfcheck``: T = CHECK_STEPS, B = 1); on a compile error or a mismatch it warns once and the
+reference serves those calls instead. The Metal kernels have never run on Apple hardware: this
+check is what stands between them and a wrong result there. ``LAUNCHERS`` holds the function
+that runs each kernel (tests register deliberately broken ones there).
 """
 
 from __future__ import annotations
@@ -29,7 +36,10 @@ from typing import Optional, Tuple
 
 import mlx.core as mx
 
+from . import selfcheck
+
 IMPLEMENTATIONS = ("reference", "metal", "cuda")
+CHECK_STEPS = 4  # tokens in a self-check case
 
 
 def backend() -> str:
@@ -322,6 +332,84 @@ def _kernel_replay(impl, tape, k, g, state):
     return state_out
 
 
+# The launcher of each kernel, by (implementation, function): the one place a GPU kernel runs.
+# Tests register deliberately broken ones here to check the self-check's fallback.
+LAUNCHERS = {
+    ("metal", "recurrence"): _kernel_recurrence,
+    ("cuda", "recurrence"): _kernel_recurrence,
+    ("metal", "replay"): _kernel_replay,
+    ("cuda", "replay"): _kernel_replay,
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# The self-check (selfcheck.verified): one small case per kind of call, against the reference
+
+
+def _check_case(dtypes, Hk, Hv, Dk, Dv):
+    """q, k, v, g, beta, state of CHECK_STEPS tokens in the given dtypes, drawn as the tests do
+    (unit-norm k, gates in [0.5, 1)), from a fixed key: the same inputs in every process."""
+    keys = mx.random.split(mx.random.key(selfcheck.SEED), 6)
+    T = CHECK_STEPS
+    q = mx.random.normal((1, T, Hk, Dk), key=keys[0]) * Dk**-0.5
+    k = mx.random.normal((1, T, Hk, Dk), key=keys[1])
+    k = k / mx.linalg.norm(k, axis=-1, keepdims=True)
+    v = mx.random.normal((1, T, Hv, Dv), key=keys[2])
+    g = mx.random.uniform(0.5, 1.0, (1, T, Hv), key=keys[3])
+    beta = mx.sigmoid(mx.random.normal((1, T, Hv), key=keys[4]))
+    state = mx.random.normal((1, Hv, Dv, Dk), key=keys[5]) * 0.5
+    return tuple(x.astype(dt) for x, dt in zip((q, k, v, g, beta, state), dtypes))
+
+
+def _recurrence_verified(impl, q, k, v, g, beta, state, record) -> bool:
+    _, _, Hk, Dk = k.shape
+    _, _, Hv, Dv = v.shape
+    key = (("q", q.dtype), ("k", k.dtype), ("v", v.dtype), ("g", g.dtype), ("beta", beta.dtype),
+           ("state", state.dtype), ("Hk", Hk), ("Hv", Hv), ("Dk", Dk), ("Dv", Dv), ("record", bool(record)))
+    ok = selfcheck.known("gated_delta recurrence", impl, key)
+    if ok is not None:
+        return ok
+    case = _check_case(tuple(dt for _, dt in key[:6]), Hk, Hv, Dk, Dv)
+
+    def run(fn):
+        y, s, tape = fn(*case, record)
+        return {"y": y, "state": s, "tape": tape}
+
+    # y is rounded to q's dtype from a state rounded to its own dtype every step; state and tape
+    # (fp32) carry only the state's roundings
+    tol = {"y": selfcheck.tolerance(q.dtype, state.dtype), "state": selfcheck.tolerance(state.dtype),
+           "tape": selfcheck.tolerance(state.dtype)}
+    return selfcheck.verified(
+        "gated_delta recurrence", impl, key,
+        run_kernel=lambda: run(lambda *a: LAUNCHERS[(impl, "recurrence")](impl, *a)),
+        run_reference=lambda: run(_reference_recurrence),
+        tolerance=tol,
+    )
+
+
+def _replay_verified(impl, tape, k, g, state) -> bool:
+    _, _, Hk, Dk = k.shape
+    _, _, Hv, Dv = tape.shape
+    key = (("tape", tape.dtype), ("k", k.dtype), ("g", g.dtype), ("state", state.dtype), ("Hk", Hk), ("Hv", Hv),
+           ("Dk", Dk), ("Dv", Dv))
+    ok = selfcheck.known("gated_delta replay", impl, key)
+    if ok is not None:
+        return ok
+
+    q_, k_, v_, g_, beta_, s0 = _check_case((k.dtype, k.dtype, k.dtype, g.dtype, k.dtype, state.dtype), Hk, Hv, Dk, Dv)
+    tape_ = _reference_recurrence(q_, k_, v_, g_, beta_, s0, True)[2].astype(tape.dtype)
+
+    def run(fn):
+        return {"state": fn(tape_, k_, g_, s0)}
+
+    return selfcheck.verified(
+        "gated_delta replay", impl, key,
+        run_kernel=lambda: run(lambda *a: LAUNCHERS[(impl, "replay")](impl, *a)),
+        run_reference=lambda: run(_reference_replay),
+        tolerance=selfcheck.tolerance(state.dtype),
+    )
+
+
 # ---------------------------------------------------------------------------------------------
 # The interface
 
@@ -341,21 +429,24 @@ def recurrence(
     q, k: [B, T, Hk, Dk] (q pre-scaled, as mlx-lm's ``normalize_qk`` leaves it); v: [B, T, Hv, Dv];
     g, beta: [B, T, Hv]; state: [B, Hv, Dv, Dk]. Returns y [B, T, Hv, Dv] in q's dtype, the
     final state in state's dtype and, with ``record``, the tape delta [B, T, Hv, Dv] in fp32.
+    ``impl`` (default: ``backend()``) picks the implementation; a kernel that failed its
+    self-check gives way to the reference.
     """
     impl = _pick(impl, k, v, g)
-    if impl == "reference":
-        return _reference_recurrence(q, k, v, g, beta, state, record)
-    return _kernel_recurrence(impl, q, k, v, g, beta, state, record)
+    if impl != "reference" and _recurrence_verified(impl, q, k, v, g, beta, state, record):
+        return LAUNCHERS[(impl, "recurrence")](impl, q, k, v, g, beta, state, record)
+    return _reference_recurrence(q, k, v, g, beta, state, record)
 
 
 def replay(tape: mx.array, k: mx.array, g: mx.array, state: mx.array, impl: Optional[str] = None) -> mx.array:
     """Rebuild the state after the taped steps: S_t = g_t * S_{t-1} + delta_t k_t^T, from ``state``.
 
-    tape: [B, n, Hv, Dv] fp32; k: [B, n, Hk, Dk]; g: [B, n, Hv]; n may be 0.
+    tape: [B, n, Hv, Dv] fp32; k: [B, n, Hk, Dk]; g: [B, n, Hv]; n may be 0. ``impl`` as for
+    ``recurrence``.
     """
     if tape.shape[1] == 0:
         return state
     impl = _pick(impl, k, tape, g)
-    if impl == "reference":
-        return _reference_replay(tape, k, g, state)
-    return _kernel_replay(impl, tape, k, g, state)
+    if impl != "reference" and _replay_verified(impl, tape, k, g, state):
+        return LAUNCHERS[(impl, "replay")](impl, tape, k, g, state)
+    return _reference_replay(tape, k, g, state)

@@ -1,0 +1,270 @@
+"""Continuous batching of DFlash decoding: rows join and leave between cycles.
+
+``BatchDecoder.steps()`` repeats one engine step until every request is done:
+
+    schedule:    admit waiting requests into free rows (chunked prefill, the joining prompts packed
+                 into shared passes and shared prefixes reused: engine/prefill.py; per step, about
+                 one chunk per free slot), then choose the cycle's verify width (engine/scheduler.py)
+    run:         one cycle over all rows: draft, verify, accept, roll back (engine/decode.py)
+    postprocess: feed each row's committed tokens to its output (EOS, stop strings, budget);
+                 finished rows free their slot at once
+
+The batch holds ``slots`` rows of device state. A free slot's row still rides along in the
+passes (its length is 0 and nothing is read from it) until a waiting request takes it; once
+no request waits, the batch shrinks to its live rows whenever a quarter of it is idle.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+
+from ..completion import Piece
+from . import decode, prefill
+from .batch_cache import Lengths, round_up
+from .decode import Step
+from .output import RowOutput
+from .scheduler import Acceptance, Scheduler
+
+
+@dataclass
+class Request:
+    """One prompt as the engine decodes it: token ids and its own options."""
+
+    ids: List[int]
+    max_tokens: int
+    temperature: float = 0.0
+    seed: Optional[int] = None
+    stop: Sequence[str] = ()
+    index: int = 0  # the caller's position for it
+    sample: int = 0  # which sample of its prompt (the same ids, its own seed)
+
+
+@dataclass
+class Row:
+    """A request in a slot of the batch."""
+
+    request: Request
+    output: RowOutput
+    seed: int  # of the row's sampling noise (engine/decode.py: choose)
+    last: int = 0  # the newest committed token, not yet in the target cache
+    produced: int = 0  # tokens committed so far (the prefill's first one included)
+    acceptance: Acceptance = field(default_factory=Acceptance)
+
+    @property
+    def budget(self) -> int:
+        return self.request.max_tokens - self.produced
+
+
+class BatchDecoder:
+    """Decodes ``requests`` with at most ``slots`` rows in flight; ``steps()`` yields
+    ``(request index, Piece)`` as rows commit tokens (a Piece with ``finish_reason`` ends a row)."""
+
+    def __init__(self, engine, requests: Sequence[Request], slots: int, scheduler: Scheduler):
+        self.engine, self.target, self.drafter = engine, engine.target, engine.drafter
+        self.slots = max(1, min(slots, len(requests)))
+        self.scheduler = scheduler
+        self.rows: List[Optional[Row]] = [None] * self.slots
+        # Joining prompts (engine/prefill.py): prefilled together, sharing the prefixes they have in common.
+        self.prefixes = engine.prefixes
+        marks = prefill.share_marks([r.ids for r in requests], self.prefixes.granularity) if self.prefixes else None
+        self.waiting = [(r, marks[i] if marks else []) for i, r in enumerate(requests)][::-1]  # pop(): next in order
+        self.group = prefill.JoinGroup(self.target, self.drafter, self.prefixes)
+        # Device state of the batch: target cache rows, drafter context rows, pending context.
+        self.lengths = Lengths([0] * self.slots)
+        self.cache = self.target.make_cache(self.lengths)
+        self.draft_lengths = Lengths([0] * self.slots) if self.drafter else None
+        self.draft_cache = self.drafter.make_cache(self.draft_lengths) if self.drafter else None
+        self.pending: Optional[mx.array] = None  # new context rows the drafter has not seen [B, C, H]
+        self.pending_counts: List[int] = [0] * self.slots
+
+    # -- the engine step --------------------------------------------------------------------
+    def steps(self) -> Iterator[Tuple[int, Piece]]:
+        mx.reset_peak_memory()
+        while self.waiting or self.group.joiners or any(self.rows):
+            yield from self.admit()
+            live = [b for b, r in enumerate(self.rows) if r is not None]
+            if not live:
+                continue
+            width = self.scheduler.width(
+                [self.rows[b].acceptance for b in live], [self.rows[b].budget for b in live]
+            )
+            yield from self.postprocess(self.run(width))
+            self.shrink()
+
+    # -- schedule: admission ------------------------------------------------------------------
+    def admit(self) -> Iterator[Tuple[int, Piece]]:
+        """Prefill waiting requests into free slots, ``prefill_chunk`` prompt tokens per free slot
+        per step, the joining prompts packed into shared passes (engine/prefill.py): decoding rows
+        wait for about one chunk when one slot is free, and a batch that is mostly free (few rows
+        to hold up, a pass mostly wasted) fills at once."""
+        free = sum(r is None for r in self.rows)
+        budget = self.engine.prefill_chunk * max(free, 1)
+        while True:
+            yield from self._fill()
+            if not self.group.joiners or budget <= 0:
+                return
+            budget -= yield from self._prefill_pass(self._pass_width())
+
+    def _pass_width(self) -> int:
+        """Tokens per row in the next packed pass: a chunk, less when many rows would pass more than
+        ``prefill_tokens`` tokens in all."""
+        rows = len(self.group.joiners)
+        return max(1, min(self.engine.prefill_chunk, self.engine.prefill_tokens // rows))
+
+    def _fill(self) -> Iterator[Tuple[int, Piece]]:
+        """Start a waiting request in each free slot: from the longest kept prefix of its prompt (a
+        whole prompt kept takes its slot at once), else from nothing. A request waits while a
+        joining row is about to keep a longer prefix of its prompt."""
+        taken = {j.slot for j in self.group.joiners}
+        most = self.engine.prefill_rows or self.slots
+        for b in range(self.slots):
+            if self.rows[b] is not None or b in taken:
+                continue
+            if not self.waiting or len(self.group.joiners) >= most:
+                return
+            request, marks = self.waiting[-1]
+            start = self.prefixes.longest(request.ids) if self.prefixes else None
+            if self.group.waits_for(request.ids, start.length if start else 0):
+                return
+            self.waiting.pop()
+            row = self._new_row(request)
+            if start is not None and start.length == len(request.ids):
+                yield from self._place(b, row, start)
+            else:
+                self.group.add(prefill.Joiner(row, b, request.ids, 0, list(marks)), start)
+
+    def _new_row(self, request: Request) -> Row:
+        engine = self.engine
+        output = RowOutput(engine.tokenizer, len(request.ids), request.max_tokens, request.stop, engine.block_size)
+        output.start()
+        seed = request.seed if request.seed is not None else decode.new_seed()
+        return Row(request, output, seed, acceptance=self.scheduler.new_row())
+
+    def _prefill_pass(self, width: int):
+        """One packed pass over the joining rows (returns the prompt tokens it prefilled); each row
+        whose prompt is complete takes its slot and emits its first token."""
+        before = self.group.counts["tokens"]
+        for joiner, state in self.group.prefill(width):
+            yield from self._place(joiner.slot, joiner.row, state)
+        return self.group.counts["tokens"] - before
+
+    def _place(self, b: int, row: Row, state: prefill.Prefix) -> Iterator[Tuple[int, Piece]]:
+        """Copy a prompt's prefilled state into slot b of the batch; the row chooses its first token
+        from the prompt's last logits (position n, its own seed) and emits it."""
+        n = state.length
+        for big, small in zip(self.cache + (self.draft_cache or []), state.target + (state.draft or [])):
+            big.put_row(b, small, self.slots)
+        self.lengths.set(_replace(self.lengths.host, b, n))
+        if self.drafter is not None:
+            self.context_shape = state.context  # width and dtype of tapped context rows
+            self.draft_lengths.set(_replace(self.draft_lengths.host, b, n))
+        self.pending_counts[b] = 0
+        self.rows[b] = row
+        mx.eval([c.arrays() for c in self.cache + (self.draft_cache or [])])
+        row.last = int(decode.choose(state.logits, [row.request.temperature], [row.seed], mx.array([n])).item())
+        row.produced = 1
+        yield from self._emit(b, Step(tokens=[row.last]))
+
+    # -- run: one cycle ---------------------------------------------------------------------------
+    def run(self, width: int) -> List[Optional[Step]]:
+        """One cycle of verify width T over every slot; returns each live row's Step."""
+        started = time.perf_counter()
+        rows = self.rows
+        B = self.slots
+        limits = [min(width, r.budget) if r is not None else 1 for r in rows]  # L_b: what row b may commit
+        T = max(limits)
+        last = mx.array([[r.last if r is not None else 0] for r in rows], dtype=mx.int32)
+        if T > 1:
+            drafted = self.draft(last, T - 1)
+        else:
+            drafted = mx.zeros((B, 0), dtype=mx.int32)
+        tokens = mx.concatenate([last, drafted], axis=1)
+        logits, hidden = self.target.verify(tokens, self.cache)
+        chosen = decode.choose(
+            logits, [r.request.temperature if r else 0.0 for r in rows], [r.seed if r else 0 for r in rows],
+            self.lengths.device + 1,  # verify row i picks the token after position n_b + i
+        )
+        d, t = drafted.tolist(), chosen.tolist()  # the cycle's one host sync
+        accepted = decode.accept_lengths(d, t, limits)
+        keep = [a + 1 for a in accepted]
+        self.target.rollback(self.cache, keep)
+        self.lengths.advance(keep)
+        if hidden is not None:
+            self.pending, self.pending_counts = decode.pack_context(self.pending, self.pending_counts, hidden, keep)
+        live = sum(r is not None for r in rows)
+        shapes = (B, T, round_up(self.lengths.max))  # a cycle of shapes not run before includes compiling them
+        if shapes in self.engine.shapes_seen:
+            self.scheduler.cost.observe(live, T, time.perf_counter() - started)
+        self.engine.shapes_seen.add(shapes)
+        steps: List[Optional[Step]] = []
+        for b, r in enumerate(rows):
+            if r is None:
+                steps.append(None)
+                continue
+            a = accepted[b]
+            self.scheduler.accepted(r.acceptance, a, limits[b])
+            r.last = t[b][a]
+            r.produced += a + 1
+            steps.append(Step(tokens=d[b][:a] + [t[b][a]], from_draft=a, drafted=limits[b] - 1, verify=True))
+        return steps
+
+    def draft(self, last: mx.array, rows: int) -> mx.array:
+        """The drafter takes every row's pending context and proposes ``rows`` tokens per row."""
+        counts = self.pending_counts
+        uniform = len(set(counts)) == 1 and self.draft_lengths.uniform
+        context = self.pending
+        if context is None:  # no row has new context (all just joined)
+            context = mx.zeros((len(counts), 0, self.context_shape.shape[-1]), self.context_shape.dtype)
+        drafted = decode.draft_block(
+            self.drafter, self.target, last, context,
+            None if uniform else mx.array(counts, dtype=mx.int32), self.draft_cache, rows,
+        )
+        self.draft_lengths.advance(counts)
+        self.pending, self.pending_counts = None, [0] * self.slots
+        return drafted
+
+    # -- postprocess ------------------------------------------------------------------------------
+    def postprocess(self, steps: List[Optional[Step]]) -> Iterator[Tuple[int, Piece]]:
+        for b, step in enumerate(steps):
+            if step is not None:
+                yield from self._emit(b, step)
+
+    def _emit(self, b: int, step: Step) -> Iterator[Tuple[int, Piece]]:
+        row = self.rows[b]
+        piece = row.output.feed(step)
+        yield row.request.index, piece
+        if piece.finish_reason is not None:
+            self.rows[b] = None  # the slot is free at once
+            self.lengths.set(_replace(self.lengths.host, b, 0))
+            if self.drafter is not None:
+                self.draft_lengths.set(_replace(self.draft_lengths.host, b, 0))
+            self.pending_counts[b] = 0
+
+    def shrink(self) -> None:
+        """With nothing waiting, drop idle rows from the batch once a quarter of it is idle."""
+        if self.waiting or self.group.joiners:
+            return
+        live = [b for b, r in enumerate(self.rows) if r is not None]
+        if not live or len(live) > 0.75 * self.slots:
+            return
+        index = mx.array(live, dtype=mx.int32)
+        for c in self.cache + (self.draft_cache or []):
+            c.take_rows(index)
+        self.rows = [self.rows[b] for b in live]
+        self.lengths.set([self.lengths.host[b] for b in live])
+        if self.drafter is not None:
+            self.draft_lengths.set([self.draft_lengths.host[b] for b in live])
+        if self.pending is not None:
+            self.pending = self.pending[index]
+        self.pending_counts = [self.pending_counts[b] for b in live]
+        self.slots = len(live)
+
+
+def _replace(values: List[int], i: int, v: int) -> List[int]:
+    out = list(values)
+    out[i] = v
+    return out

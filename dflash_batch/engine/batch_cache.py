@@ -1,0 +1,192 @@
+"""Caches for a batch of sequences that each keep their own length (ragged acceptance).
+
+Row b of a batch has committed ``lengths[b]`` tokens. Every layer's K/V buffer is
+[B, Hk, capacity, D] and row b's valid keys are columns ``0 .. lengths[b]-1``; rows are never
+shifted or copied per cycle:
+
+    write:    a pass of T tokens writes row b's K/V at columns lengths[b] .. lengths[b]+T-1
+    attend:   query i of row b sees key j  iff  j <= lengths[b] + i        (causal in the block)
+    rollback: lengths[b] += keep[b]; the rejected columns stay, unseen, and are overwritten next
+
+One ``Lengths`` is shared by every layer of a batch (the engine advances it once per cycle), so
+a layer's cache only reads it. When all rows have one length (always at batch 1) the cache
+behaves exactly as mlx-lm's ``KVCache``: slice writes, keys cut to the exact length, mask
+"causal" or None; the routed verify attention then sees the same shapes as before.
+
+GatedDeltaNet layers keep their state per row already (no length axis); their per-row rollback
+is ``hybrid.TapeCache.trim_rows``.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import mlx.core as mx
+
+STEP = 256  # capacity and ragged key lengths grow in these steps (few distinct shapes per job)
+
+
+def round_up(n: int, step: int = STEP) -> int:
+    return -(-n // step) * step
+
+
+class Lengths:
+    """Committed tokens per row, on the host (for shapes and bookkeeping) and on the device."""
+
+    def __init__(self, values: Sequence[int] = ()):
+        self.set(values)
+
+    def set(self, values: Sequence[int]) -> None:
+        self.host: List[int] = [int(v) for v in values]
+        self.device = mx.array(self.host, dtype=mx.int32)
+        self.uniform = len(set(self.host)) <= 1
+        self.max = max(self.host, default=0)
+
+    def advance(self, by: Sequence[int]) -> None:
+        self.set([n + k for n, k in zip(self.host, by)])
+
+    def __len__(self) -> int:
+        return len(self.host)
+
+
+class RaggedKVCache:
+    """One attention layer's K/V for a batch whose rows have their own lengths (see module doc).
+
+    Implements what mlx-lm's attention layers use: ``offset`` (RoPE positions: an int when the
+    rows agree, else one per row), ``update_and_fetch`` and ``make_mask``.
+    """
+
+    def __init__(self, lengths: Lengths):
+        self.lengths = lengths
+        self.keys: Optional[mx.array] = None
+        self.values: Optional[mx.array] = None
+
+    # -- what mlx-lm's layers call ---------------------------------------------------------
+    @property
+    def offset(self):
+        return self.lengths.host[0] if self.lengths.uniform else self.lengths.device
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        """Write a pass's T rows per row at that row's length; return the keys to attend over."""
+        T = keys.shape[2]
+        self.reserve(self.lengths.max + T, keys, values)
+        if self.lengths.uniform:
+            n = self.lengths.max
+            self.keys[..., n : n + T, :] = keys
+            self.values[..., n : n + T, :] = values
+            return self.keys[..., : n + T, :], self.values[..., : n + T, :]
+        columns = self.lengths.device[:, None] + mx.arange(T, dtype=mx.int32)[None]
+        return self.write_columns(columns, keys, values, self.lengths.max + T)
+
+    def write_columns(self, columns: mx.array, keys: mx.array, values: mx.array, needed: int):
+        """Scatter keys [B, H, T, D] to columns [B, T] per row; return the first ``needed``
+        columns (rounded up to a STEP) of keys and values to attend over."""
+        self.reserve(needed, keys, values)
+        self.keys = _put_columns(self.keys, columns, keys)
+        self.values = _put_columns(self.values, columns, values)
+        width = round_up(needed)  # capacity is a multiple of STEP, so this fits
+        return self.keys[..., :width, :], self.values[..., :width, :]
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
+        if window_size is not None:
+            raise ValueError("batched decoding supports full-attention layers only (no sliding window)")
+        if not self.lengths.uniform:  # bucketed key width (few distinct shapes), masked per row
+            return visible(self.lengths.device, N, round_up(self.lengths.max + N))
+        if return_array:
+            return _causal(N, self.lengths.max)
+        return None if N == 1 else "causal"
+
+    # -- capacity and rows ----------------------------------------------------------------------
+    def reserve(self, columns: int, like_k: mx.array, like_v: mx.array) -> None:
+        """Make room for ``columns`` key positions in every row (grows in STEP columns; a copy
+        only then). ``like_k``/``like_v`` give heads, head dims and dtypes."""
+        have = 0 if self.keys is None else self.keys.shape[2]
+        if columns <= have:
+            return
+        B, (_, H, _, Dk) = len(self.lengths), like_k.shape
+        grow = round_up(columns) - have
+        k_new = mx.zeros((B, H, grow, Dk), like_k.dtype)
+        v_new = mx.zeros((B, H, grow, like_v.shape[3]), like_v.dtype)
+        if self.keys is None:
+            self.keys, self.values = k_new, v_new
+        else:
+            self.keys = mx.concatenate([self.keys, k_new], axis=2)
+            self.values = mx.concatenate([self.values, v_new], axis=2)
+
+    def row_state(self, b: int, n: int) -> Optional[tuple]:
+        """A copy of row b's first ``n`` key columns (keys, values), each [1, H, n, D]; None if empty."""
+        if self.keys is None or n == 0:
+            return None
+        return mx.contiguous(self.keys[b : b + 1, :, :n, :]), mx.contiguous(self.values[b : b + 1, :, :n, :])
+
+    def put_row(self, b: int, state: Optional[tuple], batch_size: int) -> None:
+        """Place a row state (``row_state``: a prefilled prompt) in row ``b`` at columns 0..n-1."""
+        if state is None:
+            return  # nothing to copy: the caller sets the row's length to 0
+        keys, values = state
+        n = keys.shape[2]
+        self.reserve(n, keys, values)
+        self.keys[b : b + 1, :, :n, :] = keys
+        self.values[b : b + 1, :, :n, :] = values
+
+    def add_rows(self, states: Sequence[Optional[tuple]], have: int) -> None:
+        """Append one row per state (``row_state``, or None: empty) after the ``have`` rows held;
+        the caller then extends the shared lengths."""
+        present = [s for s in states if s is not None]
+        if self.keys is None and not present:
+            return  # all rows empty: ``reserve`` allocates on the next write
+        k_like, v_like = (self.keys, self.values) if self.keys is not None else present[0]
+        width = max([0 if self.keys is None else self.keys.shape[2]] + [round_up(s[0].shape[2]) for s in present])
+        old_k, old_v = self.keys, self.values
+        if old_k is None:
+            old_k = mx.zeros((have,) + k_like.shape[1:2] + (width, k_like.shape[3]), k_like.dtype)
+            old_v = mx.zeros((have,) + v_like.shape[1:2] + (width, v_like.shape[3]), v_like.dtype)
+        elif old_k.shape[2] < width:
+            grow = width - old_k.shape[2]
+            old_k = mx.concatenate([old_k, mx.zeros(old_k.shape[:2] + (grow, old_k.shape[3]), old_k.dtype)], axis=2)
+            old_v = mx.concatenate([old_v, mx.zeros(old_v.shape[:2] + (grow, old_v.shape[3]), old_v.dtype)], axis=2)
+        new_k = mx.zeros((len(states),) + old_k.shape[1:], old_k.dtype)
+        new_v = mx.zeros((len(states),) + old_v.shape[1:], old_v.dtype)
+        for i, s in enumerate(states):
+            if s is not None:
+                n = s[0].shape[2]
+                new_k[i : i + 1, :, :n, :] = s[0]
+                new_v[i : i + 1, :, :n, :] = s[1]
+        self.keys = mx.concatenate([old_k, new_k], axis=0)
+        self.values = mx.concatenate([old_v, new_v], axis=0)
+
+    def take_rows(self, rows: mx.array) -> None:
+        """Keep only the given rows, in that order (the batch shrinks)."""
+        if self.keys is not None:
+            self.keys, self.values = self.keys[rows], self.values[rows]
+
+    def arrays(self) -> list:
+        return [] if self.keys is None else [self.keys, self.values]
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+    # -- mlx-lm cache protocol bits the models may touch ------------------------------------
+    def is_trimmable(self) -> bool:
+        return True
+
+    def empty(self) -> bool:
+        return self.keys is None
+
+
+def visible(lengths: mx.array, N: int, width: int, extra: int = 0) -> mx.array:
+    """Bool mask [B, 1, N, width]: query i of row b sees key j iff j <= lengths[b] + extra + i."""
+    last = lengths[:, None, None, None] + extra + mx.arange(N, dtype=mx.int32)[None, None, :, None]
+    return mx.arange(width, dtype=mx.int32)[None, None, None, :] <= last
+
+
+def _causal(N: int, offset: int) -> mx.array:
+    return mx.arange(offset, offset + N)[:, None] >= mx.arange(offset + N)[None]
+
+
+def _put_columns(buffer: mx.array, columns: mx.array, rows: mx.array) -> mx.array:
+    """buffer[b, :, columns[b, t], :] = rows[b, :, t, :] (a scatter along the key axis)."""
+    B, H, T, D = rows.shape
+    index = mx.broadcast_to(columns[:, None, :, None], (B, H, T, D))
+    return mx.put_along_axis(buffer, index, rows, axis=2)

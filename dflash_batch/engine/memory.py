@@ -1,0 +1,74 @@
+"""How many sequences fit: cache bytes per row against the memory the device has free.
+
+A row of n tokens holds, per attention layer of the target and of the drafter, K and V of n
+positions (capacity grows in 256-column steps), plus, per GatedDeltaNet layer, its conv and
+recurrent state. The plan is made before any work, from the longest request of the job, so
+a job never runs out of memory halfway through.
+"""
+
+from __future__ import annotations
+
+import os
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .batch_cache import Lengths, RaggedKVCache, round_up
+
+USABLE = 0.8  # of free memory, for caches and the passes' temporaries
+ENV_LIMIT = "DFLASH_BATCH_MEMORY_GB"  # overrides the device's own figure (e.g. to share a GPU)
+
+
+def default_batch_cap() -> int:
+    return 16 if mx.default_device() == mx.cpu else 32
+
+
+def total_bytes() -> int:
+    """The memory MLX may use: $DFLASH_BATCH_MEMORY_GB, else the device's figure (the
+    recommended working set on Metal), else the machine's RAM."""
+    if os.environ.get(ENV_LIMIT):
+        return int(float(os.environ[ENV_LIMIT]) * 1e9)
+    info = mx.device_info() if mx.default_device() != mx.cpu else {}
+    for key in ("max_recommended_working_set_size", "memory_size", "total_memory"):
+        if info.get(key):
+            return int(info[key])
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def free_bytes() -> int:
+    return max(total_bytes() - mx.get_active_memory(), 0)
+
+
+def rows_that_fit(per_row: int) -> int:
+    return int(free_bytes() * USABLE // max(per_row, 1))
+
+
+def row_bytes(engine, tokens: int) -> int:
+    """Cache bytes one row of ``tokens`` positions needs in the target and the drafter."""
+    per_position, fixed = 0, 0
+    for layer, cache in zip(engine.target.layers, engine.target.make_cache(Lengths([0]))):
+        if isinstance(cache, RaggedKVCache):
+            per_position += _kv_bytes(layer.self_attn)
+        else:  # GatedDeltaNet: conv state (activations) and recurrent state (fp32)
+            gdn = layer.linear_attn
+            fixed += (gdn.conv_kernel_size - 1) * gdn.conv_dim * _itemsize(gdn.in_proj_qkv)
+            fixed += gdn.num_v_heads * gdn.head_v_dim * gdn.head_k_dim * 4
+    if engine.drafter is not None:
+        per_position += sum(_kv_bytes(layer.self_attn) for layer in engine.drafter.layers)
+    return per_position * round_up(tokens) + fixed
+
+
+def _kv_bytes(attn: nn.Module) -> int:
+    """K and V bytes of one position: k_proj's and v_proj's output features."""
+    k, v = attn.k_proj, attn.v_proj
+    return (_out_features(k) + _out_features(v)) * _itemsize(k)
+
+
+def _out_features(linear: nn.Module) -> int:
+    return linear.weight.shape[0]
+
+
+def _itemsize(linear: nn.Module) -> int:
+    """Bytes of one activation through this layer (its scales' dtype when quantized)."""
+    dtype = getattr(linear, "scales", linear.weight).dtype
+    return mx.float32.size if dtype == mx.float32 else dtype.size

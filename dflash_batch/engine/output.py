@@ -1,0 +1,72 @@
+"""One sequence's output: committed tokens -> text, cut by EOS, stop strings or its budget, with its
+own statistics. Batch-independent: a row's text and counts are the same whatever rows share its
+passes."""
+
+from __future__ import annotations
+
+import time
+from typing import Optional, Sequence
+
+import mlx.core as mx
+
+from ..completion import GenerationStats, Piece
+from .decode import Step
+from .stopping import StopText
+
+
+class RowOutput:
+    """Feeds one row's Steps through EOS, stop strings and ``max_tokens``; ``feed`` returns the
+    Piece to emit (``finish_reason`` set on the last one)."""
+
+    def __init__(self, tokenizer, prompt_tokens: int, max_tokens: int, stops: Sequence[str], block_size: int):
+        self.max_tokens = max_tokens
+        self.eos = tokenizer.eos_token_ids
+        self.detok = tokenizer.detokenizer
+        self.text = StopText(stops)
+        self.stats = GenerationStats(
+            prompt_tokens=prompt_tokens, block_size=block_size, acceptance_histogram=[0] * (max(block_size, 1) + 1)
+        )
+        self.started = self.decode_started = time.perf_counter()
+        self.done = False
+
+    def start(self) -> None:
+        """The row's prefill begins now (it may have waited for a slot)."""
+        self.started = self.decode_started = time.perf_counter()
+
+    def feed(self, step: Step) -> Piece:
+        stats = self.stats
+        now = time.perf_counter()
+        if step.verify:
+            stats.cycles += 1
+            stats.drafted_tokens += step.drafted
+            stats.acceptance_histogram[len(step.tokens)] += 1
+        else:
+            stats.prefill_s, self.decode_started = now - self.started, now
+        finish: Optional[str] = None
+        stop_reason: Optional[str] = None
+        ids, text = [], ""
+        for i, tok in enumerate(step.tokens):
+            stats.generated_tokens += 1
+            stats.accepted_tokens += i < step.from_draft
+            if tok in self.eos:
+                finish, stop_reason = "stop", "eos"
+                break
+            ids.append(tok)
+            self.detok.add_token(tok)
+            emitted, hit = self.text.feed(self.detok.last_segment)
+            text += emitted
+            if hit is not None:
+                finish, stop_reason = "stop", hit
+                break
+            if stats.generated_tokens >= self.max_tokens:
+                finish = "length"
+                break
+        if finish is None:
+            return Piece(text=text, token_ids=ids)
+        if stop_reason is None or stop_reason == "eos":
+            self.detok.finalize()
+            text += self.text.feed(self.detok.last_segment)[0]
+        stats.decode_s = time.perf_counter() - self.decode_started
+        stats.peak_memory_gb = mx.get_peak_memory() / 1e9
+        self.done = True
+        return Piece(text + self.text.flush(), ids, finish, stats, stop_reason)

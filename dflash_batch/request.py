@@ -1,0 +1,150 @@
+"""One prompt on its way from an input row to a result row, and what the runner needs of an engine.
+
+Plain data, no MLX: the runner builds ``Request``s, the engine (or a fake in the tests) turns
+them into ``Completion``s.
+
+The options of a request are settled here, by one rule, in one place:
+
+* a row's own ``max_tokens``, ``temperature``, ``stop``, ``system`` and ``n`` are checked as the row is
+  read (``row_options``; a bad one makes the row an error row naming the field);
+* they win over the job's values (the flag, else the YAML, else the default: the job spec, whose
+  values ``runner.spec.validate`` checks with the same ``checks``), and ``max_tokens_cap``
+  bounds ``max_tokens`` whoever set it (``resolve_options``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Protocol, Tuple, Union, runtime_checkable
+
+from . import checks
+from .completion import Completion
+
+Prompt = Union[str, List[Dict[str, str]]]
+ROW_OPTIONS = ("max_tokens", "temperature", "stop", "system", "n")
+MAX_SAMPLES = 1024  # n: samples per prompt, at most
+
+
+class BadOption(ValueError):
+    """A row's sampling option that cannot be used; the message names the field."""
+
+
+@dataclass
+class Options:
+    """How one request is generated: the ``Engine.request`` keyword arguments."""
+
+    max_tokens: int = 256
+    temperature: float = 0.0
+    stop: Optional[List[str]] = None
+    seed: Optional[int] = None
+    system: Optional[str] = None
+    chat_template: Optional[bool] = None
+    chat_template_kwargs: Optional[Dict[str, Any]] = None
+    n: int = 1  # samples of the prompt, each its own result row (``sample_seed`` seeds them)
+
+    def as_kwargs(self) -> Dict[str, Any]:
+        return {
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "stop": self.stop,
+            "seed": self.seed,
+            "system": self.system,
+            "chat_template": self.chat_template,
+            "chat_template_kwargs": self.chat_template_kwargs,
+        }
+
+
+@dataclass
+class Request:
+    """One prompt (text or chat messages) with its resolved options and the row's metadata."""
+
+    id: str
+    prompt: Prompt
+    options: Options = field(default_factory=Options)
+    metadata: Dict[str, Any] = field(default_factory=dict)
+    index: int = 0  # the row's 0-based position in the input
+    where: str = ""  # "line 7" / "row 7": how messages name the row
+    sample_index: int = 0  # which of the row's n samples (the runner gives each its own request)
+
+
+# What a generator yields per request: its completion, or why it has none (a GenerationError for
+# a prompt the engine refuses; another exception for a failure of that one request).
+Outcome = Union[Completion, Exception]
+
+
+@runtime_checkable
+class Generator(Protocol):
+    """The engine as the runner sees it.
+
+    ``generate_requests`` takes requests (any iterable) and yields ``(request, outcome)`` once per
+    request, as each finishes: not in input order. A request that cannot be generated (empty,
+    too long...) is yielded with its exception and the others go on; an exception raised by the
+    call itself ends the whole call (the runner fails the job, finished rows stay).
+    ``batch_size``: most requests decoded together; None: what memory allows.
+    """
+
+    def generate_requests(
+        self, requests: Iterable[Request], batch_size: Optional[int] = None
+    ) -> Iterator[Tuple[Request, Outcome]]: ...
+
+
+def sample_seed(seed: Optional[int], sample_index: int, item: str = "") -> Optional[int]:
+    """The seed of sample ``sample_index`` of a prompt seeded ``seed`` (the runner also names the
+    item): sample 0 keeps ``seed``; sample k > 0 takes 64 bits of a hash of (seed, item, k), so
+    every sample is reproducible from the three and samples do not share noise. None stays None."""
+    if seed is None or sample_index == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}/{item}/{sample_index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+def row_options(row: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
+    """A row's own sampling options (``ROW_OPTIONS``), checked; raises ``BadOption``."""
+    out: Dict[str, Any] = {}
+    value = row.get("max_tokens")
+    if value is not None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise BadOption(f"'{prefix}max_tokens' must be a positive integer, got {value!r}")
+        out["max_tokens"] = value
+    value = row.get("temperature")
+    if value is not None:
+        try:
+            out["temperature"] = checks.temperature(value)
+        except checks.BadValue as e:
+            raise BadOption(f"'{prefix}temperature' {e}") from None
+    value = row.get("stop")
+    if value is not None:
+        stops = [value] if isinstance(value, str) else value
+        if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+            raise BadOption(f"'{prefix}stop' must be a string or a list of non-empty strings, got {value!r}")
+        out["stop"] = stops
+    value = row.get("system")
+    if value is not None:
+        if not isinstance(value, str):
+            raise BadOption(f"'{prefix}system' must be a string, got {checks.json_type(value)}")
+        out["system"] = value
+    value = row.get("n")
+    if value is not None:
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_SAMPLES:
+            raise BadOption(f"'{prefix}n' must be an integer from 1 to {MAX_SAMPLES}, got {value!r}")
+        out["n"] = value
+    return out
+
+
+def resolve_options(job: Any, row: Dict[str, Any]) -> Options:
+    """The options of one row: its own (from ``row_options``) win over the job's (a ``JobSpec``:
+    the flag, else the YAML, else the default); ``max_tokens_cap`` bounds ``max_tokens``."""
+    max_tokens = row.get("max_tokens", job.max_tokens)
+    if job.max_tokens_cap is not None:
+        max_tokens = min(max_tokens, job.max_tokens_cap)
+    return Options(
+        max_tokens=max_tokens,
+        temperature=row.get("temperature", job.temperature),
+        stop=row.get("stop", job.stop) or None,
+        seed=job.seed,
+        system=row.get("system", job.system_prompt),
+        chat_template=job.chat_template,
+        chat_template_kwargs=job.chat_template_kwargs or None,
+        n=row.get("n", getattr(job, "n", 1)),
+    )

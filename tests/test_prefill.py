@@ -1,0 +1,198 @@
+"""Joining prompts: packed prefill (several prompts' chunks in one ragged pass), prefixes prefilled
+once and shared, n samples of a prompt sharing its prefill. Every row equals that prompt prefilled
+and decoded alone (fp32, CPU), for a pure-attention and a hybrid (GatedDeltaNet) target."""
+
+from __future__ import annotations
+
+import random
+
+import mlx.core as mx
+import pytest
+
+from dflash_batch.completion import GenerationError
+from dflash_batch.engine import hybrid, load_engine, prefill, synthetic
+from dflash_batch.request import sample_seed
+from tests.test_engine_lossless import greedy_reference
+
+LENGTHS = [3, 41, 150, 333]  # very different prompt lengths, most over the 64-token chunk below
+
+
+def _ids(length: int, seed: int):
+    rng = random.Random(seed)
+    return [rng.randrange(4, 500) for _ in range(length)]
+
+
+@pytest.fixture(scope="module", params=["qwen3", "qwen35"])
+def pair(request, tmp_path_factory):
+    """(target folder, drafter folder) of one target kind."""
+    root = tmp_path_factory.mktemp(request.param)
+    if request.param == "qwen3":
+        cfg = synthetic.tiny_qwen3_config()
+    else:
+        cfg = synthetic.tiny_qwen3_5_config(layers=4)
+    target = synthetic.save_target(root / "t", cfg, seed=1)
+    draft = synthetic.save_drafter(root / "d", synthetic.drafter_config(cfg, block_size=8), seed=3)
+    return target, draft
+
+
+def _engine(pair, **kw):
+    kw.setdefault("prefix_cache_mb", 0)
+    return load_engine(str(pair[0]), str(pair[1]), prefill_chunk=64, **kw)
+
+
+# -- packed prefill ------------------------------------------------------------------------------
+
+
+def _group_states(engine, prompts, width):
+    """Prefill ``prompts`` as one group (packed passes of ``width``); each prompt's final state."""
+    group = prefill.JoinGroup(engine.target, engine.drafter, None)
+    for i, ids in enumerate(prompts):
+        group.add(prefill.Joiner(row=None, slot=i, ids=ids, done=0), None)
+    states, passes = {}, 0
+    while group.joiners:
+        for joiner, state in group.prefill(width):
+            states[joiner.slot] = state
+        passes += 1
+    return [states[i] for i in range(len(prompts))], passes
+
+
+def _close(a, b):
+    return a is None and b is None or all(mx.allclose(x, y, rtol=1e-4, atol=1e-4).item() for x, y in zip(a, b))
+
+
+def test_packed_prefill_state_equals_each_prompt_alone(pair):
+    """Four prompts of 3 to 333 tokens prefilled together: every layer's state of every row (keys
+    and values, conv and recurrent states, the drafter's context) and its last logits equal that
+    prompt prefilled alone. Padding absorbed by a recurrent row, or written where a row reads it,
+    fails this."""
+    engine = _engine(pair)
+    prompts = [_ids(n, seed=n) for n in LENGTHS]
+    together, passes = _group_states(engine, prompts, 64)
+    assert passes < sum(-(-n // 64) for n in LENGTHS)  # the prompts' chunks shared passes
+    assert any(isinstance(c, hybrid.TapeCache) for c in engine.target.make_cache()) == (pair[0].parent.name.startswith("qwen35"))
+    for n, (ids, packed) in enumerate(zip(prompts, together)):
+        alone, _ = _group_states(engine, [ids], 64)
+        alone = alone[0]
+        assert packed.length == alone.length == len(ids)
+        assert mx.allclose(packed.logits, alone.logits, rtol=1e-4, atol=1e-4).item(), n
+        for layer, (p, a) in enumerate(zip(packed.target + packed.draft, alone.target + alone.draft)):
+            assert _close(p, a), (n, layer)
+
+
+def test_packed_prefill_rows_equal_greedy(pair):
+    """Prompts of very different lengths join a batch together and are prefilled in shared
+    passes; every row equals mlx-lm's greedy decoding of that prompt alone."""
+    engine = _engine(pair)
+    prompts = [_ids(n, seed=10 + n) for n in LENGTHS + [90, 7]]
+    eos = engine.tokenizer.eos_token_ids
+    refs = [greedy_reference(pair[0], ids, 20, eos) for ids in prompts]
+    out = engine.generate_batch(prompts, max_tokens=20, batch_size=4)
+    assert [c.token_ids for c in out] == refs
+    counts = engine.prefill_counts
+    assert counts["tokens"] == sum(len(p) for p in prompts)
+    chunks_alone = sum(-(-len(p) // 64) for p in prompts)
+    assert counts["passes"] < chunks_alone and counts["padding"] > 0  # packed, rows of their own lengths
+
+
+def test_packed_pass_width_stays_within_the_token_bound(pair):
+    engine = _engine(pair, prefill_tokens=96)
+    prompts = [_ids(n, seed=20 + n) for n in LENGTHS]
+    widths = []
+    real = prefill.JoinGroup.prefill
+
+    def spy(group, width):
+        widths.append((len(group.joiners), width))
+        return real(group, width)
+
+    prefill.JoinGroup.prefill = spy
+    try:
+        out = engine.generate_batch(prompts, max_tokens=5, batch_size=4)
+    finally:
+        prefill.JoinGroup.prefill = real
+    assert all(rows * width <= 96 or rows == 1 and width <= 64 for rows, width in widths), widths
+    eos = engine.tokenizer.eos_token_ids
+    assert [c.token_ids for c in out] == [greedy_reference(pair[0], p, 5, eos) for p in prompts]
+
+
+# -- shared prefixes -----------------------------------------------------------------------------
+
+
+def test_shared_instruction_is_prefilled_once_and_results_are_unchanged(pair):
+    """Items behind one 200-token instruction: the instruction (to 192 tokens, the granularity's
+    multiple) is prefilled once, and every item equals prefilling it alone, greedy and sampled."""
+    instruction = _ids(200, seed=99)
+    prompts = [instruction + _ids(n, seed=n) for n in (5, 60, 1, 130, 33)] + [_ids(70, seed=7)]
+    temps = [0.0, 0.0, 0.9, 0.0, 0.7, 0.0]
+    eos = None
+    shared = _engine(pair, prefix_cache_mb=64, prefix_granularity=32)
+    out = shared.generate_batch(prompts, max_tokens=16, temperature=temps, seed=3, batch_size=3)
+    saved = shared.prefill_counts["tokens"]
+    alone = _engine(pair)
+    eos = alone.tokenizer.eos_token_ids
+    ref = alone.generate_batch(prompts, max_tokens=16, temperature=temps, seed=3, batch_size=3)
+    assert alone.prefill_counts["tokens"] == sum(len(p) for p in prompts)
+    assert saved == sum(len(p) for p in prompts) - 4 * 192  # five items, the shared 192 once
+    assert [c.token_ids for c in out] == [c.token_ids for c in ref]
+    for i in (0, 1, 3, 5):
+        assert out[i].token_ids == greedy_reference(pair[0], prompts[i], 16, eos), i
+
+
+def test_prefix_cache_keeps_to_its_memory_bound():
+    cache = prefill.PrefixCache(limit=3000, granularity=4)
+
+    def entry(n):
+        return prefill.Prefix(n, [(mx.zeros((1, 1, n, 100)), mx.zeros((1, 1, n, 100)))], None, mx.zeros((1, 1, 10)), None)
+
+    cache.put((1, 2, 3, 4), entry(1))  # 840 bytes
+    cache.put((1, 2, 3, 4, 5, 6, 7, 8), entry(2))  # 1640
+    assert cache.longest([1, 2, 3, 4, 5, 6, 7, 8, 9]).length == 2
+    assert cache.longest([1, 2, 3, 4, 9]).length == 1  # (1, 2, 3, 4) is now the most recent
+    cache.put((9, 9, 9, 9), entry(1))  # over 3000: the least recently used goes
+    assert cache.bytes <= 3000 and (1, 2, 3, 4, 5, 6, 7, 8) not in cache and (1, 2, 3, 4) in cache
+    cache.put((5, 5, 5, 5), entry(4))  # larger than the bound: not kept
+    assert (5, 5, 5, 5) not in cache
+    assert cache.longest([1, 2, 3]) is None
+
+
+def test_share_marks():
+    a, b = list(range(100)), list(range(70)) + [1000] * 5
+    marks = prefill.share_marks([a, b, [5, 6], list(a), [5, 6, 7]], 32)
+    assert marks == [[64, 100], [64], [], [64, 100], []]
+
+
+# -- n samples -----------------------------------------------------------------------------------
+
+
+def test_n_samples_share_one_prefill_and_equal_each_sample_alone(pair):
+    engine = _engine(pair, prefix_cache_mb=64)
+    prompts = [_ids(200, seed=1), _ids(45, seed=2)]
+    out = engine.generate_batch(prompts, n=4, max_tokens=12, temperature=1.0, seed=11, batch_size=3)
+    assert engine.prefill_counts["tokens"] == 245  # each prompt prefilled once for its four samples
+    assert [c.sample_index for c in out] == [0, 1, 2, 3] * 2
+    assert len({tuple(c.token_ids) for c in out[:4]}) > 1  # samples of their own
+    alone = _engine(pair)
+    for i, p in enumerate(prompts):
+        for k in range(4):
+            one = alone.generate(p, max_tokens=12, temperature=1.0, seed=sample_seed(11 + i, k))
+            assert out[i * 4 + k].token_ids == one.token_ids, (i, k)
+    again = engine.generate_batch(prompts, n=4, max_tokens=12, temperature=1.0, seed=11, batch_size=2)
+    assert [c.token_ids for c in again] == [c.token_ids for c in out]  # reproducible from the seed
+
+
+def test_n_is_checked(pair):
+    engine = _engine(pair)
+    with pytest.raises(GenerationError, match="n must be an integer of at least 1"):
+        engine.generate_batch(["Hi"], n=0)
+
+
+def test_one_prompt_per_pass_when_asked(pair):
+    """prefill_rows=1: joining prompts are prefilled one per pass (as before packing), no padding,
+    the same output."""
+    prompts = [_ids(n, seed=30 + n) for n in LENGTHS]
+    one = _engine(pair, prefill_rows=1)
+    packed = _engine(pair)
+    a = one.generate_batch(prompts, max_tokens=6, batch_size=4)
+    b = packed.generate_batch(prompts, max_tokens=6, batch_size=4)
+    assert [c.token_ids for c in a] == [c.token_ids for c in b]
+    assert one.prefill_counts["passes"] == sum(-(-len(p) // 64) for p in prompts) and one.prefill_counts["padding"] == 0
+    assert packed.prefill_counts["passes"] < one.prefill_counts["passes"]
