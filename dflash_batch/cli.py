@@ -1,7 +1,10 @@
 """``dflash-batch``: run batches of prompts through DFlash speculative decoding.
 
-Exit codes: 0 success, 1 runtime failure, 2 bad usage/spec/input, 3 output dir busy
-(another process holds its lock), 4 no such job.
+Exit codes (``EXIT_*``): 0 success (``run``: every row ok), 1 the job failed or stopped
+(``run``: a model that does not load, a cancelled job), 2 refused: bad usage, spec or input,
+nothing done, 3 output dir busy (another process holds its lock), 4 no such job or schedule,
+5 ``run`` finished but some rows are error rows, 130 interrupted, 141 the reader of stdout went
+away (``| head``), as for a command that SIGPIPE ends.
 """
 
 from __future__ import annotations
@@ -13,6 +16,15 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_REFUSED = 2
+EXIT_BUSY = 3
+EXIT_NOT_FOUND = 4
+EXIT_ROWS_FAILED = 5
+EXIT_INTERRUPTED = 130
+EXIT_BROKEN_PIPE = 141
+
 EXAMPLES = """\
 examples:
   dflash-batch run examples/prompts.jsonl --target ./my-model --max-tokens 64
@@ -20,6 +32,10 @@ examples:
   dflash-batch worker                            # in another terminal: runs queued jobs
   dflash-batch status JOB_ID
   dflash-batch results JOB_ID --format openai --out batch_output.jsonl
+
+exit codes: 0 ok (run: every row ok), 1 job failed or stopped, 2 refused (bad usage, spec or
+input), 3 output dir busy, 4 no such job or schedule, 5 run finished with error rows,
+130 interrupted, 141 stdout closed early.
 
 Results are Parquet part files in the job's output dir: pandas.read_parquet(output_dir).
 Queue, job records and default output dirs live in $DFLASH_BATCH_HOME (see --home).
@@ -45,11 +61,19 @@ def _overrides(p: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-revision", help="hub revision of the drafter")
     g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--block-size", type=int, help="verify at most this many tokens per cycle")
-    g.add_argument("--max-tokens", type=int, help="completion tokens per row (default 256)")
-    g.add_argument("--temperature", type=float, help="0 = greedy (default)")
+    g.add_argument("--prefix-cache-mb", type=float,
+                   help="memory for prompt prefixes that items share, prefilled once (default 1024; 0: off)")  # fmt: skip
+    g.add_argument("--max-tokens", type=int,
+                   help="completion tokens for rows without their own max_tokens (default 256)")  # fmt: skip
+    g.add_argument("--max-tokens-cap", type=int,
+                   help="no row generates more than this, whatever its own max_tokens says")  # fmt: skip
+    g.add_argument("--temperature", type=float, help="for rows without their own temperature; 0 = greedy (default)")
     g.add_argument("--seed", type=int)
+    g.add_argument("--n", type=int, help="samples per row for rows without their own n, each its own result row (default 1)")
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
-    g.add_argument("--chunk-size", type=int, help="rows per queue task (default 64)")
+    g.add_argument("--chunk-size", type=int, help="rows per queue task and per committed part (default 64)")
+    g.add_argument("--batch-size", type=int,
+                   help="most rows decoded together (default: what memory allows, at most 16 on CPU, 32 on a GPU)")  # fmt: skip
     g.add_argument("--retries", type=int, help="task retries after a job-level failure")
     g.add_argument("--export-openai", action="store_const", const=True,
                    help="also write _openai_output.jsonl when the job completes")  # fmt: skip
@@ -60,7 +84,8 @@ def _overrides(p: argparse.ArgumentParser) -> None:
 OVERRIDE_KEYS = (
     "name", "output_dir", "input_format", "id_field", "prompt_field", "messages_field", "prompt_template",
     "system_prompt", "chat_template", "target", "target_revision", "draft", "draft_revision", "dtype",
-    "block_size", "max_tokens", "temperature", "seed", "stop", "chunk_size", "retries", "export_openai", "force",
+    "block_size", "max_tokens", "max_tokens_cap", "temperature", "seed", "stop", "chunk_size", "batch_size", "retries",
+    "export_openai", "force", "n", "prefix_cache_mb",
 )  # fmt: skip
 
 
@@ -99,21 +124,22 @@ def build_parser() -> argparse.ArgumentParser:
     _overrides(p)
 
     p = sub.add_parser("worker", help="run the queue consumer (one resident engine)",
-                       description="Process queued jobs one item at a time with one engine kept in memory. "
-                       "SIGINT/SIGTERM stop gracefully: the current item finishes and its chunk is "
-                       "checkpointed and requeued.")  # fmt: skip
+                       description="Process queued jobs with one engine kept in memory, each job's pending "
+                       "chunks as one stream through the batched engine. SIGINT/SIGTERM stop gracefully: "
+                       "finished rows are committed, the current chunk is requeued (rows in flight are "
+                       "generated again).")  # fmt: skip
     p.add_argument("--target", "--model", dest="target", help="load this target at start (else on the first job)")
     p.add_argument("--draft", default="auto", help="drafter for --target (default: auto)")
     p.add_argument("--target-revision")
     p.add_argument("--draft-revision")
-    p.add_argument("--dtype", default="auto")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--block-size", type=int)
     p.add_argument("--preload-default", action="store_true", help="load the embedded default pair at start")
     p.add_argument("--schedules", action="append", default=[], metavar="PATH",
                    help="YAML job file or folder whose `schedule` to run (repeatable; "
                    "$DFLASH_BATCH_HOME/schedules is always read)")  # fmt: skip
     p.add_argument("--no-periodic", action="store_true", help="do not run cron schedules (other workers do)")
-    p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to finish the current item on stop")
+    p.add_argument("--shutdown-timeout", type=_seconds, default=30.0, help="seconds to finish the current item on stop")
 
     p = sub.add_parser("status", help="counts, mean tok/s and acceptance of one job or all")
     p.add_argument("job", nargs="?", metavar="JOB")
@@ -126,6 +152,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("job", metavar="JOB")
     p.add_argument("--failed-only", action="store_true", help="only the error rows, not unfinished items")
 
+    p = sub.add_parser("schedules", help="list the cron schedules registered in the home")
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("unschedule", help="remove a registered cron schedule (restart workers to drop it)")
+    p.add_argument("schedule", metavar="NAME", help="as `dflash-batch schedules` lists it")
+
     p = sub.add_parser("results", help="export a job's rows (Parquet folder, JSON lines, OpenAI batch output)")
     p.add_argument("job", metavar="JOB")
     p.add_argument("--format", choices=["parquet", "jsonl", "openai"], default="parquet")
@@ -133,6 +165,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("train-drafter", help="train a DFlash drafter (see `dflash-batch train-drafter --help`)", add_help=False)
     return parser
+
+
+def _seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds >= 0."""
+    from . import checks
+
+    try:
+        return checks.finite_number(float(text), 0)
+    except (ValueError, checks.BadValue) as e:
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0, got {text!r}") from e
 
 
 class CliError(Exception):
@@ -149,7 +191,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
-        return 2
+        return EXIT_REFUSED
     if args.home:
         os.environ["DFLASH_BATCH_HOME"] = str(Path(args.home).expanduser().resolve())
     if args.redis:
@@ -158,23 +200,30 @@ def main(argv: Optional[List[str]] = None) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s [%(threadName)s] %(name)s: %(message)s",
     )
+    from .checks import BadValue
     from .runner.items import InputError
     from .runner.jobs import JobNotFound
     from .runner.lock import Locked
     from .runner.spec import SpecError
+    from .runner.tasks import ScheduleNotFound
 
     try:
         return COMMANDS[args.command](args)
-    except (InputError, SpecError) as e:
-        return _fail(str(e), 2)
+    except (InputError, SpecError, BadValue) as e:
+        return _fail(str(e), EXIT_REFUSED)
     except Locked as e:
-        return _fail(f"{e}; wait for it, or cancel that job", 3)
-    except JobNotFound as e:
-        return _fail(str(e), 4)
+        return _fail(f"{e}; wait for it, or cancel that job", EXIT_BUSY)
+    except (JobNotFound, ScheduleNotFound) as e:
+        return _fail(str(e), EXIT_NOT_FOUND)
     except CliError as e:
         return _fail(str(e), e.code)
+    except BrokenPipeError:
+        # The reader went away (`| head`): stop quietly. Later writes, and the final flush at
+        # exit, go to /dev/null instead of raising again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
     except KeyboardInterrupt:
-        return _fail("interrupted (finished items are saved; rerun to resume)", 130)
+        return _fail("interrupted (finished items are saved; rerun to resume)", EXIT_INTERRUPTED)
 
 
 def _fail(message: str, code: int) -> int:
@@ -197,57 +246,83 @@ def _load(args):
 # -- commands --------------------------------------------------------------------------------
 def cmd_submit(args) -> int:
     from . import api
-    from .runner.jobs import create_job, home_dir
-    from .runner.tasks import Queue
+    from .runner.jobs import home_dir
 
     spec = _load(args)
     home = home_dir()
     if spec.schedule:
         path = api.add_schedule(args.source, home=home)
-        print(f"scheduled {spec.name or Path(args.source).stem!r} at {spec.schedule!r} (UTC): {path}")
+        print(f"scheduled {path.stem!r} at {spec.schedule!r} (UTC): {path}")
         print("workers read schedules at start: restart running workers to pick it up")
         if not args.now:
-            return 0
-    record = create_job(spec, home)
-    Queue(home).enqueue_job(record)
+            return EXIT_OK
+    job = api.submit(spec, home=home)
+    status = job.status()
     if args.json:
-        _print_json(record.status())
+        _print_json(status)
     else:
-        print(record.id)
-        print(f"{record.total} rows in {record.chunks} chunk(s) queued; output: {record.output_dir}", file=sys.stderr)
-    return 0
+        print(job.id)
+        print(_queued_line(status, len(job.record.pending_chunks())), file=sys.stderr)
+    return EXIT_OK
+
+
+def _queued_line(s: Dict[str, Any], chunks: int) -> str:
+    """What submit did: rows already in the output dir (from earlier jobs), and rows queued."""
+    where = f"output: {s['output_dir']}"
+    if s["done"] == 0:
+        return f"{s['total']} rows in {chunks} chunk(s) queued; {where}"
+    failed = f"; `dflash-batch retry {s['id']} --failed-only` runs the {s['failed']} error rows again" if s["failed"] else ""
+    if s["remaining"] == 0:
+        return f"all {s['total']} rows already done ({s['ok']} ok, {s['failed']} failed): nothing queued{failed}; {where}"
+    return (f"{s['total']} rows: {s['done']} already done ({s['ok']} ok, {s['failed']} failed), {s['remaining']} queued "
+            f"in {chunks} chunk(s); {where}")  # fmt: skip
 
 
 def cmd_run(args) -> int:
     from . import api
 
-    job = api.run(_load(args), progress=not args.no_progress)
+    try:
+        job = api.run(_load(args), progress=not args.no_progress)
+    except api.JobFailed as e:
+        return _fail(str(e), EXIT_FAILED)
     status = job.status()
     if args.json:
         _print_json(status)
     else:
         print(_status_line(status))
         print(f"results: {status['output_dir']}")
-    return 0 if status["state"] == "completed" else 1
+    code = run_exit_code(status)
+    if code == EXIT_ROWS_FAILED:
+        print(f"dflash-batch: {status['failed']} of {status['total']} rows failed: their `error` column says why "
+              f"(`dflash-batch results {status['id']} --format jsonl`)", file=sys.stderr)  # fmt: skip
+    return code
+
+
+def run_exit_code(status: Dict[str, Any]) -> int:
+    """0: completed, every row ok; 5: completed with error rows; 1: not completed."""
+    if status["state"] != "completed":
+        return EXIT_FAILED
+    return EXIT_ROWS_FAILED if status["failed"] else EXIT_OK
 
 
 def cmd_worker(args) -> int:
     from .api import load_model
     from .runner.jobs import home_dir
+    from .runner.spec import recorded_model
     from .runner.tasks import run_worker
 
     preload = None
     if args.target or args.preload_default:
-        draft = None if args.draft in ("none", "") else args.draft
-        preload = {
-            "target": _local_abs(args.target),
+        preload = recorded_model({
+            "target": args.target,
             "target_revision": args.target_revision,
-            "draft": _local_abs(draft),
+            "draft": args.draft,
             "draft_revision": args.draft_revision,
             "dtype": args.dtype,
             "block_size": args.block_size,
             "max_context": None,
-        }
+            "prefix_cache_mb": getattr(args, "prefix_cache_mb", None),
+        })  # fmt: skip
     run_worker(
         home_dir(),
         load_model,
@@ -262,13 +337,6 @@ def cmd_worker(args) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
-
-
-def _local_abs(value: Optional[str]) -> Optional[str]:
-    """A local model folder as an absolute path (as job specs record it), a repo id as it is."""
-    if value in (None, "auto") or not Path(value).expanduser().exists():
-        return value
-    return str(Path(value).expanduser().resolve())
 
 
 def _fmt(value, spec=".1f") -> str:
@@ -289,10 +357,10 @@ def cmd_status(args) -> int:
     from .runner.jobs import home_dir, list_jobs, load_job
 
     home = home_dir()
-    records = [load_job(home, args.job)] if args.job else list_jobs(home)
+    records = [load_job(home, args.job)] if args.job is not None else list_jobs(home)
     statuses = [r.status() for r in records]
     if args.json:
-        _print_json(statuses[0] if args.job else statuses)
+        _print_json(statuses[0] if args.job is not None else statuses)
     elif not statuses:
         print(f"no jobs in {home}")
     else:
@@ -328,17 +396,50 @@ def cmd_results(args) -> int:
             return 0
         import pyarrow.parquet as pq
 
-        pq.write_table(job.to_arrow(), args.out)
+        try:
+            pq.write_table(job.to_arrow(), args.out)
+        except OSError as e:
+            raise CliError(f"cannot write {args.out}: {e}", EXIT_REFUSED) from e
         print(args.out)
         return 0
     table = job.to_arrow()
     if args.out:
-        with open(args.out, "wb") as f:
-            n = write_lines(table, f, args.format, model=job.record.spec.target)
+        try:
+            with open(args.out, "wb") as f:
+                n = write_lines(table, f, args.format, model=job.record.spec.model_name)
+        except OSError as e:
+            raise CliError(f"cannot write {args.out}: {e.strerror or e}", EXIT_REFUSED) from e
         print(f"{n} lines -> {args.out}", file=sys.stderr)
     else:
-        write_lines(table, sys.stdout.buffer, args.format, model=job.record.spec.target)
+        write_lines(table, sys.stdout.buffer, args.format, model=job.record.spec.model_name)
+        sys.stdout.flush()  # a closed pipe shows here, inside main, not at exit
     return 0
+
+
+def cmd_schedules(args) -> int:
+    from . import api
+
+    listed = api.schedules()
+    if args.json:
+        _print_json(listed)
+        return EXIT_OK
+    if not listed:
+        print("no schedules registered (`dflash-batch submit JOB.yaml` with a `schedule` key registers one)")
+    for s in listed:
+        if s.get("error"):
+            print(f"{s['name']}  unreadable: {s['error']}")
+            continue
+        print(f"{s['name']}  {s['schedule']!r} (UTC)  last run {s['last_run'] or 'never'}  "
+              f"next {s['next_run'] or 'not within 35 days'}  input {s['input']}")  # fmt: skip
+    return EXIT_OK
+
+
+def cmd_unschedule(args) -> int:
+    from . import api
+
+    path = api.remove_schedule(args.schedule)
+    print(f"removed schedule {args.schedule!r} ({path}); running workers keep it until they restart")
+    return EXIT_OK
 
 
 def _train_drafter(argv: List[str]) -> int:
@@ -362,6 +463,8 @@ COMMANDS = {
     "cancel": cmd_cancel,
     "retry": cmd_retry,
     "results": cmd_results,
+    "schedules": cmd_schedules,
+    "unschedule": cmd_unschedule,
 }
 
 

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.fake_engine import FakeEngine
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -33,25 +35,65 @@ def tiny_models(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def engine(tiny_models):
+def real_engine(tiny_models):
+    """The real MLX engine on the tiny pair: for the end-to-end tests of each entry point."""
     from dflash_batch.engine import load_engine
 
     return load_engine(tiny_models["target"], tiny_models["draft"])
 
 
+@pytest.fixture
+def engine():
+    """The fake engine (tests/fake_engine.py): the runner's own tests need no model and no MLX."""
+    return FakeEngine()
+
+
+FAKE_FACTORY = "tests.fake_engine:from_env"
+
+
+@pytest.fixture
+def fake_models(tmp_path, monkeypatch):
+    """Like ``tiny_models`` (folders to name as target and draft), with every engine this test
+    loads, in this process, in ``dflash-batch`` subprocesses and in workers, the fake one
+    (``$DFLASH_BATCH_ENGINE``); ``FAKE_ENGINE_DELAY`` and friends tune it."""
+    monkeypatch.setenv("DFLASH_BATCH_ENGINE", FAKE_FACTORY)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
+    out = {}
+    for name in ("target", "draft", "agreeing_target"):
+        (tmp_path / "fake-models" / name).mkdir(parents=True, exist_ok=True)
+        out[name] = str(tmp_path / "fake-models" / name)
+    return out
+
+
 class CountingEngine:
-    """Wraps a real engine and records each prompt it is asked to generate."""
+    """Wraps a real engine and records each prompt it is asked to generate; a prompt in
+    ``fail_ids`` fails alone (a RuntimeError outcome), as one request of a batch can."""
 
     def __init__(self, engine, fail_ids=()):
         self.engine = engine
         self.calls = []
         self.fail_prompts = set(fail_ids)
 
-    def generate(self, prompt, **kwargs):
-        self.calls.append(prompt)
-        if isinstance(prompt, str) and prompt in self.fail_prompts:
-            raise RuntimeError("simulated failure")
-        return self.engine.generate(prompt, **kwargs)
+    def seen(self, request) -> None:
+        self.calls.append(request.prompt)
+
+    def generate_requests(self, requests, batch_size=None):
+        failed = []
+
+        def feed():
+            for request in requests:
+                self.seen(request)
+                if isinstance(request.prompt, str) and request.prompt in self.fail_prompts:
+                    failed.append(request)
+                    continue
+                yield request
+
+        for out in self.engine.generate_requests(feed(), batch_size):
+            while failed:
+                yield failed.pop(), RuntimeError("simulated failure")
+            yield out
+        while failed:
+            yield failed.pop(), RuntimeError("simulated failure")
 
 
 @pytest.fixture

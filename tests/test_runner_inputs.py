@@ -118,8 +118,8 @@ def test_parquet_fields_and_wrong_columns(tmp_path):
     pq.write_table(table, path)
     d1, d2, d3 = items(path, id_field="doc", prompt_field="question", messages_field="chat")
     assert d1.id == "d1" and d1.prompt == [{"role": "user", "content": "hi"}] and d1.options == {"max_tokens": 4}
-    assert d2.error == "row 1: 'question' is empty"
-    assert d3.prompt == "Why?" and d3.where == "row 2"
+    assert d2.error == "row 2: 'question' is empty"  # rows count from 1, as JSONL lines do
+    assert d3.prompt == "Why?" and d3.where == "row 3" and d3.index == 2  # input_index counts from 0
     with pytest.raises(InputError, match=r"no prompt column 'prompt' and no messages column 'messages' \(columns: doc, question, chat, max_tokens\)"):
         items(path)
     with pytest.raises(InputError, match=r"id_field 'uid' is not a column"):
@@ -263,3 +263,54 @@ def test_reading_a_range_from_a_cursor_matches_a_full_pass(tmp_path):
     pfull = items(tmp_path / "g.parquet")
     got = list(read_items(tmp_path / "g.parquet", start=19, stop=27))
     assert [(i.id, i.where) for i in got] == [(i.id, i.where) for i in pfull[19:27]]
+
+
+# -- numbers must be finite (and usable by the engine) -------------------------------------------
+@pytest.mark.parametrize("text, message", [
+    ("input: x.jsonl\nsampling: {temperature: .nan}\n", r"'temperature' must be a finite number >= 0, got nan"),
+    ("input: x.jsonl\nsampling: {temperature: .inf}\n", r"'temperature' must be a finite number >= 0, got inf"),
+    ("input: x.jsonl\nsampling: {temperature: -.inf}\n", r"'temperature' must be a finite number >= 0, got -inf"),
+    ("input: x.jsonl\nsampling: {temperature: -0.5}\n", r"'temperature' must be a number >= 0, got -0.5"),
+    ("input: x.jsonl\nsampling: {temperature: 1.0e-320}\n", r"'temperature' must be 0 \(greedy\) or at least 1e-05"),
+    ("input: x.jsonl\nsampling: {max_tokens: .inf}\n", r"'max_tokens' must be an integer >= 1, got inf"),
+    ("input: x.jsonl\nsampling: {max_tokens: .nan}\n", r"'max_tokens' must be an integer >= 1, got nan"),
+    ("input: x.jsonl\nsampling: {seed: .nan}\n", r"'seed' must be a non-negative integer, got nan"),
+    ("input: x.jsonl\nsampling: {seed: 18446744073709551616}\n", r"'seed' must be at most 2\*\*64 - 1"),
+    ("input: x.jsonl\nsampling: {max_tokens_cap: 0}\n", r"'max_tokens_cap' must be an integer >= 1 \(or null: no cap\)"),
+    ("input: x.jsonl\nmodel: {block_size: .inf}\n", r"'block_size' must be a non-negative integer, got inf"),
+    ("input: x.jsonl\nchunk_size: .nan\n", r"'chunk_size' must be an integer >= 1, got nan"),
+])  # fmt: skip
+def test_non_finite_numbers_in_a_spec_name_the_key(tmp_path, text, message):
+    path = write_yaml(tmp_path / "job.yaml", text)
+    with pytest.raises(SpecError, match=message) as info:
+        load_spec(path)
+    assert str(path) in str(info.value)
+
+
+def test_non_finite_numbers_as_overrides(tmp_path):
+    src = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "x"}])
+    for value in (float("nan"), float("inf"), -float("inf")):
+        with pytest.raises(SpecError, match=r"'temperature' must be a finite number >= 0"):
+            load_spec(src, temperature=value)
+    assert load_spec(src, temperature=0).temperature == 0.0 and load_spec(src, temperature=1e-5).temperature == 1e-5
+    assert load_spec(src, seed=2**64 - 1).seed == 2**64 - 1
+
+
+def test_non_finite_numbers_in_rows_are_error_rows_naming_the_field(tmp_path):
+    table = pa.table({"id": ["nan", "inf", "ninf", "tiny", "fine"],
+                      "prompt": ["a", "b", "c", "d", "e"],
+                      "temperature": [float("nan"), float("inf"), -float("inf"), 1e-320, 0.7]})  # fmt: skip
+    pq.write_table(table, tmp_path / "t.parquet")
+    got = {i.id: i for i in items(tmp_path / "t.parquet")}
+    assert got["nan"].error == "row 1: 'temperature' must be a finite number >= 0, got nan"
+    assert got["inf"].error == "row 2: 'temperature' must be a finite number >= 0, got inf"
+    assert got["ninf"].error == "row 3: 'temperature' must be a finite number >= 0, got -inf"
+    assert got["tiny"].error == "row 4: 'temperature' must be 0 (greedy) or at least 1e-05, got 1e-320"
+    assert got["fine"].error is None and got["fine"].options == {"temperature": 0.7}
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"id": "a", "prompt": "x", "temperature": 1e999}\n'
+                    '{"id": "b", "prompt": "x", "temperature": NaN}\n'
+                    '{"custom_id": "c", "body": {"prompt": "x", "temperature": 5e-324}}\n')  # fmt: skip
+    a, b, c = items(path)
+    assert a.error.startswith("line 1: malformed JSON") and b.error.startswith("line 2: malformed JSON")
+    assert c.error == "line 3: 'body.temperature' must be 0 (greedy) or at least 1e-05, got 5e-324"

@@ -52,11 +52,14 @@ def test_submit_worker_pandas_and_resident_engine(tmp_path, home, tiny_models, w
 
 def test_kill_9_mid_job_then_restart_every_id_exactly_once(tmp_path, home, tiny_models, workers):
     n = 40
-    job = dflash_batch.submit(write_jsonl(tmp_path / "in.jsonl", prompts(n, words=20)), **model(tiny_models, max_tokens=48, chunk_size=12))
-    w = workers()
-    wait_for(lambda: done(job) >= 3, timeout=240, interval=0.05, what="first items")
-    w.kill9()
+    rows = [dict(row, max_tokens=16 + 16 * (i % 4)) for i, row in enumerate(prompts(n, words=20))]  # rows of a batch end apart
+    job = dflash_batch.submit(write_jsonl(tmp_path / "in.jsonl", rows), **model(tiny_models, chunk_size=12, batch_size=4))
     store = ResultStore(job.output_dir)
+    w = workers()
+    # Kill while finished rows sit in a journal (not just after a chunk became a part): rows of a
+    # batch can finish together, so "3 done" alone may land right after a commit.
+    wait_for(lambda: done(job) >= 3 and store.journals(), timeout=240, interval=0.02, what="first items in a journal")
+    w.kill9()
     before = {r["id"]: r["started_at"] for r in store.journal_rows()}
     before.update({r["id"]: r["started_at"].timestamp() for r in store.read(["id", "started_at"]).to_pylist()})
     assert 3 <= len(before) < n, "the worker must die mid-job for this test to mean anything"
@@ -301,3 +304,45 @@ def test_redis_queue_submit_and_worker(tmp_path, home, tiny_models, workers, red
     dflash_batch.submit(tmp_path / "in.jsonl", home=home, redis_url=redis_url, target=tiny_models["target"],
                         max_tokens=4, output_dir=str(tmp_path / "third"))
     assert len(Queue(home, redis_url=redis_url).queued_task_ids()) == 2 and Queue(home).queued_task_ids() == set()
+
+
+def test_one_engine_for_a_preloaded_model_named_another_way(tmp_path, home, tiny_models, workers):
+    """`worker --draft off` and a job's `--no-draft` (or `draft: none`) are one request: the
+    resident engine is loaded once and serves the job."""
+    job = dflash_batch.submit(write_jsonl(tmp_path / "a.jsonl", prompts(2)), target=tiny_models["target"], draft="none",
+                              max_tokens=4)  # fmt: skip
+    w = workers("--target", tiny_models["target"], "--draft", "off")
+    assert job.wait(timeout=240)["state"] == "completed"
+    log = w.log()
+    assert log.count("loading engine") == 1 and log.count("engine ready") == 1, log
+    assert 'startup hook "dflash_batch.load_engine" failed' not in log
+    assert w.stop() == 0
+
+
+def test_schedules_are_listed_and_removed(tmp_path, home):
+    write_jsonl(tmp_path / "docs.jsonl", prompts(2))
+    (tmp_path / "nightly.yaml").write_text("name: nightly\ninput: docs.jsonl\nschedule: '0 2 * * *'\n")
+    (tmp_path / "weekly.yaml").write_text("input: docs.jsonl\nschedule: '@weekly'\ncatch_up: false\n")
+    assert "no schedules registered" in cli("schedules", home=home, check=True).stdout
+    cli("submit", tmp_path / "nightly.yaml", home=home, check=True)
+    cli("submit", tmp_path / "weekly.yaml", home=home, check=True)
+    listed = {s["name"]: s for s in __import__("json").loads(cli("schedules", "--json", home=home, check=True).stdout)}
+    assert sorted(listed) == ["nightly", "weekly"]
+    assert listed["nightly"]["schedule"] == "0 2 * * *" and listed["nightly"]["last_run"] is None
+    assert listed["nightly"]["next_run"].endswith("T02:00") and listed["weekly"]["catch_up"] is False
+    assert listed["nightly"]["input"] == str(tmp_path / "docs.jsonl")
+    text = cli("schedules", home=home, check=True).stdout
+    assert "nightly  '0 2 * * *' (UTC)  last run never" in text
+    queue = Queue(home)
+    queue.add_schedule(home / "schedules" / "nightly.yaml")
+    queue.submit_schedule("nightly", home / "schedules" / "nightly.yaml", datetime.datetime(2026, 3, 1, 2, 0))
+    assert api.schedules(home)[0]["last_run"] == "2026-03-01T02:00:00"
+    out = cli("unschedule", "nightly", home=home, check=True)
+    assert "removed schedule 'nightly'" in out.stdout and "restart" in out.stdout
+    assert not (home / "schedules" / "nightly.yaml").exists()
+    assert not (home / "schedules" / ".last-run" / "nightly").exists()
+    assert [s["name"] for s in api.schedules(home)] == ["weekly"]
+    again = cli("unschedule", "nightly", home=home)
+    assert again.returncode == 4 and "no schedule 'nightly'" in again.stderr
+    (home / "schedules" / "broken.yaml").write_text("input: [\n")
+    assert "unreadable" in cli("schedules", home=home, check=True).stdout

@@ -19,15 +19,15 @@ from dflash_batch.runner.items import InputError
 from dflash_batch.runner.lock import DirLock, Locked, is_locked
 from dflash_batch.runner.spec import SpecError
 from dflash_batch.runner.store import RESULT_SCHEMA, ResultStore, read_journal
-from tests.runner_fixtures import CountingEngine, cli, engine, home, tiny_models, write_jsonl  # noqa: F401
+from tests.runner_fixtures import CountingEngine, cli, engine, fake_models, home, real_engine, tiny_models, write_jsonl  # noqa: F401
 
 PROMPTS = [{"id": f"p{i}", "prompt": f"Prompt number {i}: tell me something."} for i in range(7)]
 
 
-def test_run_writes_complete_parquet_set_with_stats(tmp_path, home, engine):
+def test_run_writes_complete_parquet_set_with_stats(tmp_path, home, real_engine):
     src = write_jsonl(tmp_path / "in.jsonl", PROMPTS + [{"id": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
                                                           "metadata": {"topic": "t"}}])  # fmt: skip
-    job = dflash_batch.run(src, engine=engine, max_tokens=6, chunk_size=3, output_dir=str(tmp_path / "out"))
+    job = dflash_batch.run(src, engine=real_engine, max_tokens=6, chunk_size=3, output_dir=str(tmp_path / "out"))
     status = job.status()
     assert (status["state"], status["total"], status["ok"], status["failed"]) == ("completed", 8, 8, 0)
     assert status["mean_decode_tps"] > 0
@@ -75,7 +75,7 @@ def test_rerun_skips_done_items_and_finishes_the_rest(tmp_path, home, engine):
     assert df["id"].is_unique and len(df) == 8 and job.status()["state"] == "completed"
 
 
-def test_bad_rows_become_error_rows_and_the_job_completes(tmp_path, home, tiny_models):
+def test_bad_rows_become_error_rows_and_the_job_completes(tmp_path, home, fake_models):
     src = tmp_path / "mixed.jsonl"
     src.write_bytes(b"\n".join([
         b'{"id": "good", "prompt": "Hello there"}',
@@ -86,7 +86,7 @@ def test_bad_rows_become_error_rows_and_the_job_completes(tmp_path, home, tiny_m
         b'{"id": "type", "prompt": {"nested": true}}',
         b'{"id": "good2", "messages": [{"role": "user", "content": "Hi"}]}',
     ]) + b"\n")  # fmt: skip
-    job = dflash_batch.run(src, target=tiny_models["target"], draft=tiny_models["draft"], max_context=64, max_tokens=4)
+    job = dflash_batch.run(src, target=fake_models["target"], draft=fake_models["draft"], max_context=64, max_tokens=4)
     df = job.to_pandas().set_index("id")
     assert job.status()["state"] == "completed" and len(df) == 7
     assert set(df.index[df["status"] == "ok"]) == {"good", "good2"}
@@ -235,3 +235,146 @@ def test_train_drafter_without_the_training_module(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "dflash_batch.training.cli", None)  # as if not installed
     assert main(["train-drafter", "--help"]) == 2
     assert "drafter training is not available" in capsys.readouterr().err
+
+
+# -- exit codes, closed pipes, precedence, resubmission, exports, rates --------------------------
+def tiny_flags(tiny_models, *extra):
+    return ["--target", tiny_models["target"], "--draft", tiny_models["draft"], "--no-progress", *map(str, extra)]
+
+
+def test_run_exit_codes_say_how_the_job_went(tmp_path, home, fake_models):
+    ok = cli("run", write_jsonl(tmp_path / "ok.jsonl", PROMPTS[:2]), *tiny_flags(fake_models, "--max-tokens", 3), home=home)
+    assert ok.returncode == 0, ok.stderr
+    some = write_jsonl(tmp_path / "some.jsonl", [PROMPTS[0], {"id": "e", "prompt": ""}])
+    out = cli("run", some, *tiny_flags(fake_models, "--max-tokens", 3), home=home)
+    assert out.returncode == 5 and "1 of 2 rows failed" in out.stderr
+    every = write_jsonl(tmp_path / "every.jsonl", [{"id": "e", "prompt": ""}, {"id": "f", "messages": []}])
+    out = cli("run", every, *tiny_flags(fake_models, "--max-tokens", 3), home=home)
+    assert out.returncode == 5 and "2 of 2 rows failed" in out.stderr
+    # a job-level failure: the model does not load; the job is marked failed, no traceback
+    out = cli("run", tmp_path / "ok.jsonl", "--target", tmp_path / "no-model", "--no-draft", "--output-dir",
+              tmp_path / "failed", "--no-progress", home=home)  # fmt: skip
+    assert out.returncode == 1 and "failed: FileNotFoundError" in out.stderr and "Traceback" not in out.stderr
+    [failed] = [s for s in json.loads(cli("status", "--json", home=home, check=True).stdout) if s["state"] == "failed"]
+    assert "no-model" in failed["error"]
+    # refused: nothing is created
+    jobs_before = sorted((home / "jobs").iterdir())
+    for flags in (["--temperature", "nan"], ["--temperature", "inf"], ["--temperature=-inf"]):
+        out = cli("run", tmp_path / "ok.jsonl", *tiny_flags(fake_models, *flags), home=home)
+        assert out.returncode == 2 and "'temperature' must be a finite number >= 0" in out.stderr, out.stderr
+    (tmp_path / "nan.yaml").write_text(f"input: ok.jsonl\nsampling: {{temperature: .nan}}\nmodel: {fake_models['target']}\n")
+    out = cli("run", tmp_path / "nan.yaml", home=home)
+    assert out.returncode == 2 and "nan.yaml: 'temperature' must be a finite number >= 0, got nan" in out.stderr
+    assert sorted((home / "jobs").iterdir()) == jobs_before
+    out = cli("worker", "--shutdown-timeout", "nan", home=home)
+    assert out.returncode == 2 and "--shutdown-timeout: must be a finite number of seconds" in out.stderr
+
+
+def test_output_to_a_closed_pipe_stops_quietly(tmp_path, home, engine):
+    from tests.runner_fixtures import REPO
+
+    job = dflash_batch.run(write_jsonl(tmp_path / "in.jsonl", PROMPTS), engine=engine, max_tokens=3)
+    env = dict(__import__("os").environ, DFLASH_BATCH_HOME=str(home))
+    for args in (["results", job.id, "--format", "jsonl"], ["results", job.id, "--format", "openai"],
+                 ["status"], ["status", job.id, "--json"]):  # fmt: skip
+        proc = subprocess.Popen([sys.executable, "-m", "dflash_batch.cli", *args], env=env, cwd=REPO,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+        proc.stdout.close()  # the reader is gone before the first byte, as `| head -c 0` would be
+        err = proc.stderr.read().decode()
+        assert proc.wait(timeout=120) == 141, (args, err)
+        assert "Traceback" not in err and "BrokenPipe" not in err and "Exception ignored" not in err, err
+    head = subprocess.run(f"{sys.executable} -m dflash_batch.cli results {job.id} --format jsonl | head -c 400",
+                          shell=True, env=env, cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert len(head.stdout) == 400 and head.stderr == ""
+
+
+class RecordingEngine(CountingEngine):
+    """Records the options of each request."""
+
+    def __init__(self, engine):
+        super().__init__(engine)
+        self.kwargs = {}
+
+    def seen(self, request):
+        prompt = request.prompt
+        self.kwargs[prompt if isinstance(prompt, str) else prompt[-1]["content"]] = request.options.as_kwargs()
+        super().seen(request)
+
+
+def test_rows_own_settings_win_and_the_cap_bounds_every_row(tmp_path, home, engine, fake_models):
+    src = write_jsonl(tmp_path / "in.jsonl", [
+        {"id": "own", "prompt": "own", "max_tokens": 9, "temperature": 0.5},
+        {"id": "job", "prompt": "job"},
+        {"custom_id": "body", "body": {"prompt": "body", "max_completion_tokens": 12}},
+    ])  # fmt: skip
+    free = RecordingEngine(engine)
+    dflash_batch.run(src, engine=free, max_tokens=4, temperature=0.0, seed=1, output_dir=str(tmp_path / "a"))
+    assert {k: v["max_tokens"] for k, v in free.kwargs.items()} == {"own": 9, "job": 4, "body": 12}
+    assert {k: v["temperature"] for k, v in free.kwargs.items()} == {"own": 0.5, "job": 0.0, "body": 0.0}
+    capped = RecordingEngine(engine)
+    job = dflash_batch.run(src, engine=capped, max_tokens=4, max_tokens_cap=5, output_dir=str(tmp_path / "b"))
+    assert {k: v["max_tokens"] for k, v in capped.kwargs.items()} == {"own": 5, "job": 4, "body": 5}
+    assert job.to_pandas()["completion_tokens"].max() <= 5
+    out = cli("run", src, *tiny_flags(fake_models, "--max-tokens-cap", 2), "--output-dir", tmp_path / "c", "--json", home=home)
+    assert out.returncode == 0 and pd.read_parquet(tmp_path / "c")["completion_tokens"].max() == 2
+    (tmp_path / "cap.yaml").write_text("input: in.jsonl\nsampling: {max_tokens: 64, max_tokens_cap: 3}\n")
+    assert api.load_spec(tmp_path / "cap.yaml").generation_options({"max_tokens": 100})["max_tokens"] == 3
+    # the cap changes what is generated (so the config hash); without it, hashes are as before it existed
+    spec = {"input": "/nonexistent/x.jsonl", "model": {"target": "org/model"}, "sampling": {"max_tokens": 7}}
+    assert api.load_spec(spec).config_hash() == "7cf3fe522d6ca01e"
+    assert api.load_spec(spec, max_tokens_cap=7).config_hash() != "7cf3fe522d6ca01e"
+
+
+def test_resubmitting_says_what_is_done_and_queues_only_the_rest(tmp_path, home, engine):
+    from dflash_batch.runner.tasks import Queue, task_id
+
+    src = write_jsonl(tmp_path / "in.jsonl", PROMPTS[:2] + [{"id": "bad", "prompt": ""}])
+    first = dflash_batch.run(src, engine=engine, max_tokens=3, chunk_size=2, export_openai=True)
+    (first.output_dir / "_openai_output.jsonl").unlink()
+    out = cli("submit", src, "--max-tokens", 3, "--chunk-size", 2, "--export-openai", home=home, check=True)
+    assert "all 3 rows already done (2 ok, 1 failed): nothing queued" in out.stderr
+    assert "--failed-only` runs the 1 error rows again" in out.stderr
+    again = api.Job(out.stdout.strip())
+    assert again.status()["state"] == "completed" and Queue(home).queued_task_ids() == set()
+    assert (first.output_dir / "_openai_output.jsonl").exists()  # the job completed: its export is written
+    write_jsonl(src, PROMPTS[:2] + [{"id": "bad", "prompt": ""}] + PROMPTS[2:5])  # three new rows
+    out = cli("submit", src, "--max-tokens", 3, "--chunk-size", 2, "--export-openai", home=home, check=True)
+    assert "6 rows: 3 already done (2 ok, 1 failed), 3 queued in 2 chunk(s)" in out.stderr
+    job_id = out.stdout.strip()
+    assert Queue(home).queued_task_ids() == {task_id(job_id, 1), task_id(job_id, 2)}
+
+
+def test_openai_output_names_the_target(tmp_path, home, fake_models):
+    src = write_jsonl(tmp_path / "in.jsonl", [{"custom_id": "a", "body": {"model": "whatever", "prompt": "Hi"}}])
+    job = dflash_batch.run(src, target=fake_models["target"], draft=fake_models["draft"], max_tokens=2, export_openai=True)
+    [line] = [json.loads(x) for x in (job.output_dir / "_openai_output.jsonl").read_text().splitlines()]
+    assert line["response"]["body"]["model"] == "target"  # the target folder's name
+    out = cli("results", job.id, "--format", "openai", home=home, check=True)
+    assert json.loads(out.stdout)["response"]["body"]["model"] == "target"
+    assert api.load_spec(src).model_name == "SmolLM2-135M-Instruct"  # the embedded default pair
+    from dflash_batch.engine import default_model
+
+    assert default_model.GGUF_FILE.startswith("SmolLM2-135M-Instruct.")  # the name is the model's own
+    assert api.load_spec(src, target="mlx-community/Qwen3-4B-bf16").model_name == "mlx-community/Qwen3-4B-bf16"
+
+
+def test_rates_are_null_where_they_are_undefined(tmp_path, home, fake_models):
+    from dflash_batch.completion import GenerationStats
+
+    empty = GenerationStats()
+    assert [empty.prefill_tps, empty.decode_tps, empty.tokens_per_cycle, empty.acceptance_drafted,
+            empty.acceptance_generated] == [None] * 5  # fmt: skip
+    one = GenerationStats(prompt_tokens=4, generated_tokens=1, prefill_s=0.5, decode_s=0.0)
+    assert (one.prefill_tps, one.decode_tps, one.tokens_per_cycle, one.acceptance_generated) == (8.0, None, None, 0.0)
+    assert one.to_dict()["decode_tps"] is None
+    plain = GenerationStats(generated_tokens=3, decode_s=1.0, cycles=2, acceptance_histogram=[0, 2])
+    assert (plain.decode_tps, plain.tokens_per_cycle, plain.acceptance_drafted) == (2.0, 1.0, None)
+    job = dflash_batch.run(write_jsonl(tmp_path / "in.jsonl", PROMPTS[:2]), target=fake_models["target"],
+                           draft=fake_models["draft"], max_tokens=1)  # fmt: skip
+    df = job.to_pandas()
+    assert (df["completion_tokens"] == 1).all() and df["prefill_tps"].gt(0).all()
+    assert df["decode_tps"].isna().all() and df["tokens_per_cycle"].isna().all() and df["acceptance_drafted"].isna().all()
+    status = job.status()
+    assert status["mean_decode_tps"] is None and status["mean_tokens_per_cycle"] is None
+    line = cli("status", job.id, home=home, check=True).stdout
+    assert "decode - tok/s" in line and "tau -" in line

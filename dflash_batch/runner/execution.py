@@ -1,74 +1,172 @@
-"""Running one chunk of a job, the same way in the foreground and in a queue worker.
+"""The job loop, the same in the foreground (``run``) and in a queue worker: lock -> recover ->
+skip finished -> feed the engine -> commit rows as they finish.
 
-An engine comes from ``engines(spec)``: the caller decides how models are loaded and kept
-(the worker keeps one resident; the foreground run loads one). Nothing here imports MLX.
+All the chunks given are fed to the engine as one stream of requests, so a batched engine stays
+full across chunk boundaries. Each finished row goes to its chunk's journal (fsynced per row);
+a chunk's journal becomes a Parquet part when the chunk is complete (or every ``part_rows`` rows,
+or on stop or error), and the chunk is then marked done. A process killed at any point leaves
+journals that ``store.recover`` commits under the next holder of the lock: every id exactly once.
+
+The engine comes from ``engines(spec)``, any ``request.Generator``: the caller decides how models
+are loaded and kept (the worker keeps one resident; the foreground run loads one). Nothing here
+imports MLX.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Dict, Optional
+import time
+from collections import Counter
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional
 
+from ..completion import GenerationError
+from ..request import Request, sample_seed
 from .jobs import JobRecord
 from .lock import DirLock
-from .process import ChunkResult, process_items
-from .spec import JobSpec
-from .store import write_atomic
+from .rows import item_error_row, outcome_row
+from .store import Journal, key_of, row_key, write_atomic
 
 log = logging.getLogger("dflash_batch.runner")
-EngineSource = Callable[[JobSpec], Any]
+EngineSource = Callable[[Any], Any]  # JobSpec -> request.Generator
 
 
 class ConfigChanged(RuntimeError):
     """The output dir was claimed by another config after this job was submitted."""
 
 
-def run_chunk(
+@dataclass
+class RunResult:
+    generated: int = 0  # rows written by this run (ok or error)
+    errors: int = 0
+    skipped: int = 0  # rows of the given chunks already done before this run
+    stopped: bool = False  # left early (stop or cancel); the rest is still to do
+    chunks_done: List[int] = field(default_factory=list)
+
+
+ChunkResult = RunResult  # the name the worker's log and older callers use
+
+
+def run_job(
     record: JobRecord,
-    chunk: int,
-    engines: EngineSource,
+    chunks: Optional[Iterable[int]] = None,
+    engines: EngineSource = None,
     should_stop: Callable[[], bool] = lambda: False,
     on_row: Optional[Callable[[Dict[str, Any]], None]] = None,
-) -> ChunkResult:
-    """Process one chunk under the output dir's lock (raises ``lock.Locked`` at once if another
-    live process holds it). Stops between items when ``should_stop()`` or the job is cancelled;
-    the result's ``stopped`` then says the chunk has work left."""
+    part_rows: Optional[int] = None,
+) -> RunResult:
+    """Run the given chunks (default: all pending) of a job under the output dir's lock (raises
+    ``lock.Locked`` at once if another live process holds it). Stops between rows when
+    ``should_stop()`` or the job is cancelled; ``stopped`` then says there is work left (rows in
+    flight are dropped, not written: they are generated again by the next run)."""
     if record.cancelled():
-        return ChunkResult(stopped=True)
-    if record.chunk_done(chunk):
-        return ChunkResult()
-    spec = record.spec
-    store = record.store()
-    with DirLock(record.output_dir):
-        claimed = store.manifest().get("config_hash")
-        if claimed and claimed != record.data["config_hash"] and not spec.force:
-            raise ConfigChanged(
-                f"{record.output_dir} now holds results of config {claimed}, this job has "
-                f"{record.data['config_hash']}; resubmit with --force to add to it"
-            )
-        store.ensure()
-        store.recover()
-        done = store.done_ids()
-        only = record.retry_ids()
-        todo = [i for i in record.items(chunk) if i.id not in done and (only is None or i.id in only)]
-        result = ChunkResult()
-        if todo:
-            engine = engines(spec)
-            result = process_items(
-                engine,
-                spec,
-                todo,
-                store,
-                chunk=chunk,
-                job_id=record.id,
-                should_stop=lambda: should_stop() or record.cancelled(),
-                on_row=on_row,
-            )
-        if not result.stopped:
-            record.mark_chunk_done(chunk)
-    if not result.stopped and not record.pending_chunks():
+        return RunResult(stopped=True)
+    wanted = [c for c in (record.pending_chunks() if chunks is None else chunks) if not record.chunk_done(c)]
+    result = RunResult()
+    if wanted:
+        spec = record.spec
+        with DirLock(record.output_dir):
+            _check_config(record)
+            _feed(record, [c for c in wanted if not record.chunk_done(c)], engines, result,
+                  lambda: should_stop() or record.cancelled(), on_row, part_rows or spec.chunk_size)  # fmt: skip
+    if wanted and not result.stopped and not record.pending_chunks():
         finish_job(record)
     return result
+
+
+def run_chunk(record: JobRecord, chunk: int, engines: EngineSource, should_stop=lambda: False, on_row=None) -> RunResult:
+    """``run_job`` for one chunk."""
+    return run_job(record, [chunk], engines, should_stop, on_row)
+
+
+def _check_config(record: JobRecord) -> None:
+    claimed = record.store().manifest().get("config_hash")
+    if claimed and claimed != record.data["config_hash"] and not record.spec.force:
+        raise ConfigChanged(
+            f"{record.output_dir} now holds results of config {claimed}, this job has "
+            f"{record.data['config_hash']}; resubmit with --force to add to it"
+        )
+
+
+def _feed(record, chunks, engines, result: RunResult, should_stop, on_row, part_rows: int) -> None:
+    """The loop itself (the lock is held)."""
+    spec = record.spec
+    store = record.store()
+    store.ensure()
+    store.recover()
+    done = store.done_ids()
+    only = record.retry_ids()
+    config_hash = record.data["config_hash"]
+    todo = []  # (chunk, item, sample index): one result row each
+    for c in chunks:
+        for item in record.items(c):
+            samples = range(1 if item.error is not None else spec.options(item.options).n)
+            missing = [k for k in samples if row_key(item.id, k) not in done]
+            if not missing:
+                result.skipped += 1
+            elif only is None or item.id in only:
+                todo += [(c, item, k) for k in missing]
+    left = Counter(c for c, _, _ in todo)
+    chunk_of: Dict[Any, int] = {row_key(item.id, k): c for c, item, k in todo}
+    journals: Dict[int, Journal] = {}
+
+    def close_chunk(c: int) -> None:
+        if c in journals:
+            store.commit_journal(journals.pop(c), c)
+        record.mark_chunk_done(c)
+        result.chunks_done.append(c)
+
+    def commit(row: Dict[str, Any]) -> None:
+        c = chunk_of[key_of(row)]
+        journal = journals.get(c) or journals.setdefault(c, store.journal(c))
+        journal.append(row)
+        done.add(key_of(row))
+        result.generated += 1
+        result.errors += row["status"] == "error"
+        if on_row is not None:
+            on_row(row)
+        left[c] -= 1
+        if left[c] == 0:
+            close_chunk(c)
+        elif len(journal.rows) >= part_rows:
+            store.commit_journal(journals.pop(c), c)
+
+    handed: Dict[str, float] = {}
+
+    def requests() -> Iterator[Request]:
+        """One request per sample still to do: the row's options, n = 1, the sample's own seed."""
+        for _, item, k in todo:
+            if item.error is None:
+                handed[item.id] = time.time()
+                options = spec.options(item.options)
+                options = replace(options, n=1, seed=sample_seed(options.seed, k, item.id))
+                yield Request(item.id, item.prompt, options, item.metadata, item.index, item.where, sample_index=k)
+
+    try:
+        for c in chunks:
+            if not left[c]:
+                close_chunk(c)
+        if should_stop():
+            result.stopped = bool(todo)
+            return
+        for _, item, _k in todo:
+            if item.error is not None:
+                commit(item_error_row(item, record.id, config_hash))
+        if any(item.error is None for _, item, _k in todo):
+            engine = engines(spec)
+            for request, outcome in engine.generate_requests(requests(), spec.batch_size):
+                if isinstance(outcome, Exception) and not isinstance(outcome, GenerationError):
+                    log.error("item %s (%s) failed: %s: %s", request.id, request.where, type(outcome).__name__, outcome)
+                commit(outcome_row(request, outcome, handed.get(request.id, time.time()), record.id, config_hash))
+                if any(left.values()) and should_stop():
+                    result.stopped = True
+                    break
+    finally:
+        for c in list(journals):
+            store.commit_journal(journals.pop(c), c)
+    if any(left.values()) and not result.stopped:
+        result.stopped = True  # the engine yielded fewer rows than it was given: never finish a chunk short
+        log.error("job %s: the engine returned %d rows too few", record.id, sum(left.values()))
 
 
 def finish_job(record: JobRecord) -> None:
@@ -81,7 +179,7 @@ def finish_job(record: JobRecord) -> None:
         from .export import write_lines
 
         buf = io.BytesIO()
-        write_lines(store.read(), buf, "openai", model=record.spec.target)
+        write_lines(store.read(), buf, "openai", model=record.spec.model_name)
         write_atomic(store.dir / "_openai_output.jsonl", buf.getvalue())
     store.write_manifest(last_completed_job=record.id)
     status = record.status()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import IO, Any, Dict, Optional
+from typing import IO, Any, Dict, List, Optional
 
 import orjson
 import pyarrow as pa
@@ -15,42 +15,60 @@ def _plain(row: Dict[str, Any]) -> Dict[str, Any]:
 
 def openai_line(row: Dict[str, Any], model: Optional[str] = None) -> Dict[str, Any]:
     """One row in the shape of an OpenAI batch output line; failed rows carry ``error``."""
-    if row["status"] != "ok":
+    return openai_samples([row], model)
+
+
+def openai_samples(rows: List[Dict[str, Any]], model: Optional[str] = None) -> Dict[str, Any]:
+    """The rows of one item's samples as one OpenAI batch output line: one choice per sample
+    (``index`` = its sample index), usage summed over the samples (the prompt counted once);
+    an item with a failed sample is a failed line naming that sample's error."""
+    rows = sorted(rows, key=lambda r: r.get("sample_index") or 0)
+    first = rows[0]
+    failed = [r for r in rows if r["status"] != "ok"]
+    if failed:
         return {
-            "id": f"batch_req_{row['id']}",
-            "custom_id": row["id"],
+            "id": f"batch_req_{first['id']}",
+            "custom_id": first["id"],
             "response": None,
-            "error": {"code": "generation_error", "message": row["error"]},
+            "error": {"code": "generation_error", "message": failed[0]["error"]},
         }
-    prompt, completion = row["prompt_tokens"] or 0, row["completion_tokens"] or 0
-    created = row["finished_at"]
+    prompt = first["prompt_tokens"] or 0
+    completion = sum(r["completion_tokens"] or 0 for r in rows)
+    created = max((r["finished_at"] for r in rows), key=lambda t: t.timestamp() if isinstance(t, datetime) else 0)
     body = {
-        "id": f"chatcmpl-{row['id']}",
+        "id": f"chatcmpl-{first['id']}",
         "object": "chat.completion",
         "created": int(created.timestamp()) if isinstance(created, datetime) else None,
         "model": model,
         "choices": [
             {
-                "index": 0,
-                "message": {"role": "assistant", "content": row["output"]},
-                "finish_reason": row["finish_reason"],
+                "index": r.get("sample_index") or 0,
+                "message": {"role": "assistant", "content": r["output"]},
+                "finish_reason": r["finish_reason"],
             }
+            for r in rows
         ],
         "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion},
     }
     return {
-        "id": f"batch_req_{row['id']}",
-        "custom_id": row["id"],
-        "response": {"status_code": 200, "request_id": row["id"], "body": body},
+        "id": f"batch_req_{first['id']}",
+        "custom_id": first["id"],
+        "response": {"status_code": 200, "request_id": first["id"], "body": body},
         "error": None,
     }
 
 
 def write_lines(table: pa.Table, out: IO[bytes], fmt: str = "jsonl", model: Optional[str] = None) -> int:
-    """Write every row as one JSON line: ``jsonl`` (the row itself) or ``openai``."""
-    n = 0
-    for row in table.to_pylist():
-        line = openai_line(row, model) if fmt == "openai" else _plain(row)
+    """Write every row as one JSON line: ``jsonl`` (the row itself) or ``openai`` (one line per
+    item, its samples as choices, in the order items first appear)."""
+    rows = table.to_pylist()
+    if fmt == "openai":
+        items: Dict[str, List[Dict[str, Any]]] = {}
+        for row in rows:
+            items.setdefault(row["id"], []).append(row)
+        lines = [openai_samples(group, model) for group in items.values()]
+    else:
+        lines = [_plain(row) for row in rows]
+    for line in lines:
         out.write(orjson.dumps(line, default=str) + b"\n")
-        n += 1
-    return n
+    return len(lines)

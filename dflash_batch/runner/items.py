@@ -16,10 +16,12 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 import orjson
 
+from .. import checks
+from ..request import BadOption, row_options
+
 Prompt = Union[str, List[Dict[str, str]]]
 ROLES = {"system", "user", "assistant", "tool", "developer"}
 OPENAI_URLS = {"/v1/chat/completions", "/v1/completions"}
-ROW_OPTIONS = ("max_tokens", "temperature", "stop", "system")
 
 
 class InputError(ValueError):
@@ -32,7 +34,7 @@ class Item:
 
     id: str
     index: int  # 0-based position among the input's rows (blank JSONL lines are not rows)
-    where: str  # "line 7" (JSONL, 1-based) or "row 6" (Parquet, 0-based like pandas)
+    where: str  # "line 7" (JSONL: the file's line number) or "row 7" (Parquet: the 7th row); both from 1
     prompt: Optional[Prompt] = None
     options: Dict[str, Any] = field(default_factory=dict)  # per-row max_tokens, temperature, stop, system
     metadata: Dict[str, Any] = field(default_factory=dict)
@@ -194,7 +196,7 @@ def _parquet_rows(path: Path, fields: Fields, start: int = 0):
     for batch in handle.iter_batches(batch_size=1024, row_groups=groups):
         for row in batch.to_pylist():
             raw = orjson.dumps(row, default=str, option=orjson.OPT_SORT_KEYS | orjson.OPT_NON_STR_KEYS)
-            yield number, f"row {number}", raw, row, None, None
+            yield number, f"row {number + 1}", raw, row, None, None
             number += 1
 
 
@@ -216,7 +218,7 @@ def _to_item(path: Path, index: int, where: str, raw: bytes, row, problem, field
             _openai_row(item, row)
         else:
             _simple_row(item, row, fields)
-    except RowError as e:
+    except (RowError, BadOption) as e:
         item.error = f"{where}: {e}"
         item.prompt = None
     return item
@@ -254,7 +256,7 @@ def _openai_row(item: Item, row: dict) -> None:
         raise RowError("body has neither 'messages' nor 'prompt'")
     if "max_completion_tokens" in body and "max_tokens" not in body:
         body = dict(body, max_tokens=body["max_completion_tokens"])
-    item.options = _options(body, "body.")
+    item.options = row_options(body, "body.")
     item.metadata = {k: v for k, v in {"model": body.get("model"), "url": url}.items() if v is not None}
     if isinstance(row.get("metadata"), dict):
         item.metadata.update(row["metadata"])
@@ -270,7 +272,7 @@ def _simple_row(item: Item, row: dict, fields: Fields) -> None:
         item.prompt = _text(row[fields.prompt_field], fields.prompt_field)
     else:
         raise RowError(f"no {fields.prompt_field!r} or {fields.messages_field!r} field")
-    item.options = _options(row, "")
+    item.options = row_options(row, "")
     meta = row.get("metadata")
     if isinstance(meta, str):  # Parquet often stores it as JSON text
         try:
@@ -310,33 +312,6 @@ def _messages(value, name: str) -> List[Dict[str, str]]:
     return out
 
 
-def _options(row: dict, prefix: str) -> Dict[str, Any]:
-    """Per-row overrides of the job's sampling settings, type-checked."""
-    out: Dict[str, Any] = {}
-    value = row.get("max_tokens")
-    if value is not None:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise RowError(f"'{prefix}max_tokens' must be a positive integer, got {value!r}")
-        out["max_tokens"] = value
-    value = row.get("temperature")
-    if value is not None:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-            raise RowError(f"'{prefix}temperature' must be a number >= 0, got {value!r}")
-        out["temperature"] = float(value)
-    value = row.get("stop")
-    if value is not None:
-        stops = [value] if isinstance(value, str) else value
-        if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-            raise RowError(f"'{prefix}stop' must be a string or a list of non-empty strings, got {value!r}")
-        out["stop"] = stops
-    value = row.get("system")
-    if value is not None:
-        if not isinstance(value, str):
-            raise RowError(f"'{prefix}system' must be a string, got {_type(value)}")
-        out["system"] = value
-    return out
-
-
 def _template_keys(template: str) -> List[str]:
     keys = []
     for m in string.Template.pattern.finditer(template):
@@ -357,7 +332,4 @@ def _fill(template: str, row: dict) -> str:
         raise RowError(f"prompt_template is malformed: {e}") from e
 
 
-def _type(value) -> str:
-    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null"}.get(
-        type(value), type(value).__name__
-    )
+_type = checks.json_type

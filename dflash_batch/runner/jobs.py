@@ -18,10 +18,11 @@ from typing import Any, Dict, List, Optional, Set
 
 import orjson
 
+from .. import checks
 from .items import read_items
 from .lock import is_locked
 from .spec import JobSpec, SpecError, default_name
-from .store import ResultStore, write_atomic
+from .store import ResultStore, key_of, write_atomic
 
 
 class JobNotFound(LookupError):
@@ -40,8 +41,7 @@ def home_dir() -> Path:
 
 
 def new_job_id(name: str) -> str:
-    slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-.")[:40] or "job"
-    return f"{slug}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{secrets.token_hex(2)}"
+    return f"{checks.slug(name) or 'job'}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{secrets.token_hex(2)}"
 
 
 class JobRecord:
@@ -143,13 +143,14 @@ class JobRecord:
         """Counts and means over this job's ids, as found in the output dir right now."""
         ids = set(self.ids())
         store = self.store()
-        table = store.read(["id", "status", "decode_tps", "acceptance_drafted", "acceptance_generated", "tokens_per_cycle"])
+        table = store.read(["id", "sample_index", "status", "decode_tps", "acceptance_drafted", "acceptance_generated",
+                            "tokens_per_cycle"])  # fmt: skip
         rows = [r for r in table.to_pylist() if r["id"] in ids]
-        seen = {r["id"] for r in rows}
-        rows += [r for r in store.journal_rows() if r["id"] in ids and r["id"] not in seen]
+        seen = {key_of(r) for r in rows}
+        rows += [r for r in store.journal_rows() if r["id"] in ids and key_of(r) not in seen]
         ok = [r for r in rows if r["status"] == "ok"]
         failed = len(rows) - len(ok)
-        done = len(rows)
+        done = len({r["id"] for r in rows})  # items with a row (each of an item's n samples has one)
         if done >= self.total:
             state = "completed"
         elif self.cancelled():
@@ -192,10 +193,12 @@ def create_job(spec: JobSpec, home: Path, job_id: Optional[str] = None) -> JobRe
     name = spec.name or default_name(spec.input)
     output_dir = spec.resolved_output_dir(home)
     ids, cursors = [], []
+    samples = spec.n > 1  # some item has more than one sample (its result rows: one per sample)
     for item in read_items(spec.input, spec.input_format, spec.fields):
         if item.index % spec.chunk_size == 0:
             cursors.append(item.cursor)  # where each chunk starts in the file
         ids.append(item.id)
+        samples = samples or item.options.get("n", 1) > 1
     config_hash = spec.config_hash()
     store = ResultStore(output_dir)
     previous = store.manifest().get("config_hash")
@@ -220,11 +223,22 @@ def create_job(spec: JobSpec, home: Path, job_id: Optional[str] = None) -> JobRe
         "created_at": time.time(),
     }
     write_atomic(record.dir / "job.json", orjson.dumps(data, option=orjson.OPT_INDENT_2))
+    done = store.done_ids()  # rows an earlier job already wrote to this output dir
+    # An id's first row says the item is done only when no item has more samples (else the job
+    # loop checks each sample of each item).
+    for chunk in range(record.chunks):
+        start, end = record.chunk_range(chunk)
+        if not samples and all(i in done for i in ids[start:end]):
+            record.mark_chunk_done(chunk)
     return record
 
 
 def load_job(home: Path, job_id: str) -> JobRecord:
-    """A job by id, or by a unique prefix of its id."""
+    """A job by id, or by a unique prefix of its id (a plain name: never a path)."""
+    try:
+        checks.path_under(Path(home) / "jobs", job_id)
+    except checks.BadValue as e:
+        raise JobNotFound(f"{job_id!r} is not a job id: {e}") from None
     record = JobRecord(home, job_id)
     if (record.dir / "job.json").exists():
         return record

@@ -1,7 +1,8 @@
 """One worker per output dir at a time: ``fcntl.flock`` on ``<out_dir>/.lock``.
 
 The kernel drops a flock when its process dies (even by ``kill -9``), so a dead worker cannot
-leave a job locked. The holder's pid and host are written into the file for messages.
+leave a job locked. The holder's pid and host are written into the file for messages. The file
+is never opened through a symlink (the holder truncates it).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import os
 import socket
 from pathlib import Path
 from typing import Optional
+
+from ..checks import BadValue
 
 
 class Locked(RuntimeError):
@@ -25,7 +28,12 @@ class DirLock:
     def acquire(self) -> "DirLock":
         """Take the lock or raise ``Locked`` at once (never waits)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        except OSError as e:
+            if self.path.is_symlink():
+                raise BadValue(f"{self.path} is a symlink; refusing to open it (remove it)") from e
+            raise
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -53,9 +61,9 @@ class DirLock:
 def is_locked(directory: os.PathLike) -> bool:
     """Whether a live process holds the dir's lock right now."""
     path = Path(directory) / ".lock"
-    if not path.exists():
+    if not path.exists() or path.is_symlink():
         return False
-    fd = os.open(path, os.O_RDONLY)
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:

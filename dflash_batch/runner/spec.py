@@ -1,6 +1,8 @@
 """Job specs: YAML files (or a bare input file) plus overrides, validated, with a config hash.
 
-Precedence: keyword/CLI overrides > YAML > defaults. The YAML groups model and sampling keys::
+Precedence: keyword/CLI overrides > YAML > defaults; a row's own sampling settings win over all
+three, and ``max_tokens_cap`` bounds every row (``request.resolve_options``). The YAML groups
+model and sampling keys::
 
     name: summaries
     input: ../examples/prompts.jsonl     # relative paths are relative to the YAML file
@@ -17,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import hashlib
+import string
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,14 +27,20 @@ from typing import Any, Dict, List, Optional, Union
 
 import orjson
 
+from .. import checks
+from ..request import MAX_SAMPLES, Options, resolve_options
 from .items import Fields, _template_keys
 
-MODEL_KEYS = ("target", "target_revision", "draft", "draft_revision", "dtype", "block_size", "max_context")
-SAMPLING_KEYS = ("max_tokens", "temperature", "seed", "stop")
+MODEL_KEYS = ("target", "target_revision", "draft", "draft_revision", "dtype", "block_size", "max_context",
+              "prefix_cache_mb")  # fmt: skip
+SAMPLING_KEYS = ("max_tokens", "max_tokens_cap", "temperature", "seed", "stop", "n")
+OUTPUT_DIR_FIELDS = ("home", "name", "date", "time")
+# The name OpenAI-format output gives the embedded default target (engine/default_model.py).
+DEFAULT_TARGET_NAME = "SmolLM2-135M-Instruct"
 TOP_KEYS = (
     "name", "input", "input_format", "id_field", "prompt_field", "messages_field", "output_dir",
     "system_prompt", "prompt_template", "chat_template", "chat_template_kwargs", "model", "sampling",
-    "chunk_size", "schedule", "catch_up", "retries", "export_openai", "force",
+    "chunk_size", "batch_size", "schedule", "catch_up", "retries", "export_openai", "force",
 )  # fmt: skip
 CRON_ALIASES = {"@hourly": "0 * * * *", "@daily": "0 0 * * *", "@midnight": "0 0 * * *",
                 "@weekly": "0 0 * * 0", "@monthly": "0 0 1 * *"}  # fmt: skip
@@ -64,13 +73,17 @@ class JobSpec:
     dtype: str = "auto"
     block_size: Optional[int] = None
     max_context: Optional[int] = None
+    prefix_cache_mb: Optional[float] = None  # shared prompt prefixes kept (None: the engine's default; 0: off; not in the hash)
     # sampling
-    max_tokens: int = 256
+    max_tokens: int = 256  # for rows without their own max_tokens
+    max_tokens_cap: Optional[int] = None  # no row generates more, whatever it asks for
     temperature: float = 0.0
     seed: Optional[int] = None
     stop: List[str] = field(default_factory=list)
+    n: int = 1  # samples per row (each its own result row, ``sample_index``), for rows without their own n
     # running
     chunk_size: int = 64
+    batch_size: Optional[int] = None  # rows decoded together; None: what memory allows (not in the hash)
     schedule: Optional[str] = None  # cron expression (UTC)
     catch_up: bool = True  # a run missed while no worker was up is submitted once at start-up
     retries: int = 0
@@ -91,16 +104,42 @@ class JobSpec:
     def sampling(self) -> Dict[str, Any]:
         return {k: getattr(self, k) for k in SAMPLING_KEYS}
 
+    @property
+    def model_name(self) -> str:
+        """The target as a name (OpenAI ``model``): a hub id as given, a local folder or file by
+        its own name, the embedded default pair by its model's name."""
+        if self.target is None:
+            return DEFAULT_TARGET_NAME
+        if Path(self.target).is_absolute():
+            return Path(self.target).name
+        return self.target
+
+    def options(self, row: Dict[str, Any]) -> Options:
+        """One row's options by the one rule (``request.resolve_options``): a row's own
+        ``max_tokens``, ``temperature``, ``stop`` and ``system`` win over the job's (the flag,
+        else the YAML, else the default); ``max_tokens_cap`` bounds ``max_tokens``."""
+        return resolve_options(self, row)
+
+    def generation_options(self, row: Dict[str, Any]) -> Dict[str, Any]:
+        """``options(row)`` as ``Engine.request`` keyword arguments."""
+        return self.options(row).as_kwargs()
+
     def config_hash(self) -> str:
         """Hash of everything that changes what is generated for a row: model, sampling, prompt
         building. Resuming into an output dir written under another hash is refused."""
         model = dict(self.model)
+        del model["prefix_cache_mb"]  # where prefixes are prefilled changes no output
         for key in ("target", "draft"):
             if model[key] not in (None, "auto") and Path(model[key]).expanduser().exists():
                 model[key] = str(Path(model[key]).expanduser().resolve())
+        sampling = self.sampling
+        if sampling["max_tokens_cap"] is None:  # hashes from before the cap existed stay valid
+            del sampling["max_tokens_cap"]
+        if sampling["n"] == 1:  # and from before n existed
+            del sampling["n"]
         payload = {
             "model": model,
-            "sampling": self.sampling,
+            "sampling": sampling,
             "prompt": {
                 "system_prompt": self.system_prompt,
                 "prompt_template": self.prompt_template,
@@ -111,9 +150,14 @@ class JobSpec:
         return hashlib.sha256(orjson.dumps(payload, option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
 
     def resolved_output_dir(self, home: Path, now: Optional[float] = None) -> Path:
+        """``output_dir`` with its placeholders filled; by default ``home/results/<name>``, which
+        must stay inside ``home/results`` (a symlink there to elsewhere is refused)."""
         name = self.name or default_name(self.input)
         if self.output_dir is None:
-            return (home / "results" / name).resolve()
+            try:
+                return checks.path_under(Path(home) / "results", name).resolve()
+            except checks.BadValue as e:
+                raise SpecError(f"job {name!r}: {e}; set output_dir to write elsewhere") from None
         stamp = time.gmtime(now if now is not None else time.time())
         text = self.output_dir.format(
             name=name, home=home, date=time.strftime("%Y-%m-%d", stamp), time=time.strftime("%H%M%S", stamp)
@@ -128,11 +172,31 @@ class JobSpec:
         return cls(**data)
 
 
+def recorded_model(model: Dict[str, Any]) -> Dict[str, Any]:
+    """Model keys as jobs record them (and the worker keys its resident engine): a draft of
+    none/off/'' is None (plain autoregressive decoding), a local model folder or file is an
+    absolute path. The worker's --target/--draft go through here too, so the same model named
+    the same way loads once."""
+    out = dict(model)
+    if isinstance(out.get("draft"), str) and out["draft"].lower() in ("none", "off", ""):
+        out["draft"] = None
+    for key in ("target", "draft"):
+        value = out.get(key)
+        if isinstance(value, str) and value != "auto" and Path(value).expanduser().exists():
+            out[key] = str(Path(value).expanduser().resolve())
+    return out
+
+
 def default_name(input_path: Optional[str]) -> str:
+    """``<input file stem>-<8 hex of its path>``, a plain name (an odd stem is slugged)."""
     if not input_path:
         return "job"
     path = Path(input_path).expanduser().resolve()
-    return f"{path.stem}-{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
+    try:
+        stem = checks.plain_name(path.stem) if len(path.stem.encode()) <= 100 else checks.slug(path.stem, 60)
+    except checks.BadValue:
+        stem = checks.slug(path.stem, 60)
+    return f"{stem or 'input'}-{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
 
 
 # -- loading ---------------------------------------------------------------------------------
@@ -237,13 +301,23 @@ def validate(spec: JobSpec, where: str = "spec") -> None:
         value = getattr(spec, key)
         if value is not None and not isinstance(value, str):
             bad(key, f"must be a string, got {type(value).__name__} {value!r}")
+    for key in ("input", "output_dir", "target", "id_field", "prompt_field", "messages_field"):
+        if getattr(spec, key) is not None and not getattr(spec, key).strip():  # "" would mean the current folder
+            bad(key, "is empty")
     spec.input = str(Path(spec.input).expanduser().resolve())
-    if isinstance(spec.draft, str) and spec.draft.lower() in ("none", "off", ""):
-        spec.draft = None  # plain autoregressive decoding
-    for key in ("target", "draft"):  # a local model folder is recorded by absolute path
-        value = getattr(spec, key)
-        if value not in (None, "auto") and Path(value).expanduser().exists():
-            setattr(spec, key, str(Path(value).expanduser().resolve()))
+    if spec.name is not None:
+        try:
+            checks.plain_name(spec.name)
+        except checks.BadValue as e:
+            bad("name", str(e))
+    for key in ("target_revision", "draft_revision"):
+        if getattr(spec, key) is not None:
+            try:
+                checks.revision(getattr(spec, key))
+            except checks.BadValue as e:
+                bad(key, str(e))
+    for key, value in recorded_model(spec.model).items():
+        setattr(spec, key, value)
     if spec.input_format not in ("auto", "jsonl", "openai", "parquet"):
         bad("input_format", f"must be auto, jsonl, openai or parquet, got {spec.input_format!r}")
     if spec.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -251,14 +325,30 @@ def validate(spec: JobSpec, where: str = "spec") -> None:
     for key, low in (("max_tokens", 1), ("chunk_size", 1), ("retries", 0)):
         value = getattr(spec, key)
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            bad(key, f"must be an integer >= {low}, got {value!r}")
+            bad(key, f"must be an integer >= {low}, got {checks.show(value)}")
+    if spec.batch_size is not None:
+        value = spec.batch_size
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            bad("batch_size", f"must be an integer >= 1 (or null: what memory allows), got {checks.show(value)}")
+    value = spec.prefix_cache_mb
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf")):
+        bad("prefix_cache_mb", f"must be a number >= 0 (0: no prefix sharing; null: the default), got {checks.show(value)}")
+    if isinstance(spec.n, bool) or not isinstance(spec.n, int) or not 1 <= spec.n <= MAX_SAMPLES:
+        bad("n", f"must be an integer from 1 to {MAX_SAMPLES}, got {checks.show(spec.n)}")
+    if spec.max_tokens_cap is not None:
+        value = spec.max_tokens_cap
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            bad("max_tokens_cap", f"must be an integer >= 1 (or null: no cap), got {checks.show(value)}")
     for key in ("block_size", "max_context", "seed"):
         value = getattr(spec, key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-            bad(key, f"must be a non-negative integer, got {value!r}")
-    if isinstance(spec.temperature, bool) or not isinstance(spec.temperature, (int, float)) or spec.temperature < 0:
-        bad("temperature", f"must be a number >= 0, got {spec.temperature!r}")
-    spec.temperature = float(spec.temperature)
+            bad(key, f"must be a non-negative integer, got {checks.show(value)}")
+    if spec.seed is not None and spec.seed > checks.MAX_SEED:
+        bad("seed", f"must be at most 2**64 - 1, got {spec.seed}")
+    try:
+        spec.temperature = checks.temperature(spec.temperature)
+    except checks.BadValue as e:
+        bad("temperature", str(e))
     if isinstance(spec.stop, str):
         spec.stop = [spec.stop]
     if spec.stop is None:
@@ -275,8 +365,6 @@ def validate(spec: JobSpec, where: str = "spec") -> None:
         if not isinstance(getattr(spec, key), bool):
             bad(key, f"must be true or false, got {getattr(spec, key)!r}")
     if spec.prompt_template is not None:
-        import string
-
         try:
             string.Template(spec.prompt_template).substitute({k: "" for k in _template_keys(spec.prompt_template)})
         except (ValueError, KeyError) as e:
@@ -285,9 +373,12 @@ def validate(spec: JobSpec, where: str = "spec") -> None:
             bad("prompt_template", "uses no $field: every row would get the same prompt")
     if spec.output_dir is not None:
         try:
-            spec.output_dir.format(name="n", home="h", date="d", time="t")
-        except (KeyError, IndexError, ValueError) as e:
-            bad("output_dir", f"may use only {{home}}, {{name}}, {{date}} and {{time}} placeholders ({e})")
+            placeholders = [(f, s, c) for _, f, s, c in string.Formatter().parse(spec.output_dir) if f is not None]
+        except ValueError:  # an unmatched brace
+            placeholders = [(None, "", None)]
+        if any(f not in OUTPUT_DIR_FIELDS or s or c for f, s, c in placeholders):
+            bad("output_dir", "may use only the placeholders {home}, {name}, {date} and {time}, as they are "
+                f"({{{{ and }}}} for literal braces), got {checks.show(spec.output_dir)}")  # fmt: skip
     if spec.schedule is not None:
         try:
             cron_fields(spec.schedule)

@@ -26,6 +26,8 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
+from ..checks import BadValue
+
 SCHEMA_VERSION = 1
 RESULT_SCHEMA = pa.schema(
     [
@@ -56,10 +58,21 @@ RESULT_SCHEMA = pa.schema(
         pa.field("job_id", pa.string()),
         pa.field("config_hash", pa.string()),
         pa.field("metadata", pa.string()),  # the row's metadata as JSON text
+        pa.field("sample_index", pa.int64()),  # which of the row's n samples (null in parts from before n)
     ],
     metadata={"schema_version": str(SCHEMA_VERSION), "producer": "dflash-batch"},
 )
 TIMESTAMPS = ("started_at", "finished_at")
+
+
+def row_key(item_id: str, sample_index: Optional[int] = 0):
+    """What one result row stands for: the item id (sample 0, and rows from before n), else
+    (id, sample index). Every key is written exactly once."""
+    return item_id if not sample_index else (item_id, sample_index)
+
+
+def key_of(row: Dict[str, Any]):
+    return row_key(row["id"], row.get("sample_index"))
 _ID_CACHE: Dict[str, Dict[str, Any]] = {}  # output dir -> part name -> ((size, mtime_ns), ids)
 
 
@@ -110,7 +123,10 @@ class Journal:
     def append(self, row: Dict[str, Any]) -> None:
         if self._file is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(self.path, "ab")
+            if self.path.parent.is_symlink():
+                raise BadValue(f"{self.path.parent} is a symlink; refusing to write through it (remove it)")
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o644)
+            self._file = os.fdopen(fd, "ab")
         self._file.write(orjson.dumps(row) + b"\n")
         self._file.flush()
         os.fsync(self._file.fileno())
@@ -148,6 +164,8 @@ class ResultStore:
 
     def ensure(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
+        if self.inflight.is_symlink():  # journals stay inside the output dir
+            raise BadValue(f"{self.inflight} is a symlink; refusing to write through it (remove it)")
 
     # -- parts ----------------------------------------------------------------------------
     def parts(self) -> List[Path]:
@@ -179,8 +197,8 @@ class ResultStore:
         dataset = ds.dataset([str(p) for p in parts], format="parquet", schema=RESULT_SCHEMA)
         return dataset.to_table(columns=columns)
 
-    def committed_ids(self) -> Set[str]:
-        """Ids in committed parts. Each part's ids are read once per process and kept, keyed by
+    def committed_ids(self) -> Set[Any]:
+        """Row keys (``row_key``) in committed parts. Each part's ids are read once per process and kept, keyed by
         the file's name, size and mtime (parts are immutable but for ``drop_ids`` rewrites)."""
         cache = _ID_CACHE.setdefault(str(self.dir.resolve()), {})
         seen: Set[str] = set()
@@ -193,7 +211,9 @@ class ResultStore:
             key = (st.st_size, st.st_mtime_ns)
             entry = cache.get(path.name)
             if entry is None or entry[0] != key:
-                entry = (key, frozenset(pq.read_table(path, columns=["id"]).column("id").to_pylist()))
+                names = [n for n in ("id", "sample_index") if n in pq.read_schema(path).names]
+                rows = pq.read_table(path, columns=names).to_pylist()
+                entry = (key, frozenset(key_of(r) for r in rows))
                 cache[path.name] = entry
             seen.add(path.name)
             ids |= entry[1]
@@ -228,17 +248,18 @@ class ResultStore:
             rows = read_journal(path)
             if rows:
                 committed = self.committed_ids() if committed is None else committed
-                rows = [r for r in _unique(rows) if r["id"] not in committed]
+                rows = [r for r in _unique(rows) if key_of(r) not in committed]
                 chunk = int(path.name[1:6]) if path.name[1:6].isdigit() else 99999
                 self.write_part(rows, chunk)
-                committed.update(r["id"] for r in rows)
+                committed.update(key_of(r) for r in rows)
                 recovered += len(rows)
             path.unlink(missing_ok=True)
         return recovered
 
-    def done_ids(self) -> Set[str]:
-        """Ids with a finished row, committed or journaled: these are never generated again."""
-        return self.committed_ids() | {row["id"] for row in self.journal_rows()}
+    def done_ids(self) -> Set[Any]:
+        """Row keys (``row_key``: the id, or (id, sample) for samples past the first) with a
+        finished row, committed or journaled: these are never generated again."""
+        return self.committed_ids() | {key_of(row) for row in self.journal_rows()}
 
     def drop_ids(self, ids: Iterable[str]) -> int:
         """Rewrite the parts without rows for ``ids`` (each part replaced atomically); returns
@@ -277,7 +298,7 @@ class ResultStore:
 def _unique(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     seen, out = set(), []
     for row in rows:
-        if row["id"] not in seen:
-            seen.add(row["id"])
+        if key_of(row) not in seen:
+            seen.add(key_of(row))
             out.append(row)
     return out

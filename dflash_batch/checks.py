@@ -1,0 +1,115 @@
+"""Value checks shared by job specs, input rows and the command line.
+
+Each check returns the value it accepts, or raises ``BadValue`` saying what is wrong without
+naming the key: the caller knows the key (and the file or line) and puts it in front.
+
+* numbers read from a job or a row must be finite (``finite_number``, ``temperature``);
+* a name that becomes a file or folder name must be one plain name (``plain_name``), and a path
+  built from one stays inside its root, symlinks included (``path_under``);
+* a hub revision must be a ref name git would accept (``revision``), since the hub cache
+  stores refs as files.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Optional
+
+# 0 is greedy; a positive temperature must be at least this. Far below it logits / t overflow
+# float32 (inf) and the sample is no longer the target's; near it sampling is greedy in effect.
+MIN_TEMPERATURE = 1e-5
+MAX_SEED = 2**64 - 1  # mx.random.key takes an unsigned 64-bit seed
+NAME_BYTES = 200  # file systems allow 255 bytes per name; room for a suffix
+_PLAIN = re.compile(r"\w(?:[\w .-]*[\w.-])?")
+_REF_FORBIDDEN = re.compile(r"[\x00-\x20\x7f~^:?*\[\\]|\.\.|//|@\{")
+
+
+class BadValue(ValueError):
+    """What is wrong with a value; the caller adds the key."""
+
+
+def show(value) -> str:
+    """A value as messages show it: repr, shortened."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def json_type(value) -> str:
+    """A JSON value's kind as messages name it: "an object", "a list", "null"..."""
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null"}.get(
+        type(value), type(value).__name__
+    )
+
+
+def finite_number(value, minimum: Optional[float] = None) -> float:
+    """``value`` as a float; refused unless it is an int or float, finite, and >= ``minimum``."""
+    floor = "" if minimum is None else f" >= {minimum:g}"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise BadValue(f"must be a number{floor}, got {show(value)}")
+    try:
+        number = float(value)
+    except OverflowError:  # an int too large for a float
+        raise BadValue(f"must be a finite number{floor}, got {show(value)}") from None
+    if not math.isfinite(number):
+        raise BadValue(f"must be a finite number{floor}, got {value!r}")
+    if minimum is not None and number < minimum:
+        raise BadValue(f"must be a number{floor}, got {show(value)}")
+    return number
+
+
+def temperature(value) -> float:
+    """0 (greedy) or a finite number >= ``MIN_TEMPERATURE``."""
+    number = finite_number(value, 0)
+    if 0 < number < MIN_TEMPERATURE:
+        raise BadValue(f"must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {value!r}")
+    return number
+
+
+def plain_name(value) -> str:
+    """``value`` if it can serve as one file or folder name as it is: letters, digits, '_', '-',
+    '.' and inner spaces, starting with a letter, digit or '_' (so never '.', '..' or hidden),
+    no separator, at most ``NAME_BYTES`` bytes."""
+    if not isinstance(value, str):
+        raise BadValue(f"must be a string, got {show(value)}")
+    if not _PLAIN.fullmatch(value) or len(value.encode()) > NAME_BYTES:
+        raise BadValue(
+            "must be a plain name: letters, digits, '_', '-', '.' and inner spaces, starting with a "
+            f"letter, digit or '_', no '/', at most {NAME_BYTES} bytes; got {show(value)}"
+        )
+    return value
+
+
+def slug(text: str, limit: int = 40) -> str:
+    """``text`` made a plain ASCII name: runs of other characters become '-'; '' if nothing is left."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", text).strip("-.")[:limit].rstrip("-.")
+
+
+def path_under(root: Path, name: str) -> Path:
+    """``root / name`` for a plain ``name``; refused when the name is not plain, or when that path
+    already exists as a symlink (or through one) to somewhere outside ``root``."""
+    plain_name(name)
+    root = Path(root).resolve()
+    path = root / name
+    target = path.resolve()
+    if target.parent != root:
+        raise BadValue(f"{path} leads to {target}, outside {root}")
+    return path
+
+
+def revision(value) -> str:
+    """A hub revision (branch, tag, commit, ``refs/pr/1``): a ref name git would accept."""
+    if not isinstance(value, str):
+        raise BadValue(f"must be a string, got {show(value)}")
+    parts = value.split("/")
+    if (
+        not value
+        or _REF_FORBIDDEN.search(value)
+        or value.startswith("/")
+        or value.endswith(("/", ".", ".lock"))
+        or value == "@"
+        or any(not p or p.startswith(".") for p in parts)
+    ):
+        raise BadValue(f"must be a branch, tag or commit name (as git allows), got {show(value)}")
+    return value
