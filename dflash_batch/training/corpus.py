@@ -2,7 +2,9 @@
 
 Sources (each prompt names its ``source``):
 
-* ``template``: the built-in templates and word lists of ``prompts.py`` (source: the text);
+* ``template``: the built-in templates and word lists of ``prompts.py`` (source: the template
+  kind; its prompts share topics and snippets across texts, so a kind is held out whole or not
+  at all: at 3% none is, and the held-out set is stdlib, pydoc and self-written prompts);
 * ``passage``: summarise / explain / rewrite / extract tasks on passages cut from the text every
   Python installation ships: the standard library's docstrings (source: the module's file) and
   its documentation topics, ``pydoc_data.topics`` (source: the topic);
@@ -201,7 +203,7 @@ def offline_sources(seed: int, stdlib_root: Optional[Path] = None, template_coun
     passages = _unique(list(docstring_passages(files)) + list(topic_passages()))
     snippets = _unique(code_snippets(files))
     made = [
-        {"kind": p["kind"], "source": "template:" + prompt_text(p), "messages": p["messages"]}
+        {"kind": p["kind"], "source": "template:" + p["kind"], "messages": p["messages"]}
         for p in templates.build_prompts(template_count, seed)
     ]
     return {

@@ -14,6 +14,7 @@ import hashlib
 import time
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
+from ..completion import GenerationError
 from .store import AnswerStore, prompt_key
 
 
@@ -68,9 +69,10 @@ def generate_to_store(
 ) -> Dict[str, int]:
     """Generate the missing (prompt, sample) answers of ``prompts`` (``{"key", "prompt": ids}``)
     into ``store``, ``window`` requests per engine run, until done or ``deadline``
-    (``time.perf_counter()`` value). Returns counts: written, tokens, left."""
+    (``time.perf_counter()`` value). A prompt the engine refuses (too long) is skipped and
+    logged. Returns counts: written, tokens, left, skipped."""
     jobs = pending_jobs(prompts, samples, store.done())
-    written = tokens = 0
+    written = tokens = skipped = 0
     start = time.perf_counter()
     with store.open_writer() as writer:
         for first in range(0, len(jobs), window):
@@ -80,7 +82,13 @@ def generate_to_store(
             requests = []
             for i, (p, k) in enumerate(chunk):
                 temp = 0.0 if k == 0 else temperature
-                requests.append(engine.request(p["prompt"], max_tokens, temp, None if k == 0 else sample_seed(seed, p["key"], k), index=i))
+                try:
+                    requests.append(engine.request(p["prompt"], max_tokens=max_tokens, temperature=temp,
+                                                   seed=None if k == 0 else sample_seed(seed, p["key"], k), index=i))
+                except GenerationError as e:  # too long for the target, say: skipped, named
+                    skipped += 1
+                    if log:
+                        log(f"skipped prompt {p.get('id', p['key'])}: {e}")
             for i, completion in engine.run(requests, batch_size):
                 p, k = chunk[i]
                 ended = completion.finish_reason == "stop"
@@ -92,7 +100,7 @@ def generate_to_store(
             writer.sync()
             if log:
                 log(f"stored {written}/{len(jobs)} answers, {tokens} tokens, {time.perf_counter() - start:.1f}s")
-    return {"written": written, "tokens": tokens, "left": len(jobs) - written}
+    return {"written": written, "tokens": tokens, "left": len(jobs) - written - skipped, "skipped": skipped}
 
 
 # -- the target's own user turns -------------------------------------------------------------
