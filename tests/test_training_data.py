@@ -294,3 +294,25 @@ def test_train_drafter_generates_resumes_and_trains_from_the_store(tiny, tmp_pat
     assert cli.main(base + train_args) == 0
     err = capsys.readouterr().err
     assert "training on 10 sequences" in err and (out / "drafter" / "config.json").exists()
+
+
+def test_sweep_trains_each_configuration_once_and_writes_the_curve(tiny, tmp_path):
+    from dflash_batch.training import sweep
+
+    out = tmp_path / "run"
+    base = ["--target", str(tiny), "--out", str(out), "--prompts", "16", "--eval-percent", "25", "--max-answer-tokens", "12",
+            "--gen-batch", "8", "--samples", "1"]  # fmt: skip
+    assert cli.main(base + ["--generate-only"]) == 0
+    args = ["--target", str(tiny), "--data", str(out / "data"), "--out", str(tmp_path / "sweep"), "--answers", "6,12",
+            "--layers", "1", "--blocks", "4", "--steps", "2", "--samples", "1", "--eval-percent", "25", "--taps", "2",
+            "--batch-size", "2", "--anchors", "2", "--max-len", "64", "--warmup", "1"]  # fmt: skip
+    assert sweep.main(args + ["--call-budget", "1"]) == 3  # no time for any run: both left
+    assert sweep.main(args) == 0
+    rows = [json.loads(line) for line in (tmp_path / "sweep" / "curve.jsonl").read_text().splitlines()]
+    assert [(r["answers"], r["layers"], r["block_size"], r["steps"]) for r in rows] == [(6, 1, 4, 2), (12, 1, 4, 2)]
+    assert all(0 < r["final_eval"]["tau"] for r in rows) and "| 6 |" in (tmp_path / "sweep" / "curve.md").read_text()
+    logs = sorted((tmp_path / "sweep").glob("*/train.log.jsonl"))
+    stamps = [p.stat().st_mtime_ns for p in logs]
+    assert sweep.main(args) == 0  # a finished run is not trained again
+    assert [p.stat().st_mtime_ns for p in logs] == stamps
+    assert sweep.configurations([5, 50], [2, 4], [8, 16], False) == [(5, 4, 16), (50, 2, 16), (50, 4, 8), (50, 4, 16)]

@@ -2,7 +2,8 @@
 
 Layout of the output folder::
 
-    data/prompts.jsonl      encoded prompts with their source, split ("train" / "eval"), key; meta.json
+    data/prompts.jsonl      the prompts' id, kind, source, split ("train" / "eval") and key; meta.json
+    data/prompts/           their chat-templated token ids (store.py, keyed by ``key``)
     data/turns/             user turns the target wrote itself (store.py), when self_prompts
     data/answers/           the target's answers, token ids (store.py): greedy and sampled
     data/eval.jsonl         the held-out prompts with their greedy answers (for benchmarks)
@@ -221,7 +222,12 @@ def prepare_prompts(cfg: TrainConfig, log: Callable[[str], None]) -> None:
         "eval_percent": cfg.eval_percent,
         "prompt_seed": cfg.prompt_seed,
     }
-    data.save_samples(folder / "prompts.jsonl", encoded)
+    # Ids go to a token store (2 bytes a token for a vocabulary up to 65536), the rest to JSON lines.
+    ids = AnswerStore(folder / "prompts", meta["vocab_size"])
+    with ids.open_writer() as w:
+        for p in encoded:
+            w.append(p["key"], 0, p["prompt"], False, 0.0)
+    data.save_samples(folder / "prompts.jsonl", [{k: v for k, v in p.items() if k != "prompt"} for p in encoded])
     (folder / "meta.json").write_text(json.dumps(meta, indent=2))
     log(f"encoded {meta['train_prompts']} training and {meta['eval_prompts']} held-out prompts; mask token {mask} ({meta['mask_token']})")
 
@@ -231,6 +237,9 @@ def all_prompts(cfg: TrainConfig, meta: dict) -> List[dict]:
     random order: the first N training prompts are a fair subset for any N)."""
     folder = data_dir(cfg)
     found = data.load_samples(folder / "prompts.jsonl")
+    if found and "prompt" not in found[0]:  # the ids live in the prompts store
+        ids = {r.key: r.tokens for r in AnswerStore(folder / "prompts").records()}
+        found = [dict(p, prompt=ids[p["key"]]) for p in found]
     if (folder / "turns" / "store.json").exists():
         turns = AnswerStore(folder / "turns")
         made = gen.self_prompts(turns, meta["chat"], meta["chat"]["special_ids"], cfg.self_prompts or None)
