@@ -316,3 +316,14 @@ def test_sweep_trains_each_configuration_once_and_writes_the_curve(tiny, tmp_pat
     assert sweep.main(args) == 0  # a finished run is not trained again
     assert [p.stat().st_mtime_ns for p in logs] == stamps
     assert sweep.configurations([5, 50], [2, 4], [8, 16], False) == [(5, 4, 16), (50, 2, 16), (50, 4, 8), (50, 4, 16)]
+
+
+def test_a_prompt_the_engine_refuses_is_skipped_and_named(tiny, tmp_path):
+    prompts, eos = _prompts(tiny, 2)
+    engine = _engine(tiny, eos)
+    long = [5] * engine.max_context  # as long as the target's context: refused
+    prompts.append({"id": "too-long", "key": prompt_key(long), "prompt": long})
+    said = []
+    got = gen.generate_to_store(engine, prompts, AnswerStore(tmp_path / "a", 512), [0], max_tokens=4, log=said.append)
+    assert got["written"] == 2 and got["skipped"] == 1 and got["left"] == 0
+    assert any("too-long" in s and "context" in s for s in said)
