@@ -327,3 +327,19 @@ def test_a_prompt_the_engine_refuses_is_skipped_and_named(tiny, tmp_path):
     got = gen.generate_to_store(engine, prompts, AnswerStore(tmp_path / "a", 512), [0], max_tokens=4, log=said.append)
     assert got["written"] == 2 and got["skipped"] == 1 and got["left"] == 0
     assert any("too-long" in s and "context" in s for s in said)
+
+
+def test_generation_with_a_drafter_stores_the_same_greedy_answers(tiny_pair, tmp_path):
+    from dflash_batch.training.trainer import generation_engine
+
+    target, drafter = tiny_pair
+    prompts, eos = _prompts(target, 3)
+    model, _, config = loading.load_target(target)
+    stores = {}
+    for name, path in (("plain", None), ("dflash", str(drafter))):
+        engine = generation_engine(TrainConfig(out=str(tmp_path), gen_drafter=path), model, config, eos)
+        assert (engine.drafter is None) == (path is None)
+        stores[name] = AnswerStore(tmp_path / name, 512)
+        gen.generate_to_store(engine, prompts, stores[name], [0], max_tokens=20, batch_size=3)
+    plain, dflash = ({k: r.tokens for k, r in s.answers().items()} for s in stores.values())
+    assert plain == dflash and len(plain) == 3
