@@ -214,7 +214,7 @@ gen.generate_to_store(engine, prompts, AnswerStore({str(folder)!r}, 512), range(
     deadline = time.time() + 120
     while time.time() < deadline and proc.poll() is None:
         shards = list(folder.glob("shard-*.bin"))
-        if shards and shards[0].stat().st_size > 2000:  # some records are in
+        if shards and shards[0].stat().st_size > 600:  # some records are in
             break
         time.sleep(0.05)
     os.kill(proc.pid, signal.SIGKILL)
