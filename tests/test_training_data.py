@@ -305,12 +305,14 @@ def test_sweep_trains_each_configuration_once_and_writes_the_curve(tiny, tmp_pat
     assert cli.main(base + ["--generate-only"]) == 0
     args = ["--target", str(tiny), "--data", str(out / "data"), "--out", str(tmp_path / "sweep"), "--answers", "6,12",
             "--layers", "1", "--blocks", "4", "--steps", "2", "--samples", "1", "--eval-percent", "25", "--taps", "2",
-            "--batch-size", "2", "--anchors", "2", "--max-len", "64", "--warmup", "1"]  # fmt: skip
+            "--batch-size", "2", "--anchors", "2", "--max-len", "64", "--warmup", "1", "--decode-prompts", "3",
+            "--decode-tokens", "8"]  # fmt: skip
     assert sweep.main(args + ["--call-budget", "1"]) == 3  # no time for any run: both left
     assert sweep.main(args) == 0
     rows = [json.loads(line) for line in (tmp_path / "sweep" / "curve.jsonl").read_text().splitlines()]
     assert [(r["answers"], r["layers"], r["block_size"], r["steps"]) for r in rows] == [(6, 1, 4, 2), (12, 1, 4, 2)]
     assert all(0 < r["final_eval"]["tau"] for r in rows) and "| 6 |" in (tmp_path / "sweep" / "curve.md").read_text()
+    assert all(1 <= r["decode"]["prompts"] <= 3 and r["decode"]["cycles"] > 0 and r["decode"]["tokens_per_cycle"] >= 1 for r in rows)
     logs = sorted((tmp_path / "sweep").glob("*/train.log.jsonl"))
     stamps = [p.stat().st_mtime_ns for p in logs]
     assert sweep.main(args) == 0  # a finished run is not trained again
