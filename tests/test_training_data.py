@@ -345,3 +345,9 @@ def test_generation_with_a_drafter_stores_the_same_greedy_answers(tiny_pair, tmp
         gen.generate_to_store(engine, prompts, stores[name], [0], max_tokens=20, batch_size=3)
     plain, dflash = ({k: r.tokens for k, r in s.answers().items()} for s in stores.values())
     assert plain == dflash and len(plain) == 3
+
+
+@pytest.mark.parametrize("flag, value", [("--samples", "-1"), ("--sample-temperature", "0"), ("--gen-time-budget", "-5")])
+def test_bad_data_flags_are_refused_by_name(tmp_path, capsys, flag, value):
+    assert cli.main(["--out", str(tmp_path / "r"), "--generate-only", flag, value]) == 2
+    assert flag in capsys.readouterr().err and not (tmp_path / "r").exists()

@@ -127,6 +127,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     def log(msg: str) -> None:
         print(f"[{time.perf_counter() - start:7.1f}s] {msg}", file=sys.stderr, flush=True)
 
+    for flag, value, ok in (
+        ("--samples", args.samples, args.samples >= 0),
+        ("--self-prompts", args.self_prompts, args.self_prompts >= 0),
+        ("--max-answers", args.max_answers, args.max_answers >= 0),
+        ("--sample-temperature", args.sample_temperature, args.sample_temperature > 0),
+        ("--self-temperature", args.self_temperature, args.self_temperature > 0),
+        ("--gen-time-budget", args.gen_time_budget, args.gen_time_budget is None or args.gen_time_budget > 0),
+    ):
+        if not ok:
+            print(f"train-drafter: {flag} must be {'positive' if 'temp' in flag or 'budget' in flag else '0 or more'}, got {value}", file=sys.stderr)
+            return 2
     if not args.steps and not args.time_budget and not (args.prepare_only or args.generate_only):
         print("train-drafter: give --steps or --time-budget", file=sys.stderr)
         return 2
