@@ -19,7 +19,7 @@ from dflash_batch.engine import Engine, loading, synthetic
 from dflash_batch.training import cli, corpus, store as store_mod
 from dflash_batch.training import generate as gen
 from dflash_batch.training.store import AnswerStore, prompt_key
-from dflash_batch.training.trainer import TrainConfig, answer_samples, chat_pieces
+from dflash_batch.training.trainer import TrainConfig, all_prompts, answer_samples, chat_pieces
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -268,6 +268,13 @@ def test_self_written_user_turns(tiny, tmp_path):
     assert len(ids) == len(set(ids)) and tuple(gen.turn_prompt(chat, turn)) in ids
     assert not any(tuple(gen.turn_prompt(chat, t)) in ids for t in ([turn[0]] * 12, turn + [chat["special_ids"][0]]))
     assert all(p["source"].startswith("self:") and p["key"] == prompt_key(p["prompt"]) for p in made)
+    # Held out by source (the turn): 40 distinct turns at 25 % put some on each side.
+    with st.open_writer() as w:
+        for i in range(40):
+            w.append(key, 100 + i, turn + tok.encode(f" number {i} please", add_special_tokens=False), True, 1.0)
+    made = gen.self_prompts(st, chat, chat["special_ids"], eval_percent=25)
+    assert {p["split"] for p in made} == {"train", "eval"}
+    assert all((p["split"] == "eval") == corpus.is_held_out(p["source"], 25) for p in made)
 
 
 # -- train-drafter on the store ----------------------------------------------------------------
@@ -284,6 +291,10 @@ def test_train_drafter_generates_resumes_and_trains_from_the_store(tiny, tmp_pat
     stored, train, held = answer_samples(cfg)
     assert stored == len(train) + len(held) and held and {s["sample"] for s in train} == {0, 1}
     assert any(s["kind"] == "self" for s in train + held)
+    # Self-written prompts are held out by their source too; no held-out prompt is trained on.
+    made = [p for p in all_prompts(cfg, meta) if p["kind"] == "self"]
+    assert made and all((p["split"] == "eval") == corpus.is_held_out(p["source"], 25) for p in made)
+    assert not {tuple(s["prompt"]) for s in train} & {tuple(s["prompt"]) for s in held}
     # Generating again adds nothing: every answer is stored.
     before = sum(p.stat().st_size for p in (data / "answers").glob("shard-*"))
     assert cli.main(base + ["--generate-only"]) == 0

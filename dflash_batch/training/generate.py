@@ -15,6 +15,7 @@ import time
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from ..completion import GenerationError
+from .corpus import is_held_out
 from .store import AnswerStore, prompt_key
 
 
@@ -125,11 +126,12 @@ def self_prompts(
     chat: dict,
     special_ids: Iterable[int],
     count: Optional[int] = None,
+    eval_percent: int = 3,
     min_tokens: int = 4,
     min_distinct: float = 0.4,
 ) -> List[dict]:
     """Prompts from the user turns in ``store`` (samples of the header prompt in sample order),
-    filtered and deduplicated by their ids; source: the turn itself."""
+    filtered and deduplicated by their ids; source: the turn itself, held out by its hash."""
     special = set(int(s) for s in special_ids)
     header_key = prompt_key(chat["user_header"])
     turns = sorted((r for r in store.records() if r.key == header_key), key=lambda r: r.sample)
@@ -141,7 +143,9 @@ def self_prompts(
         seen.add(ids)
         source = f"self:{prompt_key(ids):016x}"
         prompt = turn_prompt(chat, ids)
-        out.append({"id": f"self-{len(out)}", "kind": "self", "source": source, "prompt": prompt, "key": prompt_key(prompt)})
+        split = "eval" if is_held_out(source, eval_percent) else "train"
+        out.append({"id": f"self-{len(out)}", "kind": "self", "source": source, "split": split, "prompt": prompt,
+                    "key": prompt_key(prompt)})  # fmt: skip
         if count is not None and len(out) >= count:
             break
     return out

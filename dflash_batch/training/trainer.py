@@ -242,9 +242,7 @@ def all_prompts(cfg: TrainConfig, meta: dict) -> List[dict]:
         found = [dict(p, prompt=ids[p["key"]]) for p in found]
     if (folder / "turns" / "store.json").exists():
         turns = AnswerStore(folder / "turns")
-        made = gen.self_prompts(turns, meta["chat"], meta["chat"]["special_ids"], cfg.self_prompts or None)
-        for p in made:
-            p["split"] = "eval" if corpus.is_held_out(p["source"], cfg.eval_percent) else "train"
+        made = gen.self_prompts(turns, meta["chat"], meta["chat"]["special_ids"], cfg.self_prompts or None, cfg.eval_percent)
         taken = {p["key"] for p in found}
         found += [p for p in made if p["key"] not in taken]
     return sorted(found, key=lambda p: (p["split"] != "eval", p["key"]))
