@@ -1,8 +1,10 @@
 """``dflash-batch train-drafter``: train a DFlash drafter for a target by self-distillation.
 
-The target answers a built-in varied prompt set (greedy); the drafter learns to predict the
-target's own tokens with the DFlash block objective. Re-running with the same ``--out``
-resumes from the last checkpoint and reuses the generated data.
+The target answers a prompt set (greedy, and sampled with ``--samples``) through the batched
+engine into a token-id store; the drafter learns to predict the target's own tokens with the
+DFlash block objective. Re-running with the same ``--out`` resumes: generation where it stopped
+(``--gen-time-budget`` bounds one call; exit status 3 says some is left), training from the
+last checkpoint.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ examples:
   dflash-batch train-drafter --out runs/smollm2 --time-budget 300          # default target
   dflash-batch train-drafter --target ./my-model --out runs/mine --steps 2000 --layers 2
   dflash-batch train-drafter --out runs/smollm2 --prepare-only             # encode prompts only
+  dflash-batch train-drafter --out runs/big --corpus offline --prompts 60000 --prepare-only
+  dflash-batch train-drafter --out runs/big --self-prompts 20000 --samples 1 --generate-only --gen-time-budget 500
 """
 
 
@@ -31,6 +35,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="run folder: data, checkpoints, log, exported drafter")
     d = p.add_argument_group("data")
     d.add_argument("--prompts", type=int, default=4000, dest="num_prompts", help="prompts to build (default 4000)")
+    d.add_argument("--corpus", default="templates", choices=["templates", "offline"],
+                   help="prompt source: built-in templates, or offline (stdlib passages and code + templates)")
+    d.add_argument("--data", help="data folder (default OUT/data): runs of a sweep share one")
+    d.add_argument("--samples", type=int, default=0, help="sampled answers per prompt besides the greedy one")
+    d.add_argument("--sample-temperature", type=float, default=0.7)
+    d.add_argument("--self-prompts", type=int, default=0, help="prompts from user turns the target writes itself")
+    d.add_argument("--self-temperature", type=float, default=1.0)
+    d.add_argument("--gen-time-budget", type=float, help="seconds of generation per call; exit 3 when some is left")
+    d.add_argument("--gen-drafter", help="generate with DFlash: 'default' or a drafter folder (default: plain AR)")
+    d.add_argument("--max-answers", type=int, default=0, help="training answers used, at most (0: all)")
+    d.add_argument("--train-only", action="store_true", help="train on the stored answers, generate nothing")
     d.add_argument("--eval-percent", type=int, default=3, help="share held out for evaluation (default 3)")
     d.add_argument("--max-answer-tokens", type=int, default=256)
     d.add_argument("--gen-batch", type=int, default=128, help="prompts answered at once")
@@ -56,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     k = p.add_argument_group("checkpoints and export")
     k.add_argument("--checkpoint-every", type=int, default=500)
     k.add_argument("--eval-every", type=int, default=250)
+    k.add_argument("--eval-samples", type=int, default=64, help="held-out answers per evaluation")
     k.add_argument("--log-every", type=int, default=25)
     k.add_argument("--no-resume", action="store_true", help="start over even if checkpoints exist")
     k.add_argument("--quantize-bits", type=int, default=8, help="export bits for linear layers (0: none)")
@@ -71,6 +87,17 @@ def main(argv: Optional[List[str]] = None) -> int:
         out=args.out,
         target=args.target,
         num_prompts=args.num_prompts,
+        corpus=args.corpus,
+        data=args.data,
+        samples=args.samples,
+        sample_temperature=args.sample_temperature,
+        self_prompts=args.self_prompts,
+        self_temperature=args.self_temperature,
+        gen_time_budget=args.gen_time_budget,
+        gen_drafter=args.gen_drafter,
+        max_answers=args.max_answers,
+        train_only=args.train_only,
+        eval_samples=args.eval_samples,
         eval_percent=args.eval_percent,
         max_answer_tokens=args.max_answer_tokens,
         gen_batch=args.gen_batch,
@@ -100,6 +127,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     def log(msg: str) -> None:
         print(f"[{time.perf_counter() - start:7.1f}s] {msg}", file=sys.stderr, flush=True)
 
+    for flag, value, ok in (
+        ("--samples", args.samples, args.samples >= 0),
+        ("--self-prompts", args.self_prompts, args.self_prompts >= 0),
+        ("--max-answers", args.max_answers, args.max_answers >= 0),
+        ("--sample-temperature", args.sample_temperature, args.sample_temperature > 0),
+        ("--self-temperature", args.self_temperature, args.self_temperature > 0),
+        ("--gen-time-budget", args.gen_time_budget, args.gen_time_budget is None or args.gen_time_budget > 0),
+    ):
+        if not ok:
+            print(f"train-drafter: {flag} must be {'positive' if 'temp' in flag or 'budget' in flag else '0 or more'}, got {value}", file=sys.stderr)
+            return 2
     if not args.steps and not args.time_budget and not (args.prepare_only or args.generate_only):
         print("train-drafter: give --steps or --time-budget", file=sys.stderr)
         return 2
@@ -107,9 +145,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.prepare_only:
         return 0
     if args.generate_only:
-        model, _ = load_target_model(cfg.target, cfg.dtype)
-        prepare_answers(cfg, model, log)
-        return 0
+        model, config = load_target_model(cfg.target, cfg.dtype)
+        return 0 if prepare_answers(cfg, model, log, config) else 3  # 3: time budget reached, rerun to resume
     out = Trainer(cfg, log).run(resume=not args.no_resume)
     print(out)
     return 0

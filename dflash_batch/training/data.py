@@ -3,7 +3,9 @@
 A sample is ``{"id", "kind", "prompt": [ids], "answer": [ids]}``; an answer that ended on its
 own carries the EOS token last, so the drafter also learns to propose the end. Files are JSON
 lines. Generation needs only the model (prompt ids come pre-encoded), so it runs where no
-tokenizer can be loaded.
+tokenizer can be loaded. ``train-drafter`` now generates through the batched engine into a
+token-id store (generate.py, store.py); ``generate_answers`` (mlx-lm's BatchGenerator) stays as
+the reference that benchmarks/answer_generation.py compares against.
 """
 
 from __future__ import annotations

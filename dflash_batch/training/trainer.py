@@ -2,8 +2,11 @@
 
 Layout of the output folder::
 
-    data/prompts.jsonl      encoded prompts with their split ("train" / "eval") and meta.json
-    data/train.jsonl        target answers (training never reads data/eval.jsonl)
+    data/prompts.jsonl      the prompts' id, kind, source, split ("train" / "eval") and key; meta.json
+    data/prompts/           their chat-templated token ids (store.py, keyed by ``key``)
+    data/turns/             user turns the target wrote itself (store.py), when self_prompts
+    data/answers/           the target's answers, token ids (store.py): greedy and sampled
+    data/eval.jsonl         the held-out prompts with their greedy answers (for benchmarks)
     checkpoints/step-N/     drafter + optimizer state + state.json (the last two are kept)
     drafter/                the exported drafter (z-lab format: config.json + model.safetensors)
     train.log.jsonl         one JSON object per logged step / evaluation
@@ -17,7 +20,7 @@ import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -27,7 +30,9 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from ..engine import drafter as drafter_model
 from ..engine.target import Target
-from . import data, export, objective, prompts
+from . import corpus, data, export, objective, prompts
+from . import generate as gen
+from .store import AnswerStore, prompt_key
 
 
 @dataclass
@@ -40,6 +45,19 @@ class TrainConfig:
     max_answer_tokens: int = 256
     gen_batch: int = 128
     prompt_seed: int = 0
+    corpus: str = "templates"  # "offline": corpus.py (stdlib passages and code, templates)
+    data: Optional[str] = None  # data folder (default OUT/data); several runs may share one
+    samples: int = 0  # sampled answers per prompt, besides the greedy one
+    sample_temperature: float = 0.7
+    self_prompts: int = 0  # prompts from user turns the target writes itself
+    self_oversample: float = 1.5  # turns sampled per self prompt wanted (filters drop some)
+    self_temperature: float = 1.0
+    self_max_tokens: int = 96
+    gen_time_budget: Optional[float] = None  # seconds for generation in one call (it resumes)
+    gen_drafter: Optional[str] = None  # "default", a drafter folder, or None: plain AR
+    max_answers: int = 0  # training answers used, at most (0: all)
+    eval_samples: int = 64  # held-out greedy answers per evaluation
+    train_only: bool = False  # train on the stored answers; generate nothing
     # drafter
     layers: int = 4
     num_taps: int = 5
@@ -143,46 +161,160 @@ def pick_mask_token(tokenizer) -> int:
 
 
 # -- data stage -------------------------------------------------------------------------------
+def data_dir(cfg: TrainConfig) -> Path:
+    return Path(cfg.data) if cfg.data else Path(cfg.out) / "data"
+
+
+def chat_pieces(tokenizer) -> dict:
+    """The chat template around one user turn, as ids: ``user_header`` (everything before the
+    user's text, with the template's default system turn), ``turn_suffix`` (end of turn and the
+    assistant header), and the ids no ordinary text contains (``special_ids``)."""
+    mark = "XQZ-TURN-XQZ"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": mark}], add_generation_prompt=True, tokenize=False)
+    before, after = text.split(mark)
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    special = set(hf.all_special_ids) | set(getattr(hf, "added_tokens_decoder", {}) or {})
+    return {
+        "user_header": [int(t) for t in tokenizer.encode(before, add_special_tokens=False)],
+        "turn_suffix": [int(t) for t in tokenizer.encode(after, add_special_tokens=False)],
+        "special_ids": sorted(int(t) for t in special),
+    }
+
+
+def build_prompt_set(cfg: TrainConfig) -> List[dict]:
+    """Prompts with ``source`` and ``split``: the offline corpus, or the built-in templates."""
+    if cfg.corpus == "offline":
+        return corpus.build_corpus(cfg.num_prompts, cfg.prompt_seed, cfg.eval_percent)
+    if cfg.corpus != "templates":
+        raise ValueError(f"corpus must be 'offline' or 'templates', not {cfg.corpus!r}")
+    built = prompts.build_prompts(cfg.num_prompts, cfg.prompt_seed)
+    train, held = prompts.split_prompts(built, cfg.eval_percent)
+    tag = lambda p, split: dict(p, source="template:" + corpus.prompt_text(p), split=split)  # noqa: E731
+    return [tag(p, "train") for p in train] + [tag(p, "eval") for p in held]
+
+
 def prepare_prompts(cfg: TrainConfig, log: Callable[[str], None]) -> None:
     """Encode the prompt set (needs the tokenizer) into data/prompts.jsonl + data/meta.json."""
-    folder = Path(cfg.out) / "data"
+    folder = data_dir(cfg)
     if (folder / "prompts.jsonl").exists() and (folder / "meta.json").exists():
         return
     tokenizer = load_tokenizer_for(cfg.target)
-    built = prompts.build_prompts(cfg.num_prompts, cfg.prompt_seed)
-    train, held = prompts.split_prompts(built, cfg.eval_percent)
-    encoded = [dict(p, split="train") for p in data.encode_prompts(tokenizer, train)]
-    encoded += [dict(p, split="eval") for p in data.encode_prompts(tokenizer, held)]
+    built = build_prompt_set(cfg)
+    encoded = []
+    for p, enc in zip(built, data.encode_prompts(tokenizer, built)):
+        encoded.append(dict(enc, source=p["source"], split=p["split"], key=prompt_key(enc["prompt"])))
     mask = cfg.mask_token_id if cfg.mask_token_id is not None else pick_mask_token(tokenizer)
+    chat = chat_pieces(tokenizer)
+    eos = sorted(int(e) for e in tokenizer.eos_token_ids)
+    turn_end = chat["turn_suffix"][0] if chat["turn_suffix"] else eos[0]
     meta = {
-        "eos_token_ids": sorted(int(e) for e in tokenizer.eos_token_ids),
+        "eos_token_ids": eos,
+        # The label that ends an answer stopped by EOS: the template's end of turn when it is an EOS.
+        "answer_eos_id": turn_end if turn_end in eos else eos[0],
         "mask_token_id": int(mask),
         "mask_token": tokenizer.convert_ids_to_tokens(int(mask)) if hasattr(tokenizer, "convert_ids_to_tokens") else None,
+        "vocab_size": int(len(tokenizer.get_vocab()) if hasattr(tokenizer, "get_vocab") else 1 << 32),
+        "chat": chat,
+        "corpus": dict(corpus.describe(), kind=cfg.corpus),
         "num_prompts": len(encoded),
-        "train_prompts": len(train),
-        "eval_prompts": len(held),
+        "train_prompts": sum(p["split"] == "train" for p in encoded),
+        "eval_prompts": sum(p["split"] == "eval" for p in encoded),
         "eval_percent": cfg.eval_percent,
         "prompt_seed": cfg.prompt_seed,
     }
-    data.save_samples(folder / "prompts.jsonl", encoded)
+    # Ids go to a token store (2 bytes a token for a vocabulary up to 65536), the rest to JSON lines.
+    ids = AnswerStore(folder / "prompts", meta["vocab_size"])
+    with ids.open_writer() as w:
+        for p in encoded:
+            w.append(p["key"], 0, p["prompt"], False, 0.0)
+    data.save_samples(folder / "prompts.jsonl", [{k: v for k, v in p.items() if k != "prompt"} for p in encoded])
     (folder / "meta.json").write_text(json.dumps(meta, indent=2))
-    log(f"encoded {len(train)} training and {len(held)} held-out prompts; mask token {mask} ({meta['mask_token']})")
+    log(f"encoded {meta['train_prompts']} training and {meta['eval_prompts']} held-out prompts; mask token {mask} ({meta['mask_token']})")
 
 
-def prepare_answers(cfg: TrainConfig, model, log: Callable[[str], None]) -> None:
-    """Generate the target's answers for both splits (data/train.jsonl, data/eval.jsonl)."""
-    folder = Path(cfg.out) / "data"
+def all_prompts(cfg: TrainConfig, meta: dict) -> List[dict]:
+    """The encoded prompts and the self-written ones, held-out first, then by key (a stable
+    random order: the first N training prompts are a fair subset for any N)."""
+    folder = data_dir(cfg)
+    found = data.load_samples(folder / "prompts.jsonl")
+    if found and "prompt" not in found[0]:  # the ids live in the prompts store
+        ids = {r.key: r.tokens for r in AnswerStore(folder / "prompts").records()}
+        found = [dict(p, prompt=ids[p["key"]]) for p in found]
+    if (folder / "turns" / "store.json").exists():
+        turns = AnswerStore(folder / "turns")
+        made = gen.self_prompts(turns, meta["chat"], meta["chat"]["special_ids"], cfg.self_prompts or None, cfg.eval_percent)
+        taken = {p["key"] for p in found}
+        found += [p for p in made if p["key"] not in taken]
+    return sorted(found, key=lambda p: (p["split"] != "eval", p["key"]))
+
+
+def answer_samples(cfg: TrainConfig) -> Tuple[int, List[dict], List[dict]]:
+    """(answers stored, training samples, held-out samples) ``{"prompt", "answer"}``; an answer
+    that ended on EOS carries the EOS label last. ``max_answers`` caps the training answers
+    (the first by prompt key), for data-size sweeps."""
+    folder = data_dir(cfg)
     meta = json.loads((folder / "meta.json").read_text())
-    encoded = data.load_samples(folder / "prompts.jsonl")
-    for split in ("train", "eval"):
-        path = folder / f"{split}.jsonl"
-        if path.exists():
-            continue
-        todo = [p for p in encoded if p["split"] == split]
-        start = time.perf_counter()
-        samples = data.generate_answers(model, todo, meta["eos_token_ids"], cfg.max_answer_tokens, cfg.gen_batch, log)
-        data.save_samples(path, samples)
-        log(f"{split}: {len(samples)} answers, {sum(len(s['answer']) for s in samples)} tokens in {time.perf_counter() - start:.1f}s")
+    if not (folder / "answers" / "store.json").exists():
+        return 0, [], []
+    stored = AnswerStore(folder / "answers").answers()
+    train, held = [], []
+    for p in all_prompts(cfg, meta):
+        for k in range(1 + cfg.samples):
+            r = stored.get((p["key"], k))
+            if r is None:
+                continue
+            answer = r.tokens + ([meta.get("answer_eos_id", meta["eos_token_ids"][0])] if r.ended else [])
+            sample = {"id": p["id"], "kind": p["kind"], "sample": k, "prompt": p["prompt"], "answer": answer}
+            (held if p["split"] == "eval" else train).append(sample)
+    if cfg.max_answers:
+        train = train[: cfg.max_answers]
+    return len(stored), train, held
+
+
+def generation_engine(cfg: TrainConfig, model, config: dict, eos_ids):
+    """The batched engine over the target (with ``gen_drafter``: DFlash, lossless greedy)."""
+    from ..engine import Engine, load_drafter
+
+    drafter = None
+    if cfg.gen_drafter:
+        from ..engine.default_model import ensure_drafter
+
+        path = ensure_drafter(cfg.dtype) if cfg.gen_drafter == "default" else cfg.gen_drafter
+        drafter = load_drafter(path) if path else None
+    return Engine(model, gen.IdsTokenizer(eos_ids), drafter, config=config, batch_size=cfg.gen_batch)
+
+
+def prepare_answers(cfg: TrainConfig, model, log: Callable[[str], None], config: Optional[dict] = None) -> bool:
+    """Sample the self-written user turns (``self_prompts``), then store greedy and ``samples``
+    sampled answers to every prompt in data/answers/, within ``gen_time_budget``; True when
+    nothing is left to generate. Resumes where a previous run stopped."""
+    folder = data_dir(cfg)
+    meta = json.loads((folder / "meta.json").read_text())
+    deadline = time.perf_counter() + cfg.gen_time_budget if cfg.gen_time_budget else None
+    config = config or {}
+    vocab = max(int(config.get("vocab_size") or 0), meta["vocab_size"])  # the model may pad its vocabulary
+    if cfg.self_prompts:
+        chat = meta["chat"]
+        # A user turn ends at the template's end of turn: an EOS while the turns are sampled.
+        eos = set(meta["eos_token_ids"]) | set(chat["turn_suffix"][:1])
+        engine = generation_engine(cfg, model, config, eos)
+        # Oversample: filters and duplicates drop some turns.
+        turns = AnswerStore(folder / "turns", vocab)
+        got = gen.sample_user_turns(engine, chat, turns, int(cfg.self_prompts * cfg.self_oversample), cfg.self_temperature,
+                                    cfg.self_max_tokens, cfg.seed, cfg.gen_batch, deadline, log)
+        if got["left"]:
+            log(f"time budget: {got['left']} user turns left to sample")
+            return False
+    engine = generation_engine(cfg, model, config, meta["eos_token_ids"])
+    todo = all_prompts(cfg, meta)
+    store = AnswerStore(folder / "answers", vocab)
+    got = gen.generate_to_store(engine, todo, store, range(1 + cfg.samples), cfg.sample_temperature, cfg.max_answer_tokens,
+                                cfg.seed, cfg.gen_batch, deadline, log=log)
+    _, _, held = answer_samples(cfg)
+    data.save_samples(folder / "eval.jsonl", [s for s in held if s["sample"] == 0])  # for benchmarks/default_pair.py
+    if got["left"]:
+        log(f"time budget: {got['left']} answers left to generate")
+    return not got["left"]
 
 
 # -- optimisation -----------------------------------------------------------------------------
@@ -219,11 +351,14 @@ class Trainer:
         cfg = self.cfg
         prepare_prompts(cfg, self.log)
         self.model, self.target_config = load_target_model(cfg.target, cfg.dtype)
-        prepare_answers(cfg, self.model, self.log)
-        folder = self.out / "data"
-        self.meta = json.loads((folder / "meta.json").read_text())
-        self.train_samples = [s for s in data.load_samples(folder / "train.jsonl") if len(s["answer"]) >= 2]
-        self.eval_samples = [s for s in data.load_samples(folder / "eval.jsonl") if len(s["answer"]) >= 2]
+        if not cfg.train_only and not prepare_answers(cfg, self.model, self.log, self.target_config):
+            self.log("training on the answers stored so far (generation stopped at its time budget)")
+        self.meta = json.loads((data_dir(cfg) / "meta.json").read_text())
+        stored, train, held = answer_samples(cfg)
+        self.train_samples = [s for s in train if len(s["answer"]) >= 2]
+        self.eval_samples = [s for s in held if s["sample"] == 0 and len(s["answer"]) >= 2]  # greedy acceptance
+        if not self.train_samples:
+            raise ValueError(f"no training answers in {data_dir(cfg) / 'answers'} ({stored} stored): generate them first")
         n_layers = self.target_config["num_hidden_layers"]
         taps = cfg.taps or objective.tap_ids_for(n_layers, cfg.num_taps)
         self.drafter_config = export.drafter_config(
@@ -274,11 +409,11 @@ class Trainer:
         mx.eval(self.drafter.parameters(), self.optimizer.state, loss)
         return float(loss.item())
 
-    def evaluate(self, max_samples: int = 64) -> dict:
+    def evaluate(self, max_samples: Optional[int] = None) -> dict:
         """Loss and teacher-forced acceptance on the held-out split (fixed anchors)."""
         cfg = self.cfg
         rng = np.random.default_rng([cfg.seed, 10**9])
-        samples = self.eval_samples[:max_samples]
+        samples = self.eval_samples[: max_samples or cfg.eval_samples]
         totals = {"loss": 0.0, "tau": 0.0, "acc_pos1": 0.0}
         batches = 0
         for first in range(0, len(samples), cfg.batch_size):
