@@ -21,10 +21,10 @@ def pytest_collect_file(file_path, parent):
 
 
 class _Synthetic:
-    """``dflash_batch.engine.synthetic``, imported on first use."""
+    """``tests.synthetic``, imported on first use."""
 
     def __getattr__(self, name):
-        from dflash_batch.engine import synthetic as module
+        from tests import synthetic as module
 
         return getattr(module, name)
 

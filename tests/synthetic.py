@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 from typing import Dict, List, Optional
 
+import dflash_batch.engine  # noqa: F401  (loads the BLAS before mlx.core, as the engine does)
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
