@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Union
 
 from . import checks
+from .errors import JobFailed
+from .files import write_atomic
 from .runner.execution import finish_job, run_job
 from .runner.jobs import JobRecord, create_job, home_dir, load_job
 from .runner.lock import DirLock, Locked
@@ -28,11 +30,6 @@ from .runner.spec import JobSpec, SpecError, load_spec, validate
 
 Source = Union[str, Path, Dict[str, Any]]
 FINAL_STATES = ("completed", "cancelled", "failed")
-
-
-class JobFailed(RuntimeError):
-    """A foreground job stopped by a job-level error (say, a model that does not load); the job
-    is marked failed, and the error is the ``__cause__``."""
 
 
 ENGINE_ENV = "DFLASH_BATCH_ENGINE"
@@ -218,9 +215,7 @@ def add_schedule(spec_file: Union[str, Path], *, home: Optional[Union[str, Path]
         raise SpecError(f"{spec_file}: cannot be registered as schedule {name!r}: {e}; give it a 'name'") from None
     target.parent.mkdir(parents=True, exist_ok=True)
     layout = spec_layout(spec)
-    tmp = target.with_suffix(".yaml.tmp")
-    tmp.write_text(f"# registered from {Path(spec_file).resolve()}\n" + yaml.safe_dump(layout, sort_keys=False))
-    os.replace(tmp, target)
+    write_atomic(target, f"# registered from {Path(spec_file).resolve()}\n" + yaml.safe_dump(layout, sort_keys=False))
     return target
 
 

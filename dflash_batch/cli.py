@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from .errors import CliError
+
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_REFUSED = 2
@@ -175,12 +177,6 @@ def _seconds(text: str) -> float:
         return checks.finite_number(float(text), 0)
     except (ValueError, checks.BadValue) as e:
         raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0, got {text!r}") from e
-
-
-class CliError(Exception):
-    def __init__(self, message: str, code: int):
-        super().__init__(message)
-        self.code = code
 
 
 def main(argv: Optional[List[str]] = None) -> int:

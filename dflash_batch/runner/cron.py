@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import datetime
 import logging
-import os
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Tuple
 
 from .. import checks
+from ..errors import ScheduleNotFound
+from ..files import write_atomic
 from .items import InputError
 from .jobs import JobRecord, create_job
 from .queue import Queue
@@ -17,10 +18,6 @@ from .spec import SpecError, cron_fields, default_name, load_spec
 
 log = logging.getLogger("dflash_batch.worker")
 CATCH_UP_DAYS = 35  # how far back a starting worker looks for a missed cron run
-
-
-class ScheduleNotFound(LookupError):
-    pass
 
 
 def utcnow() -> datetime.datetime:
@@ -118,9 +115,7 @@ class Cron:
         n = self.queue.enqueue_job(record)
         state = self.last_run_file(name)
         state.parent.mkdir(parents=True, exist_ok=True)
-        tmp = state.with_suffix(".tmp")
-        tmp.write_text(when.isoformat(timespec="seconds"))
-        os.replace(tmp, state)
+        write_atomic(state, when.isoformat(timespec="seconds"))
         log.info("schedule %s submitted job %s (%d chunks)", name, record.id, n)
         return record
 

@@ -19,14 +19,12 @@ from typing import Any, Dict, List, Optional, Set
 import orjson
 
 from .. import checks
+from ..errors import JobNotFound
+from ..files import write_atomic
 from .items import read_items
 from .lock import is_locked
 from .spec import JobSpec, SpecError, default_name
-from .store import ResultStore, key_of, write_atomic
-
-
-class JobNotFound(LookupError):
-    pass
+from .store import ResultStore, key_of
 
 
 def home_dir() -> Path:
