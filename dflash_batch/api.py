@@ -144,15 +144,15 @@ def run(
     engines = (lambda spec: engine) if engine is not None else Engines(engine_factory or load_model)
     bar = None
     if progress:
-        from tqdm import tqdm
+        from .runner.progress import Progress
 
         status = record.status()
-        bar = tqdm(total=record.total, initial=status["done"], unit="item", desc=record.id, dynamic_ncols=True)
+        bar = Progress(record.total, status["done"], record.id, tokens=status["completion_tokens"])
     try:
         if not record.pending_chunks():
             finish_job(record)
         else:  # the whole job as one stream of requests through the engine
-            run_job(record, None, engines, on_row=(lambda row: bar.update(1)) if bar else None)
+            run_job(record, None, engines, on_row=bar.row if bar else None)
     except (Locked, checks.BadValue):  # refused before any work: the job stays as it was
         raise
     except Exception as e:  # as a worker does: the job is failed, its finished rows stay
