@@ -92,6 +92,10 @@ class Queue:
                 continue
         return ids
 
+    def other_jobs_waiting(self, job_id: str) -> bool:
+        """Whether a task of another job waits in the queue or the schedule."""
+        return any(not t.startswith(f"{job_id}:") for t in self.queued_task_ids())
+
     def requeue_unfinished(self) -> int:
         """Put back every unfinished chunk of every live job that has no task waiting: the
         recovery after a killed worker. Extra copies are harmless (done ids are skipped)."""

@@ -10,7 +10,7 @@ import logging
 import signal
 import threading
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, Optional
+from typing import Any, Callable, Dict, Iterable, List, Optional
 
 import orjson
 
@@ -76,10 +76,7 @@ class Worker:
             log.warning("chunk %d of unknown job %s dropped", chunk, job_id)
             return
         try:
-            # One chunk per task, batched within the chunk. (Taking every pending chunk of the
-            # job here kept the batch full across chunks, but a kill -9 then left the lost task's
-            # chunk done and nothing for requeue_unfinished to restore; not yet reconciled.)
-            result = run_job(record, [chunk], self.engines, should_stop=self.stopping)
+            result = run_job(record, self.chunks_to_run(record, chunk), self.engines, should_stop=self.stopping)
         except Locked as e:
             log.info("chunk %d of %s waits: %s", chunk, job_id, e)
             queue.enqueue_chunk(record, chunk, delay=LOCK_RETRY_S)
@@ -105,6 +102,17 @@ class Worker:
                 "chunk %d of %s (with chunks %s): %d generated (%d errors), %d already done",
                 chunk, job_id, result.chunks_done, result.generated, result.errors, result.skipped,
             )  # fmt: skip
+
+    def chunks_to_run(self, record, chunk: int) -> List[int]:
+        """The task's chunk and, while no other job has a task waiting, the job's other pending
+        chunks: one stream of requests, so the batched engine stays full across chunk
+        boundaries. Their tasks stay queued: each finds its chunk done and returns, and after a
+        kill -9 they (and ``requeue_unfinished`` for this one) bring back what was not done.
+        With other jobs waiting, jobs interleave chunk by chunk."""
+        others = [c for c in record.pending_chunks() if c != chunk]
+        if not others or self.queue.other_jobs_waiting(record.id):
+            return [chunk]
+        return [chunk] + others
 
     def preload(self, model: Dict[str, Any]) -> None:
         """Load ``model`` when the consumer starts, in its worker thread (where MLX objects live)."""
