@@ -8,10 +8,11 @@
   mlx_lm.batch_generate   the same prompt token ids, ``completion_batch_size=B``, stock attention
   dflash-batch run        (``--cli``) the command in a subprocess: load and convert-check included
 
-All greedy, ``max_tokens`` each, batch size B. Each arm runs the job once to warm up, then
-``--runs`` timed runs (the runner into a fresh output dir each time); the median wall time is
-reported as generated tokens / second of the whole job, and each arm's ratio to batch_generate.
-On a shared CPU only the ratios mean anything.
+All greedy, ``max_tokens`` each, batch size B. Each arm runs the job once to warm up; then
+``--runs`` rounds each time every arm in turn (the runner into a fresh output dir each time), so
+a slow spell of a shared machine or the engine's cost model learning as it runs favours no arm.
+The median wall time is reported as generated tokens / second of the whole job, and each arm's
+ratio to batch_generate. On a shared CPU only the ratios mean anything.
 """
 
 from __future__ import annotations
@@ -40,16 +41,34 @@ def job_prompts(n: int) -> List[str]:
     return [f"Write two sentences about {TOPICS[i % len(TOPICS)]} (note {i})." for i in range(n)]
 
 
-def median_run(run: Callable[[], Dict[str, Any]], runs: int) -> Dict[str, Any]:
-    run()  # warm-up: compilation, the engine's cost model at this batch size
-    timed = [run() for _ in range(runs)]
-    wall = statistics.median(t["wall_s"] for t in timed)
-    tokens = timed[0]["tokens"]
-    return {"tokens": tokens, "wall_s": wall, "tok_s": tokens / wall, "walls": [t["wall_s"] for t in timed]}
+def rounds(arms_: Dict[str, Callable[[], Dict[str, Any]]], runs: int) -> Dict[str, Dict[str, Any]]:
+    """Warm each arm up once (compilation, the engine's cost model at this batch size), then
+    ``runs`` rounds of every arm in turn; per arm the median wall time."""
+    for run in arms_.values():
+        run()
+    timed: Dict[str, List[Dict[str, Any]]] = {name: [] for name in arms_}
+    for _ in range(runs):
+        for name, run in arms_.items():
+            timed[name].append(run())
+    out = {}
+    for name, ts in timed.items():
+        wall = statistics.median(t["wall_s"] for t in ts)
+        out[name] = {"tokens": ts[0]["tokens"], "wall_s": wall, "tok_s": ts[0]["tokens"] / wall,
+                     "walls": [round(t["wall_s"], 3) for t in ts]}  # fmt: skip
+    return out
+
+
+def fresh(engine) -> None:
+    """Forget prompt prefixes kept from an earlier run: each run prefills its job from scratch
+    (within a job, prompts still share their common prefix, as in any job)."""
+    if getattr(engine, "prefixes", None) is not None:
+        engine.prefixes.clear()
 
 
 def run_runner(engine, prompts: List[str], max_tokens: int, B: int, work: Path) -> Dict[str, Any]:
     from dflash_batch import api
+
+    fresh(engine)
 
     src = work / "job.jsonl"
     src.write_text("".join(json.dumps({"id": f"p{i}", "prompt": p}) + "\n" for i, p in enumerate(prompts)))
@@ -63,6 +82,7 @@ def run_runner(engine, prompts: List[str], max_tokens: int, B: int, work: Path) 
 
 
 def run_engine(engine, prompts: List[str], max_tokens: int, B: int) -> Dict[str, Any]:
+    fresh(engine)
     mx.synchronize()
     start = time.perf_counter()
     done = engine.generate_batch(prompts, max_tokens=max_tokens, batch_size=B)
@@ -119,9 +139,11 @@ def main(argv=None) -> Dict[str, Any]:
     results: Dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="dflash-runner-bench-") as tmp:
         work = Path(tmp)
-        results["mlx_lm.batch_generate"] = median_run(lambda: run_mlx_lm(model, tokenizer, prompt_ids, n, B), args.runs)
-        results["Engine.generate_batch"] = median_run(lambda: run_engine(engine, prompts, n, B), args.runs)
-        results["runner (dflash_batch.run)"] = median_run(lambda: run_runner(engine, prompts, n, B, work), args.runs)
+        results.update(rounds({
+            "mlx_lm.batch_generate": lambda: run_mlx_lm(model, tokenizer, prompt_ids, n, B),
+            "Engine.generate_batch": lambda: run_engine(engine, prompts, n, B),
+            "runner (dflash_batch.run)": lambda: run_runner(engine, prompts, n, B, work),
+        }, args.runs))  # fmt: skip
         if args.cli:
             results["dflash-batch run (subprocess)"] = run_cli(prompts, n, B, work)
             results["dflash-batch run (subprocess)"]["tok_s"] = (
