@@ -60,14 +60,14 @@ class Worker:
         self.engines = Engines(engine_factory)
         self.cron = Cron(queue)
         self.stop_flag: Optional[threading.Event] = None
-        queue.on_chunk = self.run_chunk
+        queue.on_chunk = lambda job_id, chunk, task: self.run_chunk(job_id, chunk, task)  # late-bound: wrappable
 
     def stopping(self) -> bool:
         return self.stop_flag is not None and self.stop_flag.is_set()
 
     def run_chunk(self, job_id: str, chunk: int, task=None) -> None:
-        """Execute one chunk task: the rows of ``chunk`` of the job, batched, committed as they
-        finish. A busy output dir requeues the chunk; a job-level error fails the job; any other
+        """Execute one chunk task: the rows of ``chunk`` of the job (with ``chunks_to_run``'s
+        others), batched, committed as they finish. A busy output dir requeues the chunk; a job-level error fails the job; any other
         error is raised for Huey to retry while the task has retries left."""
         queue = self.queue
         try:
