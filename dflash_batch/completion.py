@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import List, Optional
 
-from .errors import EmptyPromptError, GenerationError, ModelMismatchError, PromptTooLongError  # noqa: F401  (re-exported)
+# re-exported: the engine and the runner import these from here
+from .errors import EmptyPromptError, GenerationError, ModelMismatchError, PromptTooLongError  # noqa: F401
 
 
 @dataclass
