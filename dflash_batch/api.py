@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Union
 
 from . import checks
+from .errors import JobFailed
+from .files import write_atomic
 from .runner.execution import finish_job, run_job
 from .runner.jobs import JobRecord, create_job, home_dir, load_job
 from .runner.lock import DirLock, Locked
@@ -28,11 +30,6 @@ from .runner.spec import JobSpec, SpecError, load_spec, validate
 
 Source = Union[str, Path, Dict[str, Any]]
 FINAL_STATES = ("completed", "cancelled", "failed")
-
-
-class JobFailed(RuntimeError):
-    """A foreground job stopped by a job-level error (say, a model that does not load); the job
-    is marked failed, and the error is the ``__cause__``."""
 
 
 ENGINE_ENV = "DFLASH_BATCH_ENGINE"
@@ -116,7 +113,7 @@ def submit(input: Source, *, home: Optional[Union[str, Path]] = None, redis_url:
     """Create a job from a YAML spec, a JSONL/Parquet file or a spec dict, and queue its chunks
     for a worker (``dflash-batch worker``): on SQLite in the home, or on Redis at ``redis_url``
     (default: $DFLASH_BATCH_REDIS_URL). Raises ``InputError``/``SpecError`` for bad input."""
-    from .runner.tasks import Queue
+    from .runner.queue import Queue
 
     home = Path(home) if home else home_dir()
     record = create_job(_spec(input, overrides), home)
@@ -140,22 +137,22 @@ def run(
     use as it is; else ``engine_factory(**spec.model)`` (default: ``load_model``). A rerun with
     the same output dir skips the items already done. Raises ``lock.Locked`` when another process
     is working on the output dir, and ``JobFailed`` (the job marked failed) for a job-level error."""
-    from .runner.tasks import Engines
+    from .runner.worker import Engines
 
     home = Path(home) if home else home_dir()
     record = create_job(_spec(input, overrides), home)
     engines = (lambda spec: engine) if engine is not None else Engines(engine_factory or load_model)
     bar = None
     if progress:
-        from tqdm import tqdm
+        from .runner.progress import Progress
 
         status = record.status()
-        bar = tqdm(total=record.total, initial=status["done"], unit="item", desc=record.id, dynamic_ncols=True)
+        bar = Progress(record.total, status["done"], record.id, tokens=status["completion_tokens"])
     try:
         if not record.pending_chunks():
             finish_job(record)
         else:  # the whole job as one stream of requests through the engine
-            run_job(record, None, engines, on_row=(lambda row: bar.update(1)) if bar else None)
+            run_job(record, None, engines, on_row=bar.row if bar else None)
     except (Locked, checks.BadValue):  # refused before any work: the job stays as it was
         raise
     except Exception as e:  # as a worker does: the job is failed, its finished rows stay
@@ -180,7 +177,7 @@ def retry(job_id: str, *, failed_only: bool = False, home: Optional[Union[str, P
     """Queue a job again (on the queue ``submit`` would use). Error rows are removed and
     generated anew; without ``failed_only`` the items never finished (cancelled, failed job)
     run too. Raises ``lock.Locked`` while a worker is on the job."""
-    from .runner.tasks import Queue
+    from .runner.queue import Queue
 
     job = Job(job_id, home)
     record = job.record
@@ -218,16 +215,14 @@ def add_schedule(spec_file: Union[str, Path], *, home: Optional[Union[str, Path]
         raise SpecError(f"{spec_file}: cannot be registered as schedule {name!r}: {e}; give it a 'name'") from None
     target.parent.mkdir(parents=True, exist_ok=True)
     layout = spec_layout(spec)
-    tmp = target.with_suffix(".yaml.tmp")
-    tmp.write_text(f"# registered from {Path(spec_file).resolve()}\n" + yaml.safe_dump(layout, sort_keys=False))
-    os.replace(tmp, target)
+    write_atomic(target, f"# registered from {Path(spec_file).resolve()}\n" + yaml.safe_dump(layout, sort_keys=False))
     return target
 
 
 def schedules(home: Optional[Union[str, Path]] = None) -> List[Dict[str, Any]]:
     """The schedules registered in the home: name (what ``remove_schedule`` takes), cron
     expression, input, last and next run (UTC, ISO text), file; ``error`` for an unreadable one."""
-    from .runner.tasks import last_run_path, next_due, utcnow
+    from .runner.cron import last_run_path, next_due, utcnow
 
     home = Path(home) if home else home_dir()
     folder = home / "schedules"
@@ -250,7 +245,7 @@ def schedules(home: Optional[Union[str, Path]] = None) -> List[Dict[str, Any]]:
 def remove_schedule(name: str, *, home: Optional[Union[str, Path]] = None) -> Path:
     """Delete a registered schedule and its last-run record; returns the file removed. Running
     workers keep the schedule until they restart. Raises ``ScheduleNotFound``."""
-    from .runner.tasks import ScheduleNotFound, last_run_path
+    from .runner.cron import ScheduleNotFound, last_run_path
 
     home = Path(home) if home else home_dir()
     try:

@@ -17,6 +17,8 @@ import re
 from pathlib import Path
 from typing import Optional
 
+from .errors import BadValue
+
 # 0 is greedy; a positive temperature must be at least this. Far below it logits / t overflow
 # float32 (inf) and the sample is no longer the target's; near it sampling is greedy in effect.
 MIN_TEMPERATURE = 1e-5
@@ -24,10 +26,6 @@ MAX_SEED = 2**64 - 1  # mx.random.key takes an unsigned 64-bit seed
 NAME_BYTES = 200  # file systems allow 255 bytes per name; room for a suffix
 _PLAIN = re.compile(r"\w(?:[\w .-]*[\w.-])?")
 _REF_FORBIDDEN = re.compile(r"[\x00-\x20\x7f~^:?*\[\\]|\.\.|//|@\{")
-
-
-class BadValue(ValueError):
-    """What is wrong with a value; the caller adds the key."""
 
 
 def show(value) -> str:

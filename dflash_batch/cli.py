@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from .errors import CliError
+
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_REFUSED = 2
@@ -119,7 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Run FILE or JOB.yaml to the end in this process. Rerunning resumes: "
                        "rows already in the output dir are skipped.")  # fmt: skip
     p.add_argument("source", metavar="FILE|JOB.yaml")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("-q", "--quiet", "--no-progress", dest="quiet", action="store_true",
+                   help="no progress bar (items done, tok/s and ETA on stderr)")
     p.add_argument("--json", action="store_true", help="print the final status as JSON")
     _overrides(p)
 
@@ -144,6 +147,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("status", help="counts, mean tok/s and acceptance of one job or all")
     p.add_argument("job", nargs="?", metavar="JOB")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--watch", nargs="?", const=2.0, type=_seconds, metavar="SECONDS",
+                   help="follow JOB until it ends: items done, tok/s and ETA on stderr, polled every "
+                   "SECONDS (default 2); exits as `run` would")
+    p.add_argument("-q", "--quiet", action="store_true", help="with --watch: no progress bar, only the final status")
 
     p = sub.add_parser("cancel", help="stop a job between items")
     p.add_argument("job", metavar="JOB")
@@ -177,12 +184,6 @@ def _seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0, got {text!r}") from e
 
 
-class CliError(Exception):
-    def __init__(self, message: str, code: int):
-        super().__init__(message)
-        self.code = code
-
-
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "train-drafter":
@@ -205,7 +206,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     from .runner.jobs import JobNotFound
     from .runner.lock import Locked
     from .runner.spec import SpecError
-    from .runner.tasks import ScheduleNotFound
+    from .runner.cron import ScheduleNotFound
 
     try:
         return COMMANDS[args.command](args)
@@ -282,7 +283,7 @@ def cmd_run(args) -> int:
     from . import api
 
     try:
-        job = api.run(_load(args), progress=not args.no_progress)
+        job = api.run(_load(args), progress=not args.quiet)
     except api.JobFailed as e:
         return _fail(str(e), EXIT_FAILED)
     status = job.status()
@@ -309,7 +310,7 @@ def cmd_worker(args) -> int:
     from .api import load_model
     from .runner.jobs import home_dir
     from .runner.spec import recorded_model
-    from .runner.tasks import run_worker
+    from .runner.worker import run_worker
 
     preload = None
     if args.target or args.preload_default:
@@ -357,6 +358,10 @@ def cmd_status(args) -> int:
     from .runner.jobs import home_dir, list_jobs, load_job
 
     home = home_dir()
+    if args.watch is not None:
+        if args.job is None:
+            raise CliError("status --watch follows one job: give its id", EXIT_REFUSED)
+        return watch(load_job(home, args.job), args.watch, quiet=args.quiet, as_json=args.json)
     records = [load_job(home, args.job)] if args.job is not None else list_jobs(home)
     statuses = [r.status() for r in records]
     if args.json:
@@ -367,6 +372,31 @@ def cmd_status(args) -> int:
         for s in statuses:
             print(_status_line(s))
     return 0
+
+
+def watch(record, every: float, quiet: bool = False, as_json: bool = False) -> int:
+    """Poll a job's status until it is completed, failed or cancelled; a bar (items, tok/s,
+    ETA) meanwhile. The exit code is `run`'s for the final status."""
+    import time
+
+    from .runner.progress import Progress
+
+    status = record.status()
+    bar = None if quiet else Progress(status["total"], status["done"], record.id, tokens=status["completion_tokens"])
+    try:
+        while status["state"] not in ("completed", "failed", "cancelled"):
+            time.sleep(every)
+            status = record.status()
+            if bar is not None:
+                bar.counts(status["done"], status["completion_tokens"])
+    finally:
+        if bar is not None:
+            bar.close()
+    if as_json:
+        _print_json(status)
+    else:
+        print(_status_line(status))
+    return run_exit_code(status)
 
 
 def cmd_cancel(args) -> int:

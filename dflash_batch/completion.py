@@ -5,21 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import List, Optional
 
-
-class GenerationError(ValueError):
-    """A prompt the engine refuses (empty, too long, bad type). The runner turns it into an error row."""
-
-
-class EmptyPromptError(GenerationError):
-    pass
-
-
-class PromptTooLongError(GenerationError):
-    pass
-
-
-class ModelMismatchError(ValueError):
-    """A drafter that does not fit its target (hidden size, tap layers, vocabulary)."""
+# re-exported: the engine and the runner import these from here
+from .errors import EmptyPromptError, GenerationError, ModelMismatchError, PromptTooLongError  # noqa: F401
 
 
 @dataclass

@@ -20,14 +20,11 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Protocol, Tupl
 
 from . import checks
 from .completion import Completion
+from .errors import BadOption
 
 Prompt = Union[str, List[Dict[str, str]]]
 ROW_OPTIONS = ("max_tokens", "temperature", "stop", "system", "n")
 MAX_SAMPLES = 1024  # n: samples per prompt, at most
-
-
-class BadOption(ValueError):
-    """A row's sampling option that cannot be used; the message names the field."""
 
 
 @dataclass

@@ -14,17 +14,33 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a model hub
 def pytest_collect_file(file_path, parent):
     """Before a test module that may import mlx.core is collected, import dflash_batch.engine
     (it preloads the BLAS before mlx.core). The runner's modules import MLX only through the
-    fixtures that load a real model, so a run of fake-engine tests never loads it."""
+    fixtures that load a real model, so a run of fake-engine tests never loads it. (Without
+    MLX, a module that needs it fails when it is collected itself.)"""
     if file_path.suffix == ".py" and file_path.name.startswith("test_") and not file_path.name.startswith("test_runner_"):
-        import dflash_batch.engine  # noqa: F401
+        try:
+            import dflash_batch.engine  # noqa: F401
+        except ModuleNotFoundError as e:
+            if (e.name or "").split(".")[0] not in ("mlx", "mlx_lm"):
+                raise
     return None
 
 
+REAL_ENGINE_FIXTURES = {"tiny_models", "real_engine"}  # tests/runner_fixtures.py: they load MLX
+
+
+def pytest_collection_modifyitems(config, items):
+    """A runner test that uses a real engine fixture is marked ``mlx``; every other runner test
+    must pass with MLX not installed (tests/test_layering.py runs them so)."""
+    for item in items:
+        if item.path.name.startswith("test_runner_") and REAL_ENGINE_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.mlx)
+
+
 class _Synthetic:
-    """``dflash_batch.engine.synthetic``, imported on first use."""
+    """``tests.synthetic``, imported on first use."""
 
     def __getattr__(self, name):
-        from dflash_batch.engine import synthetic as module
+        from tests import synthetic as module
 
         return getattr(module, name)
 

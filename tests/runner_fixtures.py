@@ -24,7 +24,7 @@ def tiny_models(tmp_path_factory):
     ``agreeing_target`` has a zeroed output head (every logit equal, greedy choice always id 0),
     so the drafter, which reuses the target's head, agrees with it: acceptance is 1.
     """
-    from dflash_batch.engine import synthetic
+    from tests import synthetic
 
     root = tmp_path_factory.mktemp("runner-models")
     cfg = synthetic.tiny_qwen3_config()

@@ -8,10 +8,11 @@ import mlx.core as mx
 import pytest
 
 from dflash_batch.completion import GenerationError
-from dflash_batch.engine import hybrid, load_engine, memory, synthetic
+from dflash_batch.engine import hybrid, load_engine, memory
 from dflash_batch.engine.batch import BatchDecoder
 from dflash_batch.engine.batch_cache import Lengths, RaggedKVCache
 from dflash_batch.engine.kernels import gated_delta as gd
+from tests import synthetic
 from tests.conftest import make_drafter
 from tests.scripting import ScriptedDrafts
 from tests.test_engine_lossless import PROMPTS, greedy_reference

@@ -170,3 +170,16 @@ def test_scripted_acceptance_on_an_untied_hybrid_target_uses_its_lm_head():
         _check_cycles_follow_script(cycles, script.drawn)
     finally:
         del shapes.SHAPES[shape.name]
+
+
+def test_runner_benchmark_arms_count_the_same_job(tmp_path):
+    """benchmarks/runner.py: distinct prompts; the runner arm runs the whole job into a fresh
+    output dir each time and counts its generated tokens (fake engine: max_tokens each)."""
+    from benchmarks import runner as bench
+    from tests.fake_engine import FakeEngine
+
+    prompts = bench.job_prompts(5)
+    assert len(set(prompts)) == 5
+    first = bench.run_runner(FakeEngine(), prompts, 4, 2, tmp_path)
+    again = bench.run_runner(FakeEngine(), prompts, 4, 2, tmp_path)
+    assert first["tokens"] == again["tokens"] == 5 * 4 and first["wall_s"] > 0

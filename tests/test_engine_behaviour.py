@@ -10,10 +10,11 @@ import pytest
 from mlx_lm import load as mlx_load
 
 from dflash_batch.completion import EmptyPromptError, GenerationError, ModelMismatchError, PromptTooLongError
-from dflash_batch.engine import decode, load_drafter, load_engine, resolve_model_path, synthetic
+from dflash_batch.engine import decode, load_drafter, load_engine, resolve_model_path
 from dflash_batch.engine.drafter import ModelArgs, build_target_layer_ids
 from dflash_batch.engine.batch_cache import Lengths
 from dflash_batch.engine.target import Target
+from tests import synthetic
 from tests.conftest import make_drafter
 from tests.scripting import ScriptedDrafts
 from tests.test_engine_lossless import greedy_reference

@@ -7,8 +7,9 @@ import pytest
 from mlx_lm import load as mlx_load
 from mlx_lm.generate import generate_step
 
-from dflash_batch.engine import load_engine, synthetic
+from dflash_batch.engine import load_engine
 from dflash_batch.engine.scheduler import CostModel
+from tests import synthetic
 from tests.conftest import make_drafter
 from tests.scripting import ScriptedDrafts
 

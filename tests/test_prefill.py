@@ -10,8 +10,9 @@ import mlx.core as mx
 import pytest
 
 from dflash_batch.completion import GenerationError
-from dflash_batch.engine import hybrid, load_engine, prefill, synthetic
+from dflash_batch.engine import hybrid, load_engine, prefill
 from dflash_batch.request import sample_seed
+from tests import synthetic
 from tests.test_engine_lossless import greedy_reference
 
 LENGTHS = [3, 41, 150, 333]  # very different prompt lengths, most over the 64-token chunk below

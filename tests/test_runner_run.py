@@ -326,7 +326,7 @@ def test_rows_own_settings_win_and_the_cap_bounds_every_row(tmp_path, home, engi
 
 
 def test_resubmitting_says_what_is_done_and_queues_only_the_rest(tmp_path, home, engine):
-    from dflash_batch.runner.tasks import Queue, task_id
+    from dflash_batch.runner.queue import Queue, task_id
 
     src = write_jsonl(tmp_path / "in.jsonl", PROMPTS[:2] + [{"id": "bad", "prompt": ""}])
     first = dflash_batch.run(src, engine=engine, max_tokens=3, chunk_size=2, export_openai=True)
@@ -344,6 +344,7 @@ def test_resubmitting_says_what_is_done_and_queues_only_the_rest(tmp_path, home,
     assert Queue(home).queued_task_ids() == {task_id(job_id, 1), task_id(job_id, 2)}
 
 
+@pytest.mark.mlx  # reads the default pair's name from the engine package
 def test_openai_output_names_the_target(tmp_path, home, fake_models):
     src = write_jsonl(tmp_path / "in.jsonl", [{"custom_id": "a", "body": {"model": "whatever", "prompt": "Hi"}}])
     job = dflash_batch.run(src, target=fake_models["target"], draft=fake_models["draft"], max_tokens=2, export_openai=True)

@@ -9,9 +9,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from dflash_batch.engine import Engine, drafter as drafter_model, load_drafter, loading, synthetic
+from dflash_batch.engine import Engine, drafter as drafter_model, load_drafter, loading
 from dflash_batch.training import cli, export, objective, prompts
 from dflash_batch.training.trainer import pick_mask_token
+from tests import synthetic
 
 
 def test_packed_forward_equals_inference_forward():

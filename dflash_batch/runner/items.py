@@ -17,15 +17,12 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 import orjson
 
 from .. import checks
+from ..errors import InputError, RowError
 from ..request import BadOption, row_options
 
 Prompt = Union[str, List[Dict[str, str]]]
 ROLES = {"system", "user", "assistant", "tool", "developer"}
 OPENAI_URLS = {"/v1/chat/completions", "/v1/completions"}
-
-
-class InputError(ValueError):
-    """The input as a whole cannot be used (no row-level fallback possible)."""
 
 
 @dataclass
@@ -50,10 +47,6 @@ class Fields:
     prompt_field: str = "prompt"
     messages_field: str = "messages"
     prompt_template: Optional[str] = None  # string.Template over the row's fields: "Summarize: $text"
-
-
-class RowError(ValueError):
-    pass
 
 
 def detect_format(path: Path, fmt: str = "auto") -> str:

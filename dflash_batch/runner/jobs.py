@@ -19,14 +19,12 @@ from typing import Any, Dict, List, Optional, Set
 import orjson
 
 from .. import checks
+from ..errors import JobNotFound
+from ..files import write_atomic
 from .items import read_items
 from .lock import is_locked
 from .spec import JobSpec, SpecError, default_name
-from .store import ResultStore, key_of, write_atomic
-
-
-class JobNotFound(LookupError):
-    pass
+from .store import ResultStore, key_of
 
 
 def home_dir() -> Path:
@@ -143,8 +141,8 @@ class JobRecord:
         """Counts and means over this job's ids, as found in the output dir right now."""
         ids = set(self.ids())
         store = self.store()
-        table = store.read(["id", "sample_index", "status", "decode_tps", "acceptance_drafted", "acceptance_generated",
-                            "tokens_per_cycle"])  # fmt: skip
+        table = store.read(["id", "sample_index", "status", "completion_tokens", "decode_tps", "acceptance_drafted",
+                            "acceptance_generated", "tokens_per_cycle"])  # fmt: skip
         rows = [r for r in table.to_pylist() if r["id"] in ids]
         seen = {key_of(r) for r in rows}
         rows += [r for r in store.journal_rows() if r["id"] in ids and key_of(r) not in seen]
@@ -175,6 +173,7 @@ class JobRecord:
             "ok": len(ok),
             "failed": failed,
             "remaining": self.total - done,
+            "completion_tokens": sum(r.get("completion_tokens") or 0 for r in rows),
             "mean_decode_tps": mean("decode_tps"),
             "mean_acceptance_drafted": mean("acceptance_drafted"),
             "mean_acceptance_generated": mean("acceptance_generated"),

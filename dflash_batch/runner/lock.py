@@ -14,10 +14,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..checks import BadValue
-
-
-class Locked(RuntimeError):
-    """Another live process holds the lock."""
+from ..errors import Locked
 
 
 class DirLock:

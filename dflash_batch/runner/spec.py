@@ -28,6 +28,7 @@ from typing import Any, Dict, List, Optional, Union
 import orjson
 
 from .. import checks
+from ..errors import SpecError
 from ..request import MAX_SAMPLES, Options, resolve_options
 from .items import Fields, _template_keys
 
@@ -44,10 +45,6 @@ TOP_KEYS = (
 )  # fmt: skip
 CRON_ALIASES = {"@hourly": "0 * * * *", "@daily": "0 0 * * *", "@midnight": "0 0 * * *",
                 "@weekly": "0 0 * * 0", "@monthly": "0 0 1 * *"}  # fmt: skip
-
-
-class SpecError(ValueError):
-    """A job spec that cannot be used; the message names the key (and the file)."""
 
 
 @dataclass

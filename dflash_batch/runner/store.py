@@ -27,6 +27,7 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from ..checks import BadValue
+from ..files import fsync_dir, write_atomic, write_file_atomic
 
 SCHEMA_VERSION = 1
 RESULT_SCHEMA = pa.schema(
@@ -74,30 +75,6 @@ def row_key(item_id: str, sample_index: Optional[int] = 0):
 def key_of(row: Dict[str, Any]):
     return row_key(row["id"], row.get("sample_index"))
 _ID_CACHE: Dict[str, Dict[str, Any]] = {}  # output dir -> part name -> ((size, mtime_ns), ids)
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write ``data`` to a hidden temp name in the same dir, fsync, rename over ``path``."""
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
 
 
 def to_table(rows: List[Dict[str, Any]]) -> pa.Table:
@@ -179,14 +156,7 @@ class ResultStore:
             return None
         self.ensure()
         name = f"part-c{chunk:05d}-{int(time.time() * 1000):013d}-{secrets.token_hex(2)}.parquet"
-        path = self.dir / name
-        tmp = self.dir / f".{name}.tmp"
-        pq.write_table(to_table(rows), tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        _fsync_dir(self.dir)
-        return path
+        return write_file_atomic(self.dir / name, lambda tmp: pq.write_table(to_table(rows), tmp))
 
     def read(self, columns: Optional[List[str]] = None) -> pa.Table:
         """All committed rows (an empty table with the schema when there are none)."""
@@ -276,10 +246,9 @@ class ResultStore:
             if n_keep == 0:
                 path.unlink()
                 continue
-            tmp = path.with_name(f".{path.name}.tmp")
-            pq.write_table(table.filter(keep), tmp)
-            os.replace(tmp, path)
-        _fsync_dir(self.dir)
+            kept = table.filter(keep)
+            write_file_atomic(path, lambda tmp: pq.write_table(kept, tmp))
+        fsync_dir(self.dir)
         return dropped
 
     # -- manifest -------------------------------------------------------------------------

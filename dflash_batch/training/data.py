@@ -17,6 +17,8 @@ from typing import Callable, Iterable, List, Optional, Sequence
 
 import mlx.core as mx
 
+from ..files import write_atomic
+
 
 def encode_prompts(tokenizer, prompts: Iterable[dict]) -> List[dict]:
     """Prompts with their chat-templated token ids (``prompt``), ready for generation."""
@@ -69,11 +71,7 @@ def generate_answers(
 def save_samples(path: str | Path, samples: Iterable[dict]) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    with tmp.open("w") as f:
-        for s in samples:
-            f.write(json.dumps(s) + "\n")
-    tmp.replace(path)
+    write_atomic(path, "".join(json.dumps(s) + "\n" for s in samples))
 
 
 def load_samples(path: str | Path) -> List[dict]:

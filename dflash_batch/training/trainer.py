@@ -30,6 +30,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from ..engine import drafter as drafter_model
 from ..engine.target import Target
+from ..files import write_folder_atomic
 from . import corpus, data, export, objective, prompts
 from . import generate as gen
 from .store import AnswerStore, prompt_key
@@ -432,11 +433,6 @@ class Trainer:
 
     def save_checkpoint(self) -> Path:
         folder = self.checkpoint_dir() / f"step-{self.step:07d}"
-        tmp = folder.with_name(folder.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        mx.save_safetensors(str(tmp / "drafter.safetensors"), dict(tree_flatten(self.drafter.parameters())))
-        mx.save_safetensors(str(tmp / "optimizer.safetensors"), dict(tree_flatten(self.optimizer.state)))
         state = {
             "step": self.step,
             "total_steps": self.total_steps,
@@ -444,9 +440,13 @@ class Trainer:
             "drafter_config": self.drafter_config,
             "train_config": asdict(self.cfg),
         }
-        (tmp / "state.json").write_text(json.dumps(state, indent=2))
-        shutil.rmtree(folder, ignore_errors=True)
-        tmp.rename(folder)
+
+        def write(tmp: Path) -> None:
+            mx.save_safetensors(str(tmp / "drafter.safetensors"), dict(tree_flatten(self.drafter.parameters())))
+            mx.save_safetensors(str(tmp / "optimizer.safetensors"), dict(tree_flatten(self.optimizer.state)))
+            (tmp / "state.json").write_text(json.dumps(state, indent=2))
+
+        write_folder_atomic(folder, write, replace=True)
         kept = sorted(p for p in self.checkpoint_dir().glob("step-*") if not p.name.endswith(".tmp"))
         for old in kept[: -self.cfg.keep_checkpoints]:
             shutil.rmtree(old, ignore_errors=True)

@@ -1,4 +1,4 @@
-"""Seeded random models saved in the real on-disk formats, for tests and benchmarks.
+"""Seeded random models saved in the real on-disk formats, for tests.
 
 A model's speed does not depend on its weights' values, and exactness tests need only a real
 architecture, a real tokenizer and real files; none of this needs a model hub.
@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 from typing import Dict, List, Optional
 
+import dflash_batch.engine  # noqa: F401  (loads the BLAS before mlx.core, as the engine does)
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
@@ -172,7 +173,7 @@ def drafter_config(
     heads = target_config["num_attention_heads"]
     taps = target_layer_ids
     if taps is None:
-        from .drafter import build_target_layer_ids
+        from dflash_batch.engine.drafter import build_target_layer_ids
 
         taps = build_target_layer_ids(target_config["num_hidden_layers"], layers)
     cfg = {
@@ -206,7 +207,7 @@ def drafter_config(
 
 def save_drafter(folder: Path, config: dict, seed: int = 1, scale: float = 1.0, dtype=mx.float32) -> Path:
     """A seeded random drafter with exactly the published weight names (no embedding, no head)."""
-    from .drafter import Model, ModelArgs
+    from dflash_batch.engine.drafter import Model, ModelArgs
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,78 @@
+"""Every error this package raises on purpose, under one base: ``except DflashBatchError``
+catches them all. Each also keeps the built-in base its callers expect (``ValueError`` for bad
+input, ``LookupError`` for a missing name, ``RuntimeError`` for a state that forbids the call).
+Plain Python: the engine, the runner and the front ends all import it."""
+
+from __future__ import annotations
+
+
+class DflashBatchError(Exception):
+    """The common base."""
+
+
+# -- bad input: the message names the field, row or key ----------------------------------------
+class BadValue(DflashBatchError, ValueError):
+    """What is wrong with a value; the caller adds the key."""
+
+
+class BadOption(DflashBatchError, ValueError):
+    """A row's sampling option that cannot be used; the message names the field."""
+
+
+class SpecError(DflashBatchError, ValueError):
+    """A job spec that cannot be used; the message names the key (and the file)."""
+
+
+class InputError(DflashBatchError, ValueError):
+    """The input as a whole cannot be used (no row-level fallback possible)."""
+
+
+class RowError(DflashBatchError, ValueError):
+    """One input row that cannot become a prompt; it becomes an error row."""
+
+
+# -- generation -------------------------------------------------------------------------------
+class GenerationError(DflashBatchError, ValueError):
+    """A prompt the engine refuses (empty, too long, bad type). The runner turns it into an error row."""
+
+
+class EmptyPromptError(GenerationError):
+    pass
+
+
+class PromptTooLongError(GenerationError):
+    pass
+
+
+class ModelMismatchError(DflashBatchError, ValueError):
+    """A drafter that does not fit its target (hidden size, tap layers, vocabulary)."""
+
+
+# -- jobs, queue and output dirs --------------------------------------------------------------
+class JobNotFound(DflashBatchError, LookupError):
+    pass
+
+
+class ScheduleNotFound(DflashBatchError, LookupError):
+    pass
+
+
+class Locked(DflashBatchError, RuntimeError):
+    """Another live process holds the lock."""
+
+
+class ConfigChanged(DflashBatchError, RuntimeError):
+    """The output dir was claimed by another config after this job was submitted."""
+
+
+class JobFailed(DflashBatchError, RuntimeError):
+    """A foreground job stopped by a job-level error (say, a model that does not load); the job
+    is marked failed, and the error is the ``__cause__``."""
+
+
+class CliError(DflashBatchError):
+    """A command-line refusal with its exit code."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
