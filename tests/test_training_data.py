@@ -15,10 +15,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from dflash_batch.engine import Engine, loading, synthetic
+from dflash_batch.engine import Engine, loading
 from dflash_batch.training import cli, corpus, store as store_mod
 from dflash_batch.training import generate as gen
 from dflash_batch.training.store import AnswerStore, prompt_key
+from tests import synthetic
 from dflash_batch.training.trainer import TrainConfig, all_prompts, answer_samples, chat_pieces
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -33,6 +33,8 @@ from typing import Dict, Iterator, List, Sequence, Tuple
 
 import numpy as np
 
+from ..files import write_atomic
+
 MAGIC = b"DFA1"
 HEADER = struct.Struct("<4sQIIIII")  # magic, key, sample, count, flags, temp_milli, crc32
 ENDED_ON_EOS = 1
@@ -91,9 +93,7 @@ class AnswerStore:
                 raise FileNotFoundError(f"{meta_path} is missing (a new store needs the vocabulary size)")
             meta = {"version": VERSION, "dtype": "uint16" if vocab_size <= 1 << 16 else "uint32"}
             self.folder.mkdir(parents=True, exist_ok=True)
-            tmp = meta_path.with_suffix(".json.tmp")
-            tmp.write_text(json.dumps(meta))
-            tmp.replace(meta_path)
+            write_atomic(meta_path, json.dumps(meta))
         self.dtype = np.dtype(meta["dtype"]).newbyteorder("<")
 
     def shards(self) -> List[Path]:
