@@ -116,7 +116,7 @@ def submit(input: Source, *, home: Optional[Union[str, Path]] = None, redis_url:
     """Create a job from a YAML spec, a JSONL/Parquet file or a spec dict, and queue its chunks
     for a worker (``dflash-batch worker``): on SQLite in the home, or on Redis at ``redis_url``
     (default: $DFLASH_BATCH_REDIS_URL). Raises ``InputError``/``SpecError`` for bad input."""
-    from .runner.tasks import Queue
+    from .runner.queue import Queue
 
     home = Path(home) if home else home_dir()
     record = create_job(_spec(input, overrides), home)
@@ -140,7 +140,7 @@ def run(
     use as it is; else ``engine_factory(**spec.model)`` (default: ``load_model``). A rerun with
     the same output dir skips the items already done. Raises ``lock.Locked`` when another process
     is working on the output dir, and ``JobFailed`` (the job marked failed) for a job-level error."""
-    from .runner.tasks import Engines
+    from .runner.worker import Engines
 
     home = Path(home) if home else home_dir()
     record = create_job(_spec(input, overrides), home)
@@ -180,7 +180,7 @@ def retry(job_id: str, *, failed_only: bool = False, home: Optional[Union[str, P
     """Queue a job again (on the queue ``submit`` would use). Error rows are removed and
     generated anew; without ``failed_only`` the items never finished (cancelled, failed job)
     run too. Raises ``lock.Locked`` while a worker is on the job."""
-    from .runner.tasks import Queue
+    from .runner.queue import Queue
 
     job = Job(job_id, home)
     record = job.record
@@ -227,7 +227,7 @@ def add_schedule(spec_file: Union[str, Path], *, home: Optional[Union[str, Path]
 def schedules(home: Optional[Union[str, Path]] = None) -> List[Dict[str, Any]]:
     """The schedules registered in the home: name (what ``remove_schedule`` takes), cron
     expression, input, last and next run (UTC, ISO text), file; ``error`` for an unreadable one."""
-    from .runner.tasks import last_run_path, next_due, utcnow
+    from .runner.cron import last_run_path, next_due, utcnow
 
     home = Path(home) if home else home_dir()
     folder = home / "schedules"
@@ -250,7 +250,7 @@ def schedules(home: Optional[Union[str, Path]] = None) -> List[Dict[str, Any]]:
 def remove_schedule(name: str, *, home: Optional[Union[str, Path]] = None) -> Path:
     """Delete a registered schedule and its last-run record; returns the file removed. Running
     workers keep the schedule until they restart. Raises ``ScheduleNotFound``."""
-    from .runner.tasks import ScheduleNotFound, last_run_path
+    from .runner.cron import ScheduleNotFound, last_run_path
 
     home = Path(home) if home else home_dir()
     try:

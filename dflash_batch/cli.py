@@ -205,7 +205,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     from .runner.jobs import JobNotFound
     from .runner.lock import Locked
     from .runner.spec import SpecError
-    from .runner.tasks import ScheduleNotFound
+    from .runner.cron import ScheduleNotFound
 
     try:
         return COMMANDS[args.command](args)
@@ -309,7 +309,7 @@ def cmd_worker(args) -> int:
     from .api import load_model
     from .runner.jobs import home_dir
     from .runner.spec import recorded_model
-    from .runner.tasks import run_worker
+    from .runner.worker import run_worker
 
     preload = None
     if args.target or args.preload_default:

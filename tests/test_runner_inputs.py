@@ -241,7 +241,7 @@ def test_runner_api_and_cli_import_no_mlx():
     import sys
 
     code = (
-        "import sys, dflash_batch.runner, dflash_batch.runner.tasks, dflash_batch.api, dflash_batch.cli; "
+        "import sys, dflash_batch.runner, dflash_batch.runner.queue, dflash_batch.runner.worker, dflash_batch.runner.cron, dflash_batch.api, dflash_batch.cli; "
         "bad = [m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm') or m.startswith('dflash_batch.engine')]; "
         "print(bad); sys.exit(1 if bad else 0)"
     )

@@ -14,7 +14,8 @@ import dflash_batch
 from dflash_batch import api
 from dflash_batch.runner.lock import is_locked
 from dflash_batch.runner.store import ResultStore
-from dflash_batch.runner.tasks import Queue
+from dflash_batch.runner.cron import Cron
+from dflash_batch.runner.queue import Queue
 from tests.runner_fixtures import cli, home, tiny_models, wait_for, workers, write_jsonl  # noqa: F401
 
 pytestmark = pytest.mark.slow
@@ -143,12 +144,12 @@ def test_cron_schedule_from_yaml(tmp_path, home, tiny_models, workers):
     assert "scheduled 'nightly' at '0 2 * * *'" in out.stdout
     assert (home / "schedules" / "nightly.yaml").exists() and not (home / "jobs").exists()
     # The schedule as a worker registers it: a Huey periodic task due at 02:00 UTC only.
-    queue = Queue(home)
-    assert queue.add_schedule(home / "schedules" / "nightly.yaml") == ("nightly", "0 2 * * *")
-    due = queue.huey.read_periodic(datetime.datetime(2026, 1, 1, 2, 0))
+    cron = Cron(Queue(home))
+    assert cron.add_schedule(home / "schedules" / "nightly.yaml") == ("nightly", "0 2 * * *")
+    due = cron.queue.huey.read_periodic(datetime.datetime(2026, 1, 1, 2, 0))
     assert [t.name for t in due] == ["dflash_batch.cron.nightly"]
-    assert queue.huey.read_periodic(datetime.datetime(2026, 1, 1, 2, 1)) == []
-    queue.huey.execute(due[0])  # what the consumer does when the minute comes: submit the job
+    assert cron.queue.huey.read_periodic(datetime.datetime(2026, 1, 1, 2, 1)) == []
+    cron.queue.huey.execute(due[0])  # what the consumer does when the minute comes: submit the job
     [record] = api.jobs(home)
     assert record.record.spec.schedule == "0 2 * * *" and record.output_dir.parent == tmp_path / "out"
     # A real worker registers it from the home's schedules and runs the submitted job.
@@ -163,7 +164,7 @@ def test_cron_schedule_from_yaml(tmp_path, home, tiny_models, workers):
 
 
 def test_last_due_finds_the_latest_matching_minute():
-    from dflash_batch.runner.tasks import CATCH_UP_DAYS, last_due
+    from dflash_batch.runner.cron import CATCH_UP_DAYS, last_due
 
     t = datetime.datetime
     assert last_due("0 2 * * *", t(2026, 1, 1, 3, 0), t(2026, 1, 3, 1, 0)) == t(2026, 1, 2, 2, 0)
@@ -187,7 +188,7 @@ def test_missed_cron_run_is_submitted_once_at_worker_start(tmp_path, home, tiny_
     day0 = t(2026, 3, 1, 12, 0)  # registered at noon on day 0
     os.utime(registered, (day0.replace(tzinfo=datetime.timezone.utc).timestamp(),) * 2)
 
-    queue = Queue(home)
+    queue = Cron(Queue(home))
     queue.add_schedule(registered)
     assert queue.catch_up(now=t(2026, 3, 2, 1, 0)) == []  # the first due time (day 1, 02:00) is still ahead
     # no worker from then until day 4, 09:00: three nightly runs missed, one job submitted
@@ -197,12 +198,12 @@ def test_missed_cron_run_is_submitted_once_at_worker_start(tmp_path, home, tiny_
     assert queue.catch_up(now=t(2026, 3, 4, 9, 5)) == []  # nothing new is due
     assert queue.catch_up(now=t(2026, 3, 5, 2, 30)) != []  # day 5's run was missed too
     # the cron tick in the same minute as a start-up catch-up does not submit the job again
-    from dflash_batch.runner.tasks import utcnow
+    from dflash_batch.runner.cron import utcnow
 
     queue.submit_schedule("nightly", registered, utcnow())
     n = len(api.jobs(home))
-    [tick] = queue.huey.read_periodic(t(2026, 3, 6, 2, 0))
-    queue.huey.execute(tick)
+    [tick] = queue.queue.huey.read_periodic(t(2026, 3, 6, 2, 0))
+    queue.queue.huey.execute(tick)
     assert len(api.jobs(home)) == n
 
     # an input that has gone away: the missed run is logged, not raised (the worker must start)
@@ -216,7 +217,7 @@ def test_missed_cron_run_is_submitted_once_at_worker_start(tmp_path, home, tiny_
                    f"model: {{target: {tiny_models['target']}}}\n")
     cli("submit", off, home=home, check=True)
     os.utime(home / "schedules" / "weekly.yaml", (day0.replace(tzinfo=datetime.timezone.utc).timestamp(),) * 2)
-    queue = Queue(home)
+    queue = Cron(Queue(home))
     queue.add_schedule(home / "schedules" / "weekly.yaml")
     assert queue.catch_up(now=t(2026, 3, 20)) == []  # missed, but catch_up is off
     bad = tmp_path / "bad.yaml"
@@ -333,9 +334,9 @@ def test_schedules_are_listed_and_removed(tmp_path, home):
     assert listed["nightly"]["input"] == str(tmp_path / "docs.jsonl")
     text = cli("schedules", home=home, check=True).stdout
     assert "nightly  '0 2 * * *' (UTC)  last run never" in text
-    queue = Queue(home)
-    queue.add_schedule(home / "schedules" / "nightly.yaml")
-    queue.submit_schedule("nightly", home / "schedules" / "nightly.yaml", datetime.datetime(2026, 3, 1, 2, 0))
+    cron = Cron(Queue(home))
+    cron.add_schedule(home / "schedules" / "nightly.yaml")
+    cron.submit_schedule("nightly", home / "schedules" / "nightly.yaml", datetime.datetime(2026, 3, 1, 2, 0))
     assert api.schedules(home)[0]["last_run"] == "2026-03-01T02:00:00"
     out = cli("unschedule", "nightly", home=home, check=True)
     assert "removed schedule 'nightly'" in out.stdout and "restart" in out.stdout

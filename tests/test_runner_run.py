@@ -326,7 +326,7 @@ def test_rows_own_settings_win_and_the_cap_bounds_every_row(tmp_path, home, engi
 
 
 def test_resubmitting_says_what_is_done_and_queues_only_the_rest(tmp_path, home, engine):
-    from dflash_batch.runner.tasks import Queue, task_id
+    from dflash_batch.runner.queue import Queue, task_id
 
     src = write_jsonl(tmp_path / "in.jsonl", PROMPTS[:2] + [{"id": "bad", "prompt": ""}])
     first = dflash_batch.run(src, engine=engine, max_tokens=3, chunk_size=2, export_openai=True)

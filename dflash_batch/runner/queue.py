@@ -1,0 +1,107 @@
+"""The producer side of the Huey queue: where chunk tasks are put and found.
+
+A task carries only ``(job_id, chunk)``; everything else is read from the job record. Huey
+deletes a task when a worker dequeues it, so a worker killed mid-chunk loses the task but not
+the work: its rows are journaled per item, and ``requeue_unfinished`` (run at every worker start)
+puts back each chunk that has no done marker and no queued task.
+
+The chunk task is registered here under one name so that producers and workers agree on it; what
+it runs is set by the worker (``Queue.on_chunk``), so a producer never needs an engine.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Callable, Iterable, Optional
+
+from .jobs import JobRecord, list_jobs
+from .spec import SpecError
+
+CHUNK_TASK = "dflash_batch.chunk"
+RETRY_DELAY_S = 5
+REDIS_ENV = "DFLASH_BATCH_REDIS_URL"
+
+
+def task_id(job_id: str, chunk: int) -> str:
+    return f"{job_id}:{chunk:05d}"
+
+
+def redis_huey(url: str):
+    """A ``RedisHuey`` on ``url`` (redis://host:port/db); needs the ``redis`` client package."""
+    try:
+        import redis  # noqa: F401
+    except ImportError as e:
+        raise SpecError(f"a Redis queue ({url}) needs the redis client: pip install 'dflash-batch[redis]'") from e
+    from huey import RedisHuey
+
+    return RedisHuey(name="dflash-batch", url=url, results=False, utc=True)
+
+
+class Queue:
+    """The Huey queue with the chunk task on it: a ``SqliteHuey`` at ``home/queue.db`` (one
+    machine), or a ``RedisHuey`` when a Redis URL is given or set in $DFLASH_BATCH_REDIS_URL
+    (workers on several machines; job records and outputs must then be on shared storage)."""
+
+    def __init__(self, home: Path, redis_url: Optional[str] = None):
+        self.home = Path(home).resolve()
+        self.home.mkdir(parents=True, exist_ok=True)
+        redis_url = redis_url or os.environ.get(REDIS_ENV) or None
+        if redis_url:
+            self.huey = redis_huey(redis_url)
+            self.broker = redis_url
+        else:
+            from huey import SqliteHuey
+
+            # filename= must be given by keyword: the first positional argument is the queue name.
+            self.huey = SqliteHuey(name="dflash-batch", filename=str(self.home / "queue.db"), results=False, timeout=30)
+            self.broker = str(self.home / "queue.db")
+        self.chunk_task = self.huey.task(name=CHUNK_TASK, context=True)(self._dispatch)
+        self.on_chunk: Optional[Callable[..., None]] = None  # (job_id, chunk, task): set by the worker
+
+    def _dispatch(self, job_id: str, chunk: int, task=None) -> None:
+        if self.on_chunk is None:
+            raise RuntimeError("chunk tasks run only in `dflash-batch worker` (no worker attached)")
+        self.on_chunk(job_id, chunk, task)
+
+    def enqueue_chunk(self, record: JobRecord, chunk: int, delay: Optional[float] = None) -> None:
+        retries = record.spec.retries
+        if delay:
+            self.chunk_task.schedule(
+                args=(record.id, chunk), delay=delay, id=task_id(record.id, chunk), retries=retries, retry_delay=RETRY_DELAY_S
+            )
+        else:
+            self.huey.enqueue(
+                self.chunk_task.s(record.id, chunk, id=task_id(record.id, chunk), retries=retries, retry_delay=RETRY_DELAY_S)
+            )
+
+    def enqueue_job(self, record: JobRecord, chunks: Optional[Iterable[int]] = None) -> int:
+        chunks = list(record.pending_chunks() if chunks is None else chunks)
+        for c in chunks:
+            self.enqueue_chunk(record, c)
+        return len(chunks)
+
+    def queued_task_ids(self) -> set:
+        """Ids of tasks waiting in the queue or the schedule (read without taking them)."""
+        ids = set()
+        storage = self.huey.storage
+        for data in list(storage.enqueued_items()) + list(storage.scheduled_items()):
+            try:
+                ids.add(self.huey.serializer.deserialize(data).id)
+            except Exception:  # a message from other code: not ours to judge
+                continue
+        return ids
+
+    def requeue_unfinished(self) -> int:
+        """Put back every unfinished chunk of every live job that has no task waiting: the
+        recovery after a killed worker. Extra copies are harmless (done ids are skipped)."""
+        queued = self.queued_task_ids()
+        n = 0
+        for record in list_jobs(self.home):
+            if record.cancelled() or record.failure():
+                continue
+            for c in record.pending_chunks():
+                if task_id(record.id, c) not in queued:
+                    self.enqueue_chunk(record, c)
+                    n += 1
+        return n

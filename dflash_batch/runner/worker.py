@@ -1,0 +1,158 @@
+"""The consumer side of the queue: one resident engine and the loop that runs chunk tasks.
+
+``Worker.run_chunk`` executes one chunk task (the unit a lease or a retry wraps); ``Worker.run``
+is the worker loop (recover, catch up cron, then Huey's consumer until a signal).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterable, Optional
+
+import orjson
+
+from .cron import Cron, schedule_files
+from .execution import ConfigChanged, run_job
+from .items import InputError
+from .jobs import JobNotFound, load_job
+from .lock import Locked
+from .queue import Queue
+from .spec import JobSpec, SpecError
+
+log = logging.getLogger("dflash_batch.worker")
+LOCK_RETRY_S = 2.0  # a chunk whose output dir is busy goes back on the queue for this long
+
+
+class Engines:
+    """The worker's resident engine: loaded on first use in the calling (worker) thread, kept
+    across jobs, replaced only when a job names a different model."""
+
+    def __init__(self, factory: Callable[..., Any]):
+        self.factory = factory
+        self.engine = None
+        self.key: Optional[bytes] = None
+        self.thread: Optional[str] = None
+
+    def __call__(self, spec: JobSpec):
+        return self.get(spec.model)
+
+    def get(self, model: Dict[str, Any]):
+        key = orjson.dumps(model, option=orjson.OPT_SORT_KEYS)
+        if self.engine is None or key != self.key:
+            if self.engine is not None:
+                log.info("releasing engine %s for a job with another model", self.key.decode())
+            self.engine = None  # drop the old model before loading the next
+            log.info("loading engine %s in thread %s", key.decode(), threading.current_thread().name)
+            self.engine = self.factory(**model)
+            self.key, self.thread = key, threading.current_thread().name
+            log.info("engine ready: %s", getattr(self.engine, "description", model))
+        return self.engine
+
+
+class Worker:
+    """One queue consumer with one thread and one resident engine."""
+
+    def __init__(self, queue: Queue, engine_factory: Callable[..., Any]):
+        self.queue = queue
+        self.engines = Engines(engine_factory)
+        self.cron = Cron(queue)
+        self.stop_flag: Optional[threading.Event] = None
+        queue.on_chunk = self.run_chunk
+
+    def stopping(self) -> bool:
+        return self.stop_flag is not None and self.stop_flag.is_set()
+
+    def run_chunk(self, job_id: str, chunk: int, task=None) -> None:
+        """Execute one chunk task: the rows of ``chunk`` of the job, batched, committed as they
+        finish. A busy output dir requeues the chunk; a job-level error fails the job; any other
+        error is raised for Huey to retry while the task has retries left."""
+        queue = self.queue
+        try:
+            record = load_job(queue.home, job_id)
+        except JobNotFound:
+            log.warning("chunk %d of unknown job %s dropped", chunk, job_id)
+            return
+        try:
+            # One chunk per task, batched within the chunk. (Taking every pending chunk of the
+            # job here kept the batch full across chunks, but a kill -9 then left the lost task's
+            # chunk done and nothing for requeue_unfinished to restore; not yet reconciled.)
+            result = run_job(record, [chunk], self.engines, should_stop=self.stopping)
+        except Locked as e:
+            log.info("chunk %d of %s waits: %s", chunk, job_id, e)
+            queue.enqueue_chunk(record, chunk, delay=LOCK_RETRY_S)
+            return
+        except (ConfigChanged, InputError, SpecError) as e:
+            log.error("job %s failed: %s", job_id, e)
+            record.mark_failed(str(e))
+            return
+        except Exception as e:
+            if task is not None and task.retries:
+                log.exception("chunk %d of %s failed; %d retries left", chunk, job_id, task.retries)
+                raise
+            log.exception("job %s failed", job_id)
+            record.mark_failed(f"{type(e).__name__}: {e}")
+            return
+        if result.stopped and not record.cancelled():
+            pending = record.pending_chunks()
+            again = chunk if chunk in pending or not pending else pending[0]
+            log.info("chunk %d of %s checkpointed (%d items done); requeued", again, job_id, result.generated)
+            queue.enqueue_chunk(record, again)
+        else:
+            log.info(
+                "chunk %d of %s (with chunks %s): %d generated (%d errors), %d already done",
+                chunk, job_id, result.chunks_done, result.generated, result.errors, result.skipped,
+            )  # fmt: skip
+
+    def preload(self, model: Dict[str, Any]) -> None:
+        """Load ``model`` when the consumer starts, in its worker thread (where MLX objects live)."""
+
+        @self.queue.huey.on_startup(name="dflash_batch.load_engine")
+        def load_engine_in_worker_thread():
+            self.engines.get(model)
+
+    def run(self, *, periodic: bool = True, shutdown_timeout: float = 30.0, poll_max_delay: float = 2.0) -> None:
+        """The worker loop: requeue lost chunks, catch up missed cron runs, then consume tasks
+        until SIGINT or SIGTERM (both graceful: the current item finishes, its chunk is
+        checkpointed and requeued)."""
+        requeued = self.queue.requeue_unfinished()
+        if requeued:
+            log.info("requeued %d unfinished chunk(s)", requeued)
+        if periodic:  # the worker that runs the cron also makes up for runs missed while none did
+            self.cron.catch_up()
+        consumer = self.queue.huey.create_consumer(
+            workers=1,
+            worker_type="thread",
+            periodic=periodic,
+            max_delay=poll_max_delay,
+            check_worker_health=True,
+            shutdown_timeout=shutdown_timeout,
+            graceful_signal="TERM",
+        )
+        # Huey makes the other signal an immediate stop; with a thread worker that would abandon
+        # the item mid-way. Both are graceful here: the loop sees the stop flag between items.
+        consumer._signal_actions[signal.SIGINT] = (False, True)
+        self.stop_flag = consumer.stop_flag
+        log.info("worker started: queue %s, home %s", self.queue.broker, self.queue.home)
+        consumer.run()
+
+
+def run_worker(
+    home: Path,
+    engine_factory: Callable[..., Any],
+    *,
+    preload: Optional[Dict[str, Any]] = None,
+    schedules: Iterable[Path] = (),
+    periodic: bool = True,
+    shutdown_timeout: float = 30.0,
+    poll_max_delay: float = 2.0,
+) -> None:
+    """``dflash-batch worker``: a ``Worker`` on the home's queue with its schedules."""
+    worker = Worker(Queue(home), engine_factory)
+    for path in schedule_files(worker.queue.home, schedules):
+        worker.cron.add_schedule(path)
+    if preload is not None:
+        worker.preload(preload)
+    worker.run(periodic=periodic, shutdown_timeout=shutdown_timeout, poll_max_delay=poll_max_delay)
