@@ -117,9 +117,12 @@ def submit(input: Source, *, home: Optional[Union[str, Path]] = None, redis_url:
     for a worker (``dflash-batch worker``): on SQLite in the home, or on Redis at ``redis_url``
     (default: $DFLASH_BATCH_REDIS_URL). Raises ``InputError``/``SpecError`` for bad input."""
     from .runner.queue import Queue
+    from .runner.scaleout import check_output_dir
 
     home = Path(home) if home else home_dir()
-    record = create_job(_spec(input, overrides), home)
+    spec = _spec(input, overrides)
+    check_output_dir(spec, home)
+    record = create_job(spec, home)
     if record.pending_chunks():
         Queue(home, redis_url=redis_url).enqueue_job(record)
     else:  # every row is in the output dir already: nothing to queue

@@ -140,6 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "$DFLASH_BATCH_HOME/schedules is always read)")  # fmt: skip
     p.add_argument("--no-periodic", action="store_true", help="do not run cron schedules (other workers do)")
     p.add_argument("--shutdown-timeout", type=_seconds, default=30.0, help="seconds to finish the current item on stop")
+    p.add_argument("--device", type=int, metavar="N", help="pin this worker to GPU N (sets CUDA_VISIBLE_DEVICES; "
+                   "one worker per GPU, each with its own engine)")  # fmt: skip
 
     p = sub.add_parser("status", help="counts, mean tok/s and acceptance of one job or all")
     p.add_argument("job", nargs="?", metavar="JOB")
@@ -306,6 +308,10 @@ def run_exit_code(status: Dict[str, Any]) -> int:
 
 
 def cmd_worker(args) -> int:
+    if args.device is not None:  # before anything loads the backend
+        from .runner.scaleout import device_env
+
+        os.environ.update(device_env(args.device))
     from .api import load_model
     from .runner.jobs import home_dir
     from .runner.spec import recorded_model
@@ -330,6 +336,7 @@ def cmd_worker(args) -> int:
         schedules=[Path(p) for p in args.schedules],
         periodic=not args.no_periodic,
         shutdown_timeout=args.shutdown_timeout,
+        device=None if args.device is None else str(args.device),
     )
     # Everything is committed by now. Skip interpreter teardown: MLX's C++ runtime can abort
     # ("terminate called without an active exception") destroying streams whose thread ended.

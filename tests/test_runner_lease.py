@@ -127,8 +127,11 @@ def test_sqlite_queue_on_a_network_file_system_is_refused():
 
 
 def test_an_output_dir_without_flock_is_refused(tmp_path, monkeypatch):
+    (tmp_path / "out").mkdir()
     scaleout.check_flock(tmp_path / "out")  # a local dir: fine
     assert not [p for p in (tmp_path / "out").iterdir()]  # the probe is removed
+    scaleout.check_flock(tmp_path / "not-yet" / "out")  # probed in the nearest folder that exists
+    assert not (tmp_path / "not-yet").exists()
 
     def no_locks(fd, op):
         raise OSError(errno.ENOLCK, "No locks available")

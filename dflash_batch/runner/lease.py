@@ -36,6 +36,10 @@ WORKER_PREFIX = PREFIX + "worker:"
 LEASE_PREFIX = PREFIX + "lease:"
 
 
+class LeaseLost(RuntimeError):
+    """This worker's lease on a chunk expired (it hung, or lost the queue) and may be another's."""
+
+
 def lease_ttl() -> float:
     """Seconds a lease lasts without renewal: ``$DFLASH_BATCH_LEASE_S`` (default 30)."""
     text = os.environ.get(LEASE_ENV)

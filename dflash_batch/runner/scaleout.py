@@ -23,7 +23,8 @@ from typing import Optional
 
 import orjson
 
-from .spec import SpecError
+from .jobs import list_jobs
+from .spec import JobSpec, SpecError
 from .store import write_atomic
 
 HOME_MANIFEST = ".shared-home.json"
@@ -74,7 +75,8 @@ def check_flock(directory: os.PathLike) -> None:
     """Refuse an output dir whose file system has no working ``flock`` (an NFS mount without lock
     support answers ENOLCK): the foreground run could not exclude workers there."""
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+    while not directory.is_dir() and directory.parent != directory:  # probe where it will be, creating nothing
+        directory = directory.parent
     probe = directory / f".flock-probe-{secrets.token_hex(3)}"
     try:
         fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
@@ -93,6 +95,21 @@ def check_flock(directory: os.PathLike) -> None:
     finally:
         os.close(fd)
         probe.unlink(missing_ok=True)
+
+
+def check_output_dir(spec: JobSpec, home: os.PathLike) -> None:
+    """Before a job is queued: its output dir needs flock, and every unfinished job on it the same
+    chunk size (leases are per (output dir, chunk index): chunks of two sizes would overlap)."""
+    out = spec.resolved_output_dir(Path(home))
+    check_flock(out)
+    for other in list_jobs(Path(home)):
+        if other.output_dir != out or other.spec.chunk_size == spec.chunk_size:
+            continue
+        if other.pending_chunks() and not other.cancelled() and not other.failure():
+            raise SetupError(
+                f"chunk_size: job {other.id} writes {out} in chunks of {other.spec.chunk_size} rows and is not "
+                f"finished; a job on the same output dir must use the same chunk_size (or wait for it)"
+            )
 
 
 def claim_home(storage, home: os.PathLike) -> str:

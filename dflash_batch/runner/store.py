@@ -181,9 +181,13 @@ class ResultStore:
         name = f"part-c{chunk:05d}-{int(time.time() * 1000):013d}-{secrets.token_hex(2)}.parquet"
         path = self.dir / name
         tmp = self.dir / f".{name}.tmp"
-        pq.write_table(to_table(rows), tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
+        try:
+            pq.write_table(to_table(rows), tmp)
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+        except BaseException:  # a full disk, say: no half-written file stays behind
+            tmp.unlink(missing_ok=True)
+            raise
         os.replace(tmp, path)
         _fsync_dir(self.dir)
         return path
@@ -239,12 +243,16 @@ class ResultStore:
         journal.rows = []
         return part
 
-    def recover(self) -> int:
-        """Commit journals left by a dead process (call with the lock held). Rows whose id a
-        part already has (the process died between the commit and the unlink) are dropped."""
+    def recover(self, chunks: Optional[Iterable[int]] = None) -> int:
+        """Commit journals left by a dead process (call with the lock held; a queue worker holds
+        only its chunks' leases and recovers only ``chunks``' journals). Rows whose id a part
+        already has (the process died between the commit and the unlink) are dropped."""
         recovered = 0
         committed = None
+        mine = None if chunks is None else {f"c{c:05d}-" for c in chunks}
         for path in self.journals():
+            if mine is not None and path.name[:7] not in mine:
+                continue
             rows = read_journal(path)
             if rows:
                 committed = self.committed_ids() if committed is None else committed

@@ -6,9 +6,13 @@ is the worker loop (recover, catch up cron, then Huey's consumer until a signal)
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
 import signal
+import socket
 import threading
+import time
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, Optional
 
@@ -17,13 +21,15 @@ import orjson
 from .cron import Cron, schedule_files
 from .execution import ConfigChanged, run_job
 from .items import InputError
-from .jobs import JobNotFound, load_job
+from .jobs import JobNotFound, JobRecord, load_job
+from .lease import Lease, LeaseLost, Leases, Rate, new_worker_id, scope_of
 from .lock import Locked
 from .queue import Queue
 from .spec import JobSpec, SpecError
 
 log = logging.getLogger("dflash_batch.worker")
 LOCK_RETRY_S = 2.0  # a chunk whose output dir is busy goes back on the queue for this long
+DISK_FULL_RETRY_S = 10.0  # a chunk that hit a full disk is tried again after this long
 
 
 class Engines:
@@ -55,12 +61,18 @@ class Engines:
 class Worker:
     """One queue consumer with one thread and one resident engine."""
 
-    def __init__(self, queue: Queue, engine_factory: Callable[..., Any]):
+    def __init__(self, queue: Queue, engine_factory: Callable[..., Any], device: Optional[str] = None):
         self.queue = queue
         self.engines = Engines(engine_factory)
         self.cron = Cron(queue)
         self.stop_flag: Optional[threading.Event] = None
         queue.on_chunk = self.run_chunk
+        self.id = new_worker_id()
+        self.device = device if device is not None else os.environ.get("CUDA_VISIBLE_DEVICES")
+        self.leases = Leases(queue.huey.storage)
+        self.rate = Rate()
+        self.lease: Optional[Lease] = None  # the chunk this worker holds now
+        self.heartbeat = Heartbeat(self)
 
     def stopping(self) -> bool:
         return self.stop_flag is not None and self.stop_flag.is_set()
@@ -75,14 +87,52 @@ class Worker:
         except JobNotFound:
             log.warning("chunk %d of unknown job %s dropped", chunk, job_id)
             return
+        if record.chunk_done(chunk):
+            return
+        lease = self.leases.acquire(scope_of(record.output_dir), chunk, worker=self.id, host=socket.gethostname(),
+                                    job=job_id, output_dir=str(record.output_dir))  # fmt: skip
+        if lease is None:  # another worker has it; its lease brings the chunk back if it dies
+            log.info("chunk %d of %s is held by %s: dropped", chunk, job_id, self._holder(record, chunk))
+            return
+        self.lease = lease
+        try:
+            self._run_leased(record, chunk, task)
+        finally:
+            self.lease = None
+            self.leases.release(lease)
+
+    def _requeue(self, record: JobRecord, chunk: int, delay: Optional[float] = None) -> None:
+        if self.lease is not None:
+            self.leases.release(self.lease)  # free before the task is back, or its taker drops it
+        self.queue.enqueue_chunk(record, chunk, delay=delay)
+
+    def _holder(self, record: JobRecord, chunk: int) -> str:
+        holder = self.leases.holder(scope_of(record.output_dir), chunk)
+        return holder["worker"] if holder else "another worker"
+
+    def _on_row(self, row: Dict[str, Any]) -> None:
+        self.rate.add(row.get("completion_tokens") or 0)
+
+    def _run_leased(self, record: JobRecord, chunk: int, task=None) -> None:
+        queue, job_id, lease = self.queue, record.id, self.lease
         try:
             # One chunk per task, batched within the chunk. (Taking every pending chunk of the
             # job here kept the batch full across chunks, but a kill -9 then left the lost task's
             # chunk done and nothing for requeue_unfinished to restore; not yet reconciled.)
-            result = run_job(record, [chunk], self.engines, should_stop=self.stopping)
+            result = run_job(record, [chunk], self.engines, should_stop=lambda: self.stopping() or not lease.valid(),
+                             on_row=self._on_row, lease=lease.valid)  # fmt: skip
+        except LeaseLost as e:  # hung past the lease: the chunk is another worker's now
+            log.warning("%s; this worker leaves it", e)
+            return
+        except OSError as e:
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            log.error("chunk %d of %s: disk full (%s); requeued in %.0f s", chunk, job_id, e, DISK_FULL_RETRY_S)
+            self._requeue(record, chunk, DISK_FULL_RETRY_S)
+            return
         except Locked as e:
             log.info("chunk %d of %s waits: %s", chunk, job_id, e)
-            queue.enqueue_chunk(record, chunk, delay=LOCK_RETRY_S)
+            self._requeue(record, chunk, LOCK_RETRY_S)
             return
         except (ConfigChanged, InputError, SpecError) as e:
             log.error("job %s failed: %s", job_id, e)
@@ -95,11 +145,13 @@ class Worker:
             log.exception("job %s failed", job_id)
             record.mark_failed(f"{type(e).__name__}: {e}")
             return
-        if result.stopped and not record.cancelled():
+        if result.stopped and not lease.valid():
+            log.warning("chunk %d of %s: lease lost; this worker leaves it", chunk, job_id)
+        elif result.stopped and not record.cancelled():
             pending = record.pending_chunks()
             again = chunk if chunk in pending or not pending else pending[0]
             log.info("chunk %d of %s checkpointed (%d items done); requeued", again, job_id, result.generated)
-            queue.enqueue_chunk(record, again)
+            self._requeue(record, again)
         else:
             log.info(
                 "chunk %d of %s (with chunks %s): %d generated (%d errors), %d already done",
@@ -117,7 +169,7 @@ class Worker:
         """The worker loop: requeue lost chunks, catch up missed cron runs, then consume tasks
         until SIGINT or SIGTERM (both graceful: the current item finishes, its chunk is
         checkpointed and requeued)."""
-        requeued = self.queue.requeue_unfinished()
+        requeued = self.reap()
         if requeued:
             log.info("requeued %d unfinished chunk(s)", requeued)
         if periodic:  # the worker that runs the cron also makes up for runs missed while none did
@@ -135,8 +187,62 @@ class Worker:
         # the item mid-way. Both are graceful here: the loop sees the stop flag between items.
         consumer._signal_actions[signal.SIGINT] = (False, True)
         self.stop_flag = consumer.stop_flag
-        log.info("worker started: queue %s, home %s", self.queue.broker, self.queue.home)
-        consumer.run()
+        log.info("worker started: queue %s, home %s, id %s, device %s, leases of %.0f s",
+                 self.queue.broker, self.queue.home, self.id, self.device, self.leases.ttl)  # fmt: skip
+        self.heartbeat.start()
+        try:
+            consumer.run()
+        finally:
+            self.heartbeat.stop()
+
+    def reap(self) -> int:
+        """Requeue the unfinished chunks nobody holds or waits for: a dead or hung holder's."""
+        return self.queue.requeue_unfinished(
+            held=lambda record, c: self.leases.holder(scope_of(record.output_dir), c) is not None
+        )
+
+    def record(self) -> Dict[str, Any]:
+        """What ``status`` shows of this worker."""
+        lease = self.lease
+        held = f"{lease.record['job']}:{lease.record['chunk']}" if lease is not None and not lease.lost else None
+        return dict(host=socket.gethostname(), pid=os.getpid(), device=self.device, broker=self.queue.broker,
+                    chunk=held, **self.rate.rates())  # fmt: skip
+
+
+class Heartbeat(threading.Thread):
+    """Renews the worker's lease every ttl / 6 s, writes its record, and every ttl / 2 s (at
+    least 2 s) requeues chunks whose holder's lease has expired. Queue errors (Redis restarting)
+    are logged and retried: the lease lapses by itself if they last."""
+
+    def __init__(self, worker: Worker):
+        super().__init__(name="heartbeat", daemon=True)
+        self.worker = worker
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        w = self.worker
+        beat, reap_every = w.leases.ttl / 6, max(w.leases.ttl / 2, 2.0)
+        next_reap = time.monotonic() + reap_every
+        while not self.done.wait(beat):
+            try:
+                lease = w.lease
+                if lease is not None and not lease.lost and not w.leases.renew(lease):
+                    log.warning("lease on chunk %d of %s lost", lease.record["chunk"], lease.record["job"])
+                w.leases.put_worker(w.id, **w.record())
+                if time.monotonic() >= next_reap:
+                    next_reap = time.monotonic() + reap_every
+                    n = w.reap()
+                    if n:
+                        log.info("requeued %d chunk(s) whose holder's lease expired", n)
+            except Exception as e:  # the queue is down for a moment: try again next beat
+                log.warning("heartbeat: %s: %s", type(e).__name__, e)
+
+    def stop(self) -> None:
+        self.done.set()
+        try:
+            self.worker.leases.drop_worker(self.worker.id)
+        except Exception as e:
+            log.warning("could not remove the worker record: %s", e)
 
 
 def run_worker(
@@ -148,9 +254,10 @@ def run_worker(
     periodic: bool = True,
     shutdown_timeout: float = 30.0,
     poll_max_delay: float = 2.0,
+    device: Optional[str] = None,
 ) -> None:
     """``dflash-batch worker``: a ``Worker`` on the home's queue with its schedules."""
-    worker = Worker(Queue(home), engine_factory)
+    worker = Worker(Queue(home), engine_factory, device=device)
     for path in schedule_files(worker.queue.home, schedules):
         worker.cron.add_schedule(path)
     if preload is not None:
