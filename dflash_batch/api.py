@@ -278,6 +278,22 @@ def spec_layout(spec: JobSpec) -> Dict[str, Any]:
     return out
 
 
+def activity(home: Optional[Union[str, Path]] = None, redis_url: Optional[str] = None) -> Dict[str, Any]:
+    """Who works on what, from the queue's store: ``{"workers": [{id, host, device, chunk,
+    rows_per_s, tokens_per_s, ...}], "leases": [{job, chunk, worker, expires_in}]}`` (empty when
+    the home has no queue yet)."""
+    from .runner.lease import Leases
+    from .runner.queue import REDIS_ENV, Queue
+
+    home = Path(home) if home else home_dir()
+    if not (redis_url or os.environ.get(REDIS_ENV)) and not (home / "queue.db").exists():
+        return {"workers": [], "leases": []}
+    leases = Leases(Queue(home, redis_url=redis_url).huey.storage)
+    now = time.time()
+    held = [dict(r, expires_in=round(r["expires"] - now, 1)) for r in leases.leases()]
+    return {"workers": leases.workers(), "leases": sorted(held, key=lambda r: (r["job"], r["chunk"]))}
+
+
 def jobs(home: Optional[Union[str, Path]] = None) -> List[Job]:
     from .runner.jobs import list_jobs
 

@@ -363,16 +363,28 @@ def _status_line(s: Dict[str, Any]) -> str:
 def cmd_status(args) -> int:
     from .runner.jobs import home_dir, list_jobs, load_job
 
+    from .api import activity
+
     home = home_dir()
     records = [load_job(home, args.job)] if args.job is not None else list_jobs(home)
     statuses = [r.status() for r in records]
+    now = activity(home)
+    for s in statuses:  # which worker holds which chunk of each job
+        s["holders"] = [{k: r.get(k) for k in ("chunk", "worker", "host", "expires_in")} for r in now["leases"] if r["job"] == s["id"]]
     if args.json:
+        if args.job is not None:
+            statuses[0]["workers"] = now["workers"]
         _print_json(statuses[0] if args.job is not None else statuses)
-    elif not statuses:
+        return 0
+    if not statuses:
         print(f"no jobs in {home}")
-    else:
-        for s in statuses:
-            print(_status_line(s))
+    for s in statuses:
+        print(_status_line(s))
+        for h in s["holders"]:
+            print(f"  chunk {h['chunk']} held by {h['worker']} (lease {h['expires_in']:.0f} s left)")
+    for w in now["workers"]:
+        print(f"worker {w['id']}  device {w.get('device') or '-'}  {w['rows_per_s']:.2f} rows/s  "
+              f"{w['tokens_per_s']:.1f} tok/s  {w['rows']} rows  on {w.get('chunk') or 'nothing'}")
     return 0
 
 
