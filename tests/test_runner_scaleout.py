@@ -95,7 +95,8 @@ def test_a_hung_worker_loses_its_chunk_after_its_lease_and_writes_nothing_more(t
         b = workers()
         assert job.wait(timeout=240)["state"] == "completed"
         assert time.time() - stopped_at >= LEASE_S  # b waited for the lease to expire
-        assert "chunk 0 of" in b.log() and "holder's lease expired" in b.log() + "requeued"
+        wait_for(lambda: "chunk 0 of" in b.log(), timeout=30, what="b's log of the chunk")
+        assert "requeued 1 chunk(s) whose holder's lease expired" in b.log()
     finally:
         a.proc.send_signal(signal.SIGCONT)
     wait_for(lambda: "lost" in a.log(), timeout=60, what="a to notice its lease is gone")
@@ -152,13 +153,13 @@ def small_disk(tmp_path):
 
 def fill(path: Path) -> None:
     """Write zeros until the file system is full."""
-    with open(path, "wb") as f:
-        try:
-            while True:
-                f.write(b"\0" * 65536)
-                f.flush()
-        except OSError:
-            pass
+    with open(path, "wb", buffering=0) as f:
+        for size in (65536, 4096, 64, 1):  # down to the last byte
+            try:
+                while True:
+                    f.write(b"\0" * size)
+            except OSError:
+                pass
 
 
 def test_a_full_disk_leaves_nothing_half_written_and_the_job_resumes(tmp_path, home, fast, workers, small_disk):

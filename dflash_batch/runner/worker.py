@@ -99,7 +99,10 @@ class Worker:
             self._run_leased(record, chunk, task)
         finally:
             self.lease = None
-            self.leases.release(lease)
+            try:
+                self.leases.release(lease)
+            except Exception as e:  # the queue is down: the lease lapses by itself
+                log.warning("lease on chunk %d of %s not released (%s); it expires in %.0f s", chunk, job_id, e, self.leases.ttl)
 
     def _requeue(self, record: JobRecord, chunk: int, delay: Optional[float] = None) -> None:
         if self.lease is not None:
