@@ -63,23 +63,45 @@ def test_expired_lease_is_taken_over_once_and_the_old_holder_may_not_write(sqlit
     assert leases.holder("dir", 0) is None and sqlite_storage.result_store_size() == 0  # takeover claim dropped
 
 
+class PeekTogether:
+    """A storage whose second read in a thread (the re-check of an expired lease before the
+    takeover is written) waits until every claimant has got that far: the worst interleaving."""
+
+    def __init__(self, storage, barrier: threading.Barrier):
+        self.storage, self.barrier, self.peeks = storage, barrier, 0
+
+    def __getattr__(self, name):
+        return getattr(self.storage, name)
+
+    def peek_data(self, key):
+        value = self.storage.peek_data(key)
+        self.peeks += 1
+        if self.peeks == 2:
+            try:
+                self.barrier.wait()
+            except threading.BrokenBarrierError:  # fewer claimants got this far: fine
+                pass
+        return value
+
+
 def test_concurrent_takeover_has_one_winner(sqlite_storage, tmp_path):
     from huey import SqliteHuey
 
     clock = Clock()
     Leases(sqlite_storage, ttl=5, clock=clock).acquire("dir", 0, worker="dead")
     clock.t += 10
+    barrier = threading.Barrier(8, timeout=1.0)
     won = []
 
     def claim(i):  # each thread its own connection, as separate workers have
         storage = SqliteHuey(name="dflash-batch", filename=str(tmp_path / "q.db"), results=False).storage
-        if Leases(storage, ttl=5, clock=clock).acquire("dir", 0, worker=f"w{i}") is not None:
+        if Leases(PeekTogether(storage, barrier), ttl=5, clock=clock).acquire("dir", 0, worker=f"w{i}"):
             won.append(i)
 
     threads = [threading.Thread(target=claim, args=(i,)) for i in range(8)]
     [t.start() for t in threads]
     [t.join() for t in threads]
-    assert len(won) == 1
+    assert len(won) == 1, won
 
 
 def test_worker_records_and_rates(sqlite_storage):
