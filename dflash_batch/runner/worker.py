@@ -117,7 +117,7 @@ class Worker:
         self.rate.add(row.get("completion_tokens") or 0)
 
     def _run_leased(self, record: JobRecord, chunk: int, task=None) -> None:
-        queue, job_id, lease = self.queue, record.id, self.lease
+        job_id, lease = record.id, self.lease
         try:
             # One chunk per task, batched within the chunk. (Taking every pending chunk of the
             # job here kept the batch full across chunks, but a kill -9 then left the lost task's
@@ -126,12 +126,6 @@ class Worker:
                              on_row=self._on_row, lease=lease.valid)  # fmt: skip
         except LeaseLost as e:  # hung past the lease: the chunk is another worker's now
             log.warning("%s; this worker leaves it", e)
-            return
-        except OSError as e:
-            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
-                raise
-            log.error("chunk %d of %s: disk full (%s); requeued in %.0f s", chunk, job_id, e, DISK_FULL_RETRY_S)
-            self._requeue(record, chunk, DISK_FULL_RETRY_S)
             return
         except Locked as e:
             log.info("chunk %d of %s waits: %s", chunk, job_id, e)
@@ -142,6 +136,10 @@ class Worker:
             record.mark_failed(str(e))
             return
         except Exception as e:
+            if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):  # transient: wait for space
+                log.error("chunk %d of %s: disk full (%s); requeued in %.0f s", chunk, job_id, e, DISK_FULL_RETRY_S)
+                self._requeue(record, chunk, DISK_FULL_RETRY_S)
+                return
             if task is not None and task.retries:
                 log.exception("chunk %d of %s failed; %d retries left", chunk, job_id, task.retries)
                 raise
@@ -236,7 +234,7 @@ class Heartbeat(threading.Thread):
                     next_reap = time.monotonic() + reap_every
                     n = w.reap()
                     if n:
-                        log.info("requeued %d chunk(s) whose holder's lease expired", n)
+                        log.info("requeued %d unfinished chunk(s) with no task waiting and no live lease", n)
             except Exception as e:  # the queue is down for a moment: try again next beat
                 log.warning("heartbeat: %s: %s", type(e).__name__, e)
 
