@@ -96,7 +96,7 @@ def test_a_hung_worker_loses_its_chunk_after_its_lease_and_writes_nothing_more(t
         assert job.wait(timeout=240)["state"] == "completed"
         assert time.time() - stopped_at >= LEASE_S  # b waited for the lease to expire
         wait_for(lambda: "chunk 0 of" in b.log(), timeout=30, what="b's log of the chunk")
-        assert "requeued 1 unfinished chunk(s) with no task waiting and no live lease" in b.log()
+        assert "requeued 1 unfinished chunk(s)" in b.log()  # at its start, or by its heartbeat
     finally:
         a.proc.send_signal(signal.SIGCONT)
     wait_for(lambda: "lost" in a.log(), timeout=60, what="a to notice its lease is gone")
