@@ -19,6 +19,7 @@ step (NTP) to well within ``guard``.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import secrets
 import socket
@@ -29,6 +30,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import orjson
 
+log = logging.getLogger("dflash_batch.worker")
 LEASE_ENV = "DFLASH_BATCH_LEASE_S"
 DEFAULT_TTL_S = 30.0
 PREFIX = "dflash-batch:"
@@ -210,3 +212,41 @@ class Rate:
             return {"rows": self.rows, "rows_per_s": 0.0, "tokens_per_s": 0.0}
         span = max(now - events[0][0], 1.0)  # at least a second: one row is not infinitely fast
         return {"rows": self.rows, "rows_per_s": len(events) / span, "tokens_per_s": sum(t for _, t in events) / span}
+
+
+class Heartbeat(threading.Thread):
+    """A worker's heartbeat: renews its lease (``current()``) every ttl / 6 s, writes its record
+    (``record()``), and every ttl / 2 s (at least 2 s) calls ``reap()`` to requeue chunks nobody
+    holds. Queue errors (Redis restarting) are logged and retried: a lease lapses by itself if
+    they last."""
+
+    def __init__(self, leases: Leases, worker_id: str, current: Callable[[], Optional[Lease]],
+                 record: Callable[[], Dict[str, Any]], reap: Callable[[], int]):  # fmt: skip
+        super().__init__(name="heartbeat", daemon=True)
+        self.leases, self.worker_id = leases, worker_id
+        self.current, self.record, self.reap = current, record, reap
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        beat, reap_every = self.leases.ttl / 6, max(self.leases.ttl / 2, 2.0)
+        next_reap = time.monotonic() + reap_every
+        while not self.done.wait(beat):
+            try:
+                lease = self.current()
+                if lease is not None and not lease.lost and not self.leases.renew(lease):
+                    log.warning("lease on chunk %d of %s lost", lease.record["chunk"], lease.record["job"])
+                self.leases.put_worker(self.worker_id, **self.record())
+                if time.monotonic() >= next_reap:
+                    next_reap = time.monotonic() + reap_every
+                    n = self.reap()
+                    if n:
+                        log.info("requeued %d unfinished chunk(s) with no task waiting and no live lease", n)
+            except Exception as e:  # the queue is down for a moment: try again next beat
+                log.warning("heartbeat: %s: %s", type(e).__name__, e)
+
+    def stop(self) -> None:
+        self.done.set()
+        try:
+            self.leases.drop_worker(self.worker_id)
+        except Exception as e:
+            log.warning("could not remove the worker record: %s", e)

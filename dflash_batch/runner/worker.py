@@ -12,7 +12,6 @@ import os
 import signal
 import socket
 import threading
-import time
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, Optional
 
@@ -22,7 +21,7 @@ from .cron import Cron, schedule_files
 from .execution import ConfigChanged, run_job
 from .items import InputError
 from .jobs import JobNotFound, JobRecord, load_job
-from .lease import Lease, LeaseLost, Leases, Rate, new_worker_id, scope_of
+from .lease import Heartbeat, Lease, LeaseLost, Leases, Rate, new_worker_id, scope_of
 from .lock import Locked
 from .queue import Queue
 from .spec import JobSpec, SpecError
@@ -72,7 +71,7 @@ class Worker:
         self.leases = Leases(queue.huey.storage)
         self.rate = Rate()
         self.lease: Optional[Lease] = None  # the chunk this worker holds now
-        self.heartbeat = Heartbeat(self)
+        self.heartbeat = Heartbeat(self.leases, self.id, lambda: self.lease, self.record, self.reap)
 
     def stopping(self) -> bool:
         return self.stop_flag is not None and self.stop_flag.is_set()
@@ -208,42 +207,6 @@ class Worker:
         held = f"{lease.record['job']}:{lease.record['chunk']}" if lease is not None and not lease.lost else None
         return dict(host=socket.gethostname(), pid=os.getpid(), device=self.device, broker=self.queue.broker,
                     chunk=held, **self.rate.rates())  # fmt: skip
-
-
-class Heartbeat(threading.Thread):
-    """Renews the worker's lease every ttl / 6 s, writes its record, and every ttl / 2 s (at
-    least 2 s) requeues chunks whose holder's lease has expired. Queue errors (Redis restarting)
-    are logged and retried: the lease lapses by itself if they last."""
-
-    def __init__(self, worker: Worker):
-        super().__init__(name="heartbeat", daemon=True)
-        self.worker = worker
-        self.done = threading.Event()
-
-    def run(self) -> None:
-        w = self.worker
-        beat, reap_every = w.leases.ttl / 6, max(w.leases.ttl / 2, 2.0)
-        next_reap = time.monotonic() + reap_every
-        while not self.done.wait(beat):
-            try:
-                lease = w.lease
-                if lease is not None and not lease.lost and not w.leases.renew(lease):
-                    log.warning("lease on chunk %d of %s lost", lease.record["chunk"], lease.record["job"])
-                w.leases.put_worker(w.id, **w.record())
-                if time.monotonic() >= next_reap:
-                    next_reap = time.monotonic() + reap_every
-                    n = w.reap()
-                    if n:
-                        log.info("requeued %d unfinished chunk(s) with no task waiting and no live lease", n)
-            except Exception as e:  # the queue is down for a moment: try again next beat
-                log.warning("heartbeat: %s: %s", type(e).__name__, e)
-
-    def stop(self) -> None:
-        self.done.set()
-        try:
-            self.worker.leases.drop_worker(self.worker.id)
-        except Exception as e:
-            log.warning("could not remove the worker record: %s", e)
 
 
 def run_worker(
