@@ -10,7 +10,7 @@ on a key named after the expired lease's token, so exactly one claimant wins), c
 holder's journal and generates the rest. A hung holder that wakes finds its lease past its guard
 and writes nothing more. So the time after which a dead worker's chunk comes back is ``ttl``
 plus the reaper's period, and an item is written twice only if a holder stalls for more than
-``guard`` seconds between its check and the fsync of one row.
+``guard`` seconds between its check and the write that follows it (one row, or one part).
 
 Lease times are wall-clock seconds (``time.time()``): machines sharing a queue need clocks in
 step (NTP) to well within ``guard``.
