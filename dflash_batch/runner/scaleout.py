@@ -29,7 +29,7 @@ from .store import write_atomic
 
 HOME_MANIFEST = ".shared-home.json"
 HOME_KEY = "dflash-batch:home"
-# File systems on which SQLite's own locks are unreliable (the SQLite FAQ): network and FUSE.
+# Network file systems, on which SQLite's own locks are unreliable (the SQLite FAQ).
 NETWORK_FS = {"nfs", "nfs4", "cifs", "smb3", "smbfs", "9p", "afs", "ceph", "glusterfs", "lustre", "gpfs",
               "fuse.sshfs", "fuse.glusterfs", "fuse.cephfs", "fuse.s3fs", "fuse.rclone", "fuse.gcsfuse", "davfs"}  # fmt: skip
 
@@ -63,7 +63,7 @@ def fs_type(path: os.PathLike, mountinfo: Optional[str] = None) -> Optional[str]
 def check_sqlite_home(home: os.PathLike, mountinfo: Optional[str] = None) -> None:
     """Refuse a SQLite queue in a home on a network file system."""
     kind = fs_type(home, mountinfo)
-    if kind in NETWORK_FS or (kind or "").startswith("fuse."):
+    if kind in NETWORK_FS:  # (not every FUSE file system: fuse-overlayfs of rootless containers is local)
         raise SetupError(
             f"the queue {Path(home) / 'queue.db'} would be SQLite on a network file system ({kind}), where "
             f"its locking is unsafe: put the home on a local disk (--home), or the queue on Redis (--redis URL) "
