@@ -114,9 +114,12 @@ def submit(input: Source, *, home: Optional[Union[str, Path]] = None, redis_url:
     for a worker (``dflash-batch worker``): on SQLite in the home, or on Redis at ``redis_url``
     (default: $DFLASH_BATCH_REDIS_URL). Raises ``InputError``/``SpecError`` for bad input."""
     from .runner.queue import Queue
+    from .runner.scaleout import check_output_dir
 
     home = Path(home) if home else home_dir()
-    record = create_job(_spec(input, overrides), home)
+    spec = _spec(input, overrides)
+    check_output_dir(spec, home)
+    record = create_job(spec, home)
     if record.pending_chunks():
         Queue(home, redis_url=redis_url).enqueue_job(record)
     else:  # every row is in the output dir already: nothing to queue
@@ -268,6 +271,22 @@ def spec_layout(spec: JobSpec) -> Dict[str, Any]:
     out["model"] = {k: flat[k] for k in MODEL_KEYS}
     out["sampling"] = {k: flat[k] for k in SAMPLING_KEYS}
     return out
+
+
+def activity(home: Optional[Union[str, Path]] = None, redis_url: Optional[str] = None) -> Dict[str, Any]:
+    """Who works on what, from the queue's store: ``{"workers": [{id, host, device, chunk,
+    rows_per_s, tokens_per_s, ...}], "leases": [{job, chunk, worker, expires_in}]}`` (empty when
+    the home has no queue yet)."""
+    from .runner.lease import Leases
+    from .runner.queue import REDIS_ENV, Queue
+
+    home = Path(home) if home else home_dir()
+    if not (redis_url or os.environ.get(REDIS_ENV)) and not (home / "queue.db").exists():
+        return {"workers": [], "leases": []}
+    leases = Leases(Queue(home, redis_url=redis_url).huey.storage)
+    now = time.time()
+    held = [dict(r, expires_in=round(r["expires"] - now, 1)) for r in leases.leases()]
+    return {"workers": leases.workers(), "leases": sorted(held, key=lambda r: (r["job"], r["chunk"]))}
 
 
 def jobs(home: Optional[Union[str, Path]] = None) -> List[Job]:

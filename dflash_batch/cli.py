@@ -143,6 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "$DFLASH_BATCH_HOME/schedules is always read)")  # fmt: skip
     p.add_argument("--no-periodic", action="store_true", help="do not run cron schedules (other workers do)")
     p.add_argument("--shutdown-timeout", type=_seconds, default=30.0, help="seconds to finish the current item on stop")
+    p.add_argument("--device", type=int, metavar="N", help="pin this worker to GPU N (sets CUDA_VISIBLE_DEVICES; "
+                   "one worker per GPU, each with its own engine)")  # fmt: skip
 
     p = sub.add_parser("status", help="counts, mean tok/s and acceptance of one job or all")
     p.add_argument("job", nargs="?", metavar="JOB")
@@ -307,6 +309,10 @@ def run_exit_code(status: Dict[str, Any]) -> int:
 
 
 def cmd_worker(args) -> int:
+    if args.device is not None:  # before anything loads the backend
+        from .runner.scaleout import device_env
+
+        os.environ.update(device_env(args.device))
     from .api import load_model
     from .runner.jobs import home_dir
     from .runner.spec import recorded_model
@@ -331,6 +337,7 @@ def cmd_worker(args) -> int:
         schedules=[Path(p) for p in args.schedules],
         periodic=not args.no_periodic,
         shutdown_timeout=args.shutdown_timeout,
+        device=None if args.device is None else str(args.device),
     )
     # Everything is committed by now. Skip interpreter teardown: MLX's C++ runtime can abort
     # ("terminate called without an active exception") destroying streams whose thread ended.
@@ -357,6 +364,8 @@ def _status_line(s: Dict[str, Any]) -> str:
 def cmd_status(args) -> int:
     from .runner.jobs import home_dir, list_jobs, load_job
 
+    from .api import activity
+
     home = home_dir()
     if args.watch is not None:
         if args.job is None:
@@ -364,13 +373,23 @@ def cmd_status(args) -> int:
         return watch(load_job(home, args.job), args.watch, quiet=args.quiet, as_json=args.json)
     records = [load_job(home, args.job)] if args.job is not None else list_jobs(home)
     statuses = [r.status() for r in records]
+    now = activity(home)
+    for s in statuses:  # which worker holds which chunk of each job
+        s["holders"] = [{k: r.get(k) for k in ("chunk", "worker", "host", "expires_in")} for r in now["leases"] if r["job"] == s["id"]]
     if args.json:
+        if args.job is not None:
+            statuses[0]["workers"] = now["workers"]
         _print_json(statuses[0] if args.job is not None else statuses)
-    elif not statuses:
+        return 0
+    if not statuses:
         print(f"no jobs in {home}")
-    else:
-        for s in statuses:
-            print(_status_line(s))
+    for s in statuses:
+        print(_status_line(s))
+        for h in s["holders"]:
+            print(f"  chunk {h['chunk']} held by {h['worker']} (lease {h['expires_in']:.0f} s left)")
+    for w in now["workers"]:
+        print(f"worker {w['id']}  device {w.get('device') or '-'}  {w['rows_per_s']:.2f} rows/s  "
+              f"{w['tokens_per_s']:.1f} tok/s  {w['rows']} rows  on {w.get('chunk') or 'nothing'}")
     return 0
 
 

@@ -65,6 +65,14 @@ class ConfigChanged(DflashBatchError, RuntimeError):
     """The output dir was claimed by another config after this job was submitted."""
 
 
+class LeaseLost(DflashBatchError, RuntimeError):
+    """This worker's lease on a chunk expired (it hung, or lost the queue) and may be another's."""
+
+
+class SetupError(SpecError):
+    """A setup in which several workers could not run safely (a refusal, exit code 2)."""
+
+
 class JobFailed(DflashBatchError, RuntimeError):
     """A foreground job stopped by a job-level error (say, a model that does not load); the job
     is marked failed, and the error is the ``__cause__``."""

@@ -23,14 +23,18 @@ def test_one_task_feeds_the_jobs_pending_chunks_as_one_stream(tmp_path, home, fa
     engine = FakeEngine(batch=8)
     worker = Worker(Queue(home), lambda **model: engine)
     worker.run_chunk(job.id, 0)
-    # one call, all four chunks' rows in it: batches of 8 rows, not four batches of 2
-    assert len(engine.batch_sizes) == 1 and len(engine.requests) == 8
+    # one call, half of the four chunks' rows in it (the other half stays free for a second
+    # worker): one batch of 4 rows, not two batches of 2
+    assert len(engine.batch_sizes) == 1 and len(engine.requests) == 4
     record = load_job(home, job.id)
-    assert record.pending_chunks() == [] and job.status()["state"] == "completed"
-    # the other chunks' tasks are still queued; each finds its chunk done and generates nothing
+    assert record.pending_chunks() == [2, 3]
+    # the other chunks' tasks are still queued; one whose chunk is done generates nothing
     assert Queue(home).queued_task_ids() >= {task_id(job.id, c) for c in (1, 2, 3)}
+    worker.run_chunk(job.id, 1)
+    assert len(engine.requests) == 4
     worker.run_chunk(job.id, 2)
-    assert len(engine.requests) == 8 and job.to_pandas()["id"].is_unique
+    worker.run_chunk(job.id, 3)
+    assert len(engine.requests) == 8 and job.status()["state"] == "completed" and job.to_pandas()["id"].is_unique
 
 
 def test_with_another_job_waiting_a_task_runs_only_its_chunk(tmp_path, home, fake_models):

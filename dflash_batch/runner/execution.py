@@ -25,6 +25,7 @@ from ..errors import ConfigChanged
 from ..files import write_atomic
 from ..request import Request, sample_seed
 from .jobs import JobRecord
+from .lease import LeaseLost
 from .lock import DirLock
 from .rows import item_error_row, outcome_row
 from .store import Journal, key_of, row_key
@@ -52,21 +53,27 @@ def run_job(
     should_stop: Callable[[], bool] = lambda: False,
     on_row: Optional[Callable[[Dict[str, Any]], None]] = None,
     part_rows: Optional[int] = None,
+    lease: Optional[Callable[[], bool]] = None,
 ) -> RunResult:
     """Run the given chunks (default: all pending) of a job under the output dir's lock (raises
     ``lock.Locked`` at once if another live process holds it). Stops between rows when
     ``should_stop()`` or the job is cancelled; ``stopped`` then says there is work left (rows in
-    flight are dropped, not written: they are generated again by the next run)."""
+    flight are dropped, not written: they are generated again by the next run).
+
+    ``lease`` (a queue worker's): the chunks are held by a lease, not by the whole dir. The dir
+    lock is then shared with other workers (the foreground run takes it alone), only these chunks'
+    journals are recovered, and no row or part is written once ``lease()`` is false (raises
+    ``LeaseLost``)."""
     if record.cancelled():
         return RunResult(stopped=True)
     wanted = [c for c in (record.pending_chunks() if chunks is None else chunks) if not record.chunk_done(c)]
     result = RunResult()
     if wanted:
         spec = record.spec
-        with DirLock(record.output_dir):
+        with DirLock(record.output_dir, shared=lease is not None):
             _check_config(record)
             _feed(record, [c for c in wanted if not record.chunk_done(c)], engines, result,
-                  lambda: should_stop() or record.cancelled(), on_row, part_rows or spec.chunk_size)  # fmt: skip
+                  lambda: should_stop() or record.cancelled(), on_row, part_rows or spec.chunk_size, lease)  # fmt: skip
     if wanted and not result.stopped and not record.pending_chunks():
         finish_job(record)
     return result
@@ -86,12 +93,17 @@ def _check_config(record: JobRecord) -> None:
         )
 
 
-def _feed(record, chunks, engines, result: RunResult, should_stop, on_row, part_rows: int) -> None:
+def _feed(record, chunks, engines, result: RunResult, should_stop, on_row, part_rows: int, lease=None) -> None:
     """The loop itself (the lock is held)."""
     spec = record.spec
     store = record.store()
     store.ensure()
-    store.recover()
+    store.recover(chunks if lease is not None else None)  # other chunks' journals may be live
+
+    def held() -> bool:  # may this process still write rows of these chunks?
+        if lease is None or lease():
+            return True
+        raise LeaseLost(f"lease on chunk(s) {chunks} of {record.id} lost: another worker has them now")
     done = store.done_ids()
     only = record.retry_ids()
     config_hash = record.data["config_hash"]
@@ -109,6 +121,7 @@ def _feed(record, chunks, engines, result: RunResult, should_stop, on_row, part_
     journals: Dict[int, Journal] = {}
 
     def close_chunk(c: int) -> None:
+        held()
         if c in journals:
             store.commit_journal(journals.pop(c), c)
         record.mark_chunk_done(c)
@@ -116,6 +129,7 @@ def _feed(record, chunks, engines, result: RunResult, should_stop, on_row, part_
 
     def commit(row: Dict[str, Any]) -> None:
         c = chunk_of[key_of(row)]
+        held()
         journal = journals.get(c) or journals.setdefault(c, store.journal(c))
         journal.append(row)
         done.add(key_of(row))
@@ -126,7 +140,7 @@ def _feed(record, chunks, engines, result: RunResult, should_stop, on_row, part_
         left[c] -= 1
         if left[c] == 0:
             close_chunk(c)
-        elif len(journal.rows) >= part_rows:
+        elif len(journal.rows) >= part_rows and held():
             store.commit_journal(journals.pop(c), c)
 
     handed: Dict[str, float] = {}
@@ -160,8 +174,10 @@ def _feed(record, chunks, engines, result: RunResult, should_stop, on_row, part_
                     result.stopped = True
                     break
     finally:
+        keep = lease is None or lease()  # a lost lease: the journal is the next holder's to commit
         for c in list(journals):
-            store.commit_journal(journals.pop(c), c)
+            journal = journals.pop(c)
+            store.commit_journal(journal, c) if keep else journal.close()
     if any(left.values()) and not result.stopped:
         result.stopped = True  # the engine yielded fewer rows than it was given: never finish a chunk short
         log.error("job %s: the engine returned %d rows too few", record.id, sum(left.values()))

@@ -149,7 +149,7 @@ class JobRecord:
         ok = [r for r in rows if r["status"] == "ok"]
         failed = len(rows) - len(ok)
         done = len({r["id"] for r in rows})  # items with a row (each of an item's n samples has one)
-        if done >= self.total:
+        if done >= self.total and not self.pending_chunks():  # every row, and every chunk's part committed
             state = "completed"
         elif self.cancelled():
             state = "cancelled"

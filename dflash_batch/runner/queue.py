@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Optional
 
 from .jobs import JobRecord, list_jobs
+from .scaleout import check_sqlite_home, claim_home
 from .spec import SpecError
 
 CHUNK_TASK = "dflash_batch.chunk"
@@ -50,9 +51,11 @@ class Queue:
         if redis_url:
             self.huey = redis_huey(redis_url)
             self.broker = redis_url
+            claim_home(self.huey.storage, self.home)  # one Redis db serves one (shared) home
         else:
             from huey import SqliteHuey
 
+            check_sqlite_home(self.home)
             # filename= must be given by keyword: the first positional argument is the queue name.
             self.huey = SqliteHuey(name="dflash-batch", filename=str(self.home / "queue.db"), results=False, timeout=30)
             self.broker = str(self.home / "queue.db")
@@ -96,16 +99,17 @@ class Queue:
         """Whether a task of another job waits in the queue or the schedule."""
         return any(not t.startswith(f"{job_id}:") for t in self.queued_task_ids())
 
-    def requeue_unfinished(self) -> int:
-        """Put back every unfinished chunk of every live job that has no task waiting: the
-        recovery after a killed worker. Extra copies are harmless (done ids are skipped)."""
+    def requeue_unfinished(self, held: Callable[[JobRecord, int], bool] = lambda record, chunk: False) -> int:
+        """Put back every unfinished chunk of every live job that has no task waiting and is not
+        ``held`` (under a live lease): the recovery after a killed or hung worker. Extra copies are
+        harmless (a held chunk's task is dropped, done ids are skipped)."""
         queued = self.queued_task_ids()
         n = 0
         for record in list_jobs(self.home):
             if record.cancelled() or record.failure():
                 continue
             for c in record.pending_chunks():
-                if task_id(record.id, c) not in queued:
+                if task_id(record.id, c) not in queued and not held(record, c):
                     self.enqueue_chunk(record, c)
                     n += 1
         return n

@@ -209,12 +209,16 @@ class ResultStore:
         journal.rows = []
         return part
 
-    def recover(self) -> int:
-        """Commit journals left by a dead process (call with the lock held). Rows whose id a
-        part already has (the process died between the commit and the unlink) are dropped."""
+    def recover(self, chunks: Optional[Iterable[int]] = None) -> int:
+        """Commit journals left by a dead process (call with the lock held; a queue worker holds
+        only its chunks' leases and recovers only ``chunks``' journals). Rows whose id a part
+        already has (the process died between the commit and the unlink) are dropped."""
         recovered = 0
         committed = None
+        mine = None if chunks is None else {f"c{c:05d}-" for c in chunks}
         for path in self.journals():
+            if mine is not None and path.name[:7] not in mine:
+                continue
             rows = read_journal(path)
             if rows:
                 committed = self.committed_ids() if committed is None else committed
