@@ -92,9 +92,11 @@ def prefill(target: Target, prompt: List[int], cache: list, lengths: Lengths, ch
 
 
 def draft_block(
-    drafter, target: Target, last: mx.array, context: mx.array, counts: Optional[mx.array], cache: list, rows: int
-) -> mx.array:
-    """Propose ``rows`` tokens per row in one drafter pass: ids [B, rows] (position 0's output is unused).
+    drafter, target: Target, last: mx.array, context: mx.array, counts: Optional[mx.array], cache: list, rows: int,
+    candidates: int = 0,
+):
+    """Propose ``rows`` tokens per row in one drafter pass: ids [B, rows] (position 0's output is unused);
+    with ``candidates`` k > 0, also the k likeliest ids per position and their logits [B, rows, k].
 
     ``context`` [B, S] holds each row's new context rows, row b's first ``counts[b]`` valid (None:
     all S). The drafter always runs the whole block; only the LM head is cut to the rows verified.
@@ -102,7 +104,13 @@ def draft_block(
     B = drafter.args.block_size
     block = mx.concatenate([last, mx.full((last.shape[0], B - 1), drafter.args.mask_token_id, dtype=last.dtype)], axis=1)
     h = drafter(target.embed(block), context, cache, counts)
-    return mx.argmax(target.lm_head(h[:, 1 : 1 + rows, :]), axis=-1).astype(last.dtype)
+    logits = target.lm_head(h[:, 1 : 1 + rows, :])
+    ids = mx.argmax(logits, axis=-1).astype(last.dtype)
+    if not candidates:
+        return ids
+    # the ``candidates`` likeliest tokens per position, for rows that pick their drafts under a grammar
+    best = mx.argpartition(-logits, kth=candidates - 1, axis=-1)[..., :candidates]
+    return ids, best, mx.take_along_axis(logits, best, axis=-1)
 
 
 def accept_lengths(drafted: List[List[int]], chosen: List[List[int]], limits: Sequence[int]) -> List[int]:

@@ -53,6 +53,31 @@ class Grammars:
             fill_next_token_bitmask_par(self.executor, here, bits)
         return unpack(bits.reshape(B, T, self.words), self.vocab_size)
 
+    def draft(self, matcher, ids: List[int], best: List[List[int]], values: List[List[float]]) -> List[int]:
+        """A constrained row's drafts: at each position the drafter's likeliest token among its
+        candidates that the grammar allows after the drafts before it (the matcher is walked
+        along them, then rolled back). Where no candidate is allowed (or the grammar is done) the
+        rest stay the drafter's own argmax: the verify pass rejects them as it would any draft."""
+        from llguidance.numpy import fill_next_token_bitmask
+
+        bits = np.zeros((1, self.words), np.int32)
+        out, walked = list(ids), 0
+        for i, (cands, vals) in enumerate(zip(best, values)):
+            if matcher.is_stopped():
+                break
+            fill_next_token_bitmask(matcher, bits, 0)
+            words = bits[0].view(np.uint32)
+            allowed = [(-v, t) for t, v in zip(cands, vals) if t < 32 * len(words) and (words[t >> 5] >> (t & 31)) & 1]
+            if not allowed:
+                break
+            out[i] = min(allowed)[1]  # likeliest allowed (ties: lowest id)
+            if not matcher.consume_token(out[i]):
+                raise RuntimeError(f"grammar refused an allowed draft token: {matcher.get_error()}")
+            walked += 1
+        if walked:
+            matcher.rollback(walked)
+        return out
+
     @staticmethod
     def commit(matcher, tokens: List[int]) -> None:
         """Advance a row's matcher over the tokens it committed (each allowed by its mask)."""
