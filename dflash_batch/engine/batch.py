@@ -274,7 +274,7 @@ class BatchDecoder:
         drafted = decode.draft_block(
             self.drafter, self.target, last, context,
             None if uniform else mx.array(counts, dtype=mx.int32), self.draft_cache, rows,
-            candidates=DRAFT_CANDIDATES if walking else 0,
+            **({"candidates": DRAFT_CANDIDATES} if walking else {}),
         )
         if walking:  # constrained rows draft along their grammar (engine/grammar.py: Grammars.draft)
             ids, best, values = drafted
