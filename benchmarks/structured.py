@@ -9,9 +9,12 @@ every cycle. Both run to ``--max-tokens`` (the schema's records outlast it), alt
 
     ratio = (seconds per token, constrained) / (seconds per token, unconstrained)
 
-What the constrained run adds: the host fetch of the drafts before the verify pass, the grammar
-masks along the drafts (llguidance, computed while the pass runs), their upload and application,
-and the matchers' advance over the committed tokens.
+What the constrained run adds: the drafter's proposals picked under the grammar (``Grammars.draft``;
+the scripted drafts then replace them, so this cost is paid and its gain not seen; off with
+``--no-draft-walk``), the host fetch of the drafts before the verify pass, the grammar masks
+along the drafts (llguidance, computed while the pass runs), their upload and application, and
+the matchers' advance over the committed tokens. ``real_drafter``: both kinds with the real
+drafter, each at its own acceptance (the first run of the process: compiling included).
 
 ``--target`` / ``--draft``: model folders (default: the embedded default pair, a 49k-token
 vocabulary). Prints one JSON object; ``--out`` writes it to a file.
@@ -98,9 +101,12 @@ def main(argv=None) -> Dict[str, Any]:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--p-wrong", type=float, default=0.05, help="share of scripted drafts made wrong")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--no-draft-walk", action="store_true",
+                    help="constrained rows keep the drafter's argmax drafts (Engine.grammar_drafts = False)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     engine = load_engine(args.target, args.draft, adaptive_block=False)
+    engine.grammar_drafts = not args.no_draft_walk
     if engine.drafter is None:
         raise SystemExit("needs a drafter")
     prompts = [engine.encode(p) for p in PROMPTS[: args.prompts]]
@@ -124,7 +130,7 @@ def main(argv=None) -> Dict[str, Any]:
     out = {
         "machine": {"device": str(mx.default_device()), "platform": platform.platform(), "mlx": mx.__version__},
         "target": engine.description["target"], "vocab": engine.target.vocab_size, "block": engine.block_size,
-        "rows": len(prompts), "max_tokens": args.max_tokens, "p_wrong": args.p_wrong, "reps": args.reps,
+        "draft_walk": engine.grammar_drafts, "rows": len(prompts), "max_tokens": args.max_tokens, "p_wrong": args.p_wrong, "reps": args.reps,
         "tokens_per_cycle": {k: [r["tokens_per_cycle"] for r in v] for k, v in timings.items()},
         "ms_per_token": {k: round(1000 * v, 3) for k, v in per_token.items()},
         "ratio": round(per_token["constrained"] / per_token["unconstrained"], 3),

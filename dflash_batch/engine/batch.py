@@ -30,9 +30,6 @@ from .output import RowOutput
 from .scheduler import Acceptance, Scheduler
 
 
-DRAFT_CANDIDATES = 32  # the drafter's likeliest tokens per position a constrained row picks its draft from
-
-
 @dataclass
 class Request:
     """One prompt as the engine decodes it: token ids and its own options."""
@@ -270,17 +267,20 @@ class BatchDecoder:
         context = self.pending
         if context is None:  # no row has new context (all just joined)
             context = mx.zeros((len(counts), 0, self.context_shape.shape[-1]), self.context_shape.dtype)
-        walking = [b for b, r in enumerate(self.rows) if r is not None and r.matcher is not None]
+        walking = [b for b, r in enumerate(self.rows) if r is not None and r.matcher is not None] if self.engine.grammar_drafts else []
         drafted = decode.draft_block(
             self.drafter, self.target, last, context,
             None if uniform else mx.array(counts, dtype=mx.int32), self.draft_cache, rows,
-            **({"candidates": DRAFT_CANDIDATES} if walking else {}),
+            **({"with_logits": True} if walking else {}),
         )
         if walking:  # constrained rows draft along their grammar (engine/grammar.py: Grammars.draft)
-            ids, best, values = drafted
-            ids, best, values = ids.tolist(), best.tolist(), values.astype(mx.float32).tolist()
-            for b in walking:
-                ids[b] = self.engine.grammars.draft(self.rows[b].matcher, ids[b], best[b], values[b])
+            ids, logits = drafted
+            ids = ids.tolist()
+            picked = self.engine.grammars.draft(
+                [self.rows[b].matcher for b in walking], [ids[b] for b in walking], logits[mx.array(walking, dtype=mx.int32)]
+            )
+            for b, d in zip(walking, picked):
+                ids[b][: len(d)] = d
             drafted = mx.array(ids, dtype=last.dtype)
         self.draft_lengths.advance(counts)
         self.pending, self.pending_counts = None, [0] * self.slots

@@ -93,10 +93,10 @@ def prefill(target: Target, prompt: List[int], cache: list, lengths: Lengths, ch
 
 def draft_block(
     drafter, target: Target, last: mx.array, context: mx.array, counts: Optional[mx.array], cache: list, rows: int,
-    candidates: int = 0,
+    with_logits: bool = False,
 ):
     """Propose ``rows`` tokens per row in one drafter pass: ids [B, rows] (position 0's output is unused);
-    with ``candidates`` k > 0, also the k likeliest ids per position and their logits [B, rows, k].
+    ``with_logits``: also the drafter's logits [B, rows, V] (for rows that draft under a grammar).
 
     ``context`` [B, S] holds each row's new context rows, row b's first ``counts[b]`` valid (None:
     all S). The drafter always runs the whole block; only the LM head is cut to the rows verified.
@@ -106,11 +106,7 @@ def draft_block(
     h = drafter(target.embed(block), context, cache, counts)
     logits = target.lm_head(h[:, 1 : 1 + rows, :])
     ids = mx.argmax(logits, axis=-1).astype(last.dtype)
-    if not candidates:
-        return ids
-    # the ``candidates`` likeliest tokens per position, for rows that pick their drafts under a grammar
-    best = mx.argpartition(-logits, kth=candidates - 1, axis=-1)[..., :candidates]
-    return ids, best, mx.take_along_axis(logits, best, axis=-1)
+    return (ids, logits) if with_logits else ids
 
 
 def accept_lengths(drafted: List[List[int]], chosen: List[List[int]], limits: Sequence[int]) -> List[int]:

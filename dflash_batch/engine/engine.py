@@ -84,6 +84,8 @@ class Engine:
         self.shapes_seen: set = set()  # (rows, width, key bucket) of the cycles run so far
         self.description = dict(description or {}, block_size=self.block_size, adaptive_block=self.adaptive_block)
         self._grammars = None  # engine/grammar.py, built when a request first has a grammar
+        # constrained rows pick their drafts under their grammar (Grammars.draft); False: the drafter's argmax
+        self.grammar_drafts = True
 
     @property
     def grammars(self):

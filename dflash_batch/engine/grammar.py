@@ -53,29 +53,38 @@ class Grammars:
             fill_next_token_bitmask_par(self.executor, here, bits)
         return unpack(bits.reshape(B, T, self.words), self.vocab_size)
 
-    def draft(self, matcher, ids: List[int], best: List[List[int]], values: List[List[float]]) -> List[int]:
-        """A constrained row's drafts: at each position the drafter's likeliest token among its
-        candidates that the grammar allows after the drafts before it (the matcher is walked
-        along them, then rolled back). Where no candidate is allowed (or the grammar is done) the
-        rest stay the drafter's own argmax: the verify pass rejects them as it would any draft."""
+    def draft(self, matchers: list, ids: List[List[int]], logits: mx.array) -> List[List[int]]:
+        """Drafts of constrained rows: at each position the drafter's likeliest token the grammar
+        allows after the drafts before it. ``ids`` [C][rows]: the drafter's argmax, kept where the
+        grammar allows it (a bit test); elsewhere the argmax of that position's logits (``logits``
+        [C, rows, V], read only there) under the mask. The matchers are walked along the drafts,
+        then rolled back. A row whose grammar is done stops early; its remaining drafts stay the
+        drafter's own."""
         from llguidance.numpy import fill_next_token_bitmask
 
         bits = np.zeros((1, self.words), np.int32)
-        out, walked = list(ids), 0
-        for i, (cands, vals) in enumerate(zip(best, values)):
-            if matcher.is_stopped():
-                break
-            fill_next_token_bitmask(matcher, bits, 0)
-            words = bits[0].view(np.uint32)
-            allowed = [(-v, t) for t, v in zip(cands, vals) if t < 32 * len(words) and (words[t >> 5] >> (t & 31)) & 1]
-            if not allowed:
-                break
-            out[i] = min(allowed)[1]  # likeliest allowed (ties: lowest id)
-            if not matcher.consume_token(out[i]):
-                raise RuntimeError(f"grammar refused an allowed draft token: {matcher.get_error()}")
-            walked += 1
-        if walked:
-            matcher.rollback(walked)
+        out: List[List[int]] = []
+        host = None  # the logits on the host, fetched once when a position first needs them
+        for c, matcher in enumerate(matchers):
+            walked: List[int] = []
+            for i, tok in enumerate(ids[c]):
+                if matcher.is_stopped():
+                    break
+                fill_next_token_bitmask(matcher, bits, 0)
+                words = bits[0].view(np.uint32)
+                if not (words[tok >> 5] >> (tok & 31)) & 1:
+                    if not words.any():
+                        break
+                    allowed = np.flatnonzero(np.unpackbits(bits[0].view(np.uint8), bitorder="little")[: self.vocab_size])
+                    if host is None:
+                        host = np.array(logits.astype(mx.float32))
+                    tok = int(allowed[np.argmax(host[c, i, allowed])])  # ties: the lowest id, as mx.argmax
+                if not matcher.consume_token(tok):
+                    break
+                walked.append(tok)
+            if walked:
+                matcher.rollback(len(walked))
+            out.append(walked)
         return out
 
     @staticmethod
