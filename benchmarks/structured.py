@@ -9,11 +9,11 @@ every cycle. Both run to ``--max-tokens`` (the schema's records outlast it), alt
 
     ratio = (seconds per token, constrained) / (seconds per token, unconstrained)
 
-What the constrained run adds: the drafter's proposals picked under the grammar (``Grammars.draft``;
-the scripted drafts then replace them, so this cost is paid and its gain not seen; off with
-``--no-draft-walk``), the host fetch of the drafts before the verify pass, the grammar masks
+What the constrained run adds: the host fetch of the drafts before the verify pass, the grammar masks
 along the drafts (llguidance, computed while the pass runs), their upload and application, and
-the matchers' advance over the committed tokens. ``real_drafter``: both kinds with the real
+the matchers' advance over the committed tokens; with ``--draft-walk`` also the drafter's
+proposals picked under the grammar (``Grammars.draft``; the scripted drafts then replace them, so
+its cost is paid and its gain not seen). ``real_drafter``: both kinds with the real
 drafter, each at its own acceptance (the first run of the process: compiling included).
 
 ``--target`` / ``--draft``: model folders (default: the embedded default pair, a 49k-token
@@ -101,12 +101,12 @@ def main(argv=None) -> Dict[str, Any]:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--p-wrong", type=float, default=0.05, help="share of scripted drafts made wrong")
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--no-draft-walk", action="store_true",
-                    help="constrained rows keep the drafter's argmax drafts (Engine.grammar_drafts = False)")
+    ap.add_argument("--draft-walk", action="store_true",
+                    help="constrained rows pick their drafts under the grammar (Engine.grammar_drafts = True)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     engine = load_engine(args.target, args.draft, adaptive_block=False)
-    engine.grammar_drafts = not args.no_draft_walk
+    engine.grammar_drafts = args.draft_walk
     if engine.drafter is None:
         raise SystemExit("needs a drafter")
     prompts = [engine.encode(p) for p in PROMPTS[: args.prompts]]

@@ -150,6 +150,7 @@ def test_constrained_rows_draft_along_their_grammar(tiny_pair, monkeypatch):
     pass with a matcher at the row's committed output) is high, and low without it; the output
     stays plain constrained greedy."""
     spec = load_engine(str(tiny_pair[0]), str(tiny_pair[1]), adaptive_block=False)
+    spec.grammar_drafts = True
     plain = load_engine(str(tiny_pair[0]), draft=None)
     real = Grammars.masks
     seen = []

@@ -84,8 +84,9 @@ class Engine:
         self.shapes_seen: set = set()  # (rows, width, key bucket) of the cycles run so far
         self.description = dict(description or {}, block_size=self.block_size, adaptive_block=self.adaptive_block)
         self._grammars = None  # engine/grammar.py, built when a request first has a grammar
-        # constrained rows pick their drafts under their grammar (Grammars.draft); False: the drafter's argmax
-        self.grammar_drafts = True
+        # True: constrained rows pick their drafts under their grammar (Grammars.draft). Off by default:
+        # on the default pair it raised tokens per cycle but cost more per cycle (docs/sampling.md).
+        self.grammar_drafts = False
 
     @property
     def grammars(self):
