@@ -98,7 +98,7 @@ def main(argv=None) -> Dict[str, Any]:
     ap.add_argument("--target", default=None, help="model folder (default: the embedded default pair)")
     ap.add_argument("--draft", default="auto")
     ap.add_argument("--prompts", type=int, default=4, help="rows decoded together (at most 4)")
-    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--p-wrong", type=float, default=0.05, help="share of scripted drafts made wrong")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--draft-walk", action="store_true",
