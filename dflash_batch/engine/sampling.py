@@ -58,16 +58,21 @@ def _penalize(logits: mx.array, requests, histories, drafted) -> mx.array:
         logit -= p * [count > 0] + f * count
     with counts over the committed output plus the drafts before each position."""
     B, T, V = logits.shape
-    base = np.zeros((B, V), np.float32)  # output counts of the committed prefix
-    seen_prompt = np.zeros((B, V), bool)
+    # output counts of the committed prefix and the prompt's tokens, scattered from sparse lists
+    rows, tokens, numbers, prompt_rows, prompt_tokens = [], [], [], [], []
     for b, r in enumerate(requests):
         if r is None or not penalized(r):
             continue
-        tokens, counts = np.unique(np.asarray(histories[b], np.int64), return_counts=True)
-        base[b, tokens] = counts
+        ids, n = np.unique(np.asarray(histories[b], np.int64), return_counts=True)
+        rows += [b] * len(ids)
+        tokens += ids.tolist()
+        numbers += n.tolist()
         if r.repetition_penalty != 1.0:
-            seen_prompt[b, np.asarray(r.ids, np.int64)] = True
-    counts = mx.array(base)[:, None, :]
+            unique = np.unique(np.asarray(r.ids, np.int64)).tolist()
+            prompt_rows += [b] * len(unique)
+            prompt_tokens += unique
+    counts = _scatter(B, V, rows, tokens, numbers)[:, None, :]
+    seen_prompt = _scatter(B, V, prompt_rows, prompt_tokens, [1.0] * len(prompt_tokens)) > 0
     if drafted is not None and drafted.shape[1] > 0:
         # position i also counts drafts d_1..d_i: a running sum of one-hot rows, shifted by one
         onehot = (drafted[..., None] == mx.arange(V, dtype=drafted.dtype)).astype(mx.float32)
@@ -77,9 +82,17 @@ def _penalize(logits: mx.array, requests, histories, drafted) -> mx.array:
     def per_row(name, default):
         return mx.array([getattr(r, name) if r is not None else default for r in requests], mx.float32)[:, None, None]
     rep = per_row("repetition_penalty", 1.0)
-    seen = (counts > 0) | mx.array(seen_prompt)[:, None, :]
+    seen = (counts > 0) | seen_prompt[:, None, :]
     out = mx.where(seen, mx.where(logits > 0, logits / rep, logits * rep), logits)
     return out - per_row("presence_penalty", 0.0) * (counts > 0) - per_row("frequency_penalty", 0.0) * counts
+
+
+def _scatter(B: int, V: int, rows: List[int], tokens: List[int], values: List[float]) -> mx.array:
+    """A [B, V] float32 array, zero but for values[i] at (rows[i], tokens[i])."""
+    out = mx.zeros((B, V), mx.float32)
+    if not rows:
+        return out
+    return out.at[mx.array(rows, mx.int32), mx.array(tokens, mx.int32)].add(mx.array(values, mx.float32))
 
 
 def _filter(logits: mx.array, requests) -> mx.array:
@@ -115,5 +128,7 @@ def logprobs(logits: mx.array, chosen: mx.array, top: int):
     picked = mx.take_along_axis(lp, chosen[..., None].astype(mx.int32), axis=-1)[..., 0]
     if top <= 0:
         return picked, None, None
-    best = mx.argsort(-lp, axis=-1)[..., :top]
-    return picked, best, mx.take_along_axis(lp, best, axis=-1)
+    best = mx.argpartition(-lp, kth=top - 1, axis=-1)[..., :top]  # the top k, unordered
+    values = mx.take_along_axis(lp, best, axis=-1)
+    order = mx.argsort(-values, axis=-1)  # best first
+    return picked, mx.take_along_axis(best, order, axis=-1), mx.take_along_axis(values, order, axis=-1)
