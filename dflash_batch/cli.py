@@ -73,6 +73,17 @@ def _overrides(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int)
     g.add_argument("--n", type=int, help="samples per row for rows without their own n, each its own result row (default 1)")
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    # sampling controls, logprobs, structured output: defaults for rows without their own (docs/sampling.md)
+    g.add_argument("--top-k", type=int, help="sample among the k likeliest tokens (0: off)")
+    g.add_argument("--top-p", type=float, help="nucleus sampling: the likeliest tokens up to this mass (1: off)")
+    g.add_argument("--min-p", type=float, help="drop tokens below min_p times the top token's probability (0: off)")
+    g.add_argument("--repetition-penalty", type=float, help="divide logits of tokens seen in prompt or output (1: off)")
+    g.add_argument("--presence-penalty", type=float, help="subtract from logits of tokens in the output (-2..2)")
+    g.add_argument("--frequency-penalty", type=float, help="subtract this times the token's output count (-2..2)")
+    g.add_argument("--logprobs", action="store_const", const=True, help="record each output token's logprob")
+    g.add_argument("--top-logprobs", type=int, help="and the logprobs of this many best alternatives (0..20)")
+    g.add_argument("--response-format", type=_json_value, metavar="JSON|@FILE",
+                   help='constrain output, e.g. \'{"type": "json_schema", "json_schema": {"schema": {...}}}\'')
     g.add_argument("--chunk-size", type=int, help="rows per queue task and per committed part (default 64)")
     g.add_argument("--batch-size", type=int,
                    help="most rows decoded together (default: what memory allows, at most 16 on CPU, 32 on a GPU)")  # fmt: skip
@@ -87,8 +98,21 @@ OVERRIDE_KEYS = (
     "name", "output_dir", "input_format", "id_field", "prompt_field", "messages_field", "prompt_template",
     "system_prompt", "chat_template", "target", "target_revision", "draft", "draft_revision", "dtype",
     "block_size", "max_tokens", "max_tokens_cap", "temperature", "seed", "stop", "chunk_size", "batch_size", "retries",
-    "export_openai", "force", "n", "prefix_cache_mb",
+    "export_openai", "force", "n", "prefix_cache_mb", "top_k", "top_p", "min_p", "repetition_penalty",
+    "presence_penalty", "frequency_penalty", "logprobs", "top_logprobs", "response_format",
 )  # fmt: skip
+
+
+def _json_value(text: str):
+    """A flag's JSON value, given inline or as @file."""
+    import json
+
+    if text.startswith("@"):
+        text = Path(text[1:]).expanduser().read_text()
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
 
 
 def _override_values(args) -> Dict[str, Any]:

@@ -73,6 +73,9 @@ class Completion:
     stats: GenerationStats
     stop_reason: Optional[str] = None  # the stop string or "eos" that ended it, if any
     sample_index: int = 0  # which of the prompt's n samples this is
+    # With logprobs asked: one entry per token id, {"token", "token_id", "logprob", "top_logprobs":
+    # [{"token", "token_id", "logprob"}, ...]}, raw log-probabilities of the target (docs/sampling.md)
+    logprobs: Optional[List[dict]] = None
 
 
 @dataclass
@@ -84,3 +87,4 @@ class Piece:
     finish_reason: Optional[str] = None
     stats: Optional[GenerationStats] = None  # set on the last piece
     stop_reason: Optional[str] = None  # "eos" or the stop string, on the last piece
+    logprobs: Optional[List[dict]] = None  # one per token id, when asked (see Completion)

@@ -5,8 +5,9 @@ them into ``Completion``s.
 
 The options of a request are settled here, by one rule, in one place:
 
-* a row's own ``max_tokens``, ``temperature``, ``stop``, ``system`` and ``n`` are checked as the row is
-  read (``row_options``; a bad one makes the row an error row naming the field);
+* a row's own ``max_tokens``, ``temperature``, ``stop``, ``system``, ``n`` and sampling controls
+  (``CONTROLS``: top-k/p, min-p, penalties, logprobs, ``response_format``) are checked as the row
+  is read (``row_options``, ``control``; a bad one makes the row an error row naming the field);
 * they win over the job's values (the flag, else the YAML, else the default: the job spec, whose
   values ``runner.spec.validate`` checks with the same ``checks``), and ``max_tokens_cap``
   bounds ``max_tokens`` whoever set it (``resolve_options``).
@@ -18,13 +19,26 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Protocol, Tuple, Union, runtime_checkable
 
-from . import checks
+from . import checks, constraints
 from .completion import Completion
 from .errors import BadOption
 
 Prompt = Union[str, List[Dict[str, str]]]
-ROW_OPTIONS = ("max_tokens", "temperature", "stop", "system", "n")
+# Sampling controls (docs/sampling.md) and their "off" values; a row's own win over the job's.
+CONTROLS: Dict[str, Any] = {
+    "top_k": 0,
+    "top_p": 1.0,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "logprobs": False,
+    "top_logprobs": 0,
+    "response_format": None,
+}
+ROW_OPTIONS = ("max_tokens", "temperature", "stop", "system", "n") + tuple(CONTROLS)
 MAX_SAMPLES = 1024  # n: samples per prompt, at most
+MAX_TOP_LOGPROBS = 20  # as OpenAI
 
 
 @dataclass
@@ -39,9 +53,18 @@ class Options:
     chat_template: Optional[bool] = None
     chat_template_kwargs: Optional[Dict[str, Any]] = None
     n: int = 1  # samples of the prompt, each its own result row (``sample_seed`` seeds them)
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: bool = False
+    top_logprobs: int = 0
+    response_format: Optional[Dict[str, Any]] = None
 
     def as_kwargs(self) -> Dict[str, Any]:
-        return {
+        out = {
             "max_tokens": self.max_tokens,
             "temperature": self.temperature,
             "stop": self.stop,
@@ -50,6 +73,9 @@ class Options:
             "chat_template": self.chat_template,
             "chat_template_kwargs": self.chat_template_kwargs,
         }
+        # controls only where set, so an engine without them (a fake in the tests) still works
+        out.update({k: getattr(self, k) for k, off in CONTROLS.items() if getattr(self, k) != off})
+        return out
 
 
 @dataclass
@@ -96,6 +122,38 @@ def sample_seed(seed: Optional[int], sample_index: int, item: str = "") -> Optio
     return int.from_bytes(digest, "little")
 
 
+def control(name: str, value: Any) -> Any:
+    """A sampling control's value, checked (raises ``checks.BadValue`` without naming the key):
+    top_k an integer >= 0 (0: off), top_p in (0, 1], min_p in [0, 1), repetition_penalty > 0,
+    presence / frequency penalty in [-2, 2] (OpenAI's range), logprobs a boolean, top_logprobs
+    0..20, response_format as ``constraints.grammar`` accepts it."""
+    if name == "response_format":
+        constraints.grammar(value)  # compiles it: a bad schema is refused here, before any generation
+        return value
+    if name == "logprobs":
+        if not isinstance(value, bool):
+            raise checks.BadValue(f"must be true or false, got {checks.show(value)}")
+        return value
+    if name in ("top_k", "top_logprobs"):
+        top = MAX_TOP_LOGPROBS if name == "top_logprobs" else None
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0 or (top is not None and value > top):
+            says = f"from 0 to {top}" if top else ">= 0"
+            raise checks.BadValue(f"must be an integer {says}, got {checks.show(value)}")
+        return value
+    number = checks.finite_number(value)
+    ranges = {
+        "top_p": (lambda x: 0 < x <= 1, "in (0, 1]"),
+        "min_p": (lambda x: 0 <= x < 1, "in [0, 1)"),
+        "repetition_penalty": (lambda x: x > 0, "> 0"),
+        "presence_penalty": (lambda x: -2 <= x <= 2, "in [-2, 2]"),
+        "frequency_penalty": (lambda x: -2 <= x <= 2, "in [-2, 2]"),
+    }
+    ok, says = ranges[name]
+    if not ok(number):
+        raise checks.BadValue(f"must be a number {says}, got {checks.show(value)}")
+    return number
+
+
 def row_options(row: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
     """A row's own sampling options (``ROW_OPTIONS``), checked; raises ``BadOption``."""
     out: Dict[str, Any] = {}
@@ -126,6 +184,12 @@ def row_options(row: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
         if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_SAMPLES:
             raise BadOption(f"'{prefix}n' must be an integer from 1 to {MAX_SAMPLES}, got {value!r}")
         out["n"] = value
+    for name in CONTROLS:
+        if row.get(name) is not None:
+            try:
+                out[name] = control(name, row[name])
+            except checks.BadValue as e:
+                raise BadOption(f"'{prefix}{name}' {e}") from None
     return out
 
 
@@ -144,4 +208,5 @@ def resolve_options(job: Any, row: Dict[str, Any]) -> Options:
         chat_template=job.chat_template,
         chat_template_kwargs=job.chat_template_kwargs or None,
         n=row.get("n", getattr(job, "n", 1)),
+        **{k: row.get(k, getattr(job, k, off)) for k, off in CONTROLS.items()},
     )

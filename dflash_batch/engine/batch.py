@@ -23,7 +23,7 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 import mlx.core as mx
 
 from ..completion import Piece
-from . import decode, prefill
+from . import decode, prefill, sampling
 from .batch_cache import Lengths, round_up
 from .decode import Step
 from .output import RowOutput
@@ -41,6 +41,15 @@ class Request:
     stop: Sequence[str] = ()
     index: int = 0  # the caller's position for it
     sample: int = 0  # which sample of its prompt (the same ids, its own seed)
+    # sampling controls (engine/sampling.py), off by default
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: Optional[int] = None  # None: none; k: the emitted token's and the k best alternatives'
+    grammar: Optional[str] = None  # llguidance grammar (dflash_batch/constraints.py)
 
 
 @dataclass
@@ -53,6 +62,8 @@ class Row:
     last: int = 0  # the newest committed token, not yet in the target cache
     produced: int = 0  # tokens committed so far (the prefill's first one included)
     acceptance: Acceptance = field(default_factory=Acceptance)
+    history: List[int] = field(default_factory=list)  # committed output tokens (for penalties)
+    matcher: Optional[object] = None  # the grammar state at the committed output (engine/grammar.py)
 
     @property
     def budget(self) -> int:
@@ -142,7 +153,8 @@ class BatchDecoder:
         output = RowOutput(engine.tokenizer, len(request.ids), request.max_tokens, request.stop, engine.block_size)
         output.start()
         seed = request.seed if request.seed is not None else decode.new_seed()
-        return Row(request, output, seed, acceptance=self.scheduler.new_row())
+        matcher = engine.grammars.matcher(request.grammar) if request.grammar is not None else None
+        return Row(request, output, seed, acceptance=self.scheduler.new_row(), matcher=matcher)
 
     def _prefill_pass(self, width: int):
         """One packed pass over the joining rows (returns the prompt tokens it prefilled); each row
@@ -165,9 +177,38 @@ class BatchDecoder:
         self.pending_counts[b] = 0
         self.rows[b] = row
         mx.eval([c.arrays() for c in self.cache + (self.draft_cache or [])])
-        row.last = int(decode.choose(state.logits, [row.request.temperature], [row.seed], mx.array([n])).item())
+        chosen, scores = self.choose(state.logits, [row], mx.array([n]))
+        row.last = int(chosen.item())
         row.produced = 1
-        yield from self._emit(b, Step(tokens=[row.last]))
+        self._commit(row, [row.last])
+        yield from self._emit(b, Step(tokens=[row.last], logprobs=_logprobs(scores, 0, 1)))
+
+    def choose(self, logits: mx.array, rows: Sequence[Optional[Row]], first: mx.array,
+               drafted: Optional[mx.array] = None, drafts: Optional[List[List[int]]] = None):
+        """Each row's token at every position of a pass [B, T] (position i after the row's
+        committed output and its drafts d_1..d_i; engine/sampling.py), and the raw logprobs of
+        the rows that asked for them (None if none did)."""
+        B, T, _ = logits.shape
+        walks = [(b, r.matcher, drafts[b] if drafts else []) for b, r in enumerate(rows) if r is not None and r.matcher is not None]
+        allowed = self.engine.grammars.masks(walks, B, T) if walks else None
+        requests = [r.request if r is not None else None for r in rows]
+        processed = sampling.process(logits, requests, [r.history if r else [] for r in rows], drafted, allowed)
+        chosen = decode.choose(
+            processed, [r.request.temperature if r else 0.0 for r in rows], [r.seed if r else 0 for r in rows], first
+        )
+        tops = [r.request.logprobs for r in rows if r is not None and r.request.logprobs is not None]
+        if not tops:
+            return chosen, None
+        scores = sampling.logprobs(logits, chosen, max(tops))
+        mx.eval(chosen, *[x for x in scores if x is not None])
+        return chosen, [x.tolist() if x is not None else None for x in scores] + [[r.request.logprobs if r else None for r in rows]]
+
+    def _commit(self, row: Row, tokens: List[int]) -> None:
+        """A row's new committed tokens join its history and advance its grammar (up to an EOS)."""
+        row.history += tokens
+        if row.matcher is not None and not row.matcher.is_stopped():
+            eos = next((i for i, tok in enumerate(tokens) if tok in row.output.eos), None)
+            self.engine.grammars.commit(row.matcher, tokens if eos is None else tokens[: eos + 1])
 
     # -- run: one cycle ---------------------------------------------------------------------------
     def run(self, width: int) -> List[Optional[Step]]:
@@ -183,12 +224,16 @@ class BatchDecoder:
         else:
             drafted = mx.zeros((B, 0), dtype=mx.int32)
         tokens = mx.concatenate([last, drafted], axis=1)
+        # grammar masks walk the drafts on the host: fetch them, and compute the masks while the verify pass runs
+        drafts = drafted.tolist() if any(r is not None and r.matcher is not None for r in rows) else None
         logits, hidden = self.target.verify(tokens, self.cache)
-        chosen = decode.choose(
-            logits, [r.request.temperature if r else 0.0 for r in rows], [r.seed if r else 0 for r in rows],
-            self.lengths.device + 1,  # verify row i picks the token after position n_b + i
+        if drafts is not None:
+            mx.async_eval(logits)
+        chosen, scores = self.choose(
+            logits, rows, self.lengths.device + 1,  # verify row i picks the token after position n_b + i
+            drafted if T > 1 else None, drafts,
         )
-        d, t = drafted.tolist(), chosen.tolist()  # the cycle's one host sync
+        d, t = drafted.tolist(), chosen.tolist()  # the cycle's one host sync (two with grammars)
         accepted = decode.accept_lengths(d, t, limits)
         keep = [a + 1 for a in accepted]
         self.target.rollback(self.cache, keep)
@@ -209,7 +254,10 @@ class BatchDecoder:
             self.scheduler.accepted(r.acceptance, a, limits[b])
             r.last = t[b][a]
             r.produced += a + 1
-            steps.append(Step(tokens=d[b][:a] + [t[b][a]], from_draft=a, drafted=limits[b] - 1, verify=True))
+            committed = d[b][:a] + [t[b][a]]
+            self._commit(r, committed)
+            steps.append(Step(tokens=committed, from_draft=a, drafted=limits[b] - 1, verify=True,
+                              logprobs=_logprobs(scores, b, a + 1)))
         return steps
 
     def draft(self, last: mx.array, rows: int) -> mx.array:
@@ -219,10 +267,21 @@ class BatchDecoder:
         context = self.pending
         if context is None:  # no row has new context (all just joined)
             context = mx.zeros((len(counts), 0, self.context_shape.shape[-1]), self.context_shape.dtype)
+        walking = [b for b, r in enumerate(self.rows) if r is not None and r.matcher is not None] if self.engine.grammar_drafts else []
         drafted = decode.draft_block(
             self.drafter, self.target, last, context,
             None if uniform else mx.array(counts, dtype=mx.int32), self.draft_cache, rows,
+            **({"with_logits": True} if walking else {}),
         )
+        if walking:  # constrained rows draft along their grammar (engine/grammar.py: Grammars.draft)
+            ids, logits = drafted
+            ids = ids.tolist()
+            picked = self.engine.grammars.draft(
+                [self.rows[b].matcher for b in walking], [ids[b] for b in walking], logits[mx.array(walking, dtype=mx.int32)]
+            )
+            for b, d in zip(walking, picked):
+                ids[b][: len(d)] = d
+            drafted = mx.array(ids, dtype=last.dtype)
         self.draft_lengths.advance(counts)
         self.pending, self.pending_counts = None, [0] * self.slots
         return drafted
@@ -262,6 +321,18 @@ class BatchDecoder:
             self.pending = self.pending[index]
         self.pending_counts = [self.pending_counts[b] for b in live]
         self.slots = len(live)
+
+
+def _logprobs(scores, b: int, count: int):
+    """Row b's logprobs of its first ``count`` positions: [(logprob, [(id, logprob), ...])], or None."""
+    if scores is None or scores[3][b] is None:
+        return None
+    picked, best, values, tops = scores
+    top = tops[b]
+    return [
+        (picked[b][i], list(zip(best[b][i][:top], values[b][i][:top])) if best is not None else [])
+        for i in range(count)
+    ]
 
 
 def _replace(values: List[int], i: int, v: int) -> List[int]:

@@ -37,6 +37,7 @@ class Step:
     from_draft: int = 0  # leading tokens that were the drafter's proposals
     drafted: int = 0  # draft tokens put up for verification in this pass
     verify: bool = False  # a verify cycle (or a plain step), not the prefill
+    logprobs: Optional[List[tuple]] = None  # per token: (logprob, [(id, logprob), ...]) when asked
 
 
 def new_seed() -> int:
@@ -91,9 +92,11 @@ def prefill(target: Target, prompt: List[int], cache: list, lengths: Lengths, ch
 
 
 def draft_block(
-    drafter, target: Target, last: mx.array, context: mx.array, counts: Optional[mx.array], cache: list, rows: int
-) -> mx.array:
-    """Propose ``rows`` tokens per row in one drafter pass: ids [B, rows] (position 0's output is unused).
+    drafter, target: Target, last: mx.array, context: mx.array, counts: Optional[mx.array], cache: list, rows: int,
+    with_logits: bool = False,
+):
+    """Propose ``rows`` tokens per row in one drafter pass: ids [B, rows] (position 0's output is unused);
+    ``with_logits``: also the drafter's logits [B, rows, V] (for rows that draft under a grammar).
 
     ``context`` [B, S] holds each row's new context rows, row b's first ``counts[b]`` valid (None:
     all S). The drafter always runs the whole block; only the LM head is cut to the rows verified.
@@ -101,7 +104,9 @@ def draft_block(
     B = drafter.args.block_size
     block = mx.concatenate([last, mx.full((last.shape[0], B - 1), drafter.args.mask_token_id, dtype=last.dtype)], axis=1)
     h = drafter(target.embed(block), context, cache, counts)
-    return mx.argmax(target.lm_head(h[:, 1 : 1 + rows, :]), axis=-1).astype(last.dtype)
+    logits = target.lm_head(h[:, 1 : 1 + rows, :])
+    ids = mx.argmax(logits, axis=-1).astype(last.dtype)
+    return (ids, logits) if with_logits else ids
 
 
 def accept_lengths(drafted: List[List[int]], chosen: List[List[int]], limits: Sequence[int]) -> List[int]:

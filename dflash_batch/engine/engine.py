@@ -19,7 +19,8 @@ from ..completion import (
     PromptTooLongError,
 )
 from . import attention, loading, memory, prefill, registry, warmup
-from ..request import sample_seed
+from .. import checks, constraints
+from ..request import CONTROLS, control, sample_seed
 from .batch import BatchDecoder, Request
 from .scheduler import CostModel, Scheduler
 from .target import Target
@@ -82,6 +83,18 @@ class Engine:
         self.cost: Dict[int, CostModel] = {}  # batch size -> measured pass costs (warm_up)
         self.shapes_seen: set = set()  # (rows, width, key bucket) of the cycles run so far
         self.description = dict(description or {}, block_size=self.block_size, adaptive_block=self.adaptive_block)
+        self._grammars = None  # engine/grammar.py, built when a request first has a grammar
+        # True: constrained rows pick their drafts under their grammar (Grammars.draft). Off by default:
+        # on the default pair it raised tokens per cycle but cost more per cycle (docs/sampling.md).
+        self.grammar_drafts = False
+
+    @property
+    def grammars(self):
+        if self._grammars is None:
+            from .grammar import Grammars
+
+            self._grammars = Grammars(self.tokenizer, self.target.vocab_size)
+        return self._grammars
 
     def _attach(self, drafter, block_size: Optional[int]) -> None:
         args = drafter.args
@@ -155,7 +168,17 @@ class Engine:
         index: int = 0,
         **prompt_options,
     ) -> Request:
-        """Check and encode one prompt with its options (raises GenerationError naming the problem)."""
+        """Check and encode one prompt with its options (raises GenerationError naming the problem).
+        Sampling controls (``request.CONTROLS``: top_k, top_p, min_p, the penalties, logprobs,
+        top_logprobs, response_format) come as keywords; docs/sampling.md."""
+        controls = {}
+        for name in CONTROLS:
+            value = prompt_options.pop(name, None)
+            if value is not None:
+                try:
+                    controls[name] = control(name, value)
+                except checks.BadValue as e:
+                    raise GenerationError(f"{name} {e}") from None
         ids = self.encode(prompt, **prompt_options)
         if not ids:
             raise EmptyPromptError("prompt encodes to no tokens")
@@ -167,7 +190,13 @@ class Engine:
             raise PromptTooLongError(f"prompt has {len(ids)} tokens; the target's context is {self.max_context}")
         if self.max_context:
             max_tokens = min(max_tokens, self.max_context - len(ids))
-        return Request(ids, max_tokens, float(temperature), seed, tuple(stop or ()), index)
+        rf = controls.pop("response_format", None)
+        want_logprobs = controls.pop("logprobs", False) or controls.get("top_logprobs", 0) > 0
+        top = controls.pop("top_logprobs", 0)
+        return Request(
+            ids, max_tokens, float(temperature), seed, tuple(stop or ()), index,
+            logprobs=top if want_logprobs else None, grammar=constraints.grammar(rf), **controls,
+        )
 
     def stream_batch(
         self,
@@ -341,6 +370,7 @@ def _completion(pieces: List[Piece]) -> Completion:
         finish_reason=last.finish_reason,
         stats=last.stats,
         stop_reason=last.stop_reason,
+        logprobs=[lp for p in pieces for lp in p.logprobs] if last.logprobs is not None else None,
     )
 
 

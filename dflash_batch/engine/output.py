@@ -20,6 +20,7 @@ class RowOutput:
 
     def __init__(self, tokenizer, prompt_tokens: int, max_tokens: int, stops: Sequence[str], block_size: int):
         self.max_tokens = max_tokens
+        self.tokenizer = tokenizer
         self.eos = tokenizer.eos_token_ids
         self.detok = tokenizer.detokenizer
         self.text = StopText(stops)
@@ -45,6 +46,7 @@ class RowOutput:
         finish: Optional[str] = None
         stop_reason: Optional[str] = None
         ids, text = [], ""
+        scores = [] if step.logprobs is not None else None
         for i, tok in enumerate(step.tokens):
             stats.generated_tokens += 1
             stats.accepted_tokens += i < step.from_draft
@@ -52,6 +54,8 @@ class RowOutput:
                 finish, stop_reason = "stop", "eos"
                 break
             ids.append(tok)
+            if scores is not None:
+                scores.append(self._logprob(tok, *step.logprobs[i]))
             self.detok.add_token(tok)
             emitted, hit = self.text.feed(self.detok.last_segment)
             text += emitted
@@ -62,11 +66,17 @@ class RowOutput:
                 finish = "length"
                 break
         if finish is None:
-            return Piece(text=text, token_ids=ids)
+            return Piece(text=text, token_ids=ids, logprobs=scores)
         if stop_reason is None or stop_reason == "eos":
             self.detok.finalize()
             text += self.text.feed(self.detok.last_segment)[0]
         stats.decode_s = time.perf_counter() - self.decode_started
         stats.peak_memory_gb = mx.get_peak_memory() / 1e9
         self.done = True
-        return Piece(text + self.text.flush(), ids, finish, stats, stop_reason)
+        return Piece(text + self.text.flush(), ids, finish, stats, stop_reason, scores)
+
+    def _logprob(self, token: int, logprob: float, top) -> dict:
+        """One token's entry of ``Completion.logprobs``."""
+        entry = {"token": self.tokenizer.decode([token]), "token_id": token, "logprob": logprob}
+        entry["top_logprobs"] = [{"token": self.tokenizer.decode([t]), "token_id": t, "logprob": v} for t, v in top]
+        return entry

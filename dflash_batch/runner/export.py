@@ -44,6 +44,7 @@ def openai_samples(rows: List[Dict[str, Any]], model: Optional[str] = None) -> D
             {
                 "index": r.get("sample_index") or 0,
                 "message": {"role": "assistant", "content": r["output"]},
+                "logprobs": openai_logprobs(r.get("logprobs")),
                 "finish_reason": r["finish_reason"],
             }
             for r in rows
@@ -56,6 +57,17 @@ def openai_samples(rows: List[Dict[str, Any]], model: Optional[str] = None) -> D
         "response": {"status_code": 200, "request_id": first["id"], "body": body},
         "error": None,
     }
+
+
+def openai_logprobs(entries: Optional[List[Dict[str, Any]]]) -> Optional[Dict[str, Any]]:
+    """A row's ``logprobs`` column as OpenAI's chat ``choices[].logprobs`` (null when not asked)."""
+    if entries is None:
+        return None
+
+    def one(e):
+        return {"token": e["token"], "logprob": e["logprob"], "bytes": list(e["token"].encode())}
+
+    return {"content": [dict(one(e), top_logprobs=[one(t) for t in e["top_logprobs"] or []]) for e in entries]}
 
 
 def write_lines(table: pa.Table, out: IO[bytes], fmt: str = "jsonl", model: Optional[str] = None) -> int:

@@ -76,5 +76,6 @@ def outcome_row(request: Request, outcome, started: float, job_id: str, config_h
         acceptance_histogram=list(s.acceptance_histogram),
         block_size=s.block_size,
         peak_memory_gb=s.peak_memory_gb,
+        logprobs=getattr(outcome, "logprobs", None),
     )
 

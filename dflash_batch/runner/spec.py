@@ -29,12 +29,12 @@ import orjson
 
 from .. import checks
 from ..errors import SpecError
-from ..request import MAX_SAMPLES, Options, resolve_options
+from ..request import CONTROLS, MAX_SAMPLES, Options, control, resolve_options
 from .items import Fields, _template_keys
 
 MODEL_KEYS = ("target", "target_revision", "draft", "draft_revision", "dtype", "block_size", "max_context",
               "prefix_cache_mb")  # fmt: skip
-SAMPLING_KEYS = ("max_tokens", "max_tokens_cap", "temperature", "seed", "stop", "n")
+SAMPLING_KEYS = ("max_tokens", "max_tokens_cap", "temperature", "seed", "stop", "n") + tuple(CONTROLS)
 OUTPUT_DIR_FIELDS = ("home", "name", "date", "time")
 # The name OpenAI-format output gives the embedded default target (engine/default_model.py).
 DEFAULT_TARGET_NAME = "SmolLM2-135M-Instruct"
@@ -78,6 +78,16 @@ class JobSpec:
     seed: Optional[int] = None
     stop: List[str] = field(default_factory=list)
     n: int = 1  # samples per row (each its own result row, ``sample_index``), for rows without their own n
+    # sampling controls, logprobs and structured output for rows without their own (docs/sampling.md)
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: bool = False
+    top_logprobs: int = 0
+    response_format: Optional[Dict[str, Any]] = None
     # running
     chunk_size: int = 64
     batch_size: Optional[int] = None  # rows decoded together; None: what memory allows (not in the hash)
@@ -134,6 +144,9 @@ class JobSpec:
             del sampling["max_tokens_cap"]
         if sampling["n"] == 1:  # and from before n existed
             del sampling["n"]
+        for key, off in CONTROLS.items():  # and from before the sampling controls
+            if sampling[key] == off:
+                del sampling[key]
         payload = {
             "model": model,
             "sampling": sampling,
@@ -346,6 +359,14 @@ def validate(spec: JobSpec, where: str = "spec") -> None:
         spec.temperature = checks.temperature(spec.temperature)
     except checks.BadValue as e:
         bad("temperature", str(e))
+    for key, off in CONTROLS.items():
+        if getattr(spec, key) is None:
+            setattr(spec, key, off)
+        else:
+            try:
+                setattr(spec, key, control(key, getattr(spec, key)))
+            except checks.BadValue as e:
+                bad(key, str(e))
     if isinstance(spec.stop, str):
         spec.stop = [spec.stop]
     if spec.stop is None:

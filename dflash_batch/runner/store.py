@@ -30,6 +30,7 @@ from ..checks import BadValue
 from ..files import fsync_dir, write_atomic, write_file_atomic
 
 SCHEMA_VERSION = 1
+LOGPROB = pa.field("item", pa.struct([("token", pa.string()), ("token_id", pa.int64()), ("logprob", pa.float64())]))
 RESULT_SCHEMA = pa.schema(
     [
         pa.field("id", pa.string(), nullable=False),
@@ -60,6 +61,9 @@ RESULT_SCHEMA = pa.schema(
         pa.field("config_hash", pa.string()),
         pa.field("metadata", pa.string()),  # the row's metadata as JSON text
         pa.field("sample_index", pa.int64()),  # which of the row's n samples (null in parts from before n)
+        # per output token, when asked: its raw logprob and the top alternatives' (docs/sampling.md)
+        pa.field("logprobs", pa.list_(LOGPROB.with_type(pa.struct(list(LOGPROB.type) + [
+            pa.field("top_logprobs", pa.list_(LOGPROB.type))]))))
     ],
     metadata={"schema_version": str(SCHEMA_VERSION), "producer": "dflash-batch"},
 )

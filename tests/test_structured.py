@@ -1,0 +1,175 @@
+"""Structured output (response_format) under speculation: greedy output equals plain constrained
+greedy decoding token for token, whatever the drafts; every output parses and validates against
+its schema; rows with different constraints share a batch; a bad schema is refused up front."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import mlx.core as mx
+import pytest
+
+from dflash_batch import constraints
+from dflash_batch.completion import GenerationError
+from dflash_batch.engine import load_engine
+from dflash_batch.engine.grammar import Grammars
+from tests.scripting import ScriptedDrafts
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "tags": {"type": "array", "items": {"enum": ["a", "bb", "ccc"]}, "maxItems": 3},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["name", "age", "tags", "ok"],
+    "additionalProperties": False,
+}
+POINT = {
+    "type": "object",
+    "properties": {"x": {"type": "integer", "minimum": -9, "maximum": 9}, "label": {"enum": ["p", "q"]}},
+    "required": ["x", "label"],
+    "additionalProperties": False,
+}
+
+
+def schema_format(schema):
+    return {"type": "json_schema", "json_schema": {"name": "t", "schema": schema}}
+
+
+REGEX = r"[A-Z][a-z]{1,5}-[0-9]{2,3}"
+FORMATS = [
+    ("person", schema_format(PERSON)),
+    ("point", schema_format(POINT)),
+    ("regex", {"type": "regex", "regex": REGEX}),
+    ("grammar", {"type": "grammar", "grammar": 'start: "(" item ("," item){0,3} ")"\nitem: /[0-9]{1,2}/ | "x"'}),
+]
+PROMPTS = ["Hi", "Tell me a story about the sea.", "Give the data as JSON:"]
+
+
+def check(kind, text):
+    """The output parses and validates against its constraint."""
+    if kind in ("person", "point"):
+        jsonschema.validate(json.loads(text), PERSON if kind == "person" else POINT)
+    elif kind == "regex":
+        assert re.fullmatch(REGEX, text), text
+    else:
+        assert re.fullmatch(r"\((?:[0-9]{1,2}|x)(?:,(?:[0-9]{1,2}|x)){0,3}\)", text), text
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_pair):
+    return load_engine(str(tiny_pair[0]), str(tiny_pair[1]), adaptive_block=False), load_engine(str(tiny_pair[0]), draft=None)
+
+
+def test_constrained_greedy_equals_plain_constrained_greedy(engines, monkeypatch):
+    spec, plain = engines
+    scripted = ScriptedDrafts(monkeypatch)
+    accepted = 0
+    for n, (kind, rf) in enumerate(FORMATS):
+        for m, prompt in enumerate(PROMPTS):
+            ids = spec.encode(prompt)
+            ref = plain.generate(ids, max_tokens=80, response_format=rf)
+            assert ref.finish_reason == "stop", (kind, ref.text)
+            check(kind, ref.text)
+            # drafts: the reference, corrupted at random; many corrupt drafts are ones the grammar forbids
+            scripted(ids + ref.token_ids + [0] * 16, p_wrong=[0.0, 0.2, 0.5][m], seed=n * 3 + m)
+            c = spec.generate(ids, max_tokens=80, response_format=rf)
+            assert c.token_ids == ref.token_ids, (kind, prompt)
+            accepted += c.stats.accepted_tokens
+    assert accepted > 100  # drafts were checked against the grammar and kept
+
+    # Negative control: masks not walked along the drafts (every position gets the mask after the
+    # committed output alone): the output is no longer the plain constrained one.
+    real = Grammars.masks
+
+    def unwalked(self, walks, B, T):
+        here = real(self, [(b, m, []) for b, m, _ in walks], B, 1)
+        return mx.broadcast_to(here, (B, T, here.shape[-1]))
+
+    monkeypatch.setattr(Grammars, "masks", unwalked)
+    diverged = 0
+    for n, (kind, rf) in enumerate(FORMATS[:2]):
+        ids = spec.encode(PROMPTS[0])
+        ref = plain.generate(ids, max_tokens=80, response_format=rf)
+        scripted(ids + ref.token_ids + [0] * 16, p_wrong=0.0)
+        try:
+            diverged += spec.generate(ids, max_tokens=80, response_format=rf).token_ids != ref.token_ids
+        except RuntimeError:  # the grammar refused what the unwalked masks let through
+            diverged += 1
+    assert diverged == 2
+
+
+def test_sampled_outputs_validate_and_rows_mix_in_one_batch(engines):
+    """Rows with different constraints (and none), greedy and sampled, in one batch: each row
+    emits what plain decoding of it alone emits, and every constrained output validates."""
+    spec, plain = engines
+    rows = []
+    for i, (kind, rf) in enumerate(FORMATS * 2):
+        rows.append((kind, PROMPTS[i % 3], dict(response_format=rf, temperature=1.0 if i >= 4 else 0.0, top_p=0.95)))
+    rows.append((None, "Hi", dict(temperature=0.7)))
+    requests = [spec.request(p, 80, seed=100 + i, index=i, **kw) for i, (_, p, kw) in enumerate(rows)]
+    together = dict(spec.run(requests, batch_size=len(rows)))
+    for i, (kind, prompt, kw) in enumerate(rows):
+        alone = plain.generate(prompt, max_tokens=80, seed=100 + i, **kw)
+        assert together[i].token_ids == alone.token_ids, (i, kind)
+        if kind is not None:
+            assert together[i].finish_reason == "stop", together[i].text
+            check(kind, together[i].text)
+    for seed in range(6):  # sampled person records, all valid
+        c = spec.generate("Give the data as JSON:", max_tokens=80, temperature=1.5, seed=seed,
+                          response_format=schema_format(PERSON))
+        check("person", c.text)
+
+
+def test_bad_response_format_is_refused_before_generation(engines):
+    spec, _ = engines
+    bad = [
+        {"type": "json_schema", "json_schema": {"name": "t", "schema": {"type": "frob"}}},
+        {"type": "json_schema", "json_schema": {"name": "t"}},
+        {"type": "regex", "regex": "(("},
+        {"type": "xml"},
+        "json",
+    ]
+    for rf in bad:
+        with pytest.raises(GenerationError, match="response_format"):
+            spec.request("Hi", 10, response_format=rf)
+        with pytest.raises(constraints.BadValue):
+            constraints.grammar(rf)
+    # a batch with one bad row fails before any row is generated
+    with pytest.raises(GenerationError, match="prompt 0: response_format"):
+        list(spec.stream_batch(["Hi", "Hi"], response_format=bad[0]))
+
+
+def test_constrained_rows_draft_along_their_grammar(tiny_pair, monkeypatch):
+    """A constrained row's drafts are the drafter's likeliest tokens the grammar allows, each after
+    the drafts before it: the share of draft tokens the grammar accepts (checked at every verify
+    pass with a matcher at the row's committed output) is high, and low without it; the output
+    stays plain constrained greedy."""
+    spec = load_engine(str(tiny_pair[0]), str(tiny_pair[1]), adaptive_block=False)
+    spec.grammar_drafts = True
+    plain = load_engine(str(tiny_pair[0]), draft=None)
+    real = Grammars.masks
+    seen = []
+
+    def spy(self, walks, B, T):
+        for _, m, d in walks:
+            seen.append((m.validate_tokens(list(d)), len(d)))
+        return real(self, walks, B, T)
+
+    monkeypatch.setattr(Grammars, "masks", spy)
+
+    def share():
+        seen.clear()
+        for kind, rf in FORMATS:
+            c = spec.generate("Give the data as JSON:", max_tokens=60, response_format=rf)
+            assert c.token_ids == plain.generate("Give the data as JSON:", max_tokens=60, response_format=rf).token_ids
+        return sum(v for v, _ in seen) / sum(n for _, n in seen)
+
+    walked = share()
+    assert walked > 0.6, walked  # the rest: drafts past the end of a complete output
+    monkeypatch.setattr(Grammars, "draft", lambda self, matchers, ids, logits: [[] for _ in matchers])  # negative control
+    assert share() < 0.3
