@@ -11,7 +11,7 @@ acceptance ends there. After acceptance the matcher consumes the committed token
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Sequence, Tuple
 
 import mlx.core as mx
 import numpy as np
