@@ -22,6 +22,7 @@ from dflash_batch.engine import attention as routing
 from dflash_batch.engine.kernels import attention as ka
 from dflash_batch.engine.kernels import gated_delta as gd
 from dflash_batch.engine.kernels import selfcheck
+from tests.test_hybrid import inputs as hybrid_inputs
 
 
 @pytest.fixture(autouse=True)
@@ -56,15 +57,8 @@ def collect(calls):
 
 
 def gdn_inputs(T, seed, Hk=2, Hv=4, Dk=64, Dv=32, dtype=mx.float32):
-    mx.random.seed(seed)
-    q = mx.random.normal((1, T, Hk, Dk)) * Dk**-0.5
-    k = mx.random.normal((1, T, Hk, Dk))
-    k = k / mx.linalg.norm(k, axis=-1, keepdims=True)
-    v = mx.random.normal((1, T, Hv, Dv))
-    g = mx.random.uniform(0.5, 1.0, (1, T, Hv))
-    beta = mx.sigmoid(mx.random.normal((1, T, Hv)))
-    state = mx.random.normal((1, Hv, Dv, Dk)) * 0.5
-    return (*(x.astype(dtype) for x in (q, k, v)), g, beta.astype(dtype), state)
+    """test_hybrid's seeded GatedDeltaNet case, at this file's default head dims."""
+    return hybrid_inputs(T, Hk, Hv, Dk, Dv, dtype, seed)
 
 
 def same(a, b):
