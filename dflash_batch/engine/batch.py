@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
@@ -91,6 +91,8 @@ class BatchDecoder:
         self.draft_cache = self.drafter.make_cache(self.draft_lengths) if self.drafter else None
         self.pending: Optional[mx.array] = None  # new context rows the drafter has not seen [B, C, H]
         self.pending_counts: List[int] = [0] * self.slots
+        # Decoding cycles, plain data: per verify width T, [cycles, seconds, rows in flight summed]
+        self.decode_counts: Dict[int, List[float]] = {}
 
     # -- the engine step --------------------------------------------------------------------
     def steps(self) -> Iterator[Tuple[int, Piece]]:
@@ -242,8 +244,13 @@ class BatchDecoder:
             self.pending, self.pending_counts = decode.pack_context(self.pending, self.pending_counts, hidden, keep)
         live = sum(r is not None for r in rows)
         shapes = (B, T, round_up(self.lengths.max))  # a cycle of shapes not run before includes compiling them
+        seconds = time.perf_counter() - started
         if shapes in self.engine.shapes_seen:
-            self.scheduler.cost.observe(live, T, time.perf_counter() - started)
+            self.scheduler.cost.observe(live, T, seconds)
+        counts = self.decode_counts.setdefault(T, [0, 0.0, 0])
+        counts[0] += 1
+        counts[1] += seconds
+        counts[2] += live
         self.engine.shapes_seen.add(shapes)
         steps: List[Optional[Step]] = []
         for b, r in enumerate(rows):

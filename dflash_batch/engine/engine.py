@@ -243,6 +243,7 @@ class Engine:
         parts: Dict[int, List[Piece]] = {}
         decoder = BatchDecoder(self, requests, slots, self._scheduler(slots))
         self.prefill_counts = decoder.group.counts
+        self.decode_counts = decoder.decode_counts
         for index, piece in decoder.steps():
             parts.setdefault(index, []).append(piece)
             if piece.finish_reason is not None:
