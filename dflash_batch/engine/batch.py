@@ -27,6 +27,7 @@ from typing import Iterator, List, Optional, Sequence, Tuple, Union
 import mlx.core as mx
 
 from ..completion import Piece
+from ..request import SamplingControls
 from . import decode, prefill, sampling
 from .batch_cache import Lengths, round_up
 from .decode import Step
@@ -46,13 +47,9 @@ class Request:
     stop: Sequence[str] = ()
     index: int = 0  # the caller's position for it
     sample: int = 0  # which sample of its prompt (the same ids, its own seed)
-    # sampling controls (engine/sampling.py), off by default
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    # the filters and penalties (engine/sampling.py), checked; off by default
+    controls: SamplingControls = field(default_factory=SamplingControls)
+    # from the controls (Engine.request): logprobs and top_logprobs, response_format
     logprobs: Optional[int] = None  # None: none; k: the emitted token's and the k best alternatives'
     grammar: Optional[str] = None  # llguidance grammar (dflash_batch/constraints.py)
 

@@ -20,7 +20,7 @@ from ..completion import (
 )
 from . import attention, loading, memory, prefill, registry, warmup
 from .. import checks, constraints
-from ..request import CONTROLS, control, sample_seed
+from ..request import CONTROLS, SamplingControls, sample_seed
 from .batch import BatchDecoder, Request
 from .scheduler import CostModel, Scheduler
 from .target import Target
@@ -170,16 +170,17 @@ class Engine:
         **prompt_options,
     ) -> Request:
         """Check and encode one prompt with its options (raises GenerationError naming the problem).
-        Sampling controls (``request.CONTROLS``: top_k, top_p, min_p, the penalties, logprobs,
-        top_logprobs, response_format) come as keywords; docs/sampling.md."""
-        controls = {}
+        Sampling controls (``request.SamplingControls``: top_k, top_p, min_p, the penalties,
+        logprobs, top_logprobs, response_format) come as keywords; docs/sampling.md."""
+        given = {}
         for name in CONTROLS:
             value = prompt_options.pop(name, None)
             if value is not None:
                 try:
-                    controls[name] = control(name, value)
+                    given[name] = SamplingControls.check(name, value)
                 except checks.BadValue as e:
                     raise GenerationError(f"{name} {e}") from None
+        controls = SamplingControls(**given)
         ids = self.encode(prompt, **prompt_options)
         if not ids:
             raise EmptyPromptError("prompt encodes to no tokens")
@@ -191,12 +192,10 @@ class Engine:
             raise PromptTooLongError(f"prompt has {len(ids)} tokens; the target's context is {self.max_context}")
         if self.max_context:
             max_tokens = min(max_tokens, self.max_context - len(ids))
-        rf = controls.pop("response_format", None)
-        want_logprobs = controls.pop("logprobs", False) or controls.get("top_logprobs", 0) > 0
-        top = controls.pop("top_logprobs", 0)
+        want_logprobs = controls.logprobs or controls.top_logprobs > 0
         return Request(
-            ids, max_tokens, float(temperature), seed, tuple(stop or ()), index,
-            logprobs=top if want_logprobs else None, grammar=constraints.grammar(rf), **controls,
+            ids, max_tokens, float(temperature), seed, tuple(stop or ()), index, controls=controls,
+            logprobs=controls.top_logprobs if want_logprobs else None, grammar=constraints.grammar(controls.response_format),
         )
 
     def stream_batch(
