@@ -62,21 +62,24 @@ def _alone(engine, request, k=0):
 
 @pytest.mark.parametrize("lookahead", [1, 3])
 def test_the_batch_stays_full_while_requests_remain(engine, monkeypatch, lookahead):
-    """Batch 2, ten requests, a look-ahead of 1 or 3: every cycle before the last request is
-    admitted runs both rows (the old windows of ``lookahead`` requests let the batch drain at
-    each window's end), at most ``lookahead`` encoded requests wait, and every result equals the
-    request generated alone."""
+    """Batch 2, ten requests (and a blank one, refused alone), a look-ahead of 1 or 3: every cycle
+    before the last request is admitted runs both rows (the refused one leaves no slot free; the
+    old windows of ``lookahead`` requests let the batch drain at each window's end), at most
+    ``lookahead`` encoded requests wait, and every result equals the request generated alone."""
     requests = _requests(BUDGETS)
+    blank = Request("blank", "   ", Options(chat_template=False))  # refused: reported as the stream goes on
     watch = Watch(monkeypatch)
-    out = {r.id: c for r, c in engine.generate_requests(watch.feed(requests), 2, lookahead=lookahead)}
-    assert sorted(out) == sorted(r.id for r in requests)
+    order = list(engine.generate_requests(watch.feed(requests[:5] + [blank] + requests[5:]), 2, lookahead=lookahead))
+    out = {r.id: c for r, c in order}
+    assert sorted(out) == sorted(r.id for r in requests + [blank])
+    assert isinstance(out["blank"], GenerationError) and [r.id for r, _ in order].index("blank") < len(order) - 4
     for r in requests:
         assert out[r.id].token_ids == _alone(engine, r), r.id
     assert watch.cycles
     for live, slots, admitted, waiting, pulled in watch.cycles:
         if admitted < len(requests):
             assert live == slots == 2, watch.cycles
-        assert waiting <= lookahead and pulled - admitted <= lookahead, watch.cycles
+        assert waiting <= lookahead and pulled - admitted <= lookahead + 1, watch.cycles  # + the blank one
     assert any(pulled < len(requests) for *_, pulled in watch.cycles)  # pulled as it went, not up front
 
 

@@ -259,7 +259,7 @@ class Engine:
         at most ``lookahead`` encoded ones waiting (default twice the batch size; engine/waiting.py),
         so the batch stays full until the input ends and a long job is never encoded up front. One
         the engine refuses (its ``GenerationError``: an empty or too long prompt, or one whose row
-        alone does not fit in memory) is yielded after the cycle that pulled it."""
+        alone does not fit in memory) is yielded as soon as the pull that met it is done."""
         cap = self._batch_cap(batch_size)
         plan = memory.Plan(self, cap)  # rows in flight: the cap, or fewer once a long request comes
         refused: List[Tuple[Any, Exception]] = []
@@ -273,7 +273,7 @@ class Engine:
                     plan.take(len(first.ids) + first.max_tokens + max(self.block_size, 1))
                 except GenerationError as e:
                     refused.append((req, e))
-                    yield None  # the decoder pauses so that it is reported now
+                    yield None  # counted by the look-ahead: reported once the pull is done
                     continue
                 samples = _samples(first, getattr(req.options, "n", 1), item=str(req.id))
                 for sample in samples:

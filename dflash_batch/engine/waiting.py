@@ -15,14 +15,17 @@ from typing import Deque, Iterable, List, Optional, Tuple
 
 from .prefill import share_marks
 
+REFUSED_AT_ONCE = 64  # refused requests held before the caller reports them
+
 
 class Waiting:
     """Requests (engine/batch.py: ``Request``) in input order, each with its share marks.
 
     ``source`` yields lists of requests that are pulled together (the n samples of one prompt,
-    so that they share its prefill), or None for a request the caller refused itself: a refill
-    stops there and counts it in ``refused`` so the caller can report it before going on.
-    ``ahead`` None: pull everything at once."""
+    so that they share its prefill), or None for a request the caller refused itself, counted in
+    ``refused`` for the caller to report after the refill (a refill stops once ``REFUSED_AT_ONCE``
+    are, so that a long run of refused requests is reported as it goes). ``ahead`` None: pull
+    everything at once."""
 
     def __init__(self, source: Iterable, ahead: Optional[int] = None, granularity: Optional[int] = None):
         if ahead is not None and ahead < 1:
@@ -41,7 +44,7 @@ class Waiting:
         return len(self.queue)
 
     def refill(self) -> None:
-        """Pull until ``ahead`` requests wait, the source ends or it yields a None."""
+        """Pull until ``ahead`` requests wait, the source ends or ``REFUSED_AT_ONCE`` were refused."""
         new = []
         while self.ahead is None or len(self.queue) + len(new) < self.ahead:
             try:
@@ -51,7 +54,9 @@ class Waiting:
                 break
             if group is None:
                 self.refused += 1
-                break
+                if self.refused >= REFUSED_AT_ONCE:
+                    break
+                continue
             new += group
         if new:
             requests = [r for r, _ in self.queue] + new
