@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from .errors import CliError
+from .request import CONTROLS
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -98,9 +99,8 @@ OVERRIDE_KEYS = (
     "name", "output_dir", "input_format", "id_field", "prompt_field", "messages_field", "prompt_template",
     "system_prompt", "chat_template", "target", "target_revision", "draft", "draft_revision", "dtype",
     "block_size", "max_tokens", "max_tokens_cap", "temperature", "seed", "stop", "chunk_size", "batch_size", "retries",
-    "export_openai", "force", "n", "prefix_cache_mb", "top_k", "top_p", "min_p", "repetition_penalty",
-    "presence_penalty", "frequency_penalty", "logprobs", "top_logprobs", "response_format",
-)  # fmt: skip
+    "export_openai", "force", "n", "prefix_cache_mb",
+) + tuple(CONTROLS)  # fmt: skip
 
 
 def _json_value(text: str):

@@ -6,8 +6,9 @@ them into ``Completion``s.
 The options of a request are settled here, by one rule, in one place:
 
 * a row's own ``max_tokens``, ``temperature``, ``stop``, ``system``, ``n`` and sampling controls
-  (``CONTROLS``: top-k/p, min-p, penalties, logprobs, ``response_format``) are checked as the row
-  is read (``row_options``, ``control``; a bad one makes the row an error row naming the field);
+  (``SamplingControls``: top-k/p, min-p, penalties, logprobs, ``response_format``, each with its
+  default and its check) are checked as the row is read (``row_options``, ``control``; a bad one
+  makes the row an error row naming the field);
 * they win over the job's values (the flag, else the YAML, else the default: the job spec, whose
   values ``runner.spec.validate`` checks with the same ``checks``), and ``max_tokens_cap``
   bounds ``max_tokens`` whoever set it (``resolve_options``).
@@ -15,35 +16,100 @@ The options of a request are settled here, by one rule, in one place:
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Protocol, Tuple, Union, runtime_checkable
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Protocol, Tuple, Union, runtime_checkable
 
 from . import checks, constraints
 from .completion import Completion
 from .errors import BadOption
 
 Prompt = Union[str, List[Dict[str, str]]]
-# Sampling controls (docs/sampling.md) and their "off" values; a row's own win over the job's.
-CONTROLS: Dict[str, Any] = {
-    "top_k": 0,
-    "top_p": 1.0,
-    "min_p": 0.0,
-    "repetition_penalty": 1.0,
-    "presence_penalty": 0.0,
-    "frequency_penalty": 0.0,
-    "logprobs": False,
-    "top_logprobs": 0,
-    "response_format": None,
-}
-ROW_OPTIONS = ("max_tokens", "temperature", "stop", "system", "n") + tuple(CONTROLS)
 MAX_SAMPLES = 1024  # n: samples per prompt, at most
 MAX_TOP_LOGPROBS = 20  # as OpenAI
 
 
+def _integer(top: Optional[int] = None) -> Callable[[Any], int]:
+    """An integer >= 0 (and <= ``top``)."""
+    def check(value):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0 or (top is not None and value > top):
+            says = f"from 0 to {top}" if top is not None else ">= 0"
+            raise checks.BadValue(f"must be an integer {says}, got {checks.show(value)}")
+        return value
+    return check
+
+
+def _number(ok: Callable[[float], bool], says: str) -> Callable[[Any], float]:
+    """A finite number for which ``ok`` holds (``says`` how, for the message)."""
+    def check(value):
+        number = checks.finite_number(value)
+        if not ok(number):
+            raise checks.BadValue(f"must be a number {says}, got {checks.show(value)}")
+        return number
+    return check
+
+
+def _boolean(value) -> bool:
+    if not isinstance(value, bool):
+        raise checks.BadValue(f"must be true or false, got {checks.show(value)}")
+    return value
+
+
+def _response_format(value):
+    constraints.grammar(value)  # compiles it: a bad schema is refused here, before any generation
+    return value
+
+
+def _control(default, check: Callable[[Any], Any]):
+    return field(default=default, metadata={"check": check})
+
+
 @dataclass
-class Options:
-    """How one request is generated: the ``Engine.request`` keyword arguments."""
+class SamplingControls:
+    """The sampling controls (docs/sampling.md): each one's name, its default (off) and its check,
+    written once. A row's own win over the job's; ``Options`` and ``runner.spec.JobSpec`` carry
+    them as fields of their own (they inherit this class) and the engine builds its request from
+    them (``Engine.request``). No MLX here."""
+
+    top_k: int = _control(0, _integer())  # 0: off
+    top_p: float = _control(1.0, _number(lambda x: 0 < x <= 1, "in (0, 1]"))
+    min_p: float = _control(0.0, _number(lambda x: 0 <= x < 1, "in [0, 1)"))
+    repetition_penalty: float = _control(1.0, _number(lambda x: x > 0, "> 0"))
+    presence_penalty: float = _control(0.0, _number(lambda x: -2 <= x <= 2, "in [-2, 2]"))  # OpenAI's range
+    frequency_penalty: float = _control(0.0, _number(lambda x: -2 <= x <= 2, "in [-2, 2]"))
+    logprobs: bool = _control(False, _boolean)
+    top_logprobs: int = _control(0, _integer(MAX_TOP_LOGPROBS))
+    response_format: Optional[Dict[str, Any]] = _control(None, _response_format)  # constraints.grammar's input
+
+    @staticmethod
+    def defaults() -> Dict[str, Any]:
+        """Each control's name and default, in order."""
+        return {f.name: f.default for f in dataclasses.fields(SamplingControls)}
+
+    @staticmethod
+    def check(name: str, value: Any) -> Any:
+        """A control's value, checked (raises ``checks.BadValue`` without naming the key)."""
+        return _CHECKS[name](value)
+
+    def controls(self) -> "SamplingControls":
+        """The controls alone (of an ``Options`` or a ``JobSpec``)."""
+        return SamplingControls(**{name: getattr(self, name) for name in CONTROLS})
+
+    def set_controls(self) -> Dict[str, Any]:
+        """The controls set away from their default."""
+        return {name: getattr(self, name) for name, off in CONTROLS.items() if getattr(self, name) != off}
+
+
+_CHECKS = {f.name: f.metadata["check"] for f in dataclasses.fields(SamplingControls)}
+CONTROLS: Dict[str, Any] = SamplingControls.defaults()  # name -> default ("off")
+ROW_OPTIONS = ("max_tokens", "temperature", "stop", "system", "n") + tuple(CONTROLS)
+
+
+@dataclass
+class Options(SamplingControls):
+    """How one request is generated: the ``Engine.request`` keyword arguments (the sampling
+    controls are inherited)."""
 
     max_tokens: int = 256
     temperature: float = 0.0
@@ -53,15 +119,6 @@ class Options:
     chat_template: Optional[bool] = None
     chat_template_kwargs: Optional[Dict[str, Any]] = None
     n: int = 1  # samples of the prompt, each its own result row (``sample_seed`` seeds them)
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logprobs: bool = False
-    top_logprobs: int = 0
-    response_format: Optional[Dict[str, Any]] = None
 
     def as_kwargs(self) -> Dict[str, Any]:
         out = {
@@ -74,7 +131,7 @@ class Options:
             "chat_template_kwargs": self.chat_template_kwargs,
         }
         # controls only where set, so an engine without them (a fake in the tests) still works
-        out.update({k: getattr(self, k) for k, off in CONTROLS.items() if getattr(self, k) != off})
+        out.update(self.set_controls())
         return out
 
 
@@ -126,32 +183,8 @@ def control(name: str, value: Any) -> Any:
     """A sampling control's value, checked (raises ``checks.BadValue`` without naming the key):
     top_k an integer >= 0 (0: off), top_p in (0, 1], min_p in [0, 1), repetition_penalty > 0,
     presence / frequency penalty in [-2, 2] (OpenAI's range), logprobs a boolean, top_logprobs
-    0..20, response_format as ``constraints.grammar`` accepts it."""
-    if name == "response_format":
-        constraints.grammar(value)  # compiles it: a bad schema is refused here, before any generation
-        return value
-    if name == "logprobs":
-        if not isinstance(value, bool):
-            raise checks.BadValue(f"must be true or false, got {checks.show(value)}")
-        return value
-    if name in ("top_k", "top_logprobs"):
-        top = MAX_TOP_LOGPROBS if name == "top_logprobs" else None
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0 or (top is not None and value > top):
-            says = f"from 0 to {top}" if top else ">= 0"
-            raise checks.BadValue(f"must be an integer {says}, got {checks.show(value)}")
-        return value
-    number = checks.finite_number(value)
-    ranges = {
-        "top_p": (lambda x: 0 < x <= 1, "in (0, 1]"),
-        "min_p": (lambda x: 0 <= x < 1, "in [0, 1)"),
-        "repetition_penalty": (lambda x: x > 0, "> 0"),
-        "presence_penalty": (lambda x: -2 <= x <= 2, "in [-2, 2]"),
-        "frequency_penalty": (lambda x: -2 <= x <= 2, "in [-2, 2]"),
-    }
-    ok, says = ranges[name]
-    if not ok(number):
-        raise checks.BadValue(f"must be a number {says}, got {checks.show(value)}")
-    return number
+    0..20, response_format as ``constraints.grammar`` accepts it (``SamplingControls``)."""
+    return SamplingControls.check(name, value)
 
 
 def row_options(row: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:

@@ -9,25 +9,31 @@
     postprocess: feed each row's committed tokens to its output (EOS, stop strings, budget);
                  finished rows free their slot at once
 
-The batch holds ``slots`` rows of device state. A free slot's row still rides along in the
-passes (its length is 0 and nothing is read from it) until a waiting request takes it; once
-no request waits, the batch shrinks to its live rows whenever a quarter of it is idle.
+The requests come as a list or as a stream (engine/waiting.py: pulled as slots free up, a
+small look-ahead encoded ahead). The batch holds ``slots`` rows of device state. A free slot's
+row still rides along in the passes (its length is 0 and nothing is read from it) until a
+waiting request takes it; once no request can come any more, the batch shrinks to its live rows
+whenever a quarter of it is idle. A stream's memory plan (engine/memory.py: ``Plan``) may lower
+the rows in flight when a longer request arrives: then no request joins until the batch has
+narrowed to that many rows.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 
 from ..completion import Piece
+from ..request import SamplingControls
 from . import decode, prefill, sampling
 from .batch_cache import Lengths, round_up
 from .decode import Step
 from .output import RowOutput
 from .scheduler import Acceptance, Scheduler
+from .waiting import Waiting
 
 
 @dataclass
@@ -41,13 +47,9 @@ class Request:
     stop: Sequence[str] = ()
     index: int = 0  # the caller's position for it
     sample: int = 0  # which sample of its prompt (the same ids, its own seed)
-    # sampling controls (engine/sampling.py), off by default
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    # the filters and penalties (engine/sampling.py), checked; off by default
+    controls: SamplingControls = field(default_factory=SamplingControls)
+    # from the controls (Engine.request): logprobs and top_logprobs, response_format
     logprobs: Optional[int] = None  # None: none; k: the emitted token's and the k best alternatives'
     grammar: Optional[str] = None  # llguidance grammar (dflash_batch/constraints.py)
 
@@ -71,18 +73,24 @@ class Row:
 
 
 class BatchDecoder:
-    """Decodes ``requests`` with at most ``slots`` rows in flight; ``steps()`` yields
-    ``(request index, Piece)`` as rows commit tokens (a Piece with ``finish_reason`` ends a row)."""
+    """Decodes ``requests`` (a list, or a ``Waiting`` over a stream) with at most ``slots`` rows
+    in flight (fewer once ``plan.rows`` is lower); ``steps()`` yields ``(request index, Piece)``
+    as rows commit tokens (a Piece with ``finish_reason`` ends a row), and ``(None, None)`` after
+    the stream gave a refused request (``requests.refused``), so that the caller can report it."""
 
-    def __init__(self, engine, requests: Sequence[Request], slots: int, scheduler: Scheduler):
+    def __init__(self, engine, requests: Union[Sequence[Request], Waiting], slots: int, scheduler: Scheduler,
+                 plan=None):
         self.engine, self.target, self.drafter = engine, engine.target, engine.drafter
-        self.slots = max(1, min(slots, len(requests)))
-        self.scheduler = scheduler
-        self.rows: List[Optional[Row]] = [None] * self.slots
         # Joining prompts (engine/prefill.py): prefilled together, sharing the prefixes they have in common.
         self.prefixes = engine.prefixes
-        marks = prefill.share_marks([r.ids for r in requests], self.prefixes.granularity) if self.prefixes else None
-        self.waiting = [(r, marks[i] if marks else []) for i, r in enumerate(requests)][::-1]  # pop(): next in order
+        if not isinstance(requests, Waiting):
+            requests = Waiting([list(requests)], None, self.prefixes.granularity if self.prefixes else None)
+            requests.refill()
+        self.waiting = requests
+        self.plan = plan  # memory.Plan of a stream: its ``rows`` caps the rows in flight
+        self.slots = max(1, min(slots, len(requests)) if requests.done else slots)
+        self.scheduler = scheduler
+        self.rows: List[Optional[Row]] = [None] * self.slots
         self.group = prefill.JoinGroup(self.target, self.drafter, self.prefixes)
         # Device state of the batch: target cache rows, drafter context rows, pending context.
         self.lengths = Lengths([0] * self.slots)
@@ -99,6 +107,9 @@ class BatchDecoder:
         mx.reset_peak_memory()
         while self.waiting or self.group.joiners or any(self.rows):
             yield from self.admit()
+            if self.waiting.refused:
+                self.waiting.refused = 0
+                yield None, None
             live = [b for b, r in enumerate(self.rows) if r is not None]
             if not live:
                 continue
@@ -131,15 +142,24 @@ class BatchDecoder:
     def _fill(self) -> Iterator[Tuple[int, Piece]]:
         """Start a waiting request in each free slot: from the longest kept prefix of its prompt (a
         whole prompt kept takes its slot at once), else from nothing. A request waits while a
-        joining row is about to keep a longer prefix of its prompt."""
+        joining row is about to keep a longer prefix of its prompt. None joins while the batch is
+        wider than its plan allows (a longer request arrived) and cannot narrow yet."""
+        if self.plan is not None and self.slots > self.plan.rows and not self.narrow(self.plan.rows):
+            return
         taken = {j.slot for j in self.group.joiners}
         most = self.engine.prefill_rows or self.slots
         for b in range(self.slots):
             if self.rows[b] is not None or b in taken:
                 continue
-            if not self.waiting or len(self.group.joiners) >= most:
+            if len(self.group.joiners) >= most:
                 return
-            request, marks = self.waiting[-1]
+            entry = self.waiting.peek()
+            if entry is None:
+                return
+            if self.plan is not None and self.slots > self.plan.rows:  # the pull lowered the plan
+                yield from self._fill()
+                return
+            request, marks = entry
             start = self.prefixes.longest(request.ids) if self.prefixes else None
             if self.group.waits_for(request.ids, start.length if start else 0):
                 return
@@ -311,23 +331,39 @@ class BatchDecoder:
             self.pending_counts[b] = 0
 
     def shrink(self) -> None:
-        """With nothing waiting, drop idle rows from the batch once a quarter of it is idle."""
+        """With nothing left to come, drop idle rows from the batch once a quarter of it is idle."""
         if self.waiting or self.group.joiners:
             return
         live = [b for b, r in enumerate(self.rows) if r is not None]
         if not live or len(live) > 0.75 * self.slots:
             return
-        index = mx.array(live, dtype=mx.int32)
+        self._keep(live)
+
+    def narrow(self, rows: int) -> bool:
+        """Cut the batch to ``rows`` slots (its live rows and idle ones) once no more than that
+        many are live and none is joining; returns whether it is that narrow."""
+        if self.slots <= rows:
+            return True
+        live = [b for b, r in enumerate(self.rows) if r is not None]
+        if self.group.joiners or len(live) > rows:
+            return False
+        idle = [b for b, r in enumerate(self.rows) if r is None]
+        self._keep(sorted(live + idle[: rows - len(live)]))
+        return True
+
+    def _keep(self, keep: List[int]) -> None:
+        """Keep only these slots of the batch, in this order."""
+        index = mx.array(keep, dtype=mx.int32)
         for c in self.cache + (self.draft_cache or []):
             c.take_rows(index)
-        self.rows = [self.rows[b] for b in live]
-        self.lengths.set([self.lengths.host[b] for b in live])
+        self.rows = [self.rows[b] for b in keep]
+        self.lengths.set([self.lengths.host[b] for b in keep])
         if self.drafter is not None:
-            self.draft_lengths.set([self.draft_lengths.host[b] for b in live])
+            self.draft_lengths.set([self.draft_lengths.host[b] for b in keep])
         if self.pending is not None:
             self.pending = self.pending[index]
-        self.pending_counts = [self.pending_counts[b] for b in live]
-        self.slots = len(live)
+        self.pending_counts = [self.pending_counts[b] for b in keep]
+        self.slots = len(keep)
 
 
 def _logprobs(scores, b: int, count: int):

@@ -20,10 +20,11 @@ from ..completion import (
 )
 from . import attention, loading, memory, prefill, registry, warmup
 from .. import checks, constraints
-from ..request import CONTROLS, control, sample_seed
+from ..request import CONTROLS, SamplingControls, sample_seed
 from .batch import BatchDecoder, Request
 from .scheduler import CostModel, Scheduler
 from .target import Target
+from .waiting import Waiting
 
 if TYPE_CHECKING:
     from .. import request as request_type
@@ -169,16 +170,17 @@ class Engine:
         **prompt_options,
     ) -> Request:
         """Check and encode one prompt with its options (raises GenerationError naming the problem).
-        Sampling controls (``request.CONTROLS``: top_k, top_p, min_p, the penalties, logprobs,
-        top_logprobs, response_format) come as keywords; docs/sampling.md."""
-        controls = {}
+        Sampling controls (``request.SamplingControls``: top_k, top_p, min_p, the penalties,
+        logprobs, top_logprobs, response_format) come as keywords; docs/sampling.md."""
+        given = {}
         for name in CONTROLS:
             value = prompt_options.pop(name, None)
             if value is not None:
                 try:
-                    controls[name] = control(name, value)
+                    given[name] = SamplingControls.check(name, value)
                 except checks.BadValue as e:
                     raise GenerationError(f"{name} {e}") from None
+        controls = SamplingControls(**given)
         ids = self.encode(prompt, **prompt_options)
         if not ids:
             raise EmptyPromptError("prompt encodes to no tokens")
@@ -190,12 +192,10 @@ class Engine:
             raise PromptTooLongError(f"prompt has {len(ids)} tokens; the target's context is {self.max_context}")
         if self.max_context:
             max_tokens = min(max_tokens, self.max_context - len(ids))
-        rf = controls.pop("response_format", None)
-        want_logprobs = controls.pop("logprobs", False) or controls.get("top_logprobs", 0) > 0
-        top = controls.pop("top_logprobs", 0)
+        want_logprobs = controls.logprobs or controls.top_logprobs > 0
         return Request(
-            ids, max_tokens, float(temperature), seed, tuple(stop or ()), index,
-            logprobs=top if want_logprobs else None, grammar=constraints.grammar(rf), **controls,
+            ids, max_tokens, float(temperature), seed, tuple(stop or ()), index, controls=controls,
+            logprobs=controls.top_logprobs if want_logprobs else None, grammar=constraints.grammar(controls.response_format),
         )
 
     def stream_batch(
@@ -236,7 +236,8 @@ class Engine:
     def run(self, requests: Sequence[Request], batch_size: Optional[int] = None) -> Iterator[Tuple[int, Completion]]:
         """Decode checked requests (see ``request``); yield ``(request.index, Completion)`` as each
         finishes. ``prefill_counts`` then holds the run's prefill passes, prompt tokens run through
-        them and padding tokens."""
+        them and padding tokens; ``decode_counts`` its cycles per verify width T:
+        ``{T: [cycles, seconds, rows in flight summed]}``."""
         if not requests:
             return
         slots = self.plan_batch(requests, batch_size)
@@ -250,36 +251,59 @@ class Engine:
                 yield index, _completion(parts.pop(index))
 
     def generate_requests(
-        self, requests: Iterable["request_type.Request"], batch_size: Optional[int] = None, window: int = 4096
+        self, requests: Iterable["request_type.Request"], batch_size: Optional[int] = None,
+        lookahead: Optional[int] = None,
     ) -> Iterator[Tuple["request_type.Request", Union[Completion, Exception]]]:
-        """The runner's interface (``dflash_batch.request.Generator``): encode each request with
-        ``request``; one the engine refuses is yielded at once with its ``GenerationError``; the
-        rest are decoded together (``run``, ``batch_size`` rows at most) and yielded as each
-        finishes, a request of ``options.n`` samples once per sample (``sample_index``; seeds from
-        the request's seed, its id and the sample index). Requests are taken ``window`` at a
-        time, so a long job is not encoded up front."""
-        pending: List[Tuple[Any, Request]] = []
+        """The runner's interface (``dflash_batch.request.Generator``): one stream, decoded together
+        (``batch_size`` rows at most) and yielded as each request finishes, a request of
+        ``options.n`` samples once per sample (``sample_index``; seeds from the request's seed, its
+        id and the sample index). Requests are pulled and encoded (``request``) as slots free up,
+        at most ``lookahead`` encoded ones waiting (default twice the batch size; engine/waiting.py),
+        so the batch stays full until the input ends and a long job is never encoded up front. One
+        the engine refuses (its ``GenerationError``: an empty or too long prompt, or one whose row
+        alone does not fit in memory) is yielded as soon as the pull that met it is done."""
+        cap = self._batch_cap(batch_size)
+        plan = memory.Plan(self, cap)  # rows in flight: the cap, or fewer once a long request comes
+        refused: List[Tuple[Any, Exception]] = []
+        owners: Dict[int, Tuple[Any, int]] = {}  # engine request index -> (runner's request, sample), in flight
 
-        def flush():
-            by_index = {i: r for i, (r, _) in enumerate(pending)}
-            for i, completion in self.run([encoded for _, encoded in pending], batch_size):
-                completion.sample_index = pending[i][1].sample
-                yield by_index[i], completion
-            pending.clear()
+        def encoded() -> Iterator[Optional[List[Request]]]:
+            count = 0
+            for req in requests:
+                try:
+                    first = self.request(req.prompt, index=count, **req.options.as_kwargs())
+                    plan.take(len(first.ids) + first.max_tokens + max(self.block_size, 1))
+                except GenerationError as e:
+                    refused.append((req, e))
+                    yield None  # counted by the look-ahead: reported once the pull is done
+                    continue
+                samples = _samples(first, getattr(req.options, "n", 1), item=str(req.id))
+                for sample in samples:
+                    owners[count] = (req, sample.sample)
+                    sample.index, count = count, count + 1
+                yield samples  # pulled together: the first prefills, the others copy its state
 
-        for req in requests:
-            try:
-                encoded = self.request(req.prompt, index=len(pending), **req.options.as_kwargs())
-            except GenerationError as e:
-                yield req, e
+        waiting = Waiting(encoded(), lookahead or 2 * cap, self.prefixes.granularity if self.prefixes else None)
+        while len(waiting) < waiting.ahead and not waiting.done:  # the first look-ahead plans the batch
+            waiting.refill()
+            yield from _drain(refused)
+        if not waiting:
+            return
+        slots = min(plan.rows, len(waiting)) if waiting.done else plan.rows
+        decoder = BatchDecoder(self, waiting, slots, self._scheduler(slots), plan=plan)
+        self.prefill_counts = decoder.group.counts
+        self.decode_counts = decoder.decode_counts
+        parts: Dict[int, List[Piece]] = {}
+        for index, piece in decoder.steps():
+            yield from _drain(refused)
+            if index is None:
                 continue
-            for sample in _samples(encoded, getattr(req.options, "n", 1), item=str(req.id)):
-                sample.index = len(pending)
-                pending.append((req, sample))
-            if len(pending) >= window:
-                yield from flush()
-        if pending:
-            yield from flush()
+            parts.setdefault(index, []).append(piece)
+            if piece.finish_reason is not None:
+                completion = _completion(parts.pop(index))
+                req, completion.sample_index = owners.pop(index)
+                yield req, completion
+        yield from _drain(refused)
 
     def generate_batch(self, prompts: Sequence[Prompt], *args, n: int = 1, **kwargs) -> List[Completion]:
         """``stream_batch`` collected in input order: prompt i's samples at ``i * n .. i * n + n - 1``."""
@@ -319,18 +343,15 @@ class Engine:
     def plan_batch(self, requests: Sequence[Request], batch_size: Optional[int] = None) -> int:
         """Rows in flight: the asked (or configured) cap, at most what memory holds for the
         longest request. Too little memory for even one row is an error before any work."""
+        plan = memory.Plan(self, self._batch_cap(batch_size))
+        plan.take(max(len(r.ids) + r.max_tokens for r in requests) + max(self.block_size, 1))
+        return max(1, min(plan.rows, len(requests)))
+
+    def _batch_cap(self, batch_size: Optional[int]) -> int:
         cap = batch_size or self.batch_cap or memory.default_batch_cap()
         if cap < 1:
             raise ValueError(f"batch_size must be at least 1, got {cap}")
-        longest = max(len(r.ids) + r.max_tokens for r in requests) + max(self.block_size, 1)
-        per_row = memory.row_bytes(self, longest)
-        fits = memory.rows_that_fit(per_row)
-        if fits < 1:
-            raise GenerationError(
-                f"not enough memory for one sequence of {longest} tokens: it needs {per_row / 1e9:.2f} GB "
-                f"of cache, {memory.free_bytes() / 1e9:.2f} GB are free (lower max_tokens or use a smaller model)"
-            )
-        return max(1, min(cap, fits, len(requests)))
+        return cap
 
     def _scheduler(self, slots: int) -> Scheduler:
         if not self.adaptive_block or self.drafter is None:
@@ -353,6 +374,12 @@ def _samples(first: Request, n: int, item: str = "") -> List[Request]:
         dataclasses.replace(first, seed=sample_seed(first.seed, k, item), index=first.index + k, sample=k)
         for k in range(n)
     ]
+
+
+def _drain(refused: list) -> Iterator:
+    """Yield and forget the (request, error) pairs gathered so far."""
+    while refused:
+        yield refused.pop(0)
 
 
 def _per_prompt(value, n: int, name: str) -> list:

@@ -3,7 +3,9 @@
 A row of n tokens holds, per attention layer of the target and of the drafter, K and V of n
 positions (capacity grows in 256-column steps), plus, per GatedDeltaNet layer, its conv and
 recurrent state. The plan is made before any work, from the longest request of the job, so
-a job never runs out of memory halfway through.
+a job never runs out of memory halfway through. A stream of requests (``Plan``) is planned from
+the memory free when it starts and the longest request seen so far: a longer one that arrives
+later lowers the rows in flight (the batch narrows before it joins).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import os
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..completion import GenerationError
 from .batch_cache import Lengths, RaggedKVCache, round_up
 
 USABLE = 0.8  # of free memory, for caches and the passes' temporaries
@@ -41,6 +44,30 @@ def free_bytes() -> int:
 
 def rows_that_fit(per_row: int) -> int:
     return int(free_bytes() * USABLE // max(per_row, 1))
+
+
+class Plan:
+    """Rows in flight for requests of up to ``longest`` positions: at most ``rows`` (the asked
+    cap), at most what the memory free when the plan was made holds at that length."""
+
+    def __init__(self, engine, cap: int):
+        self.engine, self.rows, self.longest = engine, cap, 0
+        self.free = free_bytes()
+
+    def take(self, tokens: int) -> None:
+        """Make room for a request of ``tokens`` positions (prompt, budget and a block): a longer
+        one than any before lowers ``rows`` to what fits; raises GenerationError when not even
+        one row of it fits."""
+        if tokens <= self.longest:
+            return
+        per_row = row_bytes(self.engine, tokens)
+        fits = int(self.free * USABLE // max(per_row, 1))
+        if fits < 1:
+            raise GenerationError(
+                f"not enough memory for one sequence of {tokens} tokens: it needs {per_row / 1e9:.2f} GB "
+                f"of cache, {self.free / 1e9:.2f} GB are free (lower max_tokens or use a smaller model)"
+            )
+        self.longest, self.rows = tokens, min(self.rows, fits)
 
 
 def row_bytes(engine, tokens: int) -> int:

@@ -20,15 +20,24 @@ from typing import List, Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
+from ..request import SamplingControls
+
 NEG_INF = float("-inf")
 
 
+OFF = SamplingControls()  # every control at its default: what a free slot's row uses
+PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty")
+FILTERS = ("top_k", "top_p", "min_p")
+
+
 def penalized(request) -> bool:
-    return request.repetition_penalty != 1.0 or request.presence_penalty != 0.0 or request.frequency_penalty != 0.0
+    c = request.controls
+    return any(getattr(c, name) != getattr(OFF, name) for name in PENALTIES)
 
 
 def filtered(request) -> bool:
-    return request.temperature > 0 and (request.top_k > 0 or request.top_p < 1.0 or request.min_p > 0.0)
+    c = request.controls
+    return request.temperature > 0 and any(getattr(c, name) != getattr(OFF, name) for name in FILTERS)
 
 
 def process(logits: mx.array, requests: Sequence, histories: Sequence[List[int]], drafted: Optional[mx.array],
@@ -67,7 +76,7 @@ def _penalize(logits: mx.array, requests, histories, drafted) -> mx.array:
         rows += [b] * len(ids)
         tokens += ids.tolist()
         numbers += n.tolist()
-        if r.repetition_penalty != 1.0:
+        if r.controls.repetition_penalty != OFF.repetition_penalty:
             unique = np.unique(np.asarray(r.ids, np.int64)).tolist()
             prompt_rows += [b] * len(unique)
             prompt_tokens += unique
@@ -79,12 +88,12 @@ def _penalize(logits: mx.array, requests, histories, drafted) -> mx.array:
         running = mx.cumsum(onehot, axis=1)
         counts = counts + mx.concatenate([mx.zeros((B, 1, V), mx.float32), running], axis=1)
     counts = mx.broadcast_to(counts, (B, T, V))
-    def per_row(name, default):
-        return mx.array([getattr(r, name) if r is not None else default for r in requests], mx.float32)[:, None, None]
-    rep = per_row("repetition_penalty", 1.0)
+    def per_row(name):
+        return mx.array([getattr(r.controls if r is not None else OFF, name) for r in requests], mx.float32)[:, None, None]
+    rep = per_row("repetition_penalty")
     seen = (counts > 0) | seen_prompt[:, None, :]
     out = mx.where(seen, mx.where(logits > 0, logits / rep, logits * rep), logits)
-    return out - per_row("presence_penalty", 0.0) * (counts > 0) - per_row("frequency_penalty", 0.0) * counts
+    return out - per_row("presence_penalty") * (counts > 0) - per_row("frequency_penalty") * counts
 
 
 def _scatter(B: int, V: int, rows: List[int], tokens: List[int], values: List[float]) -> mx.array:
@@ -103,9 +112,9 @@ def _filter(logits: mx.array, requests) -> mx.array:
     def per_row(fn):
         return mx.array([fn(r) if r is not None and filtered(r) else fn(None) for r in requests], mx.float32)[:, None, None]
     scale = per_row(lambda r: 1.0 / r.temperature if r else 1.0)
-    k = per_row(lambda r: (r.top_k or V) if r else V)
-    p = per_row(lambda r: r.top_p if r else 1.0)
-    log_min_p = per_row(lambda r: math.log(r.min_p) if r and r.min_p > 0 else NEG_INF)
+    k = per_row(lambda r: (r.controls.top_k or V) if r else V)
+    p = per_row(lambda r: r.controls.top_p if r else 1.0)
+    log_min_p = per_row(lambda r: math.log(r.controls.min_p) if r and r.controls.min_p > 0 else NEG_INF)
     scaled = logits * scale
     ordered = mx.sort(scaled, axis=-1)[..., ::-1]  # descending
     rank = mx.arange(V, dtype=mx.float32)

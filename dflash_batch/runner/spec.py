@@ -29,7 +29,7 @@ import orjson
 
 from .. import checks
 from ..errors import SpecError
-from ..request import CONTROLS, MAX_SAMPLES, Options, control, resolve_options
+from ..request import CONTROLS, MAX_SAMPLES, Options, SamplingControls, resolve_options
 from .items import Fields, _template_keys
 
 MODEL_KEYS = ("target", "target_revision", "draft", "draft_revision", "dtype", "block_size", "max_context",
@@ -48,8 +48,10 @@ CRON_ALIASES = {"@hourly": "0 * * * *", "@daily": "0 0 * * *", "@midnight": "0 0
 
 
 @dataclass
-class JobSpec:
-    """A fully resolved job: what to read, which model, how to sample, where to write."""
+class JobSpec(SamplingControls):
+    """A fully resolved job: what to read, which model, how to sample, where to write. The
+    sampling controls (``request.SamplingControls``: top_k ... response_format, for rows without
+    their own) are inherited fields, keys of the YAML ``sampling`` section."""
 
     input: Optional[str] = None
     name: Optional[str] = None
@@ -78,16 +80,6 @@ class JobSpec:
     seed: Optional[int] = None
     stop: List[str] = field(default_factory=list)
     n: int = 1  # samples per row (each its own result row, ``sample_index``), for rows without their own n
-    # sampling controls, logprobs and structured output for rows without their own (docs/sampling.md)
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logprobs: bool = False
-    top_logprobs: int = 0
-    response_format: Optional[Dict[str, Any]] = None
     # running
     chunk_size: int = 64
     batch_size: Optional[int] = None  # rows decoded together; None: what memory allows (not in the hash)
@@ -364,7 +356,7 @@ def validate(spec: JobSpec, where: str = "spec") -> None:
             setattr(spec, key, off)
         else:
             try:
-                setattr(spec, key, control(key, getattr(spec, key)))
+                setattr(spec, key, SamplingControls.check(key, getattr(spec, key)))
             except checks.BadValue as e:
                 bad(key, str(e))
     if isinstance(spec.stop, str):
