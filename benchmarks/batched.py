@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import gc
 import json
 import platform
 import statistics
@@ -68,10 +69,24 @@ def run_engine(engine, prompts, max_tokens: int, B: int) -> Dict[str, Any]:
     committed = sum(k * n for c in done for k, n in enumerate(c.stats.acceptance_histogram))
     prefill = engine.prefill_counts["seconds"]  # the prefill passes (packed, or one prompt each)
     return {"tokens": tokens, "wall_s": wall, "tok_s": tokens / wall, "prefill_s": prefill,
+            "cycles": cycle_summary(engine.decode_counts),
             "prefill_passes": engine.prefill_counts["passes"], "prefill_padding": engine.prefill_counts["padding"],
             "decode_tok_s": tokens / (wall - prefill) if wall > prefill else None,
             "tokens_per_cycle": committed / cycles if cycles else None,
             "all_token_0": all(t == 0 for c in done for t in c.token_ids)}
+
+
+def cycle_summary(counts: Dict[int, list]) -> Dict[str, Any]:
+    """Per verify width T: cycles, mean ms per cycle and mean rows in flight (Engine.decode_counts)."""
+    return {str(T): {"cycles": n, "ms": round(1e3 * s / n, 2), "rows": round(rows / n, 1)}
+            for T, (n, s, rows) in sorted(counts.items())}
+
+
+def release() -> None:
+    """Free what the last arm left behind (its engine's caches, MLX's buffer cache) before the next:
+    an arm must neither run short of memory nor pay for another arm's allocations."""
+    gc.collect()
+    mx.clear_cache()
 
 
 def median_of(run: Callable[[list], Dict[str, Any]], prompts: list, warmup: int, reps: int) -> Dict[str, Any]:
@@ -157,7 +172,10 @@ def main(argv=None) -> Path:
         if args.budget_s and time.perf_counter() - started > args.budget_s:
             return
         try:
+            release()
+            mx.reset_peak_memory()
             figures = median_of(run, prompts, min(2 * B, len(prompts)), args.reps)
+            figures["peak_memory_gb"] = round(mx.get_peak_memory() / 1e9, 2)
             status = "ok"
         except Exception as e:  # reported, the other arms still run
             figures, status = {"error": f"{type(e).__name__}: {e}"}, "error"
@@ -175,6 +193,7 @@ def main(argv=None) -> Path:
                 arm = f"dflash {acceptance}" + ("" if mode == "packed" else f" ({mode}-per-pass prefill)")
                 with zeroed:
                     record(arm, B, lambda job: run_engine(engine, job, args.max_tokens, B))
+                del engine  # its caches go before the next arm's (release)
     doc["wall_s"] = time.perf_counter() - started
     path.write_text(json.dumps(doc, indent=1))
     print(path)

@@ -246,11 +246,13 @@ class BatchDecoder:
         else:
             drafted = mx.zeros((B, 0), dtype=mx.int32)
         tokens = mx.concatenate([last, drafted], axis=1)
-        # grammar masks walk the drafts on the host: fetch them, and compute the masks while the verify pass runs
-        drafts = drafted.tolist() if any(r is not None and r.matcher is not None for r in rows) else None
         logits, hidden = self.target.verify(tokens, self.cache)
-        if drafts is not None:
+        drafts = None
+        if any(r is not None and r.matcher is not None for r in rows):
+            # grammar masks walk the drafts on the host: queue the verify pass first, then fetch
+            # the drafts and compute the masks while it runs
             mx.async_eval(logits)
+            drafts = drafted.tolist()
         chosen, scores = self.choose(
             logits, rows, self.lengths.device + 1,  # verify row i picks the token after position n_b + i
             drafted if T > 1 else None, drafts,
