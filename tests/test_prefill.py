@@ -197,3 +197,40 @@ def test_one_prompt_per_pass_when_asked(pair):
     assert [c.token_ids for c in a] == [c.token_ids for c in b]
     assert one.prefill_counts["passes"] == sum(-(-len(p) // 64) for p in prompts) and one.prefill_counts["padding"] == 0
     assert packed.prefill_counts["passes"] < one.prefill_counts["passes"]
+
+
+# -- the LM head only where a prefill pass needs it ------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_tied", "llama", "qwen35"])
+def test_logits_at_chosen_positions_equal_the_full_pass(kind, tmp_path):
+    """``Target(tokens, cache, at)`` runs the LM head on row b's position at[b] only: the same
+    logits and taps as the whole pass. A head-after-backbone model
+    takes the short path (a model file outside the list runs its whole forward)."""
+    from dflash_batch.engine.batch_cache import Lengths
+    from dflash_batch.engine.target import Target
+    from mlx_lm.utils import load
+
+    cfg = {"qwen3": synthetic.tiny_qwen3_config(), "llama": synthetic.tiny_llama_config(),
+           "qwen35": synthetic.tiny_qwen3_5_config(layers=4)}.get(kind) or dict(synthetic.tiny_qwen3_config(), tie_word_embeddings=True)  # fmt: skip
+    model, _ = load(str(synthetic.save_target(tmp_path / kind, cfg, seed=5)))
+    target = Target(model, tap_ids=[0, 2])
+    assert target.head_after_backbone
+    tokens = mx.array([_ids(9, 1), _ids(9, 2), _ids(9, 3)], dtype=mx.int32)
+    at = mx.array([8, 3, 5], dtype=mx.int32)
+    runs = []
+    for chosen in (None, at):
+        lengths = Lengths([0, 0, 0])
+        cache = target.make_cache(lengths)
+        logits, hidden = target(tokens, cache, chosen)
+        if chosen is None:
+            logits = logits[mx.arange(3), at][:, None, :]
+        mx.eval(logits, hidden)
+        runs.append((logits, hidden))
+    (full, h_full), (short, h_short) = runs
+    assert short.shape == (3, 1, target.vocab_size)
+    assert mx.allclose(full, short, rtol=1e-5, atol=1e-5).item()
+    assert mx.array_equal(h_full, h_short).item()
+    target.head_after_backbone = False  # the whole forward, then the positions picked
+    logits, _ = target(tokens, target.make_cache(Lengths([0, 0, 0])), at)
+    assert mx.allclose(full, logits, rtol=1e-5, atol=1e-5).item()

@@ -82,7 +82,7 @@ def prefill(target: Target, prompt: List[int], cache: list, lengths: Lengths, ch
     logits = None
     for i in range(0, len(prompt), chunk):
         piece = prompt[i : i + chunk]
-        logits, h = target(mx.array([piece]), cache)
+        logits, h = target(mx.array([piece]), cache, at=mx.array([len(piece) - 1]))
         lengths.advance([len(piece)])
         if h is not None:
             hidden.append(h)

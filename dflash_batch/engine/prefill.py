@@ -195,17 +195,16 @@ class JoinGroup:
         pieces = [j.ids[j.done : j.done + min(r, C)] for j, r in zip(js, room)]
         counts = [len(p) for p in pieces]
         tokens = mx.array([p + [0] * (C - len(p)) for p in pieces], dtype=mx.int32)
+        at = mx.array(counts, dtype=mx.int32) - 1  # logits after each row's last valid token: row j, column c_j - 1
         if len(set(counts)) > 1:  # ragged: recurrent rows keep their own c_j steps (tape replay)
-            logits, hidden = self.target.verify(tokens, self.cache)
+            last, hidden = self.target.verify(tokens, self.cache, at)
             self.target.rollback(self.cache, counts)
         else:
-            logits, hidden = self.target(tokens, self.cache)
+            last, hidden = self.target(tokens, self.cache, at)
         self.lengths.advance(counts)
         if self.drafter is not None:
             self.drafter.add_context(hidden, self.draft_cache)
             self.draft_lengths.advance(counts)
-        # logits after each row's last valid token: row j, column c_j - 1
-        last = logits[mx.arange(len(counts)), mx.array(counts, dtype=mx.int32) - 1][:, None, :]
         mx.eval(last, [c.arrays() for c in self.cache + (self.draft_cache or [])])
         self.counts["passes"] += 1
         self.counts["tokens"] += sum(counts)

@@ -42,6 +42,11 @@ class _Tap(nn.Module):
         return out
 
 
+# mlx-lm model files whose logits are the LM head (or the tied embedding) applied to the backbone's
+# output, nothing else (no logit scaling or soft-capping); others run their own forward whole.
+HEAD_AFTER_BACKBONE = {f"mlx_lm.models.{name}" for name in ("qwen3", "qwen2", "llama", "qwen3_5")}
+
+
 def _inner_model(model: nn.Module) -> Tuple[nn.Module, nn.Module]:
     """(the module that holds lm_head or ties it, the module that holds embed_tokens and layers).
 
@@ -65,6 +70,8 @@ class Target:
     def __init__(self, model: nn.Module, tap_ids: Sequence[int] = ()):
         self.model = model
         self._outer, self._inner = _inner_model(model)
+        # the model's logits are lm_head(backbone(x)) and nothing more, so the head can run on chosen positions
+        self.head_after_backbone = type(self._outer).__module__ in HEAD_AFTER_BACKBONE
         self.hybrid = hybrid.attach(model) > 0  # qwen3_5 GatedDeltaNet layers: tape-replay rollback
         self.layers: list = self._inner.layers
         self.embed_tokens = self._inner.embed_tokens
@@ -140,15 +147,24 @@ class Target:
             return head(h)
         return self.embed_tokens.as_linear(h)
 
-    def verify(self, tokens: mx.array, cache: list) -> Tuple[mx.array, Optional[mx.array]]:
+    def verify(self, tokens: mx.array, cache: list, at: Optional[mx.array] = None) -> Tuple[mx.array, Optional[mx.array]]:
         """A pass that ``rollback`` may cut short: recurrent layers record a tape for it."""
         if self.hybrid:
             hybrid.arm(cache)
-        return self(tokens, cache)
+        return self(tokens, cache, at)
 
-    def __call__(self, tokens: mx.array, cache: list) -> Tuple[mx.array, Optional[mx.array]]:
-        """logits [B, L, V] and the tapped hidden states concatenated on the last axis."""
-        logits = self.model(tokens, cache=cache)
+    def __call__(self, tokens: mx.array, cache: list, at: Optional[mx.array] = None) -> Tuple[mx.array, Optional[mx.array]]:
+        """logits [B, L, V] and the tapped hidden states concatenated on the last axis. With ``at``
+        (int [B]) only row b's logits at position at[b], [B, 1, V]: a prefill pass needs just its
+        last ones, and the LM head over every position costs memory (B x L x V) and about a tenth of
+        a 4B model's compute, for logits thrown away."""
+        if at is None:
+            logits = self.model(tokens, cache=cache)
+        elif self.head_after_backbone:
+            h = self._inner(tokens, cache)
+            logits = self.lm_head(h[mx.arange(h.shape[0]), at][:, None, :])
+        else:
+            logits = self.model(tokens, cache=cache)[mx.arange(tokens.shape[0]), at][:, None, :]
         if not self.tap_ids:
             return logits, None
         hidden = mx.concatenate(self._store, axis=-1)
