@@ -90,3 +90,22 @@ def test_acceptance_per_position():
     assert row.probabilities(p) == pytest.approx(p)
     row.update(0, 2)
     assert row.probabilities(p)[0] == pytest.approx(2 * p[0] / 3)
+
+
+def test_one_slow_drafting_cycle_does_not_stop_drafting():
+    """The first drafting cycle of a process can take several passes' time (the old scheduler's
+    learnt overhead then kept a batch-1 job plain for 60 cycles): a kind's overhead counts once it
+    has 3 cycles; before that drafting cycles take the plain cycles' overhead."""
+    cost = CostModel(t0=1.0, t1=0.05, d0=0.5)
+    for _ in range(4):
+        cost.observe(1, 1, cost.passes(1, 1) + 0.1)  # plain cycles: 0.1 beyond their pass
+    cost.observe(1, 4, 6.0)  # one slow drafting cycle
+    assert cost.overhead(True) == pytest.approx(0.1)
+    scheduler = Scheduler(BLOCK, cost)
+    row = scheduler.new_row()
+    for _ in range(3):
+        scheduler.accepted(row, 3, 4)  # the drafts are good
+    assert scheduler.width([row], [100]) > 1
+    cost.observe(1, 4, 1.8)
+    cost.observe(1, 4, 1.9)
+    assert cost.overhead(True) == pytest.approx(1.9 - cost.passes(1, 4))

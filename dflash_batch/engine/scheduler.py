@@ -82,6 +82,7 @@ def expected_committed(p: Sequence[float], top: int) -> List[float]:
 
 
 WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+TRUSTED = 3  # cycles of a kind before its learnt overhead is used
 
 
 @dataclass
@@ -102,8 +103,15 @@ class CostModel:
         return self.t0 + self.t1 * B * T + (self.d0 + self.d1 * B if T > 1 else 0.0)
 
     def overhead(self, drafting: bool) -> float:
+        """The median excess of this kind; until a kind has TRUSTED cycles, the plain kind's (a
+        job that drafts rarely must not let one slow drafting cycle, such as the first of a
+        process, keep it from drafting)."""
         seen = sorted(self.excess[drafting])
-        return seen[len(seen) // 2] if seen else 0.0
+        if len(seen) < TRUSTED:
+            seen = sorted(self.excess[False]) if drafting else seen
+            if len(seen) < TRUSTED:
+                return 0.0
+        return seen[len(seen) // 2]
 
     def cycle(self, B: int, T: int) -> float:
         return max(self.passes(B, T) + self.overhead(T > 1), 1e-9)
