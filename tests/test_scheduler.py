@@ -109,3 +109,15 @@ def test_one_slow_drafting_cycle_does_not_stop_drafting():
     cost.observe(1, 4, 1.8)
     cost.observe(1, 4, 1.9)
     assert cost.overhead(True) == pytest.approx(1.9 - cost.passes(1, 4))
+
+
+def test_a_long_job_probes_at_its_start():
+    """A draft pass as dear as a target pass (a tiny target): at the neutral p_1 = 0.5 drafting
+    cannot pay, at p = 1 it pays 7 times over. A job of 200-token rows probes at its first cycle
+    (what the probe can lose is under 5% of the plain decoding ahead) and then drafts wide; a job
+    of 10-token rows does not pay for a probe."""
+    costs = dict(t0=1.0, t1=0.01, d0=1.0, d1=0.0, window=0)
+    ratio, widths = simulate(costs, 1.0, 1, 200, seed=0)
+    assert widths[0] > 1 and statistics.median(widths) == BLOCK
+    assert ratio < 0.2
+    assert simulate(costs, 1.0, 1, 10, seed=0)[1] == [1] * 10

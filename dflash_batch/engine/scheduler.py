@@ -21,7 +21,10 @@ one before it, so blocks widen as runs of accepted drafts show that wider ones p
 Rows in plain decoding learn nothing about their drafts, so they are probed at a small width
 once the plain cycles since the last drafting cycle have cost 20 times what a probe can lose (a
 probe commits at least the bonus token, as a plain cycle does, so it loses at most
-cost(B, probe) - cost(B, 1)): a drafter that always fails makes a job at most about 5% slower.
+cost(B, probe) - cost(B, 1)); before a job has drafted at all, the plain cycles its longest
+budget still allows count as spent, so a long job probes at its start. A drafter that always
+fails makes a job at most about 5% slower (for a job whose rows end well before their budgets,
+the first probe can cost more than 5% of it).
 
 The pass costs come from timing real passes at warm-up (``Engine.warm_up``); what a cycle costs
 beyond its passes is learnt from every cycle the engine times.
@@ -192,10 +195,14 @@ class Scheduler:
             return best
         # Plain decoding learns nothing about the drafts: probe once the plain cycles since the
         # last drafting cycle have cost 1 / probe_share times what a probe can lose (it commits
-        # at least the bonus token, as the plain cycle it replaces does).
-        self.plain_seconds += self.cost.cycle(B, 1)
+        # at least the bonus token, as the plain cycle it replaces does). Before the job has
+        # drafted at all, the plain cycles ahead count too (at most the longest budget's), so a
+        # long job learns its drafter's worth at once and a short one does not pay to.
+        plain = self.cost.cycle(B, 1)
+        self.plain_seconds += plain
         probe = min(self.probe_width, longest)
-        if self.plain_seconds * self.probe_share >= self.cost.cycle(B, probe) - self.cost.cycle(B, 1):
+        ahead = (longest - 1) * plain if self.job.seen[0] == 0 else 0.0
+        if (self.plain_seconds + ahead) * self.probe_share >= self.cost.cycle(B, probe) - plain:
             self.plain_seconds = 0.0
             return probe
         return 1
