@@ -1,10 +1,11 @@
 """How wide each cycle verifies: a cost model of target and drafter passes, and each row's
 acceptance, choose the width T that commits the most tokens per second.
 
-For row b with per-token acceptance p_b (a drafted token is accepted, given the ones before it
-were, with probability p_b), verifying L rows commits on average
+For row b, p_bk is the chance that draft k is accepted given drafts 1..k-1 were (estimated per
+position k: a drafter is often wrong at its first token and, once right, right for a run, so one
+p for every position overrates wide blocks). Verifying L rows commits on average
 
-    E_b(L) = 1 + p_b + p_b^2 + ... + p_b^(L-1) = (1 - p_b^L) / (1 - p_b)      (bonus included)
+    E_b(L) = 1 + p_b1 + p_b1 p_b2 + ... + p_b1 ... p_b(L-1)      (bonus included)
 
 and a cycle of width T over B rows costs
 
@@ -12,10 +13,18 @@ and a cycle of width T over B rows costs
                                                          draft(B)     = d0 + d1 * B
 
 The scheduler picks T in 1..block maximising  sum_b E_b(min(T, budget_b)) / cost(B, T).  T = 1 is
-plain batched decoding (no draft pass), so when the estimates are right a cycle is never slower
-than plain decoding at the same batch size. Rows in plain decoding learn nothing about their
-drafts, so once plain cycles have cost 20 times a probe, one cycle drafts at a small width (a
-probe adds at most 5% to the plain cycles around it).
+plain batched decoding (no draft pass). A job starts from a neutral p_1 = 0.5, so from the
+width the cost model justifies for a drafter of unknown worth (on a CPU: plain decoding), and
+each row starts from the job's estimates. A position never verified takes the estimate of the
+one before it, so blocks widen as runs of accepted drafts show that wider ones pay.
+
+Rows in plain decoding learn nothing about their drafts, so they are probed at a small width
+once the plain cycles since the last drafting cycle have cost 20 times what a probe can lose (a
+probe commits at least the bonus token, as a plain cycle does, so it loses at most
+cost(B, probe) - cost(B, 1)); before a job has drafted at all, the plain cycles its longest
+budget still allows count as spent, so a long job probes at its start. A drafter that always
+fails makes a job at most about 5% slower (for a job whose rows end well before their budgets,
+the first probe can cost more than 5% of it).
 
 The pass costs come from timing real passes at warm-up (``Engine.warm_up``); what a cycle costs
 beyond its passes is learnt from every cycle the engine times.
@@ -24,45 +33,59 @@ beyond its passes is learnt from every cycle the engine times.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
+
+NEUTRAL_P = 0.5  # a draft position's acceptance before anything is known of it
 
 
-@dataclass
 class Acceptance:
-    """A row's per-token acceptance estimate from its recent cycles: decayed counts over a prior
-    worth two drafts at p = 0.9 (a new row drafts the whole block; a drafter that fails is
-    found out in a few cycles).
+    """Acceptance estimates per draft position k = 1..positions: decayed counts of the cycles
+    that verified draft k (its first k - 1 accepted) and of those that accepted it, each over a
+    prior worth ``prior_weight`` cycles.
 
-    A cycle that verified L rows and accepted a drafts adds a successes and, if a < L - 1, one
-    failure (the first rejected draft); a fully accepted block says nothing past its end.
+    A cycle that verified L rows and accepted a drafts saw drafts 1..a accepted and, if
+    a < L - 1, draft a + 1 rejected; it says nothing of the drafts after that.
     """
 
-    accepted: float = 0.0
-    rejected: float = 0.0
-    decay: float = 0.9
-    prior_p: float = 0.9
-    prior_weight: float = 2.0
+    def __init__(self, positions: int = 15, decay: float = 0.9, prior_weight: float = 2.0):
+        self.decay, self.prior_weight = decay, prior_weight
+        self.seen = [0.0] * positions  # seen[k - 1]: cycles that verified draft k
+        self.kept = [0.0] * positions  # kept[k - 1]: ... and accepted it
 
     def update(self, accepted: int, verified: int) -> None:
         if verified <= 1:
             return
-        self.accepted = self.decay * self.accepted + accepted
-        self.rejected = self.decay * self.rejected + (accepted < verified - 1)
+        d = self.decay
+        self.seen = [d * n for n in self.seen]
+        self.kept = [d * n for n in self.kept]
+        for k in range(min(accepted + 1, verified - 1, len(self.seen))):  # drafts 1..a, and a + 1 if verified
+            self.seen[k] += 1.0
+            self.kept[k] += k < accepted
 
-    @property
-    def p(self) -> float:
-        w = self.prior_weight
-        return (self.accepted + w * self.prior_p) / (self.accepted + self.rejected + w)
+    def probabilities(self, prior: Optional[Sequence[float]] = None) -> List[float]:
+        """[p_1, ..., p_positions], p_k = P(draft k accepted | drafts 1..k-1 accepted). Position
+        k's prior is ``prior[k - 1]`` (say, the job's estimate); without one, the estimate of
+        position k - 1 (a drafter right k - 1 times running is taken to be as good at draft k
+        until shown otherwise), and NEUTRAL_P for position 1."""
+        w, out = self.prior_weight, []
+        for k, (seen, kept) in enumerate(zip(self.seen, self.kept)):
+            base = prior[k] if prior is not None else (out[-1] if out else NEUTRAL_P)
+            out.append((kept + w * base) / (seen + w))
+        return out
+
+
+def expected_committed(p: Sequence[float], top: int) -> List[float]:
+    """[E(0), E(1), ..., E(top)]: tokens committed on average by verifying L rows,
+    E(L) = 1 + p_1 + p_1 p_2 + ... + p_1 ... p_(L-1) (E(0) = 0: nothing verified)."""
+    out, run = [0.0], 1.0
+    for L in range(1, top + 1):
+        out.append(out[-1] + run)
+        run *= p[L - 1] if L - 1 < len(p) else 0.0
+    return out
 
 
 WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
-
-
-def expected_committed(p: float, L: int) -> float:
-    """E(L) = 1 + p + ... + p^(L-1)."""
-    if L <= 0:
-        return 0.0
-    return float(L) if p >= 1.0 else (1.0 - p**L) / (1.0 - p)
+TRUSTED = 3  # cycles of a kind before its learnt overhead is used
 
 
 @dataclass
@@ -83,8 +106,15 @@ class CostModel:
         return self.t0 + self.t1 * B * T + (self.d0 + self.d1 * B if T > 1 else 0.0)
 
     def overhead(self, drafting: bool) -> float:
+        """The median excess of this kind; until a kind has TRUSTED cycles, the plain kind's (a
+        job that drafts rarely must not let one slow drafting cycle, such as the first of a
+        process, keep it from drafting)."""
         seen = sorted(self.excess[drafting])
-        return seen[len(seen) // 2] if seen else 0.0
+        if len(seen) < TRUSTED:
+            seen = sorted(self.excess[False]) if drafting else seen
+            if len(seen) < TRUSTED:
+                return 0.0
+        return seen[len(seen) // 2]
 
     def cycle(self, B: int, T: int) -> float:
         return max(self.passes(B, T) + self.overhead(T > 1), 1e-9)
@@ -119,14 +149,15 @@ class Scheduler:
     """Chooses each cycle's verify width (see module doc). ``fixed`` verifies the whole block
     every cycle (the cost model is not consulted).
 
-    ``job`` pools every row's cycles: a row that joins starts from the job's acceptance, so a
-    drafter that fails on this job's text is not tried afresh on every new row.
+    ``job`` pools every row's cycles and is each row's prior, read afresh every cycle: a row that
+    joins starts from what the job knows, and a drafter that fails on this job's text is not
+    tried afresh on every new row.
     """
 
     def __init__(self, block: int, cost: CostModel, fixed: bool = False, probe_share: float = 0.05, probe_width: int = 4):
         self.block, self.cost, self.fixed = block, cost, fixed
         self.probe_share, self.probe_width = probe_share, min(probe_width, block)
-        self.job = Acceptance(decay=0.98)
+        self.job = Acceptance(max(block - 1, 0), decay=0.98, prior_weight=1.0)  # every row's cycles
         self.plain_seconds = 0.0  # spent in plain cycles since the last drafting cycle
 
     def widths(self, longest: int) -> List[int]:
@@ -136,7 +167,7 @@ class Scheduler:
         return sorted({w for w in WIDTHS if w < top} | {top})
 
     def new_row(self) -> Acceptance:
-        return Acceptance(prior_p=self.job.p)
+        return Acceptance(max(self.block - 1, 0))
 
     def accepted(self, row: Acceptance, accepted: int, verified: int) -> None:
         row.update(accepted, verified)
@@ -150,9 +181,12 @@ class Scheduler:
         if self.fixed:
             return min(self.block, longest)
         B = len(budgets)
+        widths = self.widths(longest)
+        job = self.job.probabilities()  # each row's prior
+        tables = [expected_committed(e.probabilities(job), min(widths[-1], n)) for e, n in zip(estimates, budgets)]
         best, best_rate = 1, -1.0
-        for T in self.widths(longest):
-            committed = sum(expected_committed(e.p, min(T, n)) for e, n in zip(estimates, budgets))
+        for T in widths:
+            committed = sum(table[min(T, len(table) - 1)] for table in tables)
             rate = committed / self.cost.cycle(B, T)
             if rate > best_rate * (1 + 1e-9):
                 best, best_rate = T, rate
@@ -160,10 +194,15 @@ class Scheduler:
             self.plain_seconds = 0.0
             return best
         # Plain decoding learns nothing about the drafts: probe once the plain cycles since the
-        # last drafting cycle have cost 1 / probe_share times a probe (a probe costs that share).
-        self.plain_seconds += self.cost.cycle(B, 1)
+        # last drafting cycle have cost 1 / probe_share times what a probe can lose (it commits
+        # at least the bonus token, as the plain cycle it replaces does). Before the job has
+        # drafted at all, the plain cycles ahead count too (at most the longest budget's), so a
+        # long job learns its drafter's worth at once and a short one does not pay to.
+        plain = self.cost.cycle(B, 1)
+        self.plain_seconds += plain
         probe = min(self.probe_width, longest)
-        if self.plain_seconds * self.probe_share >= self.cost.cycle(B, probe):
+        ahead = (longest - 1) * plain if self.job.seen[0] == 0 else 0.0
+        if (self.plain_seconds + ahead) * self.probe_share >= self.cost.cycle(B, probe) - plain:
             self.plain_seconds = 0.0
             return probe
         return 1

@@ -1,0 +1,123 @@
+"""The scheduler alone (engine/scheduler.py): fixed pass costs, scripted acceptance, no timing.
+
+Issue 13's rule: a job is never more than 10% slower than plain batched decoding at the same
+batch size. A simulated job charges each cycle the cost model's seconds for the width chosen;
+each row accepts each draft with probability p, independently, until its first rejection."""
+
+import random
+import statistics
+
+import pytest
+
+from dflash_batch.engine.scheduler import Acceptance, CostModel, Scheduler, expected_committed
+
+# Pass costs in units of a plain pass at batch 1 (t0 = 1). CPU: the target's cost grows with
+# the rows verified and a draft pass costs a third of a target pass (as the default pair's
+# warm-up measured on the 2-core VM); GPU: extra rows and the draft are nearly free.
+CPU = dict(t0=1.0, t1=0.05, d0=0.3, d1=0.2, window=0)
+GPU = dict(t0=1.0, t1=0.002, d0=0.15, d1=0.002, window=0)
+BLOCK = 16
+
+
+def simulate(costs: dict, p: float, rows: int, tokens: int, seed: int):
+    """One job of ``rows`` prompts of ``tokens`` tokens each: (its cost / plain decoding's cost,
+    the widths chosen)."""
+    rng = random.Random(seed)
+    cost = CostModel(**costs)
+    scheduler = Scheduler(BLOCK, cost)
+    live = [(scheduler.new_row(), tokens) for _ in range(rows)]
+    spent, widths = 0.0, []
+    while live:
+        T = scheduler.width([e for e, _ in live], [n for _, n in live])
+        widths.append(T)
+        spent += cost.cycle(len(live), T)
+        left = []
+        for estimate, n in live:
+            L = min(T, n)
+            a = 0
+            while a < L - 1 and rng.random() < p:  # drafts 1..a accepted, a + 1 rejected
+                a += 1
+            scheduler.accepted(estimate, a, L)
+            if n > a + 1:
+                left.append((estimate, n - a - 1))
+        live = left
+    plain = tokens * cost.cycle(rows, 1)  # every row commits one token per plain cycle
+    return spent / plain, widths
+
+
+def expected_ratio(costs, p, rows, tokens, seeds=40):
+    return statistics.mean(simulate(costs, p, rows, tokens, seed)[0] for seed in range(seeds))
+
+
+@pytest.mark.parametrize("costs", [CPU, GPU], ids=["cpu", "gpu"])
+@pytest.mark.parametrize("rows,tokens", [(1, 32), (8, 24), (8, 200)])
+def test_a_failing_drafter_costs_at_most_a_tenth_more_than_plain_decoding(costs, rows, tokens):
+    assert expected_ratio(costs, 0.1, rows, tokens) <= 1.1
+
+
+@pytest.mark.parametrize("costs,rows,wide", [(GPU, 8, 12), (CPU, 1, 6)], ids=["gpu-b8", "cpu-b1"])
+def test_a_good_drafter_gets_wide_blocks(costs, rows, wide):
+    """p = 0.8: the best fixed width is 12 or 16 on the GPU costs (0.29x plain), 12 on the CPU
+    costs at batch 1 (0.43x plain; 6 gives 0.47x)."""
+    ratio, widths = simulate(costs, 0.8, rows, 200, seed=0)
+    assert statistics.median(T for T in widths if T > 1) >= wide
+    assert ratio < 0.6  # drafting pays: much faster than plain decoding
+    assert expected_ratio(costs, 0.8, rows, 200, seeds=10) < 0.6
+
+
+def test_plain_decoding_where_drafts_cannot_pay():
+    """CPU costs at batch 8: even drafts that are always accepted lose to plain decoding, so the
+    job starts plain (a neutral prior, not an optimistic one) and only probes."""
+    ratio, widths = simulate(CPU, 1.0, 8, 24, seed=0)
+    assert widths[0] == 1
+    assert ratio <= 1.05
+
+
+def test_acceptance_per_position():
+    """A drafter right for runs but often wrong at its first token: position 1 is estimated low,
+    later positions high; a position never verified takes the estimate of the one before it."""
+    e = Acceptance(15, decay=1.0, prior_weight=1.0)
+    for _ in range(6):
+        e.update(0, 8)  # draft 1 rejected
+    for _ in range(4):
+        e.update(7, 8)  # all 7 drafts accepted
+    p = e.probabilities()
+    assert p[0] == pytest.approx((4 + 0.5) / (10 + 1))
+    assert p[1] == pytest.approx((4 + p[0]) / (4 + 1))
+    assert p[7] == pytest.approx(p[6]) and p[6] > 0.8  # draft 8 never verified
+    assert expected_committed(p, 3) == pytest.approx([0.0, 1.0, 1 + p[0], 1 + p[0] + p[0] * p[1]])
+    row = Acceptance(15)  # a row with no cycles of its own: the prior it is given
+    assert row.probabilities(p) == pytest.approx(p)
+    row.update(0, 2)
+    assert row.probabilities(p)[0] == pytest.approx(2 * p[0] / 3)
+
+
+def test_one_slow_drafting_cycle_does_not_stop_drafting():
+    """The first drafting cycle of a process can take several passes' time (the old scheduler's
+    learnt overhead then kept a batch-1 job plain for 60 cycles): a kind's overhead counts once it
+    has 3 cycles; before that drafting cycles take the plain cycles' overhead."""
+    cost = CostModel(t0=1.0, t1=0.05, d0=0.5)
+    for _ in range(4):
+        cost.observe(1, 1, cost.passes(1, 1) + 0.1)  # plain cycles: 0.1 beyond their pass
+    cost.observe(1, 4, 6.0)  # one slow drafting cycle
+    assert cost.overhead(True) == pytest.approx(0.1)
+    scheduler = Scheduler(BLOCK, cost)
+    row = scheduler.new_row()
+    for _ in range(3):
+        scheduler.accepted(row, 3, 4)  # the drafts are good
+    assert scheduler.width([row], [100]) > 1
+    cost.observe(1, 4, 1.8)
+    cost.observe(1, 4, 1.9)
+    assert cost.overhead(True) == pytest.approx(1.9 - cost.passes(1, 4))
+
+
+def test_a_long_job_probes_at_its_start():
+    """A draft pass as dear as a target pass (a tiny target): at the neutral p_1 = 0.5 drafting
+    cannot pay, at p = 1 it pays 7 times over. A job of 200-token rows probes at its first cycle
+    (what the probe can lose is under 5% of the plain decoding ahead) and then drafts wide; a job
+    of 10-token rows does not pay for a probe."""
+    costs = dict(t0=1.0, t1=0.01, d0=1.0, d1=0.0, window=0)
+    ratio, widths = simulate(costs, 1.0, 1, 200, seed=0)
+    assert widths[0] > 1 and statistics.median(widths) == BLOCK
+    assert ratio < 0.2
+    assert simulate(costs, 1.0, 1, 10, seed=0)[1] == [1] * 10
