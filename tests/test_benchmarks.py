@@ -183,3 +183,34 @@ def test_runner_benchmark_arms_count_the_same_job(tmp_path):
     first = bench.run_runner(FakeEngine(), prompts, 4, 2, tmp_path)
     again = bench.run_runner(FakeEngine(), prompts, 4, 2, tmp_path)
     assert first["tokens"] == again["tokens"] == 5 * 4 and first["wall_s"] > 0
+
+
+def test_default_pair_acceptance_is_the_drafters_even_when_the_adaptive_width_stays_plain(
+    zero_head_target, model_dir, tmp_path, monkeypatch
+):
+    """benchmarks/default_pair.py reports the drafter's acceptance with the whole block verified
+    every cycle. Here the adaptive width never drafts (as on the H100 of 2026-11-23, where a
+    weak drafter's 1.08 tokens per cycle were mostly plain cycles): the acceptance figure must
+    not change, and the adaptive engine's own tokens per cycle (1.0) are reported apart."""
+    from benchmarks import default_pair
+    from dflash_batch.engine import load_engine
+    from dflash_batch.engine.scheduler import Scheduler
+    from tests.conftest import make_drafter, synthetic
+
+    draft = make_drafter(model_dir, "draft-b8", synthetic.tiny_qwen3_config(), block_size=8)
+    prompts = [{"id": f"p{i}", "kind": "test", "prompt": [5 + i, 6, 7, 8]} for i in range(2)]
+    samples = tmp_path / "eval.jsonl"
+    samples.write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    fixed = load_engine(str(zero_head_target), str(draft), adaptive_block=False)
+    expected = [fixed.generate(p["prompt"], max_tokens=30).stats for p in prompts]
+    tau = sum(s.generated_tokens - 1 for s in expected) / sum(s.cycles for s in expected)  # prefill's token aside
+    assert tau > 4  # zeroed head: every draft accepted
+
+    plain_width = Scheduler.width
+    monkeypatch.setattr(Scheduler, "width", lambda self, e, b: plain_width(self, e, b) if self.fixed else 1)
+    argv = ["--target", str(zero_head_target), "--draft", str(draft), "--samples", str(samples), "--prompts", "2",
+            "--speed-prompts", "1", "--runs", "1", "--max-tokens", "30", "--machine", "t", "--out-dir", str(tmp_path)]  # fmt: skip
+    assert default_pair.main(argv) == 0
+    result = json.loads((tmp_path / "default-pair-t.json").read_text())
+    assert result["mean_acceptance_length"] == round(tau, 3)
+    assert result["adaptive_tokens_per_cycle"] == 1.0 and result["exact_prompts"] == 2

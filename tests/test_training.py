@@ -136,3 +136,53 @@ def test_train_checkpoint_resume_export(tiny_target, tmp_path, capsys):
     model2, tok2, cfg2 = loading.load_target(tiny_target)
     plain = Engine(model2, tok2, None, config=cfg2).generate("Hello there", max_tokens=24)
     assert dflash.token_ids == plain.token_ids and dflash.stats.cycles > 0
+
+
+def test_engine_drafts_equal_the_training_objective(qwen3_target, model_dir, monkeypatch):
+    """End to end, training and real decoding feed the drafter the same tensors: at every cycle's
+    anchor p (the newest committed token), the engine's draft logits equal ``block_logits`` of the
+    training path over the committed sequence (context = ``tapped_hidden`` of a causal pass, rows
+    s < p; block [x_p, MASK...] at positions p..p+B-1). Scripted proposals make the cycles accept
+    0 to B-1 drafts, so anchors and context counts vary as in real decoding. A mismatch in taps,
+    context rows, positions or the mask token shows here, as a drafter whose real acceptance
+    falls short of its teacher-forced one (issue 15)."""
+    from dflash_batch.engine import decode
+    from dflash_batch.engine.target import Target
+    from dflash_batch.training.trainer import tapped_hidden
+    from tests.scripting import ScriptedDrafts
+
+    from tests.conftest import make_drafter
+
+    target_dir = qwen3_target  # two distinct taps: a per-tap change of scale is not normed away
+    draft_dir = make_drafter(model_dir, "draft-qwen3-taps-1-3", synthetic.tiny_qwen3_config(), target_layer_ids=[1, 3])
+    model, tok, cfg = loading.load_target(target_dir)
+    prompt = tok.encode("Count: one two three four")
+    reference = prompt + Engine(model, tok, None, config=cfg).generate(prompt, max_tokens=60).token_ids
+    drafter = load_drafter(draft_dir)
+    engine = Engine(model, tok, drafter, config=cfg, adaptive_block=False)  # every cycle drafts the block
+    ScriptedDrafts(monkeypatch)(reference, p_wrong=0.2, seed=1)
+    real = decode.draft_block
+    drafts = []  # (last token, the drafter's own logits [rows, V]) per cycle
+
+    def spy(drafter, target, last, context, counts, cache, rows, with_logits=False):
+        ids, logits = real(drafter, target, last, context, counts, cache, rows, with_logits=True)
+        drafts.append((last[0, 0].item(), logits[0]))
+        return (ids, logits) if with_logits else ids
+
+    monkeypatch.setattr(decode, "draft_block", spy)
+    steps = [p.token_ids for p in engine.stream(prompt, max_tokens=60)]  # the prefill's token, then a step per cycle
+    seq = prompt + [t for s in steps for t in s]
+    assert seq == reference[: len(seq)]
+    # Cycle i drafts from the newest token committed before it: position P - 1 + len(steps[0..i]).
+    anchors = [len(prompt) - 1 + sum(len(s) for s in steps[: i + 1]) for i in range(len(drafts))]
+    assert len({len(s) for s in steps[1:]}) >= 3  # varied acceptance lengths
+    assert [seq[p] for p in anchors] == [last for last, _ in drafts]
+
+    B = drafter.args.block_size
+    train_target = Target(loading.load_target(target_dir)[0], drafter.args.target_layer_ids)
+    context = tapped_hidden(train_target, mx.array([seq]))
+    block = mx.array([[seq[p]] + [drafter.args.mask_token_id] * (B - 1) for p in anchors]).reshape(1, -1)
+    trained = objective.block_logits(drafter, train_target.lm_head, train_target.embed(block), context, mx.array([anchors]))
+    for i, (_, logits) in enumerate(drafts):
+        rows = logits.shape[0]
+        assert mx.allclose(logits, trained[0, i, :rows], atol=1e-4).item(), f"cycle {i} at anchor {anchors[i]}"
