@@ -162,6 +162,40 @@ def test_batch_size_follows_memory(tiny_pair, monkeypatch):
         engine.generate_batch(["Hi", "there"], max_tokens=100)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_batch_cache_is_allocated_once_for_its_longest_row(tiny_pair, monkeypatch, stream):
+    """The plan's memory is the memory used: each batch cache (target and drafter) is allocated
+    once, for the longest row the job can reach, and never grown (growing copies the buffer, so for
+    a moment it takes twice the memory the plan counted: a GPU ran out of memory mid-job that way)."""
+    grown, batch_caches = [], set()
+    reserve, init = RaggedKVCache.reserve, BatchDecoder.__init__
+
+    def watched(self, columns, like_k, like_v):
+        have = 0 if self.keys is None else self.keys.shape[2]
+        reserve(self, columns, like_k, like_v)
+        if have and self.keys.shape[2] > have and id(self) in batch_caches:
+            grown.append((have, self.keys.shape[2]))
+
+    def decoder(self, *args, **kw):
+        init(self, *args, **kw)
+        batch_caches.update(id(c) for c in self.cache + (self.draft_cache or []))
+
+    monkeypatch.setattr(RaggedKVCache, "reserve", watched)
+    monkeypatch.setattr(BatchDecoder, "__init__", decoder)
+    engine = _engine(*tiny_pair)
+    prompts = ["Hi", "there, how are you today", "tell me about the sea and the ships on it"]
+    budgets = [300, 40, 290]  # rows reach well past the first STEP of 256 positions
+    if stream:
+        from dflash_batch.request import Options, Request
+
+        requests = [Request(id=str(i), prompt=p, options=Options(max_tokens=n)) for i, (p, n) in enumerate(zip(prompts, budgets))]
+        done = [c for _, c in engine.generate_requests(requests, batch_size=2)]
+    else:
+        done = engine.generate_batch(prompts, max_tokens=budgets, batch_size=2)
+    assert sum(c.stats.generated_tokens for c in done) > 256 and batch_caches
+    assert grown == []
+
+
 # -- per-row rollback never touches another row ---------------------------------------------------
 
 

@@ -79,7 +79,7 @@ class BatchDecoder:
     the stream gave a refused request (``requests.refused``), so that the caller can report it."""
 
     def __init__(self, engine, requests: Union[Sequence[Request], Waiting], slots: int, scheduler: Scheduler,
-                 plan=None):
+                 plan=None, capacity: int = 0):
         self.engine, self.target, self.drafter = engine, engine.target, engine.drafter
         # Joining prompts (engine/prefill.py): prefilled together, sharing the prefixes they have in common.
         self.prefixes = engine.prefixes
@@ -94,9 +94,11 @@ class BatchDecoder:
         self.group = prefill.JoinGroup(self.target, self.drafter, self.prefixes)
         # Device state of the batch: target cache rows, drafter context rows, pending context.
         self.lengths = Lengths([0] * self.slots)
-        self.cache = self.target.make_cache(self.lengths)
+        # allocated once for the longest row the memory plan allows for (``capacity`` positions):
+        # growing a batch's cache copies it, and for that moment it needs twice its memory
+        self.cache = self.target.make_cache(self.lengths, capacity)
         self.draft_lengths = Lengths([0] * self.slots) if self.drafter else None
-        self.draft_cache = self.drafter.make_cache(self.draft_lengths) if self.drafter else None
+        self.draft_cache = self.drafter.make_cache(self.draft_lengths, capacity) if self.drafter else None
         self.pending: Optional[mx.array] = None  # new context rows the drafter has not seen [B, C, H]
         self.pending_counts: List[int] = [0] * self.slots
         # Decoding cycles, plain data: per verify width T, [cycles, seconds, rows in flight summed]

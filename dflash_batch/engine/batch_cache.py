@@ -56,8 +56,9 @@ class RaggedKVCache:
     rows agree, else one per row), ``update_and_fetch`` and ``make_mask``.
     """
 
-    def __init__(self, lengths: Lengths):
+    def __init__(self, lengths: Lengths, capacity: int = 0):
         self.lengths = lengths
+        self.capacity = capacity  # key positions to allocate at once (the job's longest row): no growth copies
         self.keys: Optional[mx.array] = None
         self.values: Optional[mx.array] = None
 
@@ -98,13 +99,14 @@ class RaggedKVCache:
 
     # -- capacity and rows ----------------------------------------------------------------------
     def reserve(self, columns: int, like_k: mx.array, like_v: mx.array) -> None:
-        """Make room for ``columns`` key positions in every row (grows in STEP columns; a copy
-        only then). ``like_k``/``like_v`` give heads, head dims and dtypes."""
+        """Make room for ``columns`` key positions in every row: at first ``capacity`` at once,
+        beyond it in STEP columns (a copy of the buffer each time, so for a moment twice its
+        memory). ``like_k``/``like_v`` give heads, head dims and dtypes."""
         have = 0 if self.keys is None else self.keys.shape[2]
         if columns <= have:
             return
         B, (_, H, _, Dk) = len(self.lengths), like_k.shape
-        grow = round_up(columns) - have
+        grow = round_up(max(columns, self.capacity if self.keys is None else 0)) - have
         k_new = mx.zeros((B, H, grow, Dk), like_k.dtype)
         v_new = mx.zeros((B, H, grow, like_v.shape[3]), like_v.dtype)
         if self.keys is None:

@@ -226,11 +226,11 @@ class Model(nn.Module):
         self.layers = [DecoderLayer(args, t == "sliding_attention") for t in args.layer_types]
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
-    def make_cache(self, lengths: Optional[Lengths] = None) -> List[RaggedKVCache]:
-        """Context K/V per layer; ``lengths`` (context rows per batch row) is advanced by the
-        caller. None: one empty row, for a single pass."""
+    def make_cache(self, lengths: Optional[Lengths] = None, capacity: int = 0) -> List[RaggedKVCache]:
+        """Context K/V per layer (``capacity`` positions allocated at first use); ``lengths``
+        (context rows per batch row) is advanced by the caller. None: one empty row, for a single pass."""
         lengths = Lengths([0]) if lengths is None else lengths
-        return [RaggedKVCache(lengths) for _ in self.layers]
+        return [RaggedKVCache(lengths, capacity) for _ in self.layers]
 
     def __call__(
         self, x: mx.array, context: mx.array, cache: List[RaggedKVCache], counts: Optional[mx.array] = None

@@ -242,7 +242,7 @@ class Engine:
             return
         slots = self.plan_batch(requests, batch_size)
         parts: Dict[int, List[Piece]] = {}
-        decoder = BatchDecoder(self, requests, slots, self._scheduler(slots))
+        decoder = BatchDecoder(self, requests, slots, self._scheduler(slots), capacity=self._positions(requests))
         self.prefill_counts = decoder.group.counts
         self.decode_counts = decoder.decode_counts
         for index, piece in decoder.steps():
@@ -272,7 +272,7 @@ class Engine:
             for req in requests:
                 try:
                     first = self.request(req.prompt, index=count, **req.options.as_kwargs())
-                    plan.take(len(first.ids) + first.max_tokens + max(self.block_size, 1))
+                    plan.take(self._positions([first]))
                 except GenerationError as e:
                     refused.append((req, e))
                     yield None  # counted by the look-ahead: reported once the pull is done
@@ -290,7 +290,7 @@ class Engine:
         if not waiting:
             return
         slots = min(plan.rows, len(waiting)) if waiting.done else plan.rows
-        decoder = BatchDecoder(self, waiting, slots, self._scheduler(slots), plan=plan)
+        decoder = BatchDecoder(self, waiting, slots, self._scheduler(slots), plan=plan, capacity=plan.longest)
         self.prefill_counts = decoder.group.counts
         self.decode_counts = decoder.decode_counts
         parts: Dict[int, List[Piece]] = {}
@@ -344,8 +344,12 @@ class Engine:
         """Rows in flight: the asked (or configured) cap, at most what memory holds for the
         longest request. Too little memory for even one row is an error before any work."""
         plan = memory.Plan(self, self._batch_cap(batch_size))
-        plan.take(max(len(r.ids) + r.max_tokens for r in requests) + max(self.block_size, 1))
+        plan.take(self._positions(requests))
         return max(1, min(plan.rows, len(requests)))
+
+    def _positions(self, requests: Sequence[Request]) -> int:
+        """Cache positions the longest of ``requests`` can reach: prompt, budget and one block."""
+        return max(len(r.ids) + r.max_tokens for r in requests) + max(self.block_size, 1)
 
     def _batch_cap(self, batch_size: Optional[int]) -> int:
         cap = batch_size or self.batch_cap or memory.default_batch_cap()

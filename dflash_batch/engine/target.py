@@ -108,16 +108,17 @@ class Target:
         for slot, i in enumerate(self.tap_ids):
             self.layers[i] = _Tap(self.layers[i], self._store, slot)
 
-    def make_cache(self, lengths: Optional[Lengths] = None) -> list:
+    def make_cache(self, lengths: Optional[Lengths] = None, capacity: int = 0) -> list:
         """Per-layer caches for a batch whose rows hold ``lengths`` tokens: ``RaggedKVCache`` for
-        attention layers, ``TapeCache`` for GatedDeltaNet layers (see engine/batch_cache.py).
-        None: one empty row, for a single pass (the caller advances ``lengths`` otherwise)."""
+        attention layers (``capacity`` key positions allocated at first use), ``TapeCache`` for
+        GatedDeltaNet layers (see engine/batch_cache.py). None: one empty row, for a single pass
+        (the caller advances ``lengths`` otherwise)."""
         lengths = Lengths([0]) if lengths is None else lengths
         caches = hybrid.make_cache(self.model) if self.hybrid else make_prompt_cache(self.model)
         out = []
         for i, c in enumerate(caches):
             if type(c) is KVCache:
-                out.append(RaggedKVCache(lengths))
+                out.append(RaggedKVCache(lengths, capacity))
             elif isinstance(c, hybrid.TapeCache):
                 out.append(c)
             else:
