@@ -49,13 +49,28 @@ def test_run_writes_complete_parquet_set_with_stats(tmp_path, home, real_engine)
 
 
 def test_acceptance_columns_with_an_agreeing_pair(tmp_path, home, tiny_models):
+    """With a drafter that always agrees, every drafted token is accepted. The engine verifies the
+    whole block every cycle here: the default adaptive width may decode a job this short plainly
+    (a drafter of unknown worth is probed only where a probe costs at most 5% of the job;
+    engine/scheduler.py), and then there is no acceptance to report (the columns are null, below)."""
+    from dflash_batch.engine import load_engine
+
     src = write_jsonl(tmp_path / "in.jsonl", PROMPTS[:2])
-    job = dflash_batch.run(src, target=tiny_models["agreeing_target"], draft=tiny_models["draft"], max_tokens=20)
+    engine = load_engine(tiny_models["agreeing_target"], tiny_models["draft"], adaptive_block=False)
+    job = dflash_batch.run(src, engine=engine, max_tokens=20, output_dir=str(tmp_path / "fixed"))
     df = job.to_pandas()
     assert (df["acceptance_drafted"] == 1.0).all() and (df["accepted_tokens"] > 0).all()
     assert (df["acceptance_generated"] == df["accepted_tokens"] / df["completion_tokens"]).all()
     assert (df["tokens_per_cycle"] > 1).all()
     assert job.status()["mean_acceptance_drafted"] == 1.0
+
+    # the default engine: where it drafted, all accepted; where it did not, null rates, one token a cycle
+    job = dflash_batch.run(src, target=tiny_models["agreeing_target"], draft=tiny_models["draft"], max_tokens=20,
+                           output_dir=str(tmp_path / "adaptive"))  # fmt: skip
+    df = job.to_pandas()
+    drafted = df["drafted_tokens"] > 0
+    assert (df.loc[drafted, "acceptance_drafted"] == 1.0).all() and (df.loc[drafted, "tokens_per_cycle"] > 1).all()
+    assert df.loc[~drafted, "acceptance_drafted"].isna().all() and (df.loc[~drafted, "tokens_per_cycle"] == 1).all()
 
 
 def test_rerun_skips_done_items_and_finishes_the_rest(tmp_path, home, engine):
