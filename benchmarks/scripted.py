@@ -124,13 +124,13 @@ class ScriptedDrafter:
         """Set the known greedy continuation of the next generation's prompt."""
         self.reference = reference
 
-    def make_cache(self, lengths) -> list:
+    def make_cache(self, lengths, capacity: int = 0) -> list:
         # A new generation's batch makes a draft cache with its slots; its prompt's context rows
         # come through add_context, which gives the prompt length. The joining group's empty
         # cache (made afresh each time the group empties, engine/prefill.py) starts nothing.
         if lengths is None or len(lengths.host) > 0:
             self.rows_seen, self.prompt_len = 0, None
-        return self.drafter.make_cache(lengths)
+        return self.drafter.make_cache(lengths, capacity)
 
     def add_context(self, context: mx.array, cache: list) -> None:
         if self.prompt_len is None:
