@@ -241,11 +241,19 @@ class Engine:
         if not requests:
             return
         slots = self.plan_batch(requests, batch_size)
-        parts: Dict[int, List[Piece]] = {}
         decoder = BatchDecoder(self, requests, slots, self._scheduler(slots), capacity=self._positions(requests))
+        yield from self._completions(decoder)
+
+    def _completions(self, decoder: BatchDecoder) -> Iterator[Tuple[Optional[int], Optional[Completion]]]:
+        """``(request index, Completion)`` as the decoder finishes each request, and the decoder's
+        ``(None, None)`` marks (a stream refused a request); its counts become the engine's."""
         self.prefill_counts = decoder.group.counts
         self.decode_counts = decoder.decode_counts
+        parts: Dict[int, List[Piece]] = {}
         for index, piece in decoder.steps():
+            if index is None:
+                yield None, None
+                continue
             parts.setdefault(index, []).append(piece)
             if piece.finish_reason is not None:
                 yield index, _completion(parts.pop(index))
@@ -291,16 +299,9 @@ class Engine:
             return
         slots = min(plan.rows, len(waiting)) if waiting.done else plan.rows
         decoder = BatchDecoder(self, waiting, slots, self._scheduler(slots), plan=plan, capacity=plan.longest)
-        self.prefill_counts = decoder.group.counts
-        self.decode_counts = decoder.decode_counts
-        parts: Dict[int, List[Piece]] = {}
-        for index, piece in decoder.steps():
+        for index, completion in self._completions(decoder):
             yield from _drain(refused)
-            if index is None:
-                continue
-            parts.setdefault(index, []).append(piece)
-            if piece.finish_reason is not None:
-                completion = _completion(parts.pop(index))
+            if index is not None:
                 req, completion.sample_index = owners.pop(index)
                 yield req, completion
         yield from _drain(refused)
