@@ -78,7 +78,7 @@ SUITES: Dict[str, Suite] = {
     for s in [
         Suite("smoke", [Plan("qwen3-tiny", [64, 32], batches=[1, 2], acceptance=["drafted=0.89", "full", "random"],
                              runner=True)],
-              max_tokens=24, reps=1, dtype="float32", note="harness smoke test on a tiny model"),
+              max_tokens=48, reps=1, dtype="float32", note="harness smoke test on a tiny model"),
         Suite("cpu", [Plan("qwen3-small", [512, 256, 1024], runner=True)], max_tokens=64, reps=3, dtype="float32",
               slow_tokens=32,
               note="CPU: a scaled-down Qwen3 layout (hidden 512, 12 layers, vocab 32768) at contexts "

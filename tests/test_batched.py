@@ -317,3 +317,34 @@ def test_ragged_batch_through_the_block_attention_reference_is_lossless(qwen3_ta
         assert attention.counters()["routed"] > before
     finally:
         attention.set_mode(None)
+
+
+@pytest.mark.parametrize("route", ["block", "sdpa"])
+def test_both_ragged_routes_are_lossless(qwen3_target, qwen3_b8, monkeypatch, route):
+    """The warm-up picks one of two routes for ragged batches (engine/attention.py): block
+    attention with per-row key lengths, or stock SDPA over the bucketed cache with a per-row mask.
+    Each must give every row its batch-1 greedy output."""
+    from dflash_batch.engine import attention
+
+    attention.set_mode("reference")  # "block" then runs the kernels' pure-MLX form, not stock SDPA
+    attention.set_ragged_route(route)
+    try:
+        engine = _engine(qwen3_target, qwen3_b8)
+        script = ScriptedDrafts(monkeypatch)
+        ids = [engine.encode(p) for p in PROMPTS_B[:5]]
+        refs = [greedy_reference(qwen3_target, i, 30, engine.tokenizer.eos_token_ids) for i in ids]
+        for n, (i, ref) in enumerate(zip(ids, refs)):
+            script(i + ref + [0] * 16, p_wrong=P_WRONG[n], seed=n)
+        ragged = []  # calls of the block attention with per-row key lengths
+        block_attention = attention._block_attention
+
+        def counted(impl, q, k, v, scale, causal, window, kv_len=None):
+            ragged.append(kv_len is not None)
+            return block_attention(impl, q, k, v, scale, causal, window, kv_len)
+
+        monkeypatch.setattr(attention, "_block_attention", counted)
+        assert [c.token_ids for c in engine.generate_batch(ids, max_tokens=30, batch_size=3)] == refs
+        assert any(ragged) == (route == "block")
+    finally:
+        attention.set_mode(None)
+        attention.set_ragged_route("block")

@@ -121,3 +121,20 @@ def test_a_long_job_probes_at_its_start():
     assert widths[0] > 1 and statistics.median(widths) == BLOCK
     assert ratio < 0.2
     assert simulate(costs, 1.0, 1, 10, seed=0)[1] == [1] * 10
+
+
+def test_cost_fit_recovers_per_token_and_per_row_costs():
+    """target(B, T) = t0 + t1 B T + t2 B: t2 is what a row costs whatever its width (reading its
+    keys); a fit on B T alone would blame it on the constant and overrate wide blocks."""
+    t0, t1, t2, d0, d1 = 0.002, 3e-5, 2e-4, 0.001, 5e-5
+    points = {(B, T): t0 + t1 * B * T + t2 * B for B, T in [(1, 1), (1, 16), (64, 1), (64, 8), (64, 16)]}
+    cost = CostModel.fit(points, {1: d0 + d1, 64: d0 + 64 * d1})
+    for got, want in [(cost.t0, t0), (cost.t1, t1), (cost.t2, t2), (cost.d0, d0), (cost.d1, d1)]:
+        assert got == pytest.approx(want, rel=1e-6)
+
+
+def test_cost_fit_never_goes_negative():
+    # costs that fall with width at batch 1 (noise) must not give a negative per-token cost
+    cost = CostModel.fit({(1, 1): 0.010, (1, 16): 0.009, (8, 1): 0.012, (8, 16): 0.011}, {1: 0.003})
+    assert min(cost.t0, cost.t1, cost.t2, cost.d0, cost.d1) >= 0
+    assert cost.passes(8, 16) > 0

@@ -14,6 +14,13 @@ Modes (``set_mode``, or the environment variable DFLASH_BATCH_ATTENTION):
                it warns once and the reference runs in its place)
     reference  the same two passes in MLX ops (any backend; used by the tests)
 
+Ragged batches (rows of their own lengths: ``RaggedKVCache``) have a second choice, the
+*ragged route* (``set_ragged_route``): "block" sends them to the block attention above with
+per-row key lengths; "sdpa" to stock SDPA over the cache's bucketed key width (a multiple of 256,
+so few distinct shapes per job) with a per-row bool mask. Which is faster depends on the backend,
+the batch and the context (stock SDPA's fused multi-row path against our kernels), so the engine
+times both at warm-up (``engine/warmup.py``) and keeps the faster; the default is "block".
+
 The target's attention layers reach the op through ``install``: mlx-lm model files call
 ``scaled_dot_product_attention`` imported by name from ``mlx_lm.models.base``; ``install``
 points that name, in the model's own modules, at ``target_sdpa``, which falls back to the
@@ -36,6 +43,7 @@ from .batch_cache import RaggedKVCache
 from .kernels import attention as block
 
 MODES = ("stock", "kernel", "reference")
+RAGGED_ROUTES = ("block", "sdpa")
 ENV = "DFLASH_BATCH_ATTENTION"
 MAX_ROWS = 64  # more query rows than this (prefill chunks) stay on stock SDPA
 
@@ -43,6 +51,7 @@ _stock_sdpa = mlx_lm_base.scaled_dot_product_attention
 _mode: Optional[str] = None  # as set; None: default_mode(), resolved once into _resolved
 _resolved: Optional[str] = None
 _counts: Dict[str, int] = {"routed": 0, "stock": 0}
+_ragged_route = "block"
 
 
 def default_mode() -> str:
@@ -69,6 +78,19 @@ def mode() -> str:
     if _resolved is None:
         _resolved = _mode or default_mode()
     return _resolved
+
+
+def set_ragged_route(route: str) -> None:
+    """How ragged batches attend: "block" (block attention with per-row key lengths) or "sdpa"
+    (stock SDPA over the bucketed cache with a per-row mask). Both see exactly the same keys."""
+    if route not in RAGGED_ROUTES:
+        raise ValueError(f"ragged route must be one of {RAGGED_ROUTES}, got {route!r}")
+    global _ragged_route
+    _ragged_route = route
+
+
+def ragged_route() -> str:
+    return _ragged_route
 
 
 def counters() -> Dict[str, int]:
@@ -105,7 +127,7 @@ def target_sdpa(queries, keys, values, cache, scale: float, mask, sinks=None) ->
     a ragged batch (``RaggedKVCache`` rows of their own lengths: row b's keys end at
     ``lengths[b] + rows``), plain decoding steps included.
     """
-    if isinstance(cache, RaggedKVCache) and not cache.lengths.uniform and sinks is None:
+    if isinstance(cache, RaggedKVCache) and not cache.lengths.uniform and sinks is None and _ragged_route == "block":
         impl = _route(queries, keys, values, min_rows=1)
         if impl is not None:
             kv_len = cache.lengths.device + queries.shape[2]
@@ -133,7 +155,7 @@ def drafter_attention(
     or, in a ragged batch, the last of row b's first ``kv_len[b]`` keys."""
     causal = window is not None
     if kv_len is not None:
-        impl = _route(q, keys, values)
+        impl = _route(q, keys, values) if _ragged_route == "block" else None
         if impl is not None:
             return _block_attention(impl, q, keys, values, scale, causal=causal, window=window, kv_len=kv_len)
         _counts["stock"] += 1

@@ -241,7 +241,7 @@ class Engine:
         if not requests:
             return
         slots = self.plan_batch(requests, batch_size)
-        decoder = BatchDecoder(self, requests, slots, self._scheduler(slots), capacity=self._positions(requests))
+        decoder = BatchDecoder(self, requests, slots, self._scheduler(slots, requests), capacity=self._positions(requests))
         yield from self._completions(decoder)
 
     def _completions(self, decoder: BatchDecoder) -> Iterator[Tuple[Optional[int], Optional[Completion]]]:
@@ -298,7 +298,7 @@ class Engine:
         if not waiting:
             return
         slots = min(plan.rows, len(waiting)) if waiting.done else plan.rows
-        decoder = BatchDecoder(self, waiting, slots, self._scheduler(slots), plan=plan, capacity=plan.longest)
+        decoder = BatchDecoder(self, waiting, slots, self._scheduler(slots, waiting.peeked()), plan=plan, capacity=plan.longest)
         for index, completion in self._completions(decoder):
             yield from _drain(refused)
             if index is not None:
@@ -324,7 +324,7 @@ class Engine:
     ) -> Iterator[Piece]:
         """Yield text as it is committed (one Piece per target pass); the last carries stats."""
         request = self.request(prompt, max_tokens, temperature, stop, seed, **prompt_options)
-        decoder = BatchDecoder(self, [request], 1, self._scheduler(1))
+        decoder = BatchDecoder(self, [request], 1, self._scheduler(1, [request]))
         for _, piece in decoder.steps():
             yield piece
 
@@ -358,19 +358,37 @@ class Engine:
             raise ValueError(f"batch_size must be at least 1, got {cap}")
         return cap
 
-    def _scheduler(self, slots: int) -> Scheduler:
+    def _scheduler(self, slots: int, requests: Sequence[Request] = ()) -> Scheduler:
         if not self.adaptive_block or self.drafter is None:
             return Scheduler(self.block_size, CostModel(), fixed=True)
-        if slots not in self.cost:
-            self.warm_up(slots)
-        return Scheduler(self.block_size, self.cost[slots])
+        context = _typical_context(requests)
+        cost = self.cost.get(slots)
+        if cost is None or (cost.context is not None and context and
+                            warmup.context_bucket(cost.context) != warmup.context_bucket(context)):
+            cost = self.warm_up(slots, context)
+        if cost.route is not None:
+            attention.set_ragged_route(cost.route)
+        return Scheduler(self.block_size, cost)
 
-    def warm_up(self, batch_size: int = 1) -> CostModel:
-        """Compile and time the passes a job of this batch size runs: target passes of 1 and of
-        the block's rows, and drafter passes, at batch 1 and ``batch_size``. The first use of a
-        batch size does this by itself; call it ahead to keep it out of a job's first items."""
-        self.cost[batch_size] = warmup.measure_costs(self, batch_size)
+    def warm_up(self, batch_size: int = 1, context: Optional[int] = None) -> CostModel:
+        """Compile and time the passes a job of this batch size runs: target passes of 1, half the
+        block's and the block's rows, and drafter passes, at batch 1 and ``batch_size``, the rows
+        holding about ``context`` tokens (a job's prompt and half its budget; default: a short
+        context). On a GPU it also picks the faster attention for ragged batches. A job's first
+        use of a batch size (and of a context of another power of two) does this by itself; call
+        it ahead to keep it out of a job's first items."""
+        self.cost[batch_size] = warmup.measure_costs(self, batch_size, context)
         return self.cost[batch_size]
+
+
+def _typical_context(requests: Sequence[Request]) -> int:
+    """Tokens a row of these requests holds halfway through: the median prompt and half the
+    median budget (0 for none)."""
+    if not requests:
+        return 0
+    prompts = sorted(len(r.ids) for r in requests)
+    budgets = sorted(r.max_tokens for r in requests)
+    return prompts[len(prompts) // 2] + budgets[len(budgets) // 2] // 2
 
 
 def _samples(first: Request, n: int, item: str = "") -> List[Request]:

@@ -9,8 +9,11 @@ p for every position overrates wide blocks). Verifying L rows commits on average
 
 and a cycle of width T over B rows costs
 
-    cost(B, T) = target(B, T) + (T > 1) * draft(B)      target(B, T) = t0 + t1 * B * T
+    cost(B, T) = target(B, T) + (T > 1) * draft(B)      target(B, T) = t0 + t1 * B * T + t2 * B
                                                          draft(B)     = d0 + d1 * B
+
+(t1: per token verified; t2: per row, whatever its width: reading the row's keys, which grows
+with the context the costs were measured at.)
 
 The scheduler picks T in 1..block maximising  sum_b E_b(min(T, budget_b)) / cost(B, T).  T = 1 is
 plain batched decoding (no draft pass). A job starts from a neutral p_1 = 0.5, so from the
@@ -26,8 +29,9 @@ budget still allows count as spent, so a long job probes at its start. A drafter
 fails makes a job at most about 5% slower (for a job whose rows end well before their budgets,
 the first probe can cost more than 5% of it).
 
-The pass costs come from timing real passes at warm-up (``Engine.warm_up``); what a cycle costs
-beyond its passes is learnt from every cycle the engine times.
+The pass costs come from timing real passes at warm-up, at the job's batch size and typical
+context (``Engine.warm_up``, engine/warmup.py); what a cycle costs beyond its passes is learnt
+from every cycle the engine times.
 """
 
 from __future__ import annotations
@@ -90,20 +94,24 @@ TRUSTED = 3  # cycles of a kind before its learnt overhead is used
 
 @dataclass
 class CostModel:
-    """Seconds per cycle: target(B, T) = t0 + t1 * B * T, draft(B) = d0 + d1 * B (measured at
-    warm-up), plus what a cycle costs beyond its passes (host work, scatter, sync), learnt from
-    the cycles the engine times: the median excess of the last ``window`` cycles of each kind
-    (plain, drafting), so that a cycle slowed by a one-off compilation does not steer the rest."""
+    """Seconds per cycle: target(B, T) = t0 + t1 * B * T + t2 * B, draft(B) = d0 + d1 * B
+    (measured at warm-up), plus what a cycle costs beyond its passes (host work, scatter, sync),
+    learnt from the cycles the engine times: the median excess of the last ``window`` cycles of
+    each kind (plain, drafting), so that a cycle slowed by a one-off compilation does not steer
+    the rest."""
 
     t0: float = 1.0
     t1: float = 0.0
     d0: float = 0.0
     d1: float = 0.0
+    t2: float = 0.0
     window: int = 16  # cycles per kind in the running median (0: the passes alone)
     excess: Dict[bool, List[float]] = field(default_factory=lambda: {False: [], True: []})
+    context: Optional[int] = None  # tokens per row the passes were timed at (None: any)
+    route: Optional[str] = None  # the ragged attention route chosen with them (engine/attention.py)
 
     def passes(self, B: int, T: int) -> float:
-        return self.t0 + self.t1 * B * T + (self.d0 + self.d1 * B if T > 1 else 0.0)
+        return self.t0 + self.t1 * B * T + self.t2 * B + (self.d0 + self.d1 * B if T > 1 else 0.0)
 
     def overhead(self, drafting: bool) -> float:
         """The median excess of this kind; until a kind has TRUSTED cycles, the plain kind's (a
@@ -127,22 +135,47 @@ class CostModel:
 
     @classmethod
     def fit(cls, target_times: Dict[Tuple[int, int], float], draft_times: Dict[int, float]) -> "CostModel":
-        """Least squares of the two lines through measured (B, T) -> seconds and B -> seconds."""
-        t0, t1 = _line([(B * T, s) for (B, T), s in target_times.items()])
-        d0, d1 = _line(list(draft_times.items())) if draft_times else (0.0, 0.0)
-        return cls(t0=t0, t1=t1, d0=d0, d1=d1)
+        """Non-negative least squares of target(B, T) over measured (B, T) -> seconds, and of the
+        line draft(B) over B -> seconds."""
+        t0, t1, t2 = _fit([((1.0, B * T, B), s) for (B, T), s in target_times.items()])
+        d0, d1 = _fit([((1.0, B), s) for B, s in draft_times.items()]) if draft_times else (0.0, 0.0)
+        return cls(t0=max(t0, 1e-9), t1=t1, d0=d0, d1=d1, t2=t2)
 
 
-def _line(points: List[Tuple[float, float]]) -> Tuple[float, float]:
-    """(intercept, slope), both at least 0; a single point is all intercept."""
-    if len(points) == 1 or len({x for x, _ in points}) == 1:
-        return max(sum(y for _, y in points) / len(points), 1e-9), 0.0
-    n = len(points)
-    mx_ = sum(x for x, _ in points) / n
-    my = sum(y for _, y in points) / n
-    slope = sum((x - mx_) * (y - my) for x, y in points) / sum((x - mx_) ** 2 for x, _ in points)
-    slope = max(slope, 0.0)
-    return max(my - slope * mx_, 1e-9), slope
+def _fit(points: List[Tuple[Tuple[float, ...], float]]) -> List[float]:
+    """Coefficients c >= 0 minimising sum (c . x - y)^2 over points (x, y); the first feature is the
+    constant. Features a least-squares fit would weigh below 0 (or that the points cannot tell
+    apart from the others) are dropped one at a time, the last first, and the rest refitted."""
+    n = len(points[0][0])
+    used = list(range(n))
+    while True:
+        c = _solve(points, used)
+        if c is not None and all(v >= 0 for v in c):
+            out = [0.0] * n
+            for i, v in zip(used, c):
+                out[i] = v
+            return out
+        if len(used) == 1:  # the constant alone: the mean
+            return [sum(y for _, y in points) / len(points)] + [0.0] * (n - 1)
+        negative = [i for i, v in zip(used, c or [-1.0] * len(used)) if v < 0 and i != 0]
+        used.remove(negative[-1] if negative else used[-1])
+
+
+def _solve(points, used: List[int]) -> Optional[List[float]]:
+    """Least squares on the features ``used`` (normal equations, Gaussian elimination); None if
+    the points do not determine them."""
+    k = len(used)
+    a = [[sum(x[i] * x[j] for x, _ in points) for j in used] + [sum(x[i] * y for x, y in points)] for i in used]
+    for col in range(k):
+        pivot = max(range(col, k), key=lambda r: abs(a[r][col]))
+        if abs(a[pivot][col]) < 1e-12 * max(1.0, max(abs(v) for row in a for v in row[:k])):
+            return None
+        a[col], a[pivot] = a[pivot], a[col]
+        for r in range(k):
+            if r != col:
+                f = a[r][col] / a[col][col]
+                a[r] = [u - f * w for u, w in zip(a[r], a[col])]
+    return [a[i][k] / a[i][i] for i in range(k)]
 
 
 class Scheduler:

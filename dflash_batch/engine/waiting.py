@@ -69,5 +69,9 @@ class Waiting:
             self.refill()
         return self.queue[0] if self.queue else None
 
+    def peeked(self) -> List[object]:
+        """The requests waiting now, in order (nothing is pulled)."""
+        return [r for r, _ in self.queue]
+
     def pop(self) -> Tuple[object, List[int]]:
         return self.queue.popleft()

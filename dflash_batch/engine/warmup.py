@@ -1,50 +1,116 @@
 """Warm-up: compile the passes a job runs and time them, for the scheduler's cost model.
 
-At batch 1 and at the job's batch size, over a short context (rows of slightly different lengths,
-as in a job), time target passes of 1 and of ``block`` rows and one drafter pass (each once to compile, then the fastest of three: other
-work on the machine only ever adds time). The first
-job of a process no longer pays for compilation inside its first items, and the scheduler gets
-costs measured on this machine, for this model, in this dtype.
+Passes are timed where the job will run them: at batch 1 and at the job's batch size, with the
+rows holding about the job's typical context (prompt and half its budget), of slightly different
+lengths as in a job. The cache is allocated for that context without a prefill: what the keys
+hold does not change what a pass costs. Timed (each once to compile, then the fastest of three:
+other work on the machine only ever adds time):
+
+    target(B, T)   verify passes of T = 1, block / 2 and block rows
+    draft(B)       one drafter pass over a block of new context rows
+
+On a GPU backend whose block attention is a kernel, the ragged route (engine/attention.py) is
+chosen here too: the target and drafter passes at the job's batch size are timed with block
+attention and with stock SDPA over the bucketed cache, and the faster is kept for the job. The
+first job of a process no longer pays for compilation inside its first items, and the scheduler
+gets costs measured on this machine, for this model, in this dtype, at this context.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Callable, Dict, Optional, Tuple
 
 import mlx.core as mx
 
-from . import decode
-from .batch_cache import Lengths
+from . import attention, decode
+from .batch_cache import Lengths, round_up
 from .scheduler import CostModel
 
-CONTEXT = 64  # tokens each row holds while passes are timed
+SHORT_CONTEXT = 64  # tokens per row when the job's context is not known
 
 
-def measure_costs(engine, batch_size: int) -> CostModel:
-    target, drafter = engine.target, engine.drafter
+def context_bucket(context: int) -> int:
+    """The power of two at or above ``context`` (at least SHORT_CONTEXT): costs measured at one
+    context serve every job whose typical context falls in the same bucket."""
+    n = SHORT_CONTEXT
+    while n < context:
+        n *= 2
+    return n
+
+
+def measure_costs(engine, batch_size: int, context: Optional[int] = None) -> CostModel:
+    """Time the passes (module doc) and fit the cost model; sets the ragged route on a GPU."""
+    n = max(int(context or SHORT_CONTEXT), 4)
     block = max(engine.block_size, 2)
-    targets, drafts = {}, {}
+    if batch_size > 1 and _routes_differ():
+        seconds = {}
+        for route in attention.RAGGED_ROUTES:
+            attention.set_ragged_route(route)
+            passes = _Passes(engine, batch_size, n)
+            seconds[route] = passes.target(block) + passes.draft()
+            del passes
+        attention.set_ragged_route(min(seconds, key=seconds.get))
+    targets: Dict[Tuple[int, int], float] = {}
+    drafts: Dict[int, float] = {}
     for B in sorted({1, batch_size}):
-        lengths = Lengths([0] * B)
-        cache = target.make_cache(lengths)
-        ids = mx.array([[(7 * i + b) % target.vocab_size for i in range(CONTEXT)] for b in range(B)])
-        _, hidden = target(ids, cache)
-        lengths.advance([CONTEXT - b % 4 for b in range(B)])  # rows of their own lengths, as in a job
-        mx.eval(hidden)
-        for T in (1, block):
-            tokens = ids[:, :T]
-            targets[(B, T)] = _time(lambda: target.verify(tokens, cache))
-            target.rollback(cache, [T] * B)  # nothing kept back; disarms recurrent layers
-        if drafter is not None and hidden is not None:
-            draft_lengths = Lengths([0] * B)
-            draft_cache = drafter.make_cache(draft_lengths)
-            drafter.add_context(hidden, draft_cache)
-            draft_lengths.advance([CONTEXT - b % 4 for b in range(B)])
-            last = ids[:, :1].astype(mx.int32)
-            context = hidden[:, :block]
-            drafts[B] = _time(lambda: decode.draft_block(drafter, target, last, context, None, draft_cache, block - 1))
-    return CostModel.fit(targets, drafts)
+        passes = _Passes(engine, B, n)
+        for T in sorted({1, block // 2 if B > 1 else 1, block}):
+            targets[(B, T)] = passes.target(T)
+        if engine.drafter is not None:
+            drafts[B] = passes.draft()
+        del passes
+    cost = CostModel.fit(targets, drafts)
+    cost.context = n
+    cost.route = attention.ragged_route()
+    return cost
+
+
+def _routes_differ() -> bool:
+    """Whether the two ragged routes run different code here (a kernel against stock SDPA)."""
+    from .kernels import attention as block
+
+    return attention.mode() == "kernel" and block._backend() is not None
+
+
+class _Passes:
+    """A batch of B rows holding about n tokens each (rows n, n - 1, n - 2, n - 3, ...), whose
+    target and drafter passes can be timed; nothing is kept between passes."""
+
+    def __init__(self, engine, B: int, n: int):
+        self.engine, self.B = engine, B
+        target, drafter = engine.target, engine.drafter
+        block = max(engine.block_size, 2)
+        rows = [max(n - b % 4, 1) for b in range(B)]
+        capacity = round_up(n + 2 * block)
+        self.lengths = Lengths(rows)
+        self.cache = target.make_cache(self.lengths, capacity)
+        self.ids = mx.array([[(7 * i + b) % target.vocab_size for i in range(block)] for b in range(B)], dtype=mx.int32)
+        self.hidden = None
+        if drafter is not None:
+            _, hidden = target.verify(self.ids, self.cache)
+            target.rollback(self.cache, [block] * B)
+            self.hidden = hidden  # tapped context rows of a block: the drafter's new context
+            self.draft_lengths = Lengths(rows)
+            self.draft_cache = drafter.make_cache(self.draft_lengths, capacity)
+            drafter.add_context(hidden, self.draft_cache)  # as a joining prompt does
+
+    def target(self, T: int) -> float:
+        target, cache, tokens = self.engine.target, self.cache, self.ids[:, :T]
+
+        def run():
+            out = target.verify(tokens, cache)[0]
+            target.rollback(cache, [T] * self.B)  # nothing rolled back (disarms recurrent layers); lengths stay
+            return out
+
+        return _time(run)
+
+    def draft(self) -> float:
+        engine = self.engine
+        last, block = self.ids[:, :1], max(engine.block_size, 2)
+        return _time(lambda: decode.draft_block(
+            engine.drafter, engine.target, last, self.hidden, None, self.draft_cache, block - 1
+        ))
 
 
 def _time(run: Callable, reps: int = 3) -> float:

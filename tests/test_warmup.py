@@ -1,0 +1,75 @@
+"""Warm-up (engine/warmup.py): passes timed at the job's batch size and context, the cost model
+fitted from them, and the faster ragged attention route kept."""
+
+from __future__ import annotations
+
+import pytest
+
+from dflash_batch.engine import attention, load_engine, warmup
+
+
+@pytest.fixture
+def engine(tiny_pair):
+    target_dir, draft_dir = tiny_pair
+    return load_engine(str(target_dir), str(draft_dir))
+
+
+def test_passes_are_timed_at_the_jobs_context(engine, monkeypatch):
+    seen = []
+    real = warmup._Passes
+
+    class Spy(real):
+        def __init__(self, engine, B, n):
+            super().__init__(engine, B, n)
+            seen.append((B, n, list(self.lengths.host), self.cache[0].keys is None))
+
+    monkeypatch.setattr(warmup, "_Passes", Spy)
+    cost = engine.warm_up(4, context=300)
+    assert cost.context == 300
+    assert {B for B, *_ in seen} == {1, 4}
+    for B, n, rows, _ in seen:
+        assert rows == [300 - b % 4 for b in range(B)]  # about the context, not equal (a ragged batch)
+    assert cost.passes(4, 16) > cost.passes(4, 1) > 0
+
+
+def test_a_job_of_another_context_is_warmed_up_again(engine, monkeypatch):
+    contexts = []
+    measure = warmup.measure_costs
+
+    def counted(engine, batch_size, context=None):
+        contexts.append(context)
+        return measure(engine, batch_size, context)
+
+    monkeypatch.setattr(warmup, "measure_costs", counted)
+    short = [engine.encode("Count: one two three")] * 2
+    engine.generate_batch(short, max_tokens=8, batch_size=2)
+    engine.generate_batch(short, max_tokens=10, batch_size=2)  # the same power of two: no new warm-up
+    assert len(contexts) == 1
+    long = [engine.encode("Tell me everything about the number seven. " * 30)] * 2
+    engine.generate_batch(long, max_tokens=8, batch_size=2)
+    assert len(contexts) == 2 and contexts[1] > 4 * contexts[0]
+
+
+def test_the_faster_ragged_route_is_kept(engine, monkeypatch):
+    """On a GPU the warm-up times both routes at the job's batch size; here the timings are faked:
+    whichever route is faster must be the one set for the job."""
+    for fast in attention.RAGGED_ROUTES:
+
+        class Timed:
+            def __init__(self, engine, B, n):
+                pass
+
+            def target(self, T):
+                return 1.0 if attention.ragged_route() == fast else 2.0
+
+            def draft(self):
+                return 0.5
+
+        monkeypatch.setattr(warmup, "_Passes", Timed)
+        monkeypatch.setattr(warmup, "_routes_differ", lambda: True)
+        try:
+            attention.set_ragged_route("sdpa" if fast == "block" else "block")
+            cost = warmup.measure_costs(engine, 8, 256)
+            assert attention.ragged_route() == fast == cost.route
+        finally:
+            attention.set_ragged_route("block")
