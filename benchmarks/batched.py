@@ -89,11 +89,16 @@ def release() -> None:
     mx.clear_cache()
 
 
-def median_of(run: Callable[[list], Dict[str, Any]], prompts: list, warmup: int, reps: int) -> Dict[str, Any]:
-    """A warm-up job of the first ``warmup`` prompts (compilation, the engine's cost model at this
-    batch size), then ``reps`` timed runs of the whole job."""
-    run(prompts[:warmup])
-    runs = [run(prompts) for _ in range(reps)]
+WARM_TOKENS = 32  # new tokens per prompt of an arm's warm-up job
+
+
+def median_of(run: Callable[[list, int], Dict[str, Any]], prompts: list, warmup: int, reps: int,
+              max_tokens: int) -> Dict[str, Any]:
+    """A warm-up job of the first ``warmup`` prompts, WARM_TOKENS new tokens each (compilation,
+    the engine's cost model at this batch size and context: the job's typical context falls in
+    the same power of two), then ``reps`` timed runs of the whole job."""
+    run(prompts[:warmup], min(WARM_TOKENS, max_tokens))
+    runs = [run(prompts, max_tokens) for _ in range(reps)]
     out = dict(runs[0])
     for key, value in runs[0].items():
         if isinstance(value, float):
@@ -139,13 +144,21 @@ def main(argv=None) -> Path:
     ap.add_argument("--budget-s", type=float, default=0, help="start no new measurement after this long")
     ap.add_argument("--out", default="docs/benchmarks")
     ap.add_argument("--tag", default="")
+    ap.add_argument("--resume", action="store_true",
+                    help="keep the measurements of an earlier run of this command (same shape and tag, in --out) "
+                    "and run only the rest: one table from one command over several sessions")
     ap.add_argument("--plot", help="draw a results JSON file as PNG (no run)")
-    ap.add_argument("--profile", type=int, help="time the passes of one cycle at this batch size (no job)")
+    ap.add_argument("--profile", help="time the passes of one cycle at these batch sizes, e.g. 16,64 (no job)")
     args = ap.parse_args(argv)
     if args.plot:
         return plot(Path(args.plot))
     if args.profile:
-        print(json.dumps(profile(args.shape, args.profile, args.context)), flush=True)
+        doc = profile(args.shape, [int(b) for b in args.profile.split(",")], args.context)
+        print(json.dumps(doc), flush=True)
+        if args.tag:
+            path = Path(args.out) / f"batched-profile-{args.shape}-{args.tag}.json"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(doc, indent=1))
         return Path(args.out)
 
     gpu = mx.default_device() == mx.gpu
@@ -164,17 +177,26 @@ def main(argv=None) -> Path:
         "shape": args.shape, "dtype": str(dtype), "prompts": args.prompts, "context": args.context,
         "max_tokens": args.max_tokens, "reps": args.reps, "results": [],
     }
-    name = f"batched-{'cuda' if gpu else 'cpu'}-{doc['started'][:10]}-{args.shape}{'-' + args.tag if args.tag else ''}.json"
-    path = Path(args.out) / name
+    suffix = f"-{args.shape}{'-' + args.tag if args.tag else ''}.json"
+    path = Path(args.out) / f"batched-{'cuda' if gpu else 'cpu'}-{doc['started'][:10]}{suffix}"
     path.parent.mkdir(parents=True, exist_ok=True)
+    done = set()
+    if args.resume:
+        earlier = sorted(Path(args.out).glob(f"batched-{'cuda' if gpu else 'cpu'}-*{suffix}"))
+        if earlier:
+            path = earlier[-1]
+            old = json.loads(path.read_text())
+            doc["results"] = [r for r in old["results"] if r["status"] == "ok"]
+            doc["started"], doc["resumed"] = old["started"], old.get("resumed", []) + [dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")]
+            done = {(r["arm"], r["batch"]) for r in doc["results"]}
 
-    def record(arm: str, B: int, run: Callable[[list], Dict[str, Any]]) -> None:
-        if args.budget_s and time.perf_counter() - started > args.budget_s:
+    def record(arm: str, B: int, run: Callable[[list, int], Dict[str, Any]]) -> None:
+        if (arm, B) in done or (args.budget_s and time.perf_counter() - started > args.budget_s):
             return
         try:
             release()
             mx.reset_peak_memory()
-            figures = median_of(run, prompts, min(2 * B, len(prompts)), args.reps)
+            figures = median_of(run, prompts, min(B, len(prompts)), args.reps, args.max_tokens)
             figures["peak_memory_gb"] = round(mx.get_peak_memory() / 1e9, 2)
             status = "ok"
         except Exception as e:  # reported, the other arms still run
@@ -185,14 +207,14 @@ def main(argv=None) -> Path:
 
     for B in batches:
         with arms.zeroed_final_norm(setup.model):  # same compute; token 0 every step
-            record("mlx_lm.batch_generate", B, lambda job: run_mlx_lm(setup, job, args.max_tokens, B))
+            record("mlx_lm.batch_generate", B, lambda job, n: run_mlx_lm(setup, job, n, B))
         for acceptance in ["plain"] + args.acceptance.split(","):
             for mode in args.prefill.split(","):
                 # One engine at a time: an engine taps (wraps) its model's layers for its own drafter.
                 engine, zeroed = engine_arm(setup, engine_setup, acceptance, mode)
                 arm = f"dflash {acceptance}" + ("" if mode == "packed" else f" ({mode}-per-pass prefill)")
                 with zeroed:
-                    record(arm, B, lambda job: run_engine(engine, job, args.max_tokens, B))
+                    record(arm, B, lambda job, n: run_engine(engine, job, n, B))
                 del engine  # its caches go before the next arm's (release)
     doc["wall_s"] = time.perf_counter() - started
     path.write_text(json.dumps(doc, indent=1))
@@ -255,48 +277,35 @@ def plot(path: Path) -> Path:
 
 
 
-def profile(shape: str, B: int, context: int, reps: int = 5) -> Dict[str, float]:
-    """Milliseconds of the passes of one cycle at batch B, each synchronised on its own: target
-    passes of 1 and 16 rows with the rows at one length (routed kernel, "causal") and at their own
-    lengths (ragged: scatter writes, bool mask, stock SDPA), and the drafter pass likewise."""
-    from dflash_batch.engine import Engine, decode
-    from dflash_batch.engine.batch_cache import Lengths
+def profile(shape: str, batches: List[int], context: int, widths=(1, 4, 8, 16)) -> Dict[str, Any]:
+    """Milliseconds of the passes of one cycle (engine/warmup.py's timing: a batch whose rows hold
+    about ``context`` tokens, fastest of three after a compiling call): target verify passes of
+    each width and the drafter pass, at each batch size, through each ragged attention route
+    (engine/attention.py); then what the engine's own warm-up chose and fitted at each B."""
+    from dflash_batch.engine import Engine, attention, warmup
 
     gpu = mx.default_device() == mx.gpu
     setup = arms.build_setup(shape, mx.bfloat16 if gpu else mx.float32, with_ar_draft=False)
     engine = Engine(setup.model, setup.tokenizer, setup.drafter, config=arms.text_config(setup.shape.target))
-    target, drafter = engine.target, engine.drafter
-    ids = mx.array(job_prompts(B, context, setup.vocab_size))
-    out: Dict[str, float] = {}
-
-    def ms(run) -> float:
-        mx.eval(run())
-        times = []
-        for _ in range(reps):
-            start = time.perf_counter()
-            mx.eval(run())
-            times.append((time.perf_counter() - start) * 1e3)
-        return round(statistics.median(times), 3)
-
-    for kind, lengths_of in (("uniform", lambda b: context), ("ragged", lambda b: context - 1 - b % 16)):
-        lengths = Lengths([0] * B)
-        cache = target.make_cache(lengths)
-        for i in range(0, context, 512):
-            mx.eval(target(ids[:, i : i + 512], cache))
-            lengths.advance([ids[:, i : i + 512].shape[1]] * B)
-        lengths.set([lengths_of(b) for b in range(B)])
-        _, hidden = target(ids[:, -16:], cache)
-        for T in (1, 16):
-            out[f"target_B{B}_T{T}_{kind}"] = ms(lambda: target(ids[:, :T], cache)[0])
-        draft_lengths = Lengths([0] * B)
-        draft_cache = drafter.make_cache(draft_lengths)
-        drafter.add_context(hidden[:, :1], draft_cache)
-        draft_lengths.set([lengths_of(b) for b in range(B)])
-        for c in draft_cache:
-            c.reserve(context + 64, c.keys, c.values)
-        last = ids[:, :1].astype(mx.int32)
-        out[f"draft_B{B}_{kind}"] = ms(lambda: decode.draft_block(drafter, target, last, hidden, None, draft_cache, 15))
-        out[f"lm_head_B{B}"] = ms(lambda: mx.argmax(target.lm_head(hidden[:, :15, : target.hidden_size]), axis=-1))
+    out: Dict[str, Any] = {"context": context, "attention_mode": attention.mode()}
+    try:
+        for route in attention.RAGGED_ROUTES:
+            attention.set_ragged_route(route)
+            for B in batches:
+                passes = warmup._Passes(engine, B, context)
+                for T in widths:
+                    out[f"{route}_target_B{B}_T{T}"] = round(passes.target(T) * 1e3, 3)
+                out[f"{route}_draft_B{B}"] = round(passes.draft() * 1e3, 3)
+                del passes
+                release()
+        for B in batches:
+            cost = engine.warm_up(B, context)
+            out[f"warmup_B{B}"] = {"route": cost.route, "t0_ms": cost.t0 * 1e3, "t1_us": cost.t1 * 1e6,
+                                   "t2_us": cost.t2 * 1e6, "d0_ms": cost.d0 * 1e3, "d1_us": cost.d1 * 1e6,
+                                   "predicted_ms": {T: round(cost.passes(B, T) * 1e3, 2) for T in widths}}
+            release()
+    finally:
+        attention.set_ragged_route("block")
     return out
 
 
