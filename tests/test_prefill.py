@@ -115,6 +115,26 @@ def test_packed_pass_width_stays_within_the_token_bound(pair):
     assert [c.token_ids for c in out] == [greedy_reference(pair[0], p, 5, eos) for p in prompts]
 
 
+def test_the_joining_group_holds_about_one_pass_of_prompt_tokens(pair, monkeypatch):
+    """Joining rows keep their own cache until placed in the batch's: a group of every free slot's
+    prompt (64 rows x 2048 tokens at a job's start on a GPU) held the batch's cache twice over and
+    ran out of memory. A row joins the group only while it has less than a pass's worth to prefill."""
+    engine = _engine(pair, prefill_tokens=96)
+    prompts = [_ids(60, seed=40 + i) for i in range(6)]
+    pending = []
+    real = prefill.JoinGroup.add
+
+    def spy(group, joiner, start):
+        pending.append(group.pending())
+        return real(group, joiner, start)
+
+    monkeypatch.setattr(prefill.JoinGroup, "add", spy)
+    out = engine.generate_batch(prompts, max_tokens=5, batch_size=6)
+    assert len(pending) == 6 and max(pending) < 96, pending
+    eos = engine.tokenizer.eos_token_ids
+    assert [c.token_ids for c in out] == [greedy_reference(pair[0], p, 5, eos) for p in prompts]
+
+
 # -- shared prefixes -----------------------------------------------------------------------------
 
 

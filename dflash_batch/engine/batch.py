@@ -106,6 +106,10 @@ class BatchDecoder:
 
     # -- the engine step --------------------------------------------------------------------
     def steps(self) -> Iterator[Tuple[int, Piece]]:
+        # Buffers MLX keeps for reuse (an earlier job's, the warm-up's) do not count as used in
+        # the memory plan; on CUDA an allocation that finds the device full fails rather than
+        # freeing them, so they are freed before the job allocates its own.
+        mx.clear_cache()
         mx.reset_peak_memory()
         while self.waiting or self.group.joiners or any(self.rows):
             yield from self.admit()
@@ -153,8 +157,8 @@ class BatchDecoder:
         for b in range(self.slots):
             if self.rows[b] is not None or b in taken:
                 continue
-            if len(self.group.joiners) >= most:
-                return
+            if len(self.group.joiners) >= most or self.group.pending() >= self.engine.prefill_tokens:
+                return  # the group holds a pass's worth: more joiners would only hold their caches twice
             entry = self.waiting.peek()
             if entry is None:
                 return

@@ -179,6 +179,10 @@ class JoinGroup:
                 self.producing.setdefault(key, joiner)
         self.joiners.append(joiner)
 
+    def pending(self) -> int:
+        """Prompt tokens the joining rows have still to prefill."""
+        return sum(len(j.ids) - j.done for j in self.joiners)
+
     def waits_for(self, ids: Sequence[int], have: int) -> bool:
         """Whether a row of the group is about to keep a longer prefix of ``ids`` than ``have``."""
         return any(len(key) > have and tuple(ids[: len(key)]) == key for key in self.producing)

@@ -60,6 +60,7 @@ def measure_costs(engine, batch_size: int, context: Optional[int] = None) -> Cos
         if engine.drafter is not None:
             drafts[B] = passes.draft()
         del passes
+    mx.clear_cache()  # the timing batches' buffers: the job allocates its own (see batch.py: steps)
     cost = CostModel.fit(targets, drafts)
     cost.context = n
     cost.route = attention.ragged_route()
