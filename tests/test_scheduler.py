@@ -138,3 +138,20 @@ def test_cost_fit_never_goes_negative():
     cost = CostModel.fit({(1, 1): 0.010, (1, 16): 0.009, (8, 1): 0.012, (8, 16): 0.011}, {1: 0.003})
     assert min(cost.t0, cost.t1, cost.t2, cost.d0, cost.d1) >= 0
     assert cost.passes(8, 16) > 0
+
+
+def test_timed_widths_override_the_line_at_the_timed_batch_size():
+    """Verify cost on a GPU jumps where the attention kernel needs another tile of query rows; the
+    scheduler reads the timed widths at the job's batch size (and interpolates between them)."""
+    cost = CostModel(t0=0.010, t1=0.0, t2=0.0, rows=64, timed={1: 0.021, 4: 0.023, 8: 0.033, 16: 0.055})
+    assert cost.target(64, 8) == pytest.approx(0.033)
+    assert cost.target(64, 12) == pytest.approx(0.044)  # halfway between 8 and 16
+    assert cost.target(1, 8) == pytest.approx(0.010)  # batch 1: the line
+    assert cost.target(32, 16) == pytest.approx(0.010 + 0.045 * 31 / 63)
+    # a drafter accepted 4 or 12 drafts, alternately: a flat cost verifies the whole block, the
+    # timed one (16 rows cost 2.6 times 1 row) a narrower one
+    est = Acceptance(15)
+    for k in range(30):
+        est.update(4 if k % 2 else 12, 16)
+    assert Scheduler(16, CostModel(t0=0.055, t1=0.0)).width([est] * 64, [200] * 64) == 16
+    assert Scheduler(16, cost).width([est] * 64, [200] * 64) < 16

@@ -73,3 +73,24 @@ def test_the_faster_ragged_route_is_kept(engine, monkeypatch):
             assert attention.ragged_route() == fast == cost.route
         finally:
             attention.set_ragged_route("block")
+
+
+def test_every_width_is_timed_where_cost_is_not_linear_in_the_width(engine, monkeypatch):
+    """Three widths first; where the middle one is off the line through the others, every width
+    the scheduler chooses among, so it reads real costs rather than the line."""
+    for costs, timed in (({1: 1.0, 8: 1.1, 16: 3.0}, 8), ({1: 1.0, 8: 2.0, 16: 3.0}, 3)):
+
+        class Timed:
+            def __init__(self, engine, B, n):
+                self.B = B
+
+            def target(self, T):
+                return costs.get(T, 1.5) * self.B
+
+            def draft(self):
+                return 0.5
+
+        monkeypatch.setattr(warmup, "_Passes", Timed)
+        cost = warmup.measure_costs(engine, 4, 128)
+        assert len(cost.timed) == timed
+        assert cost.target(4, 8) == pytest.approx(costs[8] * 4)

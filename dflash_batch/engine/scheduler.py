@@ -13,7 +13,11 @@ and a cycle of width T over B rows costs
                                                          draft(B)     = d0 + d1 * B
 
 (t1: per token verified; t2: per row, whatever its width: reading the row's keys, which grows
-with the context the costs were measured at.)
+with the context the costs were measured at). A GPU's verify cost is not linear in T (attention
+kernels work in tiles of query rows: at B = 64 on an H100, T = 1, 4, 8, 16 cost 21, 23, 33,
+55 ms), so the widths the scheduler chooses among are also timed at the job's batch size, and
+target(B, T) is read from them: interpolated in T between timed widths and in B between that
+batch size and the fitted line at B = 1.
 
 The scheduler picks T in 1..block maximising  sum_b E_b(min(T, budget_b)) / cost(B, T).  T = 1 is
 plain batched decoding (no draft pass). A job starts from a neutral p_1 = 0.5, so from the
@@ -109,9 +113,19 @@ class CostModel:
     excess: Dict[bool, List[float]] = field(default_factory=lambda: {False: [], True: []})
     context: Optional[int] = None  # tokens per row the passes were timed at (None: any)
     route: Optional[str] = None  # the ragged attention route chosen with them (engine/attention.py)
+    rows: int = 0  # the batch size of ``timed`` (0: none timed)
+    timed: Dict[int, float] = field(default_factory=dict)  # T -> seconds of a target pass at ``rows``
+
+    def target(self, B: int, T: int) -> float:
+        line = self.t0 + self.t1 * B * T + self.t2 * B
+        if not self.timed or self.rows < 2:
+            return line
+        at_rows = _interpolate(self.timed, T)
+        at_one = self.t0 + self.t1 * T + self.t2
+        return max(at_one + (at_rows - at_one) * (B - 1) / (self.rows - 1), 1e-9)
 
     def passes(self, B: int, T: int) -> float:
-        return self.t0 + self.t1 * B * T + self.t2 * B + (self.d0 + self.d1 * B if T > 1 else 0.0)
+        return self.target(B, T) + (self.d0 + self.d1 * B if T > 1 else 0.0)
 
     def overhead(self, drafting: bool) -> float:
         """The median excess of this kind; until a kind has TRUSTED cycles, the plain kind's (a
@@ -140,6 +154,18 @@ class CostModel:
         t0, t1, t2 = _fit([((1.0, B * T, B), s) for (B, T), s in target_times.items()])
         d0, d1 = _fit([((1.0, B), s) for B, s in draft_times.items()]) if draft_times else (0.0, 0.0)
         return cls(t0=max(t0, 1e-9), t1=t1, d0=d0, d1=d1, t2=t2)
+
+
+def _interpolate(points: Dict[int, float], x: int) -> float:
+    """Piecewise-linear through ``points`` (x -> y), extended by the nearest segment's slope."""
+    xs = sorted(points)
+    if len(xs) == 1:
+        return points[xs[0]]
+    i = 1
+    while i < len(xs) - 1 and xs[i] < x:
+        i += 1
+    x0, x1 = xs[i - 1], xs[i]
+    return points[x0] + (points[x1] - points[x0]) * (x - x0) / (x1 - x0)
 
 
 def _fit(points: List[Tuple[Tuple[float, ...], float]]) -> List[float]:

@@ -6,7 +6,10 @@ lengths as in a job. The cache is allocated for that context without a prefill: 
 hold does not change what a pass costs. Timed (each once to compile, then the fastest of three:
 other work on the machine only ever adds time):
 
-    target(B, T)   verify passes of T = 1, block / 2 and block rows
+    target(B, T)   verify passes of 1, block / 2 and block rows at the job's batch size (of 1
+                   and block at batch 1); where the middle one is off the line through the
+                   others by more than 10% (a GPU's attention works in tiles of query rows),
+                   every width the scheduler chooses among (1, 2, 3, 4, 6, 8, 12, 16)
     draft(B)       one drafter pass over a block of new context rows
 
 On a GPU backend whose block attention is a kernel, the ragged route (engine/attention.py) is
@@ -25,7 +28,7 @@ import mlx.core as mx
 
 from . import attention, decode
 from .batch_cache import Lengths, round_up
-from .scheduler import CostModel
+from .scheduler import CostModel, Scheduler
 
 SHORT_CONTEXT = 64  # tokens per row when the job's context is not known
 
@@ -55,8 +58,13 @@ def measure_costs(engine, batch_size: int, context: Optional[int] = None) -> Cos
     drafts: Dict[int, float] = {}
     for B in sorted({1, batch_size}):
         passes = _Passes(engine, B, n)
-        for T in sorted({1, block // 2 if B > 1 else 1, block}):
+        for T in sorted({1, block // 2, block} if B > 1 else {1, block}):
             targets[(B, T)] = passes.target(T)
+        if B > 1 and not _straight([(T, targets[(B, T)]) for T in (1, block // 2, block)]):
+            # not linear in T (a GPU kernel's tiles of query rows): time every width chosen among
+            for T in Scheduler(block, CostModel()).widths(block):
+                if (B, T) not in targets:
+                    targets[(B, T)] = passes.target(T)
         if engine.drafter is not None:
             drafts[B] = passes.draft()
         del passes
@@ -64,7 +72,19 @@ def measure_costs(engine, batch_size: int, context: Optional[int] = None) -> Cos
     cost = CostModel.fit(targets, drafts)
     cost.context = n
     cost.route = attention.ragged_route()
+    if batch_size > 1:
+        cost.rows, cost.timed = batch_size, {T: s for (B, T), s in targets.items() if B == batch_size}
     return cost
+
+
+def _straight(points, tolerance: float = 0.1) -> bool:
+    """Whether the middle of three (x, seconds) points lies within ``tolerance`` of the line
+    through the outer two."""
+    (x0, y0), (x1, y1), (x2, y2) = sorted(points)
+    if x2 == x0:
+        return True
+    line = y0 + (y2 - y0) * (x1 - x0) / (x2 - x0)
+    return abs(y1 - line) <= tolerance * line
 
 
 def _routes_differ() -> bool:
@@ -114,11 +134,15 @@ class _Passes:
         ))
 
 
-def _time(run: Callable, reps: int = 3) -> float:
+def _time(run: Callable, reps: int = 3, enough: float = 0.25) -> float:
+    """The fastest of ``reps`` runs after a compiling one; a pass slow enough that its runs have
+    taken ``enough`` seconds stops there (a CPU warm-up must not cost a job's worth)."""
     mx.eval(run())  # compiles
     times = []
     for _ in range(reps):
         start = time.perf_counter()
         mx.eval(run())
         times.append(time.perf_counter() - start)
+        if sum(times) >= enough:
+            break
     return min(times)
