@@ -35,6 +35,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
+
 NEUTRAL_P = 0.5  # a draft position's acceptance before anything is known of it
 
 
@@ -56,11 +58,10 @@ class Acceptance:
         if verified <= 1:
             return
         d = self.decay
-        self.seen = [d * n for n in self.seen]
-        self.kept = [d * n for n in self.kept]
-        for k in range(min(accepted + 1, verified - 1, len(self.seen))):  # drafts 1..a, and a + 1 if verified
-            self.seen[k] += 1.0
-            self.kept[k] += k < accepted
+        seen = min(accepted + 1, verified - 1, len(self.seen))  # drafts 1..a, and a + 1 if verified
+        kept = min(accepted, seen)  # drafts 1..a
+        self.seen = [d * n + 1.0 for n in self.seen[:seen]] + [d * n for n in self.seen[seen:]]
+        self.kept = [d * n + 1.0 for n in self.kept[:kept]] + [d * n for n in self.kept[kept:]]
 
     def probabilities(self, prior: Optional[Sequence[float]] = None) -> List[float]:
         """[p_1, ..., p_positions], p_k = P(draft k accepted | drafts 1..k-1 accepted). Position
@@ -182,12 +183,10 @@ class Scheduler:
             return min(self.block, longest)
         B = len(budgets)
         widths = self.widths(longest)
-        job = self.job.probabilities()  # each row's prior
-        tables = [expected_committed(e.probabilities(job), min(widths[-1], n)) for e, n in zip(estimates, budgets)]
+        committed = _committed(estimates, budgets, self.job.probabilities(), widths)
         best, best_rate = 1, -1.0
-        for T in widths:
-            committed = sum(table[min(T, len(table) - 1)] for table in tables)
-            rate = committed / self.cost.cycle(B, T)
+        for T, tokens in zip(widths, committed.tolist()):
+            rate = tokens / self.cost.cycle(B, T)
             if rate > best_rate * (1 + 1e-9):
                 best, best_rate = T, rate
         if best > 1:
@@ -206,3 +205,19 @@ class Scheduler:
             self.plain_seconds = 0.0
             return probe
         return 1
+
+
+def _committed(estimates: Sequence[Acceptance], budgets: Sequence[int], job: Sequence[float], widths: List[int]):
+    """Tokens the rows commit on average at each width T: sum_b E_b(min(T, budget_b)), with row
+    b's p_bk = (kept_bk + w * job_k) / (seen_bk + w) (``Acceptance.probabilities(job)``), for all
+    rows at once: E_b(L) = sum_{i < L} prod_{j < i} p_bj."""
+    seen = np.array([e.seen for e in estimates], dtype=np.float64)  # [B, positions]
+    kept = np.array([e.kept for e in estimates], dtype=np.float64)
+    w = np.array([e.prior_weight for e in estimates], dtype=np.float64)[:, None]
+    p = (kept + w * np.asarray(job, dtype=np.float64)) / (seen + w)
+    top = widths[-1]
+    p = np.pad(p, ((0, 0), (0, max(top - p.shape[1], 0))))[:, : max(top - 1, 0)]  # p_1..p_(top-1), 0 past the block
+    runs = np.cumprod(np.concatenate([np.ones((len(budgets), 1)), p], axis=1), axis=1)  # prod_{j < i} p_j
+    table = np.concatenate([np.zeros((len(budgets), 1)), np.cumsum(runs, axis=1)], axis=1)  # E(0..top)
+    L = np.minimum(np.asarray(widths)[None, :], np.asarray(budgets)[:, None])  # [B, widths]
+    return np.take_along_axis(table, L, axis=1).sum(axis=0)
