@@ -4,8 +4,9 @@ A job of ``--batch`` rows (random weights of ``--shape``, fp32, greedy, every ro
 decodes through ``BatchDecoder.steps()`` with its pieces wrapped in timers. Each piece is timed
 exclusive of the timed pieces it calls, so the pieces add up to the cycle:
 
-  device            the wait at the cycle's sync (``mx.eval`` of the chosen tokens): the passes
-                    computing. Everything else is Python on the host (MLX only builds graphs)
+  device            the wait at the cycle's sync (``mx.eval`` of the chosen tokens), wall time: the
+                    passes computing. Everything else is Python on the host (MLX only builds
+                    graphs), timed in the thread's CPU time
   scheduler.width   the adaptive scheduler's width choice over the live rows (timed on the side:
                     the job itself verifies the whole block every cycle, so that every cycle has
                     the same shape)
@@ -26,6 +27,7 @@ On a shared CPU only ratios mean anything; on a GPU the host share is GPU idle t
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import time
@@ -46,19 +48,23 @@ PREFILL = "prefill (joining rows, not per cycle)"
 
 
 class Pieces:
-    """Exclusive seconds per named piece: a piece's time less that of the timed pieces it calls."""
+    """Exclusive seconds per named piece: a piece's time less that of the timed pieces it calls.
+    Host pieces are timed in this thread's CPU time (other processes on a shared CPU do not
+    count), the device wait in wall time (``wall``)."""
 
-    def __init__(self):
+    def __init__(self, clock: Callable[[], float] = time.thread_time):
+        self.clock = clock
         self.seconds: Dict[str, float] = {}
+        self.wall: Dict[str, float] = {}
         self.stack: List[float] = []  # time spent in children, per open piece
 
     def time(self, name: str, call: Callable):
         self.stack.append(0.0)
-        started = time.perf_counter()
+        started = self.clock()
         try:
             return call()
         finally:
-            spent = time.perf_counter() - started
+            spent = self.clock() - started
             children = self.stack.pop()
             self.seconds[name] = self.seconds.get(name, 0.0) + spent - children
             if self.stack:
@@ -127,7 +133,9 @@ def instrument(pieces: Pieces, side: scheduler.Scheduler, cycles: List[int]) -> 
     def synced_choose(self, *args, **kwargs):
         chosen, scores = choose(self, *args, **kwargs)
         if getattr(self, "in_cycle", False):  # not a joining row's first token
-            pieces.time("device", lambda: mx.eval(chosen))  # the passes compute: the rest of the sync is conversion
+            started = time.perf_counter()  # the passes compute: the rest of the sync is conversion
+            pieces.time("device", lambda: mx.eval(chosen))
+            pieces.wall["device"] = pieces.wall.get("device", 0.0) + time.perf_counter() - started
         return chosen, scores
 
     stack.enter_context(patched(BatchDecoder, "run", timed_run))
@@ -161,19 +169,32 @@ def measure(engine: Engine, rows: int, max_tokens: int, vocab: int, stop: List[s
                            engine._scheduler(rows), capacity=64 + max_tokens + engine.block_size)  # fmt: skip
     pieces, cycles = Pieces(), []
     side = scheduler.Scheduler(engine.block_size, side_cost)
-    with instrument(pieces, side, cycles):
-        started = time.perf_counter()
-        tokens = sum(len(piece.token_ids) for _, piece in decoder.steps())
-        wall = time.perf_counter() - started
+    collecting = []  # Python's garbage collections during the job: [start, seconds]
+
+    def on_gc(phase, info):
+        if phase == "start":
+            collecting.append([time.perf_counter(), 0.0])
+        elif collecting:
+            collecting[-1][1] = time.perf_counter() - collecting[-1][0]
+
+    gc.callbacks.append(on_gc)
+    try:
+        with instrument(pieces, side, cycles):
+            started = time.perf_counter()
+            tokens = sum(len(piece.token_ids) for _, piece in decoder.steps())
+            wall = time.perf_counter() - started
+    finally:
+        gc.callbacks.remove(on_gc)
     seconds = dict(pieces.seconds)
-    prefill = seconds.get(PREFILL, 0.0)
+    prefill = decoder.group.counts["seconds"]  # the prefill passes, wall time (as benchmarks/batched.py)
     n = len(cycles)
+    device = seconds["device"] = pieces.wall.get("device", 0.0)
     per_cycle = {k: round(1e3 * v / n, 3) for k, v in sorted(seconds.items(), key=lambda kv: -kv[1])}
-    device = seconds.get("device", 0.0)
     host = sum(v for k, v in seconds.items() if k not in ("device", PREFILL))
     return {"cycles": n, "rows": statistics.mean(cycles), "tokens": tokens, "ms_per_cycle": per_cycle,
             "host_ms_per_cycle": round(1e3 * host / n, 3), "device_ms_per_cycle": round(1e3 * device / n, 3),
-            "decode_tok_s": round(tokens / (wall - prefill), 1)}  # fmt: skip
+            "decode_tok_s": round(tokens / (wall - prefill), 1),
+            "gc_ms_per_cycle (inside the pieces)": round(1e3 * sum(s for _, s in collecting) / n, 3)}  # fmt: skip
 
 
 def main(argv=None) -> None:

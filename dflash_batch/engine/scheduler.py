@@ -215,9 +215,12 @@ def _committed(estimates: Sequence[Acceptance], budgets: Sequence[int], job: Seq
     kept = np.array([e.kept for e in estimates], dtype=np.float64)
     w = np.array([e.prior_weight for e in estimates], dtype=np.float64)[:, None]
     p = (kept + w * np.asarray(job, dtype=np.float64)) / (seen + w)
-    top = widths[-1]
-    p = np.pad(p, ((0, 0), (0, max(top - p.shape[1], 0))))[:, : max(top - 1, 0)]  # p_1..p_(top-1), 0 past the block
-    runs = np.cumprod(np.concatenate([np.ones((len(budgets), 1)), p], axis=1), axis=1)  # prod_{j < i} p_j
-    table = np.concatenate([np.zeros((len(budgets), 1)), np.cumsum(runs, axis=1)], axis=1)  # E(0..top)
+    B, top = len(budgets), widths[-1]
+    runs = np.zeros((B, top))  # prod_{j < i} p_j for i = 0..top-1 (p_j = 0 past the positions)
+    runs[:, 0] = 1.0
+    known = min(top - 1, p.shape[1])
+    np.cumprod(p[:, :known], axis=1, out=runs[:, 1 : known + 1])
+    table = np.zeros((B, top + 1))  # E(0..top)
+    np.cumsum(runs, axis=1, out=table[:, 1:])
     L = np.minimum(np.asarray(widths)[None, :], np.asarray(budgets)[:, None])  # [B, widths]
     return np.take_along_axis(table, L, axis=1).sum(axis=0)
