@@ -7,7 +7,7 @@ exclusive of the timed pieces it calls, so the pieces add up to the cycle:
   device            the wait at the cycle's sync (``mx.eval`` of the chosen tokens), wall time: the
                     passes computing. Everything else is Python on the host (MLX only builds
                     graphs), timed in the thread's CPU time
-  scheduler.width   the adaptive scheduler's width choice over the live rows (timed on the side:
+  scheduler.width (adaptive, on the side)  the adaptive scheduler's width choice over the live rows (timed on the side:
                     the job itself verifies the whole block every cycle, so that every cycle has
                     the same shape)
   draft / verify / choose   building the drafter, target and sampling graphs
@@ -57,8 +57,12 @@ class Pieces:
         self.seconds: Dict[str, float] = {}
         self.wall: Dict[str, float] = {}
         self.stack: List[float] = []  # time spent in children, per open piece
+        self.names: List[str] = []  # the open pieces
 
     def time(self, name: str, call: Callable):
+        if PREFILL in self.names:  # a joining row's pieces belong to its admission, not to a cycle
+            name = PREFILL
+        self.names.append(name)
         self.stack.append(0.0)
         started = self.clock()
         try:
@@ -66,6 +70,7 @@ class Pieces:
         finally:
             spent = self.clock() - started
             children = self.stack.pop()
+            self.names.pop()
             self.seconds[name] = self.seconds.get(name, 0.0) + spent - children
             if self.stack:
                 self.stack[-1] += spent
@@ -123,7 +128,7 @@ def instrument(pieces: Pieces, side: scheduler.Scheduler, cycles: List[int]) -> 
     def timed_run(self, width):
         self.in_cycle = True
         live = [r for r in self.rows if r is not None]  # the adaptive choice over these rows, on the side
-        pieces.time("scheduler.width", lambda: side.width([r.acceptance for r in live], [r.budget for r in live]))
+        pieces.time("scheduler.width (adaptive, on the side)", lambda: side.width([r.acceptance for r in live], [r.budget for r in live]))
         cycles.append(len(live))
         try:
             return pieces.time("run: rest", lambda: run(self, width))

@@ -66,6 +66,7 @@ class Row:
     acceptance: Acceptance = field(default_factory=Acceptance)
     history: List[int] = field(default_factory=list)  # committed output tokens (for penalties)
     matcher: Optional[object] = None  # the grammar state at the committed output (engine/grammar.py)
+    plain: bool = False  # no penalty, filter or grammar: chooses from the target's logits as they are
 
     @property
     def budget(self) -> int:
@@ -178,7 +179,8 @@ class BatchDecoder:
         output.start()
         seed = request.seed if request.seed is not None else decode.new_seed()
         matcher = engine.grammars.matcher(request.grammar) if request.grammar is not None else None
-        return Row(request, output, seed, acceptance=self.scheduler.new_row(), matcher=matcher)
+        plain = matcher is None and not (sampling.penalized(request) or sampling.filtered(request))
+        return Row(request, output, seed, acceptance=self.scheduler.new_row(), matcher=matcher, plain=plain)
 
     def _prefill_pass(self, width: int):
         """One packed pass over the joining rows (returns the prompt tokens it prefilled); each row
@@ -213,10 +215,13 @@ class BatchDecoder:
         committed output and its drafts d_1..d_i; engine/sampling.py), and the raw logprobs of
         the rows that asked for them (None if none did)."""
         B, T, _ = logits.shape
-        walks = [(b, r.matcher, drafts[b] if drafts else []) for b, r in enumerate(rows) if r is not None and r.matcher is not None]
-        allowed = self.engine.grammars.masks(walks, B, T) if walks else None
-        requests = [r.request if r is not None else None for r in rows]
-        processed = sampling.process(logits, requests, [r.history if r else [] for r in rows], drafted, allowed)
+        if all(r is None or r.plain for r in rows):
+            processed = logits  # what sampling.process returns when no row has a control or a grammar
+        else:
+            walks = [(b, r.matcher, drafts[b] if drafts else []) for b, r in enumerate(rows) if r is not None and r.matcher is not None]
+            allowed = self.engine.grammars.masks(walks, B, T) if walks else None
+            requests = [r.request if r is not None else None for r in rows]
+            processed = sampling.process(logits, requests, [r.history if r else [] for r in rows], drafted, allowed)
         chosen = decode.choose(
             processed, [r.request.temperature if r else 0.0 for r in rows], [r.seed if r else 0 for r in rows], first
         )
@@ -276,19 +281,18 @@ class BatchDecoder:
         counts[1] += seconds
         counts[2] += live
         self.engine.shapes_seen.add(shapes)
-        steps: List[Optional[Step]] = []
+        steps: List[Optional[Step]] = [None] * B
         for b, r in enumerate(rows):
             if r is None:
-                steps.append(None)
                 continue
             a = accepted[b]
             self.scheduler.accepted(r.acceptance, a, limits[b])
-            r.last = t[b][a]
+            committed = d[b][:a]  # the accepted drafts, then the bonus
+            committed.append(t[b][a])
+            r.last = committed[-1]
             r.produced += a + 1
-            committed = d[b][:a] + [t[b][a]]
             self._commit(r, committed)
-            steps.append(Step(tokens=committed, from_draft=a, drafted=limits[b] - 1, verify=True,
-                              logprobs=_logprobs(scores, b, a + 1)))
+            steps[b] = Step(committed, a, limits[b] - 1, True, _logprobs(scores, b, a + 1) if scores is not None else None)
         return steps
 
     def draft(self, last: mx.array, rows: int) -> mx.array:
@@ -319,19 +323,35 @@ class BatchDecoder:
 
     # -- postprocess ------------------------------------------------------------------------------
     def postprocess(self, steps: List[Optional[Step]]) -> Iterator[Tuple[int, Piece]]:
-        for b, step in enumerate(steps):
-            if step is not None:
-                yield from self._emit(b, step)
+        finished: List[int] = []
+        try:
+            for b, step in enumerate(steps):
+                if step is not None:
+                    yield from self._emit(b, step, finished)
+        finally:
+            self._free(finished)
 
-    def _emit(self, b: int, step: Step) -> Iterator[Tuple[int, Piece]]:
+    def _emit(self, b: int, step: Step, finished: Optional[List[int]] = None) -> Iterator[Tuple[int, Piece]]:
+        """Feed row b's step to its output and yield the piece; a finished row's slot is freed at
+        once, or with the cycle's other finished rows when ``finished`` collects them."""
         row = self.rows[b]
         piece = row.output.feed(step)
         yield row.request.index, piece
         if piece.finish_reason is not None:
-            self.rows[b] = None  # the slot is free at once
-            self.lengths.set(_replace(self.lengths.host, b, 0))
-            if self.drafter is not None:
-                self.draft_lengths.set(_replace(self.draft_lengths.host, b, 0))
+            self.rows[b] = None  # the slot is free
+            if finished is None:
+                self._free([b])
+            else:
+                finished.append(b)
+
+    def _free(self, slots: List[int]) -> None:
+        """Freed slots hold nothing: length 0, no pending context (one device update for all)."""
+        if not slots:
+            return
+        self.lengths.set(_replace(self.lengths.host, slots, 0))
+        if self.drafter is not None:
+            self.draft_lengths.set(_replace(self.draft_lengths.host, slots, 0))
+        for b in slots:
             self.pending_counts[b] = 0
 
     def shrink(self) -> None:
@@ -382,7 +402,8 @@ def _logprobs(scores, b: int, count: int):
     ]
 
 
-def _replace(values: List[int], i: int, v: int) -> List[int]:
+def _replace(values: List[int], at: Union[int, Sequence[int]], v: int) -> List[int]:
     out = list(values)
-    out[i] = v
+    for i in [at] if isinstance(at, int) else at:
+        out[i] = v
     return out

@@ -1,0 +1,46 @@
+"""The batched cycle's host shortcuts: rows with no sampling control or grammar skip the logits
+processing, and the rows one cycle finishes free their slots in one update; outputs unchanged
+(the lossless and sampling suites check the tokens)."""
+
+from __future__ import annotations
+
+import pytest
+
+import dflash_batch.engine  # noqa: F401  (BLAS before mlx)
+from dflash_batch.engine import load_engine, sampling
+from dflash_batch.engine.batch import BatchDecoder
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_pair):
+    return load_engine(str(tiny_pair[0]), str(tiny_pair[1]), adaptive_block=False)
+
+
+def _spy(monkeypatch, owner, name):
+    calls, real = [], getattr(owner, name)
+
+    def spy(*args, **kwargs):
+        calls.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, spy)
+    return calls
+
+
+def test_plain_rows_skip_logits_processing_and_controlled_rows_do_not(engine, monkeypatch):
+    calls = _spy(monkeypatch, sampling, "process")
+    plain = engine.generate_batch(["one", "two", "three"], max_tokens=12, batch_size=3)
+    assert calls == [] and all(len(c.token_ids) == 12 for c in plain)
+    engine.generate_batch(["one", "two"], max_tokens=12, batch_size=2, repetition_penalty=1.3)
+    assert calls  # a penalized batch still goes through sampling.process
+
+
+def test_rows_finishing_together_free_their_slots_in_one_update(engine, monkeypatch):
+    frees = _spy(monkeypatch, BatchDecoder, "_free")
+    requests = [engine.request(p, max_tokens=5, index=i) for i, p in enumerate(["a b", "c d", "e f", "g h"])]
+    decoder = BatchDecoder(engine, requests, 4, engine._scheduler(4))
+    done = [piece for _, piece in decoder.steps() if piece.finish_reason is not None]
+    assert len(done) == 4
+    assert [sorted(args[1]) for args in frees if args[1]] == [[0, 1, 2, 3]]  # one call, every row
+    assert decoder.lengths.host == [0] * 4 and decoder.draft_lengths.host == [0] * 4
+    assert decoder.lengths.device.tolist() == [0] * 4 and decoder.pending_counts == [0] * 4
