@@ -149,4 +149,4 @@ def test_width_tables_for_all_rows_at_once_equal_each_rows_own():
         widths, job = scheduler.widths(max(budgets)), scheduler.job.probabilities()
         tables = [expected_committed(r.probabilities(job), min(widths[-1], n)) for r, n in zip(rows, budgets)]
         expected = [sum(t[min(T, len(t) - 1)] for t in tables) for T in widths]
-        assert _committed(rows, budgets, job, widths).tolist() == pytest.approx(expected, rel=1e-12)
+        assert _committed(rows, budgets, job, widths) == pytest.approx(expected, rel=1e-12)

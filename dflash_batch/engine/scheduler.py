@@ -35,8 +35,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
-import numpy as np
-
 NEUTRAL_P = 0.5  # a draft position's acceptance before anything is known of it
 
 
@@ -185,7 +183,7 @@ class Scheduler:
         widths = self.widths(longest)
         committed = _committed(estimates, budgets, self.job.probabilities(), widths)
         best, best_rate = 1, -1.0
-        for T, tokens in zip(widths, committed.tolist()):
+        for T, tokens in zip(widths, committed):
             rate = tokens / self.cost.cycle(B, T)
             if rate > best_rate * (1 + 1e-9):
                 best, best_rate = T, rate
@@ -207,20 +205,29 @@ class Scheduler:
         return 1
 
 
-def _committed(estimates: Sequence[Acceptance], budgets: Sequence[int], job: Sequence[float], widths: List[int]):
+def _committed(estimates: Sequence[Acceptance], budgets: Sequence[int], job: Sequence[float], widths: List[int]) -> List[float]:
     """Tokens the rows commit on average at each width T: sum_b E_b(min(T, budget_b)), with row
-    b's p_bk = (kept_bk + w * job_k) / (seen_bk + w) (``Acceptance.probabilities(job)``), for all
-    rows at once: E_b(L) = sum_{i < L} prod_{j < i} p_bj."""
-    seen = np.array([e.seen for e in estimates], dtype=np.float64)  # [B, positions]
-    kept = np.array([e.kept for e in estimates], dtype=np.float64)
-    w = np.array([e.prior_weight for e in estimates], dtype=np.float64)[:, None]
-    p = (kept + w * np.asarray(job, dtype=np.float64)) / (seen + w)
-    B, top = len(budgets), widths[-1]
-    runs = np.zeros((B, top))  # prod_{j < i} p_j for i = 0..top-1 (p_j = 0 past the positions)
-    runs[:, 0] = 1.0
-    known = min(top - 1, p.shape[1])
-    np.cumprod(p[:, :known], axis=1, out=runs[:, 1 : known + 1])
-    table = np.zeros((B, top + 1))  # E(0..top)
-    np.cumsum(runs, axis=1, out=table[:, 1:])
-    L = np.minimum(np.asarray(widths)[None, :], np.asarray(budgets)[:, None])  # [B, widths]
-    return np.take_along_axis(table, L, axis=1).sum(axis=0)
+    b's p_bk = (kept_bk + w * job_k) / (seen_bk + w) (``Acceptance.probabilities(job)``).
+    One pass per row over its positions, E_b(L) = sum_{i < L} prod_{j < i} p_bj, added to the
+    widths' totals where a width reaches: O(rows x positions), no pass over the rows per width."""
+    top = widths[-1]
+    totals = [0.0] * len(widths)
+    for e, n in zip(estimates, budgets):
+        w, seen, kept = e.prior_weight, e.seen, e.kept
+        reach = min(top, n)  # E_b(T) = E_b(reach) for every T >= reach
+        at = 0  # the first width not yet credited
+        E, run = 0.0, 1.0
+        for L in range(1, reach + 1):
+            E += run  # E(L)
+            k = L - 1
+            run *= (kept[k] + w * job[k]) / (seen[k] + w) if k < len(seen) else 0.0
+            while widths[at] == L:  # widths are distinct and sorted
+                totals[at] += E
+                at += 1
+                if at == len(widths):
+                    break
+            if at == len(widths):
+                break
+        for i in range(at, len(widths)):
+            totals[i] += E  # widths past the row's reach commit E_b(reach)
+    return totals
