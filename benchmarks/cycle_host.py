@@ -21,6 +21,8 @@ exclusive of the timed pieces it calls, so the pieces add up to the cycle:
 whole block committed per row per cycle), ``random`` (the random drafter: about one token per
 cycle) or ``tau=X`` (scripted: X tokens per cycle on average, benchmarks/scripted.py). Prints
 one JSON line per batch size: ms per cycle per piece, the device wait, and host = the rest.
+``--whole``: whole jobs instead, nothing wrapped, the adaptive scheduler choosing the widths:
+the engine's decode tokens per second.
 On a shared CPU only ratios mean anything; on a GPU the host share is GPU idle time.
 """
 
@@ -202,6 +204,17 @@ def measure(engine: Engine, rows: int, max_tokens: int, vocab: int, stop: List[s
             "gc_ms_per_cycle (inside the pieces)": round(1e3 * sum(s for _, s in collecting) / n, 3)}  # fmt: skip
 
 
+def whole_job(engine: Engine, rows: int, max_tokens: int, vocab: int, stop: List[str]) -> Dict:
+    """A job through ``Engine.run`` with nothing wrapped and the adaptive scheduler: decode tokens
+    per second (prefill passes' seconds left out, as benchmarks/batched.py)."""
+    requests = job(engine, rows, max_tokens, vocab, stop)
+    started = time.perf_counter()
+    tokens = sum(len(c.token_ids) for _, c in engine.run(requests, rows))
+    wall = time.perf_counter() - started
+    cycles = sum(c[0] for c in engine.decode_counts.values())
+    return {"tokens": tokens, "cycles": cycles, "decode_tok_s": round(tokens / (wall - engine.prefill_counts["seconds"]), 1)}
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="qwen3-tiny")
@@ -210,13 +223,22 @@ def main(argv=None) -> None:
     ap.add_argument("--acceptance", default="full", help="full, random or tau=X")
     ap.add_argument("--stop", default="", help="comma-separated stop strings for every row (none by default)")
     ap.add_argument("--reps", type=int, default=3, help="timed jobs per batch size (the median job's pieces)")
+    ap.add_argument("--whole", action="store_true", help="time whole jobs (adaptive widths, nothing wrapped) instead")
     args = ap.parse_args(argv)
     engine, zeroed, vocab = build(args.shape, args.acceptance)
+    engine.adaptive_block = args.whole
     stop = [s for s in args.stop.split(",") if s]
     # the side scheduler's cost model: passes of a GPU's proportions (only the choice's host time matters)
     side_cost = scheduler.CostModel(t0=0.02, t1=2e-5, d0=0.005, d1=1e-5)
     with zeroed:
         for rows in [int(b) for b in args.batches.split(",")]:
+            if args.whole:
+                whole_job(engine, rows, 2 * engine.block_size, vocab, stop)  # warm-up: the pass costs, compiling
+                runs = [whole_job(engine, rows, args.max_tokens, vocab, stop) for _ in range(args.reps)]
+                rates = sorted(r["decode_tok_s"] for r in runs)
+                print(json.dumps({"shape": args.shape, "acceptance": args.acceptance, "batch": rows, "stop": stop,
+                                  "whole": True, "decode_tok_s_runs": rates, **runs[0], "decode_tok_s": rates[len(rates) // 2]}))  # fmt: skip
+                continue
             measure(engine, rows, engine.block_size * 2, vocab, stop, side_cost)  # warm-up: compile the shapes
             runs = [measure(engine, rows, args.max_tokens, vocab, stop, side_cost) for _ in range(args.reps)]
             runs.sort(key=lambda r: r["host_ms_per_cycle"])

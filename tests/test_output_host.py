@@ -76,3 +76,31 @@ def test_plain_rows_check_stop_text_once_per_step(tokenizer, monkeypatch):
     for _ in range(5):
         out.feed(Step(tokens=list(range(97, 113)), from_draft=15, drafted=15, verify=True))
     assert len(calls) == 5
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_stop_text_emits_as_early_as_it_may_and_cuts_at_the_first_stop(seed):
+    """Fed at random cuts, the emitted text is the stream cut where a stop string first starts;
+    after each feed everything is out but the last ``hold`` characters (none held without stops)."""
+    rng = random.Random(seed)
+    stops = rng.sample(["ab", "ba", "aab", "c", "bbbb", "a\n"], rng.randint(0, 3))
+    stream = "".join(rng.choice("ab\nc") if stops else rng.choice("ab") for _ in range(60))
+    text, out = stopping.StopText(stops), ""
+    first = min((i for i in (stream.find(s) for s in stops) if i != -1), default=None)
+    fed, i = "", 0
+    while i < len(stream):
+        n = rng.randint(0, 7)
+        fed += stream[i : i + n]
+        i += n
+        emitted, hit = text.feed(stream[i - n : i])
+        out += emitted
+        if hit is not None:
+            assert fed.find(hit) == first and out == stream[:first]
+            break
+        hold = max((len(s) for s in stops), default=1) - 1
+        assert all(s not in fed for s in stops)  # no stop string complete yet
+        assert out == fed[: max(len(fed) - hold, 0)]
+        assert len(text.tail) <= hold  # only what a stop string could still begin in is kept
+    else:
+        assert first is None
+    assert out + text.flush() == (stream if first is None else stream[:first])
