@@ -44,3 +44,23 @@ def test_rows_finishing_together_free_their_slots_in_one_update(engine, monkeypa
     assert [sorted(args[1]) for args in frees if args[1]] == [[0, 1, 2, 3]]  # one call, every row
     assert decoder.lengths.host == [0] * 4 and decoder.draft_lengths.host == [0] * 4
     assert decoder.lengths.device.tolist() == [0] * 4 and decoder.pending_counts == [0] * 4
+
+
+def test_a_pass_builds_its_write_columns_once_for_every_layer():
+    """Ragged writes of one pass share one [B, T] columns array (not one per layer); it follows
+    the lengths as they change."""
+    import mlx.core as mx
+
+    from dflash_batch.engine.batch_cache import Lengths, RaggedKVCache
+
+    lengths = Lengths([3, 1, 5])
+    layers = [RaggedKVCache(lengths, 16) for _ in range(3)]
+    first = lengths.columns(4)
+    assert first.tolist() == [[3, 4, 5, 6], [1, 2, 3, 4], [5, 6, 7, 8]]
+    for i, cache in enumerate(layers):
+        kv = mx.full((3, 2, 4, 8), float(i + 1))
+        keys, _ = cache.update_and_fetch(kv, kv)
+        assert lengths.columns(4) is first
+        assert keys[1, 0, :, 0].tolist()[:6] == [0, i + 1, i + 1, i + 1, i + 1, 0]  # row 1: columns 1..4
+    lengths.advance([1, 2, 0])
+    assert lengths.columns(4).tolist() == [[4, 5, 6, 7], [3, 4, 5, 6], [5, 6, 7, 8]]
