@@ -64,3 +64,22 @@ def test_a_pass_builds_its_write_columns_once_for_every_layer():
         assert keys[1, 0, :, 0].tolist()[:6] == [0, i + 1, i + 1, i + 1, i + 1, 0]  # row 1: columns 1..4
     lengths.advance([1, 2, 0])
     assert lengths.columns(4).tolist() == [[4, 5, 6, 7], [3, 4, 5, 6], [5, 6, 7, 8]]
+
+
+def test_a_cycle_fetches_drafts_and_choices_in_one_sync(engine, monkeypatch):
+    """Draft and verify passes are evaluated together: fetching the drafts alone first would
+    wait for the draft pass before the verify pass is even queued (two host syncs a cycle)."""
+    import mlx.core as mx
+
+    together, real = [], mx.eval
+
+    def spy(*arrays):
+        shapes = [tuple(a.shape) for a in arrays if isinstance(a, mx.array)]
+        if len(shapes) == 2 and shapes[0][1] + 1 == shapes[1][1]:  # drafted [B, T - 1], chosen [B, T]
+            together.append(shapes)
+        return real(*arrays)
+
+    monkeypatch.setattr(mx, "eval", spy)
+    engine.generate_batch(["one", "two", "three"], max_tokens=20, batch_size=3)
+    cycles = sum(c[0] for c in engine.decode_counts.values())
+    assert cycles > 1 and len(together) == cycles

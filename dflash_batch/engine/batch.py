@@ -264,7 +264,10 @@ class BatchDecoder:
             logits, rows, self.lengths.device + 1,  # verify row i picks the token after position n_b + i
             drafted if T > 1 else None, drafts,
         )
-        d, t = drafted.tolist(), chosen.tolist()  # the cycle's one host sync (two with grammars)
+        # the cycle's one host sync (two with grammars): evaluated together, the verify pass is queued
+        # behind the draft pass at once (fetching the drafts first would wait for the draft pass alone)
+        mx.eval(drafted, chosen)
+        d, t = drafted.tolist(), chosen.tolist()
         accepted = decode.accept_lengths(d, t, limits)
         keep = [a + 1 for a in accepted]
         self.target.rollback(self.cache, keep)
