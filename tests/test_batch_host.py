@@ -83,3 +83,26 @@ def test_a_cycle_fetches_drafts_and_choices_in_one_sync(engine, monkeypatch):
     engine.generate_batch(["one", "two", "three"], max_tokens=20, batch_size=3)
     cycles = sum(c[0] for c in engine.decode_counts.values())
     assert cycles > 1 and len(together) == cycles
+
+
+def test_prompts_that_finish_one_prefill_pass_choose_their_first_tokens_together(engine, monkeypatch):
+    """Three prompts prefilled in one packed pass take their slots and choose their first tokens
+    in one choice (one host sync), not one each; then the cycles run."""
+    events = []
+    choose, run = BatchDecoder.choose, BatchDecoder.run
+
+    def spy_choose(self, logits, rows, *args, **kwargs):
+        events.append(("choose", len(rows)))
+        return choose(self, logits, rows, *args, **kwargs)
+
+    def spy_run(self, width):
+        events.append(("run",))
+        return run(self, width)
+
+    monkeypatch.setattr(BatchDecoder, "choose", spy_choose)
+    monkeypatch.setattr(BatchDecoder, "run", spy_run)
+    alone = [engine.generate(p, max_tokens=6).token_ids for p in ["one two", "three", "four five six"]]
+    events.clear()
+    together = engine.generate_batch(["one two", "three", "four five six"], max_tokens=6, batch_size=3)
+    assert events[: events.index(("run",))] == [("choose", 3)]
+    assert [c.token_ids for c in together] == alone

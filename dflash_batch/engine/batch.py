@@ -169,7 +169,7 @@ class BatchDecoder:
             self.waiting.pop()
             row = self._new_row(request)
             if start is not None and start.length == len(request.ids):
-                yield from self._place(b, row, start)
+                yield from self._place([(b, row, start)])
             else:
                 self.group.add(prefill.Joiner(row, b, request.ids, 0, list(marks)), start)
 
@@ -183,31 +183,40 @@ class BatchDecoder:
         return Row(request, output, seed, acceptance=self.scheduler.new_row(), matcher=matcher, plain=plain)
 
     def _prefill_pass(self, width: int):
-        """One packed pass over the joining rows (returns the prompt tokens it prefilled); each row
-        whose prompt is complete takes its slot and emits its first token."""
+        """One packed pass over the joining rows (returns the prompt tokens it prefilled); the rows
+        whose prompt is complete take their slots and emit their first tokens."""
         before = self.group.counts["tokens"]
-        for joiner, state in self.group.prefill(width):
-            yield from self._place(joiner.slot, joiner.row, state)
+        yield from self._place([(joiner.slot, joiner.row, state) for joiner, state in self.group.prefill(width)])
         return self.group.counts["tokens"] - before
 
-    def _place(self, b: int, row: Row, state: prefill.Prefix) -> Iterator[Tuple[int, Piece]]:
-        """Copy a prompt's prefilled state into slot b of the batch; the row chooses its first token
-        from the prompt's last logits (position n, its own seed) and emits it."""
-        n = state.length
-        for big, small in zip(self.cache + (self.draft_cache or []), state.target + (state.draft or [])):
-            big.put_row(b, small, self.slots)
-        self.lengths.set(_replace(self.lengths.host, b, n))
+    def _place(self, placed: List[Tuple[int, Row, prefill.Prefix]]) -> Iterator[Tuple[int, Piece]]:
+        """Copy prompts' prefilled states into their slots b; each row chooses its first token from
+        its prompt's last logits (position n, its own seed) and emits it. The rows placed together
+        choose together: one choice and one host sync for all of them, not one per row."""
+        if not placed:
+            return
+        lengths, draft_lengths = list(self.lengths.host), list(self.draft_lengths.host) if self.drafter else None
+        for b, row, state in placed:
+            for big, small in zip(self.cache + (self.draft_cache or []), state.target + (state.draft or [])):
+                big.put_row(b, small, self.slots)
+            lengths[b] = state.length
+            if self.drafter is not None:
+                self.context_shape = state.context  # width and dtype of tapped context rows
+                draft_lengths[b] = state.length
+            self.pending_counts[b] = 0
+            self.rows[b] = row
+        self.lengths.set(lengths)
         if self.drafter is not None:
-            self.context_shape = state.context  # width and dtype of tapped context rows
-            self.draft_lengths.set(_replace(self.draft_lengths.host, b, n))
-        self.pending_counts[b] = 0
-        self.rows[b] = row
+            self.draft_lengths.set(draft_lengths)
         mx.eval([c.arrays() for c in self.cache + (self.draft_cache or [])])
-        chosen, scores = self.choose(state.logits, [row], mx.array([n]))
-        row.last = int(chosen.item())
-        row.produced = 1
-        self._commit(row, [row.last])
-        yield from self._emit(b, Step(tokens=[row.last], logprobs=_logprobs(scores, 0, 1)))
+        logits = mx.concatenate([state.logits for _, _, state in placed], axis=0)  # [rows, 1, V]
+        rows = [row for _, row, _ in placed]
+        chosen, scores = self.choose(logits, rows, mx.array([state.length for _, _, state in placed]))
+        for i, ((b, row, _), first) in enumerate(zip(placed, chosen[:, 0].tolist())):
+            row.last = first
+            row.produced = 1
+            self._commit(row, [first])
+            yield from self._emit(b, Step(tokens=[first], logprobs=_logprobs(scores, i, 1)))
 
     def choose(self, logits: mx.array, rows: Sequence[Optional[Row]], first: mx.array,
                drafted: Optional[mx.array] = None, drafts: Optional[List[List[int]]] = None):
