@@ -24,6 +24,28 @@ one JSON line per batch size: ms per cycle per piece, the device wait, and host 
 ``--whole``: whole jobs instead, nothing wrapped, the adaptive scheduler choosing the widths:
 the engine's decode tokens per second.
 On a shared CPU only ratios mean anything; on a GPU the host share is GPU idle time.
+
+Measured (shared 2-core CPU VM, 2026-11-23, qwen3-tiny fp32, block 16, full acceptance: 16 tokens
+per row per cycle; ``--reps 3 --max-tokens 160``, the code before this benchmark's branch and
+after it (a7fbffb) run alternately three times, medians; docs/benchmarks/cycle-host-*-cpu-2026-11-23.jsonl),
+host ms per cycle, before -> after:
+
+  piece                  B=16          B=64
+  feed                   0.83 -> 0.50  2.60 -> 1.56   (mlx-lm's detokenizer is most of what is left)
+  draft graph            0.90 -> 0.75  0.79 -> 0.84   (model code: about the same)
+  verify graph           0.85 -> 0.63  0.56 -> 0.60
+  run: rest              0.30 -> 0.25  0.62 -> 0.58
+  accepted (scheduler)   0.16 -> 0.14  0.54 -> 0.49
+  scheduler.width        0.18 -> 0.10  0.45 -> 0.30
+  postprocess: rest      0.09 -> 0.08  0.30 -> 0.25
+  lengths                0.10 -> 0.09  0.20 -> 0.10
+  choose                 0.05 -> 0.02  0.10 -> 0.03
+  all host               3.33 -> 2.75  7.01 -> 5.00   (1.21x, 1.40x less)
+
+The device wait (50-300 ms a cycle here, varying 2x from run to run on the loaded VM) dwarfs the
+host on a CPU, so whole-job rates cannot show the gain here: ``--whole`` (at 73aed89) gave 3330 -> 3430 tok/s
+at B=16 and 2425 -> 2639 at B=64 (medians of 9 runs each, run-to-run spread 2x). On the GPU
+figure that motivated this (16 ms of host in a 75 ms cycle at B=64) the host share is GPU idle.
 """
 
 from __future__ import annotations
