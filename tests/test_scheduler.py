@@ -155,3 +155,32 @@ def test_timed_widths_override_the_line_at_the_timed_batch_size():
         est.update(4 if k % 2 else 12, 16)
     assert Scheduler(16, CostModel(t0=0.055, t1=0.0)).width([est] * 64, [200] * 64) == 16
     assert Scheduler(16, cost).width([est] * 64, [200] * 64) < 16
+
+
+def test_width_tables_for_all_rows_at_once_equal_each_rows_own():
+    """The width choice's tokens per width, computed for every row in one array pass
+    (``scheduler._committed``), equal each row's own ``expected_committed`` summed, and an update
+    written as two list passes keeps exactly the counts of the update as defined."""
+    from dflash_batch.engine.scheduler import _committed
+
+    rng = random.Random(5)
+    for _ in range(200):
+        block = rng.choice([2, 3, 4, 8, 16])
+        scheduler = Scheduler(block, CostModel(**GPU))
+        rows = [scheduler.new_row() for _ in range(rng.randint(1, 40))]
+        for row in rows:
+            for _ in range(rng.randint(0, 20)):
+                verified = rng.randint(1, block)
+                accepted = rng.randint(0, verified - 1)
+                seen, kept = [0.9 * n for n in row.seen], [0.9 * n for n in row.kept]
+                for k in range(min(accepted + 1, verified - 1, len(seen))) if verified > 1 else ():
+                    seen[k] += 1.0
+                    kept[k] += k < accepted
+                scheduler.accepted(row, accepted, verified)
+                if verified > 1:
+                    assert (row.seen, row.kept) == (seen, kept)
+        budgets = [rng.randint(1, 3 * block) for _ in rows]
+        widths, job = scheduler.widths(max(budgets)), scheduler.job.probabilities()
+        tables = [expected_committed(r.probabilities(job), min(widths[-1], n)) for r, n in zip(rows, budgets)]
+        expected = [sum(t[min(T, len(t) - 1)] for t in tables) for T in widths]
+        assert _committed(rows, budgets, job, widths) == pytest.approx(expected, rel=1e-12)

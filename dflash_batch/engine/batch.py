@@ -66,6 +66,7 @@ class Row:
     acceptance: Acceptance = field(default_factory=Acceptance)
     history: List[int] = field(default_factory=list)  # committed output tokens (for penalties)
     matcher: Optional[object] = None  # the grammar state at the committed output (engine/grammar.py)
+    plain: bool = False  # no penalty, filter or grammar: chooses from the target's logits as they are
 
     @property
     def budget(self) -> int:
@@ -172,7 +173,7 @@ class BatchDecoder:
             self.waiting.pop()
             row = self._new_row(request)
             if start is not None and start.length == len(request.ids):
-                yield from self._place(b, row, start)
+                yield from self._place([(b, row, start)])
             else:
                 self.group.add(prefill.Joiner(row, b, request.ids, 0, list(marks)), start)
 
@@ -182,34 +183,44 @@ class BatchDecoder:
         output.start()
         seed = request.seed if request.seed is not None else decode.new_seed()
         matcher = engine.grammars.matcher(request.grammar) if request.grammar is not None else None
-        return Row(request, output, seed, acceptance=self.scheduler.new_row(), matcher=matcher)
+        plain = matcher is None and not (sampling.penalized(request) or sampling.filtered(request))
+        return Row(request, output, seed, acceptance=self.scheduler.new_row(), matcher=matcher, plain=plain)
 
     def _prefill_pass(self, width: int):
-        """One packed pass over the joining rows (returns the prompt tokens it prefilled); each row
-        whose prompt is complete takes its slot and emits its first token."""
+        """One packed pass over the joining rows (returns the prompt tokens it prefilled); the rows
+        whose prompt is complete take their slots and emit their first tokens."""
         before = self.group.counts["tokens"]
-        for joiner, state in self.group.prefill(width):
-            yield from self._place(joiner.slot, joiner.row, state)
+        yield from self._place([(joiner.slot, joiner.row, state) for joiner, state in self.group.prefill(width)])
         return self.group.counts["tokens"] - before
 
-    def _place(self, b: int, row: Row, state: prefill.Prefix) -> Iterator[Tuple[int, Piece]]:
-        """Copy a prompt's prefilled state into slot b of the batch; the row chooses its first token
-        from the prompt's last logits (position n, its own seed) and emits it."""
-        n = state.length
-        for big, small in zip(self.cache + (self.draft_cache or []), state.target + (state.draft or [])):
-            big.put_row(b, small, self.slots)
-        self.lengths.set(_replace(self.lengths.host, b, n))
+    def _place(self, placed: List[Tuple[int, Row, prefill.Prefix]]) -> Iterator[Tuple[int, Piece]]:
+        """Copy prompts' prefilled states into their slots b; each row chooses its first token from
+        its prompt's last logits (position n, its own seed) and emits it. The rows placed together
+        choose together: one choice and one host sync for all of them, not one per row."""
+        if not placed:
+            return
+        lengths, draft_lengths = list(self.lengths.host), list(self.draft_lengths.host) if self.drafter else None
+        for b, row, state in placed:
+            for big, small in zip(self.cache + (self.draft_cache or []), state.target + (state.draft or [])):
+                big.put_row(b, small, self.slots)
+            lengths[b] = state.length
+            if self.drafter is not None:
+                self.context_shape = state.context  # width and dtype of tapped context rows
+                draft_lengths[b] = state.length
+            self.pending_counts[b] = 0
+            self.rows[b] = row
+        self.lengths.set(lengths)
         if self.drafter is not None:
-            self.context_shape = state.context  # width and dtype of tapped context rows
-            self.draft_lengths.set(_replace(self.draft_lengths.host, b, n))
-        self.pending_counts[b] = 0
-        self.rows[b] = row
+            self.draft_lengths.set(draft_lengths)
         mx.eval([c.arrays() for c in self.cache + (self.draft_cache or [])])
-        chosen, scores = self.choose(state.logits, [row], mx.array([n]))
-        row.last = int(chosen.item())
-        row.produced = 1
-        self._commit(row, [row.last])
-        yield from self._emit(b, Step(tokens=[row.last], logprobs=_logprobs(scores, 0, 1)))
+        logits = mx.concatenate([state.logits for _, _, state in placed], axis=0)  # [rows, 1, V]
+        rows = [row for _, row, _ in placed]
+        chosen, scores = self.choose(logits, rows, mx.array([state.length for _, _, state in placed]))
+        for i, ((b, row, _), first) in enumerate(zip(placed, chosen[:, 0].tolist())):
+            row.last = first
+            row.produced = 1
+            self._commit(row, [first])
+            yield from self._emit(b, Step(tokens=[first], logprobs=_logprobs(scores, i, 1)))
 
     def choose(self, logits: mx.array, rows: Sequence[Optional[Row]], first: mx.array,
                drafted: Optional[mx.array] = None, drafts: Optional[List[List[int]]] = None):
@@ -217,10 +228,13 @@ class BatchDecoder:
         committed output and its drafts d_1..d_i; engine/sampling.py), and the raw logprobs of
         the rows that asked for them (None if none did)."""
         B, T, _ = logits.shape
-        walks = [(b, r.matcher, drafts[b] if drafts else []) for b, r in enumerate(rows) if r is not None and r.matcher is not None]
-        allowed = self.engine.grammars.masks(walks, B, T) if walks else None
-        requests = [r.request if r is not None else None for r in rows]
-        processed = sampling.process(logits, requests, [r.history if r else [] for r in rows], drafted, allowed)
+        if all(r is None or r.plain for r in rows):
+            processed = logits  # what sampling.process returns when no row has a control or a grammar
+        else:
+            walks = [(b, r.matcher, drafts[b] if drafts else []) for b, r in enumerate(rows) if r is not None and r.matcher is not None]
+            allowed = self.engine.grammars.masks(walks, B, T) if walks else None
+            requests = [r.request if r is not None else None for r in rows]
+            processed = sampling.process(logits, requests, [r.history if r else [] for r in rows], drafted, allowed)
         chosen = decode.choose(
             processed, [r.request.temperature if r else 0.0 for r in rows], [r.seed if r else 0 for r in rows], first
         )
@@ -263,7 +277,10 @@ class BatchDecoder:
             logits, rows, self.lengths.device + 1,  # verify row i picks the token after position n_b + i
             drafted if T > 1 else None, drafts,
         )
-        d, t = drafted.tolist(), chosen.tolist()  # the cycle's one host sync (two with grammars)
+        # the cycle's one host sync (two with grammars): evaluated together, the verify pass is queued
+        # behind the draft pass at once (fetching the drafts first would wait for the draft pass alone)
+        mx.eval(drafted, chosen)
+        d, t = drafted.tolist(), chosen.tolist()
         accepted = decode.accept_lengths(d, t, limits)
         keep = [a + 1 for a in accepted]
         self.target.rollback(self.cache, keep)
@@ -280,19 +297,18 @@ class BatchDecoder:
         counts[1] += seconds
         counts[2] += live
         self.engine.shapes_seen.add(shapes)
-        steps: List[Optional[Step]] = []
+        steps: List[Optional[Step]] = [None] * B
         for b, r in enumerate(rows):
             if r is None:
-                steps.append(None)
                 continue
             a = accepted[b]
             self.scheduler.accepted(r.acceptance, a, limits[b])
-            r.last = t[b][a]
+            committed = d[b][:a]  # the accepted drafts, then the bonus
+            committed.append(t[b][a])
+            r.last = committed[-1]
             r.produced += a + 1
-            committed = d[b][:a] + [t[b][a]]
             self._commit(r, committed)
-            steps.append(Step(tokens=committed, from_draft=a, drafted=limits[b] - 1, verify=True,
-                              logprobs=_logprobs(scores, b, a + 1)))
+            steps[b] = Step(committed, a, limits[b] - 1, True, _logprobs(scores, b, a + 1) if scores is not None else None)
         return steps
 
     def draft(self, last: mx.array, rows: int) -> mx.array:
@@ -323,19 +339,35 @@ class BatchDecoder:
 
     # -- postprocess ------------------------------------------------------------------------------
     def postprocess(self, steps: List[Optional[Step]]) -> Iterator[Tuple[int, Piece]]:
-        for b, step in enumerate(steps):
-            if step is not None:
-                yield from self._emit(b, step)
+        finished: List[int] = []
+        try:
+            for b, step in enumerate(steps):
+                if step is not None:
+                    yield from self._emit(b, step, finished)
+        finally:
+            self._free(finished)
 
-    def _emit(self, b: int, step: Step) -> Iterator[Tuple[int, Piece]]:
+    def _emit(self, b: int, step: Step, finished: Optional[List[int]] = None) -> Iterator[Tuple[int, Piece]]:
+        """Feed row b's step to its output and yield the piece; a finished row's slot is freed at
+        once, or with the cycle's other finished rows when ``finished`` collects them."""
         row = self.rows[b]
         piece = row.output.feed(step)
         yield row.request.index, piece
         if piece.finish_reason is not None:
-            self.rows[b] = None  # the slot is free at once
-            self.lengths.set(_replace(self.lengths.host, b, 0))
-            if self.drafter is not None:
-                self.draft_lengths.set(_replace(self.draft_lengths.host, b, 0))
+            self.rows[b] = None  # the slot is free
+            if finished is None:
+                self._free([b])
+            else:
+                finished.append(b)
+
+    def _free(self, slots: List[int]) -> None:
+        """Freed slots hold nothing: length 0, no pending context (one device update for all)."""
+        if not slots:
+            return
+        self.lengths.set(_replace(self.lengths.host, slots, 0))
+        if self.drafter is not None:
+            self.draft_lengths.set(_replace(self.draft_lengths.host, slots, 0))
+        for b in slots:
             self.pending_counts[b] = 0
 
     def shrink(self) -> None:
@@ -386,7 +418,8 @@ def _logprobs(scores, b: int, count: int):
     ]
 
 
-def _replace(values: List[int], i: int, v: int) -> List[int]:
+def _replace(values: List[int], at: Union[int, Sequence[int]], v: int) -> List[int]:
     out = list(values)
-    out[i] = v
+    for i in [at] if isinstance(at, int) else at:
+        out[i] = v
     return out

@@ -19,7 +19,7 @@ is ``hybrid.TapeCache.trim_rows``.
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
@@ -41,6 +41,14 @@ class Lengths:
         self.device = mx.array(self.host, dtype=mx.int32)
         self.uniform = len(set(self.host)) <= 1
         self.max = max(self.host, default=0)
+        self._columns: Optional[Tuple[int, mx.array]] = None  # (T, columns(T)) until the next set
+
+    def columns(self, T: int) -> mx.array:
+        """[B, T] int32: row b's columns n_b .. n_b + T - 1 for a pass of T rows; built once per
+        pass and shared by every layer (one graph node instead of one per layer)."""
+        if self._columns is None or self._columns[0] != T:
+            self._columns = (T, self.device[:, None] + mx.arange(T, dtype=mx.int32)[None])
+        return self._columns[1]
 
     def advance(self, by: Sequence[int]) -> None:
         self.set([n + k for n, k in zip(self.host, by)])
@@ -76,8 +84,7 @@ class RaggedKVCache:
             self.keys[..., n : n + T, :] = keys
             self.values[..., n : n + T, :] = values
             return self.keys[..., : n + T, :], self.values[..., : n + T, :]
-        columns = self.lengths.device[:, None] + mx.arange(T, dtype=mx.int32)[None]
-        return self.write_columns(columns, keys, values, self.lengths.max + T)
+        return self.write_columns(self.lengths.columns(T), keys, values, self.lengths.max + T)
 
     def write_columns(self, columns: mx.array, keys: mx.array, values: mx.array, needed: int):
         """Scatter keys [B, H, T, D] to columns [B, T] per row; return the first ``needed``

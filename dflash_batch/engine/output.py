@@ -5,7 +5,7 @@ passes."""
 from __future__ import annotations
 
 import time
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence
 
 import mlx.core as mx
 
@@ -21,7 +21,7 @@ class RowOutput:
     def __init__(self, tokenizer, prompt_tokens: int, max_tokens: int, stops: Sequence[str], block_size: int):
         self.max_tokens = max_tokens
         self.tokenizer = tokenizer
-        self.eos = tokenizer.eos_token_ids
+        self.eos = frozenset(tokenizer.eos_token_ids)
         self.detok = tokenizer.detokenizer
         self.text = StopText(stops)
         self.stats = GenerationStats(
@@ -43,6 +43,44 @@ class RowOutput:
             stats.acceptance_histogram[len(step.tokens)] += 1
         else:
             stats.prefill_s, self.decode_started = now - self.started, now
+        if not self.text.stops and step.logprobs is None:
+            finish, stop_reason, ids, text, scores = self._feed_plain(step.tokens, step.from_draft)
+        else:
+            finish, stop_reason, ids, text, scores = self._feed_each(step)
+        if finish is None:
+            return Piece(text=text, token_ids=ids, logprobs=scores)
+        if stop_reason is None or stop_reason == "eos":
+            self.detok.finalize()
+            text += self.text.feed(self.detok.last_segment)[0]
+        stats.decode_s = time.perf_counter() - self.decode_started
+        stats.peak_memory_gb = mx.get_peak_memory() / 1e9
+        self.done = True
+        return Piece(text + self.text.flush(), ids, finish, stats, stop_reason, scores)
+
+    def _feed_plain(self, tokens: List[int], from_draft: int):
+        """``_feed_each`` for a row without stop strings or logprobs, the text read once per step
+        (the detokenizer's segments of one token at a time join to the same text): the step ends
+        at its first EOS (counted, not emitted) or at the token that spends the budget."""
+        stats = self.stats
+        eos = None if self.eos.isdisjoint(tokens) else next(i for i, t in enumerate(tokens) if t in self.eos)
+        last = max(self.max_tokens - stats.generated_tokens - 1, 0)  # index of the budget's last token
+        finish = stop_reason = None
+        if eos is not None and eos <= last:
+            used, ids, finish, stop_reason = eos + 1, tokens[:eos], "stop", "eos"
+        elif last < len(tokens):
+            used, ids, finish = last + 1, tokens[: last + 1], "length"
+        else:
+            used, ids = len(tokens), list(tokens)
+        stats.generated_tokens += used
+        stats.accepted_tokens += min(used, from_draft)
+        add = self.detok.add_token
+        for tok in ids:
+            add(tok)
+        return finish, stop_reason, ids, self.text.feed(self.detok.last_segment)[0], None
+
+    def _feed_each(self, step: Step):
+        """Token by token: EOS, logprobs, stop strings in the text so far, the budget."""
+        stats = self.stats
         finish: Optional[str] = None
         stop_reason: Optional[str] = None
         ids, text = [], ""
@@ -65,15 +103,7 @@ class RowOutput:
             if stats.generated_tokens >= self.max_tokens:
                 finish = "length"
                 break
-        if finish is None:
-            return Piece(text=text, token_ids=ids, logprobs=scores)
-        if stop_reason is None or stop_reason == "eos":
-            self.detok.finalize()
-            text += self.text.feed(self.detok.last_segment)[0]
-        stats.decode_s = time.perf_counter() - self.decode_started
-        stats.peak_memory_gb = mx.get_peak_memory() / 1e9
-        self.done = True
-        return Piece(text + self.text.flush(), ids, finish, stats, stop_reason, scores)
+        return finish, stop_reason, ids, text, scores
 
     def _logprob(self, token: int, logprob: float, top) -> dict:
         """One token's entry of ``Completion.logprobs``."""

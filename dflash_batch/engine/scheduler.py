@@ -64,11 +64,10 @@ class Acceptance:
         if verified <= 1:
             return
         d = self.decay
-        self.seen = [d * n for n in self.seen]
-        self.kept = [d * n for n in self.kept]
-        for k in range(min(accepted + 1, verified - 1, len(self.seen))):  # drafts 1..a, and a + 1 if verified
-            self.seen[k] += 1.0
-            self.kept[k] += k < accepted
+        seen = min(accepted + 1, verified - 1, len(self.seen))  # drafts 1..a, and a + 1 if verified
+        kept = min(accepted, seen)  # drafts 1..a
+        self.seen = [d * n + 1.0 for n in self.seen[:seen]] + [d * n for n in self.seen[seen:]]
+        self.kept = [d * n + 1.0 for n in self.kept[:kept]] + [d * n for n in self.kept[kept:]]
 
     def probabilities(self, prior: Optional[Sequence[float]] = None) -> List[float]:
         """[p_1, ..., p_positions], p_k = P(draft k accepted | drafts 1..k-1 accepted). Position
@@ -241,12 +240,10 @@ class Scheduler:
             return min(self.block, longest)
         B = len(budgets)
         widths = self.widths(longest)
-        job = self.job.probabilities()  # each row's prior
-        tables = [expected_committed(e.probabilities(job), min(widths[-1], n)) for e, n in zip(estimates, budgets)]
+        committed = _committed(estimates, budgets, self.job.probabilities(), widths)
         best, best_rate = 1, -1.0
-        for T in widths:
-            committed = sum(table[min(T, len(table) - 1)] for table in tables)
-            rate = committed / self.cost.cycle(B, T)
+        for T, tokens in zip(widths, committed):
+            rate = tokens / self.cost.cycle(B, T)
             if rate > best_rate * (1 + 1e-9):
                 best, best_rate = T, rate
         if best > 1:
@@ -265,3 +262,31 @@ class Scheduler:
             self.plain_seconds = 0.0
             return probe
         return 1
+
+
+def _committed(estimates: Sequence[Acceptance], budgets: Sequence[int], job: Sequence[float], widths: List[int]) -> List[float]:
+    """Tokens the rows commit on average at each width T: sum_b E_b(min(T, budget_b)), with row
+    b's p_bk = (kept_bk + w * job_k) / (seen_bk + w) (``Acceptance.probabilities(job)``).
+    One pass per row over its positions, E_b(L) = sum_{i < L} prod_{j < i} p_bj, added to the
+    widths' totals where a width reaches: O(rows x positions), no pass over the rows per width."""
+    top = widths[-1]
+    totals = [0.0] * len(widths)
+    for e, n in zip(estimates, budgets):
+        w, seen, kept = e.prior_weight, e.seen, e.kept
+        reach = min(top, n)  # E_b(T) = E_b(reach) for every T >= reach
+        at = 0  # the first width not yet credited
+        E, run = 0.0, 1.0
+        for L in range(1, reach + 1):
+            E += run  # E(L)
+            k = L - 1
+            run *= (kept[k] + w * job[k]) / (seen[k] + w) if k < len(seen) else 0.0
+            while widths[at] == L:  # widths are distinct and sorted
+                totals[at] += E
+                at += 1
+                if at == len(widths):
+                    break
+            if at == len(widths):
+                break
+        for i in range(at, len(widths)):
+            totals[i] += E  # widths past the row's reach commit E_b(reach)
+    return totals
