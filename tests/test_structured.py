@@ -8,6 +8,7 @@ import json
 import re
 
 import jsonschema
+import numpy as np
 import mlx.core as mx
 import pytest
 
@@ -173,3 +174,35 @@ def test_constrained_rows_draft_along_their_grammar(tiny_pair, monkeypatch):
     assert walked > 0.6, walked  # the rest: drafts past the end of a complete output
     monkeypatch.setattr(Grammars, "draft", lambda self, matchers, ids, logits: [[] for _ in matchers])  # negative control
     assert share() < 0.3
+
+
+def test_masks_stay_packed_and_apply_bit_for_bit(engines):
+    """The masks reach the device packed, 32 tokens a word ([B, T, words] uint32, not [B, T, V]
+    bool), and ``sampling.masked`` applies them as the unpacked bits would: token v allowed iff
+    bit v % 32 of word v // 32 is set (checked against numpy's unpackbits, a vocabulary that is
+    not a multiple of 32, fp32 and bf16 logits); a constrained row's allowed set at a position is
+    what llguidance's matcher accepts there."""
+    from dflash_batch.engine.sampling import masked
+
+    spec, _ = engines
+    grammars = spec.grammars
+    m = grammars.matcher(constraints.grammar(FORMATS[2][1]))  # the regex
+    drafts = spec.tokenizer.encode("Ab", add_special_tokens=False)
+    packed = grammars.masks([(1, m, drafts)], 2, len(drafts) + 1)
+    assert packed.dtype == mx.uint32 and packed.shape == (2, len(drafts) + 1, grammars.words)
+    V = spec.target.vocab_size
+    logits = mx.zeros((2, len(drafts) + 1, V))
+    allowed = np.isfinite(np.array(masked(logits, packed)))
+    assert allowed[0].all()  # the row without a grammar allows everything
+    for tok in range(min(V, spec.tokenizer.vocab_size)):  # position 0: what the fresh matcher accepts
+        assert allowed[1, 0, tok] == (m.validate_tokens([tok]) == 1), tok
+
+    rng = np.random.default_rng(0)
+    for V, dtype in ((100, mx.float32), (77, mx.bfloat16)):
+        words = rng.integers(0, 2**32, (3, 5, (V + 31) // 32), dtype=np.uint64).astype(np.uint32)
+        logits = mx.array(rng.normal(size=(3, 5, V)).astype(np.float32)).astype(dtype)
+        bits = np.unpackbits(words.view(np.uint8), axis=-1, bitorder="little")[..., :V].astype(bool)
+        expected = np.where(bits, np.array(logits.astype(mx.float32)), -np.inf)
+        got = masked(logits, mx.array(words))
+        assert got.dtype == mx.float32
+        np.testing.assert_array_equal(np.array(got), expected)
