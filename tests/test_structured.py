@@ -206,3 +206,22 @@ def test_masks_stay_packed_and_apply_bit_for_bit(engines):
         got = masked(logits, mx.array(words))
         assert got.dtype == mx.float32
         np.testing.assert_array_equal(np.array(got), expected)
+
+
+def test_positions_past_a_forbidden_draft_cost_no_mask_and_the_stop_stays_masked(engines):
+    """The walk along the drafts stops at the first draft the grammar forbids: the position before
+    it is masked (the target cannot choose the forbidden draft, so acceptance ends there) and the
+    positions after it are left allowing everything (never committed, no mask computed)."""
+    from dflash_batch.engine.sampling import masked
+
+    spec, _ = engines
+    grammars = spec.grammars
+    m = grammars.matcher(constraints.grammar(FORMATS[2][1]))  # [A-Z][a-z]{1,5}-[0-9]{2,3}
+    upper, bad, lower = (spec.tokenizer.encode(t, add_special_tokens=False) for t in ("A", "9", "b"))
+    assert len(upper) == len(bad) == len(lower) == 1
+    drafts = upper + bad + lower  # "9" after "A" is forbidden
+    T = len(drafts) + 1
+    allowed = np.isfinite(np.array(masked(mx.zeros((1, T, spec.target.vocab_size)), grammars.masks([(0, m, drafts)], 1, T))))
+    assert not allowed[0, 0, bad[0]] and allowed[0, 0, upper[0]]  # position 0: the fresh grammar
+    assert not allowed[0, 1, bad[0]] and allowed[0, 1, lower[0]]  # after "A": the stop, masked
+    assert allowed[0, 2:].all()  # past the forbidden draft: allow all
