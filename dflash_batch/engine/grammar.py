@@ -53,7 +53,7 @@ class Grammars:
         here = [(m, b * T) for b, m, d in walks if not len(d)]
         if here:
             fill_next_token_bitmask_par(self.executor, here, bits)
-        # packed, not unpacked to [B, T, V] here: a 32x smaller upload, unpacked inside one fused op
+        # kept packed: unpacked inside the one fused op that applies them, no [B, T, V] bool in memory
         return mx.array(bits.view(np.uint32).reshape(B, T, self.words))
 
     def draft(self, matchers: list, ids: List[List[int]], logits: mx.array) -> List[List[int]]:
