@@ -160,7 +160,8 @@ def main(argv=None) -> Dict[str, Any]:
     ap.add_argument("--draft", default="auto")
     ap.add_argument("--shape", default=None, help="a random-weight model of this shape instead (benchmarks/shapes.py)")
     ap.add_argument("--dtype", default=None, help="with --shape; default: bfloat16 on a GPU, float32 on CPU")
-    ap.add_argument("--pieces", default=None, help="also time each grammar piece per cycle at these row counts (e.g. 4,32)")
+    ap.add_argument("--pieces", default=None,
+                    help="also time each grammar piece per cycle at these row counts (e.g. 4,32)")
     ap.add_argument("--prompts", type=int, default=4, help="rows decoded together (at most 4)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--p-wrong", type=float, default=0.05, help="share of scripted drafts made wrong")
@@ -194,7 +195,9 @@ def main(argv=None) -> Dict[str, Any]:
                 timings[name].append(result)
     BatchDecoder.draft = script.real
     outputs = [refs["json"]["outputs"][i] for i in range(len(prompts))]
-    host_ms = {int(n): pieces(engine, prompts, outputs, int(n), args.p_wrong) for n in args.pieces.split(",")} if args.pieces else None
+    host_ms = None
+    if args.pieces:
+        host_ms = {int(n): pieces(engine, prompts, outputs, int(n), args.p_wrong) for n in args.pieces.split(",")}
     per_token = {k: statistics.median(r["wall_s"] / r["tokens"] for r in v) for k, v in timings.items()}
     out = {
         "machine": {"device": str(mx.default_device()), "platform": platform.platform(), "mlx": mx.__version__},

@@ -221,7 +221,8 @@ def test_positions_past_a_forbidden_draft_cost_no_mask_and_the_stop_stays_masked
     assert len(upper) == len(bad) == len(lower) == 1
     drafts = upper + bad + lower  # "9" after "A" is forbidden
     T = len(drafts) + 1
-    allowed = np.isfinite(np.array(masked(mx.zeros((1, T, spec.target.vocab_size)), grammars.masks([(0, m, drafts)], 1, T))))
+    packed = grammars.masks([(0, m, drafts)], 1, T)
+    allowed = np.isfinite(np.array(masked(mx.zeros((1, T, spec.target.vocab_size)), packed)))
     assert not allowed[0, 0, bad[0]] and allowed[0, 0, upper[0]]  # position 0: the fresh grammar
     assert not allowed[0, 1, bad[0]] and allowed[0, 1, lower[0]]  # after "A": the stop, masked
     assert allowed[0, 2:].all()  # past the forbidden draft: allow all
