@@ -226,3 +226,16 @@ def test_positions_past_a_forbidden_draft_cost_no_mask_and_the_stop_stays_masked
     assert not allowed[0, 0, bad[0]] and allowed[0, 0, upper[0]]  # position 0: the fresh grammar
     assert not allowed[0, 1, bad[0]] and allowed[0, 1, lower[0]]  # after "A": the stop, masked
     assert allowed[0, 2:].all()  # past the forbidden draft: allow all
+
+
+def test_structured_benchmark_runs_on_a_random_weight_shape(capsys):
+    """benchmarks/structured --shape: a random-weight target and drafter of a shapes.py shape, at the
+    same scripted acceptance both ways (so the ratio compares like with like), with the host ms of
+    each grammar piece per cycle."""
+    from benchmarks import structured
+
+    out = structured.main(["--shape", "qwen3-tiny", "--reps", "1", "--max-tokens", "24", "--pieces", "2"])
+    assert out["shape"] == "qwen3-tiny" and out["vocab"] == 512
+    assert out["tokens_per_cycle"]["constrained"] == out["tokens_per_cycle"]["unconstrained"]
+    assert out["ratio"] > 0
+    assert set(out["host_ms_per_cycle"][2]) == {"fetch", "masks", "apply", "commit"}
