@@ -239,3 +239,27 @@ def test_structured_benchmark_runs_on_a_random_weight_shape(capsys):
     assert out["tokens_per_cycle"]["constrained"] == out["tokens_per_cycle"]["unconstrained"]
     assert out["ratio"] > 0
     assert set(out["host_ms_per_cycle"][2]) == {"fetch", "masks", "apply", "commit"}
+
+
+
+def test_drafts_are_queued_on_their_own_before_the_verify_pass(engines, monkeypatch):
+    """For constrained rows the drafts get an async_eval of their own, queued before the verify
+    pass's: an array fetched after one async_eval of the logits waits for that whole graph (MLX
+    signals one event per eval at its end), so the masks started only after the pass instead of
+    running while it does. Checked on the calls (timing on a shared CPU is not reliable)."""
+    spec, plain = engines
+    real = mx.async_eval
+    calls = []
+
+    def spy(*arrays):
+        calls.append([(a.shape, a.dtype) for a in arrays])
+        return real(*arrays)
+
+    monkeypatch.setattr(mx, "async_eval", spy)
+    rf = FORMATS[1][1]
+    c = spec.generate("Hi", max_tokens=12, response_format=rf)
+    monkeypatch.setattr(mx, "async_eval", real)
+    assert c.token_ids == plain.generate("Hi", max_tokens=12, response_format=rf).token_ids
+    V = spec.target.vocab_size
+    pairs = [(a, b) for a, b in zip(calls, calls[1:]) if len(b) == 1 and b[0][0][-1] == V]  # b: the logits
+    assert pairs and all(a == [((1, b[0][0][1] - 1), mx.int32)] for a, b in pairs), calls
