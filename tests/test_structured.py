@@ -244,8 +244,8 @@ def test_structured_benchmark_runs_on_a_random_weight_shape(capsys):
 
 def test_drafts_are_queued_on_their_own_before_the_verify_pass(engines, monkeypatch):
     """For constrained rows the drafts get an async_eval of their own, queued before the verify
-    pass's: an array fetched after one async_eval of the logits waits for that whole graph (MLX
-    signals one event per eval at its end), so the masks started only after the pass instead of
+    pass's: an array fetched after one async_eval of the logits waits for that whole graph (seen on
+    MLX 0.32.4, CPU: the fetch returned when the pass did), so the masks started only after the pass instead of
     running while it does. Checked on the calls (timing on a shared CPU is not reliable)."""
     spec, plain = engines
     real = mx.async_eval
