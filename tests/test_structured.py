@@ -8,6 +8,7 @@ import json
 import re
 
 import jsonschema
+import numpy as np
 import mlx.core as mx
 import pytest
 
@@ -173,3 +174,92 @@ def test_constrained_rows_draft_along_their_grammar(tiny_pair, monkeypatch):
     assert walked > 0.6, walked  # the rest: drafts past the end of a complete output
     monkeypatch.setattr(Grammars, "draft", lambda self, matchers, ids, logits: [[] for _ in matchers])  # negative control
     assert share() < 0.3
+
+
+def test_masks_stay_packed_and_apply_bit_for_bit(engines):
+    """The masks reach the device packed, 32 tokens a word ([B, T, words] uint32, not [B, T, V]
+    bool), and ``sampling.masked`` applies them as the unpacked bits would: token v allowed iff
+    bit v % 32 of word v // 32 is set (checked against numpy's unpackbits, a vocabulary that is
+    not a multiple of 32, fp32 and bf16 logits); a constrained row's allowed set at a position is
+    what llguidance's matcher accepts there."""
+    from dflash_batch.engine.sampling import masked
+
+    spec, _ = engines
+    grammars = spec.grammars
+    m = grammars.matcher(constraints.grammar(FORMATS[2][1]))  # the regex
+    drafts = spec.tokenizer.encode("Ab", add_special_tokens=False)
+    packed = grammars.masks([(1, m, drafts)], 2, len(drafts) + 1)
+    assert packed.dtype == mx.uint32 and packed.shape == (2, len(drafts) + 1, grammars.words)
+    V = spec.target.vocab_size
+    logits = mx.zeros((2, len(drafts) + 1, V))
+    allowed = np.isfinite(np.array(masked(logits, packed)))
+    assert allowed[0].all()  # the row without a grammar allows everything
+    for tok in range(min(V, spec.tokenizer.vocab_size)):  # position 0: what the fresh matcher accepts
+        assert allowed[1, 0, tok] == (m.validate_tokens([tok]) == 1), tok
+
+    rng = np.random.default_rng(0)
+    for V, dtype in ((100, mx.float32), (77, mx.bfloat16)):
+        words = rng.integers(0, 2**32, (3, 5, (V + 31) // 32), dtype=np.uint64).astype(np.uint32)
+        logits = mx.array(rng.normal(size=(3, 5, V)).astype(np.float32)).astype(dtype)
+        bits = np.unpackbits(words.view(np.uint8), axis=-1, bitorder="little")[..., :V].astype(bool)
+        expected = np.where(bits, np.array(logits.astype(mx.float32)), -np.inf)
+        got = masked(logits, mx.array(words))
+        assert got.dtype == mx.float32
+        np.testing.assert_array_equal(np.array(got), expected)
+
+
+def test_positions_past_a_forbidden_draft_cost_no_mask_and_the_stop_stays_masked(engines):
+    """The walk along the drafts stops at the first draft the grammar forbids: the position before
+    it is masked (the target cannot choose the forbidden draft, so acceptance ends there) and the
+    positions after it are left allowing everything (never committed, no mask computed)."""
+    from dflash_batch.engine.sampling import masked
+
+    spec, _ = engines
+    grammars = spec.grammars
+    m = grammars.matcher(constraints.grammar(FORMATS[2][1]))  # [A-Z][a-z]{1,5}-[0-9]{2,3}
+    upper, bad, lower = (spec.tokenizer.encode(t, add_special_tokens=False) for t in ("A", "9", "b"))
+    assert len(upper) == len(bad) == len(lower) == 1
+    drafts = upper + bad + lower  # "9" after "A" is forbidden
+    T = len(drafts) + 1
+    packed = grammars.masks([(0, m, drafts)], 1, T)
+    allowed = np.isfinite(np.array(masked(mx.zeros((1, T, spec.target.vocab_size)), packed)))
+    assert not allowed[0, 0, bad[0]] and allowed[0, 0, upper[0]]  # position 0: the fresh grammar
+    assert not allowed[0, 1, bad[0]] and allowed[0, 1, lower[0]]  # after "A": the stop, masked
+    assert allowed[0, 2:].all()  # past the forbidden draft: allow all
+
+
+def test_structured_benchmark_runs_on_a_random_weight_shape(capsys):
+    """benchmarks/structured --shape: a random-weight target and drafter of a shapes.py shape, at the
+    same scripted acceptance both ways (so the ratio compares like with like), with the host ms of
+    each grammar piece per cycle."""
+    from benchmarks import structured
+
+    out = structured.main(["--shape", "qwen3-tiny", "--reps", "1", "--max-tokens", "24", "--pieces", "2"])
+    assert out["shape"] == "qwen3-tiny" and out["vocab"] == 512
+    assert out["tokens_per_cycle"]["constrained"] == out["tokens_per_cycle"]["unconstrained"]
+    assert out["ratio"] > 0
+    assert set(out["host_ms_per_cycle"][2]) == {"fetch", "masks", "apply", "commit"}
+
+
+
+def test_drafts_are_queued_on_their_own_before_the_verify_pass(engines, monkeypatch):
+    """For constrained rows the drafts get an async_eval of their own, queued before the verify
+    pass's: an array fetched after one async_eval of the logits waits for that whole graph (seen on
+    MLX 0.32.4, CPU: the fetch returned when the pass did), so the masks started only after the pass instead of
+    running while it does. Checked on the calls (timing on a shared CPU is not reliable)."""
+    spec, plain = engines
+    real = mx.async_eval
+    calls = []
+
+    def spy(*arrays):
+        calls.append([(a.shape, a.dtype) for a in arrays])
+        return real(*arrays)
+
+    monkeypatch.setattr(mx, "async_eval", spy)
+    rf = FORMATS[1][1]
+    c = spec.generate("Hi", max_tokens=12, response_format=rf)
+    monkeypatch.setattr(mx, "async_eval", real)
+    assert c.token_ids == plain.generate("Hi", max_tokens=12, response_format=rf).token_ids
+    V = spec.target.vocab_size
+    pairs = [(a, b) for a, b in zip(calls, calls[1:]) if len(b) == 1 and b[0][0][-1] == V]  # b: the logits
+    assert pairs and all(a == [((1, b[0][0][1] - 1), mx.int32)] for a, b in pairs), calls

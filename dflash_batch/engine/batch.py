@@ -270,7 +270,9 @@ class BatchDecoder:
         drafts = None
         if any(r is not None and r.matcher is not None for r in rows):
             # grammar masks walk the drafts on the host: queue the verify pass first, then fetch
-            # the drafts and compute the masks while it runs
+            # the drafts and compute the masks while it runs. The drafts get their own async_eval:
+            # an array waits for the whole graph it was queued with (the fetch waited for the pass)
+            mx.async_eval(drafted)
             mx.async_eval(logits)
             drafts = drafted.tolist()
         chosen, scores = self.choose(

@@ -40,8 +40,10 @@ class Grammars:
         return m
 
     def masks(self, walks: Sequence[Tuple[int, object, List[int]]], B: int, T: int) -> mx.array:
-        """Allowed tokens [B, T, V] bool. ``walks``: (row, matcher, the row's drafts d_1..d_(T-1))
-        for the constrained rows; the other rows allow everything."""
+        """Allowed tokens, packed: [B, T, words] uint32, bit v % 32 of word v // 32 set where token
+        v is allowed (engine/sampling.py: ``masked`` applies them). ``walks``: (row, matcher, the
+        row's drafts d_1..d_(T-1)) for the constrained rows; the other rows allow everything, and
+        so do positions past a draft the grammar forbids (llguidance stops the walk there)."""
         from llguidance.numpy import fill_next_token_bitmask_par, fill_next_token_bitmask_par_with_draft_tokens
 
         bits = np.full((B * T, self.words), -1, np.int32)
@@ -51,7 +53,8 @@ class Grammars:
         here = [(m, b * T) for b, m, d in walks if not len(d)]
         if here:
             fill_next_token_bitmask_par(self.executor, here, bits)
-        return unpack(bits.reshape(B, T, self.words), self.vocab_size)
+        # kept packed: unpacked inside the one fused op that applies them, no [B, T, V] bool in memory
+        return mx.array(bits.view(np.uint32).reshape(B, T, self.words))
 
     def draft(self, matchers: list, ids: List[List[int]], logits: mx.array) -> List[List[int]]:
         """Drafts of constrained rows: at each position the drafter's likeliest token the grammar
@@ -93,11 +96,3 @@ class Grammars:
         if not matcher.consume_tokens(tokens) or matcher.is_error():
             raise RuntimeError(f"grammar refused committed tokens {tokens}: {matcher.get_error()}")
 
-
-def unpack(bits: np.ndarray, vocab: int) -> mx.array:
-    """Bit v % 32 of word v // 32 of each mask -> bool [..., vocab] (tokens past the mask: refused)."""
-    words = mx.array(bits.view(np.uint32))
-    v = mx.arange(vocab, dtype=mx.uint32)
-    index = mx.minimum(v // 32, bits.shape[-1] - 1).astype(mx.int32)
-    bit = (mx.take(words, index, axis=-1) >> (v % 32)) & 1
-    return (bit == 1) & (v < 32 * bits.shape[-1])
