@@ -94,3 +94,18 @@ def test_every_width_is_timed_where_cost_is_not_linear_in_the_width(engine, monk
         cost = warmup.measure_costs(engine, 4, 128)
         assert len(cost.timed) == timed
         assert cost.target(4, 8) == pytest.approx(costs[8] * 4)
+
+
+def test_timed_passes_roll_back_as_a_cycle_does(engine, monkeypatch):
+    """A hybrid target's cycle replays its recurrent layers to each row's kept length; the warm-up
+    must time that too (keeping every step skips the replay and underrates drafting's cost)."""
+    keeps = []
+    rollback = type(engine.target).rollback
+
+    def spy(target, cache, keep):
+        keeps.append(list(keep))
+        return rollback(target, cache, keep)
+
+    monkeypatch.setattr(type(engine.target), "rollback", spy)
+    warmup.measure_costs(engine, 4, 128)
+    assert any(len(set(k)) > 1 and min(k) < max(k) for k in keeps)  # ragged keeps, some cut short

@@ -26,7 +26,7 @@ from typing import Callable, Dict, Optional, Tuple
 
 import mlx.core as mx
 
-from . import attention, decode
+from . import attention, decode, hybrid
 from .batch_cache import Lengths, round_up
 from .scheduler import CostModel, Scheduler
 
@@ -119,10 +119,14 @@ class _Passes:
     def target(self, T: int) -> float:
         target, cache, tokens = self.engine.target, self.cache, self.ids[:, :T]
 
+        keep = [1 + b % T for b in range(self.B)]  # rows keep what they accepted, as in a cycle
+
         def run():
             out = target.verify(tokens, cache)[0]
-            target.rollback(cache, [T] * self.B)  # nothing rolled back (disarms recurrent layers); lengths stay
-            return out
+            # the rollback is part of a cycle's cost: recurrent layers replay the kept steps of
+            # each row (engine/hybrid.py); attention layers need nothing (the lengths stay)
+            target.rollback(cache, keep)
+            return [out] + [x for c in cache if isinstance(c, hybrid.TapeCache) for x in c.cache if x is not None]
 
         return _time(run)
 
