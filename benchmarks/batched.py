@@ -144,6 +144,7 @@ def main(argv=None) -> Path:
     ap.add_argument("--budget-s", type=float, default=0, help="start no new measurement after this long")
     ap.add_argument("--out", default="docs/benchmarks")
     ap.add_argument("--tag", default="")
+    ap.add_argument("--skip-baseline", action="store_true", help="no mlx_lm.batch_generate arm (e.g. where it runs out of memory)")
     ap.add_argument("--resume", action="store_true",
                     help="keep the measurements of an earlier run of this command (same shape and tag, in --out) "
                     "and run only the rest: one table from one command over several sessions")
@@ -206,8 +207,9 @@ def main(argv=None) -> Path:
         print(json.dumps(doc["results"][-1]), flush=True)
 
     for B in batches:
-        with arms.zeroed_final_norm(setup.model):  # same compute; token 0 every step
-            record("mlx_lm.batch_generate", B, lambda job, n: run_mlx_lm(setup, job, n, B))
+        if not args.skip_baseline:
+            with arms.zeroed_final_norm(setup.model):  # same compute; token 0 every step
+                record("mlx_lm.batch_generate", B, lambda job, n: run_mlx_lm(setup, job, n, B))
         for acceptance in ["plain"] + args.acceptance.split(","):
             for mode in args.prefill.split(","):
                 # One engine at a time: an engine taps (wraps) its model's layers for its own drafter.
