@@ -269,9 +269,13 @@ def test_redis_restarted_mid_job_loses_no_item(tmp_path, home, fast, workers, re
     everything queued is gone, and the workers' reaper requeues it from the job records."""
     monkeypatch.setenv("FAKE_ENGINE_DELAY", "0.1")
     n = 40
-    job = submit(tmp_path, fast, n, chunk_size=4)
+    # batch 1: a worker's stream takes at most 2 chunks (worker.STREAM_BATCHES rows), so chunks are
+    # still waiting in the queue at the outage (with the default batch the two workers could take
+    # all 10 at once, and then nothing was lost and nothing needed requeueing)
+    job = submit(tmp_path, fast, n, chunk_size=4, batch_size=1)
     a, b = workers(), workers()
     wait_for(lambda: job.status()["done"] >= 6, timeout=120, interval=0.05, what="first items")
+    assert len(job.record.pending_chunks()) > 4  # more than the two workers' streams hold
     redis_server.kill()  # kill -9: only what the append-only file holds survives
     time.sleep(1.5)
     redis_server.start()
