@@ -300,18 +300,25 @@ def test_a_long_joining_prompt_is_prefilled_in_chunks_between_cycles(tiny_pair):
     assert long_chunks[-1] - long_chunks[0] >= 5  # the short row committed tokens in between
 
 
+def _scripted_ragged_batch(target, drafter, monkeypatch):
+    """An engine, five prompts of very different lengths and their batch-1 greedy outputs, the
+    drafts scripted per row (every acceptance length in some row)."""
+    engine = _engine(target, drafter)
+    script = ScriptedDrafts(monkeypatch)
+    ids = [engine.encode(p) for p in PROMPTS_B[:5]]
+    refs = [greedy_reference(target, i, 30, engine.tokenizer.eos_token_ids) for i in ids]
+    for n, (i, ref) in enumerate(zip(ids, refs)):
+        script(i + ref + [0] * 16, p_wrong=P_WRONG[n], seed=n)
+    return engine, ids, refs
+
+
 def test_ragged_batch_through_the_block_attention_reference_is_lossless(qwen3_target, qwen3_b8, monkeypatch):
     """The routed path (per-row key lengths), as the GPU kernels run it, in its pure-MLX form."""
     from dflash_batch.engine import attention
 
     attention.set_mode("reference")
     try:
-        engine = _engine(qwen3_target, qwen3_b8)
-        script = ScriptedDrafts(monkeypatch)
-        ids = [engine.encode(p) for p in PROMPTS_B[:5]]
-        refs = [greedy_reference(qwen3_target, i, 30, engine.tokenizer.eos_token_ids) for i in ids]
-        for n, (i, ref) in enumerate(zip(ids, refs)):
-            script(i + ref + [0] * 16, p_wrong=P_WRONG[n], seed=n)
+        engine, ids, refs = _scripted_ragged_batch(qwen3_target, qwen3_b8, monkeypatch)
         before = attention.counters()["routed"]
         assert [c.token_ids for c in engine.generate_batch(ids, max_tokens=30, batch_size=3)] == refs
         assert attention.counters()["routed"] > before
@@ -329,12 +336,7 @@ def test_both_ragged_routes_are_lossless(qwen3_target, qwen3_b8, monkeypatch, ro
     attention.set_mode("reference")  # "block" then runs the kernels' pure-MLX form, not stock SDPA
     attention.set_ragged_route(route)
     try:
-        engine = _engine(qwen3_target, qwen3_b8)
-        script = ScriptedDrafts(monkeypatch)
-        ids = [engine.encode(p) for p in PROMPTS_B[:5]]
-        refs = [greedy_reference(qwen3_target, i, 30, engine.tokenizer.eos_token_ids) for i in ids]
-        for n, (i, ref) in enumerate(zip(ids, refs)):
-            script(i + ref + [0] * 16, p_wrong=P_WRONG[n], seed=n)
+        engine, ids, refs = _scripted_ragged_batch(qwen3_target, qwen3_b8, monkeypatch)
         ragged = []  # calls of the block attention with per-row key lengths
         block_attention = attention._block_attention
 

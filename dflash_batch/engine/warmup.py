@@ -46,26 +46,31 @@ def measure_costs(engine, batch_size: int, context: Optional[int] = None) -> Cos
     """Time the passes (module doc) and fit the cost model; sets the ragged route on a GPU."""
     n = max(int(context or SHORT_CONTEXT), 4)
     block = max(engine.block_size, 2)
+    targets: Dict[Tuple[int, int], float] = {}
+    drafts: Dict[int, float] = {}
     if batch_size > 1 and _routes_differ():
-        seconds = {}
+        timed = {}  # route -> (target(batch_size, block), draft(batch_size))
         for route in attention.RAGGED_ROUTES:
             attention.set_ragged_route(route)
             passes = _Passes(engine, batch_size, n)
-            seconds[route] = passes.target(block) + passes.draft()
+            timed[route] = (passes.target(block), passes.draft() if engine.drafter is not None else 0.0)
             del passes
-        attention.set_ragged_route(min(seconds, key=seconds.get))
-    targets: Dict[Tuple[int, int], float] = {}
-    drafts: Dict[int, float] = {}
+        route = min(timed, key=lambda r: sum(timed[r]))
+        attention.set_ragged_route(route)
+        targets[(batch_size, block)] = timed[route][0]  # timed already: not again below
+        if engine.drafter is not None:
+            drafts[batch_size] = timed[route][1]
     for B in sorted({1, batch_size}):
         passes = _Passes(engine, B, n)
         for T in sorted({1, block // 2, block} if B > 1 else {1, block}):
-            targets[(B, T)] = passes.target(T)
+            if (B, T) not in targets:
+                targets[(B, T)] = passes.target(T)
         if B > 1 and not _straight([(T, targets[(B, T)]) for T in (1, block // 2, block)]):
             # not linear in T (a GPU kernel's tiles of query rows): time every width chosen among
             for T in Scheduler(block, CostModel()).widths(block):
                 if (B, T) not in targets:
                     targets[(B, T)] = passes.target(T)
-        if engine.drafter is not None:
+        if engine.drafter is not None and B not in drafts:
             drafts[B] = passes.draft()
         del passes
     mx.clear_cache()  # the timing batches' buffers: the job allocates its own (see batch.py: steps)
