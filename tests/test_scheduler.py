@@ -207,8 +207,9 @@ def _probes_of_a_drafter_that_turns(good_after: int, tokens: int, p_good: float 
 
 
 def test_a_drafter_that_keeps_failing_is_probed_ever_more_rarely():
-    """Each probe that does not lead to drafting halves the probe share (to 1/8): a drafter that
-    never succeeds over 2000 tokens costs under 1.5% (a fixed 5% share: 150 probes, 4.9%)."""
+    """Each probe after the first that does not lead to drafting halves the probe share (to 1/8):
+    a drafter that never succeeds over 2000 tokens costs under 1.5% (24 probes; a fixed 5% share:
+    154 probes, 4.8%)."""
     ratio, widths = _probes_of_a_drafter_that_turns(10**9, 2000)
     probes = sum(T > 1 for T in widths)
     assert probes <= 25, probes
@@ -218,9 +219,9 @@ def test_a_drafter_that_keeps_failing_is_probed_ever_more_rarely():
 def test_a_drafter_that_turns_good_is_still_found():
     """The share is only divided by 8 at most, and a probe whose drafts are all right restores
     it: a drafter that fails for 1000 tokens (1000 plain cycles) and then is right 90% of the
-    time gets wide blocks within 300 cycles (a fixed 5% share: 41), and the job ends well under
-    plain decoding's cost (0.75; a fixed share: 0.68)."""
+    time gets wide blocks within 200 cycles (here 103; a fixed 5% share: 41), and the job ends
+    well under plain decoding's cost (0.68, as with a fixed share)."""
     ratio, widths = _probes_of_a_drafter_that_turns(1000, 2000)
     drafted_by_choice = [i for i, T in enumerate(widths) if T > 4]
-    assert drafted_by_choice and drafted_by_choice[0] < 1300, drafted_by_choice[:1]
-    assert ratio < 0.8, ratio
+    assert drafted_by_choice and drafted_by_choice[0] < 1200, drafted_by_choice[:1]
+    assert ratio < 0.75, ratio

@@ -29,13 +29,13 @@ Rows in plain decoding learn nothing about their drafts, so they are probed at a
 once the plain cycles since the last drafting cycle have cost 20 times what a probe can lose (a
 probe commits at least the bonus token, as a plain cycle does, so it loses at most
 cost(B, probe) - cost(B, 1)); before a job has drafted at all, the plain cycles its longest
-budget still allows count as spent, so a long job probes at its start. Each probe after which
-the scheduler still does not draft halves that share (to 1/8 of it at most): a drafter that keeps
-failing is tried ever more rarely (on the README's job, acceptance 0.15 on a 2-core CPU: 15 probes
-at a 5% share), and a row accepting every draft of a cycle, or a drafting cycle the scheduler
-chooses on its own, restores the share. A
-drafter that always fails makes a job at most about 5% slower, and a long one under 1% (for a job
-whose rows end well before their budgets, the first probe can cost more than 5% of it).
+budget still allows count as spent, so a long job probes at its start. Each probe after the
+first that leaves the scheduler still not drafting halves that share (to 1/8 of it at most): a
+drafter that keeps failing is tried ever more rarely (the README's job, acceptance 0.15 on a
+2-core CPU, had 15 probes at a 5% share), and a row accepting every draft of a cycle, or a
+drafting cycle the scheduler chooses on its own, restores the share. A drafter that always
+fails makes a job at most about 5% slower, and a long one under 1% (for a job whose rows end
+well before their budgets, the first probe can cost more than 5% of it).
 
 The pass costs come from timing real passes at warm-up, at the job's batch size and typical
 context (``Engine.warm_up``, engine/warmup.py); what a cycle costs beyond its passes is learnt
@@ -268,7 +268,7 @@ class Scheduler:
         self.plain_seconds += plain
         probe = min(self.probe_width, longest)
         ahead = (longest - 1) * plain if self.job.seen[0] == 0 else 0.0
-        share = self.probe_share / min(2 ** self.failed, self.backoff)  # halved per failed probe
+        share = self.probe_share / min(2 ** max(self.failed - 1, 0), self.backoff)  # halved per failed probe after the first
         if (self.plain_seconds + ahead) * share >= self.cost.cycle(B, probe) - plain:
             self.plain_seconds = 0.0
             self.failed += 1  # until a cycle drafts by choice (above)
