@@ -13,13 +13,13 @@ of three: other work on the machine only ever adds time):
     draft(B)       one drafter pass over a block of new context rows (those the widest timed
                    verify pass tapped)
 
-On the CPU a pass compiles nothing (its first run costs what later ones do) and costs a line in
-the rows it verifies, while each pass of even a small pair costs tens of milliseconds: there
-the warm-up times each pass once (a pass under 20 ms, of a tiny model, as on a GPU), verify
-passes of 1 and PROBE_WIDTH rows only (the line through
-them gives the other widths), and the drafter over that many new context rows. On the default
-pair at batch 8 this is 6 passes (about 0.5 s on the 2-core VM) where the GPU's way takes about
-30 (4 s, as long as a fifth of the README's job).
+On the CPU a pass compiles nothing (its first run costs what later ones do, but for a process's
+first pass at a wide batch, run untimed) and costs a line in the rows it verifies, while each
+pass of even a small pair costs tens of milliseconds: there the warm-up times each pass once (a
+pass under CHEAP_PASS, a tiny model's, as on a GPU), verify passes of 1 and PROBE_WIDTH rows
+only (the line through them gives the other widths), and the drafter over that many new context
+rows. On the default pair at batch 8 that is 6 timed passes and 1 untimed, about 1 s on the
+2-core VM, where the GPU's way runs about 30 (4.1 s, a fifth of the README's job).
 
 On a GPU backend whose block attention is a kernel, the ragged route (engine/attention.py) is
 chosen here too: the target and drafter passes at the job's batch size are timed with block
