@@ -15,7 +15,9 @@ default engine factory, a throw-away home) and reports its parts:
 
 plus its decode cycles per verify width (``{T: [cycles, seconds, rows summed]}``). The greedy
 outputs of the two arms must be identical (checked: the drafter changes speed, never text).
-``ratio`` = median whole (--no-draft) / median whole (drafter): >= 1 means the drafter pays.
+``ratio`` = median whole (--no-draft) / median whole (drafter): >= 1 means the drafter pays;
+``pair_ratios``: the same for each pair of runs that ran back to back (a shared machine's load
+drifts). ``--from FILE`` summarises the runs an earlier ``--out`` saved.
 """
 
 from __future__ import annotations
@@ -99,9 +101,12 @@ def summary(runs: list) -> dict:
     """Medians per arm and part, the ratio, and whether the arms' outputs are identical."""
     med = {arm: {p: statistics.median(r[p] for r in runs if r["arm"] == arm) for p in PARTS} for arm in ARMS}
     outputs = {json.dumps(r["outputs"], sort_keys=True) for r in runs}
+    # run i of each arm ran back to back with the other's run i: the ratio of each such pair
+    pairs = list(zip(*([r["whole"] for r in runs if r["arm"] == arm] for arm in ARMS)))
     return {
         "median_s": {arm: {p: round(v, 3) for p, v in parts.items()} for arm, parts in med.items()},
         "ratio": round(med["no-draft"]["whole"] / med["draft"]["whole"], 3),
+        "pair_ratios": [round(plain / draft, 3) for draft, plain in pairs],
         "ratio_decode": round(med["no-draft"]["decode"] / (med["draft"]["decode"] + med["draft"]["warm-up"]), 3),
         "outputs_identical": len(outputs) == 1,
     }
@@ -114,7 +119,11 @@ def main(argv=None) -> int:
     ap.add_argument("--child", choices=ARMS, help=argparse.SUPPRESS)
     ap.add_argument("--home", help=argparse.SUPPRESS)
     ap.add_argument("--started", type=float, help=argparse.SUPPRESS)
+    ap.add_argument("--from", dest="saved", help="summarise the runs saved in this --out file instead")
     args = ap.parse_args(argv)
+    if args.saved:
+        print(json.dumps(summary(json.loads(Path(args.saved).read_text())["runs"]), indent=1))
+        return 0
     if args.child:
         print(json.dumps(child(args.child, args.home, args.started)))
         return 0

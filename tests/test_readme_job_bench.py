@@ -16,6 +16,7 @@ def test_summary_takes_medians_and_the_ratio_of_plain_to_drafter():
     assert s["median_s"]["draft"]["whole"] == 19.0 and s["median_s"]["no-draft"]["whole"] == 17.0
     assert s["median_s"]["draft"]["warm-up"] == 1.0
     assert s["ratio"] == round(17.0 / 19.0, 3)
+    assert s["pair_ratios"] == [round(17.0 / 18.0, 3), round(17.1 / 19.0, 3), round(16.9 / 30.0, 3)]
     assert s["outputs_identical"]
 
 

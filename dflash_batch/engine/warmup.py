@@ -144,9 +144,9 @@ class _Passes:
         self.hidden = None
 
     def prime(self) -> None:
-        """One untimed pass: what a process pays once, at its first pass of a batch this wide
-        (hundreds of ms at batch 8 on the 2-core VM: the CPU BLAS's threads), is the job's cost
-        either way, not a pass's."""
+        """One untimed pass: what a process pays once at its first pass of a batch this wide (70
+        to 300 ms at batch 8 on the 2-core VM, not the BLAS's start: a matmul first does not
+        take it) is the job's cost either way, not a pass's."""
         mx.eval(self._verify(1)())
 
     def target(self, T: int) -> float:
