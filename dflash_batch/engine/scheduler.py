@@ -31,8 +31,8 @@ probe commits at least the bonus token, as a plain cycle does, so it loses at mo
 cost(B, probe) - cost(B, 1)); before a job has drafted at all, the plain cycles its longest
 budget still allows count as spent, so a long job probes at its start. Each probe after the
 first that leaves the scheduler still not drafting halves that share (to 1/8 of it at most): a
-drafter that keeps failing is tried ever more rarely (the README's job, acceptance 0.15 on a
-2-core CPU, had 15 probes at a 5% share), and a row accepting every draft of a cycle, or a
+drafter that keeps failing is tried ever more rarely (the README's job on a 2-core CPU, whose
+drafts are accepted about 15% of the time, is such a case), and a row accepting every draft of a
 drafting cycle the scheduler chooses on its own, restores the share. A drafter that always
 fails makes a job at most about 5% slower, and a long one under 1% (for a job whose rows end
 well before their budgets, the first probe can cost more than 5% of it).
