@@ -77,7 +77,9 @@ def test_the_faster_ragged_route_is_kept(engine, monkeypatch):
 
 def test_every_width_is_timed_where_cost_is_not_linear_in_the_width(engine, monkeypatch):
     """Three widths first; where the middle one is off the line through the others, every width
-    the scheduler chooses among, so it reads real costs rather than the line."""
+    the scheduler chooses among, so it reads real costs rather than the line. (A GPU's check:
+    the CPU's costs are a line in the rows verified, timed at two widths, below.)"""
+    monkeypatch.setattr(warmup, "_quick", lambda: False)
     for costs, timed in (({1: 1.0, 8: 1.1, 16: 3.0}, 8), ({1: 1.0, 8: 2.0, 16: 3.0}, 3)):
 
         class Timed:
@@ -109,3 +111,53 @@ def test_timed_passes_roll_back_as_a_cycle_does(engine, monkeypatch):
     monkeypatch.setattr(type(engine.target), "rollback", spy)
     warmup.measure_costs(engine, 4, 128)
     assert any(len(set(k)) > 1 and min(k) < max(k) for k in keeps)  # ragged keeps, some cut short
+
+
+def test_the_cpu_warm_up_times_each_pass_once_at_two_widths(engine, monkeypatch):
+    """On the CPU a pass compiles nothing and each pass of even a small pair costs tens of ms: at
+    batch 8, 4 timed verify passes (T = 1 and 4 at batch 1 and 8), one untimed first pass, and 2
+    drafter passes, where the GPU's way runs about 30 (4 s of the README's 20 s job). (A pass
+    under CHEAP_PASS, a tiny model's, is timed as on a GPU: its first run's one-off costs would
+    swamp it.)"""
+    if warmup.mx.default_device() != warmup.mx.cpu:
+        pytest.skip("the CPU's warm-up")
+    verifies, drafts = [], []
+    verify = type(engine.target).verify
+    draft_block = warmup.decode.draft_block
+
+    def spy_verify(target, tokens, cache, *args, **kwargs):
+        verifies.append(tokens.shape)
+        return verify(target, tokens, cache, *args, **kwargs)
+
+    def spy_draft(*args, **kwargs):
+        drafts.append(args[2].shape[0])
+        return draft_block(*args, **kwargs)
+
+    monkeypatch.setattr(type(engine.target), "verify", spy_verify)
+    monkeypatch.setattr(warmup.decode, "draft_block", spy_draft)
+    monkeypatch.setattr(warmup, "CHEAP_PASS", 0.0)  # the tiny pair's passes, as slow as the default pair's
+    cost = warmup.measure_costs(engine, 8, 128)
+    assert sorted(verifies) == sorted([(8, 1), (8, 1), (8, 4), (1, 1), (1, 4)])
+    assert sorted(drafts) == [1, 8]
+    assert sorted(cost.timed) == [1, 4] and cost.passes(8, 16) > cost.passes(8, 4) > cost.passes(8, 1) > 0
+
+
+def test_two_widths_give_every_width_where_costs_are_a_line(engine, monkeypatch):
+    """target(B, T) = 1 + 0.1 B T + 0.05 B, draft(B) = 0.3 + 0.2 B: the CPU's timings at T = 1 and
+    4 give the same costs at every width and batch size as the line itself."""
+
+    class Timed:
+        def __init__(self, engine, B, n):
+            self.B = B
+
+        def target(self, T):
+            return 1 + 0.1 * self.B * T + 0.05 * self.B
+
+        def draft(self):
+            return 0.3 + 0.2 * self.B
+
+    monkeypatch.setattr(warmup, "_Passes", Timed)
+    cost = warmup.measure_costs(engine, 8, 128)
+    for B in (1, 3, 8):
+        for T in (1, 2, 6, 16):
+            assert cost.passes(B, T) == pytest.approx(1 + 0.1 * B * T + 0.05 * B + (0.3 + 0.2 * B if T > 1 else 0))

@@ -100,8 +100,10 @@ class BatchDecoder:
         self.cache = self.target.make_cache(self.lengths, capacity)
         self.draft_lengths = Lengths([0] * self.slots) if self.drafter else None
         self.draft_cache = self.drafter.make_cache(self.draft_lengths, capacity) if self.drafter else None
-        self.pending: Optional[mx.array] = None  # new context rows the drafter has not seen [B, C, H]
-        self.pending_counts: List[int] = [0] * self.slots
+        # new context rows the drafter has not seen: each cycle's tapped rows [B, T, H] and the rows
+        # each row kept, packed once when the drafter runs (decode.pack_context)
+        self.pending: List[Tuple[mx.array, List[int]]] = []
+        self.pending_counts: List[int] = [0] * self.slots  # per row, summed over the pieces
         # Decoding cycles, plain data: per verify width T, [cycles, seconds, rows in flight summed]
         self.decode_counts: Dict[int, List[float]] = {}
 
@@ -207,7 +209,7 @@ class BatchDecoder:
             if self.drafter is not None:
                 self.context_shape = state.context  # width and dtype of tapped context rows
                 draft_lengths[b] = state.length
-            self.pending_counts[b] = 0
+            self._drop_pending([b])
             self.rows[b] = row
         self.lengths.set(lengths)
         if self.drafter is not None:
@@ -288,7 +290,8 @@ class BatchDecoder:
         self.target.rollback(self.cache, keep)
         self.lengths.advance(keep)
         if hidden is not None:
-            self.pending, self.pending_counts = decode.pack_context(self.pending, self.pending_counts, hidden, keep)
+            self.pending.append((hidden, list(keep)))  # a piece: packed when the drafter runs
+            self.pending_counts = [n + k for n, k in zip(self.pending_counts, keep)]
         live = sum(r is not None for r in rows)
         shapes = (B, T, round_up(self.lengths.max))  # a cycle of shapes not run before includes compiling them
         seconds = time.perf_counter() - started
@@ -315,9 +318,9 @@ class BatchDecoder:
 
     def draft(self, last: mx.array, rows: int) -> mx.array:
         """The drafter takes every row's pending context and proposes ``rows`` tokens per row."""
-        counts = self.pending_counts
+        context, counts = decode.pack_context(self.pending)
+        counts = counts or [0] * self.slots
         uniform = len(set(counts)) == 1 and self.draft_lengths.uniform
-        context = self.pending
         if context is None:  # no row has new context (all just joined)
             context = mx.zeros((len(counts), 0, self.context_shape.shape[-1]), self.context_shape.dtype)
         walking = [b for b, r in enumerate(self.rows) if r is not None and r.matcher is not None] if self.engine.grammar_drafts else []
@@ -336,7 +339,7 @@ class BatchDecoder:
                 ids[b][: len(d)] = d
             drafted = mx.array(ids, dtype=last.dtype)
         self.draft_lengths.advance(counts)
-        self.pending, self.pending_counts = None, [0] * self.slots
+        self.pending, self.pending_counts = [], [0] * self.slots
         return drafted
 
     # -- postprocess ------------------------------------------------------------------------------
@@ -369,6 +372,13 @@ class BatchDecoder:
         self.lengths.set(_replace(self.lengths.host, slots, 0))
         if self.drafter is not None:
             self.draft_lengths.set(_replace(self.draft_lengths.host, slots, 0))
+        self._drop_pending(slots)
+
+    def _drop_pending(self, slots: List[int]) -> None:
+        """These slots' pending context rows are no longer valid (their row left, or a new one took it)."""
+        for _, counts in self.pending:
+            for b in slots:
+                counts[b] = 0
         for b in slots:
             self.pending_counts[b] = 0
 
@@ -402,8 +412,7 @@ class BatchDecoder:
         self.lengths.set([self.lengths.host[b] for b in keep])
         if self.drafter is not None:
             self.draft_lengths.set([self.draft_lengths.host[b] for b in keep])
-        if self.pending is not None:
-            self.pending = self.pending[index]
+        self.pending = [(rows[index], [counts[b] for b in keep]) for rows, counts in self.pending]
         self.pending_counts = [self.pending_counts[b] for b in keep]
         self.slots = len(keep)
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
@@ -121,18 +121,31 @@ def accept_lengths(drafted: List[List[int]], chosen: List[List[int]], limits: Se
     return out
 
 
-def pack_context(old: Optional[mx.array], old_counts: List[int], new: mx.array, new_counts: List[int]):
-    """Append ``new`` context rows to the pending ones, per row: row b's valid rows are its first
-    old_counts[b] of ``old`` then its first new_counts[b] of ``new``. Returns (rows, counts)."""
-    if old is None or not old_counts or max(old_counts) == 0:
-        return new[:, : max(new_counts)], list(new_counts)
-    counts = [a + b for a, b in zip(old_counts, new_counts)]
-    C = old.shape[1]
-    if min(old_counts) == C:  # every old row full: a plain concatenation keeps rows left-aligned
-        return mx.concatenate([old, new], axis=1)[:, : max(counts)], counts
-    n = mx.arange(max(counts), dtype=mx.int32)[None]
-    c = mx.array(old_counts, dtype=mx.int32)[:, None]
-    index = mx.where(n < c, n, C + n - c)  # row b: old rows 0..c_b-1, then new rows
-    both = mx.concatenate([old, new], axis=1)
-    index = mx.minimum(index, both.shape[1] - 1)
+def pack_context(pieces: Sequence[Tuple[mx.array, List[int]]]) -> Tuple[Optional[mx.array], List[int]]:
+    """Each row's pending context rows in one array, packed once, when the drafter runs: piece i
+    is (rows [B, T_i, H], counts_i), row b's valid rows its first counts_i[b]. Row b of the result
+    holds its valid rows of every piece in order, then padding (never read: the drafter is given
+    the counts). Returns (rows [B, max_b sum_i counts_i[b], H], per-row counts); None for the rows
+    where no row has any.
+
+    Cycles append their pieces and only the drafting cycle packs them: repacking every cycle
+    copies the backlog each time (quadratic over a run of plain cycles)."""
+    if not pieces:
+        return None, []
+    counts = [sum(c) for c in zip(*(c for _, c in pieces))]
+    width = max(counts)
+    if width == 0:  # every row's pieces were dropped (its row left or a new one joined)
+        return None, counts
+    if all(min(c) == rows.shape[1] for rows, c in pieces[:-1]):
+        # every row full in every piece but the last: a plain concatenation keeps rows left-aligned
+        both = pieces[0][0] if len(pieces) == 1 else mx.concatenate([rows for rows, _ in pieces], axis=1)
+        return both[:, :width], counts
+    index = [[] for _ in counts]  # row b: the columns of its valid rows in the concatenation
+    offset = 0
+    for rows, c in pieces:
+        for b, n in enumerate(c):
+            index[b].extend(range(offset, offset + n))
+        offset += rows.shape[1]
+    index = mx.array([cols + [0] * (width - len(cols)) for cols in index], dtype=mx.int32)
+    both = mx.concatenate([rows for rows, _ in pieces], axis=1)
     return mx.take_along_axis(both, index[..., None], axis=1), counts

@@ -29,9 +29,13 @@ Rows in plain decoding learn nothing about their drafts, so they are probed at a
 once the plain cycles since the last drafting cycle have cost 20 times what a probe can lose (a
 probe commits at least the bonus token, as a plain cycle does, so it loses at most
 cost(B, probe) - cost(B, 1)); before a job has drafted at all, the plain cycles its longest
-budget still allows count as spent, so a long job probes at its start. A drafter that always
-fails makes a job at most about 5% slower (for a job whose rows end well before their budgets,
-the first probe can cost more than 5% of it).
+budget still allows count as spent, so a long job probes at its start. Each probe after the
+first that leaves the scheduler still not drafting halves that share (to 1/8 of it at most): a
+drafter that keeps failing is tried ever more rarely (the README's job on a 2-core CPU, whose
+drafts are accepted about 15% of the time, is such a case), and a row accepting every draft of a
+drafting cycle the scheduler chooses on its own, restores the share. A drafter that always
+fails makes a job at most about 5% slower, and a long one under 1% (for a job whose rows end
+well before their budgets, the first probe can cost more than 5% of it).
 
 The pass costs come from timing real passes at warm-up, at the job's batch size and typical
 context (``Engine.warm_up``, engine/warmup.py); what a cycle costs beyond its passes is learnt
@@ -212,9 +216,12 @@ class Scheduler:
     tried afresh on every new row.
     """
 
-    def __init__(self, block: int, cost: CostModel, fixed: bool = False, probe_share: float = 0.05, probe_width: int = 4):
+    def __init__(self, block: int, cost: CostModel, fixed: bool = False, probe_share: float = 0.05, probe_width: int = 4,
+                 backoff: int = 8):
         self.block, self.cost, self.fixed = block, cost, fixed
         self.probe_share, self.probe_width = probe_share, min(probe_width, block)
+        self.backoff = backoff  # the most a run of failed probes divides the probe share by
+        self.failed = 0  # probes since the scheduler last chose to draft on its own
         self.job = Acceptance(max(block - 1, 0), decay=0.98, prior_weight=1.0)  # every row's cycles
         self.plain_seconds = 0.0  # spent in plain cycles since the last drafting cycle
 
@@ -230,6 +237,8 @@ class Scheduler:
     def accepted(self, row: Acceptance, accepted: int, verified: int) -> None:
         row.update(accepted, verified)
         self.job.update(accepted, verified)
+        if verified > 1 and accepted == verified - 1:
+            self.failed = 0  # every draft right: the drafter may be turning good, probe as at first
 
     def width(self, estimates: Sequence[Acceptance], budgets: Sequence[int]) -> int:
         """The verify width for the next cycle over rows with these estimates and token budgets."""
@@ -247,19 +256,22 @@ class Scheduler:
             if rate > best_rate * (1 + 1e-9):
                 best, best_rate = T, rate
         if best > 1:
-            self.plain_seconds = 0.0
+            self.plain_seconds, self.failed = 0.0, 0
             return best
         # Plain decoding learns nothing about the drafts: probe once the plain cycles since the
         # last drafting cycle have cost 1 / probe_share times what a probe can lose (it commits
         # at least the bonus token, as the plain cycle it replaces does). Before the job has
         # drafted at all, the plain cycles ahead count too (at most the longest budget's), so a
-        # long job learns its drafter's worth at once and a short one does not pay to.
+        # long job learns its drafter's worth at once and a short one does not pay to. Each probe
+        # that did not lead to drafting halves the share (module doc).
         plain = self.cost.cycle(B, 1)
         self.plain_seconds += plain
         probe = min(self.probe_width, longest)
         ahead = (longest - 1) * plain if self.job.seen[0] == 0 else 0.0
-        if (self.plain_seconds + ahead) * self.probe_share >= self.cost.cycle(B, probe) - plain:
+        share = self.probe_share / min(2 ** max(self.failed - 1, 0), self.backoff)  # halved per failed probe after the first
+        if (self.plain_seconds + ahead) * share >= self.cost.cycle(B, probe) - plain:
             self.plain_seconds = 0.0
+            self.failed += 1  # until a cycle drafts by choice (above)
             return probe
         return 1
 

@@ -3,14 +3,23 @@
 Passes are timed where the job will run them: at batch 1 and at the job's batch size, with the
 rows holding about the job's typical context (prompt and half its budget), of slightly different
 lengths as in a job. The cache is allocated for that context without a prefill: what the keys
-hold does not change what a pass costs. Timed (each once to compile, then the fastest of three:
-other work on the machine only ever adds time):
+hold does not change what a pass costs. Timed on a GPU (each once to compile, then the fastest
+of three: other work on the machine only ever adds time):
 
     target(B, T)   verify passes of 1, block / 2 and block rows at the job's batch size (of 1
                    and block at batch 1); where the middle one is off the line through the
                    others by more than 10% (a GPU's attention works in tiles of query rows),
                    every width the scheduler chooses among (1, 2, 3, 4, 6, 8, 12, 16)
-    draft(B)       one drafter pass over a block of new context rows
+    draft(B)       one drafter pass over a block of new context rows (those the widest timed
+                   verify pass tapped)
+
+On the CPU a pass compiles nothing (its first run costs what later ones do, but for a process's
+first pass at a wide batch, run untimed) and costs a line in the rows it verifies, while each
+pass of even a small pair costs tens of milliseconds: there the warm-up times each pass once (a
+pass under CHEAP_PASS, a tiny model's, as on a GPU), verify passes of 1 and PROBE_WIDTH rows
+only (the line through them gives the other widths), and the drafter over that many new context
+rows. On the default pair at batch 8 that is 6 timed passes and 1 untimed, about 1 s on the
+2-core VM, where the GPU's way runs about 30 (4.1 s, a fifth of the README's job).
 
 On a GPU backend whose block attention is a kernel, the ragged route (engine/attention.py) is
 chosen here too: the target and drafter passes at the job's batch size are timed with block
@@ -31,6 +40,8 @@ from .batch_cache import Lengths, round_up
 from .scheduler import CostModel, Scheduler
 
 SHORT_CONTEXT = 64  # tokens per row when the job's context is not known
+PROBE_WIDTH = 4  # the scheduler's probe width (Scheduler.probe_width): the wider pass timed on the CPU
+CHEAP_PASS = 0.02  # seconds: a CPU pass this quick is timed as on a GPU (repeating it costs nothing)
 
 
 def context_bucket(context: int) -> int:
@@ -60,12 +71,15 @@ def measure_costs(engine, batch_size: int, context: Optional[int] = None) -> Cos
         targets[(batch_size, block)] = timed[route][0]  # timed already: not again below
         if engine.drafter is not None:
             drafts[batch_size] = timed[route][1]
-    for B in sorted({1, batch_size}):
+    quick = _quick()
+    for i, B in enumerate(sorted({1, batch_size}, reverse=quick)):
         passes = _Passes(engine, B, n)
-        for T in sorted({1, block // 2, block} if B > 1 else {1, block}):
+        if quick and i == 0 and hasattr(passes, "prime"):
+            passes.prime()
+        for T in _first_widths(B, block, quick):
             if (B, T) not in targets:
                 targets[(B, T)] = passes.target(T)
-        if B > 1 and not _straight([(T, targets[(B, T)]) for T in (1, block // 2, block)]):
+        if B > 1 and not quick and not _straight([(T, targets[(B, T)]) for T in (1, block // 2, block)]):
             # not linear in T (a GPU kernel's tiles of query rows): time every width chosen among
             for T in Scheduler(block, CostModel()).widths(block):
                 if (B, T) not in targets:
@@ -80,6 +94,18 @@ def measure_costs(engine, batch_size: int, context: Optional[int] = None) -> Cos
     if batch_size > 1:
         cost.rows, cost.timed = batch_size, {T: s for (B, T), s in targets.items() if B == batch_size}
     return cost
+
+
+def _quick() -> bool:
+    """Whether passes are timed the CPU's way (module doc): once each, at two widths."""
+    return mx.default_device() == mx.cpu
+
+
+def _first_widths(B: int, block: int, quick: bool) -> list:
+    """The verify widths timed at batch size B before any linearity check."""
+    if quick:
+        return sorted({1, min(PROBE_WIDTH, block)})
+    return sorted({1, block // 2, block} if B > 1 else {1, block})
 
 
 def _straight(points, tolerance: float = 0.1) -> bool:
@@ -101,52 +127,72 @@ def _routes_differ() -> bool:
 
 class _Passes:
     """A batch of B rows holding about n tokens each (rows n, n - 1, n - 2, n - 3, ...), whose
-    target and drafter passes can be timed; nothing is kept between passes."""
+    target and drafter passes can be timed; nothing is kept between passes but the context rows
+    a verify pass tapped, the drafter's new context in its timed pass."""
 
     def __init__(self, engine, B: int, n: int):
-        self.engine, self.B = engine, B
-        target, drafter = engine.target, engine.drafter
+        self.engine, self.B, self.quick = engine, B, _quick()
+        target = engine.target
         block = max(engine.block_size, 2)
-        rows = [max(n - b % 4, 1) for b in range(B)]
-        capacity = round_up(n + 2 * block)
-        self.lengths = Lengths(rows)
-        self.cache = target.make_cache(self.lengths, capacity)
+        self.rows = [max(n - b % 4, 1) for b in range(B)]
+        self.capacity = round_up(n + 2 * block)
+        self.lengths = Lengths(self.rows)
+        self.cache = target.make_cache(self.lengths, self.capacity)
         self.ids = mx.array([[(7 * i + b) % target.vocab_size for i in range(block)] for b in range(B)], dtype=mx.int32)
+        # the drafter's new context: rows tapped by a verify of this width (the widest timed)
+        self.context_rows = min(PROBE_WIDTH, block) if self.quick else block
         self.hidden = None
-        if drafter is not None:
-            _, hidden = target.verify(self.ids, self.cache)
-            target.rollback(self.cache, [block] * B)
-            self.hidden = hidden  # tapped context rows of a block: the drafter's new context
-            self.draft_lengths = Lengths(rows)
-            self.draft_cache = drafter.make_cache(self.draft_lengths, capacity)
-            drafter.add_context(hidden, self.draft_cache)  # as a joining prompt does
+
+    def prime(self) -> None:
+        """One untimed pass: what a process pays once at its first pass of a batch this wide (70
+        to 300 ms at batch 8 on the 2-core VM, not the BLAS's start: a matmul first does not
+        take it) is the job's cost either way, not a pass's."""
+        mx.eval(self._verify(1)())
 
     def target(self, T: int) -> float:
+        return _time(self._verify(T), once=self.quick)
+
+    def _verify(self, T: int) -> Callable:
+        """A verify pass of T rows and its rollback, as a cycle runs them."""
         target, cache, tokens = self.engine.target, self.cache, self.ids[:, :T]
 
         keep = [1 + b % T for b in range(self.B)]  # rows keep what they accepted, as in a cycle
 
         def run():
-            out = target.verify(tokens, cache)[0]
+            out, hidden = target.verify(tokens, cache)
             # the rollback is part of a cycle's cost: recurrent layers replay the kept steps of
             # each row (engine/hybrid.py); attention layers need nothing (the lengths stay)
             target.rollback(cache, keep)
+            if T == self.context_rows and hidden is not None:
+                self.hidden = hidden  # kept for the drafter's timed pass
             return [out] + [x for c in cache if isinstance(c, hybrid.TapeCache) for x in c.cache if x is not None]
 
-        return _time(run)
+        return run
 
     def draft(self) -> float:
-        engine = self.engine
+        engine, target, drafter = self.engine, self.engine.target, self.engine.drafter
+        if self.hidden is None:  # no verify of that width timed: one untimed
+            _, self.hidden = target.verify(self.ids[:, : self.context_rows], self.cache)
+            target.rollback(self.cache, [self.context_rows] * self.B)
+        draft_cache = drafter.make_cache(Lengths(self.rows), self.capacity)
+        drafter.add_context(self.hidden, draft_cache)  # as a joining prompt does
+        mx.eval(self.hidden, [c.arrays() for c in draft_cache])  # not part of the timed pass
         last, block = self.ids[:, :1], max(engine.block_size, 2)
         return _time(lambda: decode.draft_block(
-            engine.drafter, engine.target, last, self.hidden, None, self.draft_cache, block - 1
-        ))
+            drafter, target, last, self.hidden, None, draft_cache, block - 1
+        ), once=self.quick)
 
 
-def _time(run: Callable, reps: int = 3, enough: float = 0.25) -> float:
+def _time(run: Callable, reps: int = 3, enough: float = 0.25, once: bool = False) -> float:
     """The fastest of ``reps`` runs after a compiling one; a pass slow enough that its runs have
-    taken ``enough`` seconds stops there (a CPU warm-up must not cost a job's worth)."""
-    mx.eval(run())  # compiles
+    taken ``enough`` seconds stops there (a CPU warm-up must not cost a job's worth). ``once``
+    (nothing to compile: the CPU): the first run is the time, unless it took under CHEAP_PASS
+    seconds (a tiny model, whose first run's one-off costs would swamp the pass): then as above."""
+    start = time.perf_counter()
+    mx.eval(run())  # compiles, if anything does
+    first = time.perf_counter() - start
+    if once and first >= CHEAP_PASS:
+        return first
     times = []
     for _ in range(reps):
         start = time.perf_counter()
