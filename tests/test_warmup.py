@@ -62,6 +62,9 @@ def test_the_faster_ragged_route_is_kept(engine, monkeypatch):
             def target(self, T):
                 return 1.0 if attention.ragged_route() == fast else 2.0
 
+            def prime(self):
+                pass
+
             def draft(self):
                 return 0.5
 
@@ -88,6 +91,9 @@ def test_every_width_is_timed_where_cost_is_not_linear_in_the_width(engine, monk
 
             def target(self, T):
                 return costs.get(T, 1.5) * self.B
+
+            def prime(self):
+                pass
 
             def draft(self):
                 return 0.5
@@ -152,6 +158,9 @@ def test_two_widths_give_every_width_where_costs_are_a_line(engine, monkeypatch)
 
         def target(self, T):
             return 1 + 0.1 * self.B * T + 0.05 * self.B
+
+        def prime(self):
+            pass
 
         def draft(self):
             return 0.3 + 0.2 * self.B

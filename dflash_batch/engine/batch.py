@@ -103,7 +103,6 @@ class BatchDecoder:
         # new context rows the drafter has not seen: each cycle's tapped rows [B, T, H] and the rows
         # each row kept, packed once when the drafter runs (decode.pack_context)
         self.pending: List[Tuple[mx.array, List[int]]] = []
-        self.pending_counts: List[int] = [0] * self.slots  # per row, summed over the pieces
         # Decoding cycles, plain data: per verify width T, [cycles, seconds, rows in flight summed]
         self.decode_counts: Dict[int, List[float]] = {}
 
@@ -209,8 +208,8 @@ class BatchDecoder:
             if self.drafter is not None:
                 self.context_shape = state.context  # width and dtype of tapped context rows
                 draft_lengths[b] = state.length
-            self._drop_pending([b])
             self.rows[b] = row
+        self._drop_pending([b for b, _, _ in placed])
         self.lengths.set(lengths)
         if self.drafter is not None:
             self.draft_lengths.set(draft_lengths)
@@ -291,7 +290,6 @@ class BatchDecoder:
         self.lengths.advance(keep)
         if hidden is not None:
             self.pending.append((hidden, list(keep)))  # a piece: packed when the drafter runs
-            self.pending_counts = [n + k for n, k in zip(self.pending_counts, keep)]
         live = sum(r is not None for r in rows)
         shapes = (B, T, round_up(self.lengths.max))  # a cycle of shapes not run before includes compiling them
         seconds = time.perf_counter() - started
@@ -316,6 +314,11 @@ class BatchDecoder:
             steps[b] = Step(committed, a, limits[b] - 1, True, _logprobs(scores, b, a + 1) if scores is not None else None)
         return steps
 
+    @property
+    def pending_counts(self) -> List[int]:
+        """Per row, the pending context rows the drafter has not seen (summed over the pieces)."""
+        return [sum(c) for c in zip(*(c for _, c in self.pending))] or [0] * self.slots
+
     def draft(self, last: mx.array, rows: int) -> mx.array:
         """The drafter takes every row's pending context and proposes ``rows`` tokens per row."""
         context, counts = decode.pack_context(self.pending)
@@ -339,7 +342,7 @@ class BatchDecoder:
                 ids[b][: len(d)] = d
             drafted = mx.array(ids, dtype=last.dtype)
         self.draft_lengths.advance(counts)
-        self.pending, self.pending_counts = [], [0] * self.slots
+        self.pending = []
         return drafted
 
     # -- postprocess ------------------------------------------------------------------------------
@@ -379,8 +382,6 @@ class BatchDecoder:
         for _, counts in self.pending:
             for b in slots:
                 counts[b] = 0
-        for b in slots:
-            self.pending_counts[b] = 0
 
     def shrink(self) -> None:
         """With nothing left to come, drop idle rows from the batch once a quarter of it is idle."""
@@ -413,7 +414,6 @@ class BatchDecoder:
         if self.drafter is not None:
             self.draft_lengths.set([self.draft_lengths.host[b] for b in keep])
         self.pending = [(rows[index], [counts[b] for b in keep]) for rows, counts in self.pending]
-        self.pending_counts = [self.pending_counts[b] for b in keep]
         self.slots = len(keep)
 
 

@@ -97,6 +97,7 @@ def expected_committed(p: Sequence[float], top: int) -> List[float]:
 
 WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 TRUSTED = 3  # cycles of a kind before its learnt overhead is used
+PROBE_WIDTH = 4  # rows a probe verifies: a drafter of unknown worth is tried at this width
 
 
 @dataclass
@@ -216,7 +217,7 @@ class Scheduler:
     tried afresh on every new row.
     """
 
-    def __init__(self, block: int, cost: CostModel, fixed: bool = False, probe_share: float = 0.05, probe_width: int = 4,
+    def __init__(self, block: int, cost: CostModel, fixed: bool = False, probe_share: float = 0.05, probe_width: int = PROBE_WIDTH,
                  backoff: int = 8):
         self.block, self.cost, self.fixed = block, cost, fixed
         self.probe_share, self.probe_width = probe_share, min(probe_width, block)

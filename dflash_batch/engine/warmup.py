@@ -37,10 +37,9 @@ import mlx.core as mx
 
 from . import attention, decode, hybrid
 from .batch_cache import Lengths, round_up
-from .scheduler import CostModel, Scheduler
+from .scheduler import PROBE_WIDTH, CostModel, Scheduler
 
 SHORT_CONTEXT = 64  # tokens per row when the job's context is not known
-PROBE_WIDTH = 4  # the scheduler's probe width (Scheduler.probe_width): the wider pass timed on the CPU
 CHEAP_PASS = 0.02  # seconds: a CPU pass this quick is timed as on a GPU (repeating it costs nothing)
 
 
@@ -74,7 +73,7 @@ def measure_costs(engine, batch_size: int, context: Optional[int] = None) -> Cos
     quick = _quick()
     for i, B in enumerate(sorted({1, batch_size}, reverse=quick)):
         passes = _Passes(engine, B, n)
-        if quick and i == 0 and hasattr(passes, "prime"):
+        if quick and i == 0:
             passes.prime()
         for T in _first_widths(B, block, quick):
             if (B, T) not in targets:
