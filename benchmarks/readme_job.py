@@ -107,6 +107,7 @@ def summary(runs: list) -> dict:
         "median_s": {arm: {p: round(v, 3) for p, v in parts.items()} for arm, parts in med.items()},
         "ratio": round(med["no-draft"]["whole"] / med["draft"]["whole"], 3),
         "pair_ratios": [round(plain / draft, 3) for draft, plain in pairs],
+        # the job less the model's load: the drafter's warm-up counted with its decoding
         "ratio_decode": round(med["no-draft"]["decode"] / (med["draft"]["decode"] + med["draft"]["warm-up"]), 3),
         "outputs_identical": len(outputs) == 1,
     }
