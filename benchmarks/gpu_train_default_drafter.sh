@@ -13,7 +13,9 @@
 #   sweep     held-out acceptance against data size (ANSWERS, default 5000,20000,50000) and drafter
 #             size (LAYERS 2,4; BLOCKS 8,16), STEPS (default 3000) each: RUN/sweep/curve.{jsonl,md}
 #   final     train the default drafter on all answers (FINAL_LAYERS 4, FINAL_BLOCK 16) for the rest
-#             of TOTAL, install it as the asset here, benchmark the new pair
+#             of TOTAL (or STEPS steps over several calls, resuming; INIT=default starts from the
+#             shipped drafter; LR, WARMUP), install it as the asset here, benchmark the new pair
+#             (BENCH=0: skip the benchmark and its 200 s reserve)
 # Exit status 3: the stage has work left; call again with the same RUN (and STAGE).
 # Each call copies RUN/data (compact: about 2 bytes a token) and the curve to OUT, so a fresh
 # machine can go on from them (bring OUT/data back and carry it as RUN/data).
@@ -42,12 +44,15 @@ sweep)
   cp "$RUN"/sweep/curve.* "$OUT/" 2>/dev/null
   ;;
 final)
+  BENCH=${BENCH:-1}
   python3 -m dflash_batch.training.cli --out "$RUN/final" "${data_args[@]}" --data "$RUN/data" --train-only \
-    --time-budget "$(left 200)" --layers "${FINAL_LAYERS:-4}" --taps 5 --block-size "${FINAL_BLOCK:-16}" \
-    --batch-size 16 --anchors 32 --max-len 448 --lr 1e-3 --warmup 100 --eval-every 500 --eval-samples 256 \
+    --time-budget "$(left $(( BENCH ? 200 : 30 )))" --steps "${STEPS:-0}" ${INIT:+--init "$INIT"} \
+    --layers "${FINAL_LAYERS:-4}" --taps 5 --block-size "${FINAL_BLOCK:-16}" --batch-size 16 --anchors 32 \
+    --max-len 448 --lr "${LR:-1e-3}" --warmup "${WARMUP:-100}" --eval-every 500 --eval-samples "${EVAL_SAMPLES:-256}" \
     --checkpoint-every 500 --quantize-bits 8 2>&1 | tee -a "$OUT/train.log"
   rc=${PIPESTATUS[0]}
   cp -r "$RUN/final/drafter" "$OUT/drafter" && cp "$RUN/final/train.log.jsonl" "$OUT/" || exit 1
+  [ "$rc" = 0 ] && [ "$BENCH" = 1 ] || { echo "stage final: exit $rc, ${SECONDS}s"; exit "$rc"; }
   asset=dflash_batch/assets/drafters/smollm2-135m-instruct
   cp "$asset/TRAINING.md" /tmp/TRAINING.md && rm -rf "$asset" && cp -r "$RUN/final/drafter" "$asset" \
     && cp /tmp/TRAINING.md "$asset/"

@@ -137,6 +137,32 @@ def test_train_checkpoint_resume_export(tiny_target, tmp_path, capsys):
     plain = Engine(model2, tok2, None, config=cfg2).generate("Hello there", max_tokens=24)
     assert dflash.token_ids == plain.token_ids and dflash.stats.cycles > 0
 
+    # --init starts a new run from the export (dequantized); a drafter of another shape is refused.
+    from dflash_batch.engine.default_model import plain_drafter_weights
+    from dflash_batch.training.trainer import TrainConfig, Trainer
+
+    _, exported = plain_drafter_weights(out / "drafter", "float32")
+    base = dict(out=str(tmp_path / "more"), target=str(tiny_target), data=str(out / "data"), train_only=True,
+                steps=1, layers=1, num_taps=2, max_len=96)  # fmt: skip
+    fresh = Trainer(TrainConfig(**base), log=lambda _: None)
+    fresh.setup()
+    warm = Trainer(TrainConfig(**base, init=str(out / "drafter")), log=lambda _: None)
+    warm.setup()
+    from mlx.utils import tree_flatten
+
+    params = dict(tree_flatten(warm.drafter.parameters()))
+    assert params.keys() == exported.keys()
+    assert all(mx.array_equal(params[k], exported[k]).item() for k in exported)
+    assert not mx.array_equal(dict(tree_flatten(fresh.drafter.parameters()))["fc.weight"], exported["fc.weight"]).item()
+    with pytest.raises(ValueError, match="num_hidden_layers"):
+        Trainer(TrainConfig(**dict(base, layers=2), init=str(out / "drafter")), log=lambda _: None).setup()
+
+    # More --steps than one call's --time-budget allows: one step, a checkpoint, exit status 3.
+    longer = [a if a != "4" or argv[i - 1] != "--steps" else "6" for i, a in enumerate(argv)]
+    assert cli.main(longer + ["--time-budget", "1e-9"]) == 3
+    assert sorted(p.name for p in (out / "checkpoints").iterdir())[-1] == "step-0000005"
+    assert cli.main(longer) == 0
+
 
 def test_engine_drafts_equal_the_training_objective(qwen3_target, model_dir, monkeypatch):
     """End to end, training and real decoding feed the drafter the same tensors: at every cycle's

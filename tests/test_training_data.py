@@ -20,7 +20,7 @@ from dflash_batch.training import cli, corpus, store as store_mod
 from dflash_batch.training import generate as gen
 from dflash_batch.training.store import AnswerStore, prompt_key
 from tests import synthetic
-from dflash_batch.training.trainer import TrainConfig, all_prompts, answer_samples, chat_pieces
+from dflash_batch.training.trainer import TrainConfig, all_prompts, answer_samples, chat_pieces, prompt_order
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -276,6 +276,14 @@ def test_self_written_user_turns(tiny, tmp_path):
     made = gen.self_prompts(st, chat, chat["special_ids"], eval_percent=25)
     assert {p["split"] for p in made} == {"train", "eval"}
     assert all((p["split"] == "eval") == corpus.is_held_out(p["source"], 25) for p in made)
+
+
+def test_held_out_self_written_prompts_come_after_the_encoded_ones():
+    # So an evaluation of the first N held-out answers reads the same ones as turns are added.
+    made = [dict(kind=kind, split=split, key=key) for kind, split, key in (
+        ("self", "eval", 1), ("code", "eval", 5), ("self", "train", 0), ("passage", "train", 3), ("passage", "eval", 9))]  # fmt: skip
+    ordered = [(p["kind"], p["key"]) for p in sorted(made, key=prompt_order)]
+    assert ordered == [("code", 5), ("passage", 9), ("self", 1), ("self", 0), ("passage", 3)]
 
 
 # -- train-drafter on the store ----------------------------------------------------------------

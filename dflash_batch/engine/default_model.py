@@ -71,26 +71,32 @@ def _fingerprint(folder: Path) -> str:
     return digest.hexdigest()[:12]
 
 
+def plain_drafter_weights(src: Path, dtype: str) -> Tuple[dict, dict]:
+    """(config, weights) of a drafter folder, quantized linears dequantized, all in ``dtype``."""
+    config = json.loads((Path(src) / "config.json").read_text())
+    weights = {}
+    for f in sorted(Path(src).glob("*.safetensors")):
+        weights.update(mx.load(str(f)))
+    quant = config.pop("quantization", None)
+    plain = {}
+    for name, value in weights.items():
+        if name.endswith((".scales", ".biases")) and quant and name.rsplit(".", 1)[0] + ".weight" in weights:
+            continue
+        base = name[: -len(".weight")]
+        if quant and f"{base}.scales" in weights:  # w = q * scale + bias, computed in fp32
+            scales, biases = (weights[f"{base}.{k}"].astype(mx.float32) for k in ("scales", "biases"))
+            value = mx.dequantize(value, scales, biases, quant["group_size"], quant["bits"])
+        plain[name] = value.astype(getattr(mx, dtype))
+    return dict(config, torch_dtype=dtype), plain
+
+
 def convert_drafter(src: Path, out: Path, dtype: str) -> Path:
     """A copy of a drafter folder with plain (dequantized) weights in ``dtype``."""
 
     def write(tmp: Path) -> None:
-        config = json.loads((src / "config.json").read_text())
-        weights = {}
-        for f in sorted(src.glob("*.safetensors")):
-            weights.update(mx.load(str(f)))
-        quant = config.pop("quantization", None)
-        plain = {}
-        for name, value in weights.items():
-            if name.endswith((".scales", ".biases")) and quant and name.rsplit(".", 1)[0] + ".weight" in weights:
-                continue
-            base = name[: -len(".weight")]
-            if quant and f"{base}.scales" in weights:  # w = q * scale + bias, computed in fp32
-                scales, biases = (weights[f"{base}.{k}"].astype(mx.float32) for k in ("scales", "biases"))
-                value = mx.dequantize(value, scales, biases, quant["group_size"], quant["bits"])
-            plain[name] = value.astype(getattr(mx, dtype))
+        config, plain = plain_drafter_weights(src, dtype)
         mx.save_safetensors(str(tmp / "model.safetensors"), plain, metadata={"format": "mlx"})
-        (tmp / "config.json").write_text(json.dumps(dict(config, torch_dtype=dtype), indent=2))
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
 
     return write_folder_atomic(out, write)
 

@@ -4,7 +4,7 @@ The target answers a prompt set (greedy, and sampled with ``--samples``) through
 engine into a token-id store; the drafter learns to predict the target's own tokens with the
 DFlash block objective. Re-running with the same ``--out`` resumes: generation where it stopped
 (``--gen-time-budget`` bounds one call; exit status 3 says some is left), training from the
-last checkpoint.
+last checkpoint (with ``--steps`` and ``--time-budget``, exit status 3 says steps are left).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ examples:
   dflash-batch train-drafter --out runs/smollm2 --prepare-only             # encode prompts only
   dflash-batch train-drafter --out runs/big --corpus offline --prompts 60000 --prepare-only
   dflash-batch train-drafter --out runs/big --self-prompts 20000 --samples 1 --generate-only --gen-time-budget 500
+  dflash-batch train-drafter --out runs/more --data runs/big/data --train-only --init default --steps 20000
 """
 
 
@@ -57,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--block-size", type=int, default=16)
     m.add_argument("--mask-token-id", type=int, help="default: an unused special token of the tokenizer")
     m.add_argument("--intermediate-size", type=int, help="default: the target's")
+    m.add_argument("--init", help="start from this exported drafter ('default': the shipped one); "
+                   "a checkpoint in --out still wins")
     o = p.add_argument_group("optimisation")
     o.add_argument("--steps", type=int, default=0, help="training steps (0: fill --time-budget)")
     o.add_argument("--time-budget", type=float, help="seconds for the training loop")
@@ -106,6 +109,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         block_size=args.block_size,
         mask_token_id=args.mask_token_id,
         intermediate_size=args.intermediate_size,
+        init=args.init,
         steps=args.steps,
         time_budget=args.time_budget,
         batch_size=args.batch_size,
@@ -147,9 +151,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.generate_only:
         model, config = load_target_model(cfg.target, cfg.dtype)
         return 0 if prepare_answers(cfg, model, log, config) else 3  # 3: time budget reached, rerun to resume
-    out = Trainer(cfg, log).run(resume=not args.no_resume)
-    print(out)
-    return 0
+    trainer = Trainer(cfg, log)
+    print(trainer.run(resume=not args.no_resume))
+    return 3 if args.steps and trainer.step < args.steps else 0  # 3: stopped by --time-budget, rerun to go on
 
 
 if __name__ == "__main__":

@@ -66,6 +66,7 @@ class TrainConfig:
     block_size: int = 16
     mask_token_id: Optional[int] = None
     intermediate_size: Optional[int] = None
+    init: Optional[str] = None  # start from an exported drafter folder ("default": the shipped one)
     # optimisation
     steps: int = 0  # 0: as many as ``time_budget`` allows
     time_budget: Optional[float] = None  # seconds for the training loop
@@ -233,9 +234,17 @@ def prepare_prompts(cfg: TrainConfig, log: Callable[[str], None]) -> None:
     log(f"encoded {meta['train_prompts']} training and {meta['eval_prompts']} held-out prompts; mask token {mask} ({meta['mask_token']})")
 
 
+def prompt_order(p: dict) -> tuple:
+    """Held-out first (the encoded before the self-written), then by key."""
+    held = p["split"] == "eval"
+    return (not held, held and p["kind"] == "self", p["key"])
+
+
 def all_prompts(cfg: TrainConfig, meta: dict) -> List[dict]:
     """The encoded prompts and the self-written ones, held-out first, then by key (a stable
-    random order: the first N training prompts are a fair subset for any N)."""
+    random order: the first N training prompts are a fair subset for any N). Held-out
+    self-written prompts come after the encoded ones, so an evaluation of the first N held-out
+    answers reads the same answers as self-written turns are added."""
     folder = data_dir(cfg)
     found = data.load_samples(folder / "prompts.jsonl")
     if found and "prompt" not in found[0]:  # the ids live in the prompts store
@@ -246,7 +255,7 @@ def all_prompts(cfg: TrainConfig, meta: dict) -> List[dict]:
         made = gen.self_prompts(turns, meta["chat"], meta["chat"]["special_ids"], cfg.self_prompts or None, cfg.eval_percent)
         taken = {p["key"] for p in found}
         found += [p for p in made if p["key"] not in taken]
-    return sorted(found, key=lambda p: (p["split"] != "eval", p["key"]))
+    return sorted(found, key=prompt_order)
 
 
 def answer_samples(cfg: TrainConfig) -> Tuple[int, List[dict], List[dict]]:
@@ -377,11 +386,30 @@ class Trainer:
         final_norm = getattr(self.target._inner, "norm", None)
         if final_norm is not None and final_norm.weight.shape == self.drafter.norm.weight.shape:
             self.drafter.norm.weight = final_norm.weight.astype(mx.float32)
+        if cfg.init:
+            self.warm_start(cfg.init)
         mx.eval(self.drafter.parameters())
         self.optimizer = optim.AdamW(learning_rate=cfg.lr, betas=[0.9, 0.95], weight_decay=cfg.weight_decay)
         self.optimizer.init(self.drafter.trainable_parameters())
         self.step, self.total_steps, self.elapsed = 0, cfg.steps or None, 0.0
         self._grad = nn.value_and_grad(self.drafter, self._loss)
+
+    # Config keys that fix the drafter's shape and meaning; a warm start must match them all.
+    SHAPE_KEYS = ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",
+                  "num_key_value_heads", "head_dim", "vocab_size", "dflash_config")  # fmt: skip
+
+    def warm_start(self, source: str) -> None:
+        """Start from an exported drafter (its quantized linears dequantized to fp32), so a longer
+        run continues a shipped drafter; a checkpoint in ``out`` still wins (``resume``)."""
+        from ..engine.default_model import DRAFTER_ASSET, plain_drafter_weights
+
+        folder = DRAFTER_ASSET if source == "default" else Path(source)
+        config, weights = plain_drafter_weights(folder, "float32")
+        differ = [k for k in self.SHAPE_KEYS if config.get(k) != self.drafter_config.get(k)]
+        if differ:
+            raise ValueError(f"--init {folder}: its {', '.join(differ)} differ from this run's drafter")
+        self.drafter.load_weights(list(weights.items()), strict=True)
+        self.log(f"starting from the drafter in {folder}")
 
     def _loss(self, emb, context, anchors, labels, weights):
         return objective.dflash_loss(self.drafter, self.target.lm_head, emb, context, anchors, labels, weights)
