@@ -214,3 +214,27 @@ def test_default_pair_acceptance_is_the_drafters_even_when_the_adaptive_width_st
     result = json.loads((tmp_path / "default-pair-t.json").read_text())
     assert result["mean_acceptance_length"] == round(tau, 3)
     assert result["adaptive_tokens_per_cycle"] == 1.0 and result["exact_prompts"] == 2
+
+
+def test_held_out_acceptance_counts_the_drafters_tokens_per_cycle_in_batches(zero_head_target, model_dir, tmp_path):
+    """benchmarks/held_out_acceptance.py: tokens per cycle over batched rows, whole block verified,
+    outputs checked against plain decoding. A zeroed head accepts every draft, so each cycle
+    commits the block (less where a row's budget ends inside it)."""
+    from benchmarks import held_out_acceptance
+    from dflash_batch.engine import load_engine
+    from tests.conftest import make_drafter, synthetic
+
+    draft = make_drafter(model_dir, "draft-b8", synthetic.tiny_qwen3_config(), block_size=8)
+    prompts = [{"id": f"p{i}", "kind": "test", "prompt": [5 + i, 6, 7, 8]} for i in range(3)]
+    samples = tmp_path / "eval.jsonl"
+    samples.write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    fixed = load_engine(str(zero_head_target), str(draft), adaptive_block=False)
+    stats = [fixed.generate(p["prompt"], max_tokens=30).stats for p in prompts]
+    tau = sum(s.generated_tokens - 1 for s in stats) / sum(s.cycles for s in stats)
+    out = tmp_path / "acc.json"
+    argv = ["--target", str(zero_head_target), "--draft", str(draft), "--samples", str(samples), "--prompts", "3",
+            "--max-tokens", "30", "--batch", "2", "--out", str(out)]  # fmt: skip
+    assert held_out_acceptance.main(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["prompts"] == 3 and result["exact_prompts"] == 3
+    assert result["tokens_per_cycle"] == round(tau, 3) and tau > 4
