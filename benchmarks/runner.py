@@ -1,6 +1,6 @@
 """One job on the default pair three ways, side by side in one process:
 
-    python -m benchmarks.runner [--prompts 16] [--batch 16] [--max-tokens 32] [--runs 3] [--cli]
+    python -m benchmarks.runner [--prompts 16 | --prompts-file FILE] [--batch 16] [--max-tokens 32] [--runs 3] [--cli]
 
   runner                  ``dflash_batch.run`` on a JSONL file with the loaded engine: the whole
                           job loop (lock, journal fsynced per row, Parquet parts, status)
@@ -39,6 +39,13 @@ TOPICS = ["rivers", "glass", "bees", "winter", "clocks", "salt", "maps", "bridge
 def job_prompts(n: int) -> List[str]:
     """``n`` distinct short instructions (chat-templated by each arm's tokenizer)."""
     return [f"Write two sentences about {TOPICS[i % len(TOPICS)]} (note {i})." for i in range(n)]
+
+
+def file_prompts(path: str) -> List[str]:
+    """The prompts of a JSONL job file (its ``prompt`` fields, in order). Per-row options
+    (``max_tokens``, ``stop``) are not applied: every arm decodes ``--max-tokens`` for each."""
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    return [r["prompt"] for r in rows]
 
 
 def rounds(arms_: Dict[str, Callable[[], Dict[str, Any]]], runs: int) -> Dict[str, Dict[str, Any]]:
@@ -120,6 +127,7 @@ def run_cli(prompts: List[str], max_tokens: int, B: int, work: Path) -> Dict[str
 def main(argv=None) -> Dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--prompts-file", help="a JSONL job file's prompts instead (e.g. examples/prompts.jsonl, the README's job)")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--runs", type=int, default=3, help="timed runs per arm (median)")
@@ -133,7 +141,7 @@ def main(argv=None) -> Dict[str, Any]:
 
     engine = load_engine()  # the embedded default pair, fp32
     model, tokenizer, _ = loading.load_target(ensure_default_pair()[0], None, _pick_dtype("auto"))
-    prompts = job_prompts(args.prompts)
+    prompts = file_prompts(args.prompts_file) if args.prompts_file else job_prompts(args.prompts)
     prompt_ids = [engine.request(p, max_tokens=args.max_tokens).ids for p in prompts]  # the engine's own encoding
     B, n = args.batch, args.max_tokens
     results: Dict[str, Any] = {}
@@ -149,9 +157,9 @@ def main(argv=None) -> Dict[str, Any]:
             results["dflash-batch run (subprocess)"]["tok_s"] = (
                 results["dflash-batch run (subprocess)"]["tokens"] / results["dflash-batch run (subprocess)"]["wall_s"])
     base = results["mlx_lm.batch_generate"]["tok_s"]
-    doc = {"prompts": args.prompts, "batch": B, "max_tokens": n, "runs": args.runs, "device": str(mx.default_device()),
+    doc = {"prompts": len(prompts), "prompts_file": args.prompts_file, "batch": B, "max_tokens": n, "runs": args.runs, "device": str(mx.default_device()),
            "results": results}  # fmt: skip
-    print(f"{args.prompts} prompts, batch {B}, max_tokens {n}, median of {args.runs} runs, {mx.default_device()}")
+    print(f"{len(prompts)} prompts, batch {B}, max_tokens {n}, median of {args.runs} runs, {mx.default_device()}")
     print(f"{'arm':32} {'tokens':>7} {'wall s':>8} {'tok/s':>8} {'x batch_generate':>17}")
     for arm, r in results.items():
         print(f"{arm:32} {r['tokens']:>7} {r['wall_s']:>8.2f} {r['tok_s']:>8.1f} {r['tok_s'] / base:>17.2f}")

@@ -11,6 +11,7 @@ import mlx.core as mx
 from benchmarks import arms, report, run
 from benchmarks.scripted import AcceptanceScript, ScriptedDrafter, head_rows_of, per_token_rate
 from dflash_batch.engine.output import RowOutput
+from tests.runner_fixtures import REPO
 
 
 @pytest.fixture(scope="module")
@@ -183,6 +184,9 @@ def test_runner_benchmark_arms_count_the_same_job(tmp_path):
     first = bench.run_runner(FakeEngine(), prompts, 4, 2, tmp_path)
     again = bench.run_runner(FakeEngine(), prompts, 4, 2, tmp_path)
     assert first["tokens"] == again["tokens"] == 5 * 4 and first["wall_s"] > 0
+    # --prompts-file: the README's job file, its prompts in order.
+    readme_job = bench.file_prompts(str(REPO / "examples" / "prompts.jsonl"))
+    assert len(readme_job) == 8 and readme_job[0] == "Say hello to a new colleague in one sentence."
 
 
 def test_default_pair_acceptance_is_the_drafters_even_when_the_adaptive_width_stays_plain(
