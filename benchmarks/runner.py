@@ -30,6 +30,8 @@ from typing import Any, Callable, Dict, List
 import dflash_batch.engine  # noqa: F401  (preloads a fast CPU BLAS before mlx.core)
 import mlx.core as mx
 
+from dflash_batch.engine.engine import Prompt
+
 from . import arms
 
 TOPICS = ["rivers", "glass", "bees", "winter", "clocks", "salt", "maps", "bridges", "owls", "paper", "tides",
@@ -41,11 +43,18 @@ def job_prompts(n: int) -> List[str]:
     return [f"Write two sentences about {TOPICS[i % len(TOPICS)]} (note {i})." for i in range(n)]
 
 
-def file_prompts(path: str) -> List[str]:
-    """The prompts of a JSONL job file (its ``prompt`` fields, in order). Per-row options
-    (``max_tokens``, ``stop``) are not applied: every arm decodes ``--max-tokens`` for each."""
+def file_prompts(path: str) -> List[Prompt]:
+    """The prompts of a JSONL job file, in order: ``messages`` as given, ``prompt`` as a string, or
+    with its ``system`` as a system turn. Other per-row options (``max_tokens``, ``stop``) are not
+    applied: every arm decodes ``--max-tokens`` for each."""
     rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-    return [r["prompt"] for r in rows]
+    turns = lambda r: [{"role": "system", "content": r["system"]}, {"role": "user", "content": r["prompt"]}]  # noqa: E731
+    return [r["messages"] if "messages" in r else turns(r) if "system" in r else r["prompt"] for r in rows]
+
+
+def job_row(i: int, prompt: Prompt) -> str:
+    """One JSONL job row for ``prompt`` (a string or chat messages)."""
+    return json.dumps({"id": f"p{i}", "messages" if isinstance(prompt, list) else "prompt": prompt}) + "\n"
 
 
 def rounds(arms_: Dict[str, Callable[[], Dict[str, Any]]], runs: int) -> Dict[str, Dict[str, Any]]:
@@ -72,13 +81,13 @@ def fresh(engine) -> None:
         engine.prefixes.clear()
 
 
-def run_runner(engine, prompts: List[str], max_tokens: int, B: int, work: Path) -> Dict[str, Any]:
+def run_runner(engine, prompts: List[Prompt], max_tokens: int, B: int, work: Path) -> Dict[str, Any]:
     from dflash_batch import api
 
     fresh(engine)
 
     src = work / "job.jsonl"
-    src.write_text("".join(json.dumps({"id": f"p{i}", "prompt": p}) + "\n" for i, p in enumerate(prompts)))
+    src.write_text("".join(job_row(i, p) for i, p in enumerate(prompts)))
     out = Path(tempfile.mkdtemp(dir=work, prefix="out-"))  # fresh: nothing skipped
     start = time.perf_counter()
     job = api.run(src, engine=engine, home=work / "home", max_tokens=max_tokens, batch_size=B, output_dir=str(out))
@@ -88,7 +97,7 @@ def run_runner(engine, prompts: List[str], max_tokens: int, B: int, work: Path) 
     return {"tokens": sum(table.column("completion_tokens").to_pylist()), "wall_s": wall}
 
 
-def run_engine(engine, prompts: List[str], max_tokens: int, B: int) -> Dict[str, Any]:
+def run_engine(engine, prompts: List[Prompt], max_tokens: int, B: int) -> Dict[str, Any]:
     fresh(engine)
     mx.synchronize()
     start = time.perf_counter()
@@ -108,9 +117,9 @@ def run_mlx_lm(model, tokenizer, prompt_ids: List[List[int]], max_tokens: int, B
     return {"tokens": resp.stats.generation_tokens, "wall_s": wall}
 
 
-def run_cli(prompts: List[str], max_tokens: int, B: int, work: Path) -> Dict[str, Any]:
+def run_cli(prompts: List[Prompt], max_tokens: int, B: int, work: Path) -> Dict[str, Any]:
     src = work / "cli.jsonl"
-    src.write_text("".join(json.dumps({"id": f"p{i}", "prompt": p}) + "\n" for i, p in enumerate(prompts)))
+    src.write_text("".join(job_row(i, p) for i, p in enumerate(prompts)))
     out = Path(tempfile.mkdtemp(dir=work, prefix="cli-"))
     cmd = [sys.executable, "-m", "dflash_batch.cli", "--home", str(work / "home"), "run", str(src), "-q", "--json",
            "--max-tokens", str(max_tokens), "--batch-size", str(B), "--output-dir", str(out)]  # fmt: skip

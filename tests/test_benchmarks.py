@@ -185,8 +185,13 @@ def test_runner_benchmark_arms_count_the_same_job(tmp_path):
     again = bench.run_runner(FakeEngine(), prompts, 4, 2, tmp_path)
     assert first["tokens"] == again["tokens"] == 5 * 4 and first["wall_s"] > 0
     # --prompts-file: the README's job file, its prompts in order.
+    # --prompts-file: the README's job file, its prompts in order (chat rows as messages, a
+    # system field as a system turn), written back as job rows the runner reads.
     readme_job = bench.file_prompts(str(REPO / "examples" / "prompts.jsonl"))
     assert len(readme_job) == 8 and readme_job[0] == "Say hello to a new colleague in one sentence."
+    assert isinstance(readme_job[3], list) and readme_job[6][0]["role"] == "system"
+    chat = bench.run_runner(FakeEngine(), readme_job, 4, 2, tmp_path)
+    assert chat["tokens"] == 8 * 4
 
 
 def test_default_pair_acceptance_is_the_drafters_even_when_the_adaptive_width_stays_plain(
