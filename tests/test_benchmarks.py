@@ -194,6 +194,22 @@ def test_runner_benchmark_arms_count_the_same_job(tmp_path):
     assert chat["tokens"] == 8 * 4
 
 
+def _zero_head_job(zero_head_target, model_dir, tmp_path, n: int):
+    """A block-8 drafter over the zeroed-head target (every draft accepted), ``n`` held-out
+    prompts as ids in ``tmp_path/eval.jsonl``, and the tokens per cycle a fixed-width engine
+    makes on them (the prefill's token aside): (drafter folder, samples file, tau)."""
+    from dflash_batch.engine import load_engine
+    from tests.conftest import make_drafter, synthetic
+
+    draft = make_drafter(model_dir, "draft-b8", synthetic.tiny_qwen3_config(), block_size=8)
+    prompts = [{"id": f"p{i}", "kind": "test", "prompt": [5 + i, 6, 7, 8]} for i in range(n)]
+    samples = tmp_path / "eval.jsonl"
+    samples.write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    fixed = load_engine(str(zero_head_target), str(draft), adaptive_block=False)
+    stats = [fixed.generate(p["prompt"], max_tokens=30).stats for p in prompts]
+    return draft, samples, sum(s.generated_tokens - 1 for s in stats) / sum(s.cycles for s in stats)
+
+
 def test_default_pair_acceptance_is_the_drafters_even_when_the_adaptive_width_stays_plain(
     zero_head_target, model_dir, tmp_path, monkeypatch
 ):
@@ -202,17 +218,9 @@ def test_default_pair_acceptance_is_the_drafters_even_when_the_adaptive_width_st
     weak drafter's 1.08 tokens per cycle were mostly plain cycles): the acceptance figure must
     not change, and the adaptive engine's own tokens per cycle (1.0) are reported apart."""
     from benchmarks import default_pair
-    from dflash_batch.engine import load_engine
     from dflash_batch.engine.scheduler import Scheduler
-    from tests.conftest import make_drafter, synthetic
 
-    draft = make_drafter(model_dir, "draft-b8", synthetic.tiny_qwen3_config(), block_size=8)
-    prompts = [{"id": f"p{i}", "kind": "test", "prompt": [5 + i, 6, 7, 8]} for i in range(2)]
-    samples = tmp_path / "eval.jsonl"
-    samples.write_text("".join(json.dumps(p) + "\n" for p in prompts))
-    fixed = load_engine(str(zero_head_target), str(draft), adaptive_block=False)
-    expected = [fixed.generate(p["prompt"], max_tokens=30).stats for p in prompts]
-    tau = sum(s.generated_tokens - 1 for s in expected) / sum(s.cycles for s in expected)  # prefill's token aside
+    draft, samples, tau = _zero_head_job(zero_head_target, model_dir, tmp_path, 2)
     assert tau > 4  # zeroed head: every draft accepted
 
     plain_width = Scheduler.width
@@ -230,16 +238,8 @@ def test_held_out_acceptance_counts_the_drafters_tokens_per_cycle_in_batches(zer
     outputs checked against plain decoding. A zeroed head accepts every draft, so each cycle
     commits the block (less where a row's budget ends inside it)."""
     from benchmarks import held_out_acceptance
-    from dflash_batch.engine import load_engine
-    from tests.conftest import make_drafter, synthetic
 
-    draft = make_drafter(model_dir, "draft-b8", synthetic.tiny_qwen3_config(), block_size=8)
-    prompts = [{"id": f"p{i}", "kind": "test", "prompt": [5 + i, 6, 7, 8]} for i in range(3)]
-    samples = tmp_path / "eval.jsonl"
-    samples.write_text("".join(json.dumps(p) + "\n" for p in prompts))
-    fixed = load_engine(str(zero_head_target), str(draft), adaptive_block=False)
-    stats = [fixed.generate(p["prompt"], max_tokens=30).stats for p in prompts]
-    tau = sum(s.generated_tokens - 1 for s in stats) / sum(s.cycles for s in stats)
+    draft, samples, tau = _zero_head_job(zero_head_target, model_dir, tmp_path, 3)
     out = tmp_path / "acc.json"
     argv = ["--target", str(zero_head_target), "--draft", str(draft), "--samples", str(samples), "--prompts", "3",
             "--max-tokens", "30", "--batch", "2", "--out", str(out)]  # fmt: skip
