@@ -23,19 +23,7 @@ import mlx.core as mx
 
 from benchmarks.default_pair import held_out_prompts
 from dflash_batch.engine import load_engine
-
-
-def decode(engine, prompts: list, max_tokens: int, batch: int) -> dict:
-    """Greedy outputs ``{index: token ids}`` and the acceptance histogram of all rows."""
-    requests = [engine.request(p["prompt"], max_tokens=max_tokens, index=i) for i, p in enumerate(prompts)]
-    outputs, hist = {}, [0] * (max(engine.block_size, 1) + 1)
-    for index, done in engine.run(requests, batch):
-        if index is None:  # a refusal mark: never for these checked requests
-            continue
-        outputs[index] = done.token_ids
-        for k, n in enumerate(done.stats.acceptance_histogram):
-            hist[k] += n
-    return {"outputs": outputs, "hist": hist}
+from dflash_batch.training.sweep import decode_rows
 
 
 def main(argv=None) -> int:
@@ -55,10 +43,9 @@ def main(argv=None) -> int:
         return 2
     plain = load_engine(args.target, None)  # a model of its own: the target capture wraps its layers
     prompts = held_out_prompts(drafted.tokenizer, args.prompts, args.samples)
-    with_drafter = decode(drafted, prompts, args.max_tokens, args.batch)
-    reference = decode(plain, prompts, args.max_tokens, args.batch)
-    hist = with_drafter["hist"]
-    cycles = sum(hist)
+    with_drafter = decode_rows(drafted, prompts, args.max_tokens, args.batch)
+    reference = decode_rows(plain, prompts, args.max_tokens, args.batch)
+    hist, cycles = with_drafter["hist"], with_drafter["cycles"]
     kinds = sorted({p["kind"] for p in prompts})
     result = {
         "device": str(mx.default_device()),
