@@ -44,12 +44,20 @@ def job_prompts(n: int) -> List[str]:
 
 
 def file_prompts(path: str) -> List[Prompt]:
-    """The prompts of a JSONL job file, in order: ``messages`` as given, ``prompt`` as a string, or
-    with its ``system`` as a system turn. Other per-row options (``max_tokens``, ``stop``) are not
-    applied: every arm decodes ``--max-tokens`` for each."""
-    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-    turns = lambda r: [{"role": "system", "content": r["system"]}, {"role": "user", "content": r["prompt"]}]  # noqa: E731
-    return [r["messages"] if "messages" in r else turns(r) if "system" in r else r["prompt"] for r in rows]
+    """The prompts of a job file, in order, read as the runner reads them (``runner.items``); a
+    row's ``system`` becomes its first turn, as ``Engine.encode`` places it. Other per-row options
+    (``max_tokens``, ``stop``) are not applied: every arm decodes ``--max-tokens`` for each."""
+    from dflash_batch.runner.items import read_items
+
+    prompts = []
+    for item in read_items(path):
+        if item.error:
+            raise ValueError(f"{path} {item.where}: {item.error}")
+        turns = [{"role": "user", "content": item.prompt}] if isinstance(item.prompt, str) else item.prompt
+        system = item.options.get("system")
+        first = system is not None and turns[0]["role"] != "system"
+        prompts.append([{"role": "system", "content": system}] + turns if first else item.prompt)
+    return prompts
 
 
 def job_row(i: int, prompt: Prompt) -> str:
