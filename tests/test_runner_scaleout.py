@@ -56,9 +56,12 @@ def chunks_run_by(worker) -> int:
     return sum(len(m.split(",")) for m in re.findall(r"\(with chunks \[([0-9, ]+)\]\): \d+ generated \(", worker.log()))
 
 
-def test_two_workers_run_chunks_of_one_job_at_once(tmp_path, home, fast, workers):
-    job = submit(tmp_path, fast, 40, chunk_size=4)
+def test_two_workers_run_chunks_of_one_job_at_once(tmp_path, home, fast, workers, monkeypatch):
+    monkeypatch.setenv("FAKE_ENGINE_DELAY", "0.2")  # 8 s of work: one worker cannot finish it alone
     a, b = workers(), workers()
+    # both consume before the job exists: a worker that started late would find nothing left
+    wait_for(lambda: all("worker started" in w.log() for w in (a, b)), timeout=120, what="both workers started")
+    job = submit(tmp_path, fast, 40, chunk_size=4)
     assert job.wait(timeout=240)["state"] == "completed"
     exactly_once(job, 40)
     assert chunks_run_by(a) >= 2 and chunks_run_by(b) >= 2, (a.log(), b.log())  # both did real work
