@@ -170,3 +170,37 @@ def test_two_widths_give_every_width_where_costs_are_a_line(engine, monkeypatch)
     for B in (1, 3, 8):
         for T in (1, 2, 6, 16):
             assert cost.passes(B, T) == pytest.approx(1 + 0.1 * B * T + 0.05 * B + (0.3 + 0.2 * B if T > 1 else 0))
+
+
+def test_a_cpu_job_of_one_row_reads_its_costs_from_three_timed_widths(engine, monkeypatch):
+    """At batch 1 a CPU pass's cost is not a line in T (the default pair on the 2-core VM: 52, 71,
+    100 ms at T = 1, 4, 16): the warm-up times the block too, and the widths between are read
+    from the three, not from the line through T = 1 and 4 (152 ms at 16), which would keep the
+    scheduler from verifying wide blocks that pay."""
+    costs = {1: 0.052, 4: 0.071, 16: 0.100}
+    asked = []
+
+    class Timed:
+        def __init__(self, engine, B, n):
+            self.B = B
+
+        def target(self, T):
+            asked.append((self.B, T))
+            return costs[T] * self.B
+
+        def prime(self):
+            pass
+
+        def draft(self):
+            return 0.03
+
+    monkeypatch.setattr(warmup, "_Passes", Timed)
+    monkeypatch.setattr(warmup, "_quick", lambda: True)
+    cost = warmup.measure_costs(engine, 1, 128)
+    assert sorted(asked) == [(1, 1), (1, 4), (1, 16)]
+    for T, s in costs.items():
+        assert cost.target(1, T) == pytest.approx(s)
+    assert cost.target(1, 10) == pytest.approx(0.071 + (0.100 - 0.071) * 6 / 12)
+    asked.clear()
+    cost = warmup.measure_costs(engine, 8, 128)  # batch 8: a line, two widths at each batch size
+    assert sorted(asked) == [(1, 1), (1, 4), (8, 1), (8, 4)]

@@ -17,7 +17,7 @@ with the context the costs were measured at). A GPU's verify cost is not linear 
 kernels work in tiles of query rows: at B = 64 on an H100, T = 1, 4, 8, 16 cost 21, 23, 33,
 55 ms), so the widths the scheduler chooses among are also timed at the job's batch size, and
 target(B, T) is read from them: interpolated in T between timed widths and in B between that
-batch size and the fitted line at B = 1.
+batch size and the fitted line at B = 1 (a job of one row reads its own timed widths).
 
 The scheduler picks T in 1..block maximising  sum_b E_b(min(T, budget_b)) / cost(B, T).  T = 1 is
 plain batched decoding (no draft pass). A job starts from a neutral p_1 = 0.5, so from the
@@ -122,9 +122,11 @@ class CostModel:
 
     def target(self, B: int, T: int) -> float:
         line = self.t0 + self.t1 * B * T + self.t2 * B
-        if not self.timed or self.rows < 2:
+        if not self.timed or (self.rows < 2 and B != self.rows):
             return line
         at_rows = _interpolate(self.timed, T)
+        if self.rows < 2:  # timed at batch 1 itself
+            return max(at_rows, 1e-9)
         at_one = self.t0 + self.t1 * T + self.t2
         return max(at_one + (at_rows - at_one) * (B - 1) / (self.rows - 1), 1e-9)
 

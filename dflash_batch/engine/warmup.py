@@ -17,8 +17,8 @@ On the CPU a pass compiles nothing (its first run costs what later ones do, but 
 first pass at a wide batch, run untimed) and costs a line in the rows it verifies, while each
 pass of even a small pair costs tens of milliseconds: there the warm-up times each pass once (a
 pass under CHEAP_PASS, a tiny model's, as on a GPU), verify passes of 1 and PROBE_WIDTH rows
-only (the line through them gives the other widths), and the drafter over that many new context
-rows. On the default pair at batch 8 that is 6 timed passes and 1 untimed, about 1 s on the
+only (the line through them gives the other widths; a job of one row times the block too, and
+reads the widths between from the three), and the drafter over that many new context rows. On the default pair at batch 8 that is 6 timed passes and 1 untimed, about 1 s on the
 2-core VM, where the GPU's way runs about 30 (4.1 s, a fifth of the README's job).
 
 On a GPU backend whose block attention is a kernel, the ragged route (engine/attention.py) is
@@ -75,7 +75,7 @@ def measure_costs(engine, batch_size: int, context: Optional[int] = None) -> Cos
         passes = _Passes(engine, B, n)
         if quick and i == 0:
             passes.prime()
-        for T in _first_widths(B, block, quick):
+        for T in _first_widths(B, block, quick, alone=batch_size == 1):
             if (B, T) not in targets:
                 targets[(B, T)] = passes.target(T)
         if B > 1 and not quick and not _straight([(T, targets[(B, T)]) for T in (1, block // 2, block)]):
@@ -90,8 +90,7 @@ def measure_costs(engine, batch_size: int, context: Optional[int] = None) -> Cos
     cost = CostModel.fit(targets, drafts)
     cost.context = n
     cost.route = attention.ragged_route()
-    if batch_size > 1:
-        cost.rows, cost.timed = batch_size, {T: s for (B, T), s in targets.items() if B == batch_size}
+    cost.rows, cost.timed = batch_size, {T: s for (B, T), s in targets.items() if B == batch_size}
     return cost
 
 
@@ -100,10 +99,14 @@ def _quick() -> bool:
     return mx.default_device() == mx.cpu
 
 
-def _first_widths(B: int, block: int, quick: bool) -> list:
-    """The verify widths timed at batch size B before any linearity check."""
+def _first_widths(B: int, block: int, quick: bool, alone: bool = False) -> list:
+    """The verify widths timed at batch size B before any linearity check. On the CPU, a job of
+    one row (``alone``) also times the block: there a pass's fixed cost of reading the weights
+    shades into compute as T grows, so its cost is not a line in T (the default pair on the
+    2-core VM: T = 1, 4, 8, 16 cost 52, 71, 80, 100 ms, where the line through 1 and 4 says 152
+    at 16); at batch 8 it is one (94, 164, 298, 514 ms at T = 1, 4, 8, 16)."""
     if quick:
-        return sorted({1, min(PROBE_WIDTH, block)})
+        return sorted({1, min(PROBE_WIDTH, block)} | ({block} if alone else set()))
     return sorted({1, block // 2, block} if B > 1 else {1, block})
 
 
