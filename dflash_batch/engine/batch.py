@@ -330,7 +330,7 @@ class BatchDecoder:
         drafted = decode.draft_block(
             self.drafter, self.target, last, context,
             None if uniform else mx.array(counts, dtype=mx.int32), self.draft_cache, rows,
-            **({"with_logits": True} if walking else {}),
+            head=self.engine.draft_head, **({"with_logits": True} if walking else {}),
         )
         if walking:  # constrained rows draft along their grammar (engine/grammar.py: Grammars.draft)
             ids, logits = drafted

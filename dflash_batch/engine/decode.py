@@ -91,20 +91,45 @@ def prefill(target: Target, prompt: List[int], cache: list, lengths: Lengths, ch
     return logits[:, -1:, :], context
 
 
+class DraftHead:
+    """Draft tokens from the target's LM head cut to a draft vocabulary V' (the tokens the target
+    writes most, ``draft_vocab.json``):
+
+        d = V'[argmax_j  lm_head(h)[V'_j]]
+
+    A drafter proposes only what the verify pass can accept, and rare tokens are seldom guessed
+    right, so a small V' costs little acceptance; the head's cost falls by |V| / |V'| (on a CPU
+    the drafter's full head reads the whole vocabulary matrix for a handful of rows). Output is
+    unchanged: the verify pass keeps the whole head."""
+
+    def __init__(self, target: Target, vocab: Sequence[int]):
+        self.ids = mx.array(list(vocab), dtype=mx.int32)
+        self.logits = target.head_rows(self.ids)
+
+    def __len__(self) -> int:
+        return self.ids.shape[0]
+
+    def __call__(self, h: mx.array) -> mx.array:
+        return self.ids[mx.argmax(self.logits(h), axis=-1)]
+
+
 def draft_block(
     drafter, target: Target, last: mx.array, context: mx.array, counts: Optional[mx.array], cache: list, rows: int,
-    with_logits: bool = False,
+    with_logits: bool = False, head: Optional[DraftHead] = None,
 ):
     """Propose ``rows`` tokens per row in one drafter pass: ids [B, rows] (position 0's output is unused);
-    ``with_logits``: also the drafter's logits [B, rows, V] (for rows that draft under a grammar).
+    ``with_logits``: also the drafter's logits [B, rows, V] over the whole vocabulary (for rows that
+    draft under a grammar); ``head``: draft from a draft vocabulary (``DraftHead``) instead.
 
     ``context`` [B, S] holds each row's new context rows, row b's first ``counts[b]`` valid (None:
     all S). The drafter always runs the whole block; only the LM head is cut to the rows verified.
     """
     B = drafter.args.block_size
     block = mx.concatenate([last, mx.full((last.shape[0], B - 1), drafter.args.mask_token_id, dtype=last.dtype)], axis=1)
-    h = drafter(target.embed(block), context, cache, counts)
-    logits = target.lm_head(h[:, 1 : 1 + rows, :])
+    h = drafter(target.embed(block), context, cache, counts)[:, 1 : 1 + rows, :]
+    if head is not None and not with_logits:
+        return head(h).astype(last.dtype)
+    logits = target.lm_head(h)
     ids = mx.argmax(logits, axis=-1).astype(last.dtype)
     return (ids, logits) if with_logits else ids
 

