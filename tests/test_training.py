@@ -161,7 +161,33 @@ def test_train_checkpoint_resume_export(tiny_target, tmp_path, capsys):
     longer = [a if a != "4" or argv[i - 1] != "--steps" else "6" for i, a in enumerate(argv)]
     assert cli.main(longer + ["--time-budget", "1e-9"]) == 3
     assert sorted(p.name for p in (out / "checkpoints").iterdir())[-1] == "step-0000005"
-    assert cli.main(longer) == 0
+    assert not (out / "drafter" / "draft_vocab.json").exists()  # 16384 by default: the whole tiny vocabulary
+    assert cli.main(longer + ["--draft-vocab", "64"]) == 0
+
+    # The export's draft vocabulary: the 64 tokens its training answers hold most, EOS among them.
+    vocab = json.loads((out / "drafter" / "draft_vocab.json").read_text())
+    ids = vocab["token_ids"]
+    assert len(ids) == 64 and ids == sorted(set(ids)) and set(meta["eos_token_ids"]) <= set(ids)
+    from dflash_batch.training.trainer import answer_samples
+
+    _, train, held = answer_samples(TrainConfig(out=str(out), samples=0))
+    counts = np.bincount(np.concatenate([s["answer"] for s in train]), minlength=meta["vocab_size"])
+    eos = meta["eos_token_ids"]
+    others = np.sort(np.delete(counts, eos))[::-1]
+    assert counts[ids].sum() == counts[eos].sum() + others[: 64 - len(eos)].sum()  # no more-written token left out
+    assert vocab["answers"] == len(train) and vocab["answer_tokens"] == counts.sum()
+    model3, tok3, cfg3 = loading.load_target(tiny_target)
+    cut = Engine(model3, tok3, load_drafter(out / "drafter"), config=cfg3)
+    assert cut.draft_head is not None and len(cut.draft_head) == 64
+    assert cut.generate("Hello there", max_tokens=24).token_ids == plain.token_ids
+
+    # --write-draft-vocab adds one to a drafter folder from a run's answers, and trains nothing.
+    other = shutil.copytree(out / "drafter", tmp_path / "other")
+    (other / "draft_vocab.json").unlink()
+    assert cli.main(["--out", str(out), "--write-draft-vocab", str(other), "--draft-vocab", "32"]) == 0
+    assert len(json.loads((other / "draft_vocab.json").read_text())["token_ids"]) == 32
+    assert sorted(p.name for p in (out / "checkpoints").iterdir())[-1] == "step-0000006"
+    assert cli.main(["--out", str(out), "--write-draft-vocab", str(tmp_path / "nowhere")]) == 2
 
 
 def test_engine_drafts_equal_the_training_objective(qwen3_target, model_dir, monkeypatch):

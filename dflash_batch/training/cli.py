@@ -22,6 +22,7 @@ examples:
   dflash-batch train-drafter --out runs/big --corpus offline --prompts 60000 --prepare-only
   dflash-batch train-drafter --out runs/big --self-prompts 20000 --samples 1 --generate-only --gen-time-budget 500
   dflash-batch train-drafter --out runs/more --data runs/big/data --train-only --init default --steps 20000
+  dflash-batch train-drafter --out runs/big --write-draft-vocab ./my-drafter   # add a draft vocabulary
 """
 
 
@@ -79,6 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--no-resume", action="store_true", help="start over even if checkpoints exist")
     k.add_argument("--quantize-bits", type=int, default=8, help="export bits for linear layers (0: none)")
     k.add_argument("--export-dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    k.add_argument("--draft-vocab", type=int, default=16384,
+                   help="tokens the drafter drafts from: those the target writes most (default 16384; 0: all)")
+    k.add_argument("--write-draft-vocab", metavar="DRAFTER",
+                   help="write DRAFTER/draft_vocab.json from this run's training answers, then stop")
     return p
 
 
@@ -125,6 +130,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         log_every=args.log_every,
         quantize_bits=args.quantize_bits or None,
         export_dtype=args.export_dtype,
+        draft_vocab=args.draft_vocab,
     )
     start = time.perf_counter()
 
@@ -142,6 +148,26 @@ def main(argv: Optional[List[str]] = None) -> int:
         if not ok:
             print(f"train-drafter: {flag} must be {'positive' if 'temp' in flag or 'budget' in flag else '0 or more'}, got {value}", file=sys.stderr)
             return 2
+    if args.draft_vocab < 0:
+        print(f"train-drafter: --draft-vocab must be 0 or more, got {args.draft_vocab}", file=sys.stderr)
+        return 2
+    if args.write_draft_vocab:
+        from pathlib import Path
+
+        from .trainer import write_draft_vocab
+
+        folder = Path(args.write_draft_vocab)
+        if not (folder / "config.json").exists():
+            print(f"train-drafter: --write-draft-vocab {folder}: no drafter there (no config.json)", file=sys.stderr)
+            return 2
+        try:
+            written = write_draft_vocab(cfg, folder, log)
+        except (FileNotFoundError, ValueError) as e:
+            print(f"train-drafter: {e}", file=sys.stderr)
+            return 2
+        if written is None:
+            print("train-drafter: --draft-vocab covers the whole vocabulary: nothing written", file=sys.stderr)
+        return 0
     if not args.steps and not args.time_budget and not (args.prepare_only or args.generate_only):
         print("train-drafter: give --steps or --time-budget", file=sys.stderr)
         return 2

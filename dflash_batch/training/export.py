@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import List, Optional
+from typing import Iterable, List, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx.utils import tree_flatten
+
+from ..engine.loading import DRAFT_VOCAB_FILE
+from ..files import write_atomic
 
 
 def drafter_config(
@@ -73,3 +77,32 @@ def save_drafter(
     mx.save_safetensors(str(folder / "model.safetensors"), weights, metadata={"format": "mlx"})
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return folder
+
+
+def draft_vocab(answers: Iterable[Sequence[int]], vocab_size: int, size: int, always: Sequence[int] = ()) -> dict:
+    """The ``size`` tokens the target writes most in ``answers`` (ties: the lower id), with
+    ``always`` (its EOS ids) among them: ``{"token_ids": sorted ids, "answers", "answer_tokens",
+    "coverage"}``, coverage being the share of the answers' tokens the ids hold."""
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    n = 0
+    for answer in answers:
+        counts += np.bincount(np.asarray(answer, dtype=np.int64), minlength=vocab_size)[:vocab_size]
+        n += 1
+    forced = sorted({int(i) for i in always if 0 <= int(i) < vocab_size})
+    taken = set(forced)
+    rest = [int(i) for i in np.argsort(-counts, kind="stable") if int(i) not in taken]
+    ids = sorted(forced + rest[: max(size - len(forced), 0)])
+    total = int(counts.sum())
+    return {
+        "token_ids": ids,
+        "answers": n,
+        "answer_tokens": total,
+        "coverage": round(float(counts[ids].sum()) / max(total, 1), 5),
+    }
+
+
+def save_draft_vocab(folder: str | Path, vocab: dict) -> Path:
+    """``folder/draft_vocab.json``: ``loading.read_draft_vocab`` reads it with the drafter."""
+    path = Path(folder) / DRAFT_VOCAB_FILE
+    write_atomic(path, json.dumps(vocab).encode() + b"\n")
+    return path

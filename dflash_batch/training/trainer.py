@@ -87,6 +87,7 @@ class TrainConfig:
     log_every: int = 25
     keep_checkpoints: int = 2
     quantize_bits: Optional[int] = 8
+    draft_vocab: int = 16384  # export a draft vocabulary of this many tokens (0: the whole vocabulary)
     export_dtype: str = "bfloat16"
     extra: dict = field(default_factory=dict)
 
@@ -553,5 +554,26 @@ class Trainer:
         export.save_drafter(
             out, self.drafter, self.drafter_config, dtype=cfg.export_dtype, quantize_bits=cfg.quantize_bits
         )
+        if cfg.draft_vocab:
+            write_draft_vocab(cfg, out, self.log, self.train_samples)
         self.log(f"exported the drafter to {out}")
         return out
+
+
+def write_draft_vocab(cfg: TrainConfig, folder: Path, log: Callable[[str], None] = print,
+                      samples: Optional[List[dict]] = None) -> Optional[Path]:
+    """Write ``folder``'s draft vocabulary (engine/decode.py: ``DraftHead``): the ``draft_vocab``
+    tokens the target writes most in the training answers (held-out answers never count), its
+    EOS ids among them. None (and no file) when that would be the whole vocabulary."""
+    meta = json.loads((data_dir(cfg) / "meta.json").read_text())
+    if cfg.draft_vocab <= 0 or cfg.draft_vocab >= meta["vocab_size"]:
+        return None
+    if samples is None:
+        _, samples, _ = answer_samples(cfg)
+    if not samples:
+        raise ValueError(f"no training answers in {data_dir(cfg) / 'answers'}: generate them first")
+    vocab = export.draft_vocab((s["answer"] for s in samples), meta["vocab_size"], cfg.draft_vocab, meta["eos_token_ids"])
+    path = export.save_draft_vocab(folder, vocab)
+    log(f"draft vocabulary: {len(vocab['token_ids'])} of {meta['vocab_size']} tokens, "
+        f"{vocab['coverage']:.2%} of {vocab['answer_tokens']} training answer tokens ({vocab['answers']} answers) -> {path}")
+    return path
