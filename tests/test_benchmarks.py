@@ -247,3 +247,53 @@ def test_held_out_acceptance_counts_the_drafters_tokens_per_cycle_in_batches(zer
     result = json.loads(out.read_text())
     assert result["prompts"] == 3 and result["exact_prompts"] == 3
     assert result["tokens_per_cycle"] == round(tau, 3) and tau > 4
+
+
+def test_draft_vocab_benchmark_rebuilds_each_size_from_the_answers(zero_head_target, model_dir, tmp_path):
+    """benchmarks/draft_vocab.py: each size's vocabulary is the most written tokens of the data's
+    training answers. Over the zeroed-head target every draft is token 0: a vocabulary without it
+    accepts nothing (1 token per cycle), one with it accepts as the whole vocabulary does, and
+    outputs never change."""
+    from benchmarks import draft_vocab
+    from dflash_batch.training.store import AnswerStore, prompt_key
+
+    draft, samples, tau = _zero_head_job(zero_head_target, model_dir, tmp_path, 2)
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "meta.json").write_text(json.dumps({"vocab_size": 512, "eos_token_ids": [3]}))
+    rows = [{"id": f"t{i}", "kind": "test", "split": "train", "prompt": [20 + i, 21]} for i in range(3)]
+    for r in rows:
+        r["key"] = prompt_key(r["prompt"])
+    (data / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with AnswerStore(data / "answers", 512).open_writer() as w:
+        for i, r in enumerate(rows):  # tokens 10..17 five times each, token 0 three times in all
+            w.append(r["key"], 0, list(range(10, 18)) * 5 + [0] * (i == 0) * 3, ended=False, temperature=0.0)
+    out = tmp_path / "vocab.json"
+    argv = ["--target", str(zero_head_target), "--draft", str(draft), "--data", str(data), "--sizes", "4,16",
+            "--samples", str(samples), "--prompts", "2", "--speed-prompts", "1", "--max-tokens", "30",
+            "--speed-max-tokens", "12", "--out", str(out)]  # fmt: skip
+    assert draft_vocab.main(argv) == 0
+    result = json.loads(out.read_text())
+    by_size = {r["size"]: r for r in result["sizes"]}
+    assert sorted(by_size) == [0, 4, 16] and result["training_answers"] == 3
+    assert by_size[0]["tokens_per_cycle"] == round(tau, 3) == by_size[16]["tokens_per_cycle"] and tau > 4
+    assert by_size[4]["tokens_per_cycle"] == 1.0  # {3, 10, 11, 12}: token 0 is never drafted
+    assert all(r["same_output_prompts"] == 2 and r["decode_tps"] > 0 for r in result["sizes"])
+    assert by_size[16]["coverage"] == 1.0 and by_size[4]["coverage"] == round(45 / 123, 5)  # 10, 11, 12: 15 each of 123
+
+
+def test_anchor_bias_chains_the_objective_as_decoding_moves(zero_head_target, model_dir, tmp_path):
+    """benchmarks/anchor_bias.py: the objective's acceptance chained through the anchors decoding
+    reaches equals the engine's real tokens per cycle; at every anchor with a whole block after
+    it, the zeroed head accepts the whole block (8)."""
+    from benchmarks import anchor_bias
+
+    draft, samples, tau = _zero_head_job(zero_head_target, model_dir, tmp_path, 2)
+    out = tmp_path / "bias.json"
+    argv = ["--target", str(zero_head_target), "--draft", str(draft), "--samples", str(samples), "--prompts", "2",
+            "--max-tokens", "30", "--out", str(out)]  # fmt: skip
+    assert anchor_bias.main(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["real_tokens_per_cycle"] == result["chained_tokens_per_cycle"] == round(tau, 3)
+    assert result["real_cycles"] == result["chained_cycles"] > 0
+    assert result["uniform_anchor_tokens_per_cycle"] == 8.0
