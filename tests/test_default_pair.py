@@ -65,11 +65,14 @@ def test_shipped_drafter_fits_and_matches_the_target():
     assert meta["tokenizer.ggml.token_type"][dflash["mask_token_id"]].item() == 3
     assert meta["tokenizer.ggml.tokens"][dflash["mask_token_id"]] == "<empty_output>"
     assert (asset / "TRAINING.md").exists()
+    vocab = json.loads((asset / "draft_vocab.json").read_text())["token_ids"]
+    assert len(vocab) == 16384 and vocab == sorted(set(vocab)) and 2 in vocab  # 2: <|im_end|>, the EOS
 
 
 def test_default_pair_is_lossless_and_accepts(engines):
     dflash, plain = engines
     assert dflash.drafter is not None and dflash.block_size == 16 and plain.drafter is None
+    assert dflash.description["draft_vocab"] == 16384  # the shipped draft vocabulary, through the cache's copy
     assert dflash.target.embed_tokens.weight.dtype == mx.float32
     # The drafter's own acceptance is read at a fixed width (the whole block every cycle): the
     # adaptive width follows timed pass costs, so its tokens per cycle move with machine load.
