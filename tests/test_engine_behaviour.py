@@ -176,10 +176,10 @@ def test_drafter_context_is_the_committed_tapped_hidden_state(tiny_pair, monkeyp
         seen.append(context)
         return add_context(context, cache)
 
-    def spy(drafter, target, last, context, counts, cache, rows):
+    def spy(drafter, target, last, context, counts, cache, rows, **kw):
         assert counts is None  # one row: every context row it brings is valid
         seen.append(context)
-        return real(drafter, target, last, context, counts, cache, rows)
+        return real(drafter, target, last, context, counts, cache, rows, **kw)
 
     monkeypatch.setattr(engine.drafter, "add_context", prompt_context)
     monkeypatch.setattr(decode, "draft_block", spy)

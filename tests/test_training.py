@@ -216,7 +216,7 @@ def test_engine_drafts_equal_the_training_objective(qwen3_target, model_dir, mon
     real = decode.draft_block
     drafts = []  # (last token, the drafter's own logits [rows, V]) per cycle
 
-    def spy(drafter, target, last, context, counts, cache, rows, with_logits=False):
+    def spy(drafter, target, last, context, counts, cache, rows, with_logits=False, head=None):
         ids, logits = real(drafter, target, last, context, counts, cache, rows, with_logits=True)
         drafts.append((last[0, 0].item(), logits[0]))
         return (ids, logits) if with_logits else ids
