@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import dflash_batch.engine  # noqa: F401  (BLAS preload before mlx)
 import mlx.core as mx
@@ -107,8 +108,6 @@ def main(argv=None) -> int:
     }
     text = json.dumps(result, indent=2) + "\n"
     if args.out:
-        from pathlib import Path
-
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(text)
     print(text)

@@ -12,7 +12,8 @@ hold for any size, the shipped one included. Per size:
   * tokens per cycle with the whole block verified every cycle (the drafter's acceptance),
     decoded in batches over ``--prompts`` prompts, and whether every output equals the whole
     vocabulary's (it must: verification keeps the whole head);
-  * decode tokens/s at batch 1 (the engine's adaptive width, as users run it) over
+  * decode tokens/s at batch 1 (the engine's adaptive width, as users run it; counted as
+    ``default_pair.py`` counts it) over
     ``--speed-prompts`` prompts, the sizes taking turns prompt by prompt after a warm-up; the
     ratio to size 0 over all of them.
 """
@@ -24,13 +25,12 @@ import json
 import shutil
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import dflash_batch.engine  # noqa: F401  (BLAS preload before mlx)
 import mlx.core as mx
 
-from benchmarks.default_pair import held_out_prompts
+from benchmarks.default_pair import held_out_prompts, run_engine
 from dflash_batch.engine import load_engine, loading
 from dflash_batch.engine.default_model import ensure_default_pair
 from dflash_batch.training import export
@@ -46,14 +46,11 @@ def drafter_with_vocab(src: Path, dst: Path, size: int, answers: list, vocab_siz
     return dst
 
 
-def stream_rate(engine, prompt, max_tokens: int) -> tuple:
-    """(tokens, decode seconds): the first token (the prefill's) starts the clock."""
-    start, n = None, 0
-    for piece in engine.stream(prompt, max_tokens=max_tokens):
-        if start is None:
-            start = time.perf_counter()
-        n += len(piece.token_ids)
-    return n, time.perf_counter() - start
+def decode_time(engine, prompt, max_tokens: int) -> tuple:
+    """(decode tokens, decode seconds) as ``default_pair.py`` counts them: the tokens after the
+    first, from the first token to the last."""
+    ids, tps, _, _ = run_engine(engine, prompt, max_tokens)
+    return (len(ids) - 1, (len(ids) - 1) / tps) if len(ids) > 1 else (0, 0.0)
 
 
 def main(argv=None) -> int:
@@ -104,13 +101,13 @@ def main(argv=None) -> int:
         engines = {k: load_engine(target, str(f)) for k, f in folders.items()}
         timed = prompts[: args.speed_prompts]
         for k in sizes:
-            stream_rate(engines[k], timed[0]["prompt"], args.speed_max_tokens)  # warm-up
+            decode_time(engines[k], timed[0]["prompt"], args.speed_max_tokens)  # warm-up
         tokens = {k: 0 for k in sizes}
         seconds = {k: 0.0 for k in sizes}
         for i, p in enumerate(timed):
             order = sizes[i % len(sizes):] + sizes[: i % len(sizes)]  # each size leads in turn
             for k in order:
-                n, s = stream_rate(engines[k], p["prompt"], args.speed_max_tokens)
+                n, s = decode_time(engines[k], p["prompt"], args.speed_max_tokens)
                 tokens[k] += n
                 seconds[k] += s
         for k in sizes:
