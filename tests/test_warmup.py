@@ -14,6 +14,26 @@ def engine(tiny_pair):
     return load_engine(str(target_dir), str(draft_dir))
 
 
+def fake_passes(monkeypatch, target, draft=lambda B: 0.5):
+    """Time no model: a verify pass of T rows at batch size B takes ``target(B, T)`` seconds, a
+    drafter pass ``draft(B)``."""
+
+    class Timed:
+        def __init__(self, engine, B, n):
+            self.B = B
+
+        def target(self, T):
+            return target(self.B, T)
+
+        def prime(self):
+            pass
+
+        def draft(self):
+            return draft(self.B)
+
+    monkeypatch.setattr(warmup, "_Passes", Timed)
+
+
 def test_passes_are_timed_at_the_jobs_context(engine, monkeypatch):
     seen = []
     real = warmup._Passes
@@ -54,21 +74,7 @@ def test_the_faster_ragged_route_is_kept(engine, monkeypatch):
     """On a GPU the warm-up times both routes at the job's batch size; here the timings are faked:
     whichever route is faster must be the one set for the job."""
     for fast in attention.RAGGED_ROUTES:
-
-        class Timed:
-            def __init__(self, engine, B, n):
-                pass
-
-            def target(self, T):
-                return 1.0 if attention.ragged_route() == fast else 2.0
-
-            def prime(self):
-                pass
-
-            def draft(self):
-                return 0.5
-
-        monkeypatch.setattr(warmup, "_Passes", Timed)
+        fake_passes(monkeypatch, lambda B, T, fast=fast: 1.0 if attention.ragged_route() == fast else 2.0)
         monkeypatch.setattr(warmup, "_routes_differ", lambda: True)
         try:
             attention.set_ragged_route("sdpa" if fast == "block" else "block")
@@ -84,21 +90,7 @@ def test_every_width_is_timed_where_cost_is_not_linear_in_the_width(engine, monk
     the CPU's costs are a line in the rows verified, timed at two widths, below.)"""
     monkeypatch.setattr(warmup, "_quick", lambda: False)
     for costs, timed in (({1: 1.0, 8: 1.1, 16: 3.0}, 8), ({1: 1.0, 8: 2.0, 16: 3.0}, 3)):
-
-        class Timed:
-            def __init__(self, engine, B, n):
-                self.B = B
-
-            def target(self, T):
-                return costs.get(T, 1.5) * self.B
-
-            def prime(self):
-                pass
-
-            def draft(self):
-                return 0.5
-
-        monkeypatch.setattr(warmup, "_Passes", Timed)
+        fake_passes(monkeypatch, lambda B, T, costs=costs: costs.get(T, 1.5) * B)
         cost = warmup.measure_costs(engine, 4, 128)
         assert len(cost.timed) == timed
         assert cost.target(4, 8) == pytest.approx(costs[8] * 4)
@@ -151,21 +143,7 @@ def test_the_cpu_warm_up_times_each_pass_once_at_two_widths(engine, monkeypatch)
 def test_two_widths_give_every_width_where_costs_are_a_line(engine, monkeypatch):
     """target(B, T) = 1 + 0.1 B T + 0.05 B, draft(B) = 0.3 + 0.2 B: the CPU's timings at T = 1 and
     4 give the same costs at every width and batch size as the line itself."""
-
-    class Timed:
-        def __init__(self, engine, B, n):
-            self.B = B
-
-        def target(self, T):
-            return 1 + 0.1 * self.B * T + 0.05 * self.B
-
-        def prime(self):
-            pass
-
-        def draft(self):
-            return 0.3 + 0.2 * self.B
-
-    monkeypatch.setattr(warmup, "_Passes", Timed)
+    fake_passes(monkeypatch, lambda B, T: 1 + 0.1 * B * T + 0.05 * B, lambda B: 0.3 + 0.2 * B)
     cost = warmup.measure_costs(engine, 8, 128)
     for B in (1, 3, 8):
         for T in (1, 2, 6, 16):
@@ -180,21 +158,11 @@ def test_a_cpu_job_of_one_row_reads_its_costs_from_three_timed_widths(engine, mo
     costs = {1: 0.052, 4: 0.071, 16: 0.100}
     asked = []
 
-    class Timed:
-        def __init__(self, engine, B, n):
-            self.B = B
+    def target(B, T):
+        asked.append((B, T))
+        return costs[T] * B
 
-        def target(self, T):
-            asked.append((self.B, T))
-            return costs[T] * self.B
-
-        def prime(self):
-            pass
-
-        def draft(self):
-            return 0.03
-
-    monkeypatch.setattr(warmup, "_Passes", Timed)
+    fake_passes(monkeypatch, target, lambda B: 0.03)
     monkeypatch.setattr(warmup, "_quick", lambda: True)
     cost = warmup.measure_costs(engine, 1, 128)
     assert sorted(asked) == [(1, 1), (1, 4), (1, 16)]
