@@ -21,15 +21,13 @@ positions than a uniform draw (teacher-forced evaluation draws anchors uniformly
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from pathlib import Path
 
 import dflash_batch.engine  # noqa: F401  (BLAS preload before mlx)
 import mlx.core as mx
 import numpy as np
 
-from benchmarks.default_pair import held_out_prompts
+from benchmarks.default_pair import held_out_options, held_out_prompts, write_result
 from dflash_batch.engine import load_engine
 from dflash_batch.training import objective
 from dflash_batch.training.trainer import tapped_hidden
@@ -59,12 +57,7 @@ def accepted_at_every_anchor(engine, seq: list, start: int) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--target", help="target folder (default: the embedded default pair)")
-    ap.add_argument("--draft", help="drafter folder (default: the target's registered drafter)")
-    ap.add_argument("--samples", help="held-out prompts as ids (a training run's eval.jsonl)")
-    ap.add_argument("--prompts", type=int, default=16)
-    ap.add_argument("--max-tokens", type=int, default=96)
-    ap.add_argument("--out", help="write the result here (JSON)")
+    held_out_options(ap, prompts=16, max_tokens=96)
     args = ap.parse_args(argv)
 
     engine = load_engine(args.target, args.draft or "auto", adaptive_block=False)
@@ -106,11 +99,7 @@ def main(argv=None) -> int:
         **totals,
         "command": "python -m benchmarks.anchor_bias " + " ".join(argv if argv is not None else sys.argv[1:]),
     }
-    text = json.dumps(result, indent=2) + "\n"
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text)
-    print(text)
+    write_result(result, args.out)
     return 0
 
 

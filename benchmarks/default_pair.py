@@ -56,6 +56,26 @@ def held_out_prompts(tokenizer, count: int, samples: str | None) -> list:
     return data.encode_prompts(tokenizer, chosen[:count])
 
 
+def held_out_options(ap: argparse.ArgumentParser, prompts: int, max_tokens: int) -> None:
+    """The options of the benchmarks that decode held-out prompts (``held_out_acceptance``,
+    ``anchor_bias``, ``draft_vocab``): the pair, the prompts, their budget and ``--out``."""
+    ap.add_argument("--target", help="target folder (default: the embedded default pair)")
+    ap.add_argument("--draft", help="drafter folder (default: the target's registered drafter)")
+    ap.add_argument("--samples", help="held-out prompts as ids (a training run's eval.jsonl)")
+    ap.add_argument("--prompts", type=int, default=prompts)
+    ap.add_argument("--max-tokens", type=int, default=max_tokens)
+    ap.add_argument("--out", help="write the result here (JSON)")
+
+
+def write_result(result: dict, out: str | None) -> None:
+    """Print ``result`` as JSON, and write it to ``out`` too when given."""
+    text = json.dumps(result, indent=2) + "\n"
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(text)
+    print(text)
+
+
 def timed(pieces) -> tuple:
     """(token ids, decode tokens/s, total seconds) of a stream of (time, new token ids)."""
     t0 = time.perf_counter()

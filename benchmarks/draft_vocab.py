@@ -30,7 +30,7 @@ from pathlib import Path
 import dflash_batch.engine  # noqa: F401  (BLAS preload before mlx)
 import mlx.core as mx
 
-from benchmarks.default_pair import held_out_prompts, run_engine
+from benchmarks.default_pair import held_out_options, held_out_prompts, run_engine, write_result
 from dflash_batch.engine import load_engine, loading
 from dflash_batch.engine.default_model import ensure_default_pair
 from dflash_batch.training import export
@@ -55,17 +55,12 @@ def decode_time(engine, prompt, max_tokens: int) -> tuple:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--target", help="target folder (default: the embedded default pair)")
-    ap.add_argument("--draft", help="drafter folder (default: the shipped drafter)")
+    held_out_options(ap, prompts=32, max_tokens=128)
     ap.add_argument("--data", required=True, help="a train-drafter data folder with stored answers")
     ap.add_argument("--self-prompts", type=int, default=0, help="as train-drafter's, for the data folder")
     ap.add_argument("--sizes", default="0,4096,8192,16384")
-    ap.add_argument("--samples", help="held-out prompts as ids (a training run's eval.jsonl)")
-    ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--speed-prompts", type=int, default=12)
-    ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--speed-max-tokens", type=int, default=96)
-    ap.add_argument("--out", help="write the result here (JSON)")
     args = ap.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
     if 0 not in sizes:
@@ -127,11 +122,7 @@ def main(argv=None) -> int:
         "sizes": [rows[k] for k in sizes],
         "command": "python -m benchmarks.draft_vocab " + " ".join(argv if argv is not None else sys.argv[1:]),
     }
-    text = json.dumps(result, indent=2) + "\n"
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text)
-    print(text)
+    write_result(result, args.out)
     return 0 if all(r["same_output_prompts"] == len(prompts) for r in rows.values()) else 1
 
 

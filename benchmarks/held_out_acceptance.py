@@ -14,27 +14,20 @@ of the same batch (no drafter), which the tests hold equal to ``mlx_lm``'s.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from pathlib import Path
 
 import dflash_batch.engine  # noqa: F401  (BLAS preload before mlx)
 import mlx.core as mx
 
-from benchmarks.default_pair import held_out_prompts
+from benchmarks.default_pair import held_out_options, held_out_prompts, write_result
 from dflash_batch.engine import load_engine
 from dflash_batch.training.sweep import decode_rows
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--target", help="target folder (default: the embedded default pair)")
-    ap.add_argument("--draft", help="drafter folder (default: the target's registered drafter)")
-    ap.add_argument("--samples", help="held-out prompts as ids (a training run's eval.jsonl)")
-    ap.add_argument("--prompts", type=int, default=64)
-    ap.add_argument("--max-tokens", type=int, default=128)
+    held_out_options(ap, prompts=64, max_tokens=128)
     ap.add_argument("--batch", type=int, default=16, help="rows decoded at once")
-    ap.add_argument("--out", help="write the result here (JSON)")
     args = ap.parse_args(argv)
 
     drafted = load_engine(args.target, args.draft or "auto", adaptive_block=False)
@@ -61,11 +54,7 @@ def main(argv=None) -> int:
         "exact_prompts": sum(with_drafter["outputs"][i] == reference["outputs"][i] for i in range(len(prompts))),
         "command": "python -m benchmarks.held_out_acceptance " + " ".join(argv if argv is not None else sys.argv[1:]),
     }
-    text = json.dumps(result, indent=2) + "\n"
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text)
-    print(text)
+    write_result(result, args.out)
     return 0 if result["exact_prompts"] == len(prompts) else 1
 
 
