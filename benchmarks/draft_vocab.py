@@ -88,7 +88,7 @@ def main(argv=None) -> int:
             rows[k] = {
                 "size": k,
                 "coverage": None if not k else json.loads((folders[k] / loading.DRAFT_VOCAB_FILE).read_text())["coverage"],
-                "tokens_per_cycle": round(sum(i * n for i, n in enumerate(r["hist"])) / max(r["cycles"], 1), 3),
+                "tokens_per_cycle": round(r["committed"] / max(r["cycles"], 1), 3),
                 "same_output_prompts": sum(r["outputs"][i] == base[i] for i in range(len(prompts))),
             }
             print(json.dumps(rows[k]), file=sys.stderr)

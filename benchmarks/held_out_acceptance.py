@@ -48,7 +48,7 @@ def main(argv=None) -> int:
         "kinds": {k: sum(p["kind"] == k for p in prompts) for k in kinds},
         "max_tokens": args.max_tokens,
         "block_size": drafted.block_size,
-        "tokens_per_cycle": round(sum(k * n for k, n in enumerate(hist)) / max(cycles, 1), 3),
+        "tokens_per_cycle": round(with_drafter["committed"] / max(cycles, 1), 3),
         "cycles": cycles,
         "acceptance_histogram": hist,
         "exact_prompts": sum(with_drafter["outputs"][i] == reference["outputs"][i] for i in range(len(prompts))),

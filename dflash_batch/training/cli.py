@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 from typing import List, Optional
 
 EXAMPLES = """\
@@ -152,8 +153,6 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"train-drafter: --draft-vocab must be 0 or more, got {args.draft_vocab}", file=sys.stderr)
         return 2
     if args.write_draft_vocab:
-        from pathlib import Path
-
         from .trainer import write_draft_vocab
 
         folder = Path(args.write_draft_vocab)

@@ -83,11 +83,9 @@ def draft_vocab(answers: Iterable[Sequence[int]], vocab_size: int, size: int, al
     """The ``size`` tokens the target writes most in ``answers`` (ties: the lower id), with
     ``always`` (its EOS ids) among them: ``{"token_ids": sorted ids, "answers", "answer_tokens",
     "coverage"}``, coverage being the share of the answers' tokens the ids hold."""
-    counts = np.zeros(vocab_size, dtype=np.int64)
-    n = 0
-    for answer in answers:
-        counts += np.bincount(np.asarray(answer, dtype=np.int64), minlength=vocab_size)[:vocab_size]
-        n += 1
+    answers = [np.asarray(a, dtype=np.int64) for a in answers]
+    n = len(answers)
+    counts = np.bincount(np.concatenate(answers) if answers else np.zeros(0, np.int64), minlength=vocab_size)[:vocab_size]
     forced = sorted({int(i) for i in always if 0 <= int(i) < vocab_size})
     taken = set(forced)
     rest = [int(i) for i in np.argsort(-counts, kind="stable") if int(i) not in taken]

@@ -62,7 +62,7 @@ def decode_acceptance(cfg: TrainConfig, drafter: Path, prompts: List[dict], max_
     model, config = load_target_model(cfg.target, cfg.dtype)
     engine = Engine(model, IdsTokenizer(meta["eos_token_ids"]), load_drafter(drafter), config=config, adaptive_block=False)
     run = decode_rows(engine, prompts, max_tokens, batch_size)
-    committed, cycles = sum(k * n for k, n in enumerate(run["hist"])), run["cycles"]
+    committed, cycles = run["committed"], run["cycles"]
     return {"prompts": len(prompts), "max_tokens": max_tokens, "cycles": cycles,
             "tokens_per_cycle": committed / cycles if cycles else None}  # fmt: skip
 
@@ -70,7 +70,8 @@ def decode_acceptance(cfg: TrainConfig, drafter: Path, prompts: List[dict], max_
 def decode_rows(engine, prompts: List[dict], max_tokens: int, batch_size: int) -> dict:
     """Greedy decoding of ``prompts`` (``{"prompt": ids}``) in batches: each row's output
     (``outputs``, by position), the verify cycles of all rows (``cycles``) and their histogram
-    of committed tokens per cycle (``hist``)."""
+    of committed tokens per cycle (``hist``), and the tokens those cycles committed (``committed``,
+    the prefills' first tokens aside)."""
     requests = [engine.request(p["prompt"], max_tokens=max_tokens, index=i) for i, p in enumerate(prompts)]
     outputs, hist, cycles = {}, [0] * (max(engine.block_size, 1) + 1), 0
     for index, done in engine.run(requests, batch_size):
@@ -80,7 +81,7 @@ def decode_rows(engine, prompts: List[dict], max_tokens: int, batch_size: int) -
         for k, n in enumerate(done.stats.acceptance_histogram):
             hist[k] += n
         cycles += done.stats.cycles
-    return {"outputs": outputs, "hist": hist, "cycles": cycles}
+    return {"outputs": outputs, "hist": hist, "cycles": cycles, "committed": sum(k * n for k, n in enumerate(hist))}
 
 
 def write_curve(out: Path, rows: List[dict]) -> None:
