@@ -238,3 +238,79 @@ def test_engine_drafts_equal_the_training_objective(qwen3_target, model_dir, mon
     for i, (_, logits) in enumerate(drafts):
         rows = logits.shape[0]
         assert mx.allclose(logits, trained[0, i, :rows], atol=1e-4).item(), f"cycle {i} at anchor {anchors[i]}"
+
+
+def test_follow_up_anchors_are_where_decoding_anchors_next():
+    """After a block at p accepts a drafts, decoding's next block starts at p + a + 1 (the bonus
+    token); none where no label would follow it or the block had none."""
+    tokens = np.arange(100, 120, dtype=np.int32)[None]  # one sequence of 20 tokens
+    lengths = np.array([20])
+    anchors = np.array([[2, 9, 15, -1]])
+    host = objective.blocks_at(tokens, lengths, anchors, 4, 99, gamma=2.0)
+    assert not host["weights"][0, 3].any() and host["weights"][0, 2].all()  # -1: no block
+    # Logits whose argmax is the label for the first a positions of each block, then wrong.
+    accepted = [3, 1, 0, 0]
+    logits = np.zeros((1, 4, 3, 128), dtype=np.float32)
+    for a, n in enumerate(accepted):
+        for k in range(3):
+            logits[0, a, k, host["labels"][0, a, k] if k < n else 0] = 1.0
+    got = objective.accepted_drafts(mx.array(logits), mx.array(host["labels"]), mx.array(host["weights"]))
+    assert got.tolist() == [accepted]
+    nxt = objective.follow_up_anchors(host["anchors"], np.array(got), host["weights"][..., 0] > 0, lengths)
+    assert nxt.tolist() == [[2 + 3 + 1, 9 + 1 + 1, 15 + 0 + 1, -1]]
+    late = objective.follow_up_anchors(np.array([[17, 18]]), np.array([[1, 0]]), np.array([[True, True]]), lengths)
+    assert late.tolist() == [[-1, 19 if 19 + 1 < 20 else -1]]  # 19 is the last token: no label after it
+
+
+def test_follow_anchor_training(tiny_target, tmp_path, monkeypatch):
+    """--follow-anchors: the drawn anchors and, beside them, the follow-ups of a random share of
+    them, from the drafter as it is at that step; the evaluation reports tau_follow."""
+    out = tmp_path / "run"
+    argv = [
+        "--target", str(tiny_target), "--out", str(out), "--prompts", "24", "--eval-percent", "20",
+        "--max-answer-tokens", "24", "--gen-batch", "16", "--steps", "2", "--batch-size", "4", "--anchors", "8",
+        "--max-len", "96", "--layers", "1", "--taps", "2", "--eval-every", "1", "--warmup", "1",
+        "--follow-anchors", "0.25",
+    ]  # fmt: skip
+    assert cli.main(argv) == 0
+    log = [json.loads(line) for line in (out / "train.log.jsonl").read_text().splitlines()]
+    final = [e["final_eval"] for e in log if "final_eval" in e][-1]
+    assert 1.0 <= final["tau_follow"] <= 4.0 and 1.0 <= final["tau"] <= 4.0
+
+    from dflash_batch.training.trainer import TrainConfig, Trainer
+
+    trainer = Trainer(TrainConfig(out=str(tmp_path / "spy"), target=str(tiny_target), data=str(out / "data"),
+                                  train_only=True, steps=1, layers=1, num_taps=2, max_len=96, batch_size=4,
+                                  anchors=8, follow_anchors=0.25), log=lambda _: None)  # fmt: skip
+    trainer.setup()
+    samples = trainer.train_samples[:4]
+    emb, context, anchors, labels, weights = trainer._inputs(samples, np.random.default_rng(5))
+    assert anchors.shape == (4, 8)
+    drawn = objective.make_batch(samples, np.random.default_rng(5), 6, trainer.cfg.block_size,
+                                 trainer.meta["mask_token_id"], trainer.cfg.gamma, 96, 96)  # fmt: skip
+    assert (np.array(anchors[:, :6]) == drawn["anchors"]).all()  # the drawn six come first
+    # Each follow-up: p + (drafts the drafter gets right from p) + 1, for some drawn p.
+    raw = np.where(drawn["weights"][..., 0] > 0, drawn["anchors"], -1)  # -1: the sequence had no anchor
+    full = objective.blocks_at(drawn["tokens"], drawn["lengths"], raw, trainer.cfg.block_size,
+                               trainer.meta["mask_token_id"], trainer.cfg.gamma)  # fmt: skip
+    e, a, lab, w = trainer._blocks(full)
+    best = np.array(mx.argmax(objective.block_logits(trainer.drafter, trainer.target.lm_head, e, context, a), axis=-1))
+    for i in range(4):
+        expected = set()
+        for p, guess, label, weight in zip(drawn["anchors"][i], best[i], full["labels"][i], full["weights"][i]):
+            if weight[0] == 0:
+                expected.add(None)  # no block at p: no follow-up either
+                continue
+            run = 0
+            while run < len(label) and weight[run] > 0 and guess[run] == label[run]:
+                run += 1
+            q = int(p) + run + 1
+            expected.add(q if q + 1 < drawn["lengths"][i] else None)
+        for col in (6, 7):
+            got = int(anchors[i, col].item()) if float(weights[i, col, 0].item()) > 0 else None
+            assert got in expected, (i, col, got, expected)
+    assert float(weights[:, 6:].sum().item()) > 0  # some follow-ups have labels
+
+    with pytest.raises(SystemExit) as refused:
+        cli.main(argv[:-1] + ["0.7"])
+    assert refused.value.code == 2

@@ -67,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--time-budget", type=float, help="seconds for the training loop")
     o.add_argument("--batch-size", type=int, default=16, help="sequences per step")
     o.add_argument("--anchors", type=int, default=32, help="anchor blocks per sequence")
+    o.add_argument("--follow-anchors", type=float, default=0.0, metavar="F",
+                   help="share of the anchors (at most 0.5) placed where decoding anchors next after drawn "
+                        "ones, right after a draft the target overruled (default 0: all drawn)")
     o.add_argument("--max-len", type=int, default=448, help="tokens per sequence (prompt + answer), padded")
     o.add_argument("--lr", type=float, default=6e-4)
     o.add_argument("--warmup", type=int, default=100)
@@ -89,7 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not 0.0 <= args.follow_anchors <= 0.5:
+        parser.error(f"--follow-anchors {args.follow_anchors}: a share from 0 to 0.5")
     from .trainer import TrainConfig, Trainer, prepare_answers, prepare_prompts, load_target_model
 
     cfg = TrainConfig(
@@ -120,6 +126,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         time_budget=args.time_budget,
         batch_size=args.batch_size,
         anchors=args.anchors,
+        follow_anchors=args.follow_anchors,
         max_len=args.max_len,
         lr=args.lr,
         warmup=args.warmup,

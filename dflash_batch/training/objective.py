@@ -48,30 +48,57 @@ def make_batch(
     pad_to: int = 64,
 ) -> Dict[str, np.ndarray]:
     """Host arrays for one step: tokens [N, T], anchors [N, A], block ids [N, A, B],
-    labels and weights [N, A, B-1]."""
+    labels and weights [N, A, B-1], and each sequence's length [N]."""
     seqs = [(s["prompt"] + s["answer"])[:max_len] for s in samples]
     T = max(len(x) for x in seqs)
     T = int(math.ceil(T / pad_to) * pad_to)  # few distinct shapes
-    N, A, B = len(seqs), anchors_per_seq, block_size
-    tokens = np.zeros((N, T), dtype=np.int32)
-    anchors = np.zeros((N, A), dtype=np.int64)
-    labels = np.zeros((N, A, B - 1), dtype=np.int32)
-    weights = np.zeros((N, A, B - 1), dtype=np.float32)
-    decay = np.exp(-np.arange(B - 1, dtype=np.float32) / gamma)  # w_k for k = 1..B-1
-    for i, (s, seq) in enumerate(zip(samples, seqs)):
+    tokens = np.zeros((len(seqs), T), dtype=np.int32)
+    for i, seq in enumerate(seqs):
         tokens[i, : len(seq)] = seq
-        picks = sample_anchors(rng, min(len(s["prompt"]), len(seq)), len(seq), A)
-        for a, p in enumerate(picks):
-            if p < 0:
-                continue
-            anchors[i, a] = p
-            for k in range(1, B):
-                if p + k < len(seq):
-                    labels[i, a, k - 1] = seq[p + k]
-                    weights[i, a, k - 1] = decay[k - 1]
+    lengths = np.array([len(x) for x in seqs], dtype=np.int64)
+    anchors = np.stack(
+        [sample_anchors(rng, min(len(s["prompt"]), len(x)), len(x), anchors_per_seq) for s, x in zip(samples, seqs)]
+    )
+    return blocks_at(tokens, lengths, anchors, block_size, mask_token_id, gamma)
+
+
+def blocks_at(
+    tokens: np.ndarray, lengths: np.ndarray, anchors: np.ndarray, block_size: int, mask_token_id: int, gamma: float
+) -> Dict[str, np.ndarray]:
+    """The blocks, labels and weights of anchors [N, A] (-1: none, every weight zero) over
+    tokens [N, T] whose first ``lengths`` ids are the sequence."""
+    N, A, B = anchors.shape[0], anchors.shape[1], block_size
+    decay = np.exp(-np.arange(B - 1, dtype=np.float32) / gamma)  # w_k for k = 1..B-1
+    pos = anchors[:, :, None] + np.arange(1, B)[None, None, :]  # p + k
+    has = (anchors[:, :, None] >= 0) & (pos < lengths[:, None, None])
+    labels = np.where(has, np.take_along_axis(tokens, pos.clip(0, tokens.shape[1] - 1).reshape(N, -1), 1).reshape(pos.shape), 0)
+    weights = np.where(has, decay[None, None, :], 0.0).astype(np.float32)
     block = np.full((N, A, B), mask_token_id, dtype=np.int32)
     block[:, :, 0] = np.take_along_axis(tokens, anchors.clip(0), axis=1)
-    return {"tokens": tokens, "anchors": anchors.astype(np.int32), "block": block, "labels": labels, "weights": weights}
+    return {
+        "tokens": tokens,
+        "lengths": lengths,
+        "anchors": anchors.clip(0).astype(np.int32),
+        "block": block,
+        "labels": labels.astype(np.int32),
+        "weights": weights,
+    }
+
+
+def accepted_drafts(logits: mx.array, labels: mx.array, weights: mx.array) -> mx.array:
+    """Per anchor block [N, A]: the drafts greedy verification would accept, the run of leading
+    block positions whose argmax is the label."""
+    correct = (mx.argmax(logits, axis=-1) == labels) & (weights > 0)
+    return mx.cumprod(correct.astype(mx.int32), axis=-1).sum(axis=-1)
+
+
+def follow_up_anchors(anchors: np.ndarray, accepted: np.ndarray, valid: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Where decoding anchors its next block after a block at p accepted a drafts: p + a + 1,
+    the target's bonus token, right after the draft it overruled. -1 where the block had no label
+    or no label would follow the new anchor (p' + 1 >= length)."""
+    nxt = anchors.astype(np.int64) + accepted.astype(np.int64) + 1
+    ok = valid & (nxt + 1 < lengths[:, None])
+    return np.where(ok, nxt, -1)
 
 
 def attention_mask(anchors: mx.array, context_len: int, block_size: int) -> mx.array:
@@ -158,7 +185,7 @@ def acceptance_stats(logits: mx.array, labels: mx.array, weights: mx.array) -> D
     """Teacher-forced greedy acceptance: per anchor, the run of leading correct positions + 1."""
     valid = weights > 0
     correct = (mx.argmax(logits, axis=-1) == labels) & valid
-    run = mx.cumprod(correct.astype(mx.int32), axis=-1).sum(axis=-1)  # accepted drafts per block
+    run = accepted_drafts(logits, labels, weights)
     has = valid[..., 0]
     n = mx.maximum(has.sum(), 1)
     tau = ((run + 1) * has).sum() / n

@@ -72,6 +72,7 @@ class TrainConfig:
     time_budget: Optional[float] = None  # seconds for the training loop
     batch_size: int = 16
     anchors: int = 32
+    follow_anchors: float = 0.0  # share of a sequence's anchors placed where decoding would go next
     max_len: int = 448
     lr: float = 6e-4
     min_lr_ratio: float = 0.1
@@ -416,16 +417,46 @@ class Trainer:
         return objective.dflash_loss(self.drafter, self.target.lm_head, emb, context, anchors, labels, weights)
 
     # -- one step ---------------------------------------------------------------------------
-    def _inputs(self, samples, rng):
+    def _host(self, samples, rng, anchors: int) -> dict:
         cfg = self.cfg
-        host = objective.make_batch(
-            samples, rng, cfg.anchors, cfg.block_size, self.meta["mask_token_id"], cfg.gamma, cfg.max_len, cfg.max_len
+        return objective.make_batch(
+            samples, rng, anchors, cfg.block_size, self.meta["mask_token_id"], cfg.gamma, cfg.max_len, cfg.max_len
         )
-        b = objective.to_mx(host)
-        context = tapped_hidden(self.target, b["tokens"]).astype(mx.float32)
+
+    def _blocks(self, host: dict):
+        """Drafter inputs of a host batch: block embeddings, anchors, labels, weights."""
+        b = objective.to_mx({k: host[k] for k in ("block", "anchors", "labels", "weights")})
         N, A, B = b["block"].shape
         emb = self.target.embed(b["block"].reshape(N, A * B)).astype(mx.float32)
-        return emb, context, b["anchors"], b["labels"], b["weights"]
+        return emb, b["anchors"], b["labels"], b["weights"]
+
+    def _follow_ups(self, host: dict, context: mx.array) -> np.ndarray:
+        """Anchors [N, A] where decoding would anchor its next block after each of ``host``'s
+        (p + accepted + 1, from the drafter as it is now; -1 where none)."""
+        emb, anchors, labels, weights = self._blocks(host)
+        logits = objective.block_logits(self.drafter, self.target.lm_head, emb, context, anchors)
+        accepted = np.array(objective.accepted_drafts(logits, labels, weights))
+        return objective.follow_up_anchors(host["anchors"], accepted, host["weights"][..., 0] > 0, host["lengths"])
+
+    def _inputs(self, samples, rng):
+        """A step's inputs. With ``follow_anchors`` = f, a share f of the anchors (at most half)
+        is not drawn but placed where decoding would anchor next after drawn ones, chosen at
+        random: right after a draft the target overruled, a harder place than a uniform draw
+        (TRAINING.md, "Why real decoding accepts less")."""
+        cfg = self.cfg
+        follow = min(int(round(cfg.follow_anchors * cfg.anchors)), cfg.anchors // 2)
+        host = self._host(samples, rng, cfg.anchors - follow)
+        context = tapped_hidden(self.target, mx.array(host["tokens"])).astype(mx.float32)
+        if follow:
+            drawn = np.where(host["weights"][..., 0] > 0, host["anchors"], -1)
+            chosen = np.sort(rng.choice(drawn.shape[1], follow, replace=False))
+            some = {k: (v[:, chosen] if k in ("anchors", "block", "labels", "weights") else v) for k, v in host.items()}
+            anchors = np.concatenate([drawn, self._follow_ups(some, context)], axis=1)
+            host = objective.blocks_at(
+                host["tokens"], host["lengths"], anchors, cfg.block_size, self.meta["mask_token_id"], cfg.gamma
+            )
+        emb, anchors, labels, weights = self._blocks(host)
+        return emb, context, anchors, labels, weights
 
     def train_step(self, step: int) -> float:
         cfg = self.cfg
@@ -440,19 +471,29 @@ class Trainer:
         return float(loss.item())
 
     def evaluate(self, max_samples: Optional[int] = None) -> dict:
-        """Loss and teacher-forced acceptance on the held-out split (fixed anchors)."""
+        """Loss and teacher-forced acceptance on the held-out split (fixed uniform anchors), and
+        ``tau_follow``: the acceptance of the blocks decoding would anchor next after those,
+        closer to what real decoding accepts (TRAINING.md, "Why real decoding accepts less")."""
         cfg = self.cfg
         rng = np.random.default_rng([cfg.seed, 10**9])
         samples = self.eval_samples[: max_samples or cfg.eval_samples]
-        totals = {"loss": 0.0, "tau": 0.0, "acc_pos1": 0.0}
+        totals = {"loss": 0.0, "tau": 0.0, "acc_pos1": 0.0, "tau_follow": 0.0}
         batches = 0
         for first in range(0, len(samples), cfg.batch_size):
-            emb, context, anchors, labels, weights = self._inputs(samples[first : first + cfg.batch_size], rng)
+            host = self._host(samples[first : first + cfg.batch_size], rng, cfg.anchors)
+            context = tapped_hidden(self.target, mx.array(host["tokens"])).astype(mx.float32)
+            emb, anchors, labels, weights = self._blocks(host)
             logits = objective.block_logits(self.drafter, self.target.lm_head, emb, context, anchors).astype(mx.float32)
             ce = nn.losses.cross_entropy(logits, labels, reduction="none")
             totals["loss"] += float(((ce * weights).sum() / mx.maximum(weights.sum(), 1e-6)).item())
             for k, v in objective.acceptance_stats(logits, labels, weights).items():
                 totals[k] += v
+            accepted = np.array(objective.accepted_drafts(logits, labels, weights))
+            nxt = objective.follow_up_anchors(host["anchors"], accepted, host["weights"][..., 0] > 0, host["lengths"])
+            follow = objective.blocks_at(host["tokens"], host["lengths"], nxt, cfg.block_size, self.meta["mask_token_id"], cfg.gamma)
+            emb, anchors, labels, weights = self._blocks(follow)
+            logits = objective.block_logits(self.drafter, self.target.lm_head, emb, context, anchors)
+            totals["tau_follow"] += objective.acceptance_stats(logits, labels, weights)["tau"]
             batches += 1
         return {k: v / max(batches, 1) for k, v in totals.items()}
 
