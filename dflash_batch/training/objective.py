@@ -3,7 +3,8 @@
 Inference (engine/decode.py) drafts from an anchor position p: the block is
 ``[x_p, MASK x (B-1)]`` at positions p..p+B-1, the drafter sees the target's tapped hidden
 states of positions < p as extra keys/values, and block position k predicts x_{p+k}.
-Training does exactly that for A random anchors per sequence at once:
+Training does exactly that for A anchors per sequence at once (drawn at random; with the
+trainer's ``follow_anchors``, some where decoding would anchor next after drawn ones):
 
     keys    = [context rows 0..T-1] ++ [all A*B block rows]
     visible = context row s for an anchor-p block row iff s < p;  block rows of the same anchor
@@ -71,7 +72,8 @@ def blocks_at(
     decay = np.exp(-np.arange(B - 1, dtype=np.float32) / gamma)  # w_k for k = 1..B-1
     pos = anchors[:, :, None] + np.arange(1, B)[None, None, :]  # p + k
     has = (anchors[:, :, None] >= 0) & (pos < lengths[:, None, None])
-    labels = np.where(has, np.take_along_axis(tokens, pos.clip(0, tokens.shape[1] - 1).reshape(N, -1), 1).reshape(pos.shape), 0)
+    at = np.take_along_axis(tokens, pos.clip(0, tokens.shape[1] - 1).reshape(N, -1), axis=1)
+    labels = np.where(has, at.reshape(pos.shape), 0)  # x_{p+k}
     weights = np.where(has, decay[None, None, :], 0.0).astype(np.float32)
     block = np.full((N, A, B), mask_token_id, dtype=np.int32)
     block[:, :, 0] = np.take_along_axis(tokens, anchors.clip(0), axis=1)
