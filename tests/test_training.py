@@ -262,7 +262,7 @@ def test_follow_up_anchors_are_where_decoding_anchors_next():
     assert late.tolist() == [[-1, 19 if 19 + 1 < 20 else -1]]  # 19 is the last token: no label after it
 
 
-def test_follow_anchor_training(tiny_target, tmp_path, monkeypatch):
+def test_follow_anchor_training(tiny_target, tmp_path, capsys):
     """--follow-anchors: the drawn anchors and, beside them, the follow-ups of a random share of
     them, from the drafter as it is at that step; the evaluation reports tau_follow."""
     out = tmp_path / "run"
@@ -270,12 +270,22 @@ def test_follow_anchor_training(tiny_target, tmp_path, monkeypatch):
         "--target", str(tiny_target), "--out", str(out), "--prompts", "24", "--eval-percent", "20",
         "--max-answer-tokens", "24", "--gen-batch", "16", "--steps", "2", "--batch-size", "4", "--anchors", "8",
         "--max-len", "96", "--layers", "1", "--taps", "2", "--eval-every", "1", "--warmup", "1",
-        "--follow-anchors", "0.25",
+        "--quantize-bits", "0", "--export-dtype", "float32", "--follow-anchors", "0.25",
     ]  # fmt: skip
     assert cli.main(argv) == 0
     log = [json.loads(line) for line in (out / "train.log.jsonl").read_text().splitlines()]
     final = [e["final_eval"] for e in log if "final_eval" in e][-1]
     assert 1.0 <= final["tau_follow"] <= 4.0 and 1.0 <= final["tau"] <= 4.0
+
+    # --evaluate: the same evaluation of an exported drafter (fp32 here), its shape read from it.
+    capsys.readouterr()
+    same = ["--batch-size", "4", "--anchors", "8", "--max-len", "96"]  # what the evaluation draws depends on
+    assert cli.main(["--target", str(tiny_target), "--out", str(out), "--evaluate", str(out / "drafter")] + same) == 0
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert got["eval_samples"] == 3
+    for k in ("loss", "tau", "acc_pos1", "tau_follow"):
+        assert got[k] == pytest.approx(final[k], abs=1e-4), k
+    assert cli.main(["--target", str(tiny_target), "--out", str(out), "--evaluate", str(tmp_path / "nowhere")]) == 2
 
     from dflash_batch.training.trainer import TrainConfig, Trainer
 

@@ -24,6 +24,7 @@ examples:
   dflash-batch train-drafter --out runs/big --self-prompts 20000 --samples 1 --generate-only --gen-time-budget 500
   dflash-batch train-drafter --out runs/more --data runs/big/data --train-only --init default --steps 20000
   dflash-batch train-drafter --out runs/big --write-draft-vocab ./my-drafter   # add a draft vocabulary
+  dflash-batch train-drafter --out runs/big --evaluate default --eval-samples 185  # held-out acceptance
 """
 
 
@@ -88,6 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens the drafter drafts from: those the target writes most (default 16384; 0: all)")
     k.add_argument("--write-draft-vocab", metavar="DRAFTER",
                    help="write DRAFTER/draft_vocab.json from this run's training answers, then stop")
+    k.add_argument("--evaluate", metavar="DRAFTER",
+                   help="evaluate DRAFTER ('default': the shipped one) on this run's held-out answers "
+                        "(loss, teacher-forced acceptance, tau_follow; --eval-samples of them, drawn as --batch-size, "
+                        "--anchors and --max-len say), print it, then stop")
     return p
 
 
@@ -174,6 +179,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         if written is None:
             print("train-drafter: --draft-vocab covers the whole vocabulary: nothing written", file=sys.stderr)
         return 0
+    if args.evaluate:
+        return evaluate(cfg, args.evaluate, log)
     if not args.steps and not args.time_budget and not (args.prepare_only or args.generate_only):
         print("train-drafter: give --steps or --time-budget", file=sys.stderr)
         return 2
@@ -186,6 +193,38 @@ def main(argv: Optional[List[str]] = None) -> int:
     trainer = Trainer(cfg, log)
     print(trainer.run(resume=not args.no_resume))
     return 3 if args.steps and trainer.step < args.steps else 0  # 3: stopped by --time-budget, rerun to go on
+
+
+def evaluate(cfg, drafter: str, log) -> int:
+    """``--evaluate``: the held-out evaluation of an exported drafter, its shape read from it."""
+    import dataclasses
+    import json
+
+    from ..engine.default_model import DRAFTER_ASSET
+    from .trainer import Trainer
+
+    folder = DRAFTER_ASSET if drafter == "default" else Path(drafter)
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except FileNotFoundError:
+        print(f"train-drafter: --evaluate {folder}: no drafter there (no config.json)", file=sys.stderr)
+        return 2
+    dflash = config.get("dflash_config", {})
+    cfg = dataclasses.replace(
+        cfg, init=str(folder), train_only=True, layers=config["num_hidden_layers"],
+        block_size=dflash.get("block_size", config.get("block_size")),
+        taps=dflash.get("target_layer_ids", config.get("target_layer_ids")),
+        intermediate_size=config["intermediate_size"],
+    )  # fmt: skip
+    trainer = Trainer(cfg, log)
+    try:
+        trainer.setup()
+    except (FileNotFoundError, ValueError) as e:
+        print(f"train-drafter: {e}", file=sys.stderr)
+        return 2
+    result = {"drafter": str(folder), "eval_samples": min(cfg.eval_samples, len(trainer.eval_samples))}
+    print(json.dumps(dict(result, **trainer.evaluate())))
+    return 0
 
 
 if __name__ == "__main__":
