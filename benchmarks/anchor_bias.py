@@ -38,21 +38,15 @@ def accepted_at_every_anchor(engine, seq: list, start: int) -> dict:
     most the text left after p."""
     drafter, target = engine.drafter, engine.target
     B = drafter.args.block_size
-    anchors = list(range(start, len(seq) - 1))
-    context = tapped_hidden(target, mx.array([seq])).astype(mx.float32)
-    block = np.full((1, len(anchors), B), drafter.args.mask_token_id, np.int32)
-    block[0, :, 0] = [seq[p] for p in anchors]
-    emb = target.embed(mx.array(block.reshape(1, -1))).astype(mx.float32)
-    h = objective.packed_forward(drafter, emb, context, mx.array([anchors], dtype=mx.int32))
-    h = h.reshape(1, len(anchors), B, -1)[:, :, 1:, :]
-    drafts = np.array(engine.draft_head(h) if engine.draft_head is not None else mx.argmax(target.lm_head(h), axis=-1))[0]
-    out = {}
-    for i, p in enumerate(anchors):
-        a = 0
-        while a < B - 1 and p + 1 + a < len(seq) and drafts[i, a] == seq[p + 1 + a]:
-            a += 1
-        out[p] = a
-    return out
+    anchors = np.arange(start, len(seq) - 1)[None]
+    host = objective.blocks_at(np.array([seq], np.int32), np.array([len(seq)]), anchors, B, drafter.args.mask_token_id, 1.0)
+    context = tapped_hidden(target, mx.array(host["tokens"])).astype(mx.float32)
+    emb = target.embed(mx.array(host["block"].reshape(1, -1))).astype(mx.float32)
+    h = objective.packed_forward(drafter, emb, context, mx.array(host["anchors"]))
+    h = h.reshape(1, anchors.shape[1], B, -1)[:, :, 1:, :]
+    drafts = engine.draft_head(h) if engine.draft_head is not None else mx.argmax(target.lm_head(h), axis=-1)
+    accepted = objective.leading_matches(drafts, mx.array(host["labels"]), mx.array(host["weights"]))
+    return dict(zip(anchors[0].tolist(), accepted[0].tolist()))
 
 
 def main(argv=None) -> int:

@@ -90,7 +90,13 @@ def blocks_at(
 def accepted_drafts(logits: mx.array, labels: mx.array, weights: mx.array) -> mx.array:
     """Per anchor block [N, A]: the drafts greedy verification would accept, the run of leading
     block positions whose argmax is the label."""
-    correct = (mx.argmax(logits, axis=-1) == labels) & (weights > 0)
+    return leading_matches(mx.argmax(logits, axis=-1), labels, weights)
+
+
+def leading_matches(drafts: mx.array, labels: mx.array, weights: mx.array) -> mx.array:
+    """Per anchor block [N, A]: the run of leading block positions whose draft id is the label
+    (positions of weight zero, past the text, never match)."""
+    correct = (drafts == labels) & (weights > 0)
     return mx.cumprod(correct.astype(mx.int32), axis=-1).sum(axis=-1)
 
 
