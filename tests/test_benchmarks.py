@@ -233,6 +233,27 @@ def test_default_pair_acceptance_is_the_drafters_even_when_the_adaptive_width_st
     assert result["adaptive_tokens_per_cycle"] == 1.0 and result["exact_prompts"] == 2
 
 
+def test_batch_one_logs_every_cycle_of_the_adaptive_engine(zero_head_target, model_dir, tmp_path):
+    """benchmarks/batch_one.py: each timed adaptive run's cycles commit its tokens after the
+    prefill's first, and the summary counts every one of them; the whole-block arm is timed too."""
+    from benchmarks import batch_one
+
+    draft, samples, _ = _zero_head_job(zero_head_target, model_dir, tmp_path, 2)
+    out = tmp_path / "b1.json"
+    argv = ["--target", str(zero_head_target), "--draft", str(draft), "--samples", str(samples), "--prompts", "2",
+            "--max-tokens", "30", "--runs", "2", "--out", str(out)]  # fmt: skip
+    assert batch_one.main(argv) == 0
+    result = json.loads(out.read_text())
+    for i, row in enumerate(result["prompts"]):
+        for run in (-1, 0, 1):
+            cycles = [c for c in result["cycles"] if c["prompt"] == i and c["run"] == run]
+            assert sum(c["committed"] for c in cycles) == row["tokens"] - 1
+        assert row["whole_block"] > 0 and row["no_draft"] > 0
+    timed = [c for c in result["cycles"] if c["run"] >= 0]
+    assert sum(w["cycles"] for w in result["adaptive_widths"].values()) == len(timed)
+    assert result["cost_model"]["timed_ms"]
+
+
 def test_held_out_acceptance_counts_the_drafters_tokens_per_cycle_in_batches(zero_head_target, model_dir, tmp_path):
     """benchmarks/held_out_acceptance.py: tokens per cycle over batched rows, whole block verified,
     outputs checked against plain decoding. A zeroed head accepts every draft, so each cycle
