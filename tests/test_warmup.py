@@ -96,6 +96,30 @@ def test_every_width_is_timed_where_cost_is_not_linear_in_the_width(engine, monk
         assert cost.target(4, 8) == pytest.approx(costs[8] * 4)
 
 
+def test_a_gpu_job_of_one_row_times_every_width_where_launches_dominate(engine, monkeypatch):
+    """At batch 1 on a GPU a small target's pass is mostly launches: T > 1 costs about the same at
+    every width (the default pair on an H200: 3.7 ms at T = 1, 7.2 at 16). The warm-up times the
+    middle width too and, off the line, every width: the line through T = 1 and 16 would put
+    T = 4 at 4.4 ms and keep the scheduler at narrow widths that cost as much as the block."""
+    monkeypatch.setattr(warmup, "_quick", lambda: False)
+    costs = {1: 0.0037, 2: 0.0068, 3: 0.0069, 4: 0.0069, 6: 0.0070, 8: 0.0070, 12: 0.0071, 16: 0.0072}
+    asked = []
+
+    def target(B, T):
+        asked.append((B, T))
+        return costs[T] * B
+
+    fake_passes(monkeypatch, target)
+    cost = warmup.measure_costs(engine, 1, 128)
+    assert sorted(T for _, T in asked) == sorted(costs)
+    assert cost.target(1, 4) == pytest.approx(costs[4])
+    asked.clear()
+    costs = {T: 0.0037 + 0.0002 * (T - 1) for T in costs}  # a line: the three widths suffice
+    cost = warmup.measure_costs(engine, 1, 128)
+    assert sorted(T for _, T in asked) == [1, 8, 16]
+    assert cost.target(1, 4) == pytest.approx(costs[4])
+
+
 def test_timed_passes_roll_back_as_a_cycle_does(engine, monkeypatch):
     """A hybrid target's cycle replays its recurrent layers to each row's kept length; the warm-up
     must time that too (keeping every step skips the replay and underrates drafting's cost)."""

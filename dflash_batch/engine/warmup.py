@@ -7,9 +7,9 @@ hold does not change what a pass costs. Timed on a GPU (each once to compile, th
 of three: other work on the machine only ever adds time):
 
     target(B, T)   verify passes of 1, block / 2 and block rows at the job's batch size (of 1
-                   and block at batch 1); where the middle one is off the line through the
-                   others by more than 10% (a GPU's attention works in tiles of query rows),
-                   every width the scheduler chooses among (1, 2, 3, 4, 6, 8, 12, 16)
+                   and block at batch 1 for a wider job); where the middle one is off the line
+                   through the others by more than 10% (a GPU's attention works in tiles of
+                   query rows; at batch 1 its launches cost the same at every T > 1), every width the scheduler chooses among (1, 2, 3, 4, 6, 8, 12, 16)
     draft(B)       one drafter pass over a block of new context rows (those the widest timed
                    verify pass tapped)
 
@@ -78,7 +78,8 @@ def measure_costs(engine, batch_size: int, context: Optional[int] = None) -> Cos
         for T in _first_widths(B, block, quick, alone=batch_size == 1):
             if (B, T) not in targets:
                 targets[(B, T)] = passes.target(T)
-        if B > 1 and not quick and not _straight([(T, targets[(B, T)]) for T in (1, block // 2, block)]):
+        wide = B > 1 or batch_size == 1  # a job of one row reads its own widths (scheduler.CostModel.target)
+        if wide and not quick and not _straight([(T, targets[(B, T)]) for T in (1, block // 2, block)]):
             # not linear in T (a GPU kernel's tiles of query rows): time every width chosen among
             for T in Scheduler(block, CostModel()).widths(block):
                 if (B, T) not in targets:
@@ -100,14 +101,18 @@ def _quick() -> bool:
 
 
 def _first_widths(B: int, block: int, quick: bool, alone: bool = False) -> list:
-    """The verify widths timed at batch size B before any linearity check. On the CPU, a job of
-    one row (``alone``) also times the block: there a pass's fixed cost of reading the weights
+    """The verify widths timed at batch size B before any linearity check. A GPU times three at
+    the job's batch size, a job of one row (``alone``) included: at batch 1 a pass of a small
+    target is mostly kernel launches, so T > 1 costs about the same at every width and the line
+    through T = 1 and the block overrates the widths between (the default pair on an H200: 3.7 ms
+    at T = 1, 7.2 at 16, and cycles of T = 4 and 16 within 1.4 ms of each other). On the CPU, a
+    job of one row also times the block: there a pass's fixed cost of reading the weights
     shades into compute as T grows, so its cost is not a line in T (the default pair on the
     2-core VM: T = 1, 4, 8, 16 cost 52, 71, 80, 100 ms, where the line through 1 and 4 says 152
     at 16); at batch 8 it is one (94, 164, 298, 514 ms at T = 1, 4, 8, 16)."""
     if quick:
         return sorted({1, min(PROBE_WIDTH, block)} | ({block} if alone else set()))
-    return sorted({1, block // 2, block} if B > 1 else {1, block})
+    return sorted({1, block // 2, block} if B > 1 or alone else {1, block})
 
 
 def _straight(points, tolerance: float = 0.1) -> bool:
