@@ -264,24 +264,24 @@ class BatchDecoder:
         last = mx.array([[r.last if r is not None else 0] for r in rows], dtype=mx.int32)
         if T > 1:
             drafted = self.draft(last, T - 1)
+            mx.async_eval(drafted)  # the device drafts while the host builds the verify graph
         else:
             drafted = mx.zeros((B, 0), dtype=mx.int32)
         tokens = mx.concatenate([last, drafted], axis=1)
         logits, hidden = self.target.verify(tokens, self.cache)
         drafts = None
         if any(r is not None and r.matcher is not None for r in rows):
-            # grammar masks walk the drafts on the host: queue the verify pass first, then fetch
-            # the drafts and compute the masks while it runs. The drafts get their own async_eval:
-            # an array waits for the whole graph it was queued with (the fetch waited for the pass)
-            mx.async_eval(drafted)
+            # grammar masks walk the drafts on the host: queue the verify pass, then fetch the
+            # drafts (queued on their own above: an array waits for the whole graph it was queued
+            # with) and compute the masks while it runs
             mx.async_eval(logits)
             drafts = drafted.tolist()
         chosen, scores = self.choose(
             logits, rows, self.lengths.device + 1,  # verify row i picks the token after position n_b + i
             drafted if T > 1 else None, drafts,
         )
-        # the cycle's one host sync (two with grammars): evaluated together, the verify pass is queued
-        # behind the draft pass at once (fetching the drafts first would wait for the draft pass alone)
+        # the cycle's one host sync (two with grammars): the drafts were queued first, the verify
+        # pass behind them (fetching the drafts alone would leave the device idle until it is built)
         mx.eval(drafted, chosen)
         d, t = drafted.tolist(), chosen.tolist()
         accepted = decode.accept_lengths(d, t, limits)
