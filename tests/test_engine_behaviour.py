@@ -51,6 +51,18 @@ def test_block_size_option_caps_verify_rows(zero_head_target, model_dir):
     assert s.acceptance_histogram == [0, 0, 0, 0, 4] and s.cycles == 4
 
 
+def test_the_drafters_acceptance_carries_from_job_to_job(zero_head_target, model_dir):
+    """Every job's scheduler pools its rows' cycles into the engine's estimates, and the next job
+    starts from them (at batch 1 each request is a job of its own)."""
+    draft = make_drafter(model_dir, "draft-b8", synthetic.tiny_qwen3_config(), block_size=8)
+    engine = load_engine(str(zero_head_target), str(draft))
+    first = engine._scheduler(1)
+    assert first.job is engine.acceptance and engine.acceptance.seen[0] == 0
+    engine.generate([5, 6, 7, 8], max_tokens=60)
+    assert engine.acceptance.seen[0] > 0 and engine.acceptance.probabilities()[0] > 0.9  # every draft accepted
+    assert engine._scheduler(1).job is engine.acceptance
+
+
 def test_eos_inside_accepted_block_cuts_there(full_accept):
     engine = full_accept
     eos = set(engine.tokenizer.eos_token_ids)

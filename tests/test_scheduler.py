@@ -9,7 +9,7 @@ import statistics
 
 import pytest
 
-from dflash_batch.engine.scheduler import Acceptance, CostModel, Scheduler, expected_committed
+from dflash_batch.engine.scheduler import Acceptance, CostModel, Scheduler, expected_committed, pooled_acceptance
 
 # Pass costs in units of a plain pass at batch 1 (t0 = 1). CPU: the target's cost grows with
 # the rows verified and a draft pass costs a third of a target pass (as the default pair's
@@ -109,6 +109,21 @@ def test_one_slow_drafting_cycle_does_not_stop_drafting():
     cost.observe(1, 4, 1.8)
     cost.observe(1, 4, 1.9)
     assert cost.overhead(True) == pytest.approx(1.9 - cost.passes(1, 4))
+
+
+def test_a_job_starts_from_what_the_jobs_before_it_learnt():
+    """Passes where a drafter of unknown worth (p = 0.5) does not pay and a good one does. A job
+    given the engine's pooled estimates, after earlier jobs accepted every draft, verifies the
+    widest block its budget allows from its first cycle; a job starting from nothing decodes
+    plainly."""
+    cost = CostModel(t0=1.0, t1=0.2, d0=0.6, window=0)
+    pooled = pooled_acceptance(BLOCK)
+    earlier = Scheduler(BLOCK, cost, job=pooled)
+    for _ in range(20):
+        earlier.accepted(earlier.new_row(), BLOCK - 1, BLOCK)
+    assert Scheduler(BLOCK, cost).width([Acceptance(BLOCK - 1)], [12]) == 1  # too short to probe
+    later = Scheduler(BLOCK, cost, job=pooled)
+    assert later.width([later.new_row()], [12]) == 12  # the whole budget
 
 
 def test_a_long_job_probes_at_its_start():

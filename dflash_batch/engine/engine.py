@@ -22,7 +22,7 @@ from . import attention, decode, loading, memory, prefill, registry, warmup
 from .. import checks, constraints
 from ..request import CONTROLS, SamplingControls, sample_seed
 from .batch import BatchDecoder, Request
-from .scheduler import CostModel, Scheduler
+from .scheduler import CostModel, Scheduler, pooled_acceptance
 from .target import Target
 from .waiting import Waiting
 
@@ -83,6 +83,8 @@ class Engine:
         self.adaptive_block = True if adaptive_block is None else adaptive_block
         self.batch_cap = batch_size
         self.cost: Dict[int, CostModel] = {}  # batch size -> measured pass costs (warm_up)
+        # the drafter's acceptance over every job's cycles: each job's prior (engine/scheduler.py)
+        self.acceptance = pooled_acceptance(self.block_size)
         self.shapes_seen: set = set()  # (rows, width, key bucket) of the cycles run so far
         self.description = dict(description or {}, block_size=self.block_size, adaptive_block=self.adaptive_block,
                                 draft_vocab=None if self.draft_head is None else len(self.draft_head))
@@ -377,7 +379,7 @@ class Engine:
             cost = self.warm_up(slots, context)
         if cost.route is not None:
             attention.set_ragged_route(cost.route)
-        return Scheduler(self.block_size, cost)
+        return Scheduler(self.block_size, cost, job=self.acceptance)
 
     def warm_up(self, batch_size: int = 1, context: Optional[int] = None) -> CostModel:
         """Compile and time the passes a job of this batch size runs: target passes of 1, half the

@@ -20,16 +20,17 @@ target(B, T) is read from them: interpolated in T between timed widths and in B 
 batch size and the fitted line at B = 1 (a job of one row reads its own timed widths).
 
 The scheduler picks T in 1..block maximising  sum_b E_b(min(T, budget_b)) / cost(B, T).  T = 1 is
-plain batched decoding (no draft pass). A job starts from a neutral p_1 = 0.5, so from the
-width the cost model justifies for a drafter of unknown worth (on a CPU: plain decoding), and
-each row starts from the job's estimates. A position never verified takes the estimate of the
+plain batched decoding (no draft pass). An engine's first job starts from a neutral p_1 = 0.5,
+so from the width the cost model justifies for a drafter of unknown worth (on a CPU: plain
+decoding); later jobs start from the estimates pooled over the jobs before them, and each row
+from the pooled estimates. A position never verified takes the estimate of the
 one before it, so blocks widen as runs of accepted drafts show that wider ones pay.
 
 Rows in plain decoding learn nothing about their drafts, so they are probed at a small width
 once the plain cycles since the last drafting cycle have cost 20 times what a probe can lose (a
 probe commits at least the bonus token, as a plain cycle does, so it loses at most
-cost(B, probe) - cost(B, 1)); before a job has drafted at all, the plain cycles its longest
-budget still allows count as spent, so a long job probes at its start. Each probe after the
+cost(B, probe) - cost(B, 1)); before the engine has drafted at all, the plain cycles the job's
+longest budget still allows count as spent, so a long first job probes at its start. Each probe after the
 first that leaves the scheduler still not drafting halves that share (to 1/8 of it at most): a
 drafter that keeps failing is tried ever more rarely (the README's job on a 2-core CPU, whose
 drafts are accepted about 15% of the time, is such a case), and a row accepting every draft of a
@@ -93,6 +94,12 @@ def expected_committed(p: Sequence[float], top: int) -> List[float]:
         out.append(out[-1] + run)
         run *= p[L - 1] if L - 1 < len(p) else 0.0
     return out
+
+
+def pooled_acceptance(block: int) -> Acceptance:
+    """Acceptance pooled over many rows' cycles (a job's, or an engine's jobs'): slowly decayed,
+    a weak prior."""
+    return Acceptance(max(block - 1, 0), decay=0.98, prior_weight=1.0)
 
 
 WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
@@ -216,16 +223,19 @@ class Scheduler:
 
     ``job`` pools every row's cycles and is each row's prior, read afresh every cycle: a row that
     joins starts from what the job knows, and a drafter that fails on this job's text is not
-    tried afresh on every new row.
+    tried afresh on every new row. The engine passes its own (``pooled_acceptance``), kept from
+    job to job: a job starts from what the jobs before it learnt of the drafter, not from
+    NEUTRAL_P (at batch 1 every request is a job of its own, and a first draft rejected would
+    otherwise send it to plain decoding).
     """
 
     def __init__(self, block: int, cost: CostModel, fixed: bool = False, probe_share: float = 0.05, probe_width: int = PROBE_WIDTH,
-                 backoff: int = 8):
+                 backoff: int = 8, job: Optional[Acceptance] = None):
         self.block, self.cost, self.fixed = block, cost, fixed
         self.probe_share, self.probe_width = probe_share, min(probe_width, block)
         self.backoff = backoff  # the most a run of failed probes divides the probe share by
         self.failed = 0  # probes since the scheduler last chose to draft on its own
-        self.job = Acceptance(max(block - 1, 0), decay=0.98, prior_weight=1.0)  # every row's cycles
+        self.job = job if job is not None else pooled_acceptance(block)  # every row's cycles
         self.plain_seconds = 0.0  # spent in plain cycles since the last drafting cycle
 
     def widths(self, longest: int) -> List[int]:
@@ -263,7 +273,7 @@ class Scheduler:
             return best
         # Plain decoding learns nothing about the drafts: probe once the plain cycles since the
         # last drafting cycle have cost 1 / probe_share times what a probe can lose (it commits
-        # at least the bonus token, as the plain cycle it replaces does). Before the job has
+        # at least the bonus token, as the plain cycle it replaces does). Before the engine has
         # drafted at all, the plain cycles ahead count too (at most the longest budget's), so a
         # long job learns its drafter's worth at once and a short one does not pay to. Each probe
         # that did not lead to drafting halves the share (module doc).
