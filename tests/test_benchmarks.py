@@ -254,6 +254,33 @@ def test_batch_one_logs_every_cycle_of_the_adaptive_engine(zero_head_target, mod
     assert result["cost_model"]["timed_ms"]
 
 
+def test_verify_ops_counts_each_modes_graph(tiny_pair, tmp_path):
+    """benchmarks/verify_ops.py: per mode and width, the verify pass's operations and time; the
+    MLX-ops reference attention of a multi-row pass has more operations than stock SDPA's (the
+    mode must take effect), and a one-row pass is not routed (the same graph in both)."""
+    from benchmarks import verify_ops
+
+    target, _ = tiny_pair
+    out = tmp_path / "ops.json"
+    argv = ["--target", str(target), "--widths", "1,4", "--modes", "stock,reference", "--context", "40", "--out", str(out)]
+    assert verify_ops.main(argv) == 0
+    ops = {(p["mode"], p["T"]): p["ops"] for p in json.loads(out.read_text())["passes"] if p["pass"] == "verify"}
+    assert ops[("reference", 4)] > ops[("stock", 4)] and ops[("reference", 1)] == ops[("stock", 1)] > 0
+
+
+def test_small_matmul_ways_compute_the_same_product(tmp_path):
+    """benchmarks/small_matmul.py: both ways give ``x @ W.T`` (the one-row batches keep each row
+    apart), timed per row count."""
+    from benchmarks import small_matmul
+
+    out = tmp_path / "sm.json"
+    assert small_matmul.main(["--rows", "1,3", "--outputs", "40", "--inputs", "32", "--chain", "2", "--reps", "1",
+                              "--out", str(out)]) == 0  # fmt: skip
+    products = json.loads(out.read_text())["products"]
+    assert [p["M"] for p in products] == [1, 3]
+    assert all(p["gemv_max_abs_diff"] < 1e-5 and p["matmul_max_abs_diff"] == 0 and p["gemv_us"] > 0 for p in products)
+
+
 def test_held_out_acceptance_counts_the_drafters_tokens_per_cycle_in_batches(zero_head_target, model_dir, tmp_path):
     """benchmarks/held_out_acceptance.py: tokens per cycle over batched rows, whole block verified,
     outputs checked against plain decoding. A zeroed head accepts every draft, so each cycle

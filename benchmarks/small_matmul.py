@@ -1,0 +1,98 @@
+"""Matmuls of a few rows, as a verify pass at batch 1 runs them: ``python -m benchmarks.small_matmul``.
+
+``x [M, K] @ W[N, K].T`` (what ``nn.Linear`` computes) for M = 1..16 rows at the default pair's
+shapes (K = 576; N = 192, 576, 1536 and the LM head's 49152), fp32, each timed as a chain of
+``--chain`` independent products evaluated together (per product: the chain's time / chain, the
+fastest of ``--reps``), so that one sync does not dominate. Two ways:
+
+    matmul   ``x @ W.T``: MLX's own path (on CUDA: its gemv kernel for one row, cuBLAS above)
+    gemv     the M rows as M products of one row each in one batched call: ``x`` viewed as
+             [M, 1, K] with a batch stride MLX does not fold back into the rows, so that each
+             batch stays a one-row product (MLX's CUDA gemv takes a batch)
+
+The verify pass of the default pair has 211 of these per pass; at batch 1 its T >= 2 passes cost
+two to three times its T = 1 pass with the same number of operations (``benchmarks/verify_ops``).
+
+Measured (H200, mlx[cuda13] 0.32.4, 2026-11-24, ``docs/benchmarks/small-matmul-h200-2026-11-24.json``),
+microseconds per product, ``matmul`` / ``gemv``:
+
+    rows  N = 576          N = 1536         N = 49152 (LM head)
+    1     5.3 / 30.9       8.1 / 47.3       32.4 / 55.7
+    2     17.6 / 41.5      26.0 / 68.8      42.6 / 72.6
+    16    17.4 / 46.2      15.8 / 52.4      47.1 / 81.3
+
+So cuBLAS costs about 10 us more than the one-row gemv per product (about 2 ms over a pass's
+211), not the whole 6-9 ms gap; and the batched one-row way is slower still (its extra copy
+and a batched gemv): not worth routing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import dflash_batch.engine  # noqa: F401  (preloads a fast CPU BLAS before mlx.core)
+import mlx.core as mx
+
+from .default_pair import write_result
+
+
+def one_row_batches(x: mx.array) -> mx.array:
+    """``x [M, K]`` as ``[M, 1, K]`` with batch stride 2K (a view of every other row of a [M, 2, K]
+    buffer): a matmul over it stays M one-row products."""
+    M, K = x.shape
+    return mx.concatenate([x[:, None, :], mx.zeros((M, 1, K), x.dtype)], axis=1)[:, :1, :]
+
+
+def ways(w: mx.array):
+    wt = w.T
+    return {
+        "matmul": lambda x: x @ wt,
+        "gemv": lambda x: (one_row_batches(x) @ wt).reshape(x.shape[0], -1),
+    }
+
+
+def timed(fn, xs, reps: int) -> float:
+    mx.eval([fn(x) for x in xs])
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        mx.eval([fn(x) for x in xs])
+        best = min(best, time.perf_counter() - start)
+    return best / len(xs)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", default="1,2,4,8,16")
+    ap.add_argument("--outputs", default="192,576,1536,49152")
+    ap.add_argument("--inputs", type=int, default=576)
+    ap.add_argument("--chain", type=int, default=30)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--out")
+    args = ap.parse_args(argv)
+    mx.random.seed(0)
+    rows = []
+    for N in (int(n) for n in args.outputs.split(",")):
+        w = mx.random.normal((N, args.inputs)) / args.inputs**0.5
+        for M in (int(m) for m in args.rows.split(",")):
+            xs = [mx.random.normal((M, args.inputs)) for _ in range(args.chain)]
+            row = {"N": N, "K": args.inputs, "M": M}
+            ref = xs[0] @ w.T
+            for name, fn in ways(w).items():
+                row[name + "_us"] = round(timed(fn, xs, args.reps) * 1e6, 2)
+                row[name + "_max_abs_diff"] = float(mx.abs(fn(xs[0]) - ref).max())
+            rows.append(row)
+            print(row, file=sys.stderr)
+    write_result({
+        "command": "python -m benchmarks.small_matmul " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "device": str(mx.default_device()),
+        "mlx": mx.__version__,
+        "products": rows,
+    }, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
