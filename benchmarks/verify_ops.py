@@ -2,9 +2,10 @@
 
 At batch 1 on a GPU a small target's pass is launch-bound, so its cost follows the number of
 operations in its graph more than the rows it verifies. For each verify width T (and each
-attention mode available: the routed kernels, stock SDPA, the MLX-ops reference), one pass of
-the default pair's target (or ``--target``) over rows holding ``--context`` tokens: the
-operations in its graph (``mx.export_to_dot``: primitives by name; on the CPU the fast ops
+attention mode available: the routed kernels, the same with the reduction fused into pass 1,
+stock SDPA, the MLX-ops reference), one pass of the default pair's target (or ``--target``)
+over rows holding ``--context`` tokens: the largest difference of its logits from the first
+mode's, the operations in its graph (``mx.export_to_dot``: primitives by name; on the CPU the fast ops
 appear decomposed, so only a GPU's counts say what launches) and its time (one compiling
 run, then the fastest of five). The drafter's pass likewise.
 
@@ -20,6 +21,12 @@ launches but dearer ones. About 2 ms of it is cuBLAS against the one-row gemv
 (``benchmarks/small_matmul``), about 3 ms the routed attention (the two custom kernels per
 layer against stock SDPA's one, which itself recompiles for every new key length when it has
 more than one row: engine/attention.py).
+
+On another H200 (faster host), ``--modes kernel,kernel-fused,stock`` at 300 and 1000 keys
+(``docs/benchmarks/verify-ops-h200-2026-11-24-b1-c*-fused.json``): kernel 3.6-3.7 ms at T = 1 and
+6.6-9.6 at T = 2-16; stock SDPA no cheaper (5.5-8.5), its logits 0.1-1.0 from the kernel's; the
+fused reduction no cheaper either, and wrong (logits off by 26-56, also at batch 8:
+``...-b8-c300-fused.json``), so it stays off (kernels/attention.py: FUSE_REDUCTION).
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ import dflash_batch.engine  # noqa: F401  (preloads a fast CPU BLAS before mlx.c
 import mlx.core as mx
 
 from dflash_batch.engine import attention, load_engine, warmup
+from dflash_batch.engine.kernels import attention as block
 
 from .default_pair import write_result
 
@@ -62,22 +70,28 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=300)
     ap.add_argument("--widths", default="1,2,4,8,16")
-    ap.add_argument("--modes", default="kernel,stock,reference", help="attention modes to try where they run")
+    ap.add_argument("--modes", default="kernel,stock,reference",
+                    help="attention modes to try where they run; kernel-fused: the kernel with its reduction in pass 1")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
 
     engine = load_engine(args.target, "auto")
-    modes = [m for m in args.modes.split(",") if m != "kernel" or attention.default_mode() == "kernel"]
-    rows = []
+    fused = block.FUSE_REDUCTION
+    modes = [m for m in args.modes.split(",") if not m.startswith("kernel") or attention.default_mode() == "kernel"]
+    rows, first = [], {}  # first: T -> the first mode's logits
     for mode in modes:
-        attention.set_mode(mode)
+        # kernel-fused: the CUDA-core kernel with its reduction fused into pass 1 (one launch)
+        block.FUSE_REDUCTION = mode == "kernel-fused"
+        attention.set_mode(mode.split("-")[0])
         passes = warmup._Passes(engine, args.batch, args.context)
         for T in (int(w) for w in args.widths.split(",")):
             run = passes._verify(T)
-            ops = graph_ops(run())
+            outputs = run()
+            ops = graph_ops(outputs)
+            logits = first.setdefault(T, outputs[0])
             ms = fastest(run) * 1e3
             rows.append({"mode": mode, "pass": "verify", "T": T, "ms": round(ms, 3), "ops": sum(ops.values()),
-                         "top_ops": dict(ops.most_common(12))})
+                         "max_abs_diff": float(mx.abs(outputs[0] - logits).max()), "top_ops": dict(ops.most_common(12))})
             print(rows[-1], file=sys.stderr)
         if engine.drafter is not None:
             ms = passes.draft() * 1e3
@@ -85,6 +99,7 @@ def main(argv=None) -> int:
             print(rows[-1], file=sys.stderr)
         del passes
     attention.set_mode(None)
+    block.FUSE_REDUCTION = fused
     write_result({
         "command": "python -m benchmarks.verify_ops " + " ".join(argv if argv is not None else sys.argv[1:]),
         "device": str(mx.default_device()),

@@ -1042,6 +1042,9 @@ PASS2_INPUTS = ["o_part", "m_part", "l_part"]
 # True (CUDA only): the last block of each (batch, KV head, row group) does pass 2, one launch
 # per call. Off by default for the CUDA-core kernel: measured on an H200 (docs/gpu-attention.md),
 # its serial tail made a Qwen3-4B verify pass 14.9 ms against 9.8 ms with pass 2 as its own kernel.
+# Do not turn it on before it is fixed: in the default pair's fp32 verify passes on an H200
+# (benchmarks/verify_ops.py --modes kernel,kernel-fused, 2026-11-24) its logits were off by 26-56
+# at batch 1 and 8, where the two-launch kernel's match the one-row pass.
 FUSE_REDUCTION = False
 # The tensor-core pass 1 (CUDA, bf16 / fp16; PASS1_MMA_BODY): used when True. Its blocks hold
 # 16 rows, so each reduction tail is short; MMA_FUSED makes the whole call one launch.
