@@ -18,9 +18,10 @@ Measured (H200, mlx[cuda13] 0.32.4, default pair fp32, batch 1, 300 keys, 2026-1
 
 Passes of T >= 2 cost two to three times the one-row pass with as many operations: not more
 launches but dearer ones. About 2 ms of it is cuBLAS against the one-row gemv
-(``benchmarks/small_matmul``), about 3 ms the routed attention (the two custom kernels per
-layer against stock SDPA's one, which itself recompiles for every new key length when it has
-more than one row: engine/attention.py).
+(``benchmarks/small_matmul``). Stock SDPA's passes (one kernel a layer against the routed
+attention's two; it recompiles for every new key length when it has more than one row:
+engine/attention.py) were 3 ms cheaper at T = 16 on this machine, but not on the next one
+(below): where the rest goes is not settled.
 
 On another H200 (faster host), ``--modes kernel,kernel-fused,stock`` at 300 and 1000 keys
 (``docs/benchmarks/verify-ops-h200-2026-11-24-b1-c*-fused.json``): kernel 3.6-3.7 ms at T = 1 and
