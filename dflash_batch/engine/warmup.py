@@ -75,11 +75,11 @@ def measure_costs(engine, batch_size: int, context: Optional[int] = None) -> Cos
         passes = _Passes(engine, B, n)
         if quick and i == 0:
             passes.prime()
-        for T in _first_widths(B, block, quick, alone=batch_size == 1):
+        widths = _first_widths(B, block, quick, alone=batch_size == 1)
+        for T in widths:
             if (B, T) not in targets:
                 targets[(B, T)] = passes.target(T)
-        wide = B > 1 or batch_size == 1  # a job of one row reads its own widths (scheduler.CostModel.target)
-        if wide and not quick and not _straight([(T, targets[(B, T)]) for T in (1, block // 2, block)]):
+        if not quick and block // 2 in widths and not _straight([(T, targets[(B, T)]) for T in (1, block // 2, block)]):
             # not linear in T (a GPU kernel's tiles of query rows): time every width chosen among
             for T in Scheduler(block, CostModel()).widths(block):
                 if (B, T) not in targets:
