@@ -191,13 +191,12 @@ def dflash_loss(drafter, lm_head, block_embeddings, context, anchors, labels, we
 
 def acceptance_stats(logits: mx.array, labels: mx.array, weights: mx.array) -> Dict[str, float]:
     """Teacher-forced greedy acceptance: per anchor, the run of leading correct positions + 1."""
-    valid = weights > 0
-    correct = (mx.argmax(logits, axis=-1) == labels) & valid
-    run = accepted_drafts(logits, labels, weights)
-    has = valid[..., 0]
+    drafts = mx.argmax(logits, axis=-1)
+    run = leading_matches(drafts, labels, weights)
+    has = weights[..., 0] > 0
     n = mx.maximum(has.sum(), 1)
     tau = ((run + 1) * has).sum() / n
-    acc1 = (correct[..., 0] & has).sum() / n
+    acc1 = ((drafts[..., 0] == labels[..., 0]) & has).sum() / n
     return {"tau": float(tau.item()), "acc_pos1": float(acc1.item())}
 
 
