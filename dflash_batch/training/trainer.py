@@ -435,13 +435,9 @@ class Trainer:
         cfg = self.cfg
         return objective.blocks_at(host["tokens"], host["lengths"], anchors, cfg.block_size, self.meta["mask_token_id"], cfg.gamma)
 
-    def _follow_ups(self, host: dict, context: mx.array, logits: Optional[mx.array] = None) -> np.ndarray:
+    def _follow_ups(self, host: dict, logits: mx.array, labels: mx.array, weights: mx.array) -> np.ndarray:
         """Anchors [N, A] where decoding would anchor its next block after each of ``host``'s
-        (p + accepted + 1, from the drafter as it is now, or from its ``logits`` there; -1 where
-        none)."""
-        emb, anchors, labels, weights = self._blocks(host)
-        if logits is None:
-            logits = objective.block_logits(self.drafter, self.target.lm_head, emb, context, anchors)
+        (p + accepted + 1, accepted from the drafter's ``logits`` there; -1 where none)."""
         accepted = np.array(objective.accepted_drafts(logits, labels, weights))
         return objective.follow_up_anchors(host["anchors"], accepted, host["weights"][..., 0] > 0, host["lengths"])
 
@@ -458,7 +454,9 @@ class Trainer:
             drawn = np.where(host["weights"][..., 0] > 0, host["anchors"], -1)
             chosen = np.sort(rng.choice(drawn.shape[1], follow, replace=False))
             some = {k: (v[:, chosen] if k in ("anchors", "block", "labels", "weights") else v) for k, v in host.items()}
-            host = self._at(host, np.concatenate([drawn, self._follow_ups(some, context)], axis=1))
+            emb, anchors, labels, weights = self._blocks(some)
+            logits = objective.block_logits(self.drafter, self.target.lm_head, emb, context, anchors)
+            host = self._at(host, np.concatenate([drawn, self._follow_ups(some, logits, labels, weights)], axis=1))
         emb, anchors, labels, weights = self._blocks(host)
         return emb, context, anchors, labels, weights
 
@@ -492,7 +490,7 @@ class Trainer:
             totals["loss"] += float(((ce * weights).sum() / mx.maximum(weights.sum(), 1e-6)).item())
             for k, v in objective.acceptance_stats(logits, labels, weights).items():
                 totals[k] += v
-            emb, anchors, labels, weights = self._blocks(self._at(host, self._follow_ups(host, context, logits)))
+            emb, anchors, labels, weights = self._blocks(self._at(host, self._follow_ups(host, logits, labels, weights)))
             logits = objective.block_logits(self.drafter, self.target.lm_head, emb, context, anchors)
             totals["tau_follow"] += objective.acceptance_stats(logits, labels, weights)["tau"]
             batches += 1
