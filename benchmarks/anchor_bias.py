@@ -27,7 +27,7 @@ import dflash_batch.engine  # noqa: F401  (BLAS preload before mlx)
 import mlx.core as mx
 import numpy as np
 
-from benchmarks.default_pair import held_out_options, held_out_prompts, write_result
+from benchmarks.default_pair import command_line, held_out_options, held_out_prompts, write_result
 from dflash_batch.engine import load_engine
 from dflash_batch.training import objective
 from dflash_batch.training.trainer import tapped_hidden
@@ -91,7 +91,7 @@ def main(argv=None) -> int:
         "chained_tokens_per_cycle": round(totals["chained_tokens"] / max(totals["chained_cycles"], 1), 3),
         "uniform_anchor_tokens_per_cycle": round(totals["uniform_sum"] / max(totals["uniform_anchors"], 1), 3),
         **totals,
-        "command": "python -m benchmarks.anchor_bias " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": command_line("anchor_bias", argv),
     }
     write_result(result, args.out)
     return 0

@@ -29,7 +29,7 @@ from dflash_batch.engine.batch import BatchDecoder
 from dflash_batch.engine.engine import _pick_dtype
 from dflash_batch.engine.scheduler import CostModel
 
-from .default_pair import held_out_options, held_out_prompts, run_engine, run_mlx_lm, write_result
+from .default_pair import command_line, held_out_options, held_out_prompts, run_engine, run_mlx_lm, write_result
 
 
 @contextmanager
@@ -132,7 +132,7 @@ def main(argv=None) -> int:
 
     cost = adaptive.cost.get(1)
     result = {
-        "command": "python -m benchmarks.batch_one " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": command_line("batch_one", argv),
         "device": str(mx.default_device()),
         "mlx": mx.__version__,
         "max_tokens": args.max_tokens,

@@ -67,6 +67,11 @@ def held_out_options(ap: argparse.ArgumentParser, prompts: int, max_tokens: int)
     ap.add_argument("--out", help="write the result here (JSON)")
 
 
+def command_line(module: str, argv=None) -> str:
+    """How a benchmark was run, for its result file: ``python -m benchmarks.<module> <args>``."""
+    return f"python -m benchmarks.{module} " + " ".join(sys.argv[1:] if argv is None else argv)
+
+
 def write_result(result: dict, out: str | None) -> None:
     """Print ``result`` as JSON, and write it to ``out`` too when given."""
     text = json.dumps(result, indent=2) + "\n"

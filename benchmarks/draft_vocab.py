@@ -30,7 +30,7 @@ from pathlib import Path
 import dflash_batch.engine  # noqa: F401  (BLAS preload before mlx)
 import mlx.core as mx
 
-from benchmarks.default_pair import held_out_options, held_out_prompts, run_engine, write_result
+from benchmarks.default_pair import command_line, held_out_options, held_out_prompts, run_engine, write_result
 from dflash_batch.engine import load_engine, loading
 from dflash_batch.engine.default_model import ensure_default_pair
 from dflash_batch.training import export
@@ -120,7 +120,7 @@ def main(argv=None) -> int:
         "speed_prompts": len(timed),
         "speed_max_tokens": args.speed_max_tokens,
         "sizes": [rows[k] for k in sizes],
-        "command": "python -m benchmarks.draft_vocab " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": command_line("draft_vocab", argv),
     }
     write_result(result, args.out)
     return 0 if all(r["same_output_prompts"] == len(prompts) for r in rows.values()) else 1

@@ -19,7 +19,7 @@ import sys
 import dflash_batch.engine  # noqa: F401  (BLAS preload before mlx)
 import mlx.core as mx
 
-from benchmarks.default_pair import held_out_options, held_out_prompts, write_result
+from benchmarks.default_pair import command_line, held_out_options, held_out_prompts, write_result
 from dflash_batch.engine import load_engine
 from dflash_batch.training.sweep import decode_rows
 
@@ -52,7 +52,7 @@ def main(argv=None) -> int:
         "cycles": cycles,
         "acceptance_histogram": hist,
         "exact_prompts": sum(with_drafter["outputs"][i] == reference["outputs"][i] for i in range(len(prompts))),
-        "command": "python -m benchmarks.held_out_acceptance " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": command_line("held_out_acceptance", argv),
     }
     write_result(result, args.out)
     return 0 if result["exact_prompts"] == len(prompts) else 1

@@ -35,7 +35,7 @@ import time
 import dflash_batch.engine  # noqa: F401  (preloads a fast CPU BLAS before mlx.core)
 import mlx.core as mx
 
-from .default_pair import write_result
+from .default_pair import command_line, write_result
 
 
 def one_row_batches(x: mx.array) -> mx.array:
@@ -86,7 +86,7 @@ def main(argv=None) -> int:
             rows.append(row)
             print(row, file=sys.stderr)
     write_result({
-        "command": "python -m benchmarks.small_matmul " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": command_line("small_matmul", argv),
         "device": str(mx.default_device()),
         "mlx": mx.__version__,
         "products": rows,

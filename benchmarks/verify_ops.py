@@ -45,7 +45,7 @@ import mlx.core as mx
 from dflash_batch.engine import attention, load_engine, warmup
 from dflash_batch.engine.kernels import attention as block
 
-from .default_pair import write_result
+from .default_pair import command_line, write_result
 
 
 def graph_ops(outputs) -> collections.Counter:
@@ -102,7 +102,7 @@ def main(argv=None) -> int:
     attention.set_mode(None)
     block.FUSE_REDUCTION = fused
     write_result({
-        "command": "python -m benchmarks.verify_ops " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": command_line("verify_ops", argv),
         "device": str(mx.default_device()),
         "mlx": mx.__version__,
         "batch": args.batch,
