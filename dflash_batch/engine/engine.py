@@ -18,7 +18,7 @@ from ..completion import (
     Piece,
     PromptTooLongError,
 )
-from . import attention, decode, loading, memory, prefill, registry, warmup
+from . import attention, decode, loading, matmul, memory, prefill, registry, warmup
 from .. import checks, constraints
 from ..request import CONTROLS, SamplingControls, sample_seed
 from .batch import BatchDecoder, Request
@@ -59,6 +59,7 @@ class Engine:
         self.drafter = drafter
         self.target = Target(model)
         attention.install(model)  # verify passes: multi-row attention routed per backend
+        matmul.install(model)  # and few-row products (engine/matmul.py)
         self.config = config or {}
         self.prefill_chunk = prefill_chunk
         if prefill_tokens < 1:
@@ -122,6 +123,7 @@ class Engine:
                 f"drafter's draft vocabulary reaches token {max(vocab)}, outside the target vocabulary ({self.target.vocab_size})"
             )
         self.target.set_taps(args.target_layer_ids)
+        matmul.install(drafter)
         # drafts from the draft vocabulary, if the drafter has one (decode.DraftHead)
         self.draft_head = decode.DraftHead(self.target, vocab) if vocab is not None and len(vocab) < self.target.vocab_size else None
         self.block_size = min(block_size or args.block_size, args.block_size)

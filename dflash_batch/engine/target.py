@@ -14,7 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from . import hybrid
+from . import hybrid, matmul
 from .batch_cache import Lengths, RaggedKVCache
 
 
@@ -168,11 +168,11 @@ class Target:
                 return out if bias is None else out + bias
 
             return quantized
-        if type(head) in (nn.Linear, nn.Embedding):
+        if type(head) in (nn.Linear, nn.Embedding, matmul.RoutedLinear):
             w = head["weight"][ids]
             bias = None if tied or "bias" not in head else head["bias"][ids]
             mx.eval(w, bias)
-            return (lambda h: h @ w.T) if bias is None else (lambda h: mx.addmm(bias, h, w.T))
+            return lambda h: matmul.linear(h, w, bias)
         return lambda h: self.lm_head(h)[..., ids]
 
     def verify(self, tokens: mx.array, cache: list, at: Optional[mx.array] = None) -> Tuple[mx.array, Optional[mx.array]]:

@@ -1,0 +1,122 @@
+"""Which matmul a linear layer runs on a few rows: MLX's, or the few-row kernel.
+
+At batch 1 a verify pass runs each linear layer of the target on the T rows it verifies, and
+the drafter runs its layers on a block of 16. MLX's CUDA backend sends one row to its gemv and
+two or more to cuBLAS, which costs about twice as much per product at these sizes
+(``kernels/matmul.py``). Routing sends products of MIN_ROWS..MAX_ROWS rows of an unquantized
+weight of at most MAX_OUTPUTS rows to ``kernels.matmul``; everything else (one row, prefill
+chunks, wide batches, LM heads, quantized layers) runs as before, through the layer's own code.
+
+Modes (``set_mode``, or the environment variable DFLASH_BATCH_MATMUL):
+    stock    MLX's matmul everywhere (the default)
+    kernel   the CUDA kernel for few-row products (CUDA only; elsewhere the same as stock), after
+             its self-check (``kernels.matmul.kernel_verified``: once per process and dtype; a
+             kernel that fails it warns once and MLX's matmul runs in its place)
+
+Why "stock" is the default on CUDA too (H200, default pair, batch 1; docs/batched.md, "A few-row
+matmul kernel"): the kernel computes a product in about a third of cuBLAS's device time, but
+each call costs the host about 10 us to build against MLX's 1 us, and a verify pass at batch 1
+is host-bound (its graph, about 1,500 operations, takes 2-4 ms to build): over a pass's 211
+products the two cancel. Verify passes cost the same within the machine's spread, and the
+engine at batch 1 was 1.53x against 1.42x ``stream_generate`` adaptive, 1.57x against 1.60x
+verifying the whole block.
+
+``install`` re-classes, in place, the ``nn.Linear`` layers of a model as ``RoutedLinear``: the same
+parameters, the same module tree; only ``__call__`` asks the route first.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Dict, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .kernels import attention as block
+from .kernels import matmul as kernel
+
+MODES = ("stock", "kernel")
+ENV = "DFLASH_BATCH_MATMUL"
+# Where the kernel beats MLX's matmul on an H200 (benchmarks/small_matmul.py): 2 to 16 rows, and
+# outputs up to a layer's width; one row is MLX's gemv, and over an LM head's 49,152 outputs
+# cuBLAS is faster from 4 rows on (the kernel re-reads x for every pair of columns).
+MIN_ROWS = 2
+MAX_ROWS = 16
+MAX_OUTPUTS = 8192
+
+_mode: Optional[str] = None  # as set; None: default_mode()
+_routing: Optional[bool] = None  # resolved: whether few-row products go to the kernel
+_counts: Dict[str, int] = {"routed": 0}
+
+
+def default_mode() -> str:
+    """DFLASH_BATCH_MATMUL if set, else "stock"."""
+    env = os.environ.get(ENV)
+    if env and env not in MODES:
+        raise ValueError(f"{ENV}={env!r}: expected one of {MODES}")
+    return env or "stock"
+
+
+def set_mode(mode: Optional[str]) -> None:
+    """Choose the mode for the whole process; None returns to the default."""
+    if mode is not None and mode not in MODES:
+        raise ValueError(f"matmul mode must be one of {MODES} or None, got {mode!r}")
+    global _mode, _routing
+    _mode, _routing = mode, None
+
+
+def mode() -> str:
+    return _mode or default_mode()
+
+
+def counters() -> Dict[str, int]:
+    """How many products went to the kernel."""
+    return dict(_counts)
+
+
+def _routed(x: mx.array, w: mx.array) -> bool:
+    global _routing
+    if _routing is None:
+        _routing = mode() == "kernel" and block.gpu_backend() == "cuda"
+    if not _routing:
+        return False
+    rows = x.size // x.shape[-1] if x.ndim else 0
+    return (MIN_ROWS <= rows <= MAX_ROWS and w.ndim == 2 and w.shape[0] <= MAX_OUTPUTS and x.dtype == w.dtype
+            and x.dtype in kernel.DTYPES and kernel.kernel_verified(x.dtype))
+
+
+def linear(x: mx.array, w: mx.array, bias: Optional[mx.array] = None) -> mx.array:
+    """``x @ w.T (+ bias)``, through the kernel where routed."""
+    if _routed(x, w):
+        _counts["routed"] += 1
+        y = kernel.matmul_kernel(x, w)
+        return y if bias is None else y + bias
+    return x @ w.T if bias is None else mx.addmm(bias, x, w.T)
+
+
+class RoutedLinear(nn.Linear):
+    """``nn.Linear`` whose few-row products may run the kernel."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        w = self["weight"]
+        if _routed(x, w):
+            _counts["routed"] += 1
+            y = kernel.matmul_kernel(x, w)
+            return y + self["bias"] if "bias" in self else y
+        return super().__call__(x)
+
+
+def install(model: nn.Module) -> int:
+    """Re-class the plain ``nn.Linear`` layers of ``model`` (not subclasses: quantized layers keep
+    their own matmul); returns how many. Harmless in "stock" mode: the layers' own code runs."""
+    count = 0
+    for _, module in model.named_modules():
+        if type(module) is nn.Linear:
+            module.__class__ = RoutedLinear
+            count += 1
+    return count
+
+
+__all__ = ["ENV", "MAX_OUTPUTS", "MAX_ROWS", "MIN_ROWS", "MODES", "RoutedLinear", "counters", "default_mode", "install", "linear",
+           "mode", "set_mode"]
