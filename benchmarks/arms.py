@@ -10,6 +10,7 @@ tokenizer has no EOS). Figures are timed the same way for every arm:
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,25 +91,14 @@ class zeroed_final_norm:
             n.weight = w
 
 
-class stock_attention:
-    """Context manager for the mlx-lm arms: stock MLX attention. The engine routes multi-row
-    attention for every model of the same architecture in the process (engine/attention.py
-    patches the model file), so the routing is switched off around mlx-lm's own runs."""
-
-    def __enter__(self):
-        try:
-            from dflash_batch.engine import attention
-        except ImportError:  # an engine without attention routing
-            self.attention = None
-            return self
-        self.attention = attention
-        self.saved = attention.mode()
-        attention.set_mode("stock")
-        return self
-
-    def __exit__(self, *exc):
-        if self.attention is not None:
-            self.attention.set_mode(None if self.saved == self.attention.default_mode() else self.saved)
+def stock_ops():
+    """Context manager for the mlx-lm arms: MLX's own attention and matmul
+    (``dflash_batch.engine.routing``; a no-op for an engine tree without routing)."""
+    try:
+        from dflash_batch.engine.routing import stock_ops as engine_stock_ops
+    except ImportError:
+        return contextlib.nullcontext()
+    return engine_stock_ops()
 
 
 def attention_mode() -> str:
@@ -153,7 +143,7 @@ def stream_generate(setup: Setup, prompt: List[int], max_tokens: int, draft_mode
     from mlx_lm import stream_generate as mlx_stream
 
     kwargs = {"draft_model": draft_model, "num_draft_tokens": num_draft_tokens} if draft_model is not None else {}
-    with stock_attention():
+    with stock_ops():
         _peak_reset()
         start = time.perf_counter()
         first, last, from_draft = None, None, 0
@@ -184,7 +174,7 @@ def batch_generate(setup: Setup, prompt: List[int], max_tokens: int, batch: int)
     """``mlx_lm.batch_generate`` over ``batch`` copies of the prompt; tok/s per sequence and total."""
     from mlx_lm import batch_generate as mlx_batch
 
-    with stock_attention():
+    with stock_ops():
         _peak_reset()
         start = time.perf_counter()
         resp = mlx_batch(setup.model, setup.tokenizer, [list(prompt)] * batch, max_tokens=max_tokens)

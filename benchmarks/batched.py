@@ -48,7 +48,7 @@ def job_prompts(n: int, length: int, vocab: int) -> List[List[int]]:
 def run_mlx_lm(setup, prompts, max_tokens: int, B: int) -> Dict[str, Any]:
     from mlx_lm import batch_generate
 
-    with arms.stock_attention():
+    with arms.stock_ops():
         mx.synchronize()
         start = time.perf_counter()
         resp = batch_generate(setup.model, setup.tokenizer, prompts, max_tokens=max_tokens,

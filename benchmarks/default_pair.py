@@ -98,13 +98,16 @@ def timed(pieces) -> tuple:
 def run_mlx_lm(model, tokenizer, prompt, max_tokens):
     from mlx_lm import stream_generate
 
+    from dflash_batch.engine.routing import stock_ops
+
     eos = set(tokenizer.eos_token_ids)
 
     def pieces():
         for r in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens):
             yield [] if r.token in eos else [int(r.token)]
 
-    return timed(pieces())
+    with stock_ops():  # mlx-lm's own ops, also for a model the engine routes
+        return timed(pieces())
 
 
 def run_engine(engine: Engine, prompt, max_tokens):

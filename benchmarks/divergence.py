@@ -25,7 +25,7 @@ from pathlib import Path
 import dflash_batch.engine  # noqa: F401  (preloads a fast CPU BLAS before mlx.core)
 import mlx.core as mx
 
-from benchmarks.arms import stock_attention
+from benchmarks.arms import stock_ops
 from benchmarks.default_pair import held_out_prompts
 from dflash_batch.engine import load_engine, loading
 from dflash_batch.engine.default_model import ensure_default_pair
@@ -61,7 +61,7 @@ def mlx_lm_arms(model, tokenizer, prompts, max_tokens, batch):
     from mlx_lm import batch_generate, stream_generate
 
     eos = set(tokenizer.eos_token_ids)
-    with stock_attention():
+    with stock_ops():
         alone = []
         for p in prompts:
             ids = []

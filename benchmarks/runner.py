@@ -116,7 +116,7 @@ def run_engine(engine, prompts: List[Prompt], max_tokens: int, B: int) -> Dict[s
 def run_mlx_lm(model, tokenizer, prompt_ids: List[List[int]], max_tokens: int, B: int) -> Dict[str, Any]:
     from mlx_lm import batch_generate
 
-    with arms.stock_attention():
+    with arms.stock_ops():
         mx.synchronize()
         start = time.perf_counter()
         resp = batch_generate(model, tokenizer, prompt_ids, max_tokens=max_tokens, completion_batch_size=B,

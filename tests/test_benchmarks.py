@@ -142,13 +142,21 @@ def test_the_engine_copy_of_the_target_has_the_same_weights():
     assert all(mx.array_equal(ours[k], theirs[k]).item() for k in ours)
 
 
-def test_mlx_lm_arms_run_with_stock_attention_and_restore_the_engine_routing():
-    from dflash_batch.engine import attention
+def test_mlx_lm_arms_run_with_stock_ops_and_restore_the_engine_routing():
+    from dflash_batch.engine import attention, matmul
 
-    before = attention.mode()
-    with arms.stock_attention():
-        assert attention.mode() == "stock"
-    assert attention.mode() == before
+    attention.set_mode("reference")
+    matmul.set_mode("kernel")
+    try:
+        with arms.stock_ops():
+            assert attention.mode() == "stock" and matmul.mode() == "stock"
+        assert attention.mode() == "reference" and matmul.mode() == "kernel"
+    finally:
+        attention.set_mode(None)
+        matmul.set_mode(None)
+    with arms.stock_ops():
+        pass
+    assert attention.mode() == attention.default_mode() and matmul.mode() == matmul.default_mode()
 
 
 def test_scripted_acceptance_on_an_untied_hybrid_target_uses_its_lm_head():
