@@ -24,7 +24,7 @@ from contextlib import contextmanager
 import dflash_batch.engine  # noqa: F401  (preloads a fast CPU BLAS before mlx.core)
 import mlx.core as mx
 
-from dflash_batch.engine import load_engine, loading
+from dflash_batch.engine import load_engine, loading, matmul
 from dflash_batch.engine.batch import BatchDecoder
 from dflash_batch.engine.engine import _pick_dtype
 from dflash_batch.engine.scheduler import CostModel
@@ -85,10 +85,23 @@ def summary(log: list) -> dict:
     return out
 
 
+def with_matmul(mode: str, run, *args):
+    """``run(*args)`` with few-row products in matmul ``mode`` (its warm-up too, on first use)."""
+    saved = matmul.mode()
+    matmul.set_mode(mode)
+    try:
+        return run(*args)
+    finally:
+        matmul.set_mode(None if saved == matmul.default_mode() else saved)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     held_out_options(ap, prompts=6, max_tokens=256)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--matmul-ab", action="store_true",
+                    help="also the adaptive engine and the whole block with few-row products through the few-row "
+                         "kernel (engine/matmul.py's kernel mode, CUDA), each an engine of its own")
     args = ap.parse_args(argv)
 
     adaptive = load_engine(args.target, args.draft or "auto")
@@ -107,6 +120,11 @@ def main(argv=None) -> int:
         "whole_block": lambda p: run_engine(fixed, p, args.max_tokens)[:2],
         "no_draft": lambda p: run_engine(plain, p, args.max_tokens)[:2],
     }
+    if args.matmul_ab:
+        for name, engine in (("adaptive_kernel_matmul", load_engine(args.target, args.draft or "auto")),
+                             ("whole_block_kernel_matmul",
+                              load_engine(args.target, args.draft or "auto", adaptive_block=False))):
+            arms[name] = lambda p, engine=engine: with_matmul("kernel", run_engine, engine, p, args.max_tokens)[:2]
     log: list = []
     rows = []
     for i, p in enumerate(prompts):

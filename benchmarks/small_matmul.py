@@ -3,12 +3,17 @@
 ``x [M, K] @ W[N, K].T`` (what ``nn.Linear`` computes) for M = 1..16 rows at the default pair's
 shapes (K = 576; N = 192, 576, 1536 and the LM head's 49152), fp32, each timed as a chain of
 ``--chain`` independent products evaluated together (per product: the chain's time / chain, the
-fastest of ``--reps``), so that one sync does not dominate. Two ways:
+fastest of ``--reps``), so that one sync does not dominate; ``*_build_us``: of that, the host's
+time to build the product's graph (Python and MLX's op construction). The ways:
 
     matmul   ``x @ W.T``: MLX's own path (on CUDA: its gemv kernel for one row, cuBLAS above)
     gemv     the M rows as M products of one row each in one batched call: ``x`` viewed as
              [M, 1, K] with a batch stride MLX does not fold back into the rows, so that each
              batch stays a one-row product (MLX's CUDA gemv takes a batch)
+    kernel   the few-row kernel (``dflash_batch.engine.kernels.matmul``; CUDA only)
+
+``max_abs_diff``: from the product computed on the CPU in fp32 (MLX's CUDA matmul of two or more
+rows rounds fp32 through TF32).
 
 The verify pass of the default pair has 211 of these per pass; at batch 1 its T >= 2 passes cost
 two to three times its T = 1 pass with the same number of operations (``benchmarks/verify_ops``).
@@ -24,6 +29,17 @@ microseconds per product, ``matmul`` / ``gemv``:
 So cuBLAS costs about 10 us more than the one-row gemv per product (about 2 ms over a pass's
 211), not the whole 6-9 ms gap; and the batched one-row way is slower still (its extra copy
 and a batched gemv): not worth routing.
+
+With the few-row kernel and the host's share (another H200, the same day,
+``docs/benchmarks/small-matmul-h200-2026-11-24-kernel.json``), us per product / of them building:
+
+    rows  N = 576: matmul      kernel        N = 1536: matmul   kernel       N = 49152: matmul   kernel
+    4     13.6 / 0.5    9.3 / 4.4          17.2 / 0.9    14.6 / 7.9       47.2 / 2.0    56.2 / 10.5
+    16    17.3 / 0.9    16.3 / 8.1         18.5 / 0.9    21.3 / 8.1       47.0 / 1.6    139.2 / 11.4
+
+The kernel's device time is a third to a half of cuBLAS's; its calls cost the host 4-7 us more
+(docs/batched.md, "A few-row matmul kernel"). That run's kernel reshaped x to two axes and back
+(two more operations a call); it now reads x's leading axes as rows.
 """
 
 from __future__ import annotations
@@ -34,6 +50,9 @@ import time
 
 import dflash_batch.engine  # noqa: F401  (preloads a fast CPU BLAS before mlx.core)
 import mlx.core as mx
+
+from dflash_batch.engine.kernels import attention as block
+from dflash_batch.engine.kernels import matmul as few_row
 
 from .default_pair import command_line, write_result
 
@@ -47,25 +66,32 @@ def one_row_batches(x: mx.array) -> mx.array:
 
 def ways(w: mx.array):
     wt = w.T
-    return {
+    found = {
         "matmul": lambda x: x @ wt,
         "gemv": lambda x: (one_row_batches(x) @ wt).reshape(x.shape[0], -1),
     }
+    if block.gpu_backend() == "cuda":
+        found["kernel"] = lambda x: few_row.matmul_kernel(x, w)
+    return found
 
 
-def timed(fn, xs, reps: int) -> float:
+def timed(fn, xs, reps: int) -> tuple:
+    """(seconds per product, of them building the graph on the host): the fastest of ``reps``."""
     mx.eval([fn(x) for x in xs])
-    best = float("inf")
+    best, build = float("inf"), 0.0
     for _ in range(reps):
         start = time.perf_counter()
-        mx.eval([fn(x) for x in xs])
-        best = min(best, time.perf_counter() - start)
-    return best / len(xs)
+        ys = [fn(x) for x in xs]
+        built = time.perf_counter()
+        mx.eval(ys)
+        if time.perf_counter() - start < best:
+            best, build = time.perf_counter() - start, built - start
+    return best / len(xs), build / len(xs)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rows", default="1,2,4,8,16")
+    ap.add_argument("--rows", default="1,2,4,8,16,32")
     ap.add_argument("--outputs", default="192,576,1536,49152")
     ap.add_argument("--inputs", type=int, default=576)
     ap.add_argument("--chain", type=int, default=30)
@@ -79,9 +105,11 @@ def main(argv=None) -> int:
         for M in (int(m) for m in args.rows.split(",")):
             xs = [mx.random.normal((M, args.inputs)) for _ in range(args.chain)]
             row = {"N": N, "K": args.inputs, "M": M}
-            ref = xs[0] @ w.T
+            with mx.stream(mx.cpu):
+                ref = xs[0] @ w.T
             for name, fn in ways(w).items():
-                row[name + "_us"] = round(timed(fn, xs, args.reps) * 1e6, 2)
+                total, build = timed(fn, xs, args.reps)
+                row[name + "_us"], row[name + "_build_us"] = round(total * 1e6, 2), round(build * 1e6, 2)
                 row[name + "_max_abs_diff"] = float(mx.abs(fn(xs[0]) - ref).max())
             rows.append(row)
             print(row, file=sys.stderr)

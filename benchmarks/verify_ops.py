@@ -7,7 +7,9 @@ stock SDPA, the MLX-ops reference), one pass of the default pair's target (or ``
 over rows holding ``--context`` tokens: the largest difference of its logits from the first
 mode's, the operations in its graph (``mx.export_to_dot``: primitives by name; on the CPU the fast ops
 appear decomposed, so only a GPU's counts say what launches) and its time (one compiling
-run, then the fastest of five). The drafter's pass likewise.
+run, then the fastest of five, in each of ``--rounds`` rounds over every combination in turn;
+``build_ms``: of that, the host building the graph before it runs). The drafter's pass likewise. ``--matmul``: each of these with few-row products through
+MLX's matmul ("stock") and through the few-row kernel ("kernel", engine/matmul.py).
 
 Measured (H200, mlx[cuda13] 0.32.4, default pair fp32, batch 1, 300 keys, 2026-11-24;
 ``docs/benchmarks/verify-ops-h200-2026-11-24-b1.json``), ms per pass (operations):
@@ -28,6 +30,17 @@ On another H200 (faster host), ``--modes kernel,kernel-fused,stock`` at 300 and 
 6.6-9.6 at T = 2-16; stock SDPA no cheaper (5.5-8.5), its logits 0.1-1.0 from the kernel's; the
 fused reduction no cheaper either, and wrong (logits off by 26-56, also at batch 8:
 ``...-b8-c300-fused.json``), so it stays off (kernels/attention.py: FUSE_REDUCTION).
+
+With the host's share and the few-row matmul kernel (a third H200, ``--modes kernel --matmul
+stock,kernel --rounds 3``, ``docs/benchmarks/verify-ops-h200-2026-11-24-b1-matmul-ab.json``),
+ms per pass / of them building the graph:
+
+    T         1            2            4             8            16
+    stock     3.92 / 1.35  8.49 / 2.53  10.46 / 2.98  7.82 / 2.13  8.41 / 2.41   (1,477 operations)
+    kernel    4.37 / 1.54  8.79 / 4.51  8.69 / 4.44   8.88 / 4.45  10.33 / 4.50  (847)
+
+The kernel halves the operations and their device time, and the host spends as much building
+the calls: a batch-1 pass is as much host as device (docs/batched.md, "A few-row matmul kernel").
 """
 
 from __future__ import annotations
@@ -37,11 +50,12 @@ import collections
 import io
 import re
 import sys
+import time
 
 import dflash_batch.engine  # noqa: F401  (preloads a fast CPU BLAS before mlx.core)
 import mlx.core as mx
 
-from dflash_batch.engine import attention, load_engine, warmup
+from dflash_batch.engine import attention, load_engine, matmul, warmup
 from dflash_batch.engine.kernels import attention as block
 
 from .default_pair import command_line, write_result
@@ -54,6 +68,21 @@ def graph_ops(outputs) -> collections.Counter:
     return collections.Counter(re.findall(r'label ="?([A-Za-z_]+)', dot.getvalue()))
 
 
+def timed(run, reps: int = 5) -> tuple:
+    """(seconds, of them building the graph on the host) of the fastest of ``reps`` passes after a
+    compiling one: ``run()`` builds the pass's graph, ``mx.eval`` runs it."""
+    mx.eval(run())
+    best, build = float("inf"), 0.0
+    for _ in range(reps):
+        start = time.perf_counter()
+        outputs = run()
+        built = time.perf_counter()
+        mx.eval(outputs)
+        if time.perf_counter() - start < best:
+            best, build = time.perf_counter() - start, built - start
+    return best, build
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", help="target folder (default: the embedded default pair)")
@@ -62,33 +91,54 @@ def main(argv=None) -> int:
     ap.add_argument("--widths", default="1,2,4,8,16")
     ap.add_argument("--modes", default="kernel,stock,reference",
                     help="attention modes to try where they run; kernel-fused: the kernel with its reduction in pass 1")
+    ap.add_argument("--matmul", default="stock,kernel",
+                    help="few-row product modes to try where they run (engine/matmul.py), each with every attention mode")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds over every combination, each keeping its fastest")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
 
     engine = load_engine(args.target, "auto")
     fused = block.FUSE_REDUCTION
     modes = [m for m in args.modes.split(",") if not m.startswith("kernel") or attention.default_mode() == "kernel"]
-    rows, first = [], {}  # first: T -> the first mode's logits
-    for mode in modes:
-        # kernel-fused: the CUDA-core kernel with its reduction fused into pass 1 (one launch)
-        block.FUSE_REDUCTION = mode == "kernel-fused"
-        attention.set_mode(mode.split("-")[0])
-        passes = warmup._Passes(engine, args.batch, args.context)
-        for T in (int(w) for w in args.widths.split(",")):
-            run = passes._verify(T)
-            outputs = run()
-            ops = graph_ops(outputs)
-            logits = first.setdefault(T, outputs[0])
-            ms = warmup._time(run, reps=5, enough=float("inf")) * 1e3  # the fastest of five after one
-            rows.append({"mode": mode, "pass": "verify", "T": T, "ms": round(ms, 3), "ops": sum(ops.values()),
-                         "max_abs_diff": float(mx.abs(outputs[0] - logits).max()), "top_ops": dict(ops.most_common(12))})
-            print(rows[-1], file=sys.stderr)
-        if engine.drafter is not None:
-            ms = passes.draft() * 1e3
-            rows.append({"mode": mode, "pass": "draft", "T": engine.block_size, "ms": round(ms, 3)})
-            print(rows[-1], file=sys.stderr)
-        del passes
+    products = [m for m in args.matmul.split(",") if m != "kernel" or block.gpu_backend() == "cuda"]
+    combos = [(p, m) for p in products for m in modes]
+    widths = [int(w) for w in args.widths.split(",")]
+    rows, first, passes = {}, {}, {}  # first: T -> the first combination's logits
+    # Rounds over every combination in turn, each keeping its fastest: a machine's slow spell
+    # (a shared host, clocks) then favours none of them.
+    for _ in range(args.rounds):
+        for product, mode in combos:
+            matmul.set_mode(product)
+            # kernel-fused: the CUDA-core kernel with its reduction fused into pass 1 (one launch)
+            block.FUSE_REDUCTION = mode == "kernel-fused"
+            attention.set_mode(mode.split("-")[0])
+            if (product, mode) not in passes:
+                passes[product, mode] = warmup._Passes(engine, args.batch, args.context)
+            for T in widths:
+                run = passes[product, mode]._verify(T)
+                ms, build_ms = (t * 1e3 for t in timed(run))
+                row = rows.get((product, mode, T))
+                if row is None:
+                    outputs = run()
+                    ops = graph_ops(outputs)
+                    logits = first.setdefault(T, outputs[0])
+                    row = rows[product, mode, T] = {
+                        "mode": mode, "matmul": product, "pass": "verify", "T": T, "ms": float("inf"),
+                        "ops": sum(ops.values()), "max_abs_diff": float(mx.abs(outputs[0] - logits).max()),
+                        "top_ops": dict(ops.most_common(12))}
+                if ms < row["ms"]:
+                    row.update(ms=round(ms, 3), build_ms=round(build_ms, 3))
+            if engine.drafter is not None:
+                ms = passes[product, mode].draft() * 1e3
+                row = rows.setdefault((product, mode, "draft"), {"mode": mode, "matmul": product, "pass": "draft",
+                                                                  "T": engine.block_size, "ms": float("inf")})
+                row["ms"] = min(row["ms"], round(ms, 3))
+    rows = list(rows.values())
+    for row in rows:
+        print({k: v for k, v in row.items() if k != "top_ops"}, file=sys.stderr)
+    del passes
     attention.set_mode(None)
+    matmul.set_mode(None)
     block.FUSE_REDUCTION = fused
     write_result({
         "command": command_line("verify_ops", argv),
