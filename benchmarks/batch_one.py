@@ -100,8 +100,9 @@ def main(argv=None) -> int:
     held_out_options(ap, prompts=6, max_tokens=256)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--matmul-ab", action="store_true",
-                    help="also the adaptive engine and the whole block with few-row products through the few-row "
-                         "kernel (engine/matmul.py's kernel mode, CUDA), each an engine of its own")
+                    help="also the adaptive engine and the whole block with few-row products the other way than "
+                         "the default (engine/matmul.py: the kernel on CUDA, MLX's matmul elsewhere), each an "
+                         "engine of its own, named adaptive_<mode>_matmul and whole_block_<mode>_matmul")
     args = ap.parse_args(argv)
 
     adaptive = load_engine(args.target, args.draft or "auto")
@@ -121,10 +122,11 @@ def main(argv=None) -> int:
         "no_draft": lambda p: run_engine(plain, p, args.max_tokens)[:2],
     }
     if args.matmul_ab:
-        for name, engine in (("adaptive_kernel_matmul", load_engine(args.target, args.draft or "auto")),
-                             ("whole_block_kernel_matmul",
+        other = "stock" if matmul.default_mode() == "kernel" else "kernel"
+        for name, engine in ((f"adaptive_{other}_matmul", load_engine(args.target, args.draft or "auto")),
+                             (f"whole_block_{other}_matmul",
                               load_engine(args.target, args.draft or "auto", adaptive_block=False))):
-            arms[name] = lambda p, engine=engine: with_matmul("kernel", run_engine, engine, p, args.max_tokens)[:2]
+            arms[name] = lambda p, engine=engine: with_matmul(other, run_engine, engine, p, args.max_tokens)[:2]
     log: list = []
     rows = []
     for i, p in enumerate(prompts):

@@ -8,18 +8,17 @@ weight of at most MAX_OUTPUTS rows to ``kernels.matmul``; everything else (one r
 chunks, wide batches, LM heads, quantized layers) runs as before, through the layer's own code.
 
 Modes (``set_mode``, or the environment variable DFLASH_BATCH_MATMUL):
-    stock    MLX's matmul everywhere (the default)
-    kernel   the CUDA kernel for few-row products (CUDA only; elsewhere the same as stock), after
-             its self-check (``kernels.matmul.kernel_verified``: once per process and dtype; a
-             kernel that fails it warns once and MLX's matmul runs in its place)
+    stock    MLX's matmul everywhere (the default on the CPU and on Metal)
+    kernel   the CUDA kernel for few-row products (the default on CUDA), after its self-check
+             (``kernels.matmul.kernel_verified``: once per process and dtype; a kernel that fails
+             it warns once and MLX's matmul runs in its place)
 
-Why "stock" is the default on CUDA too (H200, default pair, batch 1; docs/batched.md, "A few-row
-matmul kernel"): the kernel computes a product in about a third of cuBLAS's device time, but
-each call costs the host about 10 us to build against MLX's 1 us, and a verify pass at batch 1
-is host-bound (its graph, about 1,500 operations, takes 2-4 ms to build): over a pass's 211
-products the two cancel. Verify passes cost the same within the machine's spread, and the
-engine at batch 1 was 1.53x against 1.42x ``stream_generate`` adaptive, 1.57x against 1.60x
-verifying the whole block.
+Measured on H200s (default pair; docs/batched.md, "A few-row matmul kernel"): the kernel takes a
+third to a half of cuBLAS's device time per product, but each call costs the host 4-7 us more,
+and a verify pass at batch 1 is as much host as device, so a pass timed alone costs about the
+same. In decoding, where the host builds the verify graph while the device drafts, the engine at
+batch 1 was faster with it in three A/B runs (adaptive width: +6%, +8% and +18%), and the
+README's job at batch 8 ran the same (the engine 1.85x ``batch_generate`` with it, 1.89x without).
 
 ``install`` re-classes, in place, the ``nn.Linear`` layers of a model as ``RoutedLinear``: the same
 parameters, the same module tree; only ``__call__`` asks the route first.
@@ -51,11 +50,11 @@ _counts: Dict[str, int] = {"routed": 0}
 
 
 def default_mode() -> str:
-    """DFLASH_BATCH_MATMUL if set, else "stock"."""
+    """DFLASH_BATCH_MATMUL if set, else "kernel" on CUDA and "stock" elsewhere."""
     env = os.environ.get(ENV)
     if env and env not in MODES:
         raise ValueError(f"{ENV}={env!r}: expected one of {MODES}")
-    return env or "stock"
+    return env or ("kernel" if block.gpu_backend() == "cuda" else "stock")
 
 
 def set_mode(mode: Optional[str]) -> None:
