@@ -154,8 +154,22 @@ def test_train_checkpoint_resume_export(tiny_target, tmp_path, capsys):
     assert params.keys() == exported.keys()
     assert all(mx.array_equal(params[k], exported[k]).item() for k in exported)
     assert not mx.array_equal(dict(tree_flatten(fresh.drafter.parameters()))["fc.weight"], exported["fc.weight"]).item()
-    with pytest.raises(ValueError, match="num_hidden_layers"):
-        Trainer(TrainConfig(**dict(base, layers=2), init=str(out / "drafter")), log=lambda _: None).setup()
+    with pytest.raises(ValueError, match="intermediate_size"):
+        Trainer(TrainConfig(**dict(base, intermediate_size=24), init=str(out / "drafter")), log=lambda _: None).setup()
+
+    # A drafter of more layers grows from it: the export's layer first, the new one the identity,
+    # so the grown drafter scores the held-out answers exactly as the export does.
+    grown = Trainer(TrainConfig(**dict(base, layers=2), init=str(out / "drafter")), log=lambda _: None)
+    grown.setup()
+    params = dict(tree_flatten(grown.drafter.parameters()))
+    assert all(mx.array_equal(params[k], exported[k]).item() for k in exported)
+    assert not mx.any(params["layers.1.self_attn.o_proj.weight"]).item()
+    assert not mx.any(params["layers.1.mlp.down_proj.weight"]).item()
+    assert mx.any(params["layers.1.self_attn.q_proj.weight"]).item()  # the rest trains from a random start
+    assert grown.evaluate() == warm.evaluate()
+    two_layers = grown.export()
+    with pytest.raises(ValueError, match="num_hidden_layers"):  # shrinking is refused
+        Trainer(TrainConfig(**base, init=str(two_layers)), log=lambda _: None).setup()
 
     # More --steps than one call's --time-budget allows: one step, a checkpoint, exit status 3.
     longer = [a if a != "4" or argv[i - 1] != "--steps" else "6" for i, a in enumerate(argv)]

@@ -402,16 +402,28 @@ class Trainer:
 
     def warm_start(self, source: str) -> None:
         """Start from an exported drafter (its quantized linears dequantized to fp32), so a longer
-        run continues a shipped drafter; a checkpoint in ``out`` still wins (``resume``)."""
+        run continues a shipped drafter; a checkpoint in ``out`` still wins (``resume``).
+
+        A drafter of fewer layers grows: its layers are the first ones and each layer added after
+        them starts as the identity (its attention and MLP output projections zero, so its residual
+        branches add nothing), so the run starts from the source's exact drafts and trains the new
+        layers from there."""
         from ..engine.default_model import DRAFTER_ASSET, plain_drafter_weights
 
         folder = DRAFTER_ASSET if source == "default" else Path(source)
         config, weights = plain_drafter_weights(folder, "float32")
-        differ = [k for k in self.SHAPE_KEYS if config.get(k) != self.drafter_config.get(k)]
+        layers, mine = config.get("num_hidden_layers"), self.drafter_config.get("num_hidden_layers")
+        grows = isinstance(layers, int) and isinstance(mine, int) and 0 < layers < mine
+        differ = [k for k in self.SHAPE_KEYS if config.get(k) != self.drafter_config.get(k)
+                  and not (grows and k == "num_hidden_layers")]
         if differ:
             raise ValueError(f"--init {folder}: its {', '.join(differ)} differ from this run's drafter")
-        self.drafter.load_weights(list(weights.items()), strict=True)
-        self.log(f"starting from the drafter in {folder}")
+        self.drafter.load_weights(list(weights.items()), strict=not grows)
+        for layer in self.drafter.layers[layers:] if grows else ():
+            layer.self_attn.o_proj.weight = mx.zeros_like(layer.self_attn.o_proj.weight)
+            layer.mlp.down_proj.weight = mx.zeros_like(layer.mlp.down_proj.weight)
+        grown = f", grown from {layers} to {mine} layers (the new ones the identity)" if grows else ""
+        self.log(f"starting from the drafter in {folder}{grown}")
 
     def _loss(self, emb, context, anchors, labels, weights):
         return objective.dflash_loss(self.drafter, self.target.lm_head, emb, context, anchors, labels, weights)
