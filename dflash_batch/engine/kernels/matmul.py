@@ -2,8 +2,8 @@
 
 At batch 1 a verify pass runs every linear layer on T = 2..16 rows (the block), and the drafter
 on its 16. On MLX's CUDA backend one row goes to a gemv kernel (5-8 us a product at the default
-pair's shapes) and two or more to cuBLAS (15-26 us, TF32 for fp32): over a pass's 211 products
-that is about 2 ms of a 4 ms plain step (``benchmarks/small_matmul.py``). The product is tiny and
+pair's shapes) and two or more to cuBLAS (15-26 us, TF32 for fp32): over a verify pass's 211
+products that is about 2 ms more than one-row gemvs would take (``benchmarks/small_matmul.py``). The product is tiny and
 bound by reading W once, so one kernel does it as a gemv does, for every row at once:
 
     warp w of block b owns columns n = (b * WARPS + w) * COLS + c, c < COLS
