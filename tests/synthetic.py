@@ -252,3 +252,20 @@ def tiny_qwen3_5_config(vocab_size: int = 512, layers: int = 4, hidden: int = 64
             norm_topk_prob=True,
         )
     return cfg
+
+
+LOSSLESS_PROMPTS = ["Hi", "Write a haiku about the sea.", "How are you today? " * 12]
+
+
+def assert_dflash_lossless(target: Path, drafter: Path, max_tokens: int = 40) -> None:
+    """Greedy DFlash output equals plain decoding of the same target, token for token, on prompts
+    short and long, and every one of them really drafted (fewer cycles than tokens)."""
+    from dflash_batch.engine import load_engine
+
+    ar = load_engine(target, draft=None)
+    spec = load_engine(target, draft=drafter)
+    for prompt in LOSSLESS_PROMPTS:
+        want = ar.generate(prompt, max_tokens=max_tokens).token_ids
+        got = spec.generate(prompt, max_tokens=max_tokens)
+        assert got.token_ids == want, prompt
+        assert got.stats.cycles < len(want), prompt  # it really drafted

@@ -18,6 +18,7 @@ from dflash_batch.engine import matmul as routing
 from dflash_batch.engine.kernels import attention as ka
 from dflash_batch.engine.kernels import matmul as km
 from dflash_batch.engine.kernels import selfcheck
+from tests.synthetic import assert_dflash_lossless
 
 # --------------------------------------------------------------------------------------------
 # The kernel body (BODY, the exact text CUDA compiles) on the CPU: one OS thread per lane of a
@@ -301,19 +302,10 @@ def test_cuda_kernel_matches_the_reference(dtype, shape):
 @cuda_only
 def test_dflash_is_lossless_with_the_kernel_routed(tiny_pair):
     """Greedy DFlash equals plain decoding with few-row products on the kernel (on CUDA)."""
-    from dflash_batch.engine import load_engine
-
-    target, drafter = tiny_pair
     routing.set_mode("kernel")
     try:
-        ar = load_engine(target, draft=None)
-        spec = load_engine(target, draft=drafter)
         before = routing.counters()["routed"]
-        for prompt in ["Hi", "Write a haiku about the sea.", "How are you today? " * 12]:
-            want = ar.generate(prompt, max_tokens=40).token_ids
-            got = spec.generate(prompt, max_tokens=40)
-            assert got.token_ids == want
-            assert got.stats.cycles < len(want)  # it really drafted
+        assert_dflash_lossless(*tiny_pair)
         assert routing.counters()["routed"] > before  # verify and draft passes went through the kernel
     finally:
         routing.set_mode(None)
