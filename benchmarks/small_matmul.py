@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 import dflash_batch.engine  # noqa: F401  (preloads a fast CPU BLAS before mlx.core)
 import mlx.core as mx
@@ -54,6 +53,7 @@ import mlx.core as mx
 from dflash_batch.engine.kernels import attention as block
 from dflash_batch.engine.kernels import matmul as few_row
 
+from . import verify_ops
 from .default_pair import command_line, write_result
 
 
@@ -76,17 +76,10 @@ def ways(w: mx.array):
 
 
 def timed(fn, xs, reps: int) -> tuple:
-    """(seconds per product, of them building the graph on the host): the fastest of ``reps``."""
-    mx.eval([fn(x) for x in xs])
-    best, build = float("inf"), 0.0
-    for _ in range(reps):
-        start = time.perf_counter()
-        ys = [fn(x) for x in xs]
-        built = time.perf_counter()
-        mx.eval(ys)
-        if time.perf_counter() - start < best:
-            best, build = time.perf_counter() - start, built - start
-    return best / len(xs), build / len(xs)
+    """(seconds per product, of them building the graph on the host): the fastest of ``reps``
+    evaluations of the whole chain (``verify_ops.timed``)."""
+    total, build = verify_ops.timed(lambda: [fn(x) for x in xs], reps)
+    return total / len(xs), build / len(xs)
 
 
 def main(argv=None) -> int:
