@@ -24,7 +24,7 @@ from contextlib import contextmanager
 import dflash_batch.engine  # noqa: F401  (preloads a fast CPU BLAS before mlx.core)
 import mlx.core as mx
 
-from dflash_batch.engine import load_engine, loading, matmul
+from dflash_batch.engine import load_engine, loading, matmul, routing
 from dflash_batch.engine.batch import BatchDecoder
 from dflash_batch.engine.engine import _pick_dtype
 from dflash_batch.engine.scheduler import CostModel
@@ -87,12 +87,8 @@ def summary(log: list) -> dict:
 
 def with_matmul(mode: str, run, *args):
     """``run(*args)`` with few-row products in matmul ``mode`` (its warm-up too, on first use)."""
-    saved = matmul.mode()
-    matmul.set_mode(mode)
-    try:
+    with routing.modes(matmul=mode):
         return run(*args)
-    finally:
-        matmul.set_mode(None if saved == matmul.default_mode() else saved)
 
 
 def main(argv=None) -> int:

@@ -1,9 +1,11 @@
-"""The engine's op routing switched off: for code that must run MLX's own ops on a model the engine
-holds (mlx-lm's generate functions, the benchmarks' baselines).
+"""The engine's op routing, set for a block of code: switched off for code that must run MLX's own
+ops on a model the engine holds (mlx-lm's generate functions, the benchmarks' baselines), or one
+mode chosen for an A/B run.
 
 The engine routes multi-row attention for every model of the same architecture in the process
 (``attention.install`` patches the model file) and the few-row products of the models it holds
-(``matmul.install``); ``stock_ops`` sets both to "stock" for the block and restores them after.
+(``matmul.install``). ``modes`` sets either for a block and restores it after; ``stock_ops`` sets
+both to "stock".
 """
 
 from __future__ import annotations
@@ -15,10 +17,11 @@ from . import attention, matmul
 
 
 @contextmanager
-def stock_ops() -> Iterator[None]:
-    saved = [(module, module.mode()) for module in (attention, matmul)]
-    for module, _ in saved:
-        module.set_mode("stock")
+def modes(**chosen: str) -> Iterator[None]:
+    """Set the routing modes named (``attention=...``, ``matmul=...``) for the block; restore after."""
+    saved = [(module, module.mode()) for module in (_MODULES[name] for name in chosen)]
+    for (module, _), mode in zip(saved, chosen.values()):
+        module.set_mode(mode)
     try:
         yield
     finally:
@@ -26,4 +29,11 @@ def stock_ops() -> Iterator[None]:
             module.set_mode(None if mode == module.default_mode() else mode)
 
 
-__all__ = ["stock_ops"]
+def stock_ops():
+    """MLX's own attention and matmul for the block."""
+    return modes(attention="stock", matmul="stock")
+
+
+_MODULES = {"attention": attention, "matmul": matmul}
+
+__all__ = ["modes", "stock_ops"]
