@@ -265,15 +265,20 @@ def test_batch_one_logs_every_cycle_of_the_adaptive_engine(zero_head_target, mod
 def test_verify_ops_counts_each_modes_graph(tiny_pair, tmp_path):
     """benchmarks/verify_ops.py: per mode and width, the verify pass's operations and time; the
     MLX-ops reference attention of a multi-row pass has more operations than stock SDPA's (the
-    mode must take effect), and a one-row pass is not routed (the same graph in both)."""
+    mode must take effect), and a one-row pass is not routed (the same graph in both); compiled
+    passes (engine/compiled.py) fuse the multi-row pass into fewer operations."""
     from benchmarks import verify_ops
 
     target, _ = tiny_pair
     out = tmp_path / "ops.json"
     argv = ["--target", str(target), "--widths", "1,4", "--modes", "stock,reference", "--context", "40", "--out", str(out)]
     assert verify_ops.main(argv) == 0
-    ops = {(p["mode"], p["T"]): p["ops"] for p in json.loads(out.read_text())["passes"] if p["pass"] == "verify"}
-    assert ops[("reference", 4)] > ops[("stock", 4)] and ops[("reference", 1)] == ops[("stock", 1)] > 0
+    passes = json.loads(out.read_text())["passes"]
+    ops = {(p["passes"], p["mode"], p["T"]): p["ops"] for p in passes if p["pass"] == "verify"}
+    for way in ("eager", "compiled"):
+        assert ops[way, "reference", 4] > ops[way, "stock", 4] and ops[way, "reference", 1] == ops[way, "stock", 1] > 0
+    assert ops["compiled", "stock", 4] < ops["eager", "stock", 4]
+    assert ops["compiled", "stock", 1] == ops["eager", "stock", 1]  # a plain step stays eager
 
 
 def test_small_matmul_ways_compute_the_same_product(tmp_path):

@@ -28,7 +28,7 @@ import mlx.core as mx
 
 from ..completion import Piece
 from ..request import SamplingControls
-from . import decode, prefill, sampling
+from . import compiled, decode, memory, prefill, sampling
 from .batch_cache import Lengths, round_up
 from .decode import Step
 from .output import RowOutput
@@ -96,7 +96,9 @@ class BatchDecoder:
         # Device state of the batch: target cache rows, drafter context rows, pending context.
         self.lengths = Lengths([0] * self.slots)
         # allocated once for the longest row the memory plan allows for (``capacity`` positions):
-        # growing a batch's cache copies it, and for that moment it needs twice its memory
+        # growing a batch's cache copies it, and for that moment it needs twice its memory.
+        # Passes that compile see the buffers whole, at a width of their ladder (engine/compiled.py).
+        capacity = self._capacity(capacity)
         self.cache = self.target.make_cache(self.lengths, capacity)
         self.draft_lengths = Lengths([0] * self.slots) if self.drafter else None
         self.draft_cache = self.drafter.make_cache(self.draft_lengths, capacity) if self.drafter else None
@@ -105,6 +107,13 @@ class BatchDecoder:
         self.pending: List[Tuple[mx.array, List[int]]] = []
         # Decoding cycles, plain data: per verify width T, [cycles, seconds, rows in flight summed]
         self.decode_counts: Dict[int, List[float]] = {}
+
+    def _capacity(self, positions: int) -> int:
+        """``positions``, or the compiled passes' rung above it where the memory holds that."""
+        rung = compiled.capacity(self.slots, positions)
+        if rung == positions or memory.rows_that_fit(memory.row_bytes(self.engine, rung)) < self.slots:
+            return positions
+        return rung
 
     # -- the engine step --------------------------------------------------------------------
     def steps(self) -> Iterator[Tuple[int, Piece]]:
@@ -268,7 +277,7 @@ class BatchDecoder:
         else:
             drafted = mx.zeros((B, 0), dtype=mx.int32)
         tokens = mx.concatenate([last, drafted], axis=1)
-        logits, hidden = self.target.verify(tokens, self.cache)
+        logits, hidden = self.target.decode_pass(tokens, self.cache)
         drafts = None
         if any(r is not None and r.matcher is not None for r in rows):
             # grammar masks walk the drafts on the host: queue the verify pass, then fetch the

@@ -14,7 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from . import hybrid, matmul
+from . import compiled, hybrid, matmul
 from .batch_cache import Lengths, RaggedKVCache
 
 
@@ -77,6 +77,7 @@ class Target:
         self.embed_tokens = self._inner.embed_tokens
         self._store: List[Optional[mx.array]] = []
         self.tap_ids: List[int] = []
+        self.passes = compiled.CompiledPasses(self)
         if tap_ids:
             self.set_taps(tap_ids)
 
@@ -174,6 +175,11 @@ class Target:
             mx.eval(w, bias)
             return lambda h: matmul.linear(h, w, bias)
         return lambda h: self.lm_head(h)[..., ids]
+
+    def decode_pass(self, tokens: mx.array, cache: list) -> Tuple[mx.array, Optional[mx.array]]:
+        """A decoding cycle's verify pass: ``verify``, replayed from a trace where it can be
+        (engine/compiled.py)."""
+        return self.passes(tokens, cache)
 
     def verify(self, tokens: mx.array, cache: list, at: Optional[mx.array] = None) -> Tuple[mx.array, Optional[mx.array]]:
         """A pass that ``rollback`` may cut short: recurrent layers record a tape for it."""

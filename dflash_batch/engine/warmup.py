@@ -35,7 +35,7 @@ from typing import Callable, Dict, Optional, Tuple
 
 import mlx.core as mx
 
-from . import attention, decode, hybrid
+from . import attention, compiled, decode, hybrid
 from .batch_cache import Lengths, round_up
 from .scheduler import PROBE_WIDTH, CostModel, Scheduler
 
@@ -142,7 +142,7 @@ class _Passes:
         target = engine.target
         block = max(engine.block_size, 2)
         self.rows = [max(n - b % 4, 1) for b in range(B)]
-        self.capacity = round_up(n + 2 * block)
+        self.capacity = compiled.capacity(B, round_up(n + 2 * block))  # as the job's batch allocates it
         self.lengths = Lengths(self.rows)
         self.cache = target.make_cache(self.lengths, self.capacity)
         self.ids = mx.array([[(7 * i + b) % target.vocab_size for i in range(block)] for b in range(B)], dtype=mx.int32)
@@ -166,7 +166,7 @@ class _Passes:
         keep = [1 + b % T for b in range(self.B)]  # rows keep what they accepted, as in a cycle
 
         def run():
-            out, hidden = target.verify(tokens, cache)
+            out, hidden = target.decode_pass(tokens, cache)
             # the rollback is part of a cycle's cost: recurrent layers replay the kept steps of
             # each row (engine/hybrid.py); attention layers need nothing (the lengths stay)
             target.rollback(cache, keep)
