@@ -24,7 +24,7 @@ from contextlib import contextmanager
 import dflash_batch.engine  # noqa: F401  (preloads a fast CPU BLAS before mlx.core)
 import mlx.core as mx
 
-from dflash_batch.engine import load_engine, loading, matmul, routing
+from dflash_batch.engine import compiled, load_engine, loading, matmul, routing
 from dflash_batch.engine.batch import BatchDecoder
 from dflash_batch.engine.engine import _pick_dtype
 from dflash_batch.engine.scheduler import CostModel
@@ -85,9 +85,9 @@ def summary(log: list) -> dict:
     return out
 
 
-def with_matmul(mode: str, run, *args):
-    """``run(*args)`` with few-row products in matmul ``mode`` (its warm-up too, on first use)."""
-    with routing.modes(matmul=mode):
+def with_modes(modes: dict, run, *args):
+    """``run(*args)`` under routing ``modes`` (its warm-up too, on first use)."""
+    with routing.modes(**modes):
         return run(*args)
 
 
@@ -98,7 +98,11 @@ def main(argv=None) -> int:
     ap.add_argument("--matmul-ab", action="store_true",
                     help="also the adaptive engine and the whole block with few-row products the other way than "
                          "the default (engine/matmul.py: the kernel on CUDA, MLX's matmul elsewhere), each an "
-                         "engine of its own, named adaptive_<mode>_matmul and whole_block_<mode>_matmul")
+                         "engine of its own, named adaptive_<mode>_matmul, whole_block_<mode>_matmul and "
+                         "no_draft_<mode>_matmul")
+    ap.add_argument("--passes-ab", action="store_true",
+                    help="likewise with decoding passes the other way than the default (engine/compiled.py: "
+                         "compiled on CUDA, eager elsewhere): adaptive_<mode>_passes, ...")
     args = ap.parse_args(argv)
 
     adaptive = load_engine(args.target, args.draft or "auto")
@@ -117,12 +121,18 @@ def main(argv=None) -> int:
         "whole_block": lambda p: run_engine(fixed, p, args.max_tokens)[:2],
         "no_draft": lambda p: run_engine(plain, p, args.max_tokens)[:2],
     }
+    ab = []
     if args.matmul_ab:
-        other = "stock" if matmul.default_mode() == "kernel" else "kernel"
-        for name, engine in ((f"adaptive_{other}_matmul", load_engine(args.target, args.draft or "auto")),
-                             (f"whole_block_{other}_matmul",
-                              load_engine(args.target, args.draft or "auto", adaptive_block=False))):
-            arms[name] = lambda p, engine=engine: with_matmul(other, run_engine, engine, p, args.max_tokens)[:2]
+        ab.append(("matmul", "stock" if matmul.default_mode() == "kernel" else "kernel"))
+    if args.passes_ab:
+        ab.append(("passes", "eager" if compiled.default_mode() == "compiled" else "compiled"))
+    for kind, other in ab:
+        for name, engine in ((f"adaptive_{other}_{kind}", load_engine(args.target, args.draft or "auto")),
+                             (f"whole_block_{other}_{kind}",
+                              load_engine(args.target, args.draft or "auto", adaptive_block=False)),
+                             (f"no_draft_{other}_{kind}", load_engine(args.target, None))):
+            arms[name] = lambda p, engine=engine, modes={kind: other}: with_modes(modes, run_engine, engine, p,
+                                                                                   args.max_tokens)[:2]
     log: list = []
     rows = []
     for i, p in enumerate(prompts):

@@ -55,7 +55,7 @@ import time
 import dflash_batch.engine  # noqa: F401  (preloads a fast CPU BLAS before mlx.core)
 import mlx.core as mx
 
-from dflash_batch.engine import attention, load_engine, matmul, warmup
+from dflash_batch.engine import attention, compiled, load_engine, matmul, warmup
 from dflash_batch.engine.kernels import attention as block
 
 from .default_pair import command_line, write_result
@@ -93,6 +93,8 @@ def main(argv=None) -> int:
                     help="attention modes to try where they run; kernel-fused: the kernel with its reduction in pass 1")
     ap.add_argument("--matmul", default="stock,kernel",
                     help="few-row product modes to try where they run (engine/matmul.py), each with every attention mode")
+    ap.add_argument("--passes", default="eager,compiled",
+                    help="decoding pass modes to try (engine/compiled.py), each with every combination above")
     ap.add_argument("--rounds", type=int, default=3, help="rounds over every combination, each keeping its fastest")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
@@ -101,37 +103,41 @@ def main(argv=None) -> int:
     fused = block.FUSE_REDUCTION
     modes = [m for m in args.modes.split(",") if not m.startswith("kernel") or attention.default_mode() == "kernel"]
     products = [m for m in args.matmul.split(",") if m != "kernel" or block.gpu_backend() == "cuda"]
-    combos = [(p, m) for p in products for m in modes]
+    pass_modes = args.passes.split(",")
+    combos = [(p, m, c) for c in pass_modes for p in products for m in modes]
     widths = [int(w) for w in args.widths.split(",")]
     rows, first, passes = {}, {}, {}  # first: T -> the first combination's logits
     # Rounds over every combination in turn, each keeping its fastest: a machine's slow spell
     # (a shared host, clocks) then favours none of them.
     for _ in range(args.rounds):
-        for product, mode in combos:
+        for product, mode, passes_mode in combos:
             matmul.set_mode(product)
+            compiled.set_mode(passes_mode)
             # kernel-fused: the CUDA-core kernel with its reduction fused into pass 1 (one launch)
             block.FUSE_REDUCTION = mode == "kernel-fused"
             attention.set_mode(mode.split("-")[0])
-            if (product, mode) not in passes:
-                passes[product, mode] = warmup._Passes(engine, args.batch, args.context)
+            key = (product, mode, passes_mode)
+            if key not in passes:  # its cache allocated as a batch in this pass mode allocates it
+                passes[key] = warmup._Passes(engine, args.batch, args.context)
             for T in widths:
-                run = passes[product, mode]._verify(T)
+                run = passes[key]._verify(T)
                 ms, build_ms = (t * 1e3 for t in timed(run))
-                row = rows.get((product, mode, T))
+                row = rows.get(key + (T,))
                 if row is None:
                     outputs = run()
                     ops = graph_ops(outputs)
                     logits = first.setdefault(T, outputs[0])
-                    row = rows[product, mode, T] = {
-                        "mode": mode, "matmul": product, "pass": "verify", "T": T, "ms": float("inf"),
+                    row = rows[key + (T,)] = {
+                        "mode": mode, "matmul": product, "passes": passes_mode, "pass": "verify", "T": T,
+                        "ms": float("inf"),
                         "ops": sum(ops.values()), "max_abs_diff": float(mx.abs(outputs[0] - logits).max()),
                         "top_ops": dict(ops.most_common(12))}
                 if ms < row["ms"]:
                     row.update(ms=round(ms, 3), build_ms=round(build_ms, 3))
             if engine.drafter is not None:
-                ms = passes[product, mode].draft() * 1e3
-                row = rows.setdefault((product, mode, "draft"), {"mode": mode, "matmul": product, "pass": "draft",
-                                                                  "T": engine.block_size, "ms": float("inf")})
+                ms = passes[key].draft() * 1e3
+                row = rows.setdefault(key + ("draft",), {"mode": mode, "matmul": product, "passes": passes_mode,
+                                                         "pass": "draft", "T": engine.block_size, "ms": float("inf")})
                 row["ms"] = min(row["ms"], round(ms, 3))
     rows = list(rows.values())
     for row in rows:
@@ -139,6 +145,7 @@ def main(argv=None) -> int:
     del passes
     attention.set_mode(None)
     matmul.set_mode(None)
+    compiled.set_mode(None)
     block.FUSE_REDUCTION = fused
     write_result({
         "command": command_line("verify_ops", argv),
