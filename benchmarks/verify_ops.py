@@ -41,6 +41,14 @@ ms per pass / of them building the graph:
 
 The kernel halves the operations and their device time, and the host spends as much building
 the calls: a batch-1 pass is as much host as device (docs/batched.md, "A few-row matmul kernel").
+``--passes eager,compiled`` (engine/compiled.py; a fourth H200, ``--modes kernel --matmul kernel
+--rounds 3``, ``docs/benchmarks/verify-ops-h200-2026-11-24-b1-compiled.json``):
+
+    T          2            4            8            16
+    eager      7.15 / 3.55  7.14 / 3.43  7.73 / 3.39  9.32 / 3.53
+    compiled   4.05 / 0.60  4.34 / 0.75  5.31 / 0.72  6.69 / 0.69
+
+A pass traced once and replayed costs the host a fifth of building it in Python.
 """
 
 from __future__ import annotations

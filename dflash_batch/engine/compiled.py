@@ -18,6 +18,10 @@ A batch that compiles allocates its buffers on a ladder of widths (``capacity``:
 trace. Wider caches, more than MAX_ROWS rows, plain one-token steps, GatedDeltaNet targets (their
 tape) and prefill run eagerly, as before.
 
+Measured on an H200 (default pair, batch 1; docs/batched.md, "Compiled passes"): a pass of 2-16
+rows 4.0-6.7 ms against 7.1-9.3 eager, the host's share 0.6-0.75 ms against 3.4-3.6; the
+adaptive engine 2.30x ``mlx_lm.stream_generate`` against 1.68x eager, in one process.
+
 Modes (``set_mode``, or the environment variable DFLASH_BATCH_PASSES):
     eager      the pass is built in Python every time (the default on the CPU and on Metal)
     compiled   traced once per key and shape (the default on CUDA)
