@@ -13,7 +13,6 @@ Tolerances (max |a - b| over the output, whose entries are O(1): values are N(0,
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from mlx_lm.models.base import create_causal_mask
 
 from dflash_batch.engine import attention as routing
 from dflash_batch.engine.kernels import attention as ka
+from tests import emulator as emulator_build
 from tests.synthetic import assert_dflash_lossless
 
 TOL = {mx.float32: 2e-5, mx.bfloat16: 1.6e-2, mx.float16: 2e-3}
@@ -371,9 +371,7 @@ EMU_CONFIGS = [("cuda", 64), ("cuda", 128), ("cuda", 256), ("metal", 64), ("meta
 
 @pytest.fixture(scope="module")
 def emulator(tmp_path_factory):
-    cxx = shutil.which("g++") or shutil.which("clang++")
-    if cxx is None:
-        pytest.skip("no C++ compiler for the kernel emulator")
+    emulator_build.compiler()
     folder = tmp_path_factory.mktemp("emu")
     cases = []
     for n, (backend, D) in enumerate(EMU_CONFIGS):
@@ -387,13 +385,7 @@ def emulator(tmp_path_factory):
     src = EMU_HEADER + (EMU_MAIN.replace("KERNELS", EMU_KERNELS) + EMU_ENTRY).replace("PASS1", body1).replace("PASS2", body2).replace("CASES", "\n    ".join(cases))
     exes = {}
     for fused in (0, 1):  # pass 2 as its own kernel (Metal), or done by the last block (CUDA)
-        (folder / f"emu{fused}.cpp").write_text(f"#define DFLASH_FUSED {fused}\n" + src)
-        exes[fused] = folder / f"emu{fused}"
-        cmd = [cxx, "-std=c++20", "-O1", "-pthread", "-o", str(exes[fused]), str(folder / f"emu{fused}.cpp")]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode != 0 and "barrier" in done.stderr and "No such file" in done.stderr:
-            pytest.skip("C++ compiler lacks <barrier>")
-        assert done.returncode == 0, done.stderr[-4000:]
+        exes[fused] = emulator_build.build(f"#define DFLASH_FUSED {fused}\n" + src, folder, f"emu{fused}")
 
     def run(backend, q, k_buf, v_buf, Lk, *, scale, causal, window, kv_start, kv_len=None, splits=None, fused=False):
         B, H, Lq, D = q.shape
@@ -574,9 +566,7 @@ EMU_MMA_CONFIGS = [(64, 4, True, 16, 2), (128, 8, True, 16, 2), (256, 4, True, 1
 
 @pytest.fixture(scope="module")
 def mma_emulator(tmp_path_factory):
-    cxx = shutil.which("g++") or shutil.which("clang++")
-    if cxx is None:
-        pytest.skip("no C++ compiler for the kernel emulator")
+    emulator_build.compiler()
     folder = tmp_path_factory.mktemp("emu_mma")
     cases = []
     for n, (D, warps, fused, kt, stages) in enumerate(EMU_MMA_CONFIGS):
@@ -586,13 +576,7 @@ def mma_emulator(tmp_path_factory):
         cases.append(f"case {n}: return run_blocks<bf16, {D}, {warps}, {c.smem_bytes}>(dir, B, H, Hk, Lq, Lk, cap, "
                      f"splits, groups, {pass2_after}, pass1<{D}, {warps}, {kt}, {stages}, {f}>);")
     src = EMU_HEADER + (EMU_MMA.replace("KERNELS", EMU_KERNELS) + EMU_ENTRY).replace("PASS1", ka.PASS1_MMA_BODY).replace("PASS2", ka.PASS2_BODY).replace("CASES", "\n    ".join(cases))
-    (folder / "emu.cpp").write_text(src)
-    exe = folder / "emu"
-    cmd = [cxx, "-std=c++20", "-O1", "-fno-strict-aliasing", "-pthread", "-o", str(exe), str(folder / "emu.cpp")]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode != 0 and "barrier" in done.stderr and "No such file" in done.stderr:
-        pytest.skip("C++ compiler lacks <barrier>")
-    assert done.returncode == 0, done.stderr[-4000:]
+    exe = emulator_build.build(src, folder, "emu", flags=["-fno-strict-aliasing"])
 
     def run(cfg, q, k_buf, v_buf, Lk, *, scale, causal, window, kv_start, splits, kv_len=None):
         B, H, Lq, D = q.shape

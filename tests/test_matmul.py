@@ -5,7 +5,6 @@ the routing on."""
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from dflash_batch.engine import matmul as routing
 from dflash_batch.engine.kernels import attention as ka
 from dflash_batch.engine.kernels import matmul as km
 from dflash_batch.engine.kernels import selfcheck
+from tests import emulator as emulator_build
 from tests.synthetic import assert_dflash_lossless
 
 # --------------------------------------------------------------------------------------------
@@ -115,18 +115,10 @@ int main(int argc, char** argv) {
 
 @pytest.fixture(scope="module")
 def emulator(tmp_path_factory):
-    cxx = shutil.which("g++") or shutil.which("clang++")
-    if cxx is None:
-        pytest.skip("no C++ compiler for the kernel emulator")
+    emulator_build.compiler()
     folder = tmp_path_factory.mktemp("mm")
     src = (EMU.replace("BODY", km.BODY).replace("WARPS_VALUE", str(km.WARPS)).replace("COLS_VALUE", str(km.COLS)))
-    (folder / "emu.cpp").write_text(src)
-    exe = folder / "emu"
-    done = subprocess.run([cxx, "-std=c++20", "-O1", "-pthread", "-o", str(exe), str(folder / "emu.cpp")],
-                          capture_output=True, text=True)
-    if done.returncode != 0 and "barrier" in done.stderr and "No such file" in done.stderr:
-        pytest.skip("C++ compiler lacks <barrier>")
-    assert done.returncode == 0, done.stderr[-4000:]
+    exe = emulator_build.build(src, folder, "emu")
 
     def run(x: np.ndarray, w: np.ndarray, offset: int = 0, lead: int = 1) -> np.ndarray:
         (M, K), N = x.shape, w.shape[0]
@@ -167,14 +159,11 @@ def test_kernel_body_on_emulated_gpu_matches_the_product(emulator, case):
 def test_a_broken_body_fails_the_emulated_comparison(emulator, tmp_path_factory):
     """The comparison above can fail: the same body, reading one lane's slice twice."""
     # not through the fixture: compile a variant whose lanes stride by 16 V instead of 32 V
-    cxx = shutil.which("g++") or shutil.which("clang++")
     folder = tmp_path_factory.mktemp("mm-broken")
     body = km.BODY.replace("k += 32 * V", "k += 16 * V")
     assert body != km.BODY
     src = EMU.replace("BODY", body).replace("WARPS_VALUE", str(km.WARPS)).replace("COLS_VALUE", str(km.COLS))
-    (folder / "emu.cpp").write_text(src)
-    subprocess.run([cxx, "-std=c++20", "-O1", "-pthread", "-o", str(folder / "emu"), str(folder / "emu.cpp")],
-                   check=True, capture_output=True)
+    emulator_build.build(src, folder, "emu")
     rng = np.random.default_rng(1)
     x, w = rng.standard_normal((4, 256)).astype(np.float32), rng.standard_normal((8, 256)).astype(np.float32)
     x.tofile(folder / "x.bin")
