@@ -34,6 +34,21 @@ def _alone_and_batched(engine, prompts, batch_size, max_tokens, **kw):
     return alone, engine.generate_batch(prompts, max_tokens=max_tokens, batch_size=batch_size, **kw)
 
 
+def scripted_batch(target, drafter, monkeypatch, prompts=PROMPTS_B[:5], max_tokens=30, **kw):
+    """An engine (``kw``: its options), ``prompts`` (default five of very different lengths), their
+    greedy outputs of ``max_tokens`` (one budget, or one per prompt) and the scripted drafts: row n's
+    are wrong with probability P_WRONG[n] (every acceptance length in some row). Returns (engine,
+    script, prompt ids, greedy outputs)."""
+    engine = _engine(target, drafter, **kw)
+    script = ScriptedDrafts(monkeypatch)
+    ids = [engine.encode(p) for p in prompts]
+    budgets = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(ids)
+    refs = [greedy_reference(target, i, n, engine.tokenizer.eos_token_ids) for i, n in zip(ids, budgets)]
+    for n, (i, ref) in enumerate(zip(ids, refs)):
+        script(i + ref + [0] * 16, p_wrong=P_WRONG[n], seed=n)
+    return engine, script, ids, refs
+
+
 @pytest.fixture(scope="module")
 def qwen3_b8(model_dir):
     return make_drafter(model_dir, "d-qwen3-8", synthetic.tiny_qwen3_config(), block_size=8)
@@ -42,13 +57,8 @@ def qwen3_b8(model_dir):
 @pytest.mark.parametrize("batch_size", [1, 3, 8])
 @pytest.mark.parametrize("adaptive", [False, True])
 def test_rows_equal_batch_one_and_mlx_lm_greedy(qwen3_target, qwen3_b8, monkeypatch, batch_size, adaptive):
-    engine = _engine(qwen3_target, qwen3_b8, adaptive_block=adaptive)
-    script = ScriptedDrafts(monkeypatch)
-    ids = [engine.encode(p) for p in PROMPTS_B]
-    eos = engine.tokenizer.eos_token_ids
-    refs = [greedy_reference(qwen3_target, i, n, eos) for i, n in zip(ids, MAX_TOKENS)]
-    for n, (i, ref) in enumerate(zip(ids, refs)):
-        script(i + ref + [0] * 16, p_wrong=P_WRONG[n], seed=n)
+    engine, script, ids, refs = scripted_batch(qwen3_target, qwen3_b8, monkeypatch, PROMPTS_B, MAX_TOKENS,
+                                               adaptive_block=adaptive)
     batched = engine.generate_batch(ids, max_tokens=MAX_TOKENS, batch_size=batch_size)
     for n, (c, ref) in enumerate(zip(batched, refs)):
         assert c.token_ids == ref, f"row {n}"
@@ -76,13 +86,7 @@ def test_other_targets_batched_equal_alone(request, model_dir, tmp_path, monkeyp
         cfg = synthetic.tiny_qwen3_5_config(layers=8)
         target = synthetic.save_target(tmp_path / "q35", cfg, seed=1)
     draft = synthetic.save_drafter(tmp_path / "d", synthetic.drafter_config(cfg, block_size=8), seed=3)
-    engine = _engine(target, draft)
-    script = ScriptedDrafts(monkeypatch)
-    prompts = PROMPTS_B[:6]
-    ids = [engine.encode(p) for p in prompts]
-    refs = [greedy_reference(target, i, 30, engine.tokenizer.eos_token_ids) for i in ids]
-    for n, (i, ref) in enumerate(zip(ids, refs)):
-        script(i + ref + [0] * 16, p_wrong=P_WRONG[n], seed=n)
+    engine, _, ids, refs = scripted_batch(target, draft, monkeypatch, PROMPTS_B[:6])
     batched = engine.generate_batch(ids, max_tokens=30, batch_size=4)
     assert [c.token_ids for c in batched] == refs
 
@@ -302,25 +306,13 @@ def test_a_long_joining_prompt_is_prefilled_in_chunks_between_cycles(tiny_pair):
     assert long_chunks[-1] - long_chunks[0] >= 5  # the short row committed tokens in between
 
 
-def _scripted_ragged_batch(target, drafter, monkeypatch):
-    """An engine, five prompts of very different lengths and their batch-1 greedy outputs, the
-    drafts scripted per row (every acceptance length in some row)."""
-    engine = _engine(target, drafter)
-    script = ScriptedDrafts(monkeypatch)
-    ids = [engine.encode(p) for p in PROMPTS_B[:5]]
-    refs = [greedy_reference(target, i, 30, engine.tokenizer.eos_token_ids) for i in ids]
-    for n, (i, ref) in enumerate(zip(ids, refs)):
-        script(i + ref + [0] * 16, p_wrong=P_WRONG[n], seed=n)
-    return engine, ids, refs
-
-
 def test_ragged_batch_through_the_block_attention_reference_is_lossless(qwen3_target, qwen3_b8, monkeypatch):
     """The routed path (per-row key lengths), as the GPU kernels run it, in its pure-MLX form."""
     from dflash_batch.engine import attention
 
     attention.set_mode("reference")
     try:
-        engine, ids, refs = _scripted_ragged_batch(qwen3_target, qwen3_b8, monkeypatch)
+        engine, _, ids, refs = scripted_batch(qwen3_target, qwen3_b8, monkeypatch)
         before = attention.counters()["routed"]
         assert [c.token_ids for c in engine.generate_batch(ids, max_tokens=30, batch_size=3)] == refs
         assert attention.counters()["routed"] > before
@@ -338,7 +330,7 @@ def test_both_ragged_routes_are_lossless(qwen3_target, qwen3_b8, monkeypatch, ro
     attention.set_mode("reference")  # "block" then runs the kernels' pure-MLX form, not stock SDPA
     attention.set_ragged_route(route)
     try:
-        engine, ids, refs = _scripted_ragged_batch(qwen3_target, qwen3_b8, monkeypatch)
+        engine, _, ids, refs = scripted_batch(qwen3_target, qwen3_b8, monkeypatch)
         ragged = []  # calls of the block attention with per-row key lengths
         block_attention = attention._block_attention
 

@@ -10,9 +10,7 @@ from dflash_batch.engine import compiled, load_engine, routing
 from dflash_batch.engine.batch_cache import Lengths
 from tests import synthetic
 from tests.conftest import make_drafter
-from tests.scripting import ScriptedDrafts
-from tests.test_batched import MAX_TOKENS, P_WRONG, PROMPTS_B, _engine
-from tests.test_engine_lossless import greedy_reference
+from tests.test_batched import MAX_TOKENS, PROMPTS_B, scripted_batch
 
 
 @pytest.fixture
@@ -92,13 +90,7 @@ def test_batched_rows_equal_greedy_with_compiled_passes(qwen3_target, model_dir,
         config = synthetic.tiny_qwen3_5_config(layers=8)
         target = synthetic.save_target(model_dir / "q35-compiled", config, seed=1)
     drafter = make_drafter(model_dir, f"d-{target_kind}-8", config, block_size=8)
-    engine = _engine(target, drafter, adaptive_block=False)
-    script = ScriptedDrafts(monkeypatch)
-    ids = [engine.encode(p) for p in PROMPTS_B]
-    eos = engine.tokenizer.eos_token_ids
-    refs = [greedy_reference(target, i, n, eos) for i, n in zip(ids, MAX_TOKENS)]
-    for n, (i, ref) in enumerate(zip(ids, refs)):
-        script(i + ref + [0] * 16, p_wrong=P_WRONG[n], seed=n)
+    engine, _, ids, refs = scripted_batch(target, drafter, monkeypatch, PROMPTS_B, MAX_TOKENS, adaptive_block=False)
     before = dict(engine.target.passes.calls)
     batched = engine.generate_batch(ids, max_tokens=MAX_TOKENS, batch_size=batch_size)
     for n, (c, ref) in enumerate(zip(batched, refs)):
