@@ -14,7 +14,8 @@
 #             size (LAYERS 2,4; BLOCKS 8,16), STEPS (default 3000) each: RUN/sweep/curve.{jsonl,md}
 #   final     train the default drafter on all answers (FINAL_LAYERS 4, FINAL_BLOCK 16) for the rest
 #             of TOTAL (or STEPS steps over several calls, resuming; INIT=default starts from the
-#             shipped drafter; LR, WARMUP; FOLLOW=f: --follow-anchors f), install it as the asset
+#             shipped drafter; LR, WARMUP; FOLLOW=f: --follow-anchors f; DISTILL=a: --distill a),
+#             install it as the asset
 #             here, benchmark the new pair
 #             (BENCH=0: skip the benchmark and its 200 s reserve)
 # Exit status 3: the stage has work left; call again with the same RUN (and STAGE).
@@ -47,7 +48,7 @@ sweep)
 final)
   BENCH=${BENCH:-1}
   python3 -m dflash_batch.training.cli --out "$RUN/final" "${data_args[@]}" --data "$RUN/data" --train-only \
-    --time-budget "$(left $(( BENCH ? 200 : 30 )))" --steps "${STEPS:-0}" ${INIT:+--init "$INIT"} ${FOLLOW:+--follow-anchors "$FOLLOW"} \
+    --time-budget "$(left $(( BENCH ? 200 : 30 )))" --steps "${STEPS:-0}" ${INIT:+--init "$INIT"} ${FOLLOW:+--follow-anchors "$FOLLOW"} ${DISTILL:+--distill "$DISTILL"} \
     --layers "${FINAL_LAYERS:-4}" --taps 5 --block-size "${FINAL_BLOCK:-16}" --batch-size 16 --anchors 32 \
     --max-len 448 --lr "${LR:-1e-3}" --warmup "${WARMUP:-100}" --eval-every 500 --eval-samples "${EVAL_SAMPLES:-256}" \
     --checkpoint-every 500 --quantize-bits 8 2>&1 | tee -a "$OUT/train.log"

@@ -308,7 +308,7 @@ def test_follow_anchor_training(tiny_target, tmp_path, capsys):
                                   anchors=8, follow_anchors=0.25), log=lambda _: None)  # fmt: skip
     trainer.setup()
     samples = trainer.train_samples[:4]
-    emb, context, anchors, labels, weights = trainer._inputs(samples, np.random.default_rng(5))
+    emb, context, anchors, labels, weights, _ = trainer._inputs(samples, np.random.default_rng(5))
     assert anchors.shape == (4, 8)
     drawn = objective.make_batch(samples, np.random.default_rng(5), 6, trainer.cfg.block_size,
                                  trainer.meta["mask_token_id"], trainer.cfg.gamma, 96, 96)  # fmt: skip
@@ -338,3 +338,55 @@ def test_follow_anchor_training(tiny_target, tmp_path, capsys):
     with pytest.raises(SystemExit) as refused:
         cli.main(argv[:-1] + ["0.7"])
     assert refused.value.code == 2
+
+
+def test_distillation_reads_the_targets_own_distribution(tiny_target, tmp_path):
+    """--distill: the teacher of block position k of an anchor-p block is the target's own logits
+    at position p+k-1 (a full causal forward), and the loss mixes the two cross-entropies."""
+    out = tmp_path / "run"
+    argv = [
+        "--target", str(tiny_target), "--out", str(out), "--prompts", "24", "--eval-percent", "20",
+        "--max-answer-tokens", "24", "--gen-batch", "16", "--steps", "2", "--batch-size", "4", "--anchors", "8",
+        "--max-len", "96", "--layers", "1", "--taps", "2", "--warmup", "1", "--quantize-bits", "0",
+        "--export-dtype", "float32", "--distill", "0.5",
+    ]  # fmt: skip
+    assert cli.main(argv) == 0
+    log = [json.loads(line) for line in (out / "train.log.jsonl").read_text().splitlines()]
+    assert np.isfinite([e["final_eval"]["loss"] for e in log if "final_eval" in e]).all()
+    with pytest.raises(SystemExit) as refused:
+        cli.main(argv[:-1] + ["1.5"])
+    assert refused.value.code == 2
+
+    from dflash_batch.training.trainer import TrainConfig, Trainer
+
+    trainer = Trainer(TrainConfig(out=str(tmp_path / "spy"), target=str(tiny_target), data=str(out / "data"),
+                                  train_only=True, steps=1, layers=1, num_taps=2, max_len=96, batch_size=4,
+                                  anchors=8, distill=1.0), log=lambda _: None)  # fmt: skip
+    trainer.setup()
+    samples = trainer.train_samples[:4]
+    rng = np.random.default_rng(3)
+    emb, context, anchors, labels, weights, teacher = trainer._inputs(samples, rng)
+    host = objective.make_batch(samples, np.random.default_rng(3), 8, trainer.cfg.block_size,
+                                trainer.meta["mask_token_id"], trainer.cfg.gamma, 96, 96)  # fmt: skip
+    full, _ = trainer.target(mx.array(host["tokens"]), cache=None)  # [N, T, V]: the target's own logits
+    B = trainer.cfg.block_size
+    has = np.array(weights) > 0
+    assert has.sum() > 20
+    for shift, same in ((-1, True), (0, False)):  # position p+k-1 predicts x_{p+k}; p+k does not
+        pos = np.clip(host["anchors"][:, :, None] + np.arange(1, B)[None, None, :] + shift, 0, full.shape[1] - 1)
+        want = np.take_along_axis(np.array(full), pos.reshape(4, -1, 1), axis=1).reshape(teacher.shape)
+        close = np.abs(np.array(teacher) - want).max(axis=-1) < 1e-4
+        assert close[has].all() == same
+    # The greedy label is the teacher's argmax (the answers are the target's greedy ones).
+    assert (np.array(mx.argmax(teacher, axis=-1))[has] == np.array(labels)[has]).mean() > 0.95
+
+    # The loss: distill 0 is the plain objective; a one-hot teacher at the labels gives the same
+    # loss at any share; a teacher elsewhere does not.
+    args = (trainer.drafter, trainer.target.lm_head, emb, context, anchors, labels, weights)
+    plain = objective.dflash_loss(*args)[0].item()
+    assert objective.dflash_loss(*args, teacher, 0.0)[0].item() == plain
+    onehot = mx.where(mx.arange(teacher.shape[-1]) == labels[..., None], 60.0, -60.0)
+    assert objective.dflash_loss(*args, onehot, 1.0)[0].item() == pytest.approx(plain, rel=1e-4)
+    assert objective.dflash_loss(*args, onehot, 0.5)[0].item() == pytest.approx(plain, rel=1e-4)
+    other = mx.where(mx.arange(teacher.shape[-1]) == (labels[..., None] + 1) % teacher.shape[-1], 60.0, -60.0)
+    assert abs(objective.dflash_loss(*args, other, 1.0)[0].item() - plain) > 0.05

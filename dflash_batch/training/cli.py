@@ -71,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--follow-anchors", type=float, default=0.0, metavar="F",
                    help="share of the anchors (at most 0.5) placed where decoding anchors next after drawn "
                         "ones, right after a draft the target overruled (default 0: all drawn)")
+    o.add_argument("--distill", type=float, default=0.0, metavar="ALPHA",
+                   help="share of each position's loss that is the cross-entropy to the target's own "
+                        "distribution there, the rest to its token (default 0: the token only)")
     o.add_argument("--max-len", type=int, default=448, help="tokens per sequence (prompt + answer), padded")
     o.add_argument("--lr", type=float, default=6e-4)
     o.add_argument("--warmup", type=int, default=100)
@@ -101,6 +104,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(argv)
     if not 0.0 <= args.follow_anchors <= 0.5:
         parser.error(f"--follow-anchors {args.follow_anchors}: a share from 0 to 0.5")
+    if not 0.0 <= args.distill <= 1.0:
+        parser.error(f"--distill {args.distill}: a share from 0 to 1")
     from .trainer import TrainConfig, Trainer, prepare_answers, prepare_prompts, load_target_model
 
     cfg = TrainConfig(
@@ -132,6 +137,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         batch_size=args.batch_size,
         anchors=args.anchors,
         follow_anchors=args.follow_anchors,
+        distill=args.distill,
         max_len=args.max_len,
         lr=args.lr,
         warmup=args.warmup,

@@ -10,6 +10,12 @@ trainer's ``follow_anchors``, some where decoding would anchor next after drawn 
     visible = context row s for an anchor-p block row iff s < p;  block rows of the same anchor
     loss    = sum_k w_k CE(lm_head(h_{p,k}), x_{p+k}) / sum_k w_k,   w_k = exp(-(k-1)/gamma)
 
+With distillation (share alpha), each position's loss also reads the target's own distribution
+there, t_{p,k} = softmax(target logits at position p+k-1), whose argmax the label x_{p+k} is
+(greedy answers):
+
+    loss_k  = (1 - alpha) CE(q_{p,k}, x_{p+k}) + alpha H(t_{p,k}, q_{p,k}),   H(t, q) = -sum_v t_v log q_v
+
 The target's embedding and LM head are frozen inputs, never drafter parameters.
 """
 
@@ -181,12 +187,25 @@ def block_logits(drafter, lm_head, block_embeddings, context, anchors) -> mx.arr
     return lm_head(h[:, :, 1:, :])
 
 
-def dflash_loss(drafter, lm_head, block_embeddings, context, anchors, labels, weights):
-    """Position-weighted cross-entropy (the DFlash objective) and the weight total."""
+def dflash_loss(drafter, lm_head, block_embeddings, context, anchors, labels, weights, teacher=None, distill=0.0):
+    """Position-weighted cross-entropy (the DFlash objective) and the weight total; with
+    ``teacher`` (the target's logits [N, A, B-1, V] where it predicts each label: ``teacher_positions``),
+    a share ``distill`` of each position's loss is the cross-entropy to the target's distribution."""
     logits = block_logits(drafter, lm_head, block_embeddings, context, anchors).astype(mx.float32)
     ce = nn.losses.cross_entropy(logits, labels, reduction="none")
+    if teacher is not None and distill > 0:
+        t = mx.softmax(mx.stop_gradient(teacher).astype(mx.float32), axis=-1)
+        soft = -(t * (logits - mx.logsumexp(logits, axis=-1, keepdims=True))).sum(axis=-1)  # H(t, q)
+        ce = (1.0 - distill) * ce + distill * soft
     total = weights.sum()
     return (ce * weights).sum() / mx.maximum(total, 1e-6), total
+
+
+def teacher_positions(anchors: mx.array, block_size: int, length: int) -> mx.array:
+    """[N, A, B-1]: the position p+k-1 whose target logits predict block position k's label
+    x_{p+k} (k = 1..B-1), clipped into the sequence (positions past it have weight zero)."""
+    pos = anchors[:, :, None] + mx.arange(block_size - 1, dtype=anchors.dtype)[None, None, :]
+    return mx.clip(pos, 0, length - 1)
 
 
 def acceptance_stats(logits: mx.array, labels: mx.array, weights: mx.array) -> Dict[str, float]:

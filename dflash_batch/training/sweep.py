@@ -116,6 +116,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--anchors", type=int, default=32)
     p.add_argument("--follow-anchors", type=float, default=0.0, help="as train-drafter's (every configuration)")
+    p.add_argument("--distill", type=float, default=0.0, help="as train-drafter's (every configuration)")
     p.add_argument("--max-len", type=int, default=448)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=100)
@@ -140,7 +141,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             out=str(folder), target=args.target, data=args.data, train_only=True, max_answers=answers,
             samples=args.samples, self_prompts=args.self_prompts, eval_percent=args.eval_percent,
             layers=layers, block_size=block, num_taps=args.taps, steps=args.steps, batch_size=args.batch_size,
-            anchors=args.anchors, follow_anchors=args.follow_anchors, max_len=args.max_len, lr=args.lr,
+            anchors=args.anchors, follow_anchors=args.follow_anchors, distill=args.distill, max_len=args.max_len, lr=args.lr,
             warmup=args.warmup, dtype=args.dtype,
             checkpoint_every=args.checkpoint_every, eval_every=max(args.steps // 6, 1), eval_samples=args.eval_samples,
         )  # fmt: skip

@@ -73,6 +73,7 @@ class TrainConfig:
     batch_size: int = 16
     anchors: int = 32
     follow_anchors: float = 0.0  # share of a sequence's anchors placed where decoding would go next
+    distill: float = 0.0  # share of the loss that is cross-entropy to the target's distribution
     max_len: int = 448
     lr: float = 6e-4
     min_lr_ratio: float = 0.1
@@ -135,15 +136,17 @@ def load_tokenizer_for(target: Optional[str]):
     return load_tokenizer(folder, eos_token_ids=load_config(folder).get("eos_token_id"))
 
 
-def tapped_hidden(target: Target, tokens: mx.array) -> mx.array:
-    """Concatenated tap outputs [N, T, taps*H] of a causal forward (no cache, no LM head)."""
+def tapped_hidden(target: Target, tokens: mx.array, final: bool = False):
+    """Concatenated tap outputs [N, T, taps*H] of a causal forward (no cache, no LM head); with
+    ``final``, also the backbone's output [N, T, H] (every layer, then the final norm), which the
+    LM head turns into the target's logits."""
     h = target.embed(tokens)
-    last = max(target.tap_ids)
+    last = target.num_layers - 1 if final else max(target.tap_ids)
     for layer in target.layers[: last + 1]:
         h = layer(h, "causal", cache=None)
     hidden = mx.concatenate(target._store, axis=-1)
     target._store[:] = [None] * len(target.tap_ids)
-    return hidden
+    return (hidden, target._inner.norm(h)) if final else hidden
 
 
 def pick_mask_token(tokenizer) -> int:
@@ -425,8 +428,9 @@ class Trainer:
         grown = f", grown from {layers} to {mine} layers (the new ones the identity)" if grows else ""
         self.log(f"starting from the drafter in {folder}{grown}")
 
-    def _loss(self, emb, context, anchors, labels, weights):
-        return objective.dflash_loss(self.drafter, self.target.lm_head, emb, context, anchors, labels, weights)
+    def _loss(self, emb, context, anchors, labels, weights, teacher=None):
+        return objective.dflash_loss(self.drafter, self.target.lm_head, emb, context, anchors, labels, weights,
+                                     teacher, self.cfg.distill)
 
     # -- one step ---------------------------------------------------------------------------
     def _host(self, samples, rng, anchors: int) -> dict:
@@ -461,7 +465,9 @@ class Trainer:
         cfg = self.cfg
         follow = min(int(round(cfg.follow_anchors * cfg.anchors)), cfg.anchors // 2)
         host = self._host(samples, rng, cfg.anchors - follow)
-        context = tapped_hidden(self.target, mx.array(host["tokens"])).astype(mx.float32)
+        context = tapped_hidden(self.target, mx.array(host["tokens"]), final=cfg.distill > 0)
+        context, final = context if cfg.distill > 0 else (context, None)
+        context = context.astype(mx.float32)
         if follow:
             drawn = np.where(host["weights"][..., 0] > 0, host["anchors"], -1)
             chosen = np.sort(rng.choice(drawn.shape[1], follow, replace=False))
@@ -470,14 +476,23 @@ class Trainer:
             logits = objective.block_logits(self.drafter, self.target.lm_head, emb, context, anchors)
             host = self._at(host, np.concatenate([drawn, self._follow_ups(some, logits, labels, weights)], axis=1))
         emb, anchors, labels, weights = self._blocks(host)
-        return emb, context, anchors, labels, weights
+        return emb, context, anchors, labels, weights, self._teacher(final, anchors)
+
+    def _teacher(self, final: Optional[mx.array], anchors: mx.array) -> Optional[mx.array]:
+        """The target's logits [N, A, B-1, V] where it predicts each block label (``distill``)."""
+        if final is None:
+            return None
+        pos = objective.teacher_positions(anchors, self.cfg.block_size, final.shape[1])
+        N, A, K = pos.shape
+        rows = mx.take_along_axis(final, pos.reshape(N, A * K, 1), axis=1)  # [N, A*K, H]
+        return mx.stop_gradient(self.target.lm_head(rows).reshape(N, A, K, -1))
 
     def train_step(self, step: int) -> float:
         cfg = self.cfg
         idx = batch_indices(cfg, step, len(self.train_samples))
         rng = np.random.default_rng([cfg.seed, step, 1])
-        emb, context, anchors, labels, weights = self._inputs([self.train_samples[i] for i in idx], rng)
-        (loss, _), grads = self._grad(emb, context, anchors, labels, weights)
+        emb, context, anchors, labels, weights, teacher = self._inputs([self.train_samples[i] for i in idx], rng)
+        (loss, _), grads = self._grad(emb, context, anchors, labels, weights, teacher)
         grads, _ = optim.clip_grad_norm(grads, cfg.grad_clip)
         self.optimizer.learning_rate = learning_rate(cfg, step, self.total_steps or cfg.warmup * 10)
         self.optimizer.update(self.drafter, grads)
