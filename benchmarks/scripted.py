@@ -85,8 +85,8 @@ class AcceptanceScript:
 
 class ScriptedDrafter:
     """Wraps a DFlash drafter; same interface (``args``, ``make_cache``, ``add_context``,
-    ``__call__``, ``target_hidden_size``), real forward, scripted proposals (each batch row
-    draws its own corruptions).
+    ``__call__``, ``draft_pass``, ``target_hidden_size``), real forward, scripted proposals (each
+    batch row draws its own corruptions).
 
     ``head_rows(ids [n]) -> [n, hidden]`` gives the target LM head's rows. ``reference[j]`` is the
     target's known greedy token j of the generation (at least max_tokens + block_size long);
@@ -159,6 +159,10 @@ class ScriptedDrafter:
         # Each row draws its own corruptions (position 0's output is not used by the engine).
         ids = mx.array([[0] + self.proposals() for _ in range(rows)])
         return mx.where(mx.array(True), self.head_rows(ids).astype(real.dtype), real)
+
+    def draft_pass(self, x: mx.array, context: mx.array, cache: list, counts: Optional[mx.array] = None) -> mx.array:
+        # the scripted forward, eager: a replayed trace would not repeat the script's draws (host state)
+        return self(x, context, cache, counts)
 
 
 def head_rows_of(target_model) -> Callable[[mx.array], mx.array]:

@@ -266,12 +266,13 @@ def test_verify_ops_counts_each_modes_graph(tiny_pair, tmp_path):
     """benchmarks/verify_ops.py: per mode and width, the verify pass's operations and time; the
     MLX-ops reference attention of a multi-row pass has more operations than stock SDPA's (the
     mode must take effect), and a one-row pass is not routed (the same graph in both); compiled
-    passes (engine/compiled.py) fuse the multi-row pass into fewer operations."""
+    passes (engine/compiled.py) fuse the multi-row pass into fewer operations, the drafter's too."""
     from benchmarks import verify_ops
 
-    target, _ = tiny_pair
+    target, drafter = tiny_pair
     out = tmp_path / "ops.json"
-    argv = ["--target", str(target), "--widths", "1,4", "--modes", "stock,reference", "--context", "40", "--out", str(out)]
+    argv = ["--target", str(target), "--draft", str(drafter), "--widths", "1,4", "--modes", "stock,reference",
+            "--context", "40", "--out", str(out)]
     assert verify_ops.main(argv) == 0
     passes = json.loads(out.read_text())["passes"]
     ops = {(p["passes"], p["mode"], p["T"]): p["ops"] for p in passes if p["pass"] == "verify"}
@@ -279,6 +280,9 @@ def test_verify_ops_counts_each_modes_graph(tiny_pair, tmp_path):
         assert ops[way, "reference", 4] > ops[way, "stock", 4] and ops[way, "reference", 1] == ops[way, "stock", 1] > 0
     assert ops["compiled", "stock", 4] < ops["eager", "stock", 4]
     assert ops["compiled", "stock", 1] == ops["eager", "stock", 1]  # a plain step stays eager
+    drafts = {(p["passes"], p["mode"]): p for p in passes if p["pass"] == "draft"}
+    for mode in ("stock", "reference"):
+        assert drafts["compiled", mode]["ops"] < drafts["eager", mode]["ops"] and drafts["compiled", mode]["ms"] > 0
 
 
 def test_small_matmul_ways_compute_the_same_product(tmp_path):

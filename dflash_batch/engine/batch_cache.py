@@ -84,11 +84,13 @@ class RaggedKVCache:
             self.keys[..., n : n + T, :] = keys
             self.values[..., n : n + T, :] = values
             return self.keys[..., : n + T, :], self.values[..., : n + T, :]
-        return self.write_columns(self.lengths.columns(T), keys, values, self.lengths.max + T)
+        return self.write_columns(self.lengths.columns(T), keys, values, T)
 
-    def write_columns(self, columns: mx.array, keys: mx.array, values: mx.array, needed: int):
-        """Scatter keys [B, H, T, D] to columns [B, T] per row; return the first ``needed``
-        columns (rounded up to a STEP) of keys and values to attend over."""
+    def write_columns(self, columns: mx.array, keys: mx.array, values: mx.array, reach: int):
+        """Scatter keys [B, H, T, D] to columns [B, T] per row, none of them ``reach`` or more
+        past the longest row; return the columns up to there (rounded up to a STEP) of keys and
+        values to attend over."""
+        needed = self.lengths.max + reach
         self.reserve(needed, keys, values)
         self.keys = _put_columns(self.keys, columns, keys)
         self.values = _put_columns(self.values, columns, values)

@@ -1,4 +1,5 @@
-"""Decoding passes built once per shape and replayed: ``mx.compile`` over the target's forward.
+"""Decoding passes built once per shape and replayed: ``mx.compile`` over the target's verify pass
+and the drafter's pass.
 
 At batch 1 on a GPU a verify pass is as much host as device: every cycle the host builds, in
 Python, a graph of 850-1,500 operations, 1.3-4.5 ms of a 4-10 ms pass on H200s (docs/batched.md,
@@ -30,6 +31,24 @@ A trace depends on the routing in force (attention mode and ragged route, matmul
 in Python while tracing), so each combination has its own compiled function. The first pass
 under a new combination runs eagerly through the same view: the kernels' self-checks evaluate
 arrays, which a trace cannot.
+
+The drafter's pass (``CompiledDraft``; about 2.1 ms at batch 1 on an H200, built eagerly every
+cycle before) compiles the same way, under the same mode, rows and ladder. Its shapes change
+from cycle to cycle twice over: the new context rows S (what the last cycle kept, more after
+plain cycles) and the draft cache's keys. Both are fixed here: the context is padded to P = the
+drafter's block size rows, with each row's count c_b on the device, and the cache is seen whole.
+The pass is the drafter's ragged one (engine/drafter.py: ``Attention._ragged``), for L block rows:
+
+    context row j of row b -> column n_b + j           (j < c_b: the rows the engine counts)
+    padding row j          -> column n_b + L + j       (j >= c_b: past the block, never counted)
+    block row i            -> column n_b + c_b + i     (queries at those positions too)
+    attend:                   row b's keys j < n_b + c_b + L, over all ``width`` columns
+
+so below each row's new length n_b + c_b it leaves exactly what the eager pass leaves; past it,
+scratch that the next pass overwrites before it reads it. The LM head stays outside (its rows
+follow the verify width). More than P new rows, a batch with no room for the P padding rows,
+and caches off the ladder take the eager pass. On an H200 at batch 1 it costs 1.95 ms against 2.52
+eager (docs/batched.md, "Compiled passes").
 """
 
 from __future__ import annotations
@@ -107,7 +126,12 @@ class _FixedWidthView(RaggedKVCache):
         return self.lengths.device
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
-        columns = self.lengths.columns(keys.shape[2])
+        T = keys.shape[2]
+        return self.write_columns(self.lengths.columns(T), keys, values, T)
+
+    def write_columns(self, columns: mx.array, keys: mx.array, values: mx.array, reach: int):
+        """Scatter keys [B, H, T, D] to columns [B, T] per row; the whole buffers to attend over
+        (the pass masks them per row: ``reach`` is the eager cache's, unused)."""
         self.keys = _scatter(self.keys, columns, keys)
         self.values = _scatter(self.values, columns, values)
         return self.keys, self.values
@@ -124,43 +148,58 @@ def _scatter(buffer: mx.array, columns: mx.array, rows: mx.array) -> mx.array:
     return mx.put_along_axis(buffer, mx.broadcast_to(columns[:, None, :, None], (B, H, T, D)), rows, axis=2)
 
 
-class CompiledPasses:
-    """A target's decoding pass (``Target.decode_pass``), compiled where it can be."""
+def _fixed_width(cache: list, reach: int) -> bool:
+    """Whether a pass can see ``cache`` whole: every layer's buffers allocated, at one width of
+    the ladder, for at most MAX_ROWS rows, with room for the pass's writes ``reach`` columns
+    past the longest row."""
+    if not cache or not all(type(c) is RaggedKVCache and c.keys is not None for c in cache):
+        return False
+    lengths, width = cache[0].lengths, cache[0].keys.shape[2]
+    return (len(lengths) <= MAX_ROWS and width in LADDER and lengths.max + reach <= width
+            and all(c.keys.shape[2] == width for c in cache))
 
-    def __init__(self, target):
-        self.target = target
+
+class _Traces:
+    """A pass's compiled functions, one per routing, and counts of how it ran."""
+
+    def __init__(self):
         self._compiled: Dict[tuple, object] = {}  # routing -> mx.compile(self._pass)
         self.calls = {"compiled": 0, "eager": 0}  # passes run each way (the first of a routing: eager)
         self.traced = 0  # times the pass's Python ran: traces, and the eager first passes
 
+    def _run(self):
+        """The pass to call now: this routing's trace, or, the first time under a routing, the pass
+        itself run eagerly, so that kernels check themselves outside a trace."""
+        routing = (attention.mode(), attention.ragged_route(), matmul.mode())
+        run = self._compiled.get(routing)
+        if run is None:
+            self._compiled[routing] = mx.compile(self._pass)
+            run, kind = self._pass, "eager"
+        else:
+            kind = "compiled"
+        self.calls[kind] += 1
+        return run
+
+
+class CompiledPasses(_Traces):
+    """A target's decoding pass (``Target.decode_pass``), compiled where it can be."""
+
+    def __init__(self, target):
+        super().__init__()
+        self.target = target
+
     def applies(self, cache: list, T: int) -> bool:
         """Whether a pass of T rows over ``cache`` runs compiled (module doc)."""
-        if mode() != "compiled" or T < MIN_WIDTH or self.target.hybrid or not cache:
-            return False
-        first = cache[0]
-        if not all(type(c) is RaggedKVCache and c.keys is not None for c in cache):
-            return False
-        width = first.keys.shape[2]
-        return (len(first.lengths) <= MAX_ROWS and width in LADDER and first.lengths.max + T <= width
-                and all(c.keys.shape[2] == width for c in cache))
+        return mode() == "compiled" and T >= MIN_WIDTH and not self.target.hybrid and _fixed_width(cache, T)
 
     def __call__(self, tokens: mx.array, cache: list) -> Tuple[mx.array, Optional[mx.array]]:
         """logits [B, T, V] and the tapped hidden states, as ``Target.verify`` gives them; the
         cache's buffers hold the pass's keys and values after it (the caller advances lengths)."""
         if not self.applies(cache, tokens.shape[1]):
             return self.target.verify(tokens, cache)
-        routing = (attention.mode(), attention.ragged_route(), matmul.mode())
-        run = self._compiled.get(routing)
-        if run is None:  # first under this routing: eagerly, so that kernels check themselves outside a trace
-            self._compiled[routing] = mx.compile(self._pass)
-            run, kind = self._pass, "eager"
-        else:
-            kind = "compiled"
-        self.calls[kind] += 1
-        logits, hidden, keys, values = run(tokens, cache[0].lengths.device, [c.keys for c in cache],
-                                           [c.values for c in cache])
-        for c, k, v in zip(cache, keys, values):
-            c.keys, c.values = k, v  # the old buffers' last references go: the scatter writes in place
+        logits, hidden, keys, values = self._run()(tokens, cache[0].lengths.device, [c.keys for c in cache],
+                                                   [c.values for c in cache])
+        _reassign(cache, keys, values)
         return logits, (hidden[0] if hidden else None)
 
     def _pass(self, tokens: mx.array, lengths: mx.array, keys: List[mx.array], values: List[mx.array]):
@@ -171,4 +210,49 @@ class CompiledPasses:
         return logits, ([] if hidden is None else [hidden]), [c.keys for c in cache], [c.values for c in cache]
 
 
-__all__ = ["CompiledPasses", "ENV", "LADDER", "MAX_ROWS", "MIN_WIDTH", "MODES", "capacity", "default_mode", "mode", "set_mode"]
+class CompiledDraft(_Traces):
+    """A drafter's pass (``drafter.Model.draft_pass``), compiled where it can be (module doc)."""
+
+    def __init__(self, drafter):
+        super().__init__()
+        self.drafter = drafter
+        self.rows = drafter.args.block_size  # P: new context rows a compiled pass takes, padded
+
+    def applies(self, x: mx.array, context: mx.array, cache: list) -> bool:
+        """Whether the pass of block ``x`` [B, L, H] with new ``context`` rows [B, S, .] runs
+        compiled: at most P rows, and room for the furthest write, row b's last padding row at
+        n_b + L + P - 1."""
+        return mode() == "compiled" and context.shape[1] <= self.rows and _fixed_width(cache, x.shape[1] + self.rows)
+
+    def __call__(self, x: mx.array, context: mx.array, cache: list, counts: Optional[mx.array] = None) -> mx.array:
+        """hidden [B, L, H], as ``drafter(x, context, cache, counts)`` gives it; the cache's buffers
+        hold the pass's context rows after it (the caller advances the lengths by the counts)."""
+        if not self.applies(x, context, cache):
+            return self.drafter(x, context, cache, counts)
+        B, S, _ = context.shape
+        if counts is None:  # every row brings all S rows
+            counts = mx.full((B,), S, dtype=mx.int32)
+        if S < self.rows:  # padding rows: never counted (module doc), so zeros do
+            context = mx.pad(context, [(0, 0), (0, self.rows - S), (0, 0)])
+        hidden, keys, values = self._run()(x, context, counts, cache[0].lengths.device, [c.keys for c in cache],
+                                           [c.values for c in cache])
+        _reassign(cache, keys, values)
+        return hidden
+
+    def _pass(self, x: mx.array, context: mx.array, counts: mx.array, lengths: mx.array,
+              keys: List[mx.array], values: List[mx.array]):
+        self.traced += 1
+        view = _Lengths(lengths)
+        cache = [_FixedWidthView(view, k, v) for k, v in zip(keys, values)]
+        hidden = self.drafter(x, context, cache, counts)  # counts given: the ragged path, write_columns
+        return hidden, [c.keys for c in cache], [c.values for c in cache]
+
+
+def _reassign(cache: list, keys: List[mx.array], values: List[mx.array]) -> None:
+    """The pass's buffers into the cache; the old buffers' last references go, so the scatter
+    writes in place."""
+    for c, k, v in zip(cache, keys, values):
+        c.keys, c.values = k, v
+
+
+__all__ = ["CompiledDraft", "CompiledPasses", "ENV", "LADDER", "MAX_ROWS", "MIN_WIDTH", "MODES", "capacity", "default_mode", "mode", "set_mode"]

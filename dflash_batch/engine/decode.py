@@ -122,11 +122,12 @@ def draft_block(
     draft under a grammar); ``head``: draft from a draft vocabulary (``DraftHead``) instead.
 
     ``context`` [B, S] holds each row's new context rows, row b's first ``counts[b]`` valid (None:
-    all S). The drafter always runs the whole block; only the LM head is cut to the rows verified.
+    all S). The drafter always runs the whole block (compiled where it can be: engine/compiled.py);
+    only the LM head is cut to the rows verified.
     """
     B = drafter.args.block_size
     block = mx.concatenate([last, mx.full((last.shape[0], B - 1), drafter.args.mask_token_id, dtype=last.dtype)], axis=1)
-    h = drafter(target.embed(block), context, cache, counts)[:, 1 : 1 + rows, :]
+    h = drafter.draft_pass(target.embed(block), context, cache, counts)[:, 1 : 1 + rows, :]
     if head is not None and not with_logits:
         return head(h).astype(last.dtype)
     logits = target.lm_head(h)

@@ -6,7 +6,8 @@ target's embeddings; hidden states tapped from the target are projected by ``fc`
 caller applies the target's LM head to the output, cut to the drafter's draft vocabulary if it
 has one (``draft_vocab.json``; engine/decode.py: ``DraftHead``). The draft cache holds context
 K/V (the block's rows are written past the context and never counted). Batches whose rows bring
-different numbers of context rows take the ragged path (``Attention._ragged``).
+different numbers of context rows take the ragged path (``Attention._ragged``); so does a
+decoding cycle's pass where it is replayed from a trace (``draft_pass``: engine/compiled.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.rope_utils import initialize_rope
 
+from . import compiled
 from .attention import drafter_attention
 from .batch_cache import Lengths, RaggedKVCache
 
@@ -180,7 +182,7 @@ class Attention(nn.Module):
         j = mx.arange(S, dtype=mx.int32)[None]
         ctx_cols = mx.where(j < counts[:, None], start[:, None] + j, start[:, None] + L + j)
         blk_cols = first[:, None] + mx.arange(L, dtype=mx.int32)[None]
-        keys, values = cache.write_columns(mx.concatenate([ctx_cols, blk_cols], axis=1), k, v, cache.lengths.max + S + L)
+        keys, values = cache.write_columns(mx.concatenate([ctx_cols, blk_cols], axis=1), k, v, S + L)
         out = drafter_attention(q, keys, values, scale=self.scale, window=self.window, kv_len=first + L)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
@@ -227,6 +229,7 @@ class Model(nn.Module):
         self.hidden_norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.layers = [DecoderLayer(args, t == "sliding_attention") for t in args.layer_types]
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.passes = compiled.CompiledDraft(self)  # a plain attribute: not in the parameter tree
 
     def make_cache(self, lengths: Optional[Lengths] = None, capacity: int = 0) -> List[RaggedKVCache]:
         """Context K/V per layer (``capacity`` positions allocated at first use); ``lengths``
@@ -247,6 +250,13 @@ class Model(nn.Module):
         for layer, c in zip(self.layers, cache):
             x = layer(x, ctx, c, counts)
         return self.norm(x)
+
+    def draft_pass(
+        self, x: mx.array, context: mx.array, cache: List[RaggedKVCache], counts: Optional[mx.array] = None
+    ) -> mx.array:
+        """A decoding cycle's drafter pass: ``__call__``, replayed from a trace where it can be
+        (engine/compiled.py)."""
+        return self.passes(x, context, cache, counts)
 
     def add_context(self, context: mx.array, cache: List[RaggedKVCache]) -> None:
         """Write context rows [B, S, taps*H] into the cache without drafting (a prompt joining)."""

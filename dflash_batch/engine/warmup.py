@@ -11,7 +11,7 @@ of three: other work on the machine only ever adds time):
                    through the others by more than 10% (a GPU's attention works in tiles of
                    query rows; at batch 1 its launches cost the same at every T > 1), every width the scheduler chooses among (1, 2, 3, 4, 6, 8, 12, 16)
     draft(B)       one drafter pass over a block of new context rows (those the widest timed
-                   verify pass tapped)
+                   verify pass tapped), compiled where the job's are (engine/compiled.py)
 
 On the CPU a pass compiles nothing (its first run costs what later ones do, but for a process's
 first pass at a wide batch, run untimed) and costs a line in the rows it verifies, while each
@@ -177,6 +177,16 @@ class _Passes:
         return run
 
     def draft(self) -> float:
+        run = self._draft()
+        if compiled.mode() == "compiled":
+            # untimed: the drafter's first pass under a routing runs eagerly, so that _time's
+            # compiling run is the trace and the runs it times are replays
+            mx.eval(run())
+        return _time(run, once=self.quick)
+
+    def _draft(self) -> Callable:
+        """A drafter pass over the new context rows a verify pass tapped, as a cycle runs it (the
+        draft cache's lengths stay: every run writes the same columns)."""
         engine, target, drafter = self.engine, self.engine.target, self.engine.drafter
         if self.hidden is None:  # no verify of that width timed: one untimed
             _, self.hidden = target.verify(self.ids[:, : self.context_rows], self.cache)
@@ -185,9 +195,9 @@ class _Passes:
         drafter.add_context(self.hidden, draft_cache)  # as a joining prompt does
         mx.eval(self.hidden, [c.arrays() for c in draft_cache])  # not part of the timed pass
         last, block = self.ids[:, :1], max(engine.block_size, 2)
-        return _time(lambda: decode.draft_block(
+        return lambda: decode.draft_block(
             drafter, target, last, self.hidden, None, draft_cache, block - 1, head=engine.draft_head
-        ), once=self.quick)
+        )
 
 
 def _time(run: Callable, reps: int = 3, enough: float = 0.25, once: bool = False) -> float:
