@@ -58,7 +58,12 @@ def _group_states(engine, prompts, width):
 
 
 def _close(a, b):
-    return a is None and b is None or all(mx.allclose(x, y, rtol=1e-4, atol=1e-4).item() for x, y in zip(a, b))
+    """Equal up to fp32 rounding: within 2e-4 of each array's scale (at least 1). The same prompt
+    in passes of other shapes rounds differently: up to 1.9e-4 in keys of scale 3.5 after three
+    GatedDeltaNet layers over 333 tokens, the size depending on what ran before in the process.
+    One token disturbed moves a state by far more (``test_one_token_disturbed_is_not_close``)."""
+    return a is None and b is None or all(
+        (mx.abs(x - y) <= 2e-4 * mx.maximum(mx.abs(y).max(), 1.0)).all().item() for x, y in zip(a, b))
 
 
 def test_packed_prefill_state_equals_each_prompt_alone(pair):
@@ -78,6 +83,21 @@ def test_packed_prefill_state_equals_each_prompt_alone(pair):
         assert mx.allclose(packed.logits, alone.logits, rtol=1e-4, atol=1e-4).item(), n
         for layer, (p, a) in enumerate(zip(packed.target + packed.draft, alone.target + alone.draft)):
             assert _close(p, a), (n, layer)
+
+
+def test_one_token_disturbed_is_not_close(pair):
+    """Negative control for the comparison above: a prompt with its last-but-one token changed (a
+    padding token absorbed at the end of a row's chunk, or a key written where the row reads,
+    changes it like that) differs from the prompt's own state in every layer that holds state,
+    and in each of its arrays. (A token changed halfway fades from a recurrent state by the end.)"""
+    engine = _engine(pair)
+    ids = _ids(LENGTHS[-1], seed=LENGTHS[-1])
+    other = list(ids)
+    other[-2] = (other[-2] + 1) % 200 + 1
+    (want,), _ = _group_states(engine, [ids], 64)
+    (got,), _ = _group_states(engine, [other], 64)
+    layers = [(p, a) for p, a in zip(got.target + got.draft, want.target + want.draft) if a is not None]
+    assert layers and not any(_close([x], [y]) for p, a in layers for x, y in zip(p, a))
 
 
 def test_packed_prefill_rows_equal_greedy(pair):
