@@ -465,8 +465,11 @@ class Trainer:
         cfg = self.cfg
         follow = min(int(round(cfg.follow_anchors * cfg.anchors)), cfg.anchors // 2)
         host = self._host(samples, rng, cfg.anchors - follow)
-        context = tapped_hidden(self.target, mx.array(host["tokens"]), final=cfg.distill > 0)
-        context, final = context if cfg.distill > 0 else (context, None)
+        tokens = mx.array(host["tokens"])
+        if cfg.distill > 0:  # the backbone's output too: the teacher's logits come from it
+            context, final = tapped_hidden(self.target, tokens, final=True)
+        else:
+            context, final = tapped_hidden(self.target, tokens), None
         context = context.astype(mx.float32)
         if follow:
             drawn = np.where(host["weights"][..., 0] > 0, host["anchors"], -1)
