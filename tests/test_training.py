@@ -276,16 +276,33 @@ def test_follow_up_anchors_are_where_decoding_anchors_next():
     assert late.tolist() == [[-1, 19 if 19 + 1 < 20 else -1]]  # 19 is the last token: no label after it
 
 
+def tiny_run_argv(target, out, *extra: str) -> list:
+    """train-drafter's arguments for a tiny run (24 prompts, 2 steps of 4 sequences x 8 anchors,
+    a one-layer fp32 drafter), then ``extra``."""
+    return [
+        "--target", str(target), "--out", str(out), "--prompts", "24", "--eval-percent", "20",
+        "--max-answer-tokens", "24", "--gen-batch", "16", "--steps", "2", "--batch-size", "4", "--anchors", "8",
+        "--max-len", "96", "--layers", "1", "--taps", "2", "--warmup", "1", "--quantize-bits", "0",
+        "--export-dtype", "float32", *extra,
+    ]  # fmt: skip
+
+
+def tiny_trainer(target, data, out, **options):
+    """A set-up Trainer over a tiny run's stored answers (as ``tiny_run_argv``'s), training only."""
+    from dflash_batch.training.trainer import TrainConfig, Trainer
+
+    trainer = Trainer(TrainConfig(out=str(out), target=str(target), data=str(data), train_only=True, steps=1,
+                                  layers=1, num_taps=2, max_len=96, batch_size=4, anchors=8, **options),
+                      log=lambda _: None)  # fmt: skip
+    trainer.setup()
+    return trainer
+
+
 def test_follow_anchor_training(tiny_target, tmp_path, capsys):
     """--follow-anchors: the drawn anchors and, beside them, the follow-ups of a random share of
     them, from the drafter as it is at that step; the evaluation reports tau_follow."""
     out = tmp_path / "run"
-    argv = [
-        "--target", str(tiny_target), "--out", str(out), "--prompts", "24", "--eval-percent", "20",
-        "--max-answer-tokens", "24", "--gen-batch", "16", "--steps", "2", "--batch-size", "4", "--anchors", "8",
-        "--max-len", "96", "--layers", "1", "--taps", "2", "--eval-every", "1", "--warmup", "1",
-        "--quantize-bits", "0", "--export-dtype", "float32", "--follow-anchors", "0.25",
-    ]  # fmt: skip
+    argv = tiny_run_argv(tiny_target, out, "--eval-every", "1", "--follow-anchors", "0.25")
     assert cli.main(argv) == 0
     log = [json.loads(line) for line in (out / "train.log.jsonl").read_text().splitlines()]
     final = [e["final_eval"] for e in log if "final_eval" in e][-1]
@@ -301,12 +318,7 @@ def test_follow_anchor_training(tiny_target, tmp_path, capsys):
         assert got[k] == pytest.approx(final[k], abs=1e-4), k
     assert cli.main(["--target", str(tiny_target), "--out", str(out), "--evaluate", str(tmp_path / "nowhere")]) == 2
 
-    from dflash_batch.training.trainer import TrainConfig, Trainer
-
-    trainer = Trainer(TrainConfig(out=str(tmp_path / "spy"), target=str(tiny_target), data=str(out / "data"),
-                                  train_only=True, steps=1, layers=1, num_taps=2, max_len=96, batch_size=4,
-                                  anchors=8, follow_anchors=0.25), log=lambda _: None)  # fmt: skip
-    trainer.setup()
+    trainer = tiny_trainer(tiny_target, out / "data", tmp_path / "spy", follow_anchors=0.25)
     samples = trainer.train_samples[:4]
     emb, context, anchors, labels, weights, _ = trainer._inputs(samples, np.random.default_rng(5))
     assert anchors.shape == (4, 8)
@@ -344,12 +356,7 @@ def test_distillation_reads_the_targets_own_distribution(tiny_target, tmp_path):
     """--distill: the teacher of block position k of an anchor-p block is the target's own logits
     at position p+k-1 (a full causal forward), and the loss mixes the two cross-entropies."""
     out = tmp_path / "run"
-    argv = [
-        "--target", str(tiny_target), "--out", str(out), "--prompts", "24", "--eval-percent", "20",
-        "--max-answer-tokens", "24", "--gen-batch", "16", "--steps", "2", "--batch-size", "4", "--anchors", "8",
-        "--max-len", "96", "--layers", "1", "--taps", "2", "--warmup", "1", "--quantize-bits", "0",
-        "--export-dtype", "float32", "--distill", "0.5",
-    ]  # fmt: skip
+    argv = tiny_run_argv(tiny_target, out, "--distill", "0.5")
     assert cli.main(argv) == 0
     log = [json.loads(line) for line in (out / "train.log.jsonl").read_text().splitlines()]
     assert np.isfinite([e["final_eval"]["loss"] for e in log if "final_eval" in e]).all()
@@ -357,12 +364,7 @@ def test_distillation_reads_the_targets_own_distribution(tiny_target, tmp_path):
         cli.main(argv[:-1] + ["1.5"])
     assert refused.value.code == 2
 
-    from dflash_batch.training.trainer import TrainConfig, Trainer
-
-    trainer = Trainer(TrainConfig(out=str(tmp_path / "spy"), target=str(tiny_target), data=str(out / "data"),
-                                  train_only=True, steps=1, layers=1, num_taps=2, max_len=96, batch_size=4,
-                                  anchors=8, distill=1.0), log=lambda _: None)  # fmt: skip
-    trainer.setup()
+    trainer = tiny_trainer(tiny_target, out / "data", tmp_path / "spy", distill=1.0)
     samples = trainer.train_samples[:4]
     rng = np.random.default_rng(3)
     emb, context, anchors, labels, weights, teacher = trainer._inputs(samples, rng)
