@@ -30,7 +30,6 @@ The drafter calls ``drafter_attention`` directly.
 
 from __future__ import annotations
 
-import os
 import sys
 from typing import Dict, List, Optional
 
@@ -39,6 +38,7 @@ import mlx.nn as nn
 from mlx_lm.models import base as mlx_lm_base
 from mlx_lm.models.base import create_causal_mask
 
+from . import modes
 from .batch_cache import RaggedKVCache
 from .kernels import attention as block
 
@@ -48,35 +48,27 @@ ENV = "DFLASH_BATCH_ATTENTION"
 MAX_ROWS = 64  # more query rows than this (prefill chunks) stay on stock SDPA
 
 _stock_sdpa = mlx_lm_base.scaled_dot_product_attention
-_mode: Optional[str] = None  # as set; None: default_mode(), resolved once into _resolved
-_resolved: Optional[str] = None
+_resolved: Optional[str] = None  # the mode in force, resolved once
 _counts: Dict[str, int] = {"routed": 0, "stock": 0}
 _ragged_route = "block"
 
 
-def default_mode() -> str:
-    """DFLASH_BATCH_ATTENTION if set, else "kernel" on CUDA and "stock" elsewhere."""
-    env = os.environ.get(ENV)
-    if env:
-        if env not in MODES:
-            raise ValueError(f"{ENV}={env!r}: expected one of {MODES}")
-        return env
-    return "kernel" if block.gpu_backend() == "cuda" else "stock"
+_switch = modes.Switch("attention", ENV, MODES, cuda="kernel", elsewhere="stock")
+default_mode = _switch.default  # DFLASH_BATCH_ATTENTION if set, else "kernel" on CUDA and "stock" elsewhere
 
 
 def set_mode(mode: Optional[str]) -> None:
     """Choose the mode for the whole process; None returns to the default."""
-    if mode is not None and mode not in MODES:
-        raise ValueError(f"attention mode must be one of {MODES} or None, got {mode!r}")
-    global _mode, _resolved
-    _mode, _resolved = mode, None
+    global _resolved
+    _switch.set(mode)
+    _resolved = None
 
 
 def mode() -> str:
     """The mode in force (the default is resolved on first use and kept)."""
     global _resolved
     if _resolved is None:
-        _resolved = _mode or default_mode()
+        _resolved = _switch.mode()
     return _resolved
 
 

@@ -53,14 +53,12 @@ eager (docs/batched.md, "Compiled passes").
 
 from __future__ import annotations
 
-import os
 from typing import Dict, List, Optional, Tuple
 
 import mlx.core as mx
 
-from . import attention, matmul
+from . import attention, matmul, modes
 from .batch_cache import RaggedKVCache, visible
-from .kernels import attention as block
 
 MODES = ("eager", "compiled")
 ENV = "DFLASH_BATCH_PASSES"
@@ -70,27 +68,10 @@ MIN_WIDTH = 2  # a plain step (T = 1) stays eager: stock SDPA's one-row kernel o
                # against 4.3 ms a pass), more than the host would save
 LADDER = (512, 1024, 2048, 4096)  # buffer widths a compiling batch allocates; wider caches stay eager
 
-_mode: Optional[str] = None  # as set; None: default_mode()
-
-
-def default_mode() -> str:
-    """DFLASH_BATCH_PASSES if set, else "compiled" on CUDA and "eager" elsewhere."""
-    env = os.environ.get(ENV)
-    if env and env not in MODES:
-        raise ValueError(f"{ENV}={env!r}: expected one of {MODES}")
-    return env or ("compiled" if block.gpu_backend() == "cuda" else "eager")
-
-
-def set_mode(mode: Optional[str]) -> None:
-    """Choose the mode for the whole process; None returns to the default."""
-    if mode is not None and mode not in MODES:
-        raise ValueError(f"pass mode must be one of {MODES} or None, got {mode!r}")
-    global _mode
-    _mode = mode
-
-
-def mode() -> str:
-    return _mode or default_mode()
+_switch = modes.Switch("pass", ENV, MODES, cuda="compiled", elsewhere="eager")
+default_mode = _switch.default  # DFLASH_BATCH_PASSES if set, else "compiled" on CUDA and "eager" elsewhere
+set_mode = _switch.set  # for the whole process; None returns to the default
+mode = _switch.mode
 
 
 def capacity(rows: int, positions: int) -> int:

@@ -26,12 +26,12 @@ parameters, the same module tree; only ``__call__`` asks the route first.
 
 from __future__ import annotations
 
-import os
 from typing import Dict, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 
+from . import modes
 from .kernels import attention as block
 from .kernels import matmul as kernel
 
@@ -44,29 +44,18 @@ MIN_ROWS = 2
 MAX_ROWS = 16
 MAX_OUTPUTS = 8192
 
-_mode: Optional[str] = None  # as set; None: default_mode()
 _routing: Optional[bool] = None  # resolved: whether few-row products go to the kernel
 _counts: Dict[str, int] = {"routed": 0}
-
-
-def default_mode() -> str:
-    """DFLASH_BATCH_MATMUL if set, else "kernel" on CUDA and "stock" elsewhere."""
-    env = os.environ.get(ENV)
-    if env and env not in MODES:
-        raise ValueError(f"{ENV}={env!r}: expected one of {MODES}")
-    return env or ("kernel" if block.gpu_backend() == "cuda" else "stock")
+_switch = modes.Switch("matmul", ENV, MODES, cuda="kernel", elsewhere="stock")
+default_mode = _switch.default  # DFLASH_BATCH_MATMUL if set, else "kernel" on CUDA and "stock" elsewhere
+mode = _switch.mode
 
 
 def set_mode(mode: Optional[str]) -> None:
     """Choose the mode for the whole process; None returns to the default."""
-    if mode is not None and mode not in MODES:
-        raise ValueError(f"matmul mode must be one of {MODES} or None, got {mode!r}")
-    global _mode, _routing
-    _mode, _routing = mode, None
-
-
-def mode() -> str:
-    return _mode or default_mode()
+    global _routing
+    _switch.set(mode)
+    _routing = None
 
 
 def counters() -> Dict[str, int]:

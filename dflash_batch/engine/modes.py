@@ -1,0 +1,36 @@
+"""A routing choice for the whole process, one per module that routes (attention, few-row
+products, compiled passes): set in code (``set``), else the module's environment variable, else a
+default by backend (CUDA or anything else). ``engine/routing.py`` sets them for a block of code."""
+
+from __future__ import annotations
+
+import os
+from typing import Optional, Sequence
+
+from .kernels import attention as block
+
+
+class Switch:
+    def __init__(self, name: str, env: str, modes: Sequence[str], cuda: str, elsewhere: str):
+        self.name, self.env, self.modes = name, env, tuple(modes)
+        self.cuda, self.elsewhere = cuda, elsewhere
+        self.chosen: Optional[str] = None  # as set; None: the default
+
+    def default(self) -> str:
+        """The environment variable if set, else the backend's default."""
+        env = os.environ.get(self.env)
+        if env and env not in self.modes:
+            raise ValueError(f"{self.env}={env!r}: expected one of {self.modes}")
+        return env or (self.cuda if block.gpu_backend() == "cuda" else self.elsewhere)
+
+    def set(self, mode: Optional[str]) -> None:
+        """Choose the mode for the whole process; None returns to the default."""
+        if mode is not None and mode not in self.modes:
+            raise ValueError(f"{self.name} mode must be one of {self.modes} or None, got {mode!r}")
+        self.chosen = mode
+
+    def mode(self) -> str:
+        return self.chosen or self.default()
+
+
+__all__ = ["Switch"]
