@@ -61,7 +61,7 @@ from typing import Callable, Dict, List
 import dflash_batch.engine  # noqa: F401  (BLAS preload before mlx on Linux CPU)
 import mlx.core as mx
 
-from dflash_batch.engine import Engine, batch, batch_cache, decode, output, scheduler, target
+from dflash_batch.engine import Engine, batch, batch_cache, decode, output, scheduler, target, tree
 from dflash_batch.engine.batch import BatchDecoder
 
 from . import arms
@@ -238,6 +238,16 @@ def whole_job(engine: Engine, rows: int, max_tokens: int, vocab: int, stop: List
 
 
 def main(argv=None) -> None:
+    # the cycle timed is a chain's: a zeroed drafter finds every token equally likely, over which
+    # a draft tree (engine/tree.py, the CPU's default) would branch at its first position
+    tree.set_mode("chain")
+    try:
+        _main(argv)
+    finally:
+        tree.set_mode(None)
+
+
+def _main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="qwen3-tiny")
     ap.add_argument("--batches", default="16,64")

@@ -85,3 +85,16 @@ def qwen3_drafter(model_dir) -> Path:
 def tiny_pair(qwen3_target, qwen3_drafter):
     """(target folder, drafter folder): a tiny qwen3 target and a random drafter for it."""
     return qwen3_target, qwen3_drafter
+
+
+@pytest.fixture
+def chain_drafts():
+    """Cycles verify chains, not draft trees (engine/tree.py; trees are the CPU's default): for
+    tests that count what a chain's cycles commit, or whose drafts come from a zeroed head or
+    norm (every token equally likely to the drafter: a tree over that branches at its first
+    position). Trees have their own: tests/test_tree.py."""
+    from dflash_batch.engine import tree
+
+    tree.set_mode("chain")
+    yield
+    tree.set_mode(None)

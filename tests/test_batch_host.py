@@ -66,7 +66,7 @@ def test_a_pass_builds_its_write_columns_once_for_every_layer():
     assert lengths.columns(4).tolist() == [[4, 5, 6, 7], [3, 4, 5, 6], [5, 6, 7, 8]]
 
 
-def test_a_cycle_fetches_drafts_and_choices_in_one_sync(engine, monkeypatch):
+def test_a_cycle_fetches_drafts_and_choices_in_one_sync(engine, monkeypatch, chain_drafts):
     """Draft and verify passes are evaluated together: fetching the drafts alone first would
     wait for the draft pass before the verify pass is even queued (two host syncs a cycle)."""
     import mlx.core as mx

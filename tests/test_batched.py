@@ -56,7 +56,7 @@ def qwen3_b8(model_dir):
 
 @pytest.mark.parametrize("batch_size", [1, 3, 8])
 @pytest.mark.parametrize("adaptive", [False, True])
-def test_rows_equal_batch_one_and_mlx_lm_greedy(qwen3_target, qwen3_b8, monkeypatch, batch_size, adaptive):
+def test_rows_equal_batch_one_and_mlx_lm_greedy(qwen3_target, qwen3_b8, monkeypatch, chain_drafts, batch_size, adaptive):
     engine, script, ids, refs = scripted_batch(qwen3_target, qwen3_b8, monkeypatch, PROMPTS_B, MAX_TOKENS,
                                                adaptive_block=adaptive)
     batched = engine.generate_batch(ids, max_tokens=MAX_TOKENS, batch_size=batch_size)

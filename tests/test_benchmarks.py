@@ -63,7 +63,7 @@ def _check_cycles_follow_script(cycles, drawn):
     assert [c.from_draft for c in drafting] == [min(a, c.drafted) for a, c in zip(drawn, drafting)]
 
 
-def test_scripted_acceptance_on_a_zeroed_norm_target_hits_the_requested_rate(tiny):
+def test_scripted_acceptance_on_a_zeroed_norm_target_hits_the_requested_rate(tiny, chain_drafts):
     engine = arms.make_engine(tiny, tiny.drafter, adaptive_block=False)  # every cycle verifies 16 rows
     script = AcceptanceScript.of_drafted(0.6, engine.block_size, seed=7)
     engine.drafter = arms.scripted_drafter(tiny, script)
@@ -78,7 +78,7 @@ def test_scripted_acceptance_on_a_zeroed_norm_target_hits_the_requested_rate(tin
     assert stats.accepted_tokens == sum(c.from_draft for c in cycles)
 
 
-def test_scripted_drafter_replays_a_recorded_greedy_continuation(tiny):
+def test_scripted_drafter_replays_a_recorded_greedy_continuation(tiny, chain_drafts):
     """Random weights, fp32: the target's own greedy output is the reference; proposals built
     from it are accepted exactly where the script says, and the output is unchanged."""
     prompt = arms.prompt_ids(24, tiny.vocab_size, seed=5)
@@ -219,7 +219,7 @@ def _zero_head_job(zero_head_target, model_dir, tmp_path, n: int):
 
 
 def test_default_pair_acceptance_is_the_drafters_even_when_the_adaptive_width_stays_plain(
-    zero_head_target, model_dir, tmp_path, monkeypatch
+    zero_head_target, model_dir, tmp_path, monkeypatch, chain_drafts
 ):
     """benchmarks/default_pair.py reports the drafter's acceptance with the whole block verified
     every cycle. Here the adaptive width never drafts (as on the H100 of 2026-11-23, where a
@@ -298,7 +298,7 @@ def test_small_matmul_ways_compute_the_same_product(tmp_path):
     assert all(p["gemv_max_abs_diff"] < 1e-5 and p["matmul_max_abs_diff"] == 0 and p["gemv_us"] > 0 for p in products)
 
 
-def test_held_out_acceptance_counts_the_drafters_tokens_per_cycle_in_batches(zero_head_target, model_dir, tmp_path):
+def test_held_out_acceptance_counts_the_drafters_tokens_per_cycle_in_batches(zero_head_target, model_dir, tmp_path, chain_drafts):
     """benchmarks/held_out_acceptance.py: tokens per cycle over batched rows, whole block verified,
     outputs checked against plain decoding. A zeroed head accepts every draft, so each cycle
     commits the block (less where a row's budget ends inside it)."""
@@ -314,7 +314,7 @@ def test_held_out_acceptance_counts_the_drafters_tokens_per_cycle_in_batches(zer
     assert result["tokens_per_cycle"] == round(tau, 3) and tau > 4
 
 
-def test_draft_vocab_benchmark_rebuilds_each_size_from_the_answers(zero_head_target, model_dir, tmp_path):
+def test_draft_vocab_benchmark_rebuilds_each_size_from_the_answers(zero_head_target, model_dir, tmp_path, chain_drafts):
     """benchmarks/draft_vocab.py: each size's vocabulary is the most written tokens of the data's
     training answers. Over the zeroed-head target every draft is token 0: a vocabulary without it
     accepts nothing (1 token per cycle), one with it accepts as the whole vocabulary does, and
@@ -347,7 +347,7 @@ def test_draft_vocab_benchmark_rebuilds_each_size_from_the_answers(zero_head_tar
     assert by_size[16]["coverage"] == 1.0 and by_size[4]["coverage"] == round(45 / 123, 5)  # 10, 11, 12: 15 each of 123
 
 
-def test_anchor_bias_chains_the_objective_as_decoding_moves(zero_head_target, model_dir, tmp_path):
+def test_anchor_bias_chains_the_objective_as_decoding_moves(zero_head_target, model_dir, tmp_path, chain_drafts):
     """benchmarks/anchor_bias.py: the objective's acceptance chained through the anchors decoding
     reaches equals the engine's real tokens per cycle; at every anchor with a whole block after
     it, the zeroed head accepts the whole block (8)."""

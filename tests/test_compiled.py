@@ -81,7 +81,7 @@ def test_dflash_is_lossless_with_compiled_passes(tiny_pair, passes_compiled):
 
 @pytest.mark.parametrize("batch_size,target_kind", [(1, "qwen3"), (3, "qwen3"), (3, "qwen3_5")])
 def test_batched_rows_equal_greedy_with_compiled_passes(qwen3_target, model_dir, monkeypatch, passes_compiled,
-                                                        batch_size, target_kind):
+                                                        batch_size, target_kind, chain_drafts):
     """Every acceptance length, EOS and budgets cut inside a block, rows joining and leaving: each
     row equals the target's greedy output; the passes were replayed, not rebuilt each cycle (a
     GatedDeltaNet target's stay eager: its tape)."""
@@ -206,7 +206,7 @@ def test_a_draft_scatter_one_column_off_is_caught(tiny_pair, monkeypatch):
     assert any("keys kept" in d for d in differences) and any("past" in d for d in differences), differences
 
 
-def test_compiled_drafts_equal_eager_drafts_in_a_batch(tiny_pair, monkeypatch):
+def test_compiled_drafts_equal_eager_drafts_in_a_batch(tiny_pair, monkeypatch, chain_drafts):
     """A batch of rows that join, accept and leave on their own, with the real drafter: every
     cycle's drafts are the eager drafter's, and most of its passes were replays."""
     engine = load_engine(*map(str, tiny_pair), prefill_chunk=64, adaptive_block=False)  # widths fixed: cycles alike

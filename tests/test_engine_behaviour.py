@@ -23,12 +23,14 @@ from tests.test_engine_lossless import greedy_reference
 @pytest.fixture(scope="module")
 def full_accept(zero_head_target, model_dir):
     """Zeroed head: target and drafter both always pick token 0, so every block is accepted.
-    Every cycle verifies the whole block (no scheduler), so the cycle structure is known."""
+    Every cycle verifies the whole block (no scheduler), so the cycle structure is known. (Tests
+    that use it verify chains: a tree over a drafter that finds every token equally likely
+    branches at its first position.)"""
     draft = make_drafter(model_dir, "draft-b8", synthetic.tiny_qwen3_config(), block_size=8)
     return load_engine(str(zero_head_target), str(draft), adaptive_block=False)
 
 
-def test_full_block_acceptance_statistics(full_accept):
+def test_full_block_acceptance_statistics(full_accept, chain_drafts):
     c = full_accept.generate("Hello", max_tokens=50)
     s = c.stats
     assert c.token_ids == [0] * 50 and c.finish_reason == "length"
@@ -44,7 +46,7 @@ def test_full_block_acceptance_statistics(full_accept):
     assert s.block_size == 8 and s.prompt_tokens > 0
 
 
-def test_block_size_option_caps_verify_rows(zero_head_target, model_dir):
+def test_block_size_option_caps_verify_rows(zero_head_target, model_dir, chain_drafts):
     draft = make_drafter(model_dir, "draft-b8", synthetic.tiny_qwen3_config(), block_size=8)
     engine = load_engine(str(zero_head_target), str(draft), block_size=4, adaptive_block=False)
     s = engine.generate("Hello", max_tokens=17).stats  # 1 + 4 x 4
@@ -75,7 +77,7 @@ def test_eos_inside_accepted_block_cuts_there(full_accept):
     assert c.token_ids == [] and c.finish_reason == "stop" and c.stop_reason == "eos"
 
 
-def test_eos_and_stop_string_mid_block(tiny_pair, monkeypatch):
+def test_eos_and_stop_string_mid_block(tiny_pair, monkeypatch, chain_drafts):
     target, draft = tiny_pair
     engine = load_engine(str(target), str(draft), adaptive_block=False)  # whole blocks: cuts fall inside them
     ids = engine.encode("Write a haiku about the sea.")
@@ -174,7 +176,7 @@ def test_capture_is_bit_identical_to_model_call(qwen3_target, llama_target):
         assert hidden.shape == (1, 6, 3 * target.hidden_size)
 
 
-def test_drafter_context_is_the_committed_tapped_hidden_state(tiny_pair, monkeypatch):
+def test_drafter_context_is_the_committed_tapped_hidden_state(tiny_pair, monkeypatch, chain_drafts):
     """Context rows handed to the drafter, cycle by cycle, equal the tapped hidden states of
     one fresh target pass over prompt + committed tokens."""
     target_dir, draft_dir = tiny_pair

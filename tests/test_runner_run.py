@@ -48,7 +48,7 @@ def test_run_writes_complete_parquet_set_with_stats(tmp_path, home, real_engine)
     assert not list((tmp_path / "out").glob(".*.tmp")) and not ResultStore(tmp_path / "out").journals()
 
 
-def test_acceptance_columns_with_an_agreeing_pair(tmp_path, home, tiny_models):
+def test_acceptance_columns_with_an_agreeing_pair(tmp_path, home, tiny_models, chain_drafts):
     """With a drafter that always agrees, every drafted token is accepted. The engine verifies the
     whole block every cycle here: the default adaptive width may decode a job this short plainly
     (a drafter of unknown worth is probed only where a probe costs at most 5% of the job;

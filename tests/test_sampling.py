@@ -18,8 +18,9 @@ import math
 
 import mlx.core as mx
 import numpy as np
+import pytest
 
-from dflash_batch.engine import decode, load_engine
+from dflash_batch.engine import decode, load_engine, tree
 from dflash_batch.engine.batch import BatchDecoder
 
 TEMPERATURE = 0.5
@@ -50,17 +51,25 @@ def propose_argmax_path(monkeypatch, probs):
     drafter still runs, so its cache advances as usual)."""
     real = BatchDecoder.draft
     best = probs.argmax(axis=1)
+    order = np.argsort(-probs, axis=1)
 
-    def draft(decoder, last, rows):
-        real(decoder, last, rows)
-        out = []
+    def draft(decoder, last, rows, candidates=0):
+        real(decoder, last, rows, **({"candidates": candidates} if candidates else {}))
+        out, top = [], []
         for tok in last[:, 0].tolist():
-            ids = []
+            ids, cands = [], []
             for _ in range(rows):
+                cands.append(order[tok, : max(candidates, 1)])  # a tree's: the chain's next-token law
                 tok = int(best[tok])
                 ids.append(tok)
             out.append(ids)
-        return mx.array(out, dtype=mx.int32)
+            top.append(cands)
+        if not candidates:
+            return mx.array(out, dtype=mx.int32)
+        top = np.array(top)
+        prev = np.concatenate([last.tolist(), np.array(out)[:, :-1]], axis=1)  # each position's conditioning token
+        logprobs = np.log(np.take_along_axis(probs[prev], top, axis=2) + 1e-30)
+        return mx.array(top, dtype=mx.int32), mx.array(logprobs.astype(np.float32))
 
     monkeypatch.setattr(BatchDecoder, "draft", draft)
 
@@ -109,7 +118,24 @@ def chi_square_critical(dof: int, z: float = 3.09) -> float:
     return k * (1 - 2 / (9 * k) + z * math.sqrt(2 / (9 * k))) ** 3
 
 
-def test_sampling_keeps_the_target_distribution(tiny_pair, monkeypatch):
+def _first_children(parents):
+    path = [0]
+    for i, p in enumerate(parents):
+        if i and p == path[-1]:
+            path.append(i)
+    return path
+
+
+@pytest.mark.parametrize("drafts", ["chain", "tree"])
+def test_sampling_keeps_the_target_distribution(tiny_pair, monkeypatch, drafts):
+    tree.set_mode(drafts)  # engine/tree.py: a tree's nodes sample as a chain's positions do
+    try:
+        _keeps_the_target_distribution(tiny_pair, monkeypatch)
+    finally:
+        tree.set_mode(None)
+
+
+def _keeps_the_target_distribution(tiny_pair, monkeypatch):
     engine, probs = markov_engine(*tiny_pair)
     assert 0.4 < probs.max(axis=1).mean() < 0.9  # peaked, not deterministic
     propose_argmax_path(monkeypatch, probs)
@@ -120,8 +146,10 @@ def test_sampling_keeps_the_target_distribution(tiny_pair, monkeypatch):
     assert drafted > len(pairs) // 4  # drafts were accepted: the acceptance rule was exercised
     assert stat < chi_square_critical(dof), (stat, dof)
 
-    # Power: a decoder that keeps every draft (no check against the target's samples)
+    # Power: a decoder that keeps every draft (no check against the target's samples): a chain's
+    # every draft, a tree's first children (engine/tree.py)
     monkeypatch.setattr(decode, "accept_lengths", lambda d, t, limits: [L - 1 for L in limits])
+    monkeypatch.setattr(tree, "walk", lambda trees, chosen: [_first_children(parents) for parents in trees.parents])
     biased, _ = transitions(engine)
     stat_biased, dof_biased = chi_square(biased, probs)
     assert stat_biased > 3 * chi_square_critical(dof_biased), (stat_biased, dof_biased)

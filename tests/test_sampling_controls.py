@@ -144,7 +144,9 @@ def chain(tiny_pair):
 
 
 @pytest.mark.parametrize("name", list(CONTROLS))
-def test_control_keeps_plain_sampling_distribution(chain, monkeypatch, name):
+def test_control_keeps_plain_sampling_distribution(chain, monkeypatch, chain_drafts, name):
+    # chain_drafts: rows with controls verify chains; negative control 1 switches the controls
+    # off, which would make its rows verify trees, and the scripted drafts here are chains
     engine, logits = chain
     controls = CONTROLS[name]
     propose_likeliest_path(monkeypatch, logits, controls)

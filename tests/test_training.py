@@ -204,7 +204,7 @@ def test_train_checkpoint_resume_export(tiny_target, tmp_path, capsys):
     assert cli.main(["--out", str(out), "--write-draft-vocab", str(tmp_path / "nowhere")]) == 2
 
 
-def test_engine_drafts_equal_the_training_objective(qwen3_target, model_dir, monkeypatch):
+def test_engine_drafts_equal_the_training_objective(qwen3_target, model_dir, monkeypatch, chain_drafts):
     """End to end, training and real decoding feed the drafter the same tensors: at every cycle's
     anchor p (the newest committed token), the engine's draft logits equal ``block_logits`` of the
     training path over the committed sequence (context = ``tapped_hidden`` of a causal pass, rows

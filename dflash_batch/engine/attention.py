@@ -117,9 +117,10 @@ def target_sdpa(queries, keys, values, cache, scale: float, mask, sinks=None) ->
     Routed: mask "causal" (rows causal inside the block, all earlier keys visible) or None
     (every row sees every key), plain (unquantized) caches, no attention sinks; and the passes of
     a ragged batch (``RaggedKVCache`` rows of their own lengths: row b's keys end at
-    ``lengths[b] + rows``), plain decoding steps included.
+    ``lengths[b] + rows``), plain decoding steps included. A draft tree's mask goes to stock SDPA.
     """
-    if isinstance(cache, RaggedKVCache) and not cache.lengths.uniform and sinks is None and _ragged_route == "block":
+    if (isinstance(cache, RaggedKVCache) and not cache.lengths.uniform and cache.lengths.tree is None and sinks is None
+            and _ragged_route == "block"):  # a draft tree's pass (engine/tree.py) attends by its mask
         impl = _route(queries, keys, values, min_rows=1)
         if impl is not None:
             kv_len = cache.lengths.device + queries.shape[2]

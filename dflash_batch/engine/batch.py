@@ -25,10 +25,11 @@ from dataclasses import dataclass, field
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
+import numpy as np
 
 from ..completion import Piece
 from ..request import SamplingControls
-from . import compiled, decode, memory, prefill, sampling
+from . import compiled, decode, memory, prefill, sampling, tree
 from .batch_cache import Lengths, round_up
 from .decode import Step
 from .output import RowOutput
@@ -271,30 +272,11 @@ class BatchDecoder:
         limits = [min(width, r.budget) if r is not None else 1 for r in rows]  # L_b: what row b may commit
         T = max(limits)
         last = mx.array([[r.last if r is not None else 0] for r in rows], dtype=mx.int32)
-        if T > 1:
-            drafted = self.draft(last, T - 1)
-            mx.async_eval(drafted)  # the device drafts while the host builds the verify graph
+        if self._tree_cycle(T):
+            committed, hidden, scores = self._verify_tree(last, T, limits)
         else:
-            drafted = mx.zeros((B, 0), dtype=mx.int32)
-        tokens = mx.concatenate([last, drafted], axis=1)
-        logits, hidden = self.target.decode_pass(tokens, self.cache)
-        drafts = None
-        if any(r is not None and r.matcher is not None for r in rows):
-            # grammar masks walk the drafts on the host: queue the verify pass, then fetch the
-            # drafts (queued on their own above: an array waits for the whole graph it was queued
-            # with) and compute the masks while it runs
-            mx.async_eval(logits)
-            drafts = drafted.tolist()
-        chosen, scores = self.choose(
-            logits, rows, self.lengths.device + 1,  # verify row i picks the token after position n_b + i
-            drafted if T > 1 else None, drafts,
-        )
-        # the cycle's one host sync (two with grammars): the drafts were queued first, the verify
-        # pass behind them (fetching the drafts alone would leave the device idle until it is built)
-        mx.eval(drafted, chosen)
-        d, t = drafted.tolist(), chosen.tolist()
-        accepted = decode.accept_lengths(d, t, limits)
-        keep = [a + 1 for a in accepted]
+            committed, hidden, scores = self._verify_chain(last, T, limits)
+        keep = [len(c) for c in committed]  # last_b and the accepted drafts: a_b + 1 rows
         self.target.rollback(self.cache, keep)
         self.lengths.advance(keep)
         if hidden is not None:
@@ -313,28 +295,104 @@ class BatchDecoder:
         for b, r in enumerate(rows):
             if r is None:
                 continue
-            a = accepted[b]
+            a = keep[b] - 1
             self.scheduler.accepted(r.acceptance, a, limits[b])
-            committed = d[b][:a]  # the accepted drafts, then the bonus
-            committed.append(t[b][a])
-            r.last = committed[-1]
+            r.last = committed[b][-1]
             r.produced += a + 1
-            self._commit(r, committed)
-            steps[b] = Step(committed, a, limits[b] - 1, True, _logprobs(scores, b, a + 1) if scores is not None else None)
+            self._commit(r, committed[b])
+            steps[b] = Step(committed[b], a, limits[b] - 1, True, _logprobs(scores, b, a + 1) if scores is not None else None)
         return steps
+
+    def _verify_chain(self, last: mx.array, T: int, limits: List[int]):
+        """Draft T - 1 tokens per row, verify them in one pass, accept the longest agreeing prefix
+        (engine/decode.py). Returns per row the committed tokens (the accepted drafts, then the
+        bonus), the pass's tapped rows and the logprobs asked for."""
+        rows = self.rows
+        if T > 1:
+            drafted = self.draft(last, T - 1)
+            mx.async_eval(drafted)  # the device drafts while the host builds the verify graph
+        else:
+            drafted = mx.zeros((self.slots, 0), dtype=mx.int32)
+        tokens = mx.concatenate([last, drafted], axis=1)
+        logits, hidden = self.target.decode_pass(tokens, self.cache)
+        drafts = None
+        if any(r is not None and r.matcher is not None for r in rows):
+            # grammar masks walk the drafts on the host: queue the verify pass, then fetch the
+            # drafts (queued on their own above: an array waits for the whole graph it was queued
+            # with) and compute the masks while it runs
+            mx.async_eval(logits)
+            drafts = drafted.tolist()
+        chosen, scores = self.choose(
+            logits, rows, self.lengths.device + 1,  # verify row i picks the token after position n_b + i
+            drafted if T > 1 else None, drafts,
+        )
+        # the cycle's one host sync (two with grammars): the drafts were queued first, the verify
+        # pass behind them (fetching the drafts alone would leave the device idle until it is built)
+        mx.eval(drafted, chosen)
+        d, t = drafted.tolist(), chosen.tolist()
+        accepted = decode.accept_lengths(d, t, limits)
+        return [d[b][:a] + [t[b][a]] for b, a in enumerate(accepted)], hidden, scores
+
+    def _tree_cycle(self, T: int) -> bool:
+        """Whether this cycle verifies draft trees (engine/tree.py): where the mode and the target
+        allow, wider than one draft, and every row choosing from the target's logits as they are,
+        with no logprobs asked (its tokens depend on nothing but the node's prefix and position)."""
+        return (T > 2 and self.drafter is not None and self.target.trees and tree.mode() == "tree"
+                and all(r is None or (r.plain and r.request.logprobs is None) for r in self.rows))
+
+    def _verify_tree(self, last: mx.array, T: int, limits: List[int]):
+        """A draft tree's cycle (engine/tree.py): the drafter's candidates per position, each row's
+        best-first tree of T - 1 nodes (at most L_b - 1 deep), one pass over the nodes at their
+        depths, then the walk; the accepted path moves to the front of the row's columns."""
+        rows = self.rows
+        P = min(T - 1, self.engine.block_size - 1)
+        ids, logprobs = self.draft(last, P, candidates=tree.CANDIDATES)
+        mx.eval(ids, logprobs)  # the tree is grown on the host
+        trees = tree.grow([r.last if r is not None else 0 for r in rows], np.array(ids), np.array(logprobs),
+                          T - 1, [L - 1 for L in limits])
+        tokens, depth, ancestors = trees.device()
+        self.lengths.tree = (depth, ancestors)
+        try:
+            logits, hidden = self.target.decode_pass(tokens, self.cache)
+        finally:
+            self.lengths.tree = None
+        # node i picks the token after its prefix: position n_b + depth_i + 1
+        chosen, _ = self.choose(logits, rows, self.lengths.device[:, None] + depth + 1)
+        t = chosen.tolist()
+        paths = tree.walk(trees, t)
+        kept = max(len(p) for p in paths)  # columns that must hold the paths: n_b .. n_b + kept - 1
+        order = [o[:kept] for o in tree.order(paths, T)]
+        if any(o != list(range(kept)) for o in order):
+            index = mx.array(order, dtype=mx.int32)
+            self.target.reorder(self.cache, index)
+            if hidden is not None:
+                hidden = mx.take_along_axis(hidden, index[..., None], axis=1)
+        elif hidden is not None:
+            hidden = hidden[:, :kept]
+        return [[trees.tokens[b][i] for i in p[1:]] + [t[b][p[-1]]] for b, p in enumerate(paths)], hidden, None
 
     @property
     def pending_counts(self) -> List[int]:
         """Per row, the pending context rows the drafter has not seen (summed over the pieces)."""
         return [sum(c) for c in zip(*(c for _, c in self.pending))] or [0] * self.slots
 
-    def draft(self, last: mx.array, rows: int) -> mx.array:
-        """The drafter takes every row's pending context and proposes ``rows`` tokens per row."""
+    def draft(self, last: mx.array, rows: int, candidates: int = 0):
+        """The drafter takes every row's pending context and proposes ``rows`` tokens per row; with
+        ``candidates``, that many per position and their log-probabilities instead (a draft tree's)."""
         context, counts = decode.pack_context(self.pending)
         counts = counts or [0] * self.slots
         uniform = len(set(counts)) == 1 and self.draft_lengths.uniform
         if context is None:  # no row has new context (all just joined)
             context = mx.zeros((len(counts), 0, self.context_shape.shape[-1]), self.context_shape.dtype)
+        if candidates:
+            drafted = decode.draft_candidates(
+                self.drafter, self.target, last, context,
+                None if uniform else mx.array(counts, dtype=mx.int32), self.draft_cache, rows, candidates,
+                head=self.engine.draft_head,
+            )
+            self.draft_lengths.advance(counts)
+            self.pending = []
+            return drafted
         walking = [b for b, r in enumerate(self.rows) if r is not None and r.matcher is not None] if self.engine.grammar_drafts else []
         drafted = decode.draft_block(
             self.drafter, self.target, last, context,

@@ -23,6 +23,8 @@ from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
+from .tree import TokenPositions
+
 STEP = 256  # capacity and ragged key lengths grow in these steps (few distinct shapes per job)
 
 
@@ -42,6 +44,8 @@ class Lengths:
         self.uniform = len(set(self.host)) <= 1
         self.max = max(self.host, default=0)
         self._columns: Optional[Tuple[int, mx.array]] = None  # (T, columns(T)) until the next set
+        # a draft tree's pass (engine/tree.py): (depth [B, T], ancestors [B, T, T]) while it is built
+        self.tree: Optional[Tuple[mx.array, mx.array]] = None
 
     def columns(self, T: int) -> mx.array:
         """[B, T] int32: row b's columns n_b .. n_b + T - 1 for a pass of T rows; built once per
@@ -73,6 +77,8 @@ class RaggedKVCache:
     # -- what mlx-lm's layers call ---------------------------------------------------------
     @property
     def offset(self):
+        if self.lengths.tree is not None:  # one RoPE position per node: n_b + its depth
+            return TokenPositions(self.lengths.device[:, None] + self.lengths.tree[0])
         return self.lengths.host[0] if self.lengths.uniform else self.lengths.device
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
@@ -100,6 +106,9 @@ class RaggedKVCache:
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
         if window_size is not None:
             raise ValueError("batched decoding supports full-attention layers only (no sliding window)")
+        if self.lengths.tree is not None:
+            width = self.lengths.max + N if self.lengths.uniform else round_up(self.lengths.max + N)
+            return tree_visible(self.lengths.device, self.lengths.tree[1], width)
         if not self.lengths.uniform:  # bucketed key width (few distinct shapes), masked per row
             return visible(self.lengths.device, N, round_up(self.lengths.max + N))
         if return_array:
@@ -166,6 +175,23 @@ class RaggedKVCache:
         self.keys = mx.concatenate([old_k, new_k], axis=0)
         self.values = mx.concatenate([old_v, new_v], axis=0)
 
+    def reorder(self, order: mx.array) -> None:
+        """After a tree pass: row b's column n_b + i takes what column n_b + order[b, i] holds,
+        for i < W = order's width (engine/tree.py: the accepted paths move to the front). At one
+        length, a slice write; else a scatter."""
+        if self.keys is None:
+            return
+        W = order.shape[1]
+        source = self.lengths.device[:, None] + order
+        keys, values = _take_columns(self.keys, source), _take_columns(self.values, source)
+        if self.lengths.uniform:
+            n = self.lengths.max
+            self.keys[..., n : n + W, :] = keys
+            self.values[..., n : n + W, :] = values
+        else:
+            self.keys = _put_columns(self.keys, self.lengths.columns(W), keys)
+            self.values = _put_columns(self.values, self.lengths.columns(W), values)
+
     def take_rows(self, rows: mx.array) -> None:
         """Keep only the given rows, in that order (the batch shrinks)."""
         if self.keys is not None:
@@ -192,8 +218,26 @@ def visible(lengths: mx.array, N: int, width: int, extra: int = 0) -> mx.array:
     return mx.arange(width, dtype=mx.int32)[None, None, None, :] <= last
 
 
+def tree_visible(lengths: mx.array, ancestors: mx.array, width: int) -> mx.array:
+    """Bool mask [B, 1, T, width] of a tree pass: node i of row b sees the row's committed keys
+    (j < lengths[b]) and, among the pass's columns lengths[b] + m, its ancestors and itself
+    (ancestors [B, T, T])."""
+    B, T, _ = ancestors.shape
+    rel = mx.arange(width, dtype=mx.int32)[None] - lengths[:, None]  # [B, width]: m = j - n_b
+    inside = (rel >= 0) & (rel < T)
+    picked = mx.take_along_axis(ancestors, mx.broadcast_to(mx.clip(rel, 0, T - 1)[:, None, :], (B, T, width)), axis=2)
+    return ((rel < 0)[:, None, :] | (inside[:, None, :] & picked))[:, None]
+
+
 def _causal(N: int, offset: int) -> mx.array:
     return mx.arange(offset, offset + N)[:, None] >= mx.arange(offset + N)[None]
+
+
+def _take_columns(buffer: mx.array, columns: mx.array) -> mx.array:
+    """buffer[b, :, columns[b, t], :] as [B, H, T, D]."""
+    B, H, _, D = buffer.shape
+    index = mx.broadcast_to(columns[:, None, :, None], (B, H, columns.shape[1], D))
+    return mx.take_along_axis(buffer, index, axis=2)
 
 
 def _put_columns(buffer: mx.array, columns: mx.array, rows: mx.array) -> mx.array:

@@ -87,6 +87,7 @@ class _Lengths:
     """The rows' lengths as the pass sees them: a device array only (``Lengths`` in a trace)."""
 
     uniform = False
+    tree = None  # compiled passes verify chains (engine/tree.py)
 
     def __init__(self, device: mx.array):
         self.device = device
@@ -170,8 +171,10 @@ class CompiledPasses(_Traces):
         self.target = target
 
     def applies(self, cache: list, T: int) -> bool:
-        """Whether a pass of T rows over ``cache`` runs compiled (module doc)."""
-        return mode() == "compiled" and T >= MIN_WIDTH and not self.target.hybrid and _fixed_width(cache, T)
+        """Whether a pass of T rows over ``cache`` runs compiled (module doc; a draft tree's pass,
+        engine/tree.py, stays eager)."""
+        return (mode() == "compiled" and T >= MIN_WIDTH and not self.target.hybrid and _fixed_width(cache, T)
+                and cache[0].lengths.tree is None)
 
     def __call__(self, tokens: mx.array, cache: list) -> Tuple[mx.array, Optional[mx.array]]:
         """logits [B, T, V] and the tapped hidden states, as ``Target.verify`` gives them; the

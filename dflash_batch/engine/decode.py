@@ -46,7 +46,8 @@ def new_seed() -> int:
 
 def choose(logits: mx.array, temperatures: Sequence[float], seeds: Sequence[int], first: mx.array) -> mx.array:
     """Token ids [B, T] from logits [B, T, V]; position t of row b picks token number first[b] + t
-    of that row's sequence (prompt included).
+    of that row's sequence (prompt included), or first[b, t] where ``first`` is [B, T] (a draft
+    tree's nodes: engine/tree.py).
 
     Greedy rows (temperature 0): argmax. Sampling rows: the Gumbel-max draw
         argmax_v  logits[v] / temperature + g[v],   g ~ Gumbel(0, 1) drawn from the key (seed, position)
@@ -60,7 +61,7 @@ def choose(logits: mx.array, temperatures: Sequence[float], seeds: Sequence[int]
     if all(t <= 0 for t in temperatures):
         return greedy
     B, T, V = logits.shape
-    positions = first[:, None] + mx.arange(T, dtype=mx.int32)[None]  # [B, T]
+    positions = first if first.ndim == 2 else first[:, None] + mx.arange(T, dtype=mx.int32)[None]  # [B, T]
     seed = mx.array([s & 0xFFFFFFFF for s in seeds], dtype=mx.uint32)[:, None]
     keys = mx.stack([mx.broadcast_to(seed, (B, T)), positions.astype(mx.uint32)], axis=-1).reshape(B * T, 2)
     noise = _gumbel(keys, V).reshape(B, T, V)
@@ -125,14 +126,39 @@ def draft_block(
     all S). The drafter always runs the whole block (compiled where it can be: engine/compiled.py);
     only the LM head is cut to the rows verified.
     """
-    B = drafter.args.block_size
-    block = mx.concatenate([last, mx.full((last.shape[0], B - 1), drafter.args.mask_token_id, dtype=last.dtype)], axis=1)
-    h = drafter.draft_pass(target.embed(block), context, cache, counts)[:, 1 : 1 + rows, :]
+    h = _drafted_hidden(drafter, target, last, context, counts, cache, rows)
     if head is not None and not with_logits:
         return head(h).astype(last.dtype)
     logits = target.lm_head(h)
     ids = mx.argmax(logits, axis=-1).astype(last.dtype)
     return (ids, logits) if with_logits else ids
+
+
+def draft_candidates(
+    drafter, target: Target, last: mx.array, context: mx.array, counts: Optional[mx.array], cache: list, rows: int,
+    count: int, head: Optional[DraftHead] = None,
+) -> Tuple[mx.array, mx.array]:
+    """The ``count`` best tokens at each of ``rows`` draft positions, best first, ids [B, rows, count]
+    and their log-probabilities under the drafter (over its draft vocabulary with ``head``): what
+    a draft tree is grown from (engine/tree.py). One drafter pass, as ``draft_block``."""
+    h = _drafted_hidden(drafter, target, last, context, counts, cache, rows)
+    logits = (head.logits(h) if head is not None else target.lm_head(h)).astype(mx.float32)
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    count = min(count, logits.shape[-1])
+    top = mx.argpartition(-logprobs, kth=count - 1, axis=-1)[..., :count]
+    values = mx.take_along_axis(logprobs, top, axis=-1)
+    best = mx.argsort(-values, axis=-1)
+    top, values = mx.take_along_axis(top, best, axis=-1), mx.take_along_axis(values, best, axis=-1)
+    ids = head.ids[top] if head is not None else top
+    return ids.astype(last.dtype), values
+
+
+def _drafted_hidden(drafter, target: Target, last: mx.array, context: mx.array, counts: Optional[mx.array],
+                    cache: list, rows: int) -> mx.array:
+    """The drafter's output [B, rows, H] at draft positions 1..rows of the block [last, MASK x (B-1)]."""
+    B = drafter.args.block_size
+    block = mx.concatenate([last, mx.full((last.shape[0], B - 1), drafter.args.mask_token_id, dtype=last.dtype)], axis=1)
+    return drafter.draft_pass(target.embed(block), context, cache, counts)[:, 1 : 1 + rows, :]
 
 
 def accept_lengths(drafted: List[List[int]], chosen: List[List[int]], limits: Sequence[int]) -> List[int]:

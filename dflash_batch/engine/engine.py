@@ -18,7 +18,7 @@ from ..completion import (
     Piece,
     PromptTooLongError,
 )
-from . import attention, decode, loading, matmul, memory, prefill, registry, warmup
+from . import attention, decode, loading, matmul, memory, prefill, registry, tree, warmup
 from .. import checks, constraints
 from ..request import CONTROLS, SamplingControls, sample_seed
 from .batch import BatchDecoder, Request
@@ -88,7 +88,8 @@ class Engine:
         self.acceptance = pooled_acceptance(self.block_size)
         self.shapes_seen: set = set()  # (rows, width, key bucket) of the cycles run so far
         self.description = dict(description or {}, block_size=self.block_size, adaptive_block=self.adaptive_block,
-                                draft_vocab=None if self.draft_head is None else len(self.draft_head))
+                                draft_vocab=None if self.draft_head is None else len(self.draft_head),
+                                drafts=tree.mode() if self.target.trees else "chain")  # at load: engine/tree.py
         self._grammars = None  # engine/grammar.py, built when a request first has a grammar
         # True: constrained rows pick their drafts under their grammar (Grammars.draft). Off by default:
         # on the default pair it raised tokens per cycle but cost more per cycle (docs/sampling.md).

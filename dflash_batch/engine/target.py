@@ -14,7 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from . import compiled, hybrid, matmul
+from . import compiled, hybrid, matmul, tree
 from .batch_cache import Lengths, RaggedKVCache
 
 
@@ -78,6 +78,8 @@ class Target:
         self._store: List[Optional[mx.array]] = []
         self.tap_ids: List[int] = []
         self.passes = compiled.CompiledPasses(self)
+        # draft trees need one RoPE position per token (engine/tree.py); recurrent layers cannot branch
+        self.trees = not self.hybrid and tree.wrap_ropes(self.layers)
         if tap_ids:
             self.set_taps(tap_ids)
 
@@ -139,6 +141,12 @@ class Target:
         for c in cache:
             if isinstance(c, hybrid.TapeCache):
                 c.trim_rows(keep)
+
+    def reorder(self, cache: list, order: mx.array) -> None:
+        """After a draft tree's pass: each row's accepted path moves to the front of its columns
+        (``RaggedKVCache.reorder``; trees are verified on attention-only targets)."""
+        for c in cache:
+            c.reorder(order)
 
     def embed(self, tokens: mx.array) -> mx.array:
         return self.embed_tokens(tokens)

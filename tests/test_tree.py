@@ -1,0 +1,230 @@
+"""Draft trees (engine/tree.py): the best-first tree, the walk, a tree pass (each node sees its
+prefix at its own positions), the move of the accepted path to the front of the cache, and
+whole runs that give the target's own output, greedy and sampled, whatever the other rows are."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from dflash_batch.engine import decode, load_engine, tree
+from dflash_batch.engine.batch_cache import Lengths
+from dflash_batch.engine.target import Target
+from tests.scripting import ScriptedDrafts
+from tests.test_batched import MAX_TOKENS, P_WRONG, PROMPTS_B, qwen3_b8, scripted_batch  # noqa: F401 (fixture)
+
+PROMPT = [5, 17, 3, 88, 41, 9, 23, 60, 2, 71, 14]
+
+
+@pytest.fixture
+def tree_mode():
+    tree.set_mode("tree")
+    yield
+    tree.set_mode(None)
+
+
+def _candidates(rng: np.random.Generator, P: int, C: int):
+    ids = np.arange(P * C).reshape(1, P, C)
+    logprobs = -np.sort(rng.exponential(1.0, size=(1, P, C)), axis=-1)  # best first per position
+    return ids, logprobs
+
+
+def test_grow_takes_the_best_scoring_prefixes():
+    rng = np.random.default_rng(0)
+    P, C = 4, 3
+    for nodes, reach in [(10, 4), (20, 4), (9, 2), (5, 1)]:
+        ids, logprobs = _candidates(rng, P, C)
+        trees = tree.grow([99], ids, logprobs, nodes, [reach])
+        # every prefix of ranks up to ``reach`` deep, scored by brute force
+        prefixes = [r for d in range(1, reach + 1) for r in itertools.product(range(C), repeat=d)]
+        score = {r: sum(logprobs[0, k, c] for k, c in enumerate(r)) for r in prefixes}
+        best = sorted(prefixes, key=lambda r: -score[r])[: min(nodes, reach)]
+        got = set()
+        tokens, parents, depths = trees.tokens[0], trees.parents[0], trees.depths[0]
+        assert len(tokens) == nodes + 1 and tokens[0] == 99 and parents[0] == -1
+        for i in range(1, min(nodes, reach) + 1):
+            assert parents[i] < i and depths[i] == depths[parents[i]] + 1 <= reach
+            path, j = [], i
+            while j > 0:
+                path.append(int(tokens[j]) % C)  # ids[0, k, c] = k * C + c
+                j = parents[j]
+            got.add(tuple(reversed(path)))
+        assert got == set(best)
+
+
+def test_walk_follows_the_targets_choices():
+    # root 0 -> 1 (a) -> 3 (c); root -> 2 (b) -> 4 (d); 5 copies 1 (padding)
+    trees = tree.Trees([[7, 10, 11, 12, 13, 10]], [[-1, 0, 0, 1, 2, 0]], [[0, 1, 1, 2, 2, 1]])
+    assert tree.walk(trees, [[11, 0, 13, 0, 0, 0]]) == [[0, 2, 4]]  # b then d
+    assert tree.walk(trees, [[10, 12, 0, 0, 0, 0]]) == [[0, 1, 3]]
+    assert tree.walk(trees, [[10, 5, 0, 0, 0, 0]]) == [[0, 1]]
+    assert tree.walk(trees, [[42, 0, 0, 0, 0, 0]]) == [[0]]
+    assert tree.order([[0, 2, 4]], 6) == [[0, 2, 4, 1, 3, 5]]
+
+
+def test_padding_is_never_walked():
+    """A row that may commit nothing past its bonus (reach 0) or one token (reach 1) gets copies
+    of its root or first child, which the walk never takes, whatever the target chooses."""
+    ids, logprobs = _candidates(np.random.default_rng(1), 3, 2)
+    trees = tree.grow([7, 7], np.concatenate([ids, ids]), np.concatenate([logprobs, logprobs]), 5, [0, 1])
+    assert trees.depths == [[0] * 6, [0] + [1] * 5]
+    every = [7] + [int(i) for i in ids.reshape(-1)]
+    for t in every:
+        paths = tree.walk(trees, [[t] * 6, [t] * 6])
+        assert paths[0] == [0] and len(paths[1]) <= 2
+
+
+def _prefilled(target: Target, prompt, rows: int = 1):
+    """A cache of ``rows`` rows, row b prefilled with the prompt less its last b tokens."""
+    lengths = Lengths([0] * rows)
+    cache = target.make_cache(lengths)
+    for b in range(rows):
+        alone = Lengths([0])
+        one = target.make_cache(alone)
+        decode.prefill(target, prompt[: len(prompt) - b], one, alone, 256)
+        for big, small in zip(cache, one):
+            big.put_row(b, small.row_state(0, alone.host[0]), rows)
+    lengths.set([len(prompt) - b for b in range(rows)])
+    return cache, lengths
+
+
+def _tree_pass(target, cache, lengths, trees):
+    tokens, depth, ancestors = trees.device()
+    lengths.tree = (depth, ancestors)
+    try:
+        logits, hidden = target.verify(tokens, cache)
+    finally:
+        lengths.tree = None
+    return logits, hidden
+
+
+BRANCHY = tree.Trees(
+    # row 0: root -> 31 -> (44 -> 45, 46); root -> 32 -> 47.  row 1: a chain 50 -> 51 -> 52 -> 53 -> 54 -> 55
+    [[60, 31, 32, 44, 47, 45, 46], [61, 50, 51, 52, 53, 54, 55]],
+    [[-1, 0, 0, 1, 2, 3, 3], [-1, 0, 1, 2, 3, 4, 5]],
+    [[0, 1, 1, 2, 2, 3, 3], [0, 1, 2, 3, 4, 5, 6]],
+)
+
+
+def _path(trees, b, i):
+    out = []
+    while i >= 0:
+        out.append(trees.tokens[b][i])
+        i = trees.parents[b][i]
+    return out[::-1]
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_each_node_sees_its_prefix_at_its_positions(tiny_pair, rows):
+    """Node i's logits and taps equal a causal pass over its own prefix (ragged rows too)."""
+    engine = load_engine(*map(str, tiny_pair))
+    target = engine.target
+    trees = tree.Trees(BRANCHY.tokens[:rows], BRANCHY.parents[:rows], BRANCHY.depths[:rows])
+    cache, lengths = _prefilled(target, PROMPT, rows)
+    logits, hidden = _tree_pass(target, cache, lengths, trees)
+    for b in range(rows):
+        n = lengths.host[b]
+        for i in range(len(trees.tokens[b])):
+            alone, alone_lengths = _prefilled(target, PROMPT[: n])
+            path = _path(trees, b, i)
+            ref_logits, ref_hidden = target.verify(mx.array([path]), alone)
+            np.testing.assert_allclose(np.array(logits[b, i]), np.array(ref_logits[0, -1]), atol=2e-5, rtol=1e-5)
+            np.testing.assert_allclose(np.array(hidden[b, i]), np.array(ref_hidden[0, -1]), atol=2e-5, rtol=1e-5)
+
+
+def test_positions_by_index_are_not_a_tree_pass(tiny_pair, monkeypatch):
+    """Negative control: RoPE at the node's index instead of its depth changes the branch's logits."""
+    engine = load_engine(*map(str, tiny_pair))
+    target = engine.target
+    cache, lengths = _prefilled(target, PROMPT)
+    trees = tree.Trees(BRANCHY.tokens[:1], BRANCHY.parents[:1], [list(range(7))])  # depth := index
+    logits, _ = _tree_pass(target, cache, lengths, trees)
+    alone, _ = _prefilled(target, PROMPT)
+    ref, _ = target.verify(mx.array([_path(BRANCHY, 0, 4)]), alone)  # node 4: depth 2, index 4
+    assert not np.allclose(np.array(logits[0, 4]), np.array(ref[0, -1]), atol=1e-3)
+
+
+def test_reorder_leaves_the_path_where_a_chain_would(tiny_pair):
+    """After a tree pass and the move, row b's columns n_b.. hold the accepted path's keys: equal
+    to a causal pass over the path."""
+    engine = load_engine(*map(str, tiny_pair))
+    target = engine.target
+    cache, lengths = _prefilled(target, PROMPT, 2)
+    _tree_pass(target, cache, lengths, BRANCHY)
+    paths = [[0, 2, 4], [0, 1, 2, 3]]
+    target.reorder(cache, mx.array(tree.order(paths, 7), dtype=mx.int32))
+    for b, path in enumerate(paths):
+        n = lengths.host[b]
+        alone, _ = _prefilled(target, PROMPT[:n])
+        target.verify(mx.array([[BRANCHY.tokens[b][i] for i in path]]), alone)
+        for big, small in zip(cache, alone):
+            np.testing.assert_allclose(np.array(big.keys[b, :, : n + len(path)]), np.array(small.keys[0, :, : n + len(path)]),
+                                       atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_tree_runs_equal_the_targets_greedy_output(qwen3_target, qwen3_b8, monkeypatch, tree_mode, batch_size):
+    """Scripted drafts (tests/scripting.py: a corrupted draft's true token is the second candidate,
+    so a branch repairs it): every row equals mlx-lm's greedy output, budgets cut inside blocks,
+    alone or batched, and trees commit more per cycle than chains on the same script."""
+    engine, script, ids, refs = scripted_batch(qwen3_target, qwen3_b8, monkeypatch, PROMPTS_B, MAX_TOKENS,
+                                               adaptive_block=False)
+    walked = []
+    real_walk = tree.walk
+    monkeypatch.setattr(tree, "walk", lambda trees, chosen: walked.append(real_walk(trees, chosen)) or walked[-1])
+    batched = engine.generate_batch(ids, max_tokens=MAX_TOKENS, batch_size=batch_size)
+    assert [c.token_ids for c in batched] == refs
+    branched = sum(any(p != list(range(len(p))) for p in paths) for paths in walked)
+    assert branched > 10, branched  # the walk left the first children many times
+    tree_tokens = sum(c.stats.accepted_tokens for c in batched)
+    tree.set_mode("chain")
+    script.references.clear()
+    for n, (i, ref) in enumerate(zip(ids, refs)):
+        script(i + ref + [0] * 16, p_wrong=P_WRONG[n], seed=n)
+    chained = engine.generate_batch(ids, max_tokens=MAX_TOKENS, batch_size=batch_size)
+    assert [c.token_ids for c in chained] == refs
+    assert tree_tokens > 1.2 * sum(c.stats.accepted_tokens for c in chained)
+
+
+def test_a_row_of_a_tree_batch_runs_as_it_would_alone(qwen3_target, qwen3_b8, monkeypatch, tree_mode):
+    engine, script, ids, refs = scripted_batch(qwen3_target, qwen3_b8, monkeypatch, PROMPTS_B, MAX_TOKENS,
+                                               adaptive_block=False)
+    batched = engine.generate_batch(ids, max_tokens=MAX_TOKENS, batch_size=4)
+    script.references.clear()
+    for n, (i, ref) in enumerate(zip(ids, refs)):
+        script(i + ref + [0] * 16, p_wrong=P_WRONG[n], seed=n)
+    alone = [engine.generate(i, max_tokens=m) for i, m in zip(ids, MAX_TOKENS)]
+    for n, (a, b) in enumerate(zip(alone, batched)):
+        assert a.token_ids == b.token_ids == refs[n], f"row {n}"
+        assert a.stats.acceptance_histogram == b.stats.acceptance_histogram, f"row {n}"
+
+
+def test_without_the_move_a_tree_run_goes_wrong(qwen3_target, qwen3_b8, monkeypatch, tree_mode):
+    """Negative control: keep the nodes where the pass wrote them (no reorder) and output breaks."""
+    engine, script, ids, refs = scripted_batch(qwen3_target, qwen3_b8, monkeypatch, PROMPTS_B, MAX_TOKENS,
+                                               adaptive_block=False)
+    monkeypatch.setattr(Target, "reorder", lambda self, cache, order: None)
+    batched = engine.generate_batch(ids, max_tokens=MAX_TOKENS, batch_size=3)
+    assert [c.token_ids for c in batched] != refs
+
+
+def test_sampled_tree_runs_equal_plain_sampled_decoding(qwen3_target, qwen3_b8, monkeypatch, tree_mode):
+    """A node's sample is the target's at that node's position (engine/decode.py: choose), so a
+    seeded tree run writes what plain seeded decoding writes; another seed writes something else."""
+    engine, script, ids, _ = scripted_batch(qwen3_target, qwen3_b8, monkeypatch, PROMPTS_B[:4], 40,
+                                            adaptive_block=False)
+    plain = load_engine(str(qwen3_target), None)
+    rng = random.Random(1)
+    for i in ids:
+        seed = rng.randrange(1 << 30)
+        ref = plain.generate(i, max_tokens=40, temperature=0.9, seed=seed).token_ids
+        script.references.clear()
+        script(i + ref + [0] * 16, p_wrong=0.3, seed=seed)
+        spec = engine.generate(i, max_tokens=40, temperature=0.9, seed=seed)
+        assert spec.token_ids == ref
+        assert spec.stats.accepted_tokens > 0
+        assert plain.generate(i, max_tokens=40, temperature=0.9, seed=seed + 1).token_ids != ref
