@@ -272,10 +272,14 @@ class BatchDecoder:
         limits = [min(width, r.budget) if r is not None else 1 for r in rows]  # L_b: what row b may commit
         T = max(limits)
         last = mx.array([[r.last if r is not None else 0] for r in rows], dtype=mx.int32)
+        # reach_b: the deepest draft position row b's pass could accept, plus one (the scheduler's
+        # "verified": a chain's L_b; a tree's deepest node + 1, so that depths it never held do
+        # not count as rejected)
         if self._tree_cycle(T):
-            committed, hidden, scores = self._verify_tree(last, T, limits)
+            committed, hidden, scores, reach = self._verify_tree(last, T, limits)
         else:
             committed, hidden, scores = self._verify_chain(last, T, limits)
+            reach = limits
         keep = [len(c) for c in committed]  # last_b and the accepted drafts: a_b + 1 rows
         self.target.rollback(self.cache, keep)
         self.lengths.advance(keep)
@@ -296,7 +300,7 @@ class BatchDecoder:
             if r is None:
                 continue
             a = keep[b] - 1
-            self.scheduler.accepted(r.acceptance, a, limits[b])
+            self.scheduler.accepted(r.acceptance, a, reach[b])
             r.last = committed[b][-1]
             r.produced += a + 1
             self._commit(r, committed[b])
@@ -369,7 +373,8 @@ class BatchDecoder:
                 hidden = mx.take_along_axis(hidden, index[..., None], axis=1)
         elif hidden is not None:
             hidden = hidden[:, :kept]
-        return [[trees.tokens[b][i] for i in p[1:]] + [t[b][p[-1]]] for b, p in enumerate(paths)], hidden, None
+        committed = [[trees.tokens[b][i] for i in p[1:]] + [t[b][p[-1]]] for b, p in enumerate(paths)]
+        return committed, hidden, None, [max(d) + 1 for d in trees.depths]
 
     @property
     def pending_counts(self) -> List[int]:
