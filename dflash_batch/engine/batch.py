@@ -389,33 +389,34 @@ class BatchDecoder:
         uniform = len(set(counts)) == 1 and self.draft_lengths.uniform
         if context is None:  # no row has new context (all just joined)
             context = mx.zeros((len(counts), 0, self.context_shape.shape[-1]), self.context_shape.dtype)
+        row_counts = None if uniform else mx.array(counts, dtype=mx.int32)
         if candidates:
-            drafted = decode.draft_candidates(
-                self.drafter, self.target, last, context,
-                None if uniform else mx.array(counts, dtype=mx.int32), self.draft_cache, rows, candidates,
-                head=self.engine.draft_head,
-            )
-            self.draft_lengths.advance(counts)
-            self.pending = []
-            return drafted
-        walking = [b for b, r in enumerate(self.rows) if r is not None and r.matcher is not None] if self.engine.grammar_drafts else []
-        drafted = decode.draft_block(
-            self.drafter, self.target, last, context,
-            None if uniform else mx.array(counts, dtype=mx.int32), self.draft_cache, rows,
-            head=self.engine.draft_head, **({"with_logits": True} if walking else {}),
-        )
-        if walking:  # constrained rows draft along their grammar (engine/grammar.py: Grammars.draft)
-            ids, logits = drafted
-            ids = ids.tolist()
-            picked = self.engine.grammars.draft(
-                [self.rows[b].matcher for b in walking], [ids[b] for b in walking], logits[mx.array(walking, dtype=mx.int32)]
-            )
-            for b, d in zip(walking, picked):
-                ids[b][: len(d)] = d
-            drafted = mx.array(ids, dtype=last.dtype)
+            drafted = decode.draft_candidates(self.drafter, self.target, last, context, row_counts, self.draft_cache,
+                                              rows, candidates, head=self.engine.draft_head)
+        else:
+            drafted = self._draft_block(last, context, row_counts, rows)
         self.draft_lengths.advance(counts)
         self.pending = []
         return drafted
+
+    def _draft_block(self, last: mx.array, context: mx.array, counts: Optional[mx.array], rows: int) -> mx.array:
+        """``rows`` draft tokens per row; constrained rows along their grammar when asked."""
+        walking = [b for b, r in enumerate(self.rows) if r is not None and r.matcher is not None] if self.engine.grammar_drafts else []
+        drafted = decode.draft_block(
+            self.drafter, self.target, last, context, counts, self.draft_cache, rows,
+            head=self.engine.draft_head, **({"with_logits": True} if walking else {}),
+        )
+        if not walking:
+            return drafted
+        # constrained rows draft along their grammar (engine/grammar.py: Grammars.draft)
+        ids, logits = drafted
+        ids = ids.tolist()
+        picked = self.engine.grammars.draft(
+            [self.rows[b].matcher for b in walking], [ids[b] for b in walking], logits[mx.array(walking, dtype=mx.int32)]
+        )
+        for b, d in zip(walking, picked):
+            ids[b][: len(d)] = d
+        return mx.array(ids, dtype=last.dtype)
 
     # -- postprocess ------------------------------------------------------------------------------
     def postprocess(self, steps: List[Optional[Step]]) -> Iterator[Tuple[int, Piece]]:

@@ -13,10 +13,10 @@ which the best-first tree maximises where the drafter's marginals are calibrated
 row's last committed token (depth 0); node i > 0 holds c_d at depth d, after its parent.
 
 The verify pass runs the T = N + 1 nodes of row b at positions n_b + depth (RoPE: ``TokenRoPE``),
-each node seeing the row's committed keys, its ancestors and itself (``visible``), and picks
+each node seeing the row's committed keys, its ancestors and itself (``batch_cache.tree_visible``), and picks
 t_i = the target's token after node i's prefix. Acceptance walks from the root along the child
 whose token is t_i; the bonus is t at the last node reached. The walk's nodes then move to
-columns n_b .. n_b + a_b of the K/V buffers (``order``), where a chain's would be. Every
+columns n_b .. n_b + a_b of the K/V buffers (``order``, ``RaggedKVCache.reorder``), where a chain's would be. Every
 committed token is still the target's own choice after its committed prefix: output is lossless.
 
 A chain is the tree whose node i is the top token at depth i; with the same verify width a
