@@ -105,9 +105,11 @@ def _first_diff(a, b):
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def test_adaptive_verify_length_is_lossless_and_drafts_less(tiny_pair, scripted):
+def test_adaptive_verify_length_is_lossless_and_drafts_less(tiny_pair, scripted, chain_drafts):
     """Where each verified row costs (a CPU-like cost model: 5% of a pass per row, a draft half a
-    pass) and about half the drafts fail, the scheduler verifies short blocks; output unchanged."""
+    pass) and about half the drafts fail, the scheduler verifies short chains; output unchanged.
+    (A draft tree holds the script's true token as its second candidate, so there wide trees pay:
+    tests/test_tree.py.)"""
     target, draft = tiny_pair
     fixed = load_engine(str(target), str(draft), adaptive_block=False)
     adaptive = load_engine(str(target), str(draft), adaptive_block=True)

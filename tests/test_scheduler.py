@@ -4,12 +4,14 @@ Issue 13's rule: a job is never more than 10% slower than plain batched decoding
 batch size. A simulated job charges each cycle the cost model's seconds for the width chosen;
 each row accepts each draft with probability p, independently, until its first rejection."""
 
+import math
 import random
 import statistics
 
 import pytest
 
-from dflash_batch.engine.scheduler import Acceptance, CostModel, Scheduler, expected_committed, pooled_acceptance
+from dflash_batch.engine.scheduler import (Acceptance, CostModel, NodeCalibration, Scheduler, expected_committed,
+                                           pooled_acceptance)
 
 # Pass costs in units of a plain pass at batch 1 (t0 = 1). CPU: the target's cost grows with
 # the rows verified and a draft pass costs a third of a target pass (as the default pair's
@@ -240,3 +242,63 @@ def test_a_drafter_that_turns_good_is_still_found():
     drafted_by_choice = [i for i, T in enumerate(widths) if T > 4]
     assert drafted_by_choice and drafted_by_choice[0] < 1200, drafted_by_choice[:1]
     assert ratio < 0.75, ratio
+
+
+def _tree_rows(rng: random.Random, rows: int, nodes: int, sure: float):
+    """Best-first prefixes of ``rows`` rows: depths of a chain of ``nodes`` with scores log(sure^d)
+    less a little noise per node (a prefix never scores above its parent)."""
+    out = []
+    for _ in range(rows):
+        depths, scores = [0], [0.0]
+        for d in range(1, nodes + 1):
+            depths.append(d)
+            scores.append(scores[-1] + math.log(sure) - 0.05 * rng.random())
+        out.append((depths, scores))
+    return out
+
+
+@pytest.mark.parametrize("costs", [CPU, GPU], ids=["cpu", "gpu"])
+@pytest.mark.parametrize("sure", [0.2, 0.6, 0.95])
+def test_a_trees_width_maximises_what_its_nodes_are_expected_to_commit(costs, sure):
+    """E_b(T) = 1 + the first min(T, budget_b) - 1 nodes' c_d * exp(score), rated against the
+    cost model at each width, recomputed here by brute force."""
+    rng = random.Random(7)
+    scheduler = Scheduler(BLOCK, CostModel(**costs))
+    for k in range(len(scheduler.nodes.predicted)):  # a calibration learnt: c_d = 0.5 .. 1.2
+        scheduler.nodes.predicted[k], scheduler.nodes.accepted[k] = 10.0, 10.0 * (0.5 + 0.05 * k) - 1.0
+    c = scheduler.nodes.scales()
+    trees, budgets = _tree_rows(rng, 5, BLOCK - 1, sure), [16, 9, 3, 16, 1]
+
+    def rate(T):
+        tokens = sum(1 + sum(c[d[i] - 1] * math.exp(s[i]) for i in range(1, min(T, n, len(d))))
+                     for (d, s), n in zip(trees, budgets))
+        return tokens / scheduler.cost.cycle(len(budgets), T)
+
+    chosen = scheduler.tree_width(trees, budgets)
+    assert rate(chosen) == pytest.approx(max(rate(T) for T in scheduler.widths(16) if T > 1))
+
+
+def test_sure_drafts_get_wide_trees_and_unsure_ones_narrow():
+    rng = random.Random(0)
+    scheduler = Scheduler(BLOCK, CostModel(**CPU))
+    assert scheduler.tree_width(_tree_rows(rng, 1, BLOCK - 1, 0.95), [200]) == BLOCK
+    assert scheduler.tree_width(_tree_rows(rng, 1, BLOCK - 1, 0.05), [200]) == 2
+    assert Scheduler(BLOCK, CostModel(**CPU), fixed=True).tree_width(_tree_rows(rng, 1, 15, 0.05), [200]) == BLOCK
+
+
+def test_node_calibration_learns_how_far_the_drafter_is_right():
+    """A drafter over three times as sure of every node as it is right (the path reaches depth d with
+    probability 0.3 * 0.8^d, it says 0.8^d): c_d comes to 0.3, and its trees narrow (counts decayed
+    slowly here, so that the estimate is not noisy)."""
+    rng = random.Random(3)
+    scheduler = Scheduler(BLOCK, CostModel(**CPU), nodes=NodeCalibration(BLOCK - 1, decay=0.999))
+    depths = list(range(BLOCK))
+    scores = [d * math.log(0.8) for d in depths]
+    trusting = scheduler.tree_width([(depths, scores)], [200])
+    for _ in range(3000):
+        u = rng.random()
+        accepted = sum(1 for d in depths[1:] if u < 0.3 * 0.8 ** d)
+        scheduler.tree_accepted(depths, scores, accepted)
+    for c in scheduler.nodes.scales()[:8]:
+        assert c == pytest.approx(0.3, abs=0.06)
+    assert scheduler.tree_width([(depths, scores)], [200]) < trusting

@@ -269,14 +269,19 @@ class BatchDecoder:
         started = time.perf_counter()
         rows = self.rows
         B = self.slots
+        last = mx.array([[r.last if r is not None else 0] for r in rows], dtype=mx.int32)
+        prefixes = self._draft_tree(last, width) if self._tree_cycle(width) else None
+        if prefixes is not None:  # the width, chosen again from the drafts themselves
+            width = self.scheduler.tree_width(
+                [(p.depths, p.scores) for p, r in zip(prefixes, rows) if r is not None], [r.budget for r in rows if r is not None]
+            )
         limits = [min(width, r.budget) if r is not None else 1 for r in rows]  # L_b: what row b may commit
         T = max(limits)
-        last = mx.array([[r.last if r is not None else 0] for r in rows], dtype=mx.int32)
         # reach_b: the deepest draft position row b's pass could accept, plus one (the scheduler's
         # "verified": a chain's L_b; a tree's deepest node + 1, so that depths it never held do
         # not count as rejected)
-        if self._tree_cycle(T):
-            committed, hidden, scores, reach = self._verify_tree(last, T, limits)
+        if prefixes is not None:
+            committed, hidden, scores, reach = self._verify_tree(prefixes, T, limits)
         else:
             committed, hidden, scores = self._verify_chain(last, T, limits)
             reach = limits
@@ -340,20 +345,29 @@ class BatchDecoder:
     def _tree_cycle(self, T: int) -> bool:
         """Whether this cycle verifies draft trees (engine/tree.py): where the mode and the target
         allow, wider than one draft, and every row choosing from the target's logits as they are,
-        with no logprobs asked (its tokens depend on nothing but the node's prefix and position)."""
-        return (T > 2 and self.drafter is not None and self.target.trees and tree.mode() == "tree"
+        with no logprobs asked (its tokens depend on nothing but the node's prefix and position).
+        An adaptive scheduler chooses a tree's width again from its drafts, so any drafting width
+        starts one."""
+        return ((T > 2 or (T == 2 and not self.scheduler.fixed)) and self.drafter is not None and self.target.trees and tree.mode() == "tree"
                 and all(r is None or (r.plain and r.request.logprobs is None) for r in self.rows))
 
-    def _verify_tree(self, last: mx.array, T: int, limits: List[int]):
-        """A draft tree's cycle (engine/tree.py): the drafter's candidates per position, each row's
-        best-first tree of T - 1 nodes (at most L_b - 1 deep), one pass over the nodes at their
-        depths, then the walk; the accepted path moves to the front of the row's columns."""
-        rows = self.rows
-        P = min(T - 1, self.engine.block_size - 1)
+    def _draft_tree(self, last: mx.array, width: int) -> List[tree.Prefixes]:
+        """The drafter's candidates per position, and each row's best-first prefixes over them
+        (engine/tree.py), as many as any width could verify (at most L_b - 1 deep): the scheduler
+        chooses the cycle's width from them. A fixed width drafts only the positions it verifies."""
+        top = min(width if self.scheduler.fixed else self.engine.block_size, max(r.budget for r in self.rows if r is not None))
+        P = min(top - 1, self.engine.block_size - 1)
         ids, logprobs = self.draft(last, P, candidates=tree.CANDIDATES)
         mx.eval(ids, logprobs)  # the tree is grown on the host
-        trees = tree.grow([r.last if r is not None else 0 for r in rows], np.array(ids), np.array(logprobs),
-                          T - 1, [L - 1 for L in limits])
+        return tree.best_first([r.last if r is not None else 0 for r in self.rows], np.array(ids), np.array(logprobs),
+                               [min(top, r.budget) - 1 if r is not None else 0 for r in self.rows])
+
+    def _verify_tree(self, prefixes: List[tree.Prefixes], T: int, limits: List[int]):
+        """A draft tree's cycle (engine/tree.py): each row's tree, its first L_b - 1 prefixes, in
+        one pass over the nodes at their depths, then the walk; the accepted path moves to the
+        front of the row's columns."""
+        rows = self.rows
+        trees = tree.fit(prefixes, limits, T)
         tokens, depth, ancestors = trees.device()
         self.lengths.tree = (depth, ancestors)
         try:
@@ -373,6 +387,10 @@ class BatchDecoder:
                 hidden = mx.take_along_axis(hidden, index[..., None], axis=1)
         elif hidden is not None:
             hidden = hidden[:, :kept]
+        for p, r, L, path in zip(prefixes, rows, limits, paths):
+            if r is not None:
+                n = min(L, len(p.depths))  # the nodes verified, root included
+                self.scheduler.tree_accepted(p.depths[:n], p.scores[:n], len(path) - 1)
         committed = [[trees.tokens[b][i] for i in p[1:]] + [t[b][p[-1]]] for b, p in enumerate(paths)]
         return committed, hidden, None, [max(d) + 1 for d in trees.depths]
 

@@ -22,7 +22,7 @@ from . import attention, decode, loading, matmul, memory, prefill, registry, tre
 from .. import checks, constraints
 from ..request import CONTROLS, SamplingControls, sample_seed
 from .batch import BatchDecoder, Request
-from .scheduler import CostModel, Scheduler, pooled_acceptance
+from .scheduler import CostModel, NodeCalibration, Scheduler, pooled_acceptance
 from .target import Target
 from .waiting import Waiting
 
@@ -86,6 +86,7 @@ class Engine:
         self.cost: Dict[int, CostModel] = {}  # batch size -> measured pass costs (warm_up)
         # the drafter's acceptance over every job's cycles: each job's prior (engine/scheduler.py)
         self.acceptance = pooled_acceptance(self.block_size)
+        self.node_calibration = NodeCalibration(max(self.block_size - 1, 0))  # draft trees' nodes, likewise
         self.shapes_seen: set = set()  # (rows, width, key bucket) of the cycles run so far
         self.description = dict(description or {}, block_size=self.block_size, adaptive_block=self.adaptive_block,
                                 draft_vocab=None if self.draft_head is None else len(self.draft_head),
@@ -382,7 +383,7 @@ class Engine:
             cost = self.warm_up(slots, context)
         if cost.route is not None:
             attention.set_ragged_route(cost.route)
-        return Scheduler(self.block_size, cost, job=self.acceptance)
+        return Scheduler(self.block_size, cost, job=self.acceptance, nodes=self.node_calibration)
 
     def warm_up(self, batch_size: int = 1, context: Optional[int] = None) -> CostModel:
         """Compile and time the passes a job of this batch size runs: target passes of 1, half the

@@ -45,6 +45,7 @@ from every cycle the engine times.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -100,6 +101,36 @@ def pooled_acceptance(block: int) -> Acceptance:
     """Acceptance pooled over many rows' cycles (a job's, or an engine's jobs'): slowly decayed,
     a weak prior."""
     return Acceptance(max(block - 1, 0), decay=0.98, prior_weight=1.0)
+
+
+class NodeCalibration:
+    """How far to trust the drafter's own estimate of a draft tree's nodes (engine/tree.py): a
+    node at depth d of score s (the sum of log q_k along its prefix) is accepted with probability
+
+        P(node) = c_d * exp(s)      c_d = (accepted_d + w) / (predicted_d + w)
+
+    where, over the decayed tree cycles so far, predicted_d sums exp(s) over the nodes verified at
+    depth d and accepted_d counts the cycles whose walk reached depth d (at most one node of a
+    depth is on the path). exp(s) multiplies marginals as if the positions were independent, and
+    a drafter is surer or less sure than it is right; c_d corrects both, per depth, from a prior
+    of 1 worth w."""
+
+    def __init__(self, depths: int = 15, decay: float = 0.98, prior_weight: float = 1.0):
+        self.decay, self.prior_weight = decay, prior_weight
+        self.predicted = [0.0] * depths
+        self.accepted = [0.0] * depths
+
+    def update(self, predicted: Sequence[float], accepted: int) -> None:
+        """One row's tree cycle: ``predicted[d - 1]`` = sum of exp(s) over its nodes at depth d,
+        and the drafts it accepted."""
+        d = self.decay
+        for k in range(len(self.predicted)):
+            self.predicted[k] = d * self.predicted[k] + (predicted[k] if k < len(predicted) else 0.0)
+            self.accepted[k] = d * self.accepted[k] + (1.0 if k < accepted else 0.0)
+
+    def scales(self) -> List[float]:
+        w = self.prior_weight
+        return [(a + w) / (p + w) for a, p in zip(self.accepted, self.predicted)]
 
 
 WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
@@ -230,13 +261,14 @@ class Scheduler:
     """
 
     def __init__(self, block: int, cost: CostModel, fixed: bool = False, probe_share: float = 0.05, probe_width: int = PROBE_WIDTH,
-                 backoff: int = 8, job: Optional[Acceptance] = None):
+                 backoff: int = 8, job: Optional[Acceptance] = None, nodes: Optional[NodeCalibration] = None):
         self.block, self.cost, self.fixed = block, cost, fixed
         self.probe_share, self.probe_width = probe_share, min(probe_width, block)
         self.backoff = backoff  # the most a run of failed probes divides the probe share by
         self.failed = 0  # probes since the scheduler last chose to draft on its own
         self.job = job if job is not None else pooled_acceptance(block)  # every row's cycles
         self.plain_seconds = 0.0  # spent in plain cycles since the last drafting cycle
+        self.nodes = nodes if nodes is not None else NodeCalibration(max(block - 1, 0))  # draft trees' nodes
 
     def widths(self, longest: int) -> List[int]:
         """The widths worth choosing among: each distinct pass shape is compiled once per
@@ -287,6 +319,45 @@ class Scheduler:
             self.failed += 1  # until a cycle drafts by choice (above)
             return probe
         return 1
+
+
+    def tree_width(self, trees: Sequence[Tuple[Sequence[int], Sequence[float]]], budgets: Sequence[int]) -> int:
+        """The verify width of a tree cycle, chosen once the drafts are known: row b's trees are the
+        first L_b - 1 of its best-first prefixes (``trees[b]``: their depths and scores, node 0
+        the root), L_b = min(T, budget_b), and commit on average
+
+            E_b(T) = 1 + sum over those nodes of c_depth * exp(score)      (NodeCalibration)
+
+        The width maximises sum_b E_b(T) / cost(B, T) over the widths that draft (the draft pass is
+        paid already)."""
+        longest = max(budgets)
+        if self.fixed or self.block < 2 or longest < 2:
+            return min(self.block, longest)
+        c = self.nodes.scales()
+        widths = [T for T in self.widths(longest) if T > 1]
+        totals = [0.0] * len(widths)
+        for (depths, scores), n in zip(trees, budgets):
+            E = [1.0]  # E[j]: what a tree of the row's first j nodes commits
+            for i in range(1, min(len(depths), n)):
+                E.append(E[-1] + c[depths[i] - 1] * math.exp(scores[i]))
+            for k, T in enumerate(widths):
+                totals[k] += E[min(T, len(E)) - 1]
+        B = len(budgets)
+        best, best_rate = widths[0], -1.0
+        for T, tokens in zip(widths, totals):
+            rate = tokens / self.cost.cycle(B, T)
+            if rate > best_rate * (1 + 1e-9):
+                best, best_rate = T, rate
+        return best
+
+    def tree_accepted(self, depths: Sequence[int], scores: Sequence[float], accepted: int) -> None:
+        """A row's tree cycle for the calibration: the nodes it verified (node 0 the root) and the
+        drafts it accepted."""
+        predicted = [0.0] * len(self.nodes.predicted)
+        for d, s in zip(depths[1:], scores[1:]):
+            if d - 1 < len(predicted):
+                predicted[d - 1] += math.exp(s)
+        self.nodes.update(predicted, accepted)
 
 
 def _committed(estimates: Sequence[Acceptance], budgets: Sequence[int], job: Sequence[float], widths: List[int]) -> List[float]:

@@ -66,43 +66,70 @@ class Trees:
         return mx.array(self.tokens, dtype=mx.int32), mx.array(self.depths, dtype=mx.int32), mx.array(sees)
 
 
-def grow(last: Sequence[int], ids: np.ndarray, logprobs: np.ndarray, nodes: int, reach: Sequence[int]) -> Trees:
-    """Each row's tree under its root ``last[b]``: its best-scoring prefixes (module doc) over the
-    candidates ``ids`` [B, P, C] (each position's best first) with their log-probabilities
-    ``logprobs`` [B, P, C], ``reach[b]`` of them at most, none longer (what row b may commit
-    beyond its bonus, as a chain of its own width would: a row's tree does not depend on the
-    other rows). Every tree is then padded to ``nodes`` with copies of its first child (never
-    walked: the walk takes the first matching child)."""
-    trees = Trees([], [], [])
+@dataclass
+class Prefixes:
+    """One row's best-scoring prefixes, best first: node 0 the root (the row's last committed
+    token), node i > 0 a prefix of score ``scores[i]`` = sum of log q_k along it. Any first n nodes
+    are closed under prefixes (a prefix scores at least its extensions), so they are the best tree
+    of n - 1 nodes."""
+
+    tokens: List[int]
+    parents: List[int]
+    depths: List[int]
+    scores: List[float]
+
+
+def best_first(last: Sequence[int], ids: np.ndarray, logprobs: np.ndarray, reach: Sequence[int]) -> List[Prefixes]:
+    """Each row's best-scoring prefixes under its root ``last[b]`` (module doc) over the candidates
+    ``ids`` [B, P, C] (each position's best first) with their log-probabilities ``logprobs``
+    [B, P, C]: ``reach[b]`` of them at most, none longer."""
+    out = []
     for b, root in enumerate(last):
-        tokens, parents, depths = [int(root)], [-1], [0]
+        row = Prefixes([int(root)], [-1], [0], [0.0])
         reach_b = min(int(reach[b]), ids.shape[1])
-        if reach_b > 0:
-            # best first over rank tuples r: a popped prefix offers its first child (r + (0,))
-            # and its next sibling (last rank + 1), so prefixes come out in order of score
-            node_of = {(): 0}
-            heap = [(-float(logprobs[b, 0, 0]), (0,))]
-            while heap and len(tokens) <= min(nodes, reach[b]):
-                neg, r = heapq.heappop(heap)
-                d = len(r)
-                node_of[r] = len(tokens)
-                tokens.append(int(ids[b, d - 1, r[-1]]))
-                parents.append(node_of[r[:-1]])
-                depths.append(d)
-                if d < reach_b:
-                    heapq.heappush(heap, (neg - float(logprobs[b, d, 0]), r + (0,)))
-                if r[-1] + 1 < ids.shape[2]:
-                    sibling = neg + float(logprobs[b, d - 1, r[-1]]) - float(logprobs[b, d - 1, r[-1] + 1])
-                    heapq.heappush(heap, (sibling, r[:-1] + (r[-1] + 1,)))
-        first = 1 if len(tokens) > 1 else 0  # padding: copies of the first child, else of the root
-        while len(tokens) <= nodes:
-            tokens.append(tokens[first])
-            parents.append(parents[first])
-            depths.append(depths[first])
-        trees.tokens.append(tokens)
-        trees.parents.append(parents)
-        trees.depths.append(depths)
+        # best first over rank tuples r: a popped prefix offers its first child (r + (0,)) and its
+        # next sibling (last rank + 1), so prefixes come out in order of score
+        node_of = {(): 0}
+        heap = [(-float(logprobs[b, 0, 0]), (0,))] if reach_b > 0 else []
+        while heap and len(row.tokens) <= reach_b:
+            neg, r = heapq.heappop(heap)
+            d = len(r)
+            node_of[r] = len(row.tokens)
+            row.tokens.append(int(ids[b, d - 1, r[-1]]))
+            row.parents.append(node_of[r[:-1]])
+            row.depths.append(d)
+            row.scores.append(-neg)
+            if d < reach_b:
+                heapq.heappush(heap, (neg - float(logprobs[b, d, 0]), r + (0,)))
+            if r[-1] + 1 < ids.shape[2]:
+                sibling = neg + float(logprobs[b, d - 1, r[-1]]) - float(logprobs[b, d - 1, r[-1] + 1])
+                heapq.heappush(heap, (sibling, r[:-1] + (r[-1] + 1,)))
+        out.append(row)
+    return out
+
+
+def fit(rows: Sequence[Prefixes], limits: Sequence[int], T: int) -> Trees:
+    """The trees a pass of width T verifies: row b's first L_b - 1 prefixes (L_b = ``limits[b]``:
+    what row b may commit, bonus included), padded to T nodes with copies of its first child
+    (never walked: the walk takes the first matching child), else of the root."""
+    trees = Trees([], [], [])
+    for row, L in zip(rows, limits):
+        n = max(1, min(L, len(row.tokens)))
+        tokens, parents, depths = row.tokens[:n], row.parents[:n], row.depths[:n]
+        first = 1 if n > 1 else 0
+        pad = T - n
+        trees.tokens.append(tokens + [tokens[first]] * pad)
+        trees.parents.append(parents + [parents[first]] * pad)
+        trees.depths.append(depths + [depths[first]] * pad)
     return trees
+
+
+def grow(last: Sequence[int], ids: np.ndarray, logprobs: np.ndarray, nodes: int, reach: Sequence[int]) -> Trees:
+    """Each row's tree of at most ``nodes`` nodes under its root (``best_first``, ``reach[b]`` of
+    them at most: what row b may commit beyond its bonus, as a chain of its own width would, so
+    a row's tree does not depend on the other rows), padded to ``nodes`` + 1."""
+    capped = [min(int(r), nodes) for r in reach]
+    return fit(best_first(last, ids, logprobs, capped), [r + 1 for r in capped], nodes + 1)
 
 
 def walk(trees: Trees, chosen: Sequence[Sequence[int]]) -> List[List[int]]:
