@@ -11,7 +11,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from dflash_batch.engine import decode, load_engine, tree
+from dflash_batch.engine import decode, load_engine, routing, tree
 from dflash_batch.engine.batch_cache import Lengths
 from dflash_batch.engine.scheduler import CostModel, Scheduler
 from dflash_batch.engine.target import Target
@@ -94,11 +94,11 @@ def _prefilled(target: Target, prompt, rows: int = 1):
     return cache, lengths
 
 
-def _tree_pass(target, cache, lengths, trees):
+def _tree_pass(target, cache, lengths, trees, run=None):
     tokens, depth, ancestors = trees.device()
     lengths.tree = (depth, ancestors)
     try:
-        logits, hidden = target.verify(tokens, cache)
+        logits, hidden = (run or target.verify)(tokens, cache)
     finally:
         lengths.tree = None
     return logits, hidden
@@ -272,3 +272,54 @@ def test_adaptive_trees_learn_the_drafters_calibration(tiny_pair, monkeypatch, t
     assert out.token_ids == ref
     assert engine.node_calibration.predicted[0] > 0 and engine.node_calibration.scales()[0] < 0.95
     assert sorted(widths)[len(widths) // 2] >= 12, widths
+
+
+def _on_the_ladder(cache, width: int = 512):
+    """The same rows in buffers ``width`` columns wide (a compiling batch's: engine/compiled.py)."""
+    for c in cache:
+        B, H, n, D = c.keys.shape
+        for name in ("keys", "values"):
+            wide = mx.zeros((B, H, width, D), dtype=c.keys.dtype)
+            wide[:, :, :n] = getattr(c, name)
+            setattr(c, name, wide)
+    return cache
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_a_compiled_tree_pass_equals_the_eager_one(tiny_pair, rows):
+    """A tree pass traced once and replayed (its depths and ancestors inputs of the trace): the
+    same logits, taps and keys written as the eager tree pass, ragged rows too."""
+    engine = load_engine(*map(str, tiny_pair))
+    target = engine.target
+    trees = tree.Trees(BRANCHY.tokens[:rows], BRANCHY.parents[:rows], BRANCHY.depths[:rows])
+    cache, lengths = _prefilled(target, PROMPT, rows)
+    want_logits, want_hidden = _tree_pass(target, cache, lengths, trees)
+    T = len(trees.tokens[0])
+    with routing.modes(passes="compiled"):
+        for _ in range(3):  # the first eagerly through the view, then a trace, then a replay
+            wide, wide_lengths = _prefilled(target, PROMPT, rows)
+            _on_the_ladder(wide)
+            assert target.passes.applies(wide, T)
+            logits, hidden = _tree_pass(target, wide, wide_lengths, trees, target.decode_pass)
+            np.testing.assert_allclose(np.array(logits), np.array(want_logits), atol=2e-5, rtol=1e-5)
+            np.testing.assert_allclose(np.array(hidden), np.array(want_hidden), atol=2e-5, rtol=1e-5)
+            for c, e in zip(wide, cache):
+                for b in range(rows):
+                    n = lengths.host[b] + T
+                    np.testing.assert_allclose(np.array(c.keys[b, :, :n]), np.array(e.keys[b, :, :n]), atol=2e-5, rtol=1e-5)
+    assert target.passes.calls["compiled"] >= 2
+
+
+def test_tree_runs_with_compiled_passes_equal_the_targets_greedy_output(qwen3_target, qwen3_b8, monkeypatch, tree_mode):
+    """Scripted tree runs with compiled passes (engine/compiled.py): mlx-lm's greedy output, batch
+    1 and 3, and the tree passes were replayed, not rebuilt each cycle."""
+    with routing.modes(passes="compiled"):
+        engine, _, ids, refs = scripted_batch(qwen3_target, qwen3_b8, monkeypatch, PROMPTS_B, MAX_TOKENS,
+                                              adaptive_block=False)
+        traced = []
+        for batch_size in (1, 3):
+            batched = engine.generate_batch(ids, max_tokens=MAX_TOKENS, batch_size=batch_size)
+            assert [c.token_ids for c in batched] == refs
+        passes = engine.target.passes
+        assert any(key[-1] == "tree" for key in passes._compiled)
+        assert passes.calls["compiled"] > 3 * passes.traced, passes.calls

@@ -14,6 +14,10 @@ at a fixed width, with the rows' lengths n_b as a device array: the ragged batch
     RoPE:    positions n_b + i                                            (a per-row offset)
     attend:  all ``width`` columns; query i of row b sees key j iff j <= n_b + i
 
+A draft tree's pass (engine/tree.py) compiles too, as a trace of its own: its nodes' depths
+[B, T] and ancestors [B, T, T] are inputs beside the lengths, RoPE takes positions n_b + depth
+and attention the tree's mask over the whole buffer (``tree_visible``).
+
 A batch that compiles allocates its buffers on a ladder of widths (``capacity``: 512, 1024,
 2048, 4096 positions), so the next job's passes of the same rows and width replay the same
 trace. Wider caches, more than MAX_ROWS rows, plain one-token steps, GatedDeltaNet targets (their
@@ -58,7 +62,8 @@ from typing import Dict, List, Optional, Tuple
 import mlx.core as mx
 
 from . import attention, matmul, modes
-from .batch_cache import RaggedKVCache, visible
+from .batch_cache import RaggedKVCache, tree_visible, visible
+from .tree import TokenPositions
 
 MODES = ("eager", "compiled")
 ENV = "DFLASH_BATCH_PASSES"
@@ -87,10 +92,10 @@ class _Lengths:
     """The rows' lengths as the pass sees them: a device array only (``Lengths`` in a trace)."""
 
     uniform = False
-    tree = None  # compiled passes verify chains (engine/tree.py)
 
-    def __init__(self, device: mx.array):
+    def __init__(self, device: mx.array, tree: Optional[Tuple[mx.array, mx.array]] = None):
         self.device = device
+        self.tree = tree  # a draft tree's pass: (depth [B, T], ancestors [B, T, T]), engine/tree.py
 
     def columns(self, T: int) -> mx.array:
         return self.device[:, None] + mx.arange(T, dtype=mx.int32)[None]
@@ -104,7 +109,9 @@ class _FixedWidthView(RaggedKVCache):
         self.keys, self.values = keys, values
 
     @property
-    def offset(self) -> mx.array:
+    def offset(self):
+        if self.lengths.tree is not None:  # one RoPE position per node: n_b + its depth
+            return TokenPositions(self.lengths.device[:, None] + self.lengths.tree[0])
         return self.lengths.device
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
@@ -121,6 +128,8 @@ class _FixedWidthView(RaggedKVCache):
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
         if window_size is not None:
             raise ValueError("batched decoding supports full-attention layers only (no sliding window)")
+        if self.lengths.tree is not None:
+            return tree_visible(self.lengths.device, self.lengths.tree[1], self.keys.shape[2])
         return visible(self.lengths.device, N, self.keys.shape[2])
 
 
@@ -149,10 +158,11 @@ class _Traces:
         self.calls = {"compiled": 0, "eager": 0}  # passes run each way (the first of a routing: eager)
         self.traced = 0  # times the pass's Python ran: traces, and the eager first passes
 
-    def _run(self):
+    def _run(self, kind: str = ""):
         """The pass to call now: this routing's trace, or, the first time under a routing, the pass
-        itself run eagerly, so that kernels check themselves outside a trace."""
-        routing = (attention.mode(), attention.ragged_route(), matmul.mode())
+        itself run eagerly, so that kernels check themselves outside a trace. ``kind`` keeps
+        passes of other inputs apart (a draft tree's)."""
+        routing = (attention.mode(), attention.ragged_route(), matmul.mode(), kind)
         run = self._compiled.get(routing)
         if run is None:
             self._compiled[routing] = mx.compile(self._pass)
@@ -171,24 +181,27 @@ class CompiledPasses(_Traces):
         self.target = target
 
     def applies(self, cache: list, T: int) -> bool:
-        """Whether a pass of T rows over ``cache`` runs compiled (module doc; a draft tree's pass,
-        engine/tree.py, stays eager)."""
-        return (mode() == "compiled" and T >= MIN_WIDTH and not self.target.hybrid and _fixed_width(cache, T)
-                and cache[0].lengths.tree is None)
+        """Whether a pass of T rows over ``cache`` runs compiled (module doc)."""
+        return mode() == "compiled" and T >= MIN_WIDTH and not self.target.hybrid and _fixed_width(cache, T)
 
     def __call__(self, tokens: mx.array, cache: list) -> Tuple[mx.array, Optional[mx.array]]:
         """logits [B, T, V] and the tapped hidden states, as ``Target.verify`` gives them; the
         cache's buffers hold the pass's keys and values after it (the caller advances lengths)."""
         if not self.applies(cache, tokens.shape[1]):
             return self.target.verify(tokens, cache)
-        logits, hidden, keys, values = self._run()(tokens, cache[0].lengths.device, [c.keys for c in cache],
-                                                   [c.values for c in cache])
+        lengths = cache[0].lengths
+        args = (tokens, lengths.device, [c.keys for c in cache], [c.values for c in cache])
+        if lengths.tree is None:
+            logits, hidden, keys, values = self._run()(*args)
+        else:  # a draft tree's pass: its nodes' depths and ancestors are inputs too
+            logits, hidden, keys, values = self._run("tree")(*args, *lengths.tree)
         _reassign(cache, keys, values)
         return logits, (hidden[0] if hidden else None)
 
-    def _pass(self, tokens: mx.array, lengths: mx.array, keys: List[mx.array], values: List[mx.array]):
+    def _pass(self, tokens: mx.array, lengths: mx.array, keys: List[mx.array], values: List[mx.array],
+              depth: Optional[mx.array] = None, ancestors: Optional[mx.array] = None):
         self.traced += 1
-        view = _Lengths(lengths)
+        view = _Lengths(lengths, None if depth is None else (depth, ancestors))
         cache = [_FixedWidthView(view, k, v) for k, v in zip(keys, values)]
         logits, hidden = self.target(tokens, cache)
         return logits, ([] if hidden is None else [hidden]), [c.keys for c in cache], [c.values for c in cache]
