@@ -56,6 +56,21 @@ def test_grow_takes_the_best_scoring_prefixes():
                 j = parents[j]
             got.add(tuple(reversed(path)))
         assert got == set(best)
+        # the chain of top candidates, as deep as the tree holds it, takes nodes 1..k
+        k = max(d for d in range(reach + 1) if (0,) * d in got or d == 0)
+        assert [tokens[i] for i in range(1, k + 1)] == [int(ids[0, d, 0]) for d in range(k)]
+        assert parents[1 : k + 1] == list(range(k))
+
+
+def test_the_top_chain_takes_the_first_nodes():
+    """Best first, the runner-up at depth 1 (score -0.2) comes before the top chain's second node
+    (-1.1); the layout still puts the chain at nodes 1..3, so a walk along it needs no move."""
+    ids = np.arange(3 * 2).reshape(1, 3, 2)  # position k's candidates: 2k, 2k + 1
+    logprobs = np.array([[[-0.1, -0.2], [-1.0, -3.0], [-0.5, -4.0]]])
+    trees = tree.grow([99], ids, logprobs, 5, [5])
+    assert trees.tokens[0][:4] == [99, 0, 2, 4] and trees.parents[0][:4] == [-1, 0, 1, 2]
+    assert sorted(zip(trees.tokens[0][4:], trees.parents[0][4:])) == [(1, 0), (2, 4)]  # the runner-up and its child
+    assert tree.order(tree.walk(trees, [[0, 2, 4, 7, 0, 0]]), 6) == [list(range(6))]
 
 
 def test_walk_follows_the_targets_choices():
@@ -175,13 +190,15 @@ def test_tree_runs_equal_the_targets_greedy_output(qwen3_target, qwen3_b8, monke
     alone or batched, and trees commit more per cycle than chains on the same script."""
     engine, script, ids, refs = scripted_batch(qwen3_target, qwen3_b8, monkeypatch, PROMPTS_B, MAX_TOKENS,
                                                adaptive_block=False)
-    walked = []
-    real_walk = tree.walk
+    walked, moved = [], []
+    real_walk, real_reorder = tree.walk, Target.reorder
     monkeypatch.setattr(tree, "walk", lambda trees, chosen: walked.append(real_walk(trees, chosen)) or walked[-1])
+    monkeypatch.setattr(Target, "reorder", lambda self, cache, order: moved.append(1) or real_reorder(self, cache, order))
     batched = engine.generate_batch(ids, max_tokens=MAX_TOKENS, batch_size=batch_size)
     assert [c.token_ids for c in batched] == refs
     branched = sum(any(p != list(range(len(p))) for p in paths) for paths in walked)
-    assert branched > 10, branched  # the walk left the first children many times
+    assert branched > 10, branched  # the walk left the top chain many times
+    assert len(moved) == branched < len(walked)  # the cache moves only then: the top chain is nodes 1..k
     tree_tokens = sum(c.stats.accepted_tokens for c in batched)
     tree.set_mode("chain")
     script.references.clear()

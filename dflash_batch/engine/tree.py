@@ -86,12 +86,12 @@ def best_first(last: Sequence[int], ids: np.ndarray, logprobs: np.ndarray, reach
     out = []
     for b, root in enumerate(last):
         row = Prefixes([int(root)], [-1], [0], [0.0])
-        reach_b = min(int(reach[b]), ids.shape[1])
+        count, deepest = int(reach[b]), min(int(reach[b]), ids.shape[1])
         # best first over rank tuples r: a popped prefix offers its first child (r + (0,)) and its
         # next sibling (last rank + 1), so prefixes come out in order of score
         node_of = {(): 0}
-        heap = [(-float(logprobs[b, 0, 0]), (0,))] if reach_b > 0 else []
-        while heap and len(row.tokens) <= reach_b:
+        heap = [(-float(logprobs[b, 0, 0]), (0,))] if deepest > 0 else []
+        while heap and len(row.tokens) <= count:
             neg, r = heapq.heappop(heap)
             d = len(r)
             node_of[r] = len(row.tokens)
@@ -99,7 +99,7 @@ def best_first(last: Sequence[int], ids: np.ndarray, logprobs: np.ndarray, reach
             row.parents.append(node_of[r[:-1]])
             row.depths.append(d)
             row.scores.append(-neg)
-            if d < reach_b:
+            if d < deepest:
                 heapq.heappush(heap, (neg - float(logprobs[b, d, 0]), r + (0,)))
             if r[-1] + 1 < ids.shape[2]:
                 sibling = neg + float(logprobs[b, d - 1, r[-1]]) - float(logprobs[b, d - 1, r[-1] + 1])
@@ -115,13 +115,29 @@ def fit(rows: Sequence[Prefixes], limits: Sequence[int], T: int) -> Trees:
     trees = Trees([], [], [])
     for row, L in zip(rows, limits):
         n = max(1, min(L, len(row.tokens)))
-        tokens, parents, depths = row.tokens[:n], row.parents[:n], row.depths[:n]
+        tokens, parents, depths = _chain_first(row.tokens[:n], row.parents[:n], row.depths[:n])
         first = 1 if n > 1 else 0
         pad = T - n
         trees.tokens.append(tokens + [tokens[first]] * pad)
         trees.parents.append(parents + [parents[first]] * pad)
         trees.depths.append(depths + [depths[first]] * pad)
     return trees
+
+
+def _chain_first(tokens: List[int], parents: List[int], depths: List[int]):
+    """The nodes re-indexed so that the chain of best children from the root (the drafter's top
+    token at each depth, as far as the tree holds it) takes nodes 1..k: when the target accepts
+    along it, as it mostly does, the path already sits where a chain's would (``order`` is the
+    identity) and the cache needs no move. Parents still come before their children."""
+    chain = [0]
+    for i in range(1, len(tokens)):
+        if parents[i] == chain[-1]:  # best first: a node's first child is its best
+            chain.append(i)
+    on = set(chain)
+    new = chain + [i for i in range(len(tokens)) if i not in on]
+    index = {old: k for k, old in enumerate(new)}
+    return ([tokens[i] for i in new], [index[parents[i]] if parents[i] >= 0 else -1 for i in new],
+            [depths[i] for i in new])
 
 
 def grow(last: Sequence[int], ids: np.ndarray, logprobs: np.ndarray, nodes: int, reach: Sequence[int]) -> Trees:
