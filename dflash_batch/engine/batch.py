@@ -272,9 +272,8 @@ class BatchDecoder:
         last = mx.array([[r.last if r is not None else 0] for r in rows], dtype=mx.int32)
         prefixes = self._draft_tree(last, width) if self._tree_cycle(width) else None
         if prefixes is not None:  # the width, chosen again from the drafts themselves
-            width = self.scheduler.tree_width(
-                [(p.depths, p.scores) for p, r in zip(prefixes, rows) if r is not None], [r.budget for r in rows if r is not None]
-            )
+            live = [(p, r) for p, r in zip(prefixes, rows) if r is not None]
+            width = self.scheduler.tree_width([(p.depths, p.scores) for p, _ in live], [r.budget for _, r in live])
         limits = [min(width, r.budget) if r is not None else 1 for r in rows]  # L_b: what row b may commit
         T = max(limits)
         # reach_b: the deepest draft position row b's pass could accept, plus one (the scheduler's
@@ -348,15 +347,17 @@ class BatchDecoder:
         with no logprobs asked (its tokens depend on nothing but the node's prefix and position).
         An adaptive scheduler chooses a tree's width again from its drafts, so any drafting width
         starts one."""
-        return ((T > 2 or (T == 2 and not self.scheduler.fixed)) and self.drafter is not None and self.target.trees and tree.mode() == "tree"
+        drafting = T > 2 or (T == 2 and not self.scheduler.fixed)
+        return (drafting and self.drafter is not None and self.target.trees and tree.mode() == "tree"
                 and all(r is None or (r.plain and r.request.logprobs is None) for r in self.rows))
 
     def _draft_tree(self, last: mx.array, width: int) -> List[tree.Prefixes]:
         """The drafter's candidates per position, and each row's best-first prefixes over them
         (engine/tree.py), as many as any width could verify (at most L_b - 1 deep): the scheduler
         chooses the cycle's width from them. A fixed width drafts only the positions it verifies."""
-        top = min(width if self.scheduler.fixed else self.engine.block_size, max(r.budget for r in self.rows if r is not None))
-        P = min(top - 1, self.engine.block_size - 1)
+        block = self.engine.block_size
+        top = min(width if self.scheduler.fixed else block, max(r.budget for r in self.rows if r is not None))
+        P = min(top - 1, block - 1)
         ids, logprobs = self.draft(last, P, candidates=tree.CANDIDATES)
         mx.eval(ids, logprobs)  # the tree is grown on the host
         return tree.best_first([r.last if r is not None else 0 for r in self.rows], np.array(ids), np.array(logprobs),

@@ -38,6 +38,11 @@ drafting cycle the scheduler chooses on its own, restores the share. A drafter t
 fails makes a job at most about 5% slower, and a long one under 1% (for a job whose rows end
 well before their budgets, the first probe can cost more than 5% of it).
 
+A draft tree (engine/tree.py) is worth more per width than a chain, since its branches repair
+first misses: a tree cycle chooses its width again once the drafts are known, from the nodes'
+own scores corrected per depth by what tree cycles accepted (``Scheduler.tree_width``,
+``NodeCalibration``). Whether to draft at all stays the chain model's choice above.
+
 The pass costs come from timing real passes at warm-up, at the job's batch size and typical
 context (``Engine.warm_up``, engine/warmup.py); what a cycle costs beyond its passes is learnt
 from every cycle the engine times.
@@ -319,7 +324,6 @@ class Scheduler:
             self.failed += 1  # until a cycle drafts by choice (above)
             return probe
         return 1
-
 
     def tree_width(self, trees: Sequence[Tuple[Sequence[int], Sequence[float]]], budgets: Sequence[int]) -> int:
         """The verify width of a tree cycle, chosen once the drafts are known: row b's trees are the
