@@ -53,9 +53,11 @@ def test_block_size_option_caps_verify_rows(zero_head_target, model_dir, chain_d
     assert s.acceptance_histogram == [0, 0, 0, 0, 4] and s.cycles == 4
 
 
-def test_the_drafters_acceptance_carries_from_job_to_job(zero_head_target, model_dir):
+def test_the_drafters_acceptance_carries_from_job_to_job(zero_head_target, model_dir, chain_drafts):
     """Every job's scheduler pools its rows' cycles into the engine's estimates, and the next job
-    starts from them (at batch 1 each request is a job of its own)."""
+    starts from them (at batch 1 each request is a job of its own). Chains: a zeroed head's drafts
+    are all accepted only as a chain drafts them (its argmax, token 0); a tree's candidates over
+    equal logits need not hold token 0."""
     draft = make_drafter(model_dir, "draft-b8", synthetic.tiny_qwen3_config(), block_size=8)
     engine = load_engine(str(zero_head_target), str(draft))
     first = engine._scheduler(1)
