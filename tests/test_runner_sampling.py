@@ -55,7 +55,9 @@ def test_rows_get_their_controls_logprobs_and_constraints(tmp_path, home, real_e
     assert column["plain"] is None
     entries = list(column["json"])
     assert [e["token_id"] for e in entries] == expected["json"].token_ids
-    assert [e["logprob"] for e in entries] == pytest.approx([e["logprob"] for e in expected["json"].logprobs])
+    # fp32 logprobs of passes of other shapes (the batch's widths against the row's alone, chosen from
+    # timed costs) differ in their last bits: 3.1e-6 on -3.05 seen, over approx's default 1e-6 relative
+    assert [e["logprob"] for e in entries] == pytest.approx([e["logprob"] for e in expected["json"].logprobs], abs=1e-5)
     assert all(len(e["top_logprobs"]) == 2 for e in entries)
     # OpenAI output: choices[].logprobs.content in OpenAI's shape
     lines = {x["custom_id"]: x for x in map(json.loads, (tmp_path / "out" / "_openai_output.jsonl").read_text().splitlines())}
