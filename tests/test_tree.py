@@ -340,3 +340,11 @@ def test_tree_runs_with_compiled_passes_equal_the_targets_greedy_output(qwen3_ta
         passes = engine.target.passes
         assert any(key[-1] == "tree" for key in passes._compiled)
         assert passes.calls["compiled"] > 3 * passes.traced, passes.calls
+
+
+def test_the_engine_says_what_its_drafting_cycles_verify(tiny_pair, tree_mode):
+    target, draft = tiny_pair
+    assert load_engine(str(target), str(draft)).description["drafts"] == "tree"
+    assert load_engine(str(target), None).description["drafts"] is None  # no drafter: no drafting cycles
+    tree.set_mode("chain")
+    assert load_engine(str(target), str(draft)).description["drafts"] == "chain"

@@ -98,8 +98,8 @@ class RaggedKVCache:
         values to attend over."""
         needed = self.lengths.max + reach
         self.reserve(needed, keys, values)
-        self.keys = _put_columns(self.keys, columns, keys)
-        self.values = _put_columns(self.values, columns, values)
+        self.keys = put_columns(self.keys, columns, keys)
+        self.values = put_columns(self.values, columns, values)
         width = round_up(needed)  # capacity is a multiple of STEP, so this fits
         return self.keys[..., :width, :], self.values[..., :width, :]
 
@@ -189,8 +189,8 @@ class RaggedKVCache:
             self.keys[..., n : n + W, :] = keys
             self.values[..., n : n + W, :] = values
         else:
-            self.keys = _put_columns(self.keys, self.lengths.columns(W), keys)
-            self.values = _put_columns(self.values, self.lengths.columns(W), values)
+            self.keys = put_columns(self.keys, self.lengths.columns(W), keys)
+            self.values = put_columns(self.values, self.lengths.columns(W), values)
 
     def take_rows(self, rows: mx.array) -> None:
         """Keep only the given rows, in that order (the batch shrinks)."""
@@ -240,7 +240,7 @@ def _take_columns(buffer: mx.array, columns: mx.array) -> mx.array:
     return mx.take_along_axis(buffer, index, axis=2)
 
 
-def _put_columns(buffer: mx.array, columns: mx.array, rows: mx.array) -> mx.array:
+def put_columns(buffer: mx.array, columns: mx.array, rows: mx.array) -> mx.array:
     """buffer[b, :, columns[b, t], :] = rows[b, :, t, :] (a scatter along the key axis)."""
     B, H, T, D = rows.shape
     index = mx.broadcast_to(columns[:, None, :, None], (B, H, T, D))

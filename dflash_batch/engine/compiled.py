@@ -62,7 +62,7 @@ from typing import Dict, List, Optional, Tuple
 import mlx.core as mx
 
 from . import attention, matmul, modes
-from .batch_cache import RaggedKVCache, tree_visible, visible
+from .batch_cache import RaggedKVCache, put_columns, tree_visible, visible
 from .tree import TokenPositions
 
 MODES = ("eager", "compiled")
@@ -121,8 +121,8 @@ class _FixedWidthView(RaggedKVCache):
     def write_columns(self, columns: mx.array, keys: mx.array, values: mx.array, reach: int):
         """Scatter keys [B, H, T, D] to columns [B, T] per row; the whole buffers to attend over
         (the pass masks them per row: ``reach`` is the eager cache's, unused)."""
-        self.keys = _scatter(self.keys, columns, keys)
-        self.values = _scatter(self.values, columns, values)
+        self.keys = put_columns(self.keys, columns, keys)
+        self.values = put_columns(self.values, columns, values)
         return self.keys, self.values
 
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
@@ -131,12 +131,6 @@ class _FixedWidthView(RaggedKVCache):
         if self.lengths.tree is not None:
             return tree_visible(self.lengths.device, self.lengths.tree[1], self.keys.shape[2])
         return visible(self.lengths.device, N, self.keys.shape[2])
-
-
-def _scatter(buffer: mx.array, columns: mx.array, rows: mx.array) -> mx.array:
-    """buffer[b, :, columns[b, t], :] = rows[b, :, t, :]."""
-    B, H, T, D = rows.shape
-    return mx.put_along_axis(buffer, mx.broadcast_to(columns[:, None, :, None], (B, H, T, D)), rows, axis=2)
 
 
 def _fixed_width(cache: list, reach: int) -> bool:

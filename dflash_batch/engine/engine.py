@@ -90,7 +90,7 @@ class Engine:
         self.shapes_seen: set = set()  # (rows, width, key bucket) of the cycles run so far
         self.description = dict(description or {}, block_size=self.block_size, adaptive_block=self.adaptive_block,
                                 draft_vocab=None if self.draft_head is None else len(self.draft_head),
-                                drafts=tree.mode() if self.target.trees else "chain")  # at load: engine/tree.py
+                                drafts=_drafts(self.drafter, self.target))
         self._grammars = None  # engine/grammar.py, built when a request first has a grammar
         # True: constrained rows pick their drafts under their grammar (Grammars.draft). Off by default:
         # on the default pair it raised tokens per cycle but cost more per cycle (docs/sampling.md).
@@ -394,6 +394,14 @@ class Engine:
         it ahead to keep it out of a job's first items."""
         self.cost[batch_size] = warmup.measure_costs(self, batch_size, context)
         return self.cost[batch_size]
+
+
+def _drafts(drafter, target) -> Optional[str]:
+    """What a drafting cycle verifies, as the engine was loaded (engine/tree.py): "tree" or "chain",
+    None without a drafter."""
+    if drafter is None:
+        return None
+    return tree.mode() if target.trees else "chain"
 
 
 def _typical_context(requests: Sequence[Request]) -> int:
