@@ -35,12 +35,19 @@ def _candidates(rng: np.random.Generator, P: int, C: int):
     return ids, logprobs
 
 
+def _grow(last, ids, logprobs, nodes: int, reach):
+    """Each row's tree of at most ``nodes`` nodes, ``reach[b]`` at most (what row b may commit
+    beyond its bonus), padded to ``nodes`` + 1: ``best_first`` then ``fit``, as a cycle runs them."""
+    capped = [min(int(r), nodes) for r in reach]
+    return tree.fit(tree.best_first(last, ids, logprobs, capped), [r + 1 for r in capped], nodes + 1)
+
+
 def test_grow_takes_the_best_scoring_prefixes():
     rng = np.random.default_rng(0)
     P, C = 4, 3
     for nodes, reach in [(10, 4), (20, 4), (9, 2), (5, 1)]:
         ids, logprobs = _candidates(rng, P, C)
-        trees = tree.grow([99], ids, logprobs, nodes, [reach])
+        trees = _grow([99], ids, logprobs, nodes, [reach])
         # every prefix of ranks up to ``reach`` deep, scored by brute force
         prefixes = [r for d in range(1, reach + 1) for r in itertools.product(range(C), repeat=d)]
         score = {r: sum(logprobs[0, k, c] for k, c in enumerate(r)) for r in prefixes}
@@ -67,7 +74,7 @@ def test_the_top_chain_takes_the_first_nodes():
     (-1.1); the layout still puts the chain at nodes 1..3, so a walk along it needs no move."""
     ids = np.arange(3 * 2).reshape(1, 3, 2)  # position k's candidates: 2k, 2k + 1
     logprobs = np.array([[[-0.1, -0.2], [-1.0, -3.0], [-0.5, -4.0]]])
-    trees = tree.grow([99], ids, logprobs, 5, [5])
+    trees = _grow([99], ids, logprobs, 5, [5])
     assert trees.tokens[0][:4] == [99, 0, 2, 4] and trees.parents[0][:4] == [-1, 0, 1, 2]
     assert sorted(zip(trees.tokens[0][4:], trees.parents[0][4:])) == [(1, 0), (2, 4)]  # the runner-up and its child
     assert tree.order(tree.walk(trees, [[0, 2, 4, 7, 0, 0]]), 6) == [list(range(6))]
@@ -87,7 +94,7 @@ def test_padding_is_never_walked():
     """A row that may commit nothing past its bonus (reach 0) or one token (reach 1) gets copies
     of its root or first child, which the walk never takes, whatever the target chooses."""
     ids, logprobs = _candidates(np.random.default_rng(1), 3, 2)
-    trees = tree.grow([7, 7], np.concatenate([ids, ids]), np.concatenate([logprobs, logprobs]), 5, [0, 1])
+    trees = _grow([7, 7], np.concatenate([ids, ids]), np.concatenate([logprobs, logprobs]), 5, [0, 1])
     assert trees.depths == [[0] * 6, [0] + [1] * 5]
     every = [7] + [int(i) for i in ids.reshape(-1)]
     for t in every:

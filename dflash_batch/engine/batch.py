@@ -390,7 +390,7 @@ class BatchDecoder:
             hidden = hidden[:, :kept]
         for p, r, L, path in zip(prefixes, rows, limits, paths):
             if r is not None:
-                n = min(L, len(p.depths))  # the nodes verified, root included
+                n = p.verified(L)
                 self.scheduler.tree_accepted(p.depths[:n], p.scores[:n], len(path) - 1)
         committed = [[trees.tokens[b][i] for i in p[1:]] + [t[b][p[-1]]] for b, p in enumerate(paths)]
         return committed, hidden, None, [max(d) + 1 for d in trees.depths]

@@ -80,6 +80,11 @@ class Prefixes:
     depths: List[int]
     scores: List[float]
 
+    def verified(self, L: int) -> int:
+        """Nodes, the root included, that a row allowed to commit L tokens verifies: its first
+        L - 1 prefixes and the root."""
+        return max(1, min(L, len(self.tokens)))
+
 
 def best_first(last: Sequence[int], ids: np.ndarray, logprobs: np.ndarray, reach: Sequence[int]) -> List[Prefixes]:
     """Each row's best-scoring prefixes under its root ``last[b]`` (module doc) over the candidates
@@ -116,7 +121,7 @@ def fit(rows: Sequence[Prefixes], limits: Sequence[int], T: int) -> Trees:
     (never walked: the walk takes the first matching child), else of the root."""
     trees = Trees([], [], [])
     for row, L in zip(rows, limits):
-        n = max(1, min(L, len(row.tokens)))
+        n = row.verified(L)
         tokens, parents, depths = _chain_first(row.tokens[:n], row.parents[:n], row.depths[:n])
         first = 1 if n > 1 else 0
         pad = T - n
@@ -140,14 +145,6 @@ def _chain_first(tokens: List[int], parents: List[int], depths: List[int]):
     index = {old: k for k, old in enumerate(new)}
     return ([tokens[i] for i in new], [index[parents[i]] if parents[i] >= 0 else -1 for i in new],
             [depths[i] for i in new])
-
-
-def grow(last: Sequence[int], ids: np.ndarray, logprobs: np.ndarray, nodes: int, reach: Sequence[int]) -> Trees:
-    """Each row's tree of at most ``nodes`` nodes under its root (``best_first``, ``reach[b]`` of
-    them at most: what row b may commit beyond its bonus, as a chain of its own width would, so
-    a row's tree does not depend on the other rows), padded to ``nodes`` + 1."""
-    capped = [min(int(r), nodes) for r in reach]
-    return fit(best_first(last, ids, logprobs, capped), [r + 1 for r in capped], nodes + 1)
 
 
 def walk(trees: Trees, chosen: Sequence[Sequence[int]]) -> List[List[int]]:
