@@ -37,7 +37,7 @@ from typing import Any, Dict, List, Optional
 import dflash_batch.engine  # noqa: F401  (BLAS preload before mlx on Linux CPU)
 import mlx.core as mx
 
-from dflash_batch.engine import load_engine, sampling, tree
+from dflash_batch.engine import load_engine, routing, sampling
 from dflash_batch.engine.batch import BatchDecoder
 from dflash_batch.engine.grammar import Grammars
 
@@ -183,19 +183,20 @@ def main(argv=None) -> Dict[str, Any]:
     refs = {None: _run(engine, prompts, args.max_tokens, None), "json": _run(engine, prompts, args.max_tokens, FORMAT)}
     real_drafter = {k: {"tokens_per_cycle": v["tokens_per_cycle"], "tok_s": round(v["tokens"] / v["wall_s"], 2)}
                     for k, v in (("unconstrained", refs[None]), ("constrained", refs["json"]))}  # fmt: skip
-    tree.set_mode("chain")  # scripted drafts are chains (grammar rows verify chains in any case)
-    BatchDecoder.draft = lambda decoder, last, rows: script.draft(decoder, last, rows)
     timings: Dict[str, List[Dict[str, Any]]] = {"unconstrained": [], "constrained": []}
-    for rep in range(args.reps + 1):  # the first round compiles the shapes: not counted
-        for name, key, fmt in (("unconstrained", None, None), ("constrained", "json", FORMAT)):
-            script.references = {tuple(p): p + refs[key]["outputs"][i] for i, p in enumerate(prompts)}
-            script.rng = random.Random(rep)
-            result = _run(engine, prompts, args.max_tokens, fmt)
-            assert result["outputs"] == refs[key]["outputs"], "scripted drafts changed the output"
-            if rep:
-                timings[name].append(result)
-    BatchDecoder.draft = script.real
-    tree.set_mode(None)
+    BatchDecoder.draft = lambda decoder, last, rows: script.draft(decoder, last, rows)
+    try:
+        with routing.modes(drafts="chain"):  # scripted drafts are chains (grammar rows verify chains in any case)
+            for rep in range(args.reps + 1):  # the first round compiles the shapes: not counted
+                for name, key, fmt in (("unconstrained", None, None), ("constrained", "json", FORMAT)):
+                    script.references = {tuple(p): p + refs[key]["outputs"][i] for i, p in enumerate(prompts)}
+                    script.rng = random.Random(rep)
+                    result = _run(engine, prompts, args.max_tokens, fmt)
+                    assert result["outputs"] == refs[key]["outputs"], "scripted drafts changed the output"
+                    if rep:
+                        timings[name].append(result)
+    finally:
+        BatchDecoder.draft = script.real
     outputs = [refs["json"]["outputs"][i] for i in range(len(prompts))]
     host_ms = None
     if args.pieces:

@@ -92,9 +92,17 @@ def chain_drafts():
     """Cycles verify chains, not draft trees (engine/tree.py; trees are the CPU's default): for
     tests that count what a chain's cycles commit, or whose drafts come from a zeroed head or
     norm (every token equally likely to the drafter: a tree over that branches at its first
-    position). Trees have their own: tests/test_tree.py."""
-    from dflash_batch.engine import tree
+    position)."""
+    from dflash_batch.engine import routing
 
-    tree.set_mode("chain")
-    yield
-    tree.set_mode(None)
+    with routing.modes(drafts="chain"):
+        yield
+
+
+@pytest.fixture
+def tree_drafts():
+    """Cycles verify draft trees whatever the backend's default (tests/test_tree.py)."""
+    from dflash_batch.engine import routing
+
+    with routing.modes(drafts="tree"):
+        yield

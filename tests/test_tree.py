@@ -22,13 +22,6 @@ from tests.test_batched import MAX_TOKENS, P_WRONG, PROMPTS_B, qwen3_b8, scripte
 PROMPT = [5, 17, 3, 88, 41, 9, 23, 60, 2, 71, 14]
 
 
-@pytest.fixture
-def tree_mode():
-    tree.set_mode("tree")
-    yield
-    tree.set_mode(None)
-
-
 def _candidates(rng: np.random.Generator, P: int, C: int):
     ids = np.arange(P * C).reshape(1, P, C)
     logprobs = -np.sort(rng.exponential(1.0, size=(1, P, C)), axis=-1)  # best first per position
@@ -191,7 +184,7 @@ def test_reorder_leaves_the_path_where_a_chain_would(tiny_pair):
 
 
 @pytest.mark.parametrize("batch_size", [1, 3])
-def test_tree_runs_equal_the_targets_greedy_output(qwen3_target, qwen3_b8, monkeypatch, tree_mode, batch_size):
+def test_tree_runs_equal_the_targets_greedy_output(qwen3_target, qwen3_b8, monkeypatch, tree_drafts, batch_size):
     """Scripted drafts (tests/scripting.py: a corrupted draft's true token is the second candidate,
     so a branch repairs it): every row equals mlx-lm's greedy output, budgets cut inside blocks,
     alone or batched, and trees commit more per cycle than chains on the same script."""
@@ -216,7 +209,7 @@ def test_tree_runs_equal_the_targets_greedy_output(qwen3_target, qwen3_b8, monke
     assert tree_tokens > 1.2 * sum(c.stats.accepted_tokens for c in chained)
 
 
-def test_a_row_of_a_tree_batch_runs_as_it_would_alone(qwen3_target, qwen3_b8, monkeypatch, tree_mode):
+def test_a_row_of_a_tree_batch_runs_as_it_would_alone(qwen3_target, qwen3_b8, monkeypatch, tree_drafts):
     engine, script, ids, refs = scripted_batch(qwen3_target, qwen3_b8, monkeypatch, PROMPTS_B, MAX_TOKENS,
                                                adaptive_block=False)
     batched = engine.generate_batch(ids, max_tokens=MAX_TOKENS, batch_size=4)
@@ -229,7 +222,7 @@ def test_a_row_of_a_tree_batch_runs_as_it_would_alone(qwen3_target, qwen3_b8, mo
         assert a.stats.acceptance_histogram == b.stats.acceptance_histogram, f"row {n}"
 
 
-def test_without_the_move_a_tree_run_goes_wrong(qwen3_target, qwen3_b8, monkeypatch, tree_mode):
+def test_without_the_move_a_tree_run_goes_wrong(qwen3_target, qwen3_b8, monkeypatch, tree_drafts):
     """Negative control: keep the nodes where the pass wrote them (no reorder) and output breaks."""
     engine, script, ids, refs = scripted_batch(qwen3_target, qwen3_b8, monkeypatch, PROMPTS_B, MAX_TOKENS,
                                                adaptive_block=False)
@@ -238,7 +231,7 @@ def test_without_the_move_a_tree_run_goes_wrong(qwen3_target, qwen3_b8, monkeypa
     assert [c.token_ids for c in batched] != refs
 
 
-def test_sampled_tree_runs_equal_plain_sampled_decoding(qwen3_target, qwen3_b8, monkeypatch, tree_mode):
+def test_sampled_tree_runs_equal_plain_sampled_decoding(qwen3_target, qwen3_b8, monkeypatch, tree_drafts):
     """A node's sample is the target's at that node's position (engine/decode.py: choose), so a
     seeded tree run writes what plain seeded decoding writes; another seed writes something else."""
     engine, script, ids, _ = scripted_batch(qwen3_target, qwen3_b8, monkeypatch, PROMPTS_B[:4], 40,
@@ -256,7 +249,7 @@ def test_sampled_tree_runs_equal_plain_sampled_decoding(qwen3_target, qwen3_b8, 
         assert plain.generate(i, max_tokens=40, temperature=0.9, seed=seed + 1).token_ids != ref
 
 
-def test_tree_runs_equal_the_targets_greedy_output_at_any_width_chosen(qwen3_target, qwen3_b8, monkeypatch, tree_mode):
+def test_tree_runs_equal_the_targets_greedy_output_at_any_width_chosen(qwen3_target, qwen3_b8, monkeypatch, tree_drafts):
     """The adaptive scheduler chooses a tree cycle's width after the drafts (Scheduler.tree_width,
     each row's tree its first L_b - 1 prefixes): output stays the target's own whatever width it
     picks, here a random one each cycle."""
@@ -277,7 +270,7 @@ def test_tree_runs_equal_the_targets_greedy_output_at_any_width_chosen(qwen3_tar
     assert len(set(picked)) >= 4, picked
 
 
-def test_adaptive_trees_learn_the_drafters_calibration(tiny_pair, monkeypatch, tree_mode):
+def test_adaptive_trees_learn_the_drafters_calibration(tiny_pair, monkeypatch, tree_drafts):
     """The adaptive engine's tree cycles feed its node calibration (engine/scheduler.py): the
     script's drafts are half wrong with the truth second (log q -0.2 and -1: 1.19 of probability
     at depth 1 for one node accepted), so c_1 falls below 1; where trees pay (a CPU-like cost
@@ -334,7 +327,7 @@ def test_a_compiled_tree_pass_equals_the_eager_one(tiny_pair, rows):
     assert target.passes.calls["compiled"] >= 2
 
 
-def test_tree_runs_with_compiled_passes_equal_the_targets_greedy_output(qwen3_target, qwen3_b8, monkeypatch, tree_mode):
+def test_tree_runs_with_compiled_passes_equal_the_targets_greedy_output(qwen3_target, qwen3_b8, monkeypatch, tree_drafts):
     """Scripted tree runs with compiled passes (engine/compiled.py): mlx-lm's greedy output, batch
     1 and 3, and the tree passes were replayed, not rebuilt each cycle."""
     with routing.modes(passes="compiled"):
@@ -349,7 +342,7 @@ def test_tree_runs_with_compiled_passes_equal_the_targets_greedy_output(qwen3_ta
         assert passes.calls["compiled"] > 3 * passes.traced, passes.calls
 
 
-def test_the_engine_says_what_its_drafting_cycles_verify(tiny_pair, tree_mode):
+def test_the_engine_says_what_its_drafting_cycles_verify(tiny_pair, tree_drafts):
     target, draft = tiny_pair
     assert load_engine(str(target), str(draft)).description["drafts"] == "tree"
     assert load_engine(str(target), None).description["drafts"] is None  # no drafter: no drafting cycles

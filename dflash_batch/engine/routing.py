@@ -4,8 +4,9 @@ mode chosen for an A/B run.
 
 The engine routes multi-row attention for every model of the same architecture in the process
 (``attention.install`` patches the model file) and the few-row products of the models it holds
-(``matmul.install``), and may replay its decoding passes from a trace (``compiled``). ``modes``
-sets any of these for a block (``attention=``, ``matmul=``, ``passes=``) and restores them after;
+(``matmul.install``), may replay its decoding passes from a trace (``compiled``) and verifies
+chains or draft trees (``tree``). ``modes`` sets any of these for a block (``attention=``,
+``matmul=``, ``passes=``, ``drafts=``) and restores them after;
 ``stock_ops`` sets attention and matmul to "stock".
 """
 
@@ -14,12 +15,12 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Iterator
 
-from . import attention, compiled, matmul
+from . import attention, compiled, matmul, tree
 
 
 @contextmanager
 def modes(**chosen: str) -> Iterator[None]:
-    """Set the modes named (``attention=...``, ``matmul=...``, ``passes=...``) for the block; restore after."""
+    """Set the modes named (``attention=...``, ``matmul=...``, ``passes=...``, ``drafts=...``) for the block; restore after."""
     saved = [(module, module.mode()) for module in (_MODULES[name] for name in chosen)]
     for (module, _), mode in zip(saved, chosen.values()):
         module.set_mode(mode)
@@ -35,6 +36,6 @@ def stock_ops():
     return modes(attention="stock", matmul="stock")
 
 
-_MODULES = {"attention": attention, "matmul": matmul, "passes": compiled}
+_MODULES = {"attention": attention, "matmul": matmul, "passes": compiled, "drafts": tree}
 
 __all__ = ["modes", "stock_ops"]
