@@ -10,7 +10,7 @@ import statistics
 
 import pytest
 
-from dflash_batch.engine.scheduler import (Acceptance, CostModel, NodeCalibration, Scheduler, expected_committed,
+from dflash_batch.engine.scheduler import (TRUSTED, Acceptance, CostModel, NodeCalibration, Scheduler, expected_committed,
                                            pooled_acceptance)
 
 # Pass costs in units of a plain pass at batch 1 (t0 = 1). CPU: the target's cost grows with
@@ -111,6 +111,33 @@ def test_one_slow_drafting_cycle_does_not_stop_drafting():
     cost.observe(1, 4, 1.8)
     cost.observe(1, 4, 1.9)
     assert cost.overhead(True) == pytest.approx(1.9 - cost.passes(1, 4))
+
+
+def test_a_width_dearer_than_modelled_is_costed_as_it_ran():
+    """Widths between the timed ones are read off a line, which a BLAS's quirks can make far too
+    cheap (the default pair on a 2-core CPU: T = 12 dearer than T = 16). Once a width has run
+    TRUSTED cycles at a batch size, its own cycles' excess costs it; before that, its kind's."""
+    cost = CostModel(t0=1.0, window=16)
+    cost.rows, cost.timed = 1, {1: 1.0, 4: 1.2, 16: 1.6}  # T = 12 read as 1.467 s
+    scheduler = Scheduler(BLOCK, cost)
+    row = scheduler.new_row()
+    for acceptance in (row, scheduler.job):  # p_k about 0.8 at every position
+        acceptance.seen, acceptance.kept = [1000.0] * (BLOCK - 1), [800.0] * (BLOCK - 1)
+    assert scheduler.width([row], [100]) == 12
+    for _ in range(TRUSTED - 1):
+        cost.observe(1, 12, 2.5)
+    assert scheduler.width([row], [100]) == 12  # not yet trusted: the drafting kind's median excess
+    assert cost.cycle(1, 12) == pytest.approx(cost.passes(1, 12) + cost.overhead(True))
+    cost.observe(1, 12, 2.5)
+    assert cost.cycle(1, 12) == pytest.approx(2.5)
+    assert cost.overhead(True) == 0.0  # a width read off the line does not make the others look dear
+    assert cost.cycle(1, 16) == pytest.approx(cost.passes(1, 16))
+    assert scheduler.width([row], [100]) != 12
+    for _ in range(TRUSTED):
+        cost.observe(1, 16, 1.7)  # a timed width's cycles: its kind's excess
+    assert cost.overhead(True) == pytest.approx(0.1)
+    assert cost.cycle(1, 8) == pytest.approx(cost.passes(1, 8) + 0.1)
+    assert cost.cycle(2, 12) == pytest.approx(cost.passes(2, 12) + cost.overhead(True))  # per batch size
 
 
 def test_a_job_starts_from_what_the_jobs_before_it_learnt():

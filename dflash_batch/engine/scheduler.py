@@ -149,7 +149,13 @@ class CostModel:
     (measured at warm-up), plus what a cycle costs beyond its passes (host work, scatter, sync),
     learnt from the cycles the engine times: the median excess of the last ``window`` cycles of
     each kind (plain, drafting), so that a cycle slowed by a one-off compilation does not steer
-    the rest."""
+    the rest; and, once a width has run TRUSTED cycles at a batch size, the median excess of
+    that width's own. Widths read between timed ones can be far off: on a 2-core CPU (OpenBLAS)
+    the default pair's pass at T = 12 cost more than at T = 16, where the line through the timed
+    T = 4 and 16 put it below, so the scheduler kept choosing 12. A width that costs more than
+    modelled is chosen, runs and is then costed as it ran. Its cycles do not count in its kind's
+    excess (where widths have been timed, only theirs do): that would make the widths not yet
+    run look dear, and they would never run to show otherwise."""
 
     t0: float = 1.0
     t1: float = 0.0
@@ -158,6 +164,7 @@ class CostModel:
     t2: float = 0.0
     window: int = 16  # cycles per kind in the running median (0: the passes alone)
     excess: Dict[bool, List[float]] = field(default_factory=lambda: {False: [], True: []})
+    width_excess: Dict[Tuple[int, int], List[float]] = field(default_factory=dict)  # (B, T) -> the last cycles' excess
     context: Optional[int] = None  # tokens per row the passes were timed at (None: any)
     route: Optional[str] = None  # the ragged attention route chosen with them (engine/attention.py)
     rows: int = 0  # the batch size of ``timed`` (0: none timed)
@@ -188,13 +195,17 @@ class CostModel:
         return seen[len(seen) // 2]
 
     def cycle(self, B: int, T: int) -> float:
-        return max(self.passes(B, T) + self.overhead(T > 1), 1e-9)
+        own = self.width_excess.get((B, T), ())
+        excess = sorted(own)[len(own) // 2] if len(own) >= TRUSTED else self.overhead(T > 1)
+        return max(self.passes(B, T) + excess, 1e-9)
 
     def observe(self, B: int, T: int, seconds: float) -> None:
         if self.window:
-            seen = self.excess[T > 1]
-            seen.append(seconds - self.passes(B, T))
-            del seen[: -self.window]
+            excess = seconds - self.passes(B, T)
+            kinds = [self.excess[T > 1]] if T in self.timed or not self.timed else []
+            for seen in kinds + [self.width_excess.setdefault((B, T), [])]:
+                seen.append(excess)
+                del seen[: -self.window]
 
     @classmethod
     def fit(cls, target_times: Dict[Tuple[int, int], float], draft_times: Dict[int, float]) -> "CostModel":
