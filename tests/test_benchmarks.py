@@ -362,3 +362,20 @@ def test_anchor_bias_chains_the_objective_as_decoding_moves(zero_head_target, mo
     assert result["real_tokens_per_cycle"] == result["chained_tokens_per_cycle"] == round(tau, 3)
     assert result["real_cycles"] == result["chained_cycles"] > 0
     assert result["uniform_anchor_tokens_per_cycle"] == 8.0
+
+
+def test_cycle_pieces_counts_each_cycles_passes_once(zero_head_target, model_dir, tmp_path, chain_drafts):
+    """benchmarks/cycle_pieces.py: one verify pass per cycle and at most one draft, none from the
+    warm-up's timed passes (a first version counted those and its pieces summed past the cycle)."""
+    from benchmarks import cycle_pieces
+
+    draft, samples, _ = _zero_head_job(zero_head_target, model_dir, tmp_path, 1)
+    # a second prompt of another context bucket: the engine warms up again inside the timed run
+    samples.write_text(samples.read_text() + json.dumps({"id": "long", "kind": "test", "prompt": list(range(5, 205))}) + "\n")
+    out = tmp_path / "pieces.json"
+    result = cycle_pieces.main(["--target", str(zero_head_target), "--draft", str(draft), "--samples", str(samples),
+                                "--prompts", "2", "--max-tokens", "30", "--out", str(out)])  # fmt: skip
+    assert json.loads(out.read_text()) == result
+    passes = sum(n for n, _ in result["verify_ms_per_pass"].values())
+    assert result["cycles"] > 0 and passes == result["cycles"]
+    assert result["ms_per_cycle"]["rest"] >= 0 and result["step_ms"] > 0
