@@ -67,6 +67,20 @@ def test_the_drafters_acceptance_carries_from_job_to_job(zero_head_target, model
     assert engine._scheduler(1).job is engine.acceptance
 
 
+def test_what_widths_cost_carries_across_warm_ups(zero_head_target, model_dir):
+    """A width's learnt cost (``CostModel.width_excess``: a BLAS's quirk at 12 rows, say) is the
+    shape's, not the context's: a job at another context, which warms the engine up again,
+    keeps it."""
+    draft = make_drafter(model_dir, "draft-b8", synthetic.tiny_qwen3_config(), block_size=8)
+    engine = load_engine(str(zero_head_target), str(draft))
+    short = engine._scheduler(1, [engine.request([5, 6, 7, 8], max_tokens=8)]).cost
+    for _ in range(3):
+        short.observe(1, 6, short.passes(1, 6) + 1.0)
+    long = engine._scheduler(1, [engine.request([5 + i % 500 for i in range(600)], max_tokens=400)]).cost
+    assert long is not short and long.context != short.context  # warmed up again
+    assert long.cycle(1, 6) == pytest.approx(long.passes(1, 6) + 1.0)
+
+
 def test_eos_inside_accepted_block_cuts_there(full_accept):
     engine = full_accept
     eos = set(engine.tokenizer.eos_token_ids)

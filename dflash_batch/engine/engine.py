@@ -392,8 +392,11 @@ class Engine:
         context). On a GPU it also picks the faster attention for ragged batches. A job's first
         use of a batch size (and of a context of another power of two) does this by itself; call
         it ahead to keep it out of a job's first items."""
-        self.cost[batch_size] = warmup.measure_costs(self, batch_size, context)
-        return self.cost[batch_size]
+        cost, earlier = warmup.measure_costs(self, batch_size, context), self.cost.get(batch_size)
+        if earlier is not None:  # what widths cost beyond their model follows their shapes, not the context
+            cost.width_excess = earlier.width_excess
+        self.cost[batch_size] = cost
+        return cost
 
 
 def _drafts(drafter, target) -> Optional[str]:

@@ -155,7 +155,8 @@ class CostModel:
     T = 4 and 16 put it below, so the scheduler kept choosing 12. A width that costs more than
     modelled is chosen, runs and is then costed as it ran. Its cycles do not count in its kind's
     excess (where widths have been timed, only theirs do): that would make the widths not yet
-    run look dear, and they would never run to show otherwise."""
+    run look dear, and they would never run to show otherwise. A warm-up at another context
+    keeps what the widths learnt (``Engine.warm_up``)."""
 
     t0: float = 1.0
     t1: float = 0.0
