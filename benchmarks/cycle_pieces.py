@@ -44,10 +44,6 @@ from .cycle_host import patched
 from .default_pair import command_line, held_out_prompts, run_engine, run_mlx_lm, write_result
 
 
-def _cache_arrays(cache) -> list:
-    return [a for layer in cache for a in (layer.keys, layer.values) if a is not None]
-
-
 def instrument(seconds: Dict[str, List[float]]) -> ExitStack:
     """Time each piece of a cycle to its end (an eval after it), and every cycle whole; passes
     outside cycles (warm-up, prefill) are not counted."""
@@ -76,7 +72,7 @@ def instrument(seconds: Dict[str, List[float]]) -> ExitStack:
     timed(decode, "draft_candidates", "draft", evaluated)
     timed(decode, "draft_block", "draft", evaluated)
     timed(target_module.Target, "decode_pass", lambda args: f"verify T={args[1].shape[1]}", evaluated)
-    timed(target_module.Target, "reorder", "move", lambda out, args: mx.eval(_cache_arrays(args[1])))
+    timed(target_module.Target, "reorder", "move", lambda out, args: mx.eval([c.arrays() for c in args[1]]))
     timed(BatchDecoder, "run", "cycle", lambda out, args: None)
     return stack
 

@@ -188,16 +188,16 @@ class CostModel:
         """The median excess of this kind; until a kind has TRUSTED cycles, the plain kind's (a
         job that drafts rarely must not let one slow drafting cycle, such as the first of a
         process, keep it from drafting)."""
-        seen = sorted(self.excess[drafting])
+        seen = self.excess[drafting]
         if len(seen) < TRUSTED:
-            seen = sorted(self.excess[False]) if drafting else seen
+            seen = self.excess[False] if drafting else seen
             if len(seen) < TRUSTED:
                 return 0.0
-        return seen[len(seen) // 2]
+        return _median(seen)
 
     def cycle(self, B: int, T: int) -> float:
         own = self.width_excess.get((B, T), ())
-        excess = sorted(own)[len(own) // 2] if len(own) >= TRUSTED else self.overhead(T > 1)
+        excess = _median(own) if len(own) >= TRUSTED else self.overhead(T > 1)
         return max(self.passes(B, T) + excess, 1e-9)
 
     def observe(self, B: int, T: int, seconds: float) -> None:
@@ -215,6 +215,11 @@ class CostModel:
         t0, t1, t2 = _fit([((1.0, B * T, B), s) for (B, T), s in target_times.items()])
         d0, d1 = _fit([((1.0, B), s) for B, s in draft_times.items()]) if draft_times else (0.0, 0.0)
         return cls(t0=max(t0, 1e-9), t1=t1, d0=d0, d1=d1, t2=t2)
+
+
+def _median(values: Sequence[float]) -> float:
+    """The upper median (the middle of an odd count)."""
+    return sorted(values)[len(values) // 2]
 
 
 def _interpolate(points: Dict[int, float], x: int) -> float:
