@@ -26,6 +26,10 @@ The target's attention layers reach the op through ``install``: mlx-lm model fil
 points that name, in the model's own modules, at ``target_sdpa``, which falls back to the
 original for everything it does not route (one row, array masks, quantized caches, sinks).
 The drafter calls ``drafter_attention`` directly.
+
+On a Linux CPU what is not routed runs MLX's own composed attention with the softmax of
+``kernels/cpu.py`` (``kernels.cpu.sdpa``: the same values, a tenth of the softmax's time) for
+the engine's passes (``RaggedKVCache``) and the drafter's.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from mlx_lm.models.base import create_causal_mask
 from . import modes
 from .batch_cache import RaggedKVCache
 from .kernels import attention as block
+from .kernels import cpu
 
 MODES = ("stock", "kernel", "reference")
 RAGGED_ROUTES = ("block", "sdpa")
@@ -131,7 +136,16 @@ def target_sdpa(queries, keys, values, cache, scale: float, mask, sinks=None) ->
         if impl is not None:
             return _block_attention(impl, queries, keys, values, scale, causal=mask is not None, window=None)
     _counts["stock"] += 1
+    if isinstance(cache, RaggedKVCache) and sinks is None and cpu.active():
+        return cpu.sdpa(queries, keys, values, scale, mask)
     return _stock_sdpa(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+
+
+def _sdpa(q: mx.array, k: mx.array, v: mx.array, scale: float, mask) -> mx.array:
+    """MLX's SDPA, with the CPU ops' softmax where they are active (the same values)."""
+    if cpu.active():
+        return cpu.sdpa(q, k, v, scale, mask)
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
 
 
 def drafter_attention(
@@ -153,7 +167,7 @@ def drafter_attention(
             return _block_attention(impl, q, keys, values, scale, causal=causal, window=window, kv_len=kv_len)
         _counts["stock"] += 1
         mask = _ragged_mask(kv_len, q.shape[2], keys.shape[2], causal, window)
-        return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
+        return _sdpa(q, keys, values, scale, mask)
     impl = _route(q, keys, values)
     if impl is not None:
         return _block_attention(impl, q, keys, values, scale, causal=window is not None, window=window)
@@ -162,7 +176,7 @@ def drafter_attention(
     if window is not None:
         L = q.shape[2]
         mask = create_causal_mask(L, offset=keys.shape[2] - L, window_size=window)
-    return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
+    return _sdpa(q, keys, values, scale, mask)
 
 
 def _ragged_mask(kv_len: mx.array, L: int, width: int, causal: bool, window: Optional[int]) -> mx.array:

@@ -26,6 +26,7 @@ from typing import List, Optional, Sequence, Tuple
 import mlx.core as mx
 
 from .batch_cache import Lengths
+from .kernels import cpu
 from .target import Target
 
 
@@ -143,7 +144,7 @@ def draft_candidates(
     a draft tree is grown from (engine/tree.py). One drafter pass, as ``draft_block``."""
     h = _drafted_hidden(drafter, target, last, context, counts, cache, rows)
     logits = (head.logits(h) if head is not None else target.lm_head(h)).astype(mx.float32)
-    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    logprobs = logits - (cpu.logsumexp(logits) if cpu.active() else mx.logsumexp(logits, axis=-1, keepdims=True))
     count = min(count, logits.shape[-1])
     top = mx.argpartition(-logprobs, kth=count - 1, axis=-1)[..., :count]
     values = mx.take_along_axis(logprobs, top, axis=-1)

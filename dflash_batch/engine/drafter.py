@@ -22,6 +22,7 @@ from mlx_lm.models.rope_utils import initialize_rope
 from . import compiled
 from .attention import drafter_attention
 from .batch_cache import Lengths, RaggedKVCache
+from .kernels import cpu
 
 REQUIRED_KEYS = (
     "hidden_size",
@@ -200,7 +201,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(hidden, dim, bias=False)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(cpu.swiglu(gate, up) if cpu.active() else nn.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):

@@ -18,7 +18,7 @@ from ..completion import (
     Piece,
     PromptTooLongError,
 )
-from . import attention, decode, loading, matmul, memory, prefill, registry, tree, warmup
+from . import activations, attention, decode, loading, matmul, memory, prefill, registry, tree, warmup
 from .. import checks, constraints
 from ..request import CONTROLS, SamplingControls, sample_seed
 from .batch import BatchDecoder, Request
@@ -60,6 +60,7 @@ class Engine:
         self.target = Target(model)
         attention.install(model)  # verify passes: multi-row attention routed per backend
         matmul.install(model)  # and few-row products (engine/matmul.py)
+        activations.install(model)  # SwiGLU by the CPU ops where they run (engine/activations.py)
         self.config = config or {}
         self.prefill_chunk = prefill_chunk
         if prefill_tokens < 1:

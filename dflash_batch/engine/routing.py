@@ -6,8 +6,8 @@ The engine routes multi-row attention for every model of the same architecture i
 (``attention.install`` patches the model file) and the few-row products of the models it holds
 (``matmul.install``), may replay its decoding passes from a trace (``compiled``) and verifies
 chains or draft trees (``tree``). ``modes`` sets any of these for a block (``attention=``,
-``matmul=``, ``passes=``, ``drafts=``) and restores them after;
-``stock_ops`` sets attention and matmul to "stock".
+``matmul=``, ``passes=``, ``drafts=``, ``cpu_ops=``) and restores them after;
+``stock_ops`` sets attention and matmul to "stock" and the CPU ops to MLX's own.
 """
 
 from __future__ import annotations
@@ -16,11 +16,13 @@ from contextlib import contextmanager
 from typing import Iterator
 
 from . import attention, compiled, matmul, tree
+from .kernels import cpu
 
 
 @contextmanager
 def modes(**chosen: str) -> Iterator[None]:
-    """Set the modes named (``attention=...``, ``matmul=...``, ``passes=...``, ``drafts=...``) for the block; restore after."""
+    """Set the modes named (``attention=...``, ``matmul=...``, ``passes=...``, ``drafts=...``,
+    ``cpu_ops=...``) for the block; restore after."""
     saved = [(module, module.mode()) for module in (_MODULES[name] for name in chosen)]
     for (module, _), mode in zip(saved, chosen.values()):
         module.set_mode(mode)
@@ -32,10 +34,10 @@ def modes(**chosen: str) -> Iterator[None]:
 
 
 def stock_ops():
-    """MLX's own attention and matmul for the block."""
-    return modes(attention="stock", matmul="stock")
+    """MLX's own attention, matmul and CPU ops for the block."""
+    return modes(attention="stock", matmul="stock", cpu_ops="mlx")
 
 
-_MODULES = {"attention": attention, "matmul": matmul, "passes": compiled, "drafts": tree}
+_MODULES = {"attention": attention, "matmul": matmul, "passes": compiled, "drafts": tree, "cpu_ops": cpu}
 
 __all__ = ["modes", "stock_ops"]

@@ -1,0 +1,43 @@
+"""Which SwiGLU the target's MLPs run: mlx-lm's, or the CPU ops' (``kernels/cpu.py``: the same
+values, a thirtieth of the time on a Linux CPU).
+
+mlx-lm model files (llama, qwen2, qwen3, ...) call ``swiglu`` imported by name from
+``mlx_lm.models.activations``; ``install`` points that name, in the model's own modules, at
+``routed_swiglu``, which runs mlx-lm's own wherever the CPU ops are not active (a GPU, macOS,
+``routing.stock_ops()``).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import List
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models import activations as mlx_lm_activations
+
+from .kernels import cpu
+
+_stock_swiglu = mlx_lm_activations.swiglu
+
+
+def routed_swiglu(gate: mx.array, x: mx.array) -> mx.array:
+    """Drop-in for ``mlx_lm.models.activations.swiglu``."""
+    if cpu.active():
+        return cpu.swiglu(gate, x)
+    return _stock_swiglu(gate, x)
+
+
+def install(model: nn.Module) -> List[str]:
+    """Point the MLPs of an mlx-lm model at ``routed_swiglu``; returns the modules patched (none
+    when already installed)."""
+    patched = []
+    for _, module in model.named_modules():
+        owner = sys.modules.get(type(module).__module__)
+        if owner is not None and getattr(owner, "swiglu", None) is _stock_swiglu:
+            owner.swiglu = routed_swiglu
+            patched.append(owner.__name__)
+    return patched
+
+
+__all__ = ["install", "routed_swiglu"]
