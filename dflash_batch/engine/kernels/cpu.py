@@ -50,24 +50,24 @@ MODES = ("native", "mlx")
 _switch = modes.Switch("cpu ops", ENV, MODES, cuda="mlx", elsewhere="native")
 default_mode = _switch.default
 mode = _switch.mode
-_active: Optional[bool] = None
+_active: Dict[object, bool] = {}  # per default device type, for the mode in force
 _module = None  # the built extension, once loaded
 _failure: Optional[str] = None  # why it could not be built or loaded
 
 
 def set_mode(chosen: Optional[str]) -> None:
     """Choose the mode for the whole process; None returns to the default."""
-    global _active
     _switch.set(chosen)
-    _active = None
+    _active.clear()
 
 
 def active() -> bool:
-    """Whether the engine's CPU passes use these ops (resolved once per mode)."""
-    global _active
-    if _active is None:
-        _active = mode() == "native" and mx.default_device() == mx.cpu and sys.platform.startswith("linux")
-    return _active
+    """Whether the engine's passes use these ops: "native" mode, the default device the CPU, on
+    Linux (resolved once per mode and device type: asked on every op of a pass)."""
+    device = mx.default_device().type
+    if device not in _active:
+        _active[device] = mode() == "native" and device == mx.cpu and sys.platform.startswith("linux")
+    return _active[device]
 
 
 # -- build -----------------------------------------------------------------------------------------
