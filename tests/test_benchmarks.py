@@ -379,3 +379,20 @@ def test_cycle_pieces_counts_each_cycles_passes_once(zero_head_target, model_dir
     passes = sum(n for n, _ in result["verify_ms_per_pass"].values())
     assert result["cycles"] > 0 and passes == result["cycles"]
     assert result["ms_per_cycle"]["rest"] >= 0 and result["step_ms"] > 0
+
+
+def test_cpu_ops_benchmark_times_both_arms_of_every_measure(qwen3_target, tmp_path):
+    """benchmarks/cpu_ops.py: every measure has both arms, and the ops' outputs are MLX's."""
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("the CPU ops are built for Linux")
+    from benchmarks import cpu_ops
+
+    out = tmp_path / "cpu-ops.json"
+    result = cpu_ops.main(["--target", str(qwen3_target), "--context", "40", "--widths", "1,4", "--prefill", "48",
+                           "--reps", "1", "--out", str(out)])
+    assert json.loads(out.read_text())["command"].startswith("python -m benchmarks.cpu_ops")
+    arms = list(result["ops"].values()) + list(result["verify"].values())
+    assert len(arms) == 5 and all(a["identical"] and a["native_ms"] > 0 and a["mlx_ms"] > 0 for a in arms)
+    assert result["prefill"]["tokens"] == 48 and min(result["prefill"][k] for k in ("native_s", "mlx_s", "mlx_lm_s")) > 0
