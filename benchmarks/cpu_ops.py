@@ -8,8 +8,9 @@ Three measures, each the median of ``--reps`` runs after a warm-up, the two arms
             16 rows x 1,536
   verify    one verify pass of the default pair's target at batch 1, rows holding ``--context``
             tokens, per width T, with the ops and with ``DFLASH_BATCH_CPU_OPS=mlx``'s
-  prefill   the engine's prefill of a ``--prefill``-token prompt with and without the ops, and
-            ``mlx_lm.stream_generate``'s (its prompt_tps) on the same tokens
+  prefill   the engine's prefill of a ``--prefill``-token prompt with and without the ops (in
+            its own chunks, or ``--prefill-chunk``), and ``mlx_lm.stream_generate``'s (its
+            prompt_tps) on the same tokens
 
 and whether each pair of outputs is identical (the ops are MLX's, bit for bit).
 """
@@ -62,6 +63,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--context", type=int, default=300, help="tokens the rows hold")
     ap.add_argument("--widths", default="1,4,8,16")
     ap.add_argument("--prefill", type=int, default=2048, help="prompt tokens of the prefill measure (0: skip)")
+    ap.add_argument("--prefill-chunk", type=int, help="the engine's prefill chunk (default: its own, 512 on a CPU)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", help="write the result here (JSON)")
     args = ap.parse_args(argv)
@@ -85,7 +87,7 @@ def main(argv=None) -> dict:
         from dflash_batch.engine.default_model import ensure_default_pair
 
         folder = ensure_default_pair()[0]
-    engine = load_engine(folder, draft=None)
+    engine = load_engine(folder, draft=None, prefill_chunk=args.prefill_chunk)
     target = engine.target
     lengths = Lengths([0])
     cache = target.make_cache(lengths, args.context + 64)
@@ -106,7 +108,7 @@ def main(argv=None) -> dict:
         model, tokenizer, _ = loading.load_target(folder, None, _pick_dtype("auto"))
         with routing.stock_ops():
             lm = [args.prefill / r.prompt_tps for _ in range(2) for r in stream_generate(model, tokenizer, prompt, max_tokens=1)]
-        result["prefill"] = {"tokens": args.prefill, "native_s": round(min(seconds["native"]), 3),
+        result["prefill"] = {"tokens": args.prefill, "chunk": engine.prefill_chunk, "native_s": round(min(seconds["native"]), 3),
                              "mlx_s": round(min(seconds["mlx"]), 3), "mlx_lm_s": round(min(lm), 3)}
     result["command"] = command_line("cpu_ops", argv)
     write_result(result, args.out)

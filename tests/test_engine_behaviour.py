@@ -313,3 +313,18 @@ def test_target_lm_head_is_the_models_own_untied_head(tmp_path, kind):
     logits, hidden = target(mx.array([[5, 9, 100, 7]]), target.make_cache(Lengths([0])))
     assert mx.allclose(target.lm_head(inner.norm(hidden)), logits, atol=1e-5).item()
     assert not mx.allclose(target.embed_tokens.as_linear(inner.norm(hidden)), logits, atol=1e-3).item()
+
+
+def test_prefill_sizes_default_by_backend_and_refuse_zero(tiny_pair):
+    """A CPU prefills in chunks of 512 tokens and packed passes of at most 4,096 (a GPU: 2,048 and
+    8,192; engine/memory.py: default_prefill); explicit sizes are kept; a chunk of 0 is refused."""
+    from dflash_batch.engine import memory
+
+    engine = load_engine(str(tiny_pair[0]), draft=None)
+    assert (engine.prefill_chunk, engine.prefill_tokens) == memory.default_prefill()
+    if mx.default_device() == mx.cpu:
+        assert memory.default_prefill() == (512, 4096)
+    engine = load_engine(str(tiny_pair[0]), draft=None, prefill_chunk=64, prefill_tokens=96)
+    assert (engine.prefill_chunk, engine.prefill_tokens) == (64, 96)
+    with pytest.raises(ValueError, match="prefill_chunk"):
+        load_engine(str(tiny_pair[0]), draft=None, prefill_chunk=0)

@@ -46,11 +46,11 @@ class Engine:
         config: Optional[dict] = None,
         block_size: Optional[int] = None,
         adaptive_block: Optional[bool] = None,
-        prefill_chunk: int = 2048,
+        prefill_chunk: Optional[int] = None,
         max_context: Optional[int] = None,
         batch_size: Optional[int] = None,
         description: Optional[dict] = None,
-        prefill_tokens: int = 8192,
+        prefill_tokens: Optional[int] = None,
         prefill_rows: Optional[int] = None,
         prefix_cache_mb: Optional[float] = None,
         prefix_granularity: int = 64,
@@ -62,7 +62,11 @@ class Engine:
         matmul.install(model)  # and few-row products (engine/matmul.py)
         activations.install(model)  # SwiGLU by the CPU ops where they run (engine/activations.py)
         self.config = config or {}
-        self.prefill_chunk = prefill_chunk
+        chunk, tokens = memory.default_prefill()
+        self.prefill_chunk = chunk if prefill_chunk is None else prefill_chunk
+        prefill_tokens = tokens if prefill_tokens is None else prefill_tokens
+        if self.prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be at least 1, got {self.prefill_chunk}")
         if prefill_tokens < 1:
             raise ValueError(f"prefill_tokens must be at least 1, got {prefill_tokens}")
         self.prefill_tokens = prefill_tokens  # tokens per packed prefill pass (rows x width), at most
@@ -473,10 +477,10 @@ def load_engine(
     dtype: Optional[str] = "auto",
     block_size: Optional[int] = None,
     adaptive_block: Optional[bool] = None,
-    prefill_chunk: int = 2048,
+    prefill_chunk: Optional[int] = None,
     max_context: Optional[int] = None,
     batch_size: Optional[int] = None,
-    prefill_tokens: int = 8192,
+    prefill_tokens: Optional[int] = None,
     prefill_rows: Optional[int] = None,
     prefix_cache_mb: Optional[float] = None,
     prefix_granularity: int = 64,
@@ -493,8 +497,10 @@ def load_engine(
         adaptive_block: choose each cycle's verify width from measured pass costs and each
             row's acceptance, down to plain decoding (default on); False: the whole block.
         prefill_chunk: prompt tokens per prefill pass of one prompt (and per engine step and
-            free slot for joining prompts).
-        prefill_tokens: most tokens in one packed prefill pass (joining prompts x tokens each).
+            free slot for joining prompts); default 512 on a CPU, 2048 on a GPU
+            (``memory.default_prefill``).
+        prefill_tokens: most tokens in one packed prefill pass (joining prompts x tokens each);
+            default 4096 on a CPU, 8192 on a GPU.
         prefill_rows: most prompts prefilled together (None: as many as there are free slots;
             1: one prompt per pass, as before packing).
         prefix_cache_mb: memory for prompt prefixes prefilled once and reused by the prompts
