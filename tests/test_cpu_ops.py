@@ -276,3 +276,17 @@ def test_gradients_through_the_ops_are_mlxs(ext):
         got = mx.grad(lambda a, b: (ours(a, b) * w).sum(), argnums=(0, 1))(x, u)
         want = mx.grad(lambda a, b: (theirs(a, b) * w).sum(), argnums=(0, 1))(x, u)
         assert all(identical(g, h) for g, h in zip(got, want))
+
+
+def test_the_engine_says_which_ops_it_runs(tiny_pair):
+    """Engine.description["cpu_ops"]: "native" on this Linux CPU (loaded with the engine), "mlx"
+    when turned off, and why where they cannot be had."""
+    assert load_engine(*map(str, tiny_pair)).description["cpu_ops"] == ("native" if mx.default_device() == mx.cpu else None)
+    with routing.modes(cpu_ops="mlx"):
+        assert load_engine(*map(str, tiny_pair)).description["cpu_ops"] == "mlx"
+
+
+def test_an_engine_that_cannot_have_the_ops_says_why(tiny_pair, monkeypatch):
+    monkeypatch.setattr(cpu, "_module", None)
+    monkeypatch.setattr(cpu, "_failure", "no C++ compiler (g++, c++ or clang++; or set CXX)")
+    assert load_engine(*map(str, tiny_pair)).description["cpu_ops"] == "mlx (no C++ compiler (g++, c++ or clang++; or set CXX))"
