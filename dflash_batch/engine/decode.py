@@ -144,7 +144,7 @@ def draft_candidates(
     a draft tree is grown from (engine/tree.py). One drafter pass, as ``draft_block``."""
     h = _drafted_hidden(drafter, target, last, context, counts, cache, rows)
     logits = (head.logits(h) if head is not None else target.lm_head(h)).astype(mx.float32)
-    logprobs = logits - (cpu.logsumexp(logits) if cpu.active() else mx.logsumexp(logits, axis=-1, keepdims=True))
+    logprobs = logits - cpu.logsumexp(logits)
     count = min(count, logits.shape[-1])
     top = mx.argpartition(-logprobs, kth=count - 1, axis=-1)[..., :count]
     values = mx.take_along_axis(logprobs, top, axis=-1)

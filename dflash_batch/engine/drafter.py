@@ -201,8 +201,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(hidden, dim, bias=False)
 
     def __call__(self, x: mx.array) -> mx.array:
-        gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(cpu.swiglu(gate, up) if cpu.active() else nn.silu(gate) * up)
+        return self.down_proj(cpu.swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
