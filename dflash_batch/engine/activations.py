@@ -9,13 +9,13 @@ mlx-lm model files (llama, qwen2, qwen3, ...) call ``swiglu`` imported by name f
 
 from __future__ import annotations
 
-import sys
 from typing import List
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import activations as mlx_lm_activations
 
+from . import modes
 from .kernels import cpu
 
 _stock_swiglu = mlx_lm_activations.swiglu
@@ -31,13 +31,7 @@ def routed_swiglu(gate: mx.array, x: mx.array) -> mx.array:
 def install(model: nn.Module) -> List[str]:
     """Point the MLPs of an mlx-lm model at ``routed_swiglu``; returns the modules patched (none
     when already installed)."""
-    patched = []
-    for _, module in model.named_modules():
-        owner = sys.modules.get(type(module).__module__)
-        if owner is not None and getattr(owner, "swiglu", None) is _stock_swiglu:
-            owner.swiglu = routed_swiglu
-            patched.append(owner.__name__)
-    return patched
+    return modes.repoint(model, "swiglu", _stock_swiglu, routed_swiglu)
 
 
 __all__ = ["install", "routed_swiglu"]

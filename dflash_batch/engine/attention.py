@@ -34,7 +34,6 @@ the engine's passes (``RaggedKVCache``) and the drafter's.
 
 from __future__ import annotations
 
-import sys
 from typing import Dict, List, Optional
 
 import mlx.core as mx
@@ -196,10 +195,4 @@ def _ragged_mask(kv_len: mx.array, L: int, width: int, causal: bool, window: Opt
 def install(model: nn.Module) -> List[str]:
     """Point the attention layers of an mlx-lm model at ``target_sdpa``; returns the modules
     patched (none when already installed). Harmless in "stock" mode: the same SDPA runs."""
-    patched = []
-    for _, module in model.named_modules():
-        owner = sys.modules.get(type(module).__module__)
-        if owner is not None and getattr(owner, "scaled_dot_product_attention", None) is _stock_sdpa:
-            owner.scaled_dot_product_attention = target_sdpa
-            patched.append(owner.__name__)
-    return patched
+    return modes.repoint(model, "scaled_dot_product_attention", _stock_sdpa, target_sdpa)

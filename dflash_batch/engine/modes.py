@@ -1,11 +1,13 @@
 """A routing choice for the whole process, one per module that routes (attention, few-row
 products, compiled passes): set in code (``set``), else the module's environment variable, else a
-default by backend (CUDA or anything else). ``engine/routing.py`` sets them for a block of code."""
+default by backend (CUDA or anything else). ``engine/routing.py`` sets them for a block of code.
+``repoint`` is how a module reaches the functions mlx-lm model files import by name."""
 
 from __future__ import annotations
 
 import os
-from typing import Optional, Sequence
+import sys
+from typing import Callable, List, Optional, Sequence
 
 from .kernels import attention as block
 
@@ -33,4 +35,17 @@ class Switch:
         return self.chosen or self.default()
 
 
-__all__ = ["Switch"]
+def repoint(model, name: str, stock: Callable, routed: Callable) -> List[str]:
+    """Point ``name`` (a function mlx-lm model files import by name, such as
+    ``scaled_dot_product_attention``) at ``routed`` in the module file of each of ``model``'s
+    modules where it is ``stock``; returns the module files changed (none when already done)."""
+    patched = []
+    for _, module in model.named_modules():
+        owner = sys.modules.get(type(module).__module__)
+        if owner is not None and getattr(owner, name, None) is stock:
+            setattr(owner, name, routed)
+            patched.append(owner.__name__)
+    return patched
+
+
+__all__ = ["Switch", "repoint"]
