@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
@@ -97,7 +96,7 @@ class Engine:
         self.shapes_seen: set = set()  # (rows, width, key bucket) of the cycles run so far
         self.description = dict(description or {}, block_size=self.block_size, adaptive_block=self.adaptive_block,
                                 draft_vocab=None if self.draft_head is None else len(self.draft_head),
-                                drafts=_drafts(self.drafter, self.target), cpu_ops=_cpu_ops())
+                                drafts=_drafts(self.drafter, self.target), cpu_ops=cpu.in_force())
         self._grammars = None  # engine/grammar.py, built when a request first has a grammar
         # True: constrained rows pick their drafts under their grammar (Grammars.draft). Off by default:
         # on the default pair it raised tokens per cycle but cost more per cycle (docs/sampling.md).
@@ -412,17 +411,6 @@ def _drafts(drafter, target) -> Optional[str]:
     if drafter is None:
         return None
     return tree.mode() if target.trees else "chain"
-
-
-def _cpu_ops() -> Optional[str]:
-    """The CPU ops in force (engine/kernels/cpu.py), loaded now (built the first time on this
-    machine) rather than inside a job: "native"; "mlx" where turned off; "mlx (why)" where they
-    cannot be had; None where they do not apply (a GPU, macOS)."""
-    if mx.default_device() != mx.cpu or not sys.platform.startswith("linux"):
-        return None
-    if not cpu.active():
-        return "mlx"
-    return "native" if cpu.load() is not None else f"mlx ({cpu.failure()})"
 
 
 def _typical_context(requests: Sequence[Request]) -> int:

@@ -61,13 +61,29 @@ def set_mode(chosen: Optional[str]) -> None:
     _active.clear()
 
 
+def _applies(device) -> bool:
+    """Whether these ops apply to a default device of this type: the CPU, on Linux."""
+    return device == mx.cpu and sys.platform.startswith("linux")
+
+
 def active() -> bool:
-    """Whether the engine's passes use these ops: "native" mode, the default device the CPU, on
-    Linux (resolved once per mode and device type: asked on every op of a pass)."""
+    """Whether the engine's passes use these ops: "native" mode where they apply (resolved once
+    per mode and device type: asked on every op of a pass)."""
     device = mx.default_device().type
     if device not in _active:
-        _active[device] = mode() == "native" and device == mx.cpu and sys.platform.startswith("linux")
+        _active[device] = mode() == "native" and _applies(device)
     return _active[device]
+
+
+def in_force() -> Optional[str]:
+    """The ops in force, loaded now (built the first time on this machine) rather than inside a
+    job: "native"; "mlx" where turned off; "mlx (why)" where they cannot be had; None where they
+    do not apply (a GPU, macOS)."""
+    if not _applies(mx.default_device().type):
+        return None
+    if not active():
+        return "mlx"
+    return "native" if load() is not None else f"mlx ({failure()})"
 
 
 # -- build -----------------------------------------------------------------------------------------
@@ -270,5 +286,5 @@ def sdpa(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=None) -> mx.a
     return out.reshape(B, H, L, -1) if rep > 1 else out
 
 
-__all__ = ["ENV", "MODES", "active", "build", "counters", "default_mode", "failure", "load", "logsumexp", "mode",
+__all__ = ["ENV", "MODES", "active", "build", "counters", "default_mode", "failure", "in_force", "load", "logsumexp", "mode",
            "reference_swiglu", "sdpa", "set_mode", "softmax", "swiglu"]
