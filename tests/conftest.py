@@ -106,3 +106,14 @@ def tree_drafts():
 
     with routing.modes(drafts="tree"):
         yield
+
+
+@pytest.fixture
+def fresh_verdicts(monkeypatch):
+    """Kernel self-checks (engine/kernels/selfcheck.py) on, and no verdict kept from before or after."""
+    from dflash_batch.engine.kernels import selfcheck
+
+    monkeypatch.delenv(selfcheck.ENV, raising=False)
+    selfcheck.reset()
+    yield
+    selfcheck.reset()

@@ -25,18 +25,11 @@ from mlx_lm.models.activations import swiglu as mlx_lm_swiglu
 from dflash_batch.engine import load_engine, routing
 from dflash_batch.engine.kernels import cpu, selfcheck
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the CPU ops are built for Linux")
+pytestmark = [pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the CPU ops are built for Linux"),
+              pytest.mark.usefixtures("fresh_verdicts")]
 
 SPECIALS = [0.0, -0.0, 88.0, -88.0, 87.99999, -87.99999, 88.00001, -88.00001, 1e-45, -1e-45, 1e-38, 3.4e38, -3.4e38,
             float("inf"), -float("inf"), float("nan"), 0.5, -0.5, 1.0, -1.0]
-
-
-@pytest.fixture(autouse=True)
-def fresh_verdicts(monkeypatch):
-    monkeypatch.delenv(selfcheck.ENV, raising=False)
-    selfcheck.reset()
-    yield
-    selfcheck.reset()
 
 
 @pytest.fixture(scope="module")

@@ -25,12 +25,7 @@ from dflash_batch.engine.kernels import selfcheck
 from tests.test_hybrid import inputs as hybrid_inputs
 
 
-@pytest.fixture(autouse=True)
-def fresh_verdicts(monkeypatch):
-    monkeypatch.delenv(selfcheck.ENV, raising=False)
-    selfcheck.reset()
-    yield
-    selfcheck.reset()
+pytestmark = pytest.mark.usefixtures("fresh_verdicts")
 
 
 class Spy:
