@@ -1,8 +1,8 @@
 // MLX's exp-based CPU ops, computed as MLX computes them, compiled for this machine.
 //
 // MLX's Linux CPU backend runs its elementwise maths one float at a time through libm calls
-// (its SIMD layer is NEON/Accelerate only; every fma and floor of its exp is a call): exp costs
-// about 9 ns an element, 70 times an add. A verify pass of 16 rows spends a quarter of its time
+// (its SIMD layer is NEON/Accelerate only; every fma and floor of its exp is a call): its softmax
+// costs about 10 ns an element (benchmarks/cpu_ops). A verify pass of 16 rows spends a quarter of its time
 // there (softmax over the keys, SiLU in the MLP). These primitives do the same arithmetic, in
 // the same order, eight lanes at a time where the CPU has AVX2 and FMA, so their outputs equal
 // MLX's bit for bit (tests/test_cpu_ops.py checks every op with mx.array_equal):
