@@ -43,7 +43,8 @@ def test_openai_batch_request_format(tmp_path):
     r1, r2, r3 = items(path)
     assert r1.prompt[1] == {"role": "user", "content": "U"} and r1.options == {"max_tokens": 9, "temperature": 0.0, "stop": ["END"]}
     assert r1.metadata["model"] == "m"
-    assert r2.prompt == "P" and r2.options == {"max_tokens": 4}
+    # a /v1/completions prompt is raw text, as OpenAI's
+    assert r2.prompt == "P" and r2.options == {"max_tokens": 4, "chat_template": False}
     assert r3.error.startswith("line 3: url '/v1/embeddings' is not supported")
 
 

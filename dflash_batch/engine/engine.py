@@ -168,9 +168,10 @@ class Engine:
             if bad:
                 raise GenerationError(f"token id {bad[0]} is outside the vocabulary (size {self.target.vocab_size})")
             return list(prompt)
-        for i, m in enumerate(prompt):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                raise GenerationError(f"message {i} must be an object with string 'role' and 'content'")
+        try:  # the runner reads a row's messages by the same rule
+            prompt = checks.chat_messages(prompt)
+        except checks.BadValue as e:
+            raise GenerationError(str(e)) from None
         if system is not None and prompt[0]["role"] != "system":
             prompt = [{"role": "system", "content": system}] + prompt
         if not tok.has_chat_template:

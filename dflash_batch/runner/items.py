@@ -21,8 +21,8 @@ from ..errors import InputError, RowError
 from ..request import BadOption, row_options
 
 Prompt = Union[str, List[Dict[str, str]]]
-ROLES = {"system", "user", "assistant", "tool", "developer"}
-OPENAI_URLS = {"/v1/chat/completions", "/v1/completions"}
+CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
+OPENAI_URLS = {CHAT_URL, COMPLETIONS_URL}
 
 
 @dataclass
@@ -207,7 +207,7 @@ def _to_item(path: Path, index: int, where: str, raw: bytes, row, problem, field
         return item
     try:
         item.id = _row_id(row, fields) or derived
-        if isinstance(row.get("body"), dict):
+        if _is_openai(row):
             _openai_row(item, row)
         else:
             _simple_row(item, row, fields)
@@ -215,6 +215,13 @@ def _to_item(path: Path, index: int, where: str, raw: bytes, row, problem, field
         item.error = f"{where}: {e}"
         item.prompt = None
     return item
+
+
+def _is_openai(row: dict) -> bool:
+    """An OpenAI Batch line: a ``body`` object, or a ``body`` beside ``url`` or ``method`` (a
+    plain row may have a field of its own named body)."""
+    body = row.get("body")
+    return isinstance(body, dict) or ("body" in row and ("url" in row or "method" in row))
 
 
 def _row_id(row: dict, fields: Fields) -> Optional[str]:
@@ -233,26 +240,56 @@ def _row_id(row: dict, fields: Fields) -> Optional[str]:
 
 
 def _openai_row(item: Item, row: dict) -> None:
-    """``{"custom_id", "method", "url", "body": {"messages"|"prompt", "max_tokens", ...}}``."""
-    url = row.get("url", "/v1/chat/completions")
+    """``{"custom_id", "method", "url", "body": {"messages"|"prompt", "max_tokens", ...}}``.
+    ``/v1/completions`` takes a raw ``prompt``: no chat template, as OpenAI's endpoint."""
+    url = row.get("url", CHAT_URL)
+    if not isinstance(url, str):
+        raise RowError(f"'url' must be a string, got {_type(url)}")
     if url not in OPENAI_URLS:
-        raise RowError(f"url {url!r} is not supported (use {' or '.join(sorted(OPENAI_URLS))})")
+        use = " or ".join(sorted(OPENAI_URLS))
+        raise RowError(f"url {checks.show(url)} is not supported (use {use})")
     method = row.get("method", "POST")
     if method != "POST":
-        raise RowError(f"method must be POST, got {method!r}")
-    body = row["body"]
-    if "messages" in body:
+        raise RowError(f"'method' must be 'POST', got {checks.show(method)}")
+    body = row.get("body")
+    if not isinstance(body, dict):
+        raise RowError(f"'body' must be an object, got {_type(body)}")
+    if url == COMPLETIONS_URL:
+        if "messages" in body:
+            raise RowError(
+                f"'body.messages' is for {CHAT_URL}; {COMPLETIONS_URL} takes 'body.prompt'"
+            )
+        item.prompt = _text(body.get("prompt"), "body.prompt")
+    elif "messages" in body:
         item.prompt = _messages(body["messages"], "body.messages")
     elif "prompt" in body:
         item.prompt = _text(body["prompt"], "body.prompt")
     else:
-        raise RowError("body has neither 'messages' nor 'prompt'")
-    if "max_completion_tokens" in body and "max_tokens" not in body:
-        body = dict(body, max_tokens=body["max_completion_tokens"])
-    item.options = row_options(body, "body.")
-    item.metadata = {k: v for k, v in {"model": body.get("model"), "url": url}.items() if v is not None}
-    if isinstance(row.get("metadata"), dict):
-        item.metadata.update(row["metadata"])
+        raise RowError("'body' has neither 'messages' nor 'prompt'")
+    item.options = _openai_options(body)
+    if url == COMPLETIONS_URL:
+        item.options["chat_template"] = False
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise RowError(f"'body.model' must be a string, got {_type(model)}")
+    meta = row.get("metadata")
+    if meta is not None and not isinstance(meta, dict):
+        raise RowError(f"'metadata' must be an object, got {_type(meta)}")
+    item.metadata = {"model": model} if model is not None else {}
+    item.metadata.update(meta or {})
+    item.metadata["url"] = url  # the export's shape follows it (runner/export.py)
+
+
+def _openai_options(body: dict) -> Dict[str, Any]:
+    """``row_options`` of a body; ``max_completion_tokens`` (OpenAI's newer name) stands for
+    ``max_tokens`` where that is not given, and is named as itself in a refusal."""
+    if "max_completion_tokens" not in body or "max_tokens" in body:
+        return row_options(body, "body.")
+    try:
+        return row_options(dict(body, max_tokens=body["max_completion_tokens"]), "body.")
+    except BadOption as e:
+        named = str(e).replace("'body.max_tokens'", "'body.max_completion_tokens'")
+        raise BadOption(named) from None
 
 
 def _simple_row(item: Item, row: dict, fields: Fields) -> None:
@@ -286,23 +323,10 @@ def _text(value, name: str) -> str:
 
 
 def _messages(value, name: str) -> List[Dict[str, str]]:
-    if not isinstance(value, list) or not value:
-        raise RowError(f"{name!r} must be a non-empty list of messages, got {_type(value) if value != [] else 'an empty list'}")
-    out = []
-    for i, m in enumerate(value):
-        if not isinstance(m, dict):
-            raise RowError(f"{name}[{i}] must be an object with 'role' and 'content', got {_type(m)}")
-        role, content = m.get("role"), m.get("content")
-        if role not in ROLES:
-            raise RowError(f"{name}[{i}].role must be one of {', '.join(sorted(ROLES))}, got {role!r}")
-        if isinstance(content, list):  # OpenAI content parts: keep the text ones
-            content = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
-        if not isinstance(content, str):
-            raise RowError(f"{name}[{i}].content must be a string, got {_type(content)}")
-        out.append({"role": "system" if role == "developer" else role, "content": content})
-    if not any(m["content"].strip() for m in out if m["role"] != "system"):
-        raise RowError(f"{name!r} has no non-empty user or assistant content")
-    return out
+    try:
+        return checks.chat_messages(value, name)
+    except checks.BadValue as e:
+        raise RowError(str(e)) from None
 
 
 def _template_keys(template: str) -> List[str]:
