@@ -86,7 +86,7 @@ def test_bad_rows_become_error_items_named_by_line(tmp_path):
     errors = {i.where: i.error for i in got if i.error}
     assert [i.id for i in got if not i.error] == ["ok", "last"]
     assert len(got) == 13  # the blank line is not a row; nothing else is dropped
-    assert "malformed JSON" in errors["line 2"]
+    assert "not valid JSON (unexpected end of data at column 28)" in errors["line 2"]
     assert "no 'prompt' or 'messages' field" in errors["line 3"]
     assert "'prompt' must be a string, got int" in errors["line 4"]
     assert "'prompt' is empty" in errors["line 5"]
@@ -306,5 +306,5 @@ def test_non_finite_numbers_in_rows_are_error_rows_naming_the_field(tmp_path):
                     '{"id": "b", "prompt": "x", "temperature": NaN}\n'
                     '{"custom_id": "c", "body": {"prompt": "x", "temperature": 5e-324}}\n')  # fmt: skip
     a, b, c = items(path)
-    assert a.error.startswith("line 1: malformed JSON") and b.error.startswith("line 2: malformed JSON")
+    assert a.error.startswith("line 1: not valid JSON") and b.error.startswith("line 2: not valid JSON")
     assert c.error == "line 3: 'body.temperature' must be 0 (greedy) or at least 1e-05, got 5e-324"

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from .. import request as request_type
 
 Prompt = Union[str, List[Dict[str, Any]], List[int]]
+NO_LENGTH_LIMIT = int(1e30)  # what transformers itself sets for a tokenizer without a limit
 PREFIX_CACHE_MB = 1024  # memory for shared prompt prefixes, by default
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
@@ -57,6 +58,7 @@ class Engine:
         prefix_granularity: int = 64,
     ):
         self.tokenizer = tokenizer
+        _lift_length_limit(tokenizer)
         self.drafter = drafter
         self.target = Target(model)
         attention.install(model)  # verify passes: multi-row attention routed per backend
@@ -468,6 +470,14 @@ def _pick_dtype(dtype: Optional[str]) -> Optional[mx.Dtype]:
 
 
 AUTO = "auto"
+
+
+def _lift_length_limit(tokenizer) -> None:
+    """The engine holds prompts to ``max_context`` itself (``PromptTooLongError``); a Hugging
+    Face tokenizer's ``model_max_length`` truncates nothing unasked and would only log a
+    warning ("Token indices sequence length is longer...") ahead of that clean error."""
+    if isinstance(getattr(tokenizer, "model_max_length", None), int):
+        tokenizer.model_max_length = NO_LENGTH_LIMIT
 
 
 def load_engine(

@@ -124,19 +124,39 @@ def _jsonl_rows(path: Path, index: int = 0, offset: int = 0, line: int = 1):
         raise InputError(f"{path}: cannot read: {e.strerror}") from e
     with handle:
         handle.seek(offset)
+        first = offset == 0
         for number, raw in enumerate(handle, start=line):
             position = (offset, number)
             offset += len(raw)
             if not raw.strip():
                 continue
+            if first:
+                _refuse_json_document(path, number, raw)
+                first = False
             yield (index, f"line {number}", raw, *_parse_line(raw), position)
             index += 1
+
+
+def _refuse_json_document(path: Path, number: int, raw: bytes) -> None:
+    """A file whose first row opens a JSON array, or a JSON object spread over lines, is one
+    JSON document, not JSON Lines: refused before any work rather than read as error rows."""
+    start = raw.strip()
+    if start.startswith(b"["):
+        shape = "opens a JSON array"
+    elif start == b"{":
+        shape = "opens a JSON object spread over several lines"
+    else:
+        return
+    raise InputError(
+        f"{path}: line {number} {shape}; the input must be JSON Lines, one object per line "
+        f"(an array of rows converts with: jq -c '.[]' {path.name} > {path.stem}.jsonl)"
+    )
 
 
 def _parse_line(raw: bytes):
     """(row or None, problem or None) for one JSONL line."""
     try:
-        text = raw.decode("utf-8")
+        text = raw.decode("utf-8").rstrip("\r\n")  # so a column in a message is on this line
     except UnicodeDecodeError as e:
         problem = f"not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})"
         try:  # keep the row's own id when the rest of the line still parses
@@ -146,8 +166,8 @@ def _parse_line(raw: bytes):
         return (row if isinstance(row, dict) else None), problem
     try:
         row = orjson.loads(text)
-    except orjson.JSONDecodeError as e:
-        return None, f"malformed JSON: {e}"
+    except orjson.JSONDecodeError as e:  # orjson's own text names line 1 of the one line it saw
+        return None, f"not valid JSON ({e.msg} at column {e.colno})"
     if not isinstance(row, dict):
         return None, f"expected a JSON object, got {_type(row)}"
     return row, None
