@@ -56,6 +56,18 @@ def test_completions_line_keeps_its_shape_under_user_metadata(tmp_path, home, en
     assert lines["text"]["response"]["body"]["object"] == "text_completion"
 
 
+def test_completions_logprobs_is_a_count_of_alternatives(tmp_path):
+    lines = [dict(COMPLETION, body={"prompt": "x", "logprobs": 2}),
+             dict(COMPLETION, custom_id="zero", body={"prompt": "x", "logprobs": 0}),
+             dict(COMPLETION, custom_id="many", body={"prompt": "x", "logprobs": 99}),
+             dict(CHAT, body={"messages": MSGS, "logprobs": 2})]  # fmt: skip
+    two, zero, many, chat = read_items(write_jsonl(tmp_path / "in.jsonl", lines))
+    assert (two.options["logprobs"], two.options["top_logprobs"]) == (True, 2)
+    assert (zero.options["logprobs"], zero.options["top_logprobs"]) == (True, 0)
+    assert many.error == "line 3: 'body.logprobs' must be an integer from 0 to 20, got 99"
+    assert chat.error == "line 4: 'body.logprobs' must be true or false, got 2"  # chat's: a boolean
+
+
 def test_completions_logprobs_in_the_completions_shape():
     entries = [{"token": "Hi", "logprob": -0.5, "top_logprobs": [{"token": "Hi", "logprob": -0.5}]},
                {"token": " there", "logprob": -1.0, "top_logprobs": []}]  # fmt: skip
@@ -65,13 +77,20 @@ def test_completions_logprobs_in_the_completions_shape():
     }  # fmt: skip
 
 
-def test_completions_prompt_is_not_chat_templated_by_the_real_engine(tmp_path, home, real_engine):
-    src = write_jsonl(tmp_path / "batch.jsonl", [COMPLETION, CHAT])
-    dflash_batch.run(src, engine=real_engine, max_tokens=2, output_dir=str(tmp_path / "out"))
-    rows = pd.read_parquet(tmp_path / "out").set_index("id")
+def test_completions_prompt_is_raw_for_the_real_engine(tmp_path, home, real_engine):
+    text = dict(COMPLETION, body=dict(COMPLETION["body"], logprobs=1))
+    src = write_jsonl(tmp_path / "batch.jsonl", [text, CHAT])
+    out_dir = tmp_path / "out"
+    dflash_batch.run(src, engine=real_engine, output_dir=str(out_dir), export_openai=True)
+    rows = pd.read_parquet(out_dir).set_index("id")
     raw = len(real_engine.tokenizer.encode("Say hi."))
     assert (rows["status"] == "ok").all()
     assert rows.loc["text", "prompt_tokens"] == raw < rows.loc["chat", "prompt_tokens"]
+    lines = exported_lines((out_dir / "_openai_output.jsonl").read_text())
+    [choice] = lines["text"]["response"]["body"]["choices"]
+    logprobs = choice["logprobs"]
+    assert "".join(logprobs["tokens"]) == choice["text"] and len(logprobs["token_logprobs"]) == 3
+    assert all(len(top) == 1 for top in logprobs["top_logprobs"])
 
 
 def text_part(text):

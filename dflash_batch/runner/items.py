@@ -18,7 +18,7 @@ import orjson
 
 from .. import checks
 from ..errors import InputError, RowError
-from ..request import BadOption, row_options
+from ..request import MAX_TOP_LOGPROBS, BadOption, row_options
 
 Prompt = Union[str, List[Dict[str, str]]]
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
@@ -286,6 +286,8 @@ def _openai_row(item: Item, row: dict) -> None:
         item.prompt = _text(body["prompt"], "body.prompt")
     else:
         raise RowError("'body' has neither 'messages' nor 'prompt'")
+    if url == COMPLETIONS_URL:
+        body = _completions_logprobs(body)
     item.options = _openai_options(body)
     if url == COMPLETIONS_URL:
         item.options["chat_template"] = False
@@ -298,6 +300,18 @@ def _openai_row(item: Item, row: dict) -> None:
     item.metadata = {"model": model} if model is not None else {}
     item.metadata.update(meta or {})
     item.metadata["url"] = url  # the export's shape follows it (runner/export.py)
+
+
+def _completions_logprobs(body: dict) -> dict:
+    """/v1/completions' ``logprobs`` is a count (the top alternatives per token, 0 for the
+    chosen token's alone), where chat's is a boolean beside ``top_logprobs``."""
+    value = body.get("logprobs")
+    if isinstance(value, bool) or not isinstance(value, int):
+        return body  # null, or refused by the boolean check naming 'body.logprobs'
+    if not 0 <= value <= MAX_TOP_LOGPROBS:
+        top = MAX_TOP_LOGPROBS
+        raise RowError(f"'body.logprobs' must be an integer from 0 to {top}, got {value}")
+    return dict(body, logprobs=True, top_logprobs=value)
 
 
 def _openai_options(body: dict) -> Dict[str, Any]:
