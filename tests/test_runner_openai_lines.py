@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 
 import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 import dflash_batch
 from dflash_batch.runner.export import text_logprobs
@@ -150,3 +152,20 @@ def test_bad_openai_lines_become_error_rows_and_the_job_completes(tmp_path, home
     src = write_jsonl(tmp_path / "b.jsonl", lines)
     status = dflash_batch.run(src, engine=engine, output_dir=str(tmp_path / "out")).status()
     assert (status["state"], status["ok"], status["failed"]) == ("completed", 1, 2)
+
+
+def test_openai_rows_in_parquet_take_null_fields_as_absent(tmp_path, home, engine):
+    # Parquet gives every row each struct field of the column: a null one is not given
+    rows = [COMPLETION, dict(CHAT, body={"messages": MSGS, "max_completion_tokens": 2}),
+            {"custom_id": "plain", "body": {"prompt": "Hello"}}]  # fmt: skip
+    path = tmp_path / "batch.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    text, chat, plain = read_items(path)
+    assert [text.error, chat.error, plain.error] == [None, None, None]
+    assert text.prompt == "Say hi." and text.options == {"max_tokens": 3, "chat_template": False}
+    assert chat.prompt == MSGS and chat.options == {"max_tokens": 2}
+    assert plain.prompt == "Hello" and plain.metadata == {"url": "/v1/chat/completions"}
+    dflash_batch.run(path, engine=engine, export_openai=True, output_dir=str(tmp_path / "out"))
+    lines = exported_lines((tmp_path / "out" / "_openai_output.jsonl").read_text())
+    kinds = {k: line["response"]["body"]["object"] for k, line in lines.items()}
+    assert kinds == {"text": "text_completion", "chat": "chat.completion", "plain": "chat.completion"}

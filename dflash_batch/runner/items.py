@@ -184,7 +184,8 @@ def _parquet_rows(path: Path, fields: Fields, start: int = 0):
     columns = handle.schema_arrow.names
     if fields.id_field and fields.id_field not in columns:
         raise InputError(f"{path}: id_field {fields.id_field!r} is not a column (columns: {', '.join(columns)})")
-    if fields.prompt_template is None and fields.prompt_field not in columns and fields.messages_field not in columns:
+    prompts = (fields.prompt_field, fields.messages_field, "body")  # body: OpenAI Batch requests
+    if fields.prompt_template is None and not any(name in columns for name in prompts):
         raise InputError(
             f"{path}: no prompt column {fields.prompt_field!r} and no messages column {fields.messages_field!r} "
             f"(columns: {', '.join(columns)}); set prompt_field, messages_field or prompt_template"
@@ -262,27 +263,28 @@ def _row_id(row: dict, fields: Fields) -> Optional[str]:
 def _openai_row(item: Item, row: dict) -> None:
     """``{"custom_id", "method", "url", "body": {"messages"|"prompt", "max_tokens", ...}}``.
     ``/v1/completions`` takes a raw ``prompt``: no chat template, as OpenAI's endpoint."""
-    url = row.get("url", CHAT_URL)
+    # a null field is an absent one, as Parquet gives a row the struct fields of every row
+    url = CHAT_URL if row.get("url") is None else row["url"]
     if not isinstance(url, str):
         raise RowError(f"'url' must be a string, got {_type(url)}")
     if url not in OPENAI_URLS:
         use = " or ".join(sorted(OPENAI_URLS))
         raise RowError(f"url {checks.show(url)} is not supported (use {use})")
-    method = row.get("method", "POST")
+    method = "POST" if row.get("method") is None else row["method"]
     if method != "POST":
         raise RowError(f"'method' must be 'POST', got {checks.show(method)}")
     body = row.get("body")
     if not isinstance(body, dict):
         raise RowError(f"'body' must be an object, got {_type(body)}")
     if url == COMPLETIONS_URL:
-        if "messages" in body:
+        if body.get("messages") is not None:
             raise RowError(
                 f"'body.messages' is for {CHAT_URL}; {COMPLETIONS_URL} takes 'body.prompt'"
             )
         item.prompt = _text(body.get("prompt"), "body.prompt")
-    elif "messages" in body:
+    elif body.get("messages") is not None:
         item.prompt = _messages(body["messages"], "body.messages")
-    elif "prompt" in body:
+    elif body.get("prompt") is not None:
         item.prompt = _text(body["prompt"], "body.prompt")
     else:
         raise RowError("'body' has neither 'messages' nor 'prompt'")
@@ -317,7 +319,7 @@ def _completions_logprobs(body: dict) -> dict:
 def _openai_options(body: dict) -> Dict[str, Any]:
     """``row_options`` of a body; ``max_completion_tokens`` (OpenAI's newer name) stands for
     ``max_tokens`` where that is not given, and is named as itself in a refusal."""
-    if "max_completion_tokens" not in body or "max_tokens" in body:
+    if body.get("max_completion_tokens") is None or body.get("max_tokens") is not None:
         return row_options(body, "body.")
     try:
         return row_options(dict(body, max_tokens=body["max_completion_tokens"]), "body.")
