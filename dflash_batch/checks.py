@@ -7,7 +7,8 @@ naming the key: the caller knows the key (and the file or line) and puts it in f
 * a name that becomes a file or folder name must be one plain name (``plain_name``), and a path
   built from one stays inside its root, symlinks included (``path_under``);
 * a hub revision must be a ref name git would accept (``revision``), since the hub cache
-  stores refs as files.
+  stores refs as files;
+* chat messages are checked by one rule for the runner and the engine (``chat_messages``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import math
 import re
 from pathlib import Path
-from typing import Optional
+from typing import Dict, List, Optional
 
 from .errors import BadValue
 
@@ -26,6 +27,8 @@ MAX_SEED = 2**64 - 1  # mx.random.key takes an unsigned 64-bit seed
 NAME_BYTES = 200  # file systems allow 255 bytes per name; room for a suffix
 _PLAIN = re.compile(r"\w(?:[\w .-]*[\w.-])?")
 _REF_FORBIDDEN = re.compile(r"[\x00-\x20\x7f~^:?*\[\\]|\.\.|//|@\{")
+# OpenAI's roles; "developer" is read as "system"
+ROLES = ("assistant", "developer", "system", "tool", "user")
 
 
 def show(value) -> str:
@@ -111,3 +114,50 @@ def revision(value) -> str:
     ):
         raise BadValue(f"must be a branch, tag or commit name (as git allows), got {show(value)}")
     return value
+
+
+def chat_messages(value, name: str = "messages") -> List[Dict[str, str]]:
+    """Chat messages as the chat template takes them: a non-empty list of objects with a role of
+    ``ROLES`` ("developer" becomes "system") and string content, or OpenAI content parts whose
+    text parts are joined; some user or assistant content not blank. Messages name the fault
+    from ``name``: "messages[1].content[0].text must be a string, got int"."""
+    if not isinstance(value, list) or not value:
+        got = "an empty list" if value == [] else json_type(value)
+        raise BadValue(f"{name!r} must be a non-empty list of messages, got {got}")
+    out = []
+    for i, message in enumerate(value):
+        at = f"{name}[{i}]"
+        if not isinstance(message, dict):
+            got = json_type(message)
+            raise BadValue(f"{at} must be an object with 'role' and 'content', got {got}")
+        role = message.get("role")
+        if not isinstance(role, str) or role not in ROLES:
+            raise BadValue(f"{at}.role must be one of {', '.join(ROLES)}, got {show(role)}")
+        content = message.get("content")
+        if isinstance(content, list):
+            content = _content_parts(content, f"{at}.content")
+        if not isinstance(content, str):
+            got = json_type(content)
+            raise BadValue(f"{at}.content must be a string or a list of text parts, got {got}")
+        out.append({"role": "system" if role == "developer" else role, "content": content})
+    if not any(m["content"].strip() for m in out if m["role"] != "system"):
+        raise BadValue(f"{name!r} has no non-empty user or assistant content")
+    return out
+
+
+def _content_parts(parts: list, at: str) -> str:
+    """OpenAI content parts joined: only text parts; an image or audio part would be dropped
+    unseen, so any other kind is refused."""
+    texts = []
+    for j, part in enumerate(parts):
+        where = f"{at}[{j}]"
+        if not isinstance(part, dict):
+            got = json_type(part)
+            raise BadValue(f"{where} must be an object {{'type': 'text', 'text': ...}}, got {got}")
+        if part.get("type") != "text":
+            got = show(part.get("type"))
+            raise BadValue(f"{where}.type must be 'text' (the only kind supported), got {got}")
+        if not isinstance(part.get("text"), str):
+            raise BadValue(f"{where}.text must be a string, got {json_type(part.get('text'))}")
+        texts.append(part["text"])
+    return "".join(texts)

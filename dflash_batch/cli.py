@@ -126,10 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--home", help="state folder (default: $DFLASH_BATCH_HOME or the user data dir)")
-    parser.add_argument("--redis", metavar="URL", help="queue on a Redis server, e.g. redis://host:6379/0, instead "
-                        "of SQLite in the home (default: $DFLASH_BATCH_REDIS_URL)")
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    _common(parser, None)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     p = sub.add_parser("submit", help="queue a job for a worker; prints the job id",
@@ -196,8 +193,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=["parquet", "jsonl", "openai"], default="parquet")
     p.add_argument("--out", help="file to write (default: parquet prints the output dir, others go to stdout)")
 
+    for p in sub.choices.values():  # after the command too: `run x.jsonl --home DIR`
+        _common(p, argparse.SUPPRESS)  # not given there: the value before the command stands
     sub.add_parser("train-drafter", help="train a DFlash drafter (see `dflash-batch train-drafter --help`)", add_help=False)
     return parser
+
+
+def _common(p: argparse.ArgumentParser, default) -> None:
+    """The options of every command, before or after its name."""
+    p.add_argument("--home", default=default,
+                   help="state folder (default: $DFLASH_BATCH_HOME or the user data dir)")
+    p.add_argument("--redis", metavar="URL", default=default,
+                   help="queue on a Redis server, e.g. redis://host:6379/0, instead of SQLite in "
+                   "the home (default: $DFLASH_BATCH_REDIS_URL)")  # fmt: skip
+    p.add_argument("-v", "--verbose", action="store_true", default=default or False,
+                   help="debug logging")  # fmt: skip
 
 
 def _seconds(text: str) -> float:

@@ -238,7 +238,8 @@ def resolve_options(job: Any, row: Dict[str, Any]) -> Options:
         stop=row.get("stop", job.stop) or None,
         seed=job.seed,
         system=row.get("system", job.system_prompt),
-        chat_template=job.chat_template,
+        # False on an OpenAI /v1/completions line: its prompt is raw text (runner/items.py)
+        chat_template=row.get("chat_template", job.chat_template),
         chat_template_kwargs=job.chat_template_kwargs or None,
         n=row.get("n", getattr(job, "n", 1)),
         **{k: row.get(k, getattr(job, k, off)) for k, off in CONTROLS.items()},

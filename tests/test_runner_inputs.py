@@ -43,7 +43,8 @@ def test_openai_batch_request_format(tmp_path):
     r1, r2, r3 = items(path)
     assert r1.prompt[1] == {"role": "user", "content": "U"} and r1.options == {"max_tokens": 9, "temperature": 0.0, "stop": ["END"]}
     assert r1.metadata["model"] == "m"
-    assert r2.prompt == "P" and r2.options == {"max_tokens": 4}
+    # a /v1/completions prompt is raw text, as OpenAI's
+    assert r2.prompt == "P" and r2.options == {"max_tokens": 4, "chat_template": False}
     assert r3.error.startswith("line 3: url '/v1/embeddings' is not supported")
 
 
@@ -85,7 +86,7 @@ def test_bad_rows_become_error_items_named_by_line(tmp_path):
     errors = {i.where: i.error for i in got if i.error}
     assert [i.id for i in got if not i.error] == ["ok", "last"]
     assert len(got) == 13  # the blank line is not a row; nothing else is dropped
-    assert "malformed JSON" in errors["line 2"]
+    assert "not valid JSON (unexpected end of data at column 28)" in errors["line 2"]
     assert "no 'prompt' or 'messages' field" in errors["line 3"]
     assert "'prompt' must be a string, got int" in errors["line 4"]
     assert "'prompt' is empty" in errors["line 5"]
@@ -305,5 +306,5 @@ def test_non_finite_numbers_in_rows_are_error_rows_naming_the_field(tmp_path):
                     '{"id": "b", "prompt": "x", "temperature": NaN}\n'
                     '{"custom_id": "c", "body": {"prompt": "x", "temperature": 5e-324}}\n')  # fmt: skip
     a, b, c = items(path)
-    assert a.error.startswith("line 1: malformed JSON") and b.error.startswith("line 2: malformed JSON")
+    assert a.error.startswith("line 1: not valid JSON") and b.error.startswith("line 2: not valid JSON")
     assert c.error == "line 3: 'body.temperature' must be 0 (greedy) or at least 1e-05, got 5e-324"

@@ -107,7 +107,7 @@ def test_bad_rows_become_error_rows_and_the_job_completes(tmp_path, home, fake_m
     assert set(df.index[df["status"] == "ok"]) == {"good", "good2"}
     errors = df["error"].to_dict()
     unparsed = df.reset_index().set_index("input_index").loc[1]  # a row that is not JSON keeps a derived id
-    assert unparsed["id"].startswith("mixed-000001-") and unparsed["error"].startswith("line 2: malformed JSON")
+    assert unparsed["id"].startswith("mixed-000001-") and unparsed["error"].startswith("line 2: not valid JSON")
     assert errors["empty"] == "line 3: 'prompt' is empty"
     assert errors["long"].startswith("line 4: PromptTooLongError: prompt has") and "context is 64" in errors["long"]
     assert "line 5: not valid UTF-8" in errors["utf8"]

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from .. import request as request_type
 
 Prompt = Union[str, List[Dict[str, Any]], List[int]]
+NO_LENGTH_LIMIT = int(1e30)  # what transformers itself sets for a tokenizer without a limit
 PREFIX_CACHE_MB = 1024  # memory for shared prompt prefixes, by default
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
@@ -57,6 +58,7 @@ class Engine:
         prefix_granularity: int = 64,
     ):
         self.tokenizer = tokenizer
+        _lift_length_limit(tokenizer)
         self.drafter = drafter
         self.target = Target(model)
         attention.install(model)  # verify passes: multi-row attention routed per backend
@@ -168,9 +170,10 @@ class Engine:
             if bad:
                 raise GenerationError(f"token id {bad[0]} is outside the vocabulary (size {self.target.vocab_size})")
             return list(prompt)
-        for i, m in enumerate(prompt):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                raise GenerationError(f"message {i} must be an object with string 'role' and 'content'")
+        try:  # the runner reads a row's messages by the same rule
+            prompt = checks.chat_messages(prompt)
+        except checks.BadValue as e:
+            raise GenerationError(str(e)) from None
         if system is not None and prompt[0]["role"] != "system":
             prompt = [{"role": "system", "content": system}] + prompt
         if not tok.has_chat_template:
@@ -467,6 +470,14 @@ def _pick_dtype(dtype: Optional[str]) -> Optional[mx.Dtype]:
 
 
 AUTO = "auto"
+
+
+def _lift_length_limit(tokenizer) -> None:
+    """The engine holds prompts to ``max_context`` itself (``PromptTooLongError``); a Hugging
+    Face tokenizer's ``model_max_length`` truncates nothing unasked and would only log a
+    warning ("Token indices sequence length is longer...") ahead of that clean error."""
+    if isinstance(getattr(tokenizer, "model_max_length", None), int):
+        tokenizer.model_max_length = NO_LENGTH_LIMIT
 
 
 def load_engine(

@@ -35,20 +35,13 @@ def openai_samples(rows: List[Dict[str, Any]], model: Optional[str] = None) -> D
     prompt = first["prompt_tokens"] or 0
     completion = sum(r["completion_tokens"] or 0 for r in rows)
     created = max((r["finished_at"] for r in rows), key=lambda t: t.timestamp() if isinstance(t, datetime) else 0)
+    text = _url(first) == "/v1/completions"  # answered in that endpoint's own shape
     body = {
-        "id": f"chatcmpl-{first['id']}",
-        "object": "chat.completion",
+        "id": f"{'cmpl' if text else 'chatcmpl'}-{first['id']}",
+        "object": "text_completion" if text else "chat.completion",
         "created": int(created.timestamp()) if isinstance(created, datetime) else None,
         "model": model,
-        "choices": [
-            {
-                "index": r.get("sample_index") or 0,
-                "message": {"role": "assistant", "content": r["output"]},
-                "logprobs": openai_logprobs(r.get("logprobs")),
-                "finish_reason": r["finish_reason"],
-            }
-            for r in rows
-        ],
+        "choices": [_text_choice(r) if text else _chat_choice(r) for r in rows],
         "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion},
     }
     return {
@@ -56,6 +49,51 @@ def openai_samples(rows: List[Dict[str, Any]], model: Optional[str] = None) -> D
         "custom_id": first["id"],
         "response": {"status_code": 200, "request_id": first["id"], "body": body},
         "error": None,
+    }
+
+
+def _url(row: Dict[str, Any]) -> Optional[str]:
+    """The OpenAI endpoint the row's input line named (kept in its metadata), if any."""
+    try:
+        meta = orjson.loads(row.get("metadata") or "{}")
+    except orjson.JSONDecodeError:
+        return None
+    return meta.get("url") if isinstance(meta, dict) else None
+
+
+def _chat_choice(row: Dict[str, Any]) -> Dict[str, Any]:
+    return {
+        "index": row.get("sample_index") or 0,
+        "message": {"role": "assistant", "content": row["output"]},
+        "logprobs": openai_logprobs(row.get("logprobs")),
+        "finish_reason": row["finish_reason"],
+    }
+
+
+def _text_choice(row: Dict[str, Any]) -> Dict[str, Any]:
+    return {
+        "text": row["output"],
+        "index": row.get("sample_index") or 0,
+        "logprobs": text_logprobs(row.get("logprobs")),
+        "finish_reason": row["finish_reason"],
+    }
+
+
+def text_logprobs(entries: Optional[List[Dict[str, Any]]]) -> Optional[Dict[str, Any]]:
+    """A row's ``logprobs`` column as OpenAI's completions ``choices[].logprobs`` (null when not
+    asked): tokens, their log-probabilities, the top alternatives and each token's text offset."""
+    if entries is None:
+        return None
+    offsets, offset = [], 0
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e["token"])
+    return {
+        "tokens": [e["token"] for e in entries],
+        "token_logprobs": [e["logprob"] for e in entries],
+        "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"] or []}
+                         for e in entries],
+        "text_offset": offsets,
     }
 
 

@@ -18,11 +18,11 @@ import orjson
 
 from .. import checks
 from ..errors import InputError, RowError
-from ..request import BadOption, row_options
+from ..request import MAX_TOP_LOGPROBS, BadOption, row_options
 
 Prompt = Union[str, List[Dict[str, str]]]
-ROLES = {"system", "user", "assistant", "tool", "developer"}
-OPENAI_URLS = {"/v1/chat/completions", "/v1/completions"}
+CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
+OPENAI_URLS = {CHAT_URL, COMPLETIONS_URL}
 
 
 @dataclass
@@ -124,19 +124,39 @@ def _jsonl_rows(path: Path, index: int = 0, offset: int = 0, line: int = 1):
         raise InputError(f"{path}: cannot read: {e.strerror}") from e
     with handle:
         handle.seek(offset)
+        first = offset == 0
         for number, raw in enumerate(handle, start=line):
             position = (offset, number)
             offset += len(raw)
             if not raw.strip():
                 continue
+            if first:
+                _refuse_json_document(path, number, raw)
+                first = False
             yield (index, f"line {number}", raw, *_parse_line(raw), position)
             index += 1
+
+
+def _refuse_json_document(path: Path, number: int, raw: bytes) -> None:
+    """A file whose first row opens a JSON array, or a JSON object spread over lines, is one
+    JSON document, not JSON Lines: refused before any work rather than read as error rows."""
+    start = raw.strip()
+    if start.startswith(b"["):
+        shape = "opens a JSON array"
+    elif start == b"{":
+        shape = "opens a JSON object spread over several lines"
+    else:
+        return
+    raise InputError(
+        f"{path}: line {number} {shape}; the input must be JSON Lines, one object per line "
+        f"(an array of rows converts with: jq -c '.[]' {path.name} > {path.stem}.jsonl)"
+    )
 
 
 def _parse_line(raw: bytes):
     """(row or None, problem or None) for one JSONL line."""
     try:
-        text = raw.decode("utf-8")
+        text = raw.decode("utf-8").rstrip("\r\n")  # so a column in a message is on this line
     except UnicodeDecodeError as e:
         problem = f"not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})"
         try:  # keep the row's own id when the rest of the line still parses
@@ -146,8 +166,8 @@ def _parse_line(raw: bytes):
         return (row if isinstance(row, dict) else None), problem
     try:
         row = orjson.loads(text)
-    except orjson.JSONDecodeError as e:
-        return None, f"malformed JSON: {e}"
+    except orjson.JSONDecodeError as e:  # orjson's own text names line 1 of the one line it saw
+        return None, f"not valid JSON ({e.msg} at column {e.colno})"
     if not isinstance(row, dict):
         return None, f"expected a JSON object, got {_type(row)}"
     return row, None
@@ -164,7 +184,8 @@ def _parquet_rows(path: Path, fields: Fields, start: int = 0):
     columns = handle.schema_arrow.names
     if fields.id_field and fields.id_field not in columns:
         raise InputError(f"{path}: id_field {fields.id_field!r} is not a column (columns: {', '.join(columns)})")
-    if fields.prompt_template is None and fields.prompt_field not in columns and fields.messages_field not in columns:
+    prompts = (fields.prompt_field, fields.messages_field, "body")  # body: OpenAI Batch requests
+    if fields.prompt_template is None and not any(name in columns for name in prompts):
         raise InputError(
             f"{path}: no prompt column {fields.prompt_field!r} and no messages column {fields.messages_field!r} "
             f"(columns: {', '.join(columns)}); set prompt_field, messages_field or prompt_template"
@@ -207,7 +228,7 @@ def _to_item(path: Path, index: int, where: str, raw: bytes, row, problem, field
         return item
     try:
         item.id = _row_id(row, fields) or derived
-        if isinstance(row.get("body"), dict):
+        if _is_openai(row):
             _openai_row(item, row)
         else:
             _simple_row(item, row, fields)
@@ -215,6 +236,13 @@ def _to_item(path: Path, index: int, where: str, raw: bytes, row, problem, field
         item.error = f"{where}: {e}"
         item.prompt = None
     return item
+
+
+def _is_openai(row: dict) -> bool:
+    """An OpenAI Batch line: a ``body`` object, or a ``body`` beside ``url`` or ``method`` (a
+    plain row may have a field of its own named body)."""
+    body = row.get("body")
+    return isinstance(body, dict) or ("body" in row and ("url" in row or "method" in row))
 
 
 def _row_id(row: dict, fields: Fields) -> Optional[str]:
@@ -233,26 +261,71 @@ def _row_id(row: dict, fields: Fields) -> Optional[str]:
 
 
 def _openai_row(item: Item, row: dict) -> None:
-    """``{"custom_id", "method", "url", "body": {"messages"|"prompt", "max_tokens", ...}}``."""
-    url = row.get("url", "/v1/chat/completions")
+    """``{"custom_id", "method", "url", "body": {"messages"|"prompt", "max_tokens", ...}}``.
+    ``/v1/completions`` takes a raw ``prompt``: no chat template, as OpenAI's endpoint."""
+    # a null field is an absent one, as Parquet gives a row the struct fields of every row
+    url = CHAT_URL if row.get("url") is None else row["url"]
+    if not isinstance(url, str):
+        raise RowError(f"'url' must be a string, got {_type(url)}")
     if url not in OPENAI_URLS:
-        raise RowError(f"url {url!r} is not supported (use {' or '.join(sorted(OPENAI_URLS))})")
-    method = row.get("method", "POST")
+        use = " or ".join(sorted(OPENAI_URLS))
+        raise RowError(f"url {checks.show(url)} is not supported (use {use})")
+    method = "POST" if row.get("method") is None else row["method"]
     if method != "POST":
-        raise RowError(f"method must be POST, got {method!r}")
-    body = row["body"]
-    if "messages" in body:
+        raise RowError(f"'method' must be 'POST', got {checks.show(method)}")
+    body = row.get("body")
+    if not isinstance(body, dict):
+        raise RowError(f"'body' must be an object, got {_type(body)}")
+    if url == COMPLETIONS_URL:
+        if body.get("messages") is not None:
+            raise RowError(
+                f"'body.messages' is for {CHAT_URL}; {COMPLETIONS_URL} takes 'body.prompt'"
+            )
+        item.prompt = _text(body.get("prompt"), "body.prompt")
+    elif body.get("messages") is not None:
         item.prompt = _messages(body["messages"], "body.messages")
-    elif "prompt" in body:
+    elif body.get("prompt") is not None:
         item.prompt = _text(body["prompt"], "body.prompt")
     else:
-        raise RowError("body has neither 'messages' nor 'prompt'")
-    if "max_completion_tokens" in body and "max_tokens" not in body:
-        body = dict(body, max_tokens=body["max_completion_tokens"])
-    item.options = row_options(body, "body.")
-    item.metadata = {k: v for k, v in {"model": body.get("model"), "url": url}.items() if v is not None}
-    if isinstance(row.get("metadata"), dict):
-        item.metadata.update(row["metadata"])
+        raise RowError("'body' has neither 'messages' nor 'prompt'")
+    if url == COMPLETIONS_URL:
+        body = _completions_logprobs(body)
+    item.options = _openai_options(body)
+    if url == COMPLETIONS_URL:
+        item.options["chat_template"] = False
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise RowError(f"'body.model' must be a string, got {_type(model)}")
+    meta = row.get("metadata")
+    if meta is not None and not isinstance(meta, dict):
+        raise RowError(f"'metadata' must be an object, got {_type(meta)}")
+    item.metadata = {"model": model} if model is not None else {}
+    item.metadata.update(meta or {})
+    item.metadata["url"] = url  # the export's shape follows it (runner/export.py)
+
+
+def _completions_logprobs(body: dict) -> dict:
+    """/v1/completions' ``logprobs`` is a count (the top alternatives per token, 0 for the
+    chosen token's alone), where chat's is a boolean beside ``top_logprobs``."""
+    value = body.get("logprobs")
+    if isinstance(value, bool) or not isinstance(value, int):
+        return body  # null, or refused by the boolean check naming 'body.logprobs'
+    if not 0 <= value <= MAX_TOP_LOGPROBS:
+        top = MAX_TOP_LOGPROBS
+        raise RowError(f"'body.logprobs' must be an integer from 0 to {top}, got {value}")
+    return dict(body, logprobs=True, top_logprobs=value)
+
+
+def _openai_options(body: dict) -> Dict[str, Any]:
+    """``row_options`` of a body; ``max_completion_tokens`` (OpenAI's newer name) stands for
+    ``max_tokens`` where that is not given, and is named as itself in a refusal."""
+    if body.get("max_completion_tokens") is None or body.get("max_tokens") is not None:
+        return row_options(body, "body.")
+    try:
+        return row_options(dict(body, max_tokens=body["max_completion_tokens"]), "body.")
+    except BadOption as e:
+        named = str(e).replace("'body.max_tokens'", "'body.max_completion_tokens'")
+        raise BadOption(named) from None
 
 
 def _simple_row(item: Item, row: dict, fields: Fields) -> None:
@@ -286,23 +359,10 @@ def _text(value, name: str) -> str:
 
 
 def _messages(value, name: str) -> List[Dict[str, str]]:
-    if not isinstance(value, list) or not value:
-        raise RowError(f"{name!r} must be a non-empty list of messages, got {_type(value) if value != [] else 'an empty list'}")
-    out = []
-    for i, m in enumerate(value):
-        if not isinstance(m, dict):
-            raise RowError(f"{name}[{i}] must be an object with 'role' and 'content', got {_type(m)}")
-        role, content = m.get("role"), m.get("content")
-        if role not in ROLES:
-            raise RowError(f"{name}[{i}].role must be one of {', '.join(sorted(ROLES))}, got {role!r}")
-        if isinstance(content, list):  # OpenAI content parts: keep the text ones
-            content = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
-        if not isinstance(content, str):
-            raise RowError(f"{name}[{i}].content must be a string, got {_type(content)}")
-        out.append({"role": "system" if role == "developer" else role, "content": content})
-    if not any(m["content"].strip() for m in out if m["role"] != "system"):
-        raise RowError(f"{name!r} has no non-empty user or assistant content")
-    return out
+    try:
+        return checks.chat_messages(value, name)
+    except checks.BadValue as e:
+        raise RowError(str(e)) from None
 
 
 def _template_keys(template: str) -> List[str]:
