@@ -223,8 +223,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         os.environ["DFLASH_BATCH_HOME"] = str(Path(args.home).expanduser().resolve())
     if args.redis:
         os.environ["DFLASH_BATCH_REDIS_URL"] = args.redis
+    quiet = getattr(args, "quiet", False)  # -q: warnings and errors only, no bar, no INFO lines
     logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
+        level=logging.DEBUG if args.verbose else logging.WARNING if quiet else logging.INFO,
         format="%(asctime)s %(levelname)s [%(threadName)s] %(name)s: %(message)s",
     )
     from .checks import BadValue
@@ -294,14 +295,16 @@ def cmd_submit(args) -> int:
 
 
 def _queued_line(s: Dict[str, Any], chunks: int) -> str:
-    """What submit did: rows already in the output dir (from earlier jobs), and rows queued."""
+    """What submit did: items already done in the output dir (from earlier jobs), with their
+    result rows, and items queued."""
     where = f"output: {s['output_dir']}"
     if s["done"] == 0:
-        return f"{s['total']} rows in {chunks} chunk(s) queued; {where}"
+        return f"{s['total']} items in {chunks} chunk(s) queued; {where}"
     failed = f"; `dflash-batch retry {s['id']} --failed-only` runs the {s['failed']} error rows again" if s["failed"] else ""
+    rows = f"{s['ok'] + s['failed']} rows: {s['ok']} ok, {s['failed']} failed"
     if s["remaining"] == 0:
-        return f"all {s['total']} rows already done ({s['ok']} ok, {s['failed']} failed): nothing queued{failed}; {where}"
-    return (f"{s['total']} rows: {s['done']} already done ({s['ok']} ok, {s['failed']} failed), {s['remaining']} queued "
+        return f"all {s['total']} items already done ({rows}): nothing queued{failed}; {where}"
+    return (f"{s['total']} items: {s['done']} already done ({rows}), {s['remaining']} queued "
             f"in {chunks} chunk(s); {where}")  # fmt: skip
 
 
@@ -320,7 +323,7 @@ def cmd_run(args) -> int:
         print(f"results: {status['output_dir']}")
     code = run_exit_code(status)
     if code == EXIT_ROWS_FAILED:
-        print(f"dflash-batch: {status['failed']} of {status['total']} rows failed: their `error` column says why "
+        print(f"dflash-batch: {status['failed']} of {status['ok'] + status['failed']} rows failed: their `error` column says why "
               f"(`dflash-batch results {status['id']} --format jsonl`)", file=sys.stderr)  # fmt: skip
     return code
 
@@ -376,9 +379,12 @@ def _fmt(value, spec=".1f") -> str:
 
 
 def _status_line(s: Dict[str, Any]) -> str:
+    from .runner.jobs import counts_text
+    from .runner.progress import DECODE_RATE
+
     return (
-        f"{s['id']}  {s['state']:<11} {s['done']}/{s['total']} done ({s['ok']} ok, {s['failed']} failed)  "
-        f"decode {_fmt(s['mean_decode_tps'])} tok/s  acceptance {_fmt(s['mean_acceptance_drafted'], '.2f')} "
+        f"{s['id']}  {s['state']:<11} {counts_text(s)}  "
+        f"{DECODE_RATE} {_fmt(s['mean_decode_tps'])}  acceptance {_fmt(s['mean_acceptance_drafted'], '.2f')} "
         f"(of drafted) {_fmt(s['mean_acceptance_generated'], '.2f')} (of generated)  "
         f"tau {_fmt(s['mean_tokens_per_cycle'], '.2f')}"
         + (f"\n  error: {s['error']}" if s.get("error") else "")
@@ -411,9 +417,10 @@ def cmd_status(args) -> int:
         print(_status_line(s))
         for h in s["holders"]:
             print(f"  chunk {h['chunk']} held by {h['worker']} (lease {h['expires_in']:.0f} s left)")
-    for w in now["workers"]:
+    for w in now["workers"]:  # rates over the worker's last minute
         print(f"worker {w['id']}  device {w.get('device') or '-'}  {w['rows_per_s']:.2f} rows/s  "
-              f"{w['tokens_per_s']:.1f} tok/s  {w['rows']} rows  on {w.get('chunk') or 'nothing'}")
+              f"{w['tokens_per_s']:.1f} output tok/s (last minute)  {w['rows']} rows  "
+              f"on {w.get('chunk') or 'nothing'}")  # fmt: skip
     return 0
 
 
