@@ -1,5 +1,6 @@
 """Queue a batch from another application and wait for it (a worker must be running:
-``dflash-batch worker``).
+``dflash-batch worker``). In that application's environment, install dflash-batch from its clone
+(it is on no package index): ``pip install -e /path/to/dflash-batch``.
 
     python examples/enqueue.py [--target MODEL --draft DRAFTER]
 
