@@ -196,6 +196,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=["parquet", "jsonl", "openai"], default="parquet")
     p.add_argument("--out", help="file to write (default: parquet prints the output dir, others go to stdout)")
 
+    p = sub.add_parser("drafters", help="list the registered target/drafter pairs that --draft auto picks from",
+                       description="The DFlash drafters registered for target names (no model is loaded "
+                       "or downloaded). A target without one decodes plainly under --draft auto.")  # fmt: skip
+    p.add_argument("--json", action="store_true")
+
     sub.add_parser("train-drafter", help="train a DFlash drafter (see `dflash-batch train-drafter --help`)", add_help=False)
     return parser
 
@@ -522,6 +527,26 @@ def cmd_unschedule(args) -> int:
     return EXIT_OK
 
 
+def cmd_drafters(args) -> int:
+    from .engine import registry  # here, not at import: the engine imports MLX
+
+    listed = registry.pairs()
+    if args.json:
+        _print_json(listed)
+        return EXIT_OK
+    print("--draft auto takes the drafter of the longest name below that the target's name starts "
+          "with (case and org ignored):")  # fmt: skip
+    rows = [("TARGET NAME", "BLOCK", "DRAFTER")]
+    rows += [(p["target"], _fmt(p["block_size"], "d"),
+              p["drafter"] + (" (the embedded default pair)" if p["default"] else "")) for p in listed]  # fmt: skip
+    widths = [max(len(r[i]) for r in rows) for i in range(2)]
+    for target, block, drafter in rows:
+        print(f"  {target:<{widths[0]}}  {block:<{widths[1]}}  {drafter}")
+    print("BLOCK -: read from the drafter's config when it loads. A local target folder may name its "
+          "own drafter in dflash_drafter.json; any other drafter: --draft FOLDER|REPO.")  # fmt: skip
+    return EXIT_OK
+
+
 def _train_drafter(argv: List[str]) -> int:
     try:
         from .training.cli import main as train_main
@@ -545,6 +570,7 @@ COMMANDS = {
     "results": cmd_results,
     "schedules": cmd_schedules,
     "unschedule": cmd_unschedule,
+    "drafters": cmd_drafters,
 }
 
 
