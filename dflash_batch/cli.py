@@ -196,9 +196,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=["parquet", "jsonl", "openai"], default="parquet")
     p.add_argument("--out", help="file to write (default: parquet prints the output dir, others go to stdout)")
 
-    p = sub.add_parser("drafters", help="list the registered target/drafter pairs that --draft auto picks from",
-                       description="The DFlash drafters registered for target names (no model is loaded "
-                       "or downloaded). A target without one decodes plainly under --draft auto.")  # fmt: skip
+    p = sub.add_parser("drafters", help="list the registered target/drafter pairs (--draft auto)",
+                       description="The DFlash drafters registered for target names (no model is "
+                       "loaded or downloaded). A target without one decodes plainly under "
+                       "--draft auto.")  # fmt: skip
     p.add_argument("--json", action="store_true")
 
     sub.add_parser("train-drafter", help="train a DFlash drafter (see `dflash-batch train-drafter --help`)", add_help=False)
@@ -328,8 +329,10 @@ def cmd_run(args) -> int:
         print(f"results: {status['output_dir']}")
     code = run_exit_code(status)
     if code == EXIT_ROWS_FAILED:
-        print(f"dflash-batch: {status['failed']} of {status['ok'] + status['failed']} rows failed: their `error` column says why "
-              f"(`dflash-batch results {status['id']} --format jsonl`)", file=sys.stderr)  # fmt: skip
+        rows = status["ok"] + status["failed"]  # result rows, one per sample
+        print(f"dflash-batch: {status['failed']} of {rows} rows failed: their `error` column says "
+              f"why (`dflash-batch results {status['id']} --format jsonl`)",
+              file=sys.stderr)  # fmt: skip
     return code
 
 
@@ -389,7 +392,8 @@ def _status_line(s: Dict[str, Any]) -> str:
 
     return (
         f"{s['id']}  {s['state']:<11} {counts_text(s)}  "
-        f"{DECODE_RATE} {_fmt(s['mean_decode_tps'])}  acceptance {_fmt(s['mean_acceptance_drafted'], '.2f')} "
+        f"{DECODE_RATE} {_fmt(s['mean_decode_tps'])}  "
+        f"acceptance {_fmt(s['mean_acceptance_drafted'], '.2f')} "
         f"(of drafted) {_fmt(s['mean_acceptance_generated'], '.2f')} (of generated)  "
         f"tau {_fmt(s['mean_tokens_per_cycle'], '.2f')}"
         + (f"\n  error: {s['error']}" if s.get("error") else "")
@@ -537,13 +541,14 @@ def cmd_drafters(args) -> int:
     print("--draft auto takes the drafter of the longest name below that the target's name starts "
           "with (case and org ignored):")  # fmt: skip
     rows = [("TARGET NAME", "BLOCK", "DRAFTER")]
-    rows += [(p["target"], _fmt(p["block_size"], "d"),
-              p["drafter"] + (" (the embedded default pair)" if p["default"] else "")) for p in listed]  # fmt: skip
+    for p in listed:
+        default = " (the embedded default pair)" if p["default"] else ""
+        rows.append((p["target"], _fmt(p["block_size"], "d"), p["drafter"] + default))
     widths = [max(len(r[i]) for r in rows) for i in range(2)]
     for target, block, drafter in rows:
         print(f"  {target:<{widths[0]}}  {block:<{widths[1]}}  {drafter}")
-    print("BLOCK -: read from the drafter's config when it loads. A local target folder may name its "
-          "own drafter in dflash_drafter.json; any other drafter: --draft FOLDER|REPO.")  # fmt: skip
+    print("BLOCK -: read from the drafter's config when it loads. A local target folder may "
+          "name its own drafter in dflash_drafter.json; any other drafter: --draft FOLDER|REPO.")
     return EXIT_OK
 
 

@@ -16,8 +16,9 @@ else:
     from dflash_batch.api import Job
 
     df = Job(source).to_pandas()
-print(f"{df['id'].nunique()} items; {len(df)} rows (one per sample): {df['status'].eq('ok').sum()} ok, "
-      f"{df['status'].eq('error').sum()} errors")  # fmt: skip
+ok_rows, error_rows = df["status"].eq("ok").sum(), df["status"].eq("error").sum()
+print(f"{df['id'].nunique()} items; {len(df)} rows (one per sample): "
+      f"{ok_rows} ok, {error_rows} errors")
 
 # %% Errors, with the line or row of the input they came from
 errors = df[df["status"] == "error"]

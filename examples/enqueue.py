@@ -31,8 +31,8 @@ def main() -> None:
     )
     print("queued", job.id, "->", job.output_dir)
     status = job.wait(timeout=args.timeout)
-    print(f"{status['state']}: {status['done']}/{status['total']} items done; {status['rows']} rows: "
-          f"{status['ok']} ok, {status['failed']} failed; "
+    print(f"{status['state']}: {status['done']}/{status['total']} items done; "
+          f"{status['rows']} rows: {status['ok']} ok, {status['failed']} failed; "
           f"decode tok/s (mean per row) {status['mean_decode_tps'] or 0:.1f}")  # fmt: skip
     df = job.to_pandas()
     print(df[["id", "status", "completion_tokens", "decode_tps", "acceptance_drafted"]].to_string(index=False))

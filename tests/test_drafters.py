@@ -31,8 +31,10 @@ def test_auto_with_no_registered_drafter_warns_once(unwarned, caplog):
         assert registry.auto_drafter("some-org/Mistral-7B-Instruct") is None
     [warning] = warnings_about(caplog, "some-org/Mistral-7B-Instruct")
     text = warning.getMessage()
-    assert "no DFlash drafter is registered" in text and "--draft" in text and "dflash-batch drafters" in text
-    assert registry.auto_drafter("mlx-community/Qwen3-4B-bf16") == ("z-lab/Qwen3-4B-DFlash-b16", None)
+    assert "no DFlash drafter is registered" in text
+    assert "--draft" in text and "dflash-batch drafters" in text
+    found = registry.auto_drafter("mlx-community/Qwen3-4B-bf16")
+    assert found == ("z-lab/Qwen3-4B-DFlash-b16", None)
     assert warnings_about(caplog, "Qwen3-4B") == []
 
 
@@ -51,8 +53,9 @@ def test_drafters_lists_the_registered_pairs_without_loading_a_model(monkeypatch
     def no_model(*args, **kwargs):
         raise AssertionError("listing the pairs loaded or fetched a model")
 
-    for module, name in [(loading, "load_target"), (loading, "load_drafter"), (default_model, "ensure_drafter"),
-                         (default_model, "ensure_default_pair"), (registry, "load_any_target")]:  # fmt: skip
+    loaders = [(loading, "load_target"), (loading, "load_drafter"), (registry, "load_any_target"),
+               (default_model, "ensure_drafter"), (default_model, "ensure_default_pair")]
+    for module, name in loaders:
         monkeypatch.setattr(module, name, no_model)
     assert cli.main(["drafters"]) == 0
     text = capsys.readouterr().out
@@ -64,9 +67,11 @@ def test_drafters_lists_the_registered_pairs_without_loading_a_model(monkeypatch
     listed = {p["target"]: p for p in json.loads(capsys.readouterr().out)}
     assert listed.keys() == registry.DRAFTERS.keys()
     assert listed["qwen3-8b"]["block_size"] == 16 and listed["qwen3.5-4b"]["block_size"] is None
-    assert listed["smollm2-135m-instruct"]["block_size"] == 16 and listed["smollm2-135m-instruct"]["default"]
+    embedded = listed["smollm2-135m-instruct"]
+    assert embedded["block_size"] == 16 and embedded["default"]
 
 
 def test_the_cli_still_imports_no_engine_at_import():
-    code = "import sys, dflash_batch.cli; sys.exit('dflash_batch.engine' in sys.modules or 'mlx' in sys.modules)"
+    code = ("import sys, dflash_batch.cli; "
+            "sys.exit('dflash_batch.engine' in sys.modules or 'mlx' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO).returncode == 0

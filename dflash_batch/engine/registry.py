@@ -70,10 +70,10 @@ def auto_drafter(target: str) -> Optional[Tuple[str, Optional[str]]]:
     if found is None and target not in _warned:
         _warned.add(target)
         log.warning(
-            "no DFlash drafter is registered for target %s: it decodes without speculation (plain "
-            "autoregressive). Give one with --draft FOLDER|REPO (YAML model.draft, Python draft=...); "
-            "`dflash-batch drafters` lists the registered pairs; --no-draft (draft=None) "
-            "chooses plain decoding without this warning.", target)  # fmt: skip
+            "no DFlash drafter is registered for target %s: it decodes without speculation "
+            "(plain autoregressive). Give one with --draft FOLDER|REPO (YAML model.draft, "
+            "Python draft=...); `dflash-batch drafters` lists the registered pairs; --no-draft "
+            "(draft=None) chooses plain decoding without this warning.", target)  # fmt: skip
     return found
 
 
@@ -86,8 +86,8 @@ def pairs() -> List[Dict[str, Any]]:
     out = []
     for target, (drafter, revision) in DRAFTERS.items():
         block = re.search(r"-b(\d+)$", drafter)
-        entry = {"target": target, "drafter": drafter, "revision": revision,
-                 "block_size": int(block.group(1)) if block else None, "default": False}  # fmt: skip
+        entry = {"target": target, "drafter": drafter, "revision": revision, "default": False,
+                 "block_size": int(block.group(1)) if block else None}  # fmt: skip
         if drafter == "embedded":
             config = json.loads((default_model.DRAFTER_ASSET / "config.json").read_text())
             entry.update(drafter=str(default_model.DRAFTER_ASSET), default=True,

@@ -189,7 +189,8 @@ class JobRecord:
 def counts_text(status: Dict[str, Any]) -> str:
     """A status's counts with their units: items (input rows) done, and the result rows they
     gave (one per sample), ok and failed."""
-    return (f"{status['done']}/{status['total']} items done; {status['ok'] + status['failed']} rows: "
+    rows = status["ok"] + status["failed"]
+    return (f"{status['done']}/{status['total']} items done; {rows} rows: "
             f"{status['ok']} ok, {status['failed']} failed")
 
 

@@ -34,7 +34,8 @@ def redis_huey(url: str):
     try:
         import redis  # noqa: F401
     except ImportError as e:
-        raise SpecError(f"a Redis queue ({url}) needs the redis client: {install_hint('redis')}") from e
+        hint = install_hint("redis")
+        raise SpecError(f"a Redis queue ({url}) needs the redis client: {hint}") from e
     from huey import RedisHuey
 
     return RedisHuey(name="dflash-batch", url=url, results=False, utc=True)
