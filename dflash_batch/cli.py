@@ -146,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "rows already in the output dir are skipped.")  # fmt: skip
     p.add_argument("source", metavar="FILE|JOB.yaml")
     p.add_argument("-q", "--quiet", "--no-progress", dest="quiet", action="store_true",
-                   help="no progress bar (items done, tok/s and ETA on stderr)")
+                   help="no progress bar (items done, output tok/s and ETA on stderr) and no INFO logs")
     p.add_argument("--json", action="store_true", help="print the final status as JSON")
     _overrides(p)
 
@@ -176,7 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--watch", nargs="?", const=2.0, type=_seconds, metavar="SECONDS",
                    help="follow JOB until it ends: items done, tok/s and ETA on stderr, polled every "
                    "SECONDS (default 2); exits as `run` would")
-    p.add_argument("-q", "--quiet", action="store_true", help="with --watch: no progress bar, only the final status")
+    p.add_argument("-q", "--quiet", action="store_true",
+                   help="with --watch: no progress bar and no INFO logs, only the final status")
 
     p = sub.add_parser("cancel", help="stop a job between items")
     p.add_argument("job", metavar="JOB")
