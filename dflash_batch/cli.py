@@ -146,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "rows already in the output dir are skipped.")  # fmt: skip
     p.add_argument("source", metavar="FILE|JOB.yaml")
     p.add_argument("-q", "--quiet", "--no-progress", dest="quiet", action="store_true",
-                   help="no progress bar (items done, output tok/s and ETA on stderr) and no INFO logs")
+                   help="no progress bar (items done, output tok/s, ETA) and no INFO logs")
     p.add_argument("--json", action="store_true", help="print the final status as JSON")
     _overrides(p)
 
