@@ -64,14 +64,22 @@ class Job:
         self.id = self.record.id
 
     def __repr__(self) -> str:
-        return f"Job({self.id!r})"
+        from .runner.jobs import counts_text
+
+        try:
+            status = self.status()
+        except Exception:  # a repr must not raise, even for an output dir gone or unreadable
+            return f"Job({self.id!r})"
+        return f"Job({self.id!r}, {status['state']}: {counts_text(status)})"
 
     @property
     def output_dir(self) -> Path:
         return self.record.output_dir
 
     def status(self) -> Dict[str, Any]:
-        """``{"state", "total", "done", "ok", "failed", "mean_decode_tps", ...}``."""
+        """``{"state", "total", "done", "rows", "ok", "failed", "mean_decode_tps", ...}``: ``total``
+        and ``done`` count items (input rows); ``rows``, ``ok`` and ``failed`` count result rows
+        (one per sample: an item with ``n: 2`` gives two)."""
         return self.record.status()
 
     def wait(self, timeout: Optional[float] = None, poll: float = 0.5) -> Dict[str, Any]:

@@ -143,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "rows already in the output dir are skipped.")  # fmt: skip
     p.add_argument("source", metavar="FILE|JOB.yaml")
     p.add_argument("-q", "--quiet", "--no-progress", dest="quiet", action="store_true",
-                   help="no progress bar (items done, tok/s and ETA on stderr)")
+                   help="no progress bar (items done, output tok/s, ETA) and no INFO logs")
     p.add_argument("--json", action="store_true", help="print the final status as JSON")
     _overrides(p)
 
@@ -173,7 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--watch", nargs="?", const=2.0, type=_seconds, metavar="SECONDS",
                    help="follow JOB until it ends: items done, tok/s and ETA on stderr, polled every "
                    "SECONDS (default 2); exits as `run` would")
-    p.add_argument("-q", "--quiet", action="store_true", help="with --watch: no progress bar, only the final status")
+    p.add_argument("-q", "--quiet", action="store_true",
+                   help="with --watch: no progress bar and no INFO logs, only the final status")
 
     p = sub.add_parser("cancel", help="stop a job between items")
     p.add_argument("job", metavar="JOB")
@@ -192,6 +193,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("job", metavar="JOB")
     p.add_argument("--format", choices=["parquet", "jsonl", "openai"], default="parquet")
     p.add_argument("--out", help="file to write (default: parquet prints the output dir, others go to stdout)")
+
+    p = sub.add_parser("drafters", help="list the registered target/drafter pairs (--draft auto)",
+                       description="The DFlash drafters registered for target names (no model is "
+                       "loaded or downloaded). A target without one decodes plainly under "
+                       "--draft auto.")  # fmt: skip
+    p.add_argument("--json", action="store_true")
 
     for p in sub.choices.values():  # after the command too: `run x.jsonl --home DIR`
         _common(p, argparse.SUPPRESS)  # not given there: the value before the command stands
@@ -233,8 +240,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         os.environ["DFLASH_BATCH_HOME"] = str(Path(args.home).expanduser().resolve())
     if args.redis:
         os.environ["DFLASH_BATCH_REDIS_URL"] = args.redis
+    quiet = getattr(args, "quiet", False)  # -q: warnings and errors only, no bar, no INFO lines
     logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
+        level=logging.DEBUG if args.verbose else logging.WARNING if quiet else logging.INFO,
         format="%(asctime)s %(levelname)s [%(threadName)s] %(name)s: %(message)s",
     )
     from .checks import BadValue
@@ -304,14 +312,16 @@ def cmd_submit(args) -> int:
 
 
 def _queued_line(s: Dict[str, Any], chunks: int) -> str:
-    """What submit did: rows already in the output dir (from earlier jobs), and rows queued."""
+    """What submit did: items already done in the output dir (from earlier jobs), with their
+    result rows, and items queued."""
     where = f"output: {s['output_dir']}"
     if s["done"] == 0:
-        return f"{s['total']} rows in {chunks} chunk(s) queued; {where}"
+        return f"{s['total']} items in {chunks} chunk(s) queued; {where}"
     failed = f"; `dflash-batch retry {s['id']} --failed-only` runs the {s['failed']} error rows again" if s["failed"] else ""
+    rows = f"{s['ok'] + s['failed']} rows: {s['ok']} ok, {s['failed']} failed"
     if s["remaining"] == 0:
-        return f"all {s['total']} rows already done ({s['ok']} ok, {s['failed']} failed): nothing queued{failed}; {where}"
-    return (f"{s['total']} rows: {s['done']} already done ({s['ok']} ok, {s['failed']} failed), {s['remaining']} queued "
+        return f"all {s['total']} items already done ({rows}): nothing queued{failed}; {where}"
+    return (f"{s['total']} items: {s['done']} already done ({rows}), {s['remaining']} queued "
             f"in {chunks} chunk(s); {where}")  # fmt: skip
 
 
@@ -330,8 +340,10 @@ def cmd_run(args) -> int:
         print(f"results: {status['output_dir']}")
     code = run_exit_code(status)
     if code == EXIT_ROWS_FAILED:
-        print(f"dflash-batch: {status['failed']} of {status['total']} rows failed: their `error` column says why "
-              f"(`dflash-batch results {status['id']} --format jsonl`)", file=sys.stderr)  # fmt: skip
+        rows = status["ok"] + status["failed"]  # result rows, one per sample
+        print(f"dflash-batch: {status['failed']} of {rows} rows failed: their `error` column says "
+              f"why (`dflash-batch results {status['id']} --format jsonl`)",
+              file=sys.stderr)  # fmt: skip
     return code
 
 
@@ -386,9 +398,13 @@ def _fmt(value, spec=".1f") -> str:
 
 
 def _status_line(s: Dict[str, Any]) -> str:
+    from .runner.jobs import counts_text
+    from .runner.progress import DECODE_RATE
+
     return (
-        f"{s['id']}  {s['state']:<11} {s['done']}/{s['total']} done ({s['ok']} ok, {s['failed']} failed)  "
-        f"decode {_fmt(s['mean_decode_tps'])} tok/s  acceptance {_fmt(s['mean_acceptance_drafted'], '.2f')} "
+        f"{s['id']}  {s['state']:<11} {counts_text(s)}  "
+        f"{DECODE_RATE} {_fmt(s['mean_decode_tps'])}  "
+        f"acceptance {_fmt(s['mean_acceptance_drafted'], '.2f')} "
         f"(of drafted) {_fmt(s['mean_acceptance_generated'], '.2f')} (of generated)  "
         f"tau {_fmt(s['mean_tokens_per_cycle'], '.2f')}"
         + (f"\n  error: {s['error']}" if s.get("error") else "")
@@ -421,9 +437,10 @@ def cmd_status(args) -> int:
         print(_status_line(s))
         for h in s["holders"]:
             print(f"  chunk {h['chunk']} held by {h['worker']} (lease {h['expires_in']:.0f} s left)")
-    for w in now["workers"]:
+    for w in now["workers"]:  # rates over the worker's last minute
         print(f"worker {w['id']}  device {w.get('device') or '-'}  {w['rows_per_s']:.2f} rows/s  "
-              f"{w['tokens_per_s']:.1f} tok/s  {w['rows']} rows  on {w.get('chunk') or 'nothing'}")
+              f"{w['tokens_per_s']:.1f} output tok/s (last minute)  {w['rows']} rows  "
+              f"on {w.get('chunk') or 'nothing'}")  # fmt: skip
     return 0
 
 
@@ -525,6 +542,27 @@ def cmd_unschedule(args) -> int:
     return EXIT_OK
 
 
+def cmd_drafters(args) -> int:
+    from .engine import registry  # here, not at import: the engine imports MLX
+
+    listed = registry.pairs()
+    if args.json:
+        _print_json(listed)
+        return EXIT_OK
+    print("--draft auto takes the drafter of the longest name below that the target's name starts "
+          "with (case and org ignored):")  # fmt: skip
+    rows = [("TARGET NAME", "BLOCK", "DRAFTER")]
+    for p in listed:
+        default = " (the embedded default pair)" if p["default"] else ""
+        rows.append((p["target"], _fmt(p["block_size"], "d"), p["drafter"] + default))
+    widths = [max(len(r[i]) for r in rows) for i in range(2)]
+    for target, block, drafter in rows:
+        print(f"  {target:<{widths[0]}}  {block:<{widths[1]}}  {drafter}")
+    print("BLOCK -: read from the drafter's config when it loads. A local target folder may "
+          "name its own drafter in dflash_drafter.json; any other drafter: --draft FOLDER|REPO.")
+    return EXIT_OK
+
+
 def _train_drafter(argv: List[str]) -> int:
     try:
         from .training.cli import main as train_main
@@ -548,6 +586,7 @@ COMMANDS = {
     "results": cmd_results,
     "schedules": cmd_schedules,
     "unschedule": cmd_unschedule,
+    "drafters": cmd_drafters,
 }
 
 

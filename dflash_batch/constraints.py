@@ -24,6 +24,7 @@ import json
 from typing import Any, Optional
 
 from .checks import BadValue, json_type, show
+from .extras import install_hint
 
 TYPES = ("json_schema", "json_object", "regex", "grammar", "text")
 
@@ -59,7 +60,7 @@ def _compile(kind: str, text: str) -> str:
     try:
         import llguidance
     except ImportError:
-        raise BadValue("needs llguidance: pip install 'dflash-batch[structured]'") from None
+        raise BadValue(f"needs llguidance: {install_hint('structured')}") from None
     try:
         if kind == "json":
             # compact JSON (no free whitespace): a model cannot pad its output with blank runs

@@ -1,5 +1,6 @@
 """Queue a batch from another application and wait for it (a worker must be running:
-``dflash-batch worker``).
+``dflash-batch worker``). In that application's environment, install dflash-batch from its clone
+(it is on no package index): ``pip install -e /path/to/dflash-batch``.
 
     python examples/enqueue.py [--target MODEL --draft DRAFTER]
 
@@ -30,8 +31,9 @@ def main() -> None:
     )
     print("queued", job.id, "->", job.output_dir)
     status = job.wait(timeout=args.timeout)
-    print(f"{status['state']}: {status['ok']} ok, {status['failed']} failed, "
-          f"mean decode {status['mean_decode_tps'] or 0:.1f} tok/s")  # fmt: skip
+    print(f"{status['state']}: {status['done']}/{status['total']} items done; "
+          f"{status['rows']} rows: {status['ok']} ok, {status['failed']} failed; "
+          f"decode tok/s (mean per row) {status['mean_decode_tps'] or 0:.1f}")  # fmt: skip
     df = job.to_pandas()
     print(df[["id", "status", "completion_tokens", "decode_tps", "acceptance_drafted"]].to_string(index=False))
 

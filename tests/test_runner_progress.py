@@ -39,7 +39,7 @@ def test_run_shows_items_tokens_per_second_and_eta(tmp_path, home, fake_models):
     ran = cli("run", src, *fake_flags(fake_models), home=home, check=True)
     bar = last_bar(ran.stderr)
     assert "6/6 items" in bar and "ETA" in bar
-    assert float(re.search(r"([\d.]+) tok/s", bar).group(1)) > 0
+    assert float(re.search(r"([\d.]+) output tok/s \(whole job\)", bar).group(1)) > 0
     quiet = cli("run", src, *fake_flags(fake_models, "-q", "--output-dir", tmp_path / "q"), home=home, check=True)
     assert " items " not in quiet.stderr and "tok/s" not in quiet.stderr
     # a rerun starts the bar at what is already done

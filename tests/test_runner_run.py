@@ -347,14 +347,14 @@ def test_resubmitting_says_what_is_done_and_queues_only_the_rest(tmp_path, home,
     first = dflash_batch.run(src, engine=engine, max_tokens=3, chunk_size=2, export_openai=True)
     (first.output_dir / "_openai_output.jsonl").unlink()
     out = cli("submit", src, "--max-tokens", 3, "--chunk-size", 2, "--export-openai", home=home, check=True)
-    assert "all 3 rows already done (2 ok, 1 failed): nothing queued" in out.stderr
+    assert "all 3 items already done (3 rows: 2 ok, 1 failed): nothing queued" in out.stderr
     assert "--failed-only` runs the 1 error rows again" in out.stderr
     again = api.Job(out.stdout.strip())
     assert again.status()["state"] == "completed" and Queue(home).queued_task_ids() == set()
     assert (first.output_dir / "_openai_output.jsonl").exists()  # the job completed: its export is written
     write_jsonl(src, PROMPTS[:2] + [{"id": "bad", "prompt": ""}] + PROMPTS[2:5])  # three new rows
     out = cli("submit", src, "--max-tokens", 3, "--chunk-size", 2, "--export-openai", home=home, check=True)
-    assert "6 rows: 3 already done (2 ok, 1 failed), 3 queued in 2 chunk(s)" in out.stderr
+    assert "6 items: 3 already done (3 rows: 2 ok, 1 failed), 3 queued in 2 chunk(s)" in out.stderr
     job_id = out.stdout.strip()
     assert Queue(home).queued_task_ids() == {task_id(job_id, 1), task_id(job_id, 2)}
 
@@ -393,4 +393,4 @@ def test_rates_are_null_where_they_are_undefined(tmp_path, home, fake_models):
     status = job.status()
     assert status["mean_decode_tps"] is None and status["mean_tokens_per_cycle"] is None
     line = cli("status", job.id, home=home, check=True).stdout
-    assert "decode - tok/s" in line and "tau -" in line
+    assert "decode tok/s (mean per row) -" in line and "tau -" in line

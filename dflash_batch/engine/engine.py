@@ -530,7 +530,7 @@ def load_engine(
         if draft == AUTO:
             draft = default_draft
     elif draft == AUTO:
-        found = registry.registered_drafter(str(target))
+        found = registry.auto_drafter(str(target))
         draft, draft_revision = found if found else (None, None)
     model, tokenizer, config = registry.load_any_target(target, target_revision, mx_dtype)
     drafter = loading.load_drafter(draft, draft_revision, mx_dtype) if draft is not None else None

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import logging
 import re
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 from . import loading
+
+log = logging.getLogger(__name__)
 
 # Target base name (lower case, org stripped) -> (drafter repo, revision). Published z-lab drafters.
 # Revisions are None: z-lab retrains drafters in place; pin one with draft_revision=... in production.
@@ -54,6 +58,42 @@ def registered_drafter(target: str) -> Optional[Tuple[str, Optional[str]]]:
         drafter = default_model.ensure_drafter()
         return (str(drafter), None) if drafter else None
     return best[1] if best else None
+
+
+_warned: Set[str] = set()  # targets already warned about: a worker loads its engine more than once
+
+
+def auto_drafter(target: str) -> Optional[Tuple[str, Optional[str]]]:
+    """The drafter ``draft="auto"`` takes for ``target``. With none registered the target decodes
+    plainly, several times slower: a warning says so (once per target), and how to give one."""
+    found = registered_drafter(target)
+    if found is None and target not in _warned:
+        _warned.add(target)
+        log.warning(
+            "no DFlash drafter is registered for target %s: it decodes without speculation "
+            "(plain autoregressive). Give one with --draft FOLDER|REPO (YAML model.draft, "
+            "Python draft=...); `dflash-batch drafters` lists the registered pairs; --no-draft "
+            "(draft=None) chooses plain decoding without this warning.", target)  # fmt: skip
+    return found
+
+
+def pairs() -> List[Dict[str, Any]]:
+    """The registered target/drafter pairs, with the drafter's block size where it is known
+    without downloading it (a ``-bN`` repo name, the embedded drafter's config); no model is
+    loaded or fetched."""
+    from . import default_model
+
+    out = []
+    for target, (drafter, revision) in DRAFTERS.items():
+        block = re.search(r"-b(\d+)$", drafter)
+        entry = {"target": target, "drafter": drafter, "revision": revision, "default": False,
+                 "block_size": int(block.group(1)) if block else None}  # fmt: skip
+        if drafter == "embedded":
+            config = json.loads((default_model.DRAFTER_ASSET / "config.json").read_text())
+            entry.update(drafter=str(default_model.DRAFTER_ASSET), default=True,
+                         block_size=config.get("dflash_config", {}).get("block_size"))  # fmt: skip
+        out.append(entry)
+    return out
 
 
 def default_pair() -> Tuple[str, Optional[str]]:

@@ -24,7 +24,7 @@ from ..completion import GenerationError
 from ..errors import ConfigChanged
 from ..files import write_atomic
 from ..request import Request, sample_seed
-from .jobs import JobRecord
+from .jobs import JobRecord, counts_text
 from .lease import LeaseLost
 from .lock import DirLock
 from .rows import item_error_row, outcome_row
@@ -197,4 +197,4 @@ def finish_job(record: JobRecord) -> None:
         write_atomic(store.dir / "_openai_output.jsonl", buf.getvalue())
     store.write_manifest(last_completed_job=record.id)
     status = record.status()
-    log.info("job %s completed: %d ok, %d failed", record.id, status["ok"], status["failed"])
+    log.info("job %s completed: %s", record.id, counts_text(status))

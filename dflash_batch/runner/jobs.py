@@ -170,6 +170,7 @@ class JobRecord:
             "state": state,
             "total": self.total,
             "done": done,
+            "rows": len(rows),  # result rows: an item with n samples has n
             "ok": len(ok),
             "failed": failed,
             "remaining": self.total - done,
@@ -183,6 +184,14 @@ class JobRecord:
             "created_at": self.data["created_at"],
             "error": self.failure(),
         }
+
+
+def counts_text(status: Dict[str, Any]) -> str:
+    """A status's counts with their units: items (input rows) done, and the result rows they
+    gave (one per sample), ok and failed."""
+    rows = status["ok"] + status["failed"]
+    return (f"{status['done']}/{status['total']} items done; {rows} rows: "
+            f"{status['ok']} ok, {status['failed']} failed")
 
 
 def create_job(spec: JobSpec, home: Path, job_id: Optional[str] = None) -> JobRecord:

@@ -10,13 +10,22 @@ from __future__ import annotations
 import time
 from typing import Any, Dict, Optional, TextIO
 
+# One name per rate, the same wherever it is shown (bar, `status`, run summary, examples): the
+# bar's is all output tokens over the elapsed time; the records' is each row's own decode rate.
+OUTPUT_RATE = "output tok/s (whole job)"
+DECODE_RATE = "decode tok/s (mean per row)"
 BAR_FORMAT = "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} items [{elapsed}, ETA {remaining}{postfix}]"
 
 
 class Progress:
     def __init__(self, total: int, done: int, desc: str, tokens: int = 0, file: Optional[TextIO] = None):
         from tqdm import tqdm
+        from tqdm.contrib.logging import logging_redirect_tqdm
 
+        # While the bar is up, log lines to the console go through tqdm.write: each clears the
+        # bar and starts on its own line, instead of after the bar's text.
+        self.logs = logging_redirect_tqdm()
+        self.logs.__enter__()
         self.bar = tqdm(total=total, initial=done, desc=desc, unit="item", smoothing=0, dynamic_ncols=True,
                         bar_format=BAR_FORMAT, file=file)  # fmt: skip
         self.start = time.monotonic()
@@ -44,9 +53,10 @@ class Progress:
         self.show_rate()
 
     def show_rate(self) -> None:
-        self.bar.set_postfix_str(f"{self.rate():.1f} tok/s", refresh=False)
+        self.bar.set_postfix_str(f"{self.rate():.1f} {OUTPUT_RATE}", refresh=False)
 
     def close(self) -> None:
         self.show_rate()
         self.bar.refresh()
         self.bar.close()
+        self.logs.__exit__(None, None, None)

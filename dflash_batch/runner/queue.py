@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
+from ..extras import install_hint
 from .jobs import JobRecord, list_jobs
 from .scaleout import check_sqlite_home, claim_home
 from .spec import SpecError
@@ -33,7 +34,8 @@ def redis_huey(url: str):
     try:
         import redis  # noqa: F401
     except ImportError as e:
-        raise SpecError(f"a Redis queue ({url}) needs the redis client: pip install 'dflash-batch[redis]'") from e
+        hint = install_hint("redis")
+        raise SpecError(f"a Redis queue ({url}) needs the redis client: {hint}") from e
     from huey import RedisHuey
 
     return RedisHuey(name="dflash-batch", url=url, results=False, utc=True)
