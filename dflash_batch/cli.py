@@ -278,9 +278,13 @@ def cmd_submit(args) -> int:
     spec = _load(args)
     home = home_dir()
     if spec.schedule:
-        path = api.add_schedule(args.source, home=home)
-        print(f"scheduled {path.stem!r} at {spec.schedule!r} (UTC): {path}")
-        print("workers read schedules at start: restart running workers to pick it up")
+        path = api.add_schedule(args.source, home=home, **_override_values(args))
+        if args.json and not args.now:
+            _print_json(next(s for s in api.schedules(home) if s["file"] == str(path)))
+            return EXIT_OK
+        said = sys.stderr if args.json else sys.stdout  # --json --now: stdout is the job's JSON
+        print(f"scheduled {path.stem!r} at {spec.schedule!r} (UTC): {path}", file=said)
+        print("workers read schedules at start: restart running workers to pick it up", file=said)
         if not args.now:
             return EXIT_OK
     job = api.submit(spec, home=home)
@@ -503,7 +507,10 @@ def cmd_schedules(args) -> int:
             print(f"{s['name']}  unreadable: {s['error']}")
             continue
         print(f"{s['name']}  {s['schedule']!r} (UTC)  last run {s['last_run'] or 'never'}  "
-              f"next {s['next_run'] or 'not within 35 days'}  input {s['input']}")  # fmt: skip
+              f"next {s['next_run'] or 'not within 35 days'}  input {s['input']}  "
+              f"output {s['output_dir'] or 'default'}")  # fmt: skip
+        if s["overrides"]:
+            print("  registered with " + ", ".join(f"{k}={v!r}" for k, v in s["overrides"].items()))
     return EXIT_OK
 
 
