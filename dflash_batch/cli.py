@@ -237,7 +237,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         return COMMANDS[args.command](args)
     except (InputError, SpecError, BadValue) as e:
-        return _fail(str(e), EXIT_REFUSED)
+        return _fail(getattr(e, "cli_message", str(e)), EXIT_REFUSED)  # flags, not keyword arguments
     except Locked as e:
         return _fail(f"{e}; wait for it, or cancel that job", EXIT_BUSY)
     except (JobNotFound, ScheduleNotFound) as e:
@@ -304,7 +304,9 @@ def _queued_line(s: Dict[str, Any], chunks: int) -> str:
         return f"{s['total']} rows in {chunks} chunk(s) queued; {where}"
     failed = f"; `dflash-batch retry {s['id']} --failed-only` runs the {s['failed']} error rows again" if s["failed"] else ""
     if s["remaining"] == 0:
-        return f"all {s['total']} rows already done ({s['ok']} ok, {s['failed']} failed): nothing queued{failed}; {where}"
+        again = "; a job of another --name (or -o) writes a folder of its own and generates them again"
+        return (f"all {s['total']} rows already done ({s['ok']} ok, {s['failed']} failed): nothing queued{failed}; "
+                f"{where}{again}")  # fmt: skip
     return (f"{s['total']} rows: {s['done']} already done ({s['ok']} ok, {s['failed']} failed), {s['remaining']} queued "
             f"in {chunks} chunk(s); {where}")  # fmt: skip
 
