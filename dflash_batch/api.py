@@ -204,10 +204,12 @@ def retry(job_id: str, *, failed_only: bool = False, home: Optional[Union[str, P
     return {"failed_dropped": len(failed), "items": len(redo), "chunks": queued}
 
 
-def add_schedule(spec_file: Union[str, Path], *, home: Optional[Union[str, Path]] = None, **overrides) -> Path:
+def add_schedule(spec_file: Union[str, Path], *, home: Optional[Union[str, Path]] = None,
+                 **overrides) -> Path:
     """Register a YAML job with a ``schedule`` for every worker on this home (copied, with its
-    paths made absolute, to ``$DFLASH_BATCH_HOME/schedules/<name>.yaml``; workers read it at start).
-    ``overrides`` (flat spec names, as for ``submit``) are applied to the copy and recorded in it."""
+    paths made absolute, to ``$DFLASH_BATCH_HOME/schedules/<name>.yaml``; workers read it at
+    start). ``overrides`` (flat spec names, as for ``submit``) apply to the copy, which records
+    them."""
     import yaml
 
     overrides = {k: v for k, v in overrides.items() if v is not None}
@@ -230,7 +232,7 @@ def add_schedule(spec_file: Union[str, Path], *, home: Optional[Union[str, Path]
     return target
 
 
-# How a registered schedule records the overrides it was registered with (``schedules`` shows them).
+# How a registered schedule records the overrides it was registered with (``schedules`` shows).
 OVERRIDES_LINE = "# overrides: "
 
 
@@ -274,7 +276,8 @@ def schedules(home: Optional[Union[str, Path]] = None) -> List[Dict[str, Any]]:
         due = next_due(spec.schedule, utcnow()) if spec.schedule else None
         out.append(dict(entry, schedule=spec.schedule, input=spec.input, catch_up=spec.catch_up, last_run=ran,
                         next_run=due.isoformat(timespec="minutes") if due else None,
-                        output_dir=spec.output_dir, overrides=registered_overrides(path)))  # fmt: skip
+                        output_dir=spec.output_dir,
+                        overrides=registered_overrides(path)))  # fmt: skip
     return out
 
 

@@ -237,7 +237,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         return COMMANDS[args.command](args)
     except (InputError, SpecError, BadValue) as e:
-        return _fail(getattr(e, "cli_message", str(e)), EXIT_REFUSED)  # flags, not keyword arguments
+        # the message in the command line's terms (flags, not keyword arguments) where it has one
+        return _fail(getattr(e, "cli_message", str(e)), EXIT_REFUSED)
     except Locked as e:
         return _fail(f"{e}; wait for it, or cancel that job", EXIT_BUSY)
     except (JobNotFound, ScheduleNotFound) as e:
@@ -304,9 +305,9 @@ def _queued_line(s: Dict[str, Any], chunks: int) -> str:
         return f"{s['total']} rows in {chunks} chunk(s) queued; {where}"
     failed = f"; `dflash-batch retry {s['id']} --failed-only` runs the {s['failed']} error rows again" if s["failed"] else ""
     if s["remaining"] == 0:
-        again = "; a job of another --name (or -o) writes a folder of its own and generates them again"
-        return (f"all {s['total']} rows already done ({s['ok']} ok, {s['failed']} failed): nothing queued{failed}; "
-                f"{where}{again}")  # fmt: skip
+        done = f"all {s['total']} rows already done ({s['ok']} ok, {s['failed']} failed)"
+        again = "a job of another --name (or -o) gets a folder of its own and generates them again"
+        return f"{done}: nothing queued{failed}; {where}; {again}"
     return (f"{s['total']} rows: {s['done']} already done ({s['ok']} ok, {s['failed']} failed), {s['remaining']} queued "
             f"in {chunks} chunk(s); {where}")  # fmt: skip
 
@@ -512,7 +513,8 @@ def cmd_schedules(args) -> int:
               f"next {s['next_run'] or 'not within 35 days'}  input {s['input']}  "
               f"output {s['output_dir'] or 'default'}")  # fmt: skip
         if s["overrides"]:
-            print("  registered with " + ", ".join(f"{k}={v!r}" for k, v in s["overrides"].items()))
+            given = ", ".join(f"{k}={v!r}" for k, v in s["overrides"].items())
+            print(f"  registered with {given}")
     return EXIT_OK
 
 

@@ -113,7 +113,8 @@ def test_the_command_line_names_its_flags(claimed, home, capsys):  # noqa: F811
     assert len(api.jobs(home)) == 1
 
 
-def test_a_resubmit_with_nothing_to_do_says_how_to_generate_again(claimed, home, capsys):  # noqa: F811
+def test_a_resubmit_with_nothing_to_do_says_how_to_generate_again(claimed, home,  # noqa: F811
+                                                                  capsys):
     assert cli.main(["submit", str(claimed), "--max-tokens", "3"]) == cli.EXIT_OK
     said = capsys.readouterr().err
     assert "nothing queued" in said and "--name" in said
@@ -123,7 +124,8 @@ def test_a_setup_refusal_names_the_flag_and_the_argument():
     """The queue's set-up checks run under both front ends: their advice names both."""
     from dflash_batch.runner import scaleout
 
-    mountinfo = "22 1 8:1 / / rw - ext4 /dev/sda1 rw\n40 22 0:50 / /mnt/shared rw - nfs4 server:/x rw\n"
+    mountinfo = ("22 1 8:1 / / rw - ext4 /dev/sda1 rw\n"
+                 "40 22 0:50 / /mnt/shared rw - nfs4 server:/x rw\n")
     with pytest.raises(scaleout.SetupError) as refused:
         scaleout.check_sqlite_home("/mnt/shared/home", mountinfo)
     message = str(refused.value)

@@ -71,7 +71,8 @@ def test_every_submit_flag_is_covered_here():
 
 
 @pytest.mark.parametrize("flags,key,value", FLAGS, ids=[f[0][0] for f in FLAGS])
-def test_a_flag_applies_to_the_registered_schedule(home, tmp_path, monkeypatch, capsys, flags, key, value):  # noqa: F811
+def test_a_flag_applies_to_the_registered_schedule(home, tmp_path, monkeypatch,  # noqa: F811
+                                                    capsys, flags, key, value):
     monkeypatch.chdir(tmp_path)
     assert cli.main(["submit", str(NIGHTLY), *flags]) == cli.EXIT_OK
     value = value.replace("CWD", str(tmp_path)) if isinstance(value, str) else value
@@ -84,23 +85,25 @@ def test_a_flag_applies_to_the_registered_schedule(home, tmp_path, monkeypatch, 
 
 
 def test_the_issues_command_reaches_the_jobs_the_cron_submits(home, capsys):  # noqa: F811
-    argv = ["submit", str(NIGHTLY), "--max-tokens-cap", "16", "-o", "{home}/results/nightly/{date}"]
+    argv = ["submit", str(NIGHTLY), "--max-tokens-cap", "16", "-o", "{home}/results/x/{date}"]
     assert cli.main(argv) == cli.EXIT_OK
     registered = home / "schedules" / "nightly-summaries.yaml"
     cron = Cron(Queue(home))
     cron.add_schedule(registered)
-    record = cron.submit_schedule("nightly-summaries", registered, datetime.datetime(2026, 3, 1, 2, 0))
+    when = datetime.datetime(2026, 3, 1, 2, 0)
+    record = cron.submit_schedule("nightly-summaries", registered, when)
     assert record.spec.max_tokens_cap == 16
-    assert record.output_dir.parent == home / "results" / "nightly"
+    assert record.output_dir.parent == home / "results" / "x"
     capsys.readouterr()
     assert cli.main(["schedules", "--json"]) == cli.EXIT_OK
     [listed] = json.loads(capsys.readouterr().out)
-    assert listed["output_dir"] == "{home}/results/nightly/{date}"
-    assert listed["overrides"] == {"max_tokens_cap": 16, "output_dir": "{home}/results/nightly/{date}"}
+    assert listed["output_dir"] == "{home}/results/x/{date}"
+    assert listed["overrides"] == {"max_tokens_cap": 16, "output_dir": listed["output_dir"]}
 
 
 def test_now_queues_the_same_settings_it_registers(home, capsys):  # noqa: F811
-    assert cli.main(["submit", str(NIGHTLY), "--now", "--json", "--max-tokens-cap", "16"]) == cli.EXIT_OK
+    argv = ["submit", str(NIGHTLY), "--now", "--json", "--max-tokens-cap", "16"]
+    assert cli.main(argv) == cli.EXIT_OK
     out = capsys.readouterr()
     job = json.loads(out.out)  # stdout is the job's JSON alone; what was registered goes to stderr
     assert "scheduled 'nightly-summaries'" in out.err

@@ -203,13 +203,13 @@ def create_job(spec: JobSpec, home: Path, job_id: Optional[str] = None) -> JobRe
     store = ResultStore(output_dir)
     previous = store.manifest().get("config_hash")
     if previous and previous != config_hash and not spec.force:
-        claimed = (f"{output_dir} holds results made with another model/sampling config (hash {previous}, "
-                   f"now {config_hash})")  # fmt: skip
+        claimed = (f"{output_dir} holds results made with another model/sampling config "
+                   f"(hash {previous}, now {config_hash})")  # fmt: skip
         raise OutputDirClaimed(
-            f"{claimed}; use another output_dir= (or name=, where the folder is named after the job), "
-            "or force=True to add to it anyway",
-            f"{claimed}; use another -o/--output-dir (or --name, where the folder is named after the job), "
-            "or --force to add to it anyway",
+            f"{claimed}; use another output_dir= (or name=, where the folder is named after "
+            "the job), or force=True to add to it anyway",
+            f"{claimed}; use another -o/--output-dir (or --name, where the folder is named after "
+            "the job), or --force to add to it anyway",
         )
     store.write_manifest(config_hash=config_hash, name=name)
     record = JobRecord(home, job_id or new_job_id(name))
