@@ -130,3 +130,18 @@ def test_a_setup_refusal_names_the_flag_and_the_argument():
         scaleout.check_sqlite_home("/mnt/shared/home", mountinfo)
     message = str(refused.value)
     assert all(name in message for name in ("--home", "home=", "--redis", "redis_url="))
+
+
+def test_a_job_whose_folder_another_config_took_names_both_ways_past_it(tmp_path, home,  # noqa: F811
+                                                                        engine):
+    """Submitted, then another config claims the folder before a worker gets to it: the job
+    fails with a message for either front end."""
+    from dflash_batch.errors import ConfigChanged
+    from dflash_batch.runner.execution import run_chunk
+
+    src = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "prompt": "one two three"}])
+    job = dflash_batch.submit(src, max_tokens=3)
+    job.record.store().write_manifest(config_hash="0" * 16)
+    with pytest.raises(ConfigChanged) as failed:
+        run_chunk(job.record, 0, lambda spec: engine)
+    assert "--force" in str(failed.value) and "force=True" in str(failed.value)
