@@ -132,8 +132,8 @@ def test_a_setup_refusal_names_the_flag_and_the_argument():
     assert all(name in message for name in ("--home", "home=", "--redis", "redis_url="))
 
 
-def test_a_job_whose_folder_another_config_took_names_both_ways_past_it(tmp_path, home,  # noqa: F811
-                                                                        engine):
+def test_a_folder_taken_before_the_job_ran_names_both_ways_past_it(tmp_path, home,  # noqa: F811
+                                                                    engine):
     """Submitted, then another config claims the folder before a worker gets to it: the job
     fails with a message for either front end."""
     from dflash_batch.errors import ConfigChanged
