@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Union
 
+import orjson
+
 from . import checks
 from .errors import JobFailed
 from .files import write_atomic
@@ -210,12 +212,18 @@ def retry(job_id: str, *, failed_only: bool = False, home: Optional[Union[str, P
     return {"failed_dropped": len(failed), "items": len(redo), "chunks": queued}
 
 
-def add_schedule(spec_file: Union[str, Path], *, home: Optional[Union[str, Path]] = None) -> Path:
+def add_schedule(spec_file: Union[str, Path], *, home: Optional[Union[str, Path]] = None,
+                 **overrides) -> Path:
     """Register a YAML job with a ``schedule`` for every worker on this home (copied, with its
-    paths made absolute, to ``$DFLASH_BATCH_HOME/schedules/<name>.yaml``; workers read it at start)."""
+    paths made absolute, to ``$DFLASH_BATCH_HOME/schedules/<name>.yaml``; workers read it at
+    start). ``overrides`` (flat spec names, as for ``submit``) apply to the copy, which records
+    them."""
     import yaml
 
-    spec = load_spec(spec_file)
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    if isinstance(overrides.get("output_dir"), str):
+        overrides["output_dir"] = _absolute_output_dir(overrides["output_dir"])
+    spec = load_spec(spec_file, **overrides)
     if not spec.schedule:
         raise SpecError(f"{spec_file}: no 'schedule' key; use submit to run it once")
     home = Path(home) if home else home_dir()
@@ -225,14 +233,40 @@ def add_schedule(spec_file: Union[str, Path], *, home: Optional[Union[str, Path]
     except checks.BadValue as e:
         raise SpecError(f"{spec_file}: cannot be registered as schedule {name!r}: {e}; give it a 'name'") from None
     target.parent.mkdir(parents=True, exist_ok=True)
-    layout = spec_layout(spec)
-    write_atomic(target, f"# registered from {Path(spec_file).resolve()}\n" + yaml.safe_dump(layout, sort_keys=False))
+    header = f"# registered from {Path(spec_file).resolve()}\n"
+    if overrides:
+        header += OVERRIDES_LINE + orjson.dumps(overrides, default=str).decode() + "\n"
+    write_atomic(target, header + yaml.safe_dump(spec_layout(spec), sort_keys=False))
     return target
+
+
+# How a registered schedule records the overrides it was registered with (``schedules`` shows).
+OVERRIDES_LINE = "# overrides: "
+
+
+def _absolute_output_dir(text: str) -> str:
+    """An output_dir given with the command, made absolute against this directory: a worker
+    resolves the registered one from its own."""
+    if text.startswith("{home}") or Path(text).expanduser().is_absolute():
+        return text
+    return str(Path.cwd() / text)
+
+
+def registered_overrides(path: Path) -> Dict[str, Any]:
+    """The overrides recorded in a registered schedule's header ({} if none)."""
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if not line.startswith("#"):
+                break
+            if line.startswith(OVERRIDES_LINE):
+                return orjson.loads(line[len(OVERRIDES_LINE):])
+    return {}
 
 
 def schedules(home: Optional[Union[str, Path]] = None) -> List[Dict[str, Any]]:
     """The schedules registered in the home: name (what ``remove_schedule`` takes), cron
-    expression, input, last and next run (UTC, ISO text), file; ``error`` for an unreadable one."""
+    expression, input, output_dir, last and next run (UTC, ISO text), the overrides it was
+    registered with, file; ``error`` for an unreadable one."""
     from .runner.cron import last_run_path, next_due, utcnow
 
     home = Path(home) if home else home_dir()
@@ -249,7 +283,9 @@ def schedules(home: Optional[Union[str, Path]] = None) -> List[Dict[str, Any]]:
         ran = state.read_text().strip() if state.exists() else None
         due = next_due(spec.schedule, utcnow()) if spec.schedule else None
         out.append(dict(entry, schedule=spec.schedule, input=spec.input, catch_up=spec.catch_up, last_run=ran,
-                        next_run=due.isoformat(timespec="minutes") if due else None))  # fmt: skip
+                        next_run=due.isoformat(timespec="minutes") if due else None,
+                        output_dir=spec.output_dir,
+                        overrides=registered_overrides(path)))  # fmt: skip
     return out
 
 

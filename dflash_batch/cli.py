@@ -255,7 +255,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         return COMMANDS[args.command](args)
     except (InputError, SpecError, BadValue) as e:
-        return _fail(str(e), EXIT_REFUSED)
+        # the message in the command line's terms (flags, not keyword arguments) where it has one
+        return _fail(getattr(e, "cli_message", str(e)), EXIT_REFUSED)
     except Locked as e:
         return _fail(f"{e}; wait for it, or cancel that job", EXIT_BUSY)
     except (JobNotFound, ScheduleNotFound) as e:
@@ -296,9 +297,13 @@ def cmd_submit(args) -> int:
     spec = _load(args)
     home = home_dir()
     if spec.schedule:
-        path = api.add_schedule(args.source, home=home)
-        print(f"scheduled {path.stem!r} at {spec.schedule!r} (UTC): {path}")
-        print("workers read schedules at start: restart running workers to pick it up")
+        path = api.add_schedule(args.source, home=home, **_override_values(args))
+        if args.json and not args.now:
+            _print_json(next(s for s in api.schedules(home) if s["file"] == str(path)))
+            return EXIT_OK
+        said = sys.stderr if args.json else sys.stdout  # --json --now: stdout is the job's JSON
+        print(f"scheduled {path.stem!r} at {spec.schedule!r} (UTC): {path}", file=said)
+        print("workers read schedules at start: restart running workers to pick it up", file=said)
         if not args.now:
             return EXIT_OK
     job = api.submit(spec, home=home)
@@ -320,7 +325,9 @@ def _queued_line(s: Dict[str, Any], chunks: int) -> str:
     failed = f"; `dflash-batch retry {s['id']} --failed-only` runs the {s['failed']} error rows again" if s["failed"] else ""
     rows = f"{s['ok'] + s['failed']} rows: {s['ok']} ok, {s['failed']} failed"
     if s["remaining"] == 0:
-        return f"all {s['total']} items already done ({rows}): nothing queued{failed}; {where}"
+        done = f"all {s['total']} items already done ({rows}): nothing queued{failed}; {where}"
+        again = "a job of another --name (or -o) gets a folder of its own and generates them again"
+        return f"{done}; {again}"
     return (f"{s['total']} items: {s['done']} already done ({rows}), {s['remaining']} queued "
             f"in {chunks} chunk(s); {where}")  # fmt: skip
 
@@ -530,7 +537,11 @@ def cmd_schedules(args) -> int:
             print(f"{s['name']}  unreadable: {s['error']}")
             continue
         print(f"{s['name']}  {s['schedule']!r} (UTC)  last run {s['last_run'] or 'never'}  "
-              f"next {s['next_run'] or 'not within 35 days'}  input {s['input']}")  # fmt: skip
+              f"next {s['next_run'] or 'not within 35 days'}  input {s['input']}  "
+              f"output {s['output_dir'] or 'default'}")  # fmt: skip
+        if s["overrides"]:
+            given = ", ".join(f"{k}={v!r}" for k, v in s["overrides"].items())
+            print(f"  registered with {given}")
     return EXIT_OK
 
 

@@ -61,6 +61,18 @@ class Locked(DflashBatchError, RuntimeError):
     """Another live process holds the lock."""
 
 
+class OutputDirClaimed(SpecError):
+    """An output dir holding results of another config. The message names the Python keyword
+    arguments that get past it; ``cli_message`` says the same with the command-line flags."""
+
+    def __init__(self, message: str, cli_message: str):
+        super().__init__(message)
+        self.cli_message = cli_message
+
+    def __reduce__(self):  # an exception with two arguments pickles both
+        return type(self), (str(self), self.cli_message)
+
+
 class ConfigChanged(DflashBatchError, RuntimeError):
     """The output dir was claimed by another config after this job was submitted."""
 

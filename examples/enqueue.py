@@ -4,13 +4,17 @@
 
     python examples/enqueue.py [--target MODEL --draft DRAFTER]
 
-Without --target the embedded default model pair is used.
+Without --target the embedded default model pair is used. The job has its own name, so its own
+output folder: its settings differ from the README's jobs on the same prompts, and an output
+folder holds the results of one config.
 """
 
 import argparse
+import sys
 from pathlib import Path
 
 import dflash_batch
+from dflash_batch.errors import InputError, SpecError
 
 HERE = Path(__file__).parent
 
@@ -22,13 +26,17 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=3600)
     args = parser.parse_args()
 
-    job = dflash_batch.submit(
-        HERE / "prompts.jsonl",
-        target=args.target,
-        draft=args.draft,
-        max_tokens=64,
-        system_prompt="You are a concise assistant.",
-    )
+    try:
+        job = dflash_batch.submit(
+            HERE / "prompts.jsonl",
+            name="enqueue-example",
+            target=args.target,
+            draft=args.draft,
+            max_tokens=64,
+            system_prompt="You are a concise assistant.",
+        )
+    except (SpecError, InputError) as e:  # refused: nothing was queued
+        sys.exit(f"enqueue.py: {e}")
     print("queued", job.id, "->", job.output_dir)
     status = job.wait(timeout=args.timeout)
     print(f"{status['state']}: {status['done']}/{status['total']} items done; "

@@ -89,7 +89,7 @@ def _check_config(record: JobRecord) -> None:
     if claimed and claimed != record.data["config_hash"] and not record.spec.force:
         raise ConfigChanged(
             f"{record.output_dir} now holds results of config {claimed}, this job has "
-            f"{record.data['config_hash']}; resubmit with --force to add to it"
+            f"{record.data['config_hash']}; resubmit with force (--force, force=True) to add to it"
         )
 
 

@@ -19,11 +19,11 @@ from typing import Any, Dict, List, Optional, Set
 import orjson
 
 from .. import checks
-from ..errors import JobNotFound
+from ..errors import JobNotFound, OutputDirClaimed
 from ..files import write_atomic
 from .items import read_items
 from .lock import is_locked
-from .spec import JobSpec, SpecError, default_name
+from .spec import JobSpec, default_name
 from .store import ResultStore, key_of
 
 
@@ -196,7 +196,8 @@ def counts_text(status: Dict[str, Any]) -> str:
 
 def create_job(spec: JobSpec, home: Path, job_id: Optional[str] = None) -> JobRecord:
     """Validate the input (whole-input problems raise ``InputError``), check the output dir's
-    config hash (a different one raises ``SpecError`` unless ``spec.force``), write the record."""
+    config hash (a different one raises ``OutputDirClaimed``, a ``SpecError``, unless
+    ``spec.force``), write the record."""
     home = Path(home)
     name = spec.name or default_name(spec.input)
     output_dir = spec.resolved_output_dir(home)
@@ -211,9 +212,13 @@ def create_job(spec: JobSpec, home: Path, job_id: Optional[str] = None) -> JobRe
     store = ResultStore(output_dir)
     previous = store.manifest().get("config_hash")
     if previous and previous != config_hash and not spec.force:
-        raise SpecError(
-            f"{output_dir} holds results made with another model/sampling config (hash {previous}, now "
-            f"{config_hash}); use a new output_dir, or --force to add to it anyway"
+        claimed = (f"{output_dir} holds results made with another model/sampling config "
+                   f"(hash {previous}, now {config_hash})")  # fmt: skip
+        raise OutputDirClaimed(
+            f"{claimed}; use another output_dir= (or name=, where the folder is named after "
+            "the job), or force=True to add to it anyway",
+            f"{claimed}; use another -o/--output-dir (or --name, where the folder is named after "
+            "the job), or --force to add to it anyway",
         )
     store.write_manifest(config_hash=config_hash, name=name)
     record = JobRecord(home, job_id or new_job_id(name))

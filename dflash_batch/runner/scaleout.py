@@ -64,8 +64,8 @@ def check_sqlite_home(home: os.PathLike, mountinfo: Optional[str] = None) -> Non
     if kind in NETWORK_FS:  # (not every FUSE file system: fuse-overlayfs of rootless containers is local)
         raise SetupError(
             f"the queue {Path(home) / 'queue.db'} would be SQLite on a network file system ({kind}), where "
-            f"its locking is unsafe: put the home on a local disk (--home), or the queue on Redis (--redis URL) "
-            f"for workers on several machines"
+            f"its locking is unsafe: put the home on a local disk (--home; home= in Python), "
+            f"or the queue on Redis (--redis URL; redis_url=) for workers on several machines"
         )
 
 
@@ -134,8 +134,8 @@ def claim_home(storage, home: os.PathLike) -> str:
     if mine is None:
         raise SetupError(
             f"this Redis queue serves the home {theirs['path']} (first used from {theirs['host']}), but "
-            f"{manifest} does not exist: mount that shared folder here and point --home at it, or use "
-            f"another Redis database for another home"
+            f"{manifest} does not exist: mount that shared folder here and point --home (home=) "
+            f"at it, or use another Redis database for another home"
         )
     if mine != theirs["id"]:
         raise SetupError(
