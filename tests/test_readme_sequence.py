@@ -72,11 +72,11 @@ def test_the_readme_sequence_runs_as_written(tmp_path, home, fake_models):  # no
             if assigned:
                 env[assigned.group(1)] = out.stdout.strip()
                 # the queued job generates: its rows are not the main job's
-                assert "8 rows in 1 chunk(s) queued" in out.stderr, out.stderr
+                assert "8 items in 1 chunk(s) queued" in out.stderr, out.stderr
             if "read_parquet" in line:
                 assert "[8 rows x" in out.stdout
             if "enqueue.py" in line:
-                assert "completed: 8 ok, 0 failed" in out.stdout
+                assert "completed: 8/8 items done; 8 rows: 8 ok, 0 failed" in out.stdout
         assert worker is not None, "the block starts no worker"
         assert worker.stop() == 0
     finally:
