@@ -1,16 +1,21 @@
 """Scale-out: one job on 1 worker, then on N workers (one per GPU, pinned with ``--device``), each
 worker a real ``dflash-batch worker`` process with its own resident engine on one queue.
 
-    python -m benchmarks.scaleout --devices 0,1 --workers 1,2 --shape qwen3-4b   # random weights
-    python -m benchmarks.scaleout --devices 0,1 --workers 1,2 --target default   # the default pair
-    python -m benchmarks.scaleout                # CPU: a tiny random pair, 1 and 2 workers
+    python -m benchmarks.scaleout --devices 0,1 --workers 1,2 --shape qwen3-4b \
+        --rows 512 --chunk-size 16 --max-tokens 128      # 2 GPUs: Qwen3-4B shape, random weights
+    python -m benchmarks.scaleout --devices 0,1 --workers 1,2 --target default \
+        --rows 512 --chunk-size 16 --max-tokens 128      # 2 GPUs: the default pair
+    python -m benchmarks.scaleout                        # CPU: a tiny random pair, 1 and 2 workers
+
+The default sizes (64 rows of 32 tokens) are for the CPU; on a GPU such a job takes a second or
+two, within the workers' queue polling (up to 2 s): give it tens of seconds per arm.
 
 For each worker count (an arm): a fresh home, the workers started and their engines loaded, then
 warm-up jobs identical to the timed job (same prompts, chunk size and max tokens, each into its
 own folder) until every worker has run a chunk of one, then the timed job, from submission until
 every chunk is committed. A fresh process's first job compiles and times its passes (engine
-warm-up); without this, only the arms whose workers had not run a job yet would pay for it, and
-unequally. Reports rows/s and output tok/s per arm, its speedup over the first arm, how many
+warm-up); timed cold, the arms paid unequally for first use (the first arm most), which inflated
+the speedup. Reports rows/s and output tok/s per arm, its speedup over the first arm, how many
 chunks of the timed job each worker ran, and checks every id was written exactly once.
 
 ``--shape`` saves a random-weight pair of benchmarks/shapes.py (benchmarks/model_files.py; no
