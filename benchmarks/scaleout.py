@@ -123,8 +123,16 @@ def chunk_count(args) -> int:
     return -(-args.rows // args.chunk_size)
 
 
-def engines_ready(logs: List[Path]) -> bool:
-    return all(p.exists() and "engine ready" in p.read_text(errors="replace") for p in logs)
+def engines_ready(procs: List[subprocess.Popen], logs: List[Path]) -> bool:
+    """Whether every worker has loaded its engine; exit 1 with a worker's log where one died or
+    failed to load its model (a worker waits on for jobs then: --load-timeout would run out)."""
+    texts = [log.read_text(errors="replace") if log.exists() else "" for log in logs]
+    for proc, text in zip(procs, texts):
+        if proc.poll() is not None or "Traceback" in text:
+            sys.stderr.write(f"{text[-4000:]}\nscaleout: a worker could not load the model "
+                             "(its log above)\n")
+            raise SystemExit(1)
+    return all("engine ready" in text for text in texts)
 
 
 def chunks_of(job_id: str, log: Path) -> int:
@@ -183,7 +191,7 @@ def one_run(root: Path, arm: str, n_workers: int, devs: List[Optional[str]], mod
     pinned = [devs[i % len(devs)] for i in range(n_workers)]
     procs = [start_worker(root / arm / "home", log, model, dev) for log, dev in zip(logs, pinned)]
     try:
-        wait_for(lambda: engines_ready(logs), args.load_timeout, "the workers' engines")
+        wait_for(lambda: engines_ready(procs, logs), args.load_timeout, "the workers' engines")
         warm = warm_up(root, arm, logs, model, args)
         started = time.perf_counter()
         job = submit_job(root, arm, model, args, "timed")
@@ -246,7 +254,11 @@ def parser() -> argparse.ArgumentParser:
 
 
 def checked_args(argv) -> argparse.Namespace:
-    args = parser().parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
+    if args.target and args.target.startswith(("/", ".", "~")):  # a folder, not a hub id
+        if not Path(args.target).expanduser().exists():
+            p.error(f"--target: no such folder: {args.target}")
     if args.workers is None:
         many = args.devices and len(args.devices) > 1
         args.workers = [1, len(args.devices)] if many else [1, 2]

@@ -75,6 +75,7 @@ def test_scaleout_worker_counts():
         (["--rows", "0"], "--rows"),
         (["--chunk-size", "-1"], "--chunk-size"),
         (["--warmup-jobs", "-1"], "--warmup-jobs"),
+        (["--target", "/no/such/model"], "--target"),
     ],
 )
 def test_scaleout_refuses_bad_arguments_naming_the_flag(argv, flag, capsys):
@@ -90,6 +91,15 @@ def test_scaleout_refuses_an_unknown_shape_before_starting_workers(tmp_path):
     assert done.returncode == 2, done.stderr
     assert "--shape" in done.stderr and "Traceback" not in done.stderr
     assert not out.exists()
+
+
+def test_scaleout_stops_when_a_worker_cannot_load_the_model(tmp_path):
+    (tmp_path / "empty").mkdir()  # a folder, but no model in it: the worker's load fails
+    done = python("-m", "benchmarks.scaleout", "--target", str(tmp_path / "empty"),
+                  "--workers", "1", "--load-timeout", "300")  # fmt: skip
+    assert done.returncode == 1
+    assert "a worker could not load the model" in done.stderr and "config.json" in done.stderr
+    assert done.stdout == ""  # no result for a run that did not happen
 
 
 LOG = """\
