@@ -101,8 +101,7 @@ def write_prompts(path: Path, rows: int) -> Path:
 
 def start_worker(home: Path, log: Path, model: Dict[str, str], device: Optional[str]):
     args = [sys.executable, "-m", "dflash_batch.cli", "--home", str(home), "worker",
-            "--no-periodic",
-            "--target", model["target"], "--draft", model["draft"]]  # fmt: skip
+            "--no-periodic", "--target", model["target"], "--draft", model["draft"]]
     if device is not None:
         args += ["--device", device]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -169,7 +168,7 @@ def warm_up(root: Path, arm: str, logs: List[Path], model, args) -> Dict[str, ob
         states.append(job.wait(timeout=args.timeout, poll=0.1)["state"])
         ran = [r + c for r, c in zip(ran, chunks_by_worker(job.id, logs, chunk_count(args)))]
     return {"jobs": len(states), "states": states, "chunks_per_worker": ran,
-            "every_worker_warm": min(ran) > 0}  # fmt: skip
+            "every_worker_warm": min(ran) > 0}
 
 
 def exactly_once(output_dir: Path, rows: int):
