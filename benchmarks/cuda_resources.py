@@ -9,12 +9,14 @@ captures it for each kernel at the Qwen3-4B shape (bf16, head dim 128) and for h
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import subprocess
 import sys
 import tempfile
 
+import dflash_batch.engine  # noqa: F401  (preloads a fast BLAS before mlx on Linux CPU)
 import mlx.core as mx
 
 from dflash_batch.engine.kernels import attention as ka
@@ -73,4 +75,7 @@ def main():
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    ).parse_args()
     main()

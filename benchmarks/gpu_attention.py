@@ -33,6 +33,7 @@ import time
 from contextlib import contextmanager
 from datetime import datetime, timezone
 
+import dflash_batch.engine  # noqa: F401  (preloads a fast BLAS before mlx on Linux CPU)
 import mlx.core as mx
 
 from benchmarks.shapes import SHAPES, build_drafter, build_target

@@ -7,25 +7,39 @@
 
 (docs/benchmarks/ncu-h200-run*.txt hold the summaries of the H200 runs.)
 """
-import dflash_batch.engine  # noqa: F401
+import argparse
+
+import dflash_batch.engine  # noqa: F401  (preloads a fast BLAS before mlx on Linux CPU)
 import mlx.core as mx
+
 from dflash_batch.engine.kernels import attention as ka
 
 H, Hk, D, Lq, L = 32, 8, 128, 16, 2048
-mx.random.seed(0)
-q = mx.random.normal((1, H, Lq, D)).astype(mx.bfloat16)
-kb = mx.random.normal((1, Hk, L + 64, D)).astype(mx.bfloat16)
-vb = mx.random.normal((1, Hk, L + 64, D)).astype(mx.bfloat16)
-mx.eval(q, kb, vb)
-runs = [
-    ("cuda_cores", dict(config=ka.kernel_config("cuda", D))),
-    ("mma_default_auto_splits", {}),
-    ("mma_nw8_kt16_st2_fused_s4", dict(config=ka.mma_config(D, 8, True, 16, 2), splits=4)),
-    ("mma_nw4_kt16_st3_fused_s2", dict(config=ka.mma_config(D, 4, True, 16, 3), splits=2)),
-]
-for name, kw in runs:
-    for i in range(2):
-        out = ka.block_attention_kernel(q, kb[:, :, : L + i], vb[:, :, : L + i], scale=D**-0.5, causal=True, **kw)
-        mx.eval(out)
-        mx.synchronize()
-    print("ran", name, flush=True)
+
+
+def main(argv=None) -> None:
+    argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    ).parse_args(argv)
+    mx.random.seed(0)
+    q = mx.random.normal((1, H, Lq, D)).astype(mx.bfloat16)
+    kb = mx.random.normal((1, Hk, L + 64, D)).astype(mx.bfloat16)
+    vb = mx.random.normal((1, Hk, L + 64, D)).astype(mx.bfloat16)
+    mx.eval(q, kb, vb)
+    runs = [
+        ("cuda_cores", dict(config=ka.kernel_config("cuda", D))),
+        ("mma_default_auto_splits", {}),
+        ("mma_nw8_kt16_st2_fused_s4", dict(config=ka.mma_config(D, 8, True, 16, 2), splits=4)),
+        ("mma_nw4_kt16_st3_fused_s2", dict(config=ka.mma_config(D, 4, True, 16, 3), splits=2)),
+    ]
+    for name, kw in runs:
+        for i in range(2):
+            keys, values = kb[:, :, : L + i], vb[:, :, : L + i]
+            out = ka.block_attention_kernel(q, keys, values, scale=D**-0.5, causal=True, **kw)
+            mx.eval(out)
+            mx.synchronize()
+        print("ran", name, flush=True)
+
+
+if __name__ == "__main__":
+    main()

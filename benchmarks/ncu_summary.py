@@ -3,9 +3,10 @@
     python benchmarks/ncu_summary.py ncu.csv
 """
 
+import argparse
 import collections
 import csv
-import sys
+import os
 
 WANT = ["Duration", "SM Frequency", "Achieved Occupancy", "Theoretical Occupancy", "Registers Per Thread",
         "Compute (SM) Throughput", "DRAM Throughput", "L2 Hit Rate", "Dynamic Shared Memory Per Block",
@@ -27,4 +28,11 @@ def main(path):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("csv", help="the CSV that ncu wrote")
+    path = parser.parse_args().csv
+    if not os.path.isfile(path):
+        parser.error(f"csv: no such file: {path}")
+    main(path)
