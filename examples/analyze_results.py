@@ -14,8 +14,12 @@ if Path(source).is_dir():
     df = pd.read_parquet(source)
 else:
     from dflash_batch.api import Job
+    from dflash_batch.errors import JobNotFound
 
-    df = Job(source).to_pandas()
+    try:
+        df = Job(source).to_pandas()
+    except JobNotFound as e:  # an unknown id, or a prefix of several: say so, no traceback
+        sys.exit(f"analyze_results: {e}")
 print(f"{len(df)} rows, {df['status'].eq('ok').sum()} ok, {df['status'].eq('error').sum()} errors")
 
 # %% Errors, with the line or row of the input they came from
