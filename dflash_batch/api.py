@@ -78,21 +78,22 @@ class Job:
 
     def wait(self, timeout: Optional[float] = None, poll: float = 0.5) -> Dict[str, Any]:
         """Block until the job is completed, cancelled or failed; ``TimeoutError`` after ``timeout``
-        s, saying so when no worker serves the queue. That is also logged once while waiting."""
+        s. Both the first poll (logged) and the timeout say so when no worker serves the queue."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        warned = False
+        first = True
         while True:
             status = self.status()
             if status["state"] in FINAL_STATES:
                 return status
-            note = idle_note(self.record, status["state"])
             if deadline is not None and time.monotonic() >= deadline:
+                note = idle_note(self.record, status["state"])
                 still = f"job {self.id} still {status['state']} after {timeout}s"
                 counts = f"({status['done']}/{status['total']} done)"
                 raise TimeoutError(f"{still} {counts}" + (f": {note}" if note else ""))
-            if note and not warned:
+            note = idle_note(self.record, status["state"]) if first else None
+            if note:
                 log.warning("%s", note)
-                warned = True
+            first = False
             time.sleep(poll)
 
     def to_arrow(self):
@@ -171,7 +172,8 @@ def run(
         else:  # the whole job as one stream of requests through the engine
             run_job(record, None, engines, on_row=bar.row if bar else None)
     except (Locked, checks.BadValue):  # refused before any work: no record is left of it
-        record.discard()
+        if record.new:
+            record.discard()
         raise
     except Exception as e:  # as a worker does: the job is failed, its finished rows stay
         record.mark_failed(f"{type(e).__name__}: {e}")

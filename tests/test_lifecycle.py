@@ -84,9 +84,10 @@ def test_a_stopped_foreground_run_is_left_to_its_rerun(tmp_path, home, fake_mode
     for chunk in job.record.pending_chunks():
         worker.run_chunk(job.id, chunk)
     assert loaded == [] and worker.queue.requeue_unfinished() == 0
-    # the rerun is not refused: it resumes, every id exactly once
+    # the rerun is not refused: it resumes the same job, every id exactly once
     rerun = cli(*run_args(src, out), home=home)
     assert rerun.returncode == 0, rerun.stderr
+    assert [j.id for j in api.jobs(home)] == [job.id] and job.status()["state"] == "completed"
     df = pd.read_parquet(out)
     assert sorted(df["id"]) == sorted(p["id"] for p in PROMPTS) and df["id"].is_unique
 
@@ -100,6 +101,10 @@ def test_rerun_after_ctrl_c_generates_only_the_rest(tmp_path, home):
     again = CountingEngine(FakeEngine())
     rerun = api.run(src, engine=again, chunk_size=2, output_dir=str(out))
     assert rerun.status()["state"] == "completed" and len(again.calls) == 4
+    assert rerun.id == job.id and len(api.jobs(home)) == 1  # the same job, resumed
+    with pytest.raises(KeyboardInterrupt):  # a run with other settings is another job
+        api.run(src, engine=Interrupting(FakeEngine(), 1), chunk_size=2, output_dir=f"{out}2")
+    assert len(api.jobs(home)) == 2
 
 
 class Interrupting:

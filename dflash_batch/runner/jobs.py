@@ -50,6 +50,7 @@ class JobRecord:
         self.id = job_id
         self.dir = self.home / "jobs" / job_id
         self._data: Optional[Dict[str, Any]] = None
+        self.new = False  # made by this create_job call (not an earlier job taken up again)
 
     # -- stored fields --------------------------------------------------------------------
     @property
@@ -202,8 +203,9 @@ def create_job(spec: JobSpec, home: Path, job_id: Optional[str] = None,
                foreground: bool = False) -> JobRecord:
     """Validate the input (whole-input problems raise ``InputError``), check the output dir's
     config hash (a different one raises ``SpecError`` unless ``spec.force``), write the record.
-    A spec with nothing left to do that an earlier finished job ran as it is gives that job: a
-    no-op resubmit adds no record. ``foreground``: a ``run``'s job, which workers leave alone."""
+    ``foreground``: a ``run``'s job, which workers leave alone. An earlier job of this very spec,
+    output dir and ids is given instead of a new record when it is completed and nothing is left
+    to do (a no-op resubmit), or, for a run, when it is a stopped run (the rerun resumes it)."""
     home = Path(home)
     name = spec.name or default_name(spec.input)
     output_dir = spec.resolved_output_dir(home)
@@ -229,13 +231,14 @@ def create_job(spec: JobSpec, home: Path, job_id: Optional[str] = None,
     done_chunks = [c for c in range(0, len(ids), chunk_size)
                    if not samples and all(i in done for i in ids[c:c + chunk_size])]  # fmt: skip
     chunks = (len(ids) + chunk_size - 1) // chunk_size
-    if len(done_chunks) == chunks:
-        earlier = finished_twin(home, spec, output_dir, ids)
-        if earlier is not None:
-            return earlier
+    earlier = same_job(home, spec, output_dir, ids, finished=len(done_chunks) == chunks,
+                       stopped=foreground)  # fmt: skip
+    if earlier is not None:
+        return earlier
     store.write_manifest(config_hash=config_hash, name=name)
     record = JobRecord(home, job_id or new_job_id(name))
     record.dir.mkdir(parents=True, exist_ok=False)
+    record.new = True
     if foreground:  # before job.json: a worker's reaper never sees the record without it
         write_atomic(record._marker("foreground"), b"")
     write_atomic(record.dir / "ids.json", orjson.dumps(ids))
@@ -256,14 +259,19 @@ def create_job(spec: JobSpec, home: Path, job_id: Optional[str] = None,
     return record
 
 
-def finished_twin(home: Path, spec: JobSpec, output_dir: Path,
-                  ids: List[str]) -> Optional[JobRecord]:
-    """The latest completed job with this very spec, output dir and ids, if any."""
+def same_job(home: Path, spec: JobSpec, output_dir: Path, ids: List[str], finished: bool,
+             stopped: bool) -> Optional[JobRecord]:
+    """The latest job with this very spec, output dir and ids that is completed (if
+    ``finished``) or a foreground run that stopped with work left (if ``stopped``)."""
     wanted = spec.to_dict()
     for record in reversed(list_jobs(home)):
-        same = record.data["spec"] == wanted and record.output_dir == output_dir
-        finished = not record.pending_chunks() and not record.cancelled() and not record.failure()
-        if same and finished and record.ids() == ids:
+        if record.data["spec"] != wanted or record.output_dir != output_dir:
+            continue
+        if record.cancelled() or record.failure():
+            continue
+        pending = record.pending_chunks()
+        resumable = stopped and pending and record.foreground() and not is_locked(output_dir)
+        if ((finished and not pending) or resumable) and record.ids() == ids:
             return record
     return None
 
