@@ -15,6 +15,7 @@ Keyword overrides use the flat spec names (``target``, ``draft``, ``max_tokens``
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from pathlib import Path
@@ -32,6 +33,7 @@ from .runner.spec import JobSpec, SpecError, load_spec, validate
 
 Source = Union[str, Path, Dict[str, Any]]
 FINAL_STATES = ("completed", "cancelled", "failed")
+log = logging.getLogger("dflash_batch")
 
 
 ENGINE_ENV = "DFLASH_BATCH_ENGINE"
@@ -85,14 +87,23 @@ class Job:
         return self.record.status()
 
     def wait(self, timeout: Optional[float] = None, poll: float = 0.5) -> Dict[str, Any]:
-        """Block until the job is completed, cancelled or failed; ``TimeoutError`` after ``timeout`` s."""
+        """Block until the job is completed, cancelled or failed; ``TimeoutError`` after ``timeout``
+        s. Both the first poll (logged) and the timeout say so when no worker serves the queue."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        first = True
         while True:
             status = self.status()
             if status["state"] in FINAL_STATES:
                 return status
             if deadline is not None and time.monotonic() >= deadline:
-                raise TimeoutError(f"job {self.id} still {status['state']} after {timeout}s ({status['done']}/{status['total']} done)")
+                note = idle_note(self.record, status["state"])
+                still = f"job {self.id} still {status['state']} after {timeout}s"
+                counts = f"({status['done']}/{status['total']} done)"
+                raise TimeoutError(f"{still} {counts}" + (f": {note}" if note else ""))
+            note = idle_note(self.record, status["state"]) if first else None
+            if note:
+                log.warning("%s", note)
+            first = False
             time.sleep(poll)
 
     def to_arrow(self):
@@ -129,9 +140,10 @@ def submit(input: Source, *, home: Optional[Union[str, Path]] = None, redis_url:
     home = Path(home) if home else home_dir()
     spec = _spec(input, overrides)
     check_output_dir(spec, home)
+    queue = Queue(home, redis_url=redis_url)  # an unusable queue refuses before any record
     record = create_job(spec, home)
     if record.pending_chunks():
-        Queue(home, redis_url=redis_url).enqueue_job(record)
+        queue.enqueue_job(record)
     else:  # every row is in the output dir already: nothing to queue
         finish_job(record)
     return Job(record.id, home)
@@ -153,7 +165,10 @@ def run(
     from .runner.worker import Engines
 
     home = Path(home) if home else home_dir()
-    record = create_job(_spec(input, overrides), home)
+    spec = _spec(input, overrides)
+    with DirLock(spec.resolved_output_dir(home)):  # a busy dir refuses before anything is written
+        pass
+    record = create_job(spec, home, foreground=True)
     engines = (lambda spec: engine) if engine is not None else Engines(engine_factory or load_model)
     bar = None
     if progress:
@@ -166,7 +181,9 @@ def run(
             finish_job(record)
         else:  # the whole job as one stream of requests through the engine
             run_job(record, None, engines, on_row=bar.row if bar else None)
-    except (Locked, checks.BadValue):  # refused before any work: the job stays as it was
+    except (Locked, checks.BadValue):  # refused before any work: no record is left of it
+        if record.new:
+            record.discard()
         raise
     except Exception as e:  # as a worker does: the job is failed, its finished rows stay
         record.mark_failed(f"{type(e).__name__}: {e}")
@@ -331,6 +348,65 @@ def activity(home: Optional[Union[str, Path]] = None, redis_url: Optional[str] =
     now = time.time()
     held = [dict(r, expires_in=round(r["expires"] - now, 1)) for r in leases.leases()]
     return {"workers": leases.workers(), "leases": sorted(held, key=lambda r: (r["job"], r["chunk"]))}
+
+
+def live_workers(home: Optional[Union[str, Path]] = None, redis_url: Optional[str] = None,
+                 clock: Callable[[], float] = time.time) -> List[Dict[str, Any]]:
+    """The workers of the home's queue whose heartbeat is recent (their records, by id)."""
+    from .runner.lease import Leases
+    from .runner.queue import REDIS_ENV, Queue
+
+    home = Path(home) if home else home_dir()
+    if not (redis_url or os.environ.get(REDIS_ENV)) and not (home / "queue.db").exists():
+        return []
+    return Leases(Queue(home, redis_url=redis_url).huey.storage, clock=clock).workers()
+
+
+def idle_note(record: JobRecord, state: str,
+              workers: Optional[Callable[[], list]] = None) -> Optional[str]:
+    """Why nothing moves a job that waits (``state`` queued, in progress or interrupted), or None
+    while something can: a foreground run that stopped, or no live worker on the queue."""
+    if state == "interrupted":
+        return (f"job {record.id} was a foreground run that stopped; no worker takes it: rerun "
+                f"`dflash-batch run` with the same input and settings to resume")  # fmt: skip
+    if state not in ("queued", "in_progress"):
+        return None
+    if (workers() if workers is not None else live_workers(record.home)):
+        return None
+    return (f"no worker is serving this queue ({record.home}): start `dflash-batch worker` to run "
+            f"job {record.id}")  # fmt: skip
+
+
+def remove(job_ids: List[str], *, files: bool = False,
+           home: Optional[Union[str, Path]] = None) -> Dict[str, Optional[str]]:
+    """Delete finished jobs' records (completed, failed, cancelled, interrupted); with
+    ``files``, their result files too, but never a dir another job's record still names, nor
+    files in it that are not results. All are checked before any goes: a queued or running one
+    (``JobActive``), an unknown or ambiguous id (``JobNotFound``) refuses them all. Returns
+    {job id: why its files were kept, or None}."""
+    from .runner.jobs import check_removable, remove_job
+
+    home = Path(home) if home else home_dir()
+    records = {r.id: r for r in (load_job(home, j) for j in job_ids)}
+    for record in records.values():
+        check_removable(record)
+    going = set(records)
+    return {job_id: remove_job(record, files, going) for job_id, record in records.items()}
+
+
+def prune(older_than: float, *, files: bool = False, home: Optional[Union[str, Path]] = None,
+          now: Optional[float] = None) -> Dict[str, Optional[str]]:
+    """``remove`` every finished job created more than ``older_than`` seconds ago (before
+    ``now``); queued and running jobs stay."""
+    from .runner.jobs import prunable
+
+    home = Path(home) if home else home_dir()
+    try:
+        checks.finite_number(older_than, 0)
+    except checks.BadValue as e:
+        raise checks.BadValue(f"older_than: {e}") from None
+    old = prunable(home, older_than, time.time() if now is None else now)
+    return remove([r.id for r in old], files=files, home=home)
 
 
 def jobs(home: Optional[Union[str, Path]] = None) -> List[Job]:

@@ -183,6 +183,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("job", metavar="JOB")
     p.add_argument("--failed-only", action="store_true", help="only the error rows, not unfinished items")
 
+    p = sub.add_parser("rm", help="remove finished jobs' records (with --files, their results too)")
+    p.add_argument("jobs", nargs="+", metavar="JOB")
+    p.add_argument("--files", action="store_true",
+                   help="also delete the result files in each job's output dir (not a dir another "
+                   "job's record still uses, nor files in it that are not results)")
+
+    p = sub.add_parser("prune", help="remove the records of finished jobs older than an age")
+    p.add_argument("--older-than", required=True, type=_age, metavar="AGE",
+                   help="created more than AGE ago: seconds, or a number with s, m, h or d (7d)")
+    p.add_argument("--files", action="store_true",
+                   help="also delete their result files (as rm --files)")
+
     p = sub.add_parser("schedules", help="list the cron schedules registered in the home")
     p.add_argument("--json", action="store_true")
 
@@ -227,6 +239,17 @@ def _seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0, got {text!r}") from e
 
 
+def _age(text: str) -> float:
+    """An argparse type: an age such as 90, 90s, 30m, 12h or 7d, in seconds."""
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    number, unit = (text[:-1], units[text[-1]]) if text[-1:] in units else (text, 1)
+    try:
+        return _seconds(number) * unit
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"must be an age such as 3600, 30m, 12h or 7d, got {text!r}") from None
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "train-drafter":
@@ -247,7 +270,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     )
     from .checks import BadValue
     from .runner.items import InputError
-    from .runner.jobs import JobNotFound
+    from .runner.jobs import AmbiguousJob, JobNotFound
     from .runner.lock import Locked
     from .runner.spec import SpecError
     from .runner.cron import ScheduleNotFound
@@ -259,6 +282,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         return _fail(getattr(e, "cli_message", str(e)), EXIT_REFUSED)
     except Locked as e:
         return _fail(f"{e}; wait for it, or cancel that job", EXIT_BUSY)
+    except AmbiguousJob as e:
+        return _fail(str(e), EXIT_REFUSED)
     except (JobNotFound, ScheduleNotFound) as e:
         return _fail(str(e), EXIT_NOT_FOUND)
     except CliError as e:
@@ -456,12 +481,15 @@ def watch(record, every: float, quiet: bool = False, as_json: bool = False) -> i
     ETA) meanwhile. The exit code is `run`'s for the final status."""
     import time
 
+    from .api import idle_note
     from .runner.progress import Progress
 
     status = record.status()
     bar = None if quiet else Progress(status["total"], status["done"], record.id, tokens=status["completion_tokens"])
+    said = None
     try:
         while status["state"] not in ("completed", "failed", "cancelled"):
+            said = _say_idle(idle_note(record, status["state"]), said)
             time.sleep(every)
             status = record.status()
             if bar is not None:
@@ -474,6 +502,15 @@ def watch(record, every: float, quiet: bool = False, as_json: bool = False) -> i
     else:
         print(_status_line(status))
     return run_exit_code(status)
+
+
+def _say_idle(note: Optional[str], said: Optional[str]) -> Optional[str]:
+    """Print why the watched job does not move, once each time that changes (above the bar)."""
+    if note and note != said:
+        from tqdm import tqdm
+
+        tqdm.write(f"dflash-batch: {note}", file=sys.stderr)
+    return note
 
 
 def cmd_cancel(args) -> int:
@@ -521,6 +558,28 @@ def cmd_results(args) -> int:
         write_lines(table, sys.stdout.buffer, args.format, model=job.record.spec.model_name)
         sys.stdout.flush()  # a closed pipe shows here, inside main, not at exit
     return 0
+
+
+def cmd_rm(args) -> int:
+    from . import api
+
+    _print_removed(api.remove(args.jobs, files=args.files))
+    return EXIT_OK
+
+
+def cmd_prune(args) -> int:
+    from . import api
+
+    removed = api.prune(args.older_than, files=args.files)
+    _print_removed(removed)
+    if not removed:
+        print("no finished job is that old: nothing removed")
+    return EXIT_OK
+
+
+def _print_removed(removed: Dict[str, Optional[str]]) -> None:
+    for job_id, kept in removed.items():
+        print(f"removed {job_id}" + (f" ({kept})" if kept else ""))
 
 
 def cmd_schedules(args) -> int:
@@ -598,6 +657,8 @@ COMMANDS = {
     "schedules": cmd_schedules,
     "unschedule": cmd_unschedule,
     "drafters": cmd_drafters,
+    "rm": cmd_rm,
+    "prune": cmd_prune,
 }
 
 

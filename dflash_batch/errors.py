@@ -53,6 +53,14 @@ class JobNotFound(DflashBatchError, LookupError):
     pass
 
 
+class AmbiguousJob(JobNotFound):
+    """A job id prefix that starts several job ids; the message lists them."""
+
+
+class JobActive(BadValue):
+    """A job still queued or running, where only a finished one will do (a refusal)."""
+
+
 class ScheduleNotFound(DflashBatchError, LookupError):
     pass
 

@@ -14,8 +14,12 @@ if Path(source).is_dir():
     df = pd.read_parquet(source)
 else:
     from dflash_batch.api import Job
+    from dflash_batch.errors import JobNotFound
 
-    df = Job(source).to_pandas()
+    try:
+        df = Job(source).to_pandas()
+    except JobNotFound as e:  # an unknown id, or a prefix of several: say so, no traceback
+        sys.exit(f"analyze_results: {e}")
 ok_rows, error_rows = df["status"].eq("ok").sum(), df["status"].eq("error").sum()
 print(f"{df['id'].nunique()} items; {len(df)} rows (one per sample): "
       f"{ok_rows} ok, {error_rows} errors")

@@ -98,16 +98,29 @@ class Cron:
         last_run_path(self.home, path)  # refuses a file name that cannot name its state file
 
         def submit_scheduled():
-            now = utcnow()
-            ran = self.recorded_run(name)
-            if ran is not None and ran >= now.replace(second=0, microsecond=0):
-                return  # a start-up catch-up already submitted it this minute
-            self.submit_schedule(name, path, now)
+            self.fire(name, Path(path))
 
         self.queue.huey.periodic_task(crontab(**cron_fields(spec.schedule)), name=f"dflash_batch.cron.{name}")(submit_scheduled)
         self.schedules[name] = (spec.schedule, Path(path))
         log.info("schedule registered: %s at %r (UTC) from %s", name, spec.schedule, path)
         return name, spec.schedule
+
+    def fire(self, name: str, path: Path) -> None:
+        """What the periodic task does when its minute comes: submit the job, unless a start-up
+        catch-up did this minute. A schedule removed or broken since the worker started is one
+        log line (the task fires again next time), not a traceback."""
+        if not path.exists():
+            log.info("schedule %s was removed (%s is gone): skipped; restart the worker to drop it",
+                     name, path)
+            return
+        now = utcnow()
+        ran = self.recorded_run(name)
+        if ran is not None and ran >= now.replace(second=0, microsecond=0):
+            return
+        try:
+            self.submit_schedule(name, path, now)
+        except (SpecError, InputError, OSError) as e:
+            log.error("schedule %s: could not submit its run: %s", name, e)
 
     def submit_schedule(self, name: str, path: Path, when: datetime.datetime) -> JobRecord:
         """Submit a scheduled job now (re-reading its YAML) and record ``when`` as its last run."""

@@ -2,8 +2,9 @@
 
 A record is a few small files, each written atomically: ``job.json`` (the resolved spec, output
 dir, config hash, total rows, chunk count), ``ids.json`` (the input's ids in order), marker files
-``cancelled``, ``failed.json``, ``chunk-00003.done`` and, during ``retry --failed-only``,
-``retry_ids.json``. Progress itself lives in the output dir (store.py), never here.
+``cancelled``, ``failed.json``, ``chunk-00003.done``, ``foreground`` (a ``run``'s job: no queue
+worker takes its chunks) and, during ``retry --failed-only``, ``retry_ids.json``. Progress
+itself lives in the output dir (store.py), never here.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import secrets
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -19,7 +21,7 @@ from typing import Any, Dict, List, Optional, Set
 import orjson
 
 from .. import checks
-from ..errors import JobNotFound, OutputDirClaimed
+from ..errors import AmbiguousJob, JobActive, JobNotFound, OutputDirClaimed
 from ..files import write_atomic
 from .items import read_items
 from .lock import is_locked
@@ -48,6 +50,7 @@ class JobRecord:
         self.id = job_id
         self.dir = self.home / "jobs" / job_id
         self._data: Optional[Dict[str, Any]] = None
+        self.new = False  # made by this create_job call (not an earlier job taken up again)
 
     # -- stored fields --------------------------------------------------------------------
     @property
@@ -100,6 +103,10 @@ class JobRecord:
     def mark_failed(self, error: str) -> None:
         write_atomic(self._marker("failed.json"), orjson.dumps({"error": error, "at": time.time()}))
 
+    def foreground(self) -> bool:
+        """Is this a foreground ``run``'s job? Only a rerun resumes it, never a queue worker."""
+        return self._marker("foreground").exists()
+
     def mark_chunk_done(self, chunk: int) -> None:
         write_atomic(self._marker(f"chunk-{chunk:05d}.done"), b"")
 
@@ -116,13 +123,18 @@ class JobRecord:
             return None
 
     def reopen(self, chunks: List[int], retry_ids: Optional[List[str]] = None) -> None:
-        """Make the job runnable again: clear cancel/failure and the given chunks' markers."""
-        for name in ("cancelled", "failed.json", "retry_ids.json"):
+        """Make the job runnable again by queue workers: clear cancel/failure, the foreground
+        mark and the given chunks' markers."""
+        for name in ("cancelled", "failed.json", "retry_ids.json", "foreground"):
             self._marker(name).unlink(missing_ok=True)
         if retry_ids is not None:
             write_atomic(self._marker("retry_ids.json"), orjson.dumps(sorted(retry_ids)))
         for c in chunks:
             self._marker(f"chunk-{c:05d}.done").unlink(missing_ok=True)
+
+    def discard(self) -> None:
+        """Delete a record that a refused command made (nothing ran under it)."""
+        shutil.rmtree(self.dir, ignore_errors=True)
 
     def chunk_range(self, chunk: int):
         size = self.spec.chunk_size
@@ -157,6 +169,8 @@ class JobRecord:
             state = "failed"
         elif is_locked(self.output_dir):
             state = "running"
+        elif self.foreground():  # its run stopped (Ctrl-C, kill -9): nothing runs it until a rerun
+            state = "interrupted"
         else:
             state = "queued" if done == 0 else "in_progress"
 
@@ -194,10 +208,14 @@ def counts_text(status: Dict[str, Any]) -> str:
             f"{status['ok']} ok, {status['failed']} failed")
 
 
-def create_job(spec: JobSpec, home: Path, job_id: Optional[str] = None) -> JobRecord:
+def create_job(spec: JobSpec, home: Path, job_id: Optional[str] = None,
+               foreground: bool = False) -> JobRecord:
     """Validate the input (whole-input problems raise ``InputError``), check the output dir's
     config hash (a different one raises ``OutputDirClaimed``, a ``SpecError``, unless
-    ``spec.force``), write the record."""
+    ``spec.force``), write the record.
+    ``foreground``: a ``run``'s job, which workers leave alone. An earlier job of this very spec,
+    output dir and ids is given instead of a new record when it is completed and nothing is left
+    to do (a no-op resubmit), or, for a run, when it is a stopped run (the rerun resumes it)."""
     home = Path(home)
     name = spec.name or default_name(spec.input)
     output_dir = spec.resolved_output_dir(home)
@@ -220,9 +238,23 @@ def create_job(spec: JobSpec, home: Path, job_id: Optional[str] = None) -> JobRe
             f"{claimed}; use another -o/--output-dir (or --name, where the folder is named after "
             "the job), or --force to add to it anyway",
         )
+    chunk_size = spec.chunk_size
+    done = store.done_ids()  # rows an earlier job already wrote to this output dir
+    # An id's first row says the item is done only when no item has more samples (else the job
+    # loop checks each sample of each item).
+    done_chunks = [c for c in range(0, len(ids), chunk_size)
+                   if not samples and all(i in done for i in ids[c:c + chunk_size])]  # fmt: skip
+    chunks = (len(ids) + chunk_size - 1) // chunk_size
+    earlier = same_job(home, spec, output_dir, ids, finished=len(done_chunks) == chunks,
+                       stopped=foreground)  # fmt: skip
+    if earlier is not None:
+        return earlier
     store.write_manifest(config_hash=config_hash, name=name)
     record = JobRecord(home, job_id or new_job_id(name))
     record.dir.mkdir(parents=True, exist_ok=False)
+    record.new = True
+    if foreground:  # before job.json: a worker's reaper never sees the record without it
+        write_atomic(record._marker("foreground"), b"")
     write_atomic(record.dir / "ids.json", orjson.dumps(ids))
     data = {
         "id": record.id,
@@ -231,19 +263,31 @@ def create_job(spec: JobSpec, home: Path, job_id: Optional[str] = None) -> JobRe
         "output_dir": str(output_dir),
         "config_hash": config_hash,
         "total": len(ids),
-        "chunks": (len(ids) + spec.chunk_size - 1) // spec.chunk_size,
+        "chunks": chunks,
         "chunk_cursors": cursors,
         "created_at": time.time(),
     }
     write_atomic(record.dir / "job.json", orjson.dumps(data, option=orjson.OPT_INDENT_2))
-    done = store.done_ids()  # rows an earlier job already wrote to this output dir
-    # An id's first row says the item is done only when no item has more samples (else the job
-    # loop checks each sample of each item).
-    for chunk in range(record.chunks):
-        start, end = record.chunk_range(chunk)
-        if not samples and all(i in done for i in ids[start:end]):
-            record.mark_chunk_done(chunk)
+    for start in done_chunks:
+        record.mark_chunk_done(start // chunk_size)
     return record
+
+
+def same_job(home: Path, spec: JobSpec, output_dir: Path, ids: List[str], finished: bool,
+             stopped: bool) -> Optional[JobRecord]:
+    """The latest job with this very spec, output dir and ids that is completed (if
+    ``finished``) or a foreground run that stopped with work left (if ``stopped``)."""
+    wanted = spec.to_dict()
+    for record in reversed(list_jobs(home)):
+        if record.data["spec"] != wanted or record.output_dir != output_dir:
+            continue
+        if record.cancelled() or record.failure():
+            continue
+        pending = record.pending_chunks()
+        resumable = stopped and pending and record.foreground() and not is_locked(output_dir)
+        if ((finished and not pending) or resumable) and record.ids() == ids:
+            return record
+    return None
 
 
 def load_job(home: Path, job_id: str) -> JobRecord:
@@ -260,8 +304,49 @@ def load_job(home: Path, job_id: str) -> JobRecord:
     if len(matches) == 1:
         return JobRecord(home, matches[0])
     if len(matches) > 1:
-        raise JobNotFound(f"{job_id!r} matches several jobs: {', '.join(sorted(matches))}")
+        raise AmbiguousJob(f"{job_id!r} is the start of {len(matches)} job ids; give one in full "
+                           f"(or more of it): {', '.join(sorted(matches))}")  # fmt: skip
     raise JobNotFound(f"no job {job_id!r} in {jobs_dir} (see `dflash-batch status`)")
+
+
+REMOVABLE = ("completed", "failed", "cancelled", "interrupted")  # nothing will run these on its own
+
+
+def check_removable(record: JobRecord) -> None:
+    """Refuse (``JobActive``) a job that is queued or running: it is cancelled first."""
+    state = record.status()["state"]
+    if state not in REMOVABLE:
+        raise JobActive(f"job {record.id} is {state}: only finished jobs ({', '.join(REMOVABLE)}) "
+                        f"are removed; `dflash-batch cancel {record.id}` first")  # fmt: skip
+
+
+def remove_job(record: JobRecord, files: bool = False,
+               going: Set[str] = frozenset()) -> Optional[str]:
+    """Delete a finished job's record; with ``files``, also its output dir's result files,
+    unless the record of another job (not among ``going``, removed with it) names that dir.
+    Returns why files were kept, if some were. The caller has checked it (``check_removable``)."""
+    from .lock import DirLock
+
+    kept = None
+    if files:
+        others = [r.id for r in list_jobs(record.home) if r.id != record.id and r.id not in going
+                  and r.output_dir == record.output_dir]  # fmt: skip
+        if others:
+            kept = f"{record.output_dir} kept: job(s) {', '.join(others)} write there too"
+        elif record.output_dir.is_dir():
+            store = record.store()
+            with DirLock(record.output_dir):  # no process writes while its parts go
+                store.remove_files()
+            if not store.remove_dir():
+                kept = f"{record.output_dir} kept: its results went, files of other kinds stay"
+    shutil.rmtree(record.dir)
+    return kept
+
+
+def prunable(home: Path, older_than: float, now: float) -> List[JobRecord]:
+    """Finished jobs created more than ``older_than`` seconds before ``now``."""
+    old = [r for r in list_jobs(home) if r.data["created_at"] < now - older_than]
+    return [r for r in old if r.status()["state"] in REMOVABLE]
 
 
 def glob_escape(text: str) -> str:

@@ -104,11 +104,12 @@ class Queue:
     def requeue_unfinished(self, held: Callable[[JobRecord, int], bool] = lambda record, chunk: False) -> int:
         """Put back every unfinished chunk of every live job that has no task waiting and is not
         ``held`` (under a live lease): the recovery after a killed or hung worker. Extra copies are
-        harmless (a held chunk's task is dropped, done ids are skipped)."""
+        harmless (a held chunk's task is dropped, done ids are skipped). A foreground run's job is
+        not the queue's: only its rerun resumes it."""
         queued = self.queued_task_ids()
         n = 0
         for record in list_jobs(self.home):
-            if record.cancelled() or record.failure():
+            if record.cancelled() or record.failure() or record.foreground():
                 continue
             for c in record.pending_chunks():
                 if task_id(record.id, c) not in queued and not held(record, c):

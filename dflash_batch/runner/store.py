@@ -259,6 +259,28 @@ class ResultStore:
         fsync_dir(self.dir)
         return dropped
 
+    def remove_files(self) -> int:
+        """Delete this store's own files (parts, journals, manifest, OpenAI export); returns how
+        many. Anything else in the dir stays."""
+        own = self.parts() + self.journals()
+        own += [self.manifest_path, self.dir / "_openai_output.jsonl"]
+        for path in own:
+            path.unlink(missing_ok=True)
+        return len(own)
+
+    def remove_dir(self) -> bool:
+        """Delete the lock file and the dir (after ``remove_files``, with the lock released),
+        only if that leaves nothing behind. True if the dir went."""
+        (self.dir / ".lock").unlink(missing_ok=True)
+        for folder in (self.inflight, self.dir):
+            try:
+                folder.rmdir()
+            except FileNotFoundError:
+                pass
+            except OSError:  # not empty: files that are not ours
+                return False
+        return True
+
     # -- manifest -------------------------------------------------------------------------
     def manifest(self) -> Dict[str, Any]:
         try:

@@ -90,6 +90,9 @@ class Worker:
             return
         if record.chunk_done(chunk):
             return
+        if record.foreground():  # a `run`'s job: its own rerun resumes it, a worker never does
+            log.info("chunk %d of %s dropped: a foreground run's job", chunk, job_id)
+            return
         lease = self._acquire(record, chunk)
         if lease is None:  # another worker has it; its lease brings the chunk back if it dies
             log.info("chunk %d of %s is held by %s: dropped", chunk, job_id, self._holder(record, chunk))
