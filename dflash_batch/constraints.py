@@ -15,17 +15,34 @@ Accepted forms (the first two are OpenAI's):
 llguidance (the optional ``structured`` extra) does the parsing: a grammar library kept by the
 people who run it in production servers, small (one Rust wheel, no torch), with masks computed
 along a draft for speculative decoding and rollback (docs/sampling.md).
+
+Any row can carry a grammar, so each one is compiled and validated first in a helper process
+(``_Helper``): llguidance overflows its stack on some (a chain of thousands of rules) and dies
+of SIGSEGV, which no Python code can catch. There a crash costs the helper alone and becomes
+that row's error. The helper checks on a thread with half the usual stack (building a matcher
+takes about as much as validating), so what passes there has room to spare in the engine.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
-from typing import Any, Optional
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any, Optional, Tuple
 
-from .checks import BadValue, json_type, show
+from .checks import BadValue, json_type, nesting, show
 
 TYPES = ("json_schema", "json_object", "regex", "grammar", "text")
+MAX_CHARS = 1_000_000  # of a regex, grammar or schema: far above real ones
+CHECK_STACK = 4 * 2**20  # bytes of stack the helper checks with: half the usual 8 MiB
+CHECK_TIMEOUT_S = 60.0  # a grammar that takes longer to compile is refused
 
 
 def grammar(response_format: Any) -> Optional[str]:
@@ -35,6 +52,7 @@ def grammar(response_format: Any) -> Optional[str]:
         return None
     if not isinstance(response_format, dict):
         raise BadValue(f"must be an object, got {json_type(response_format)}")
+    nesting(response_format)  # before json.dumps below walks it recursively
     kind = response_format.get("type")
     if kind not in TYPES:
         raise BadValue(f"'type' must be one of {', '.join(TYPES)}, got {show(kind)}")
@@ -53,9 +71,26 @@ def grammar(response_format: Any) -> Optional[str]:
     return _compile(kind, text)
 
 
-@functools.lru_cache(maxsize=256)
 def _compile(kind: str, text: str) -> str:
-    """Compile and validate (cached: the rows of a job usually share one schema)."""
+    """Compile and validate in the helper process; raises ``BadValue``."""
+    if len(text) > MAX_CHARS:
+        raise BadValue(f"is {len(text)} characters long; at most {MAX_CHARS}")
+    grammar, error = _checked(hashlib.sha256(f"{kind}\0{text}".encode()).hexdigest(), kind, text)
+    if error is not None:
+        raise BadValue(error)
+    return grammar
+
+
+@functools.lru_cache(maxsize=256)
+def _checked(key: str, kind: str, text: str) -> Tuple[Optional[str], Optional[str]]:
+    """(grammar, None) or (None, why not), kept by the grammar's hash: the rows of a job usually
+    share one schema, and a grammar that crashed the helper is not tried again."""
+    del key  # the cache's key; kind and text go along
+    return _HELPER.check(kind, text)
+
+
+def compile_here(kind: str, text: str) -> str:
+    """Compile and validate in this process (the helper's work); raises ``BadValue``."""
     try:
         import llguidance
     except ImportError:
@@ -63,7 +98,9 @@ def _compile(kind: str, text: str) -> str:
     try:
         if kind == "json":
             # compact JSON (no free whitespace): a model cannot pad its output with blank runs
-            out = llguidance.LLMatcher.grammar_from_json_schema(text, defaults={"whitespace_flexible": False})
+            out = llguidance.LLMatcher.grammar_from_json_schema(
+                text, defaults={"whitespace_flexible": False}
+            )
         elif kind == "regex":
             out = llguidance.LLMatcher.grammar_from_regex(text)
         else:
@@ -74,3 +111,74 @@ def _compile(kind: str, text: str) -> str:
     if error:
         raise BadValue(f"cannot be compiled: {error}")
     return out
+
+
+class _Helper:
+    """The helper process, started on first use and again after a crash; one check at a time."""
+
+    def __init__(self):
+        self.proc: Optional[subprocess.Popen] = None
+        self.lock = threading.Lock()
+
+    def check(self, kind: str, text: str) -> Tuple[Optional[str], Optional[str]]:
+        with self.lock:
+            if self.proc is None or self.proc.poll() is not None:
+                self.proc = _start_helper()
+            try:
+                self.proc.stdin.write(json.dumps([kind, text]).encode() + b"\n")
+                self.proc.stdin.flush()
+                ready, _, _ = select.select([self.proc.stdout], [], [], CHECK_TIMEOUT_S)
+                line = self.proc.stdout.readline() if ready else None
+            except OSError:  # the helper died before it read the request
+                line = b""
+            if line:
+                answer = json.loads(line)
+                return answer.get("grammar"), answer.get("error")
+            return None, self._failed(line is None)
+
+    def _failed(self, timed_out: bool) -> str:
+        """Why the helper gave no answer; it is stopped, and the next check starts a new one."""
+        proc, self.proc = self.proc, None
+        proc.kill()
+        code = proc.wait()
+        if timed_out:
+            return f"cannot be compiled: took longer than {CHECK_TIMEOUT_S:g} s"
+        died = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
+        return (f"cannot be compiled: the grammar library crashed on it ({died}); a chain of rules "
+                "or a nesting this deep is beyond what it can check")
+
+
+def _start_helper() -> subprocess.Popen:
+    # the helper imports this package from where this process found it
+    root = str(Path(__file__).resolve().parents[1])
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    return subprocess.Popen(
+        [sys.executable, "-m", "dflash_batch.constraints"], stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=dict(os.environ, PYTHONPATH=path),
+    )  # fmt: skip
+
+
+def _serve() -> None:
+    """The helper's loop: ``[kind, text]`` a line in; ``{"grammar"}`` or ``{"error"}`` out."""
+    threading.stack_size(CHECK_STACK)
+    for line in sys.stdin.buffer:
+        kind, text = json.loads(line)
+        answer = {}
+
+        def work():
+            try:
+                answer["grammar"] = compile_here(kind, text)
+            except BadValue as e:
+                answer["error"] = str(e)
+
+        worker = threading.Thread(target=work)
+        worker.start()
+        worker.join()
+        sys.stdout.write(json.dumps(answer) + "\n")
+        sys.stdout.flush()
+
+
+_HELPER = _Helper()
+
+if __name__ == "__main__":
+    _serve()
