@@ -371,6 +371,10 @@ def validate(spec: JobSpec, where: str = "spec") -> None:
         spec.chat_template_kwargs = {}
     if not isinstance(spec.chat_template_kwargs, dict):
         bad("chat_template_kwargs", f"must be a mapping, got {spec.chat_template_kwargs!r}")
+    try:
+        checks.nesting(spec.chat_template_kwargs)  # before a deep copy or the hash walks it
+    except checks.BadValue as e:
+        bad("chat_template_kwargs", str(e))
     for key in ("export_openai", "force", "catch_up"):
         if not isinstance(getattr(spec, key), bool):
             bad(key, f"must be true or false, got {getattr(spec, key)!r}")
