@@ -76,8 +76,8 @@ def _compile(kind: str, text: str) -> str:
     if len(text) > MAX_CHARS:
         raise BadValue(f"is {len(text)} characters long; at most {MAX_CHARS}")
     grammar, error = _checked(hashlib.sha256(f"{kind}\0{text}".encode()).hexdigest(), kind, text)
-    if error is not None:
-        raise BadValue(error)
+    if grammar is None:
+        raise BadValue(error or "cannot be compiled")
     return grammar
 
 
@@ -118,12 +118,13 @@ class _Helper:
 
     def __init__(self):
         self.proc: Optional[subprocess.Popen] = None
+        self.pid = os.getpid()  # the process that started ``proc``
         self.lock = threading.Lock()
 
     def check(self, kind: str, text: str) -> Tuple[Optional[str], Optional[str]]:
         with self.lock:
-            if self.proc is None or self.proc.poll() is not None:
-                self.proc = _start_helper()
+            if self.proc is None or self.proc.poll() is not None or self.pid != os.getpid():
+                self.proc, self.pid = _start_helper(), os.getpid()  # a forked child starts its own
             try:
                 self.proc.stdin.write(json.dumps([kind, text]).encode() + b"\n")
                 self.proc.stdin.flush()
@@ -143,9 +144,11 @@ class _Helper:
         code = proc.wait()
         if timed_out:
             return f"cannot be compiled: took longer than {CHECK_TIMEOUT_S:g} s"
-        died = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
-        return (f"cannot be compiled: the grammar library crashed on it ({died}); a chain of rules "
-                "or a nesting this deep is beyond what it can check")
+        if code >= 0:  # not a crash: the helper could not run (a missing llguidance it reports)
+            return f"cannot be checked: the grammar check process exited with status {code}"
+        return (f"cannot be compiled: the grammar library crashed on it (signal "
+                f"{signal.Signals(-code).name}); a chain of rules or a nesting this deep is beyond "
+                "what it can check")
 
 
 def _start_helper() -> subprocess.Popen:
@@ -170,6 +173,8 @@ def _serve() -> None:
                 answer["grammar"] = compile_here(kind, text)
             except BadValue as e:
                 answer["error"] = str(e)
+            except Exception as e:  # whatever else llguidance raises is this grammar's error too
+                answer["error"] = f"cannot be compiled: {e}"
 
         worker = threading.Thread(target=work)
         worker.start()
