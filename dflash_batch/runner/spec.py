@@ -241,6 +241,8 @@ def _read_yaml(path: Path) -> Dict[str, Any]:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise SpecError(f"{path}: invalid YAML: {e}") from e
+    except RecursionError:  # PyYAML builds nested values recursively
+        raise SpecError(f"{path}: invalid YAML: nests too deeply to read") from None
     if not isinstance(raw, dict):
         raise SpecError(f"{path}: a job spec must be a YAML mapping, got {type(raw).__name__}")
     data = _flatten(raw, str(path))
