@@ -25,7 +25,6 @@ takes about as much as validating), so what passes there has room to spare in th
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import os
@@ -34,6 +33,7 @@ import signal
 import subprocess
 import sys
 import threading
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Optional, Tuple
 
@@ -43,6 +43,8 @@ TYPES = ("json_schema", "json_object", "regex", "grammar", "text")
 MAX_CHARS = 1_000_000  # of a regex, grammar or schema: far above real ones
 CHECK_STACK = 4 * 2**20  # bytes of stack the helper checks with: half the usual 8 MiB
 CHECK_TIMEOUT_S = 60.0  # a grammar that takes longer to compile is refused
+CACHED = 256  # outcomes kept (least recently used dropped)
+_OUTCOMES: "OrderedDict[str, Tuple[Optional[str], Optional[str]]]" = OrderedDict()
 
 
 def grammar(response_format: Any) -> Optional[str]:
@@ -75,18 +77,26 @@ def _compile(kind: str, text: str) -> str:
     """Compile and validate in the helper process; raises ``BadValue``."""
     if len(text) > MAX_CHARS:
         raise BadValue(f"is {len(text)} characters long; at most {MAX_CHARS}")
-    grammar, error = _checked(hashlib.sha256(f"{kind}\0{text}".encode()).hexdigest(), kind, text)
+    grammar, error = _checked(kind, text)
     if grammar is None:
         raise BadValue(error or "cannot be compiled")
     return grammar
 
 
-@functools.lru_cache(maxsize=256)
-def _checked(key: str, kind: str, text: str) -> Tuple[Optional[str], Optional[str]]:
+def _checked(kind: str, text: str) -> Tuple[Optional[str], Optional[str]]:
     """(grammar, None) or (None, why not), kept by the grammar's hash: the rows of a job usually
-    share one schema, and a grammar that crashed the helper is not tried again."""
-    del key  # the cache's key; kind and text go along
-    return _HELPER.check(kind, text)
+    share one schema, and a grammar that crashed the helper is not tried again. A helper that
+    could not run at all is not the grammar's fault: that answer is not kept."""
+    key = hashlib.sha256(f"{kind}\0{text}".encode()).hexdigest()
+    if key in _OUTCOMES:
+        _OUTCOMES.move_to_end(key)
+        return _OUTCOMES[key]
+    grammar, error, lasting = _HELPER.check(kind, text)
+    if lasting:
+        _OUTCOMES[key] = (grammar, error)
+        if len(_OUTCOMES) > CACHED:
+            _OUTCOMES.popitem(last=False)
+    return grammar, error
 
 
 def compile_here(kind: str, text: str) -> str:
@@ -121,10 +131,14 @@ class _Helper:
         self.pid = os.getpid()  # the process that started ``proc``
         self.lock = threading.Lock()
 
-    def check(self, kind: str, text: str) -> Tuple[Optional[str], Optional[str]]:
+    def check(self, kind: str, text: str) -> Tuple[Optional[str], Optional[str], bool]:
+        """(grammar, None) or (None, why not), and whether that answer is the grammar's own."""
         with self.lock:
-            if self.proc is None or self.proc.poll() is not None or self.pid != os.getpid():
-                self.proc, self.pid = _start_helper(), os.getpid()  # a forked child starts its own
+            try:
+                if self.proc is None or self.proc.poll() is not None or self.pid != os.getpid():
+                    self.proc, self.pid = _start_helper(), os.getpid()  # a fork starts its own
+            except OSError as e:  # no process to be had (out of memory, too many processes)
+                return None, f"cannot be checked: no grammar check process: {e}", False
             try:
                 self.proc.stdin.write(json.dumps([kind, text]).encode() + b"\n")
                 self.proc.stdin.flush()
@@ -132,32 +146,41 @@ class _Helper:
                 line = self.proc.stdout.readline() if ready else None
             except OSError:  # the helper died before it read the request
                 line = b""
-            if line:
+            if line and line.endswith(b"\n"):  # a whole answer (a crash may cut one short)
                 answer = json.loads(line)
-                return answer.get("grammar"), answer.get("error")
-            return None, self._failed(line is None)
+                return answer.get("grammar"), answer.get("error"), True
+            return self._failed(line is None)
 
-    def _failed(self, timed_out: bool) -> str:
+    def _failed(self, timed_out: bool) -> Tuple[None, str, bool]:
         """Why the helper gave no answer; it is stopped, and the next check starts a new one."""
         proc, self.proc = self.proc, None
         proc.kill()
         code = proc.wait()
         if timed_out:
-            return f"cannot be compiled: took longer than {CHECK_TIMEOUT_S:g} s"
+            return None, f"cannot be compiled: took longer than {CHECK_TIMEOUT_S:g} s", True
         if code >= 0:  # not a crash: the helper could not run (a missing llguidance it reports)
-            return f"cannot be checked: the grammar check process exited with status {code}"
-        return (f"cannot be compiled: the grammar library crashed on it (signal "
-                f"{signal.Signals(-code).name}); a chain of rules or a nesting this deep is beyond "
-                "what it can check")
+            return None, f"cannot be checked: the grammar check process exited ({code})", False
+        why = (f"cannot be compiled: the grammar library crashed on it ({_signal(-code)}); a chain "
+               "of rules or a nesting this deep is beyond what it can check")
+        return None, why, True
+
+
+def _signal(number: int) -> str:
+    try:
+        return f"signal {signal.Signals(number).name}"
+    except ValueError:
+        return f"signal {number}"
 
 
 def _start_helper() -> subprocess.Popen:
     # the helper imports this package from where this process found it
     root = str(Path(__file__).resolve().parents[1])
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    # its own session: a Ctrl-C meant for this process does not stop it mid-check
     return subprocess.Popen(
         [sys.executable, "-m", "dflash_batch.constraints"], stdin=subprocess.PIPE,
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=dict(os.environ, PYTHONPATH=path),
+        start_new_session=True,
     )  # fmt: skip
 
 
