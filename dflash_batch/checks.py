@@ -9,6 +9,8 @@ naming the key: the caller knows the key (and the file or line) and puts it in f
 * a hub revision must be a ref name git would accept (``revision``), since the hub cache
   stores refs as files;
 * chat messages are checked by one rule for the runner and the engine (``chat_messages``).
+* a JSON value that something recursive walks (``json.dumps``, a deep copy, a grammar compiler)
+  nests at most ``MAX_NESTING`` levels (``nesting``), checked without recursion.
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ from .errors import BadValue
 MIN_TEMPERATURE = 1e-5
 MAX_SEED = 2**64 - 1  # mx.random.key takes an unsigned 64-bit seed
 NAME_BYTES = 200  # file systems allow 255 bytes per name; room for a suffix
+# far above any real schema or settings, far below Python's recursion limit (about 1000) and
+# llguidance's JSON parser limit (128)
+MAX_NESTING = 100
 _PLAIN = re.compile(r"\w(?:[\w .-]*[\w.-])?")
 _REF_FORBIDDEN = re.compile(r"[\x00-\x20\x7f~^:?*\[\\]|\.\.|//|@\{")
 # OpenAI's roles; "developer" is read as "system"
@@ -42,6 +47,24 @@ def json_type(value) -> str:
     return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null"}.get(
         type(value), type(value).__name__
     )
+
+
+def nesting(value, limit: int = MAX_NESTING):
+    """``value`` if its lists and objects nest at most ``limit`` deep. Walked level by level, not
+    recursively, so a deeper value (or a YAML alias that contains itself) is refused before any
+    recursive walk of it raises ``RecursionError``."""
+    level = [value]
+    for _ in range(limit + 1):
+        level = [v for x in level for v in _children(x)]
+        if not level:
+            return value
+    raise BadValue(f"nests deeper than {limit} levels of lists and objects")
+
+
+def _children(value):
+    if isinstance(value, dict):
+        return value.values()
+    return value if isinstance(value, (list, tuple)) else ()
 
 
 def finite_number(value, minimum: Optional[float] = None) -> float:

@@ -113,6 +113,8 @@ def _json_value(text: str):
         return json.loads(text)
     except json.JSONDecodeError as e:
         raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
+    except RecursionError:  # json reads nested values recursively
+        raise argparse.ArgumentTypeError("nests too deeply to read") from None
 
 
 def _override_values(args) -> Dict[str, Any]:

@@ -77,7 +77,8 @@ class Row:
 class BatchDecoder:
     """Decodes ``requests`` (a list, or a ``Waiting`` over a stream) with at most ``slots`` rows
     in flight (fewer once ``plan.rows`` is lower); ``steps()`` yields ``(request index, Piece)``
-    as rows commit tokens (a Piece with ``finish_reason`` ends a row), and ``(None, None)`` after
+    as rows commit tokens (a Piece with ``finish_reason`` ends a row), ``(request index, error)``
+    for a row that failed alone (its grammar: the other rows go on), and ``(None, None)`` after
     the stream gave a refused request (``requests.refused``), so that the caller can report it."""
 
     def __init__(self, engine, requests: Union[Sequence[Request], Waiting], slots: int, scheduler: Scheduler,
@@ -182,7 +183,11 @@ class BatchDecoder:
             if self.group.waits_for(request.ids, start.length if start else 0):
                 return
             self.waiting.pop()
-            row = self._new_row(request)
+            try:
+                row = self._new_row(request)
+            except Exception as e:  # this request's own setup (its grammar's matcher): its error
+                yield request.index, e
+                continue
             if start is not None and start.length == len(request.ids):
                 yield from self._place([(b, row, start)])
             else:
@@ -230,8 +235,8 @@ class BatchDecoder:
         for i, ((b, row, _), first) in enumerate(zip(placed, chosen[:, 0].tolist())):
             row.last = first
             row.produced = 1
-            self._commit(row, [first])
-            yield from self._emit(b, Step(tokens=[first], logprobs=_logprobs(scores, i, 1)))
+            step = Step(tokens=[first], logprobs=_logprobs(scores, i, 1))
+            yield from self._emit(b, self._commit(row, [first]) or step)
 
     def choose(self, logits: mx.array, rows: Sequence[Optional[Row]], first: mx.array,
                drafted: Optional[mx.array] = None, drafts: Optional[List[List[int]]] = None):
@@ -256,16 +261,25 @@ class BatchDecoder:
         mx.eval(chosen, *[x for x in scores if x is not None])
         return chosen, [x.tolist() if x is not None else None for x in scores] + [[r.request.logprobs if r else None for r in rows]]
 
-    def _commit(self, row: Row, tokens: List[int]) -> None:
-        """A row's new committed tokens join its history and advance its grammar (up to an EOS)."""
+    def _commit(self, row: Row, tokens: List[int]) -> Optional[Exception]:
+        """A row's new committed tokens join its history and advance its grammar (up to an EOS).
+        Returns the error that ends this row alone, if its grammar fails."""
         row.history += tokens
-        if row.matcher is not None and not row.matcher.is_stopped():
-            eos = next((i for i, tok in enumerate(tokens) if tok in row.output.eos), None)
-            self.engine.grammars.commit(row.matcher, tokens if eos is None else tokens[: eos + 1])
+        if row.matcher is None:
+            return None
+        try:
+            if not row.matcher.is_stopped():
+                eos = next((i for i, tok in enumerate(tokens) if tok in row.output.eos), None)
+                upto = tokens if eos is None else tokens[: eos + 1]
+                self.engine.grammars.commit(row.matcher, upto)
+        except Exception as e:  # one row's grammar state: the batch goes on without it
+            return e
+        return None
 
     # -- run: one cycle ---------------------------------------------------------------------------
-    def run(self, width: int) -> List[Optional[Step]]:
-        """One cycle of verify width T over every slot; returns each live row's Step."""
+    def run(self, width: int) -> List[Union[Step, Exception, None]]:
+        """One cycle of verify width T over every slot; returns each live row's Step (or the
+        error that ended it alone)."""
         started = time.perf_counter()
         rows = self.rows
         B = self.slots
@@ -307,8 +321,9 @@ class BatchDecoder:
             self.scheduler.accepted(r.acceptance, a, reach[b])
             r.last = committed[b][-1]
             r.produced += a + 1
-            self._commit(r, committed[b])
-            steps[b] = Step(committed[b], a, limits[b] - 1, True, _logprobs(scores, b, a + 1) if scores is not None else None)
+            logprobs = _logprobs(scores, b, a + 1) if scores is not None else None
+            step = Step(committed[b], a, limits[b] - 1, True, logprobs)
+            steps[b] = self._commit(r, committed[b]) or step
         return steps
 
     def _verify_chain(self, last: mx.array, T: int, limits: List[int]):
@@ -438,7 +453,7 @@ class BatchDecoder:
         return mx.array(ids, dtype=last.dtype)
 
     # -- postprocess ------------------------------------------------------------------------------
-    def postprocess(self, steps: List[Optional[Step]]) -> Iterator[Tuple[int, Piece]]:
+    def postprocess(self, steps: List[Union[Step, Exception, None]]):
         finished: List[int] = []
         try:
             for b, step in enumerate(steps):
@@ -447,13 +462,14 @@ class BatchDecoder:
         finally:
             self._free(finished)
 
-    def _emit(self, b: int, step: Step, finished: Optional[List[int]] = None) -> Iterator[Tuple[int, Piece]]:
-        """Feed row b's step to its output and yield the piece; a finished row's slot is freed at
-        once, or with the cycle's other finished rows when ``finished`` collects them."""
+    def _emit(self, b: int, step: Union[Step, Exception], finished: Optional[List[int]] = None):
+        """Feed row b's step to its output and yield the piece (or yield the error that ended the
+        row); a finished row's slot is freed at once, or with the cycle's other finished rows
+        when ``finished`` collects them."""
         row = self.rows[b]
-        piece = row.output.feed(step)
+        piece = step if isinstance(step, Exception) else row.output.feed(step)
         yield row.request.index, piece
-        if piece.finish_reason is not None:
+        if isinstance(piece, Exception) or piece.finish_reason is not None:
             self.rows[b] = None  # the slot is free
             if finished is None:
                 self._free([b])

@@ -266,17 +266,25 @@ class Engine:
             return
         slots = self.plan_batch(requests, batch_size)
         decoder = BatchDecoder(self, requests, slots, self._scheduler(slots, requests), capacity=self._positions(requests))
-        yield from self._completions(decoder)
+        for index, completion in self._completions(decoder):
+            if isinstance(completion, Exception):
+                raise completion  # one request's failure ends a call that yields only completions
+            yield index, completion
 
-    def _completions(self, decoder: BatchDecoder) -> Iterator[Tuple[Optional[int], Optional[Completion]]]:
-        """``(request index, Completion)`` as the decoder finishes each request, and the decoder's
-        ``(None, None)`` marks (a stream refused a request); its counts become the engine's."""
+    def _completions(self, decoder: BatchDecoder) -> Iterator[Tuple[Optional[int], Any]]:
+        """``(request index, Completion)`` as the decoder finishes each request, ``(request index,
+        error)`` for one that failed alone, and the decoder's ``(None, None)`` marks (a stream
+        refused a request); its counts become the engine's."""
         self.prefill_counts = decoder.group.counts
         self.decode_counts = decoder.decode_counts
         parts: Dict[int, List[Piece]] = {}
         for index, piece in decoder.steps():
             if index is None:
                 yield None, None
+                continue
+            if isinstance(piece, Exception):
+                parts.pop(index, None)
+                yield index, piece
                 continue
             parts.setdefault(index, []).append(piece)
             if piece.finish_reason is not None:
@@ -293,7 +301,8 @@ class Engine:
         at most ``lookahead`` encoded ones waiting (default twice the batch size; engine/waiting.py),
         so the batch stays full until the input ends and a long job is never encoded up front. One
         the engine refuses (its ``GenerationError``: an empty or too long prompt, or one whose row
-        alone does not fit in memory) is yielded as soon as the pull that met it is done."""
+        alone does not fit in memory) is yielded as soon as the pull that met it is done; one that
+        fails while decoding (its grammar) is yielded with its error, and the others go on."""
         cap = self._batch_cap(batch_size)
         plan = memory.Plan(self, cap)  # rows in flight: the cap, or fewer once a long request comes
         refused: List[Tuple[Any, Exception]] = []
@@ -326,7 +335,9 @@ class Engine:
         for index, completion in self._completions(decoder):
             yield from _drain(refused)
             if index is not None:
-                req, completion.sample_index = owners.pop(index)
+                req, sample = owners.pop(index)
+                if not isinstance(completion, Exception):  # a failed one is named by its request
+                    completion.sample_index = sample
                 yield req, completion
         yield from _drain(refused)
 
@@ -350,6 +361,8 @@ class Engine:
         request = self.request(prompt, max_tokens, temperature, stop, seed, **prompt_options)
         decoder = BatchDecoder(self, [request], 1, self._scheduler(1, [request]))
         for _, piece in decoder.steps():
+            if isinstance(piece, Exception):
+                raise piece
             yield piece
 
     def generate(

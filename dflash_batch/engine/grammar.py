@@ -36,7 +36,7 @@ class Grammars:
     def matcher(self, grammar: str):
         m = self._llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
         if m.is_error():
-            raise ValueError(f"grammar: {m.get_error()}")
+            raise ValueError(f"response_format: {_first_line(m.get_error())}")
         return m
 
     def masks(self, walks: Sequence[Tuple[int, object, List[int]]], B: int, T: int) -> mx.array:
@@ -92,7 +92,14 @@ class Grammars:
 
     @staticmethod
     def commit(matcher, tokens: List[int]) -> None:
-        """Advance a row's matcher over the tokens it committed (each allowed by its mask)."""
+        """Advance a row's matcher over the tokens it committed (each allowed by its mask); raises
+        where the grammar library cannot follow (that row's error: engine/batch.py)."""
         if not matcher.consume_tokens(tokens) or matcher.is_error():
-            raise RuntimeError(f"grammar refused committed tokens {tokens}: {matcher.get_error()}")
+            why = _first_line(matcher.get_error())
+            raise RuntimeError(f"response_format: the grammar library refused tokens {tokens}: {why}")
+
+
+def _first_line(error: str) -> str:
+    """llguidance's message without the parser state dump that follows it."""
+    return error.strip().splitlines()[0] if error.strip() else "no reason given"
 

@@ -228,6 +228,7 @@ def _to_item(path: Path, index: int, where: str, raw: bytes, row, problem, field
         return item
     try:
         item.id = _row_id(row, fields) or derived
+        _bounded(row)
         if _is_openai(row):
             _openai_row(item, row)
         else:
@@ -348,6 +349,16 @@ def _simple_row(item: Item, row: dict, fields: Fields) -> None:
     if meta is not None and not isinstance(meta, dict):
         raise RowError(f"'metadata' must be an object, got {_type(meta)}")
     item.metadata = meta or {}
+
+
+def _bounded(row: dict) -> None:
+    """Each field nests at most ``checks.MAX_NESTING`` levels: the checks below and the result
+    files (orjson writes at most 255) walk them recursively."""
+    for key, value in row.items():
+        try:
+            checks.nesting(value)
+        except checks.BadValue as e:
+            raise RowError(f"{key!r} {e}") from None
 
 
 def _text(value, name: str) -> str:

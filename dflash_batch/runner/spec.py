@@ -241,6 +241,8 @@ def _read_yaml(path: Path) -> Dict[str, Any]:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise SpecError(f"{path}: invalid YAML: {e}") from e
+    except RecursionError:  # PyYAML builds nested values recursively
+        raise SpecError(f"{path}: invalid YAML: nests too deeply to read") from None
     if not isinstance(raw, dict):
         raise SpecError(f"{path}: a job spec must be a YAML mapping, got {type(raw).__name__}")
     data = _flatten(raw, str(path))
@@ -371,6 +373,10 @@ def validate(spec: JobSpec, where: str = "spec") -> None:
         spec.chat_template_kwargs = {}
     if not isinstance(spec.chat_template_kwargs, dict):
         bad("chat_template_kwargs", f"must be a mapping, got {spec.chat_template_kwargs!r}")
+    try:
+        checks.nesting(spec.chat_template_kwargs)  # before a deep copy or the hash walks it
+    except checks.BadValue as e:
+        bad("chat_template_kwargs", str(e))
     for key in ("export_openai", "force", "catch_up"):
         if not isinstance(getattr(spec, key), bool):
             bad(key, f"must be true or false, got {getattr(spec, key)!r}")
