@@ -80,10 +80,19 @@ def _compile(kind: str, text: str) -> str:
     """Compile and validate in the helper process; raises ``BadValue``."""
     if len(text) > MAX_CHARS:
         raise BadValue(f"is {len(text)} characters long; at most {MAX_CHARS}")
+    _require_library()
     grammar, error = _checked(kind, text)
     if grammar is None:
         raise BadValue(error or "cannot be compiled")
     return grammar
+
+
+def _require_library() -> None:
+    """Where llguidance is missing, say how to install it here (the helper would only fail)."""
+    try:
+        import llguidance  # noqa: F401
+    except ImportError:
+        raise BadValue(f"needs llguidance: {install_hint('structured')}") from None
 
 
 def _checked(kind: str, text: str) -> Tuple[Optional[str], Optional[str]]:
