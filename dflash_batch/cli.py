@@ -103,12 +103,20 @@ OVERRIDE_KEYS = (
 ) + tuple(CONTROLS)  # fmt: skip
 
 
+JSON_FILE_BYTES = 16 * 2**20  # the most a flag's @FILE may hold
+
+
 def _json_value(text: str):
-    """A flag's JSON value, given inline or as @file."""
+    """A flag's JSON value, given inline or as @file (a regular file, bounded in size)."""
     import json
 
+    from . import checks
+
     if text.startswith("@"):
-        text = Path(text[1:]).expanduser().read_text()
+        try:
+            text = checks.small_file_text(text[1:], JSON_FILE_BYTES)
+        except checks.BadValue as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:

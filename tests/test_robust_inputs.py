@@ -1,0 +1,133 @@
+"""Bad input a flag, a YAML spec, a setting or a file reference can carry: refused before any
+work with exit 2, naming the flag, file or setting; never a traceback, a hang or a job left
+behind (issue 33, items 4-8)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from dflash_batch.cli import main
+from dflash_batch.runner.spec import SpecError, cron_fields, load_spec
+from tests.runner_fixtures import cli, home, write_jsonl  # noqa: F401  (fixtures)
+
+PROMPT = {"id": "a", "prompt": "Say hi."}
+
+
+def job_records(home_dir):
+    jobs = home_dir / "jobs"
+    return sorted(jobs.iterdir()) if jobs.is_dir() else []
+
+
+def refused(capsys, *argv) -> str:
+    """Run the command in this process; it must exit 2 without a traceback. Its stderr."""
+    try:
+        code = main(list(map(str, argv)))
+    except SystemExit as stop:  # argparse refuses a flag's value this way
+        code = stop.code
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, err
+    return err
+
+
+# -- 33.5: @FILE references ----------------------------------------------------------------------
+def test_response_format_file_must_be_a_small_regular_file(tmp_path, home, capsys):
+    data = write_jsonl(tmp_path / "ok.jsonl", [PROMPT])
+    (tmp_path / "folder").mkdir()
+    err = refused(capsys, "submit", data, "--response-format", "@missing")
+    assert "missing: no such file" in err
+    err = refused(capsys, "submit", data, "--response-format", f"@{tmp_path / 'folder'}")
+    assert "--response-format" in err and "not a regular file" in err
+    err = refused(capsys, "submit", data, "--response-format", "@/dev/zero")
+    assert "/dev/zero: not a regular file" in err
+    good = tmp_path / "format.json"
+    good.write_text('{"type": "json_object"}')
+    assert main(["submit", str(data), "--response-format", f"@{good}"]) == 0
+    assert len(job_records(home)) == 1  # only the accepted submit left a record
+
+
+def test_response_format_fifo_is_refused_at_once(tmp_path, home):
+    data = write_jsonl(tmp_path / "ok.jsonl", [PROMPT])
+    os.mkfifo(tmp_path / "fifo")  # no writer: reading it would block forever
+    fifo = f"@{tmp_path / 'fifo'}"
+    out = cli("submit", data, "--response-format", fifo, home=home, timeout=120)
+    assert out.returncode == 2 and "not a regular file" in out.stderr
+    assert "Traceback" not in out.stderr
+    assert not job_records(home)
+
+
+def test_spec_file_must_be_a_small_regular_file(tmp_path, monkeypatch):
+    os.mkfifo(tmp_path / "job.yaml")
+    with pytest.raises(SpecError, match="job.yaml: not a regular file"):
+        load_spec(tmp_path / "job.yaml")
+    (tmp_path / "dir.yaml").mkdir()
+    with pytest.raises(SpecError, match="dir.yaml: not a regular file"):
+        load_spec(tmp_path / "dir.yaml")
+    monkeypatch.setattr("dflash_batch.runner.spec.SPEC_FILE_BYTES", 100)
+    (tmp_path / "big.yaml").write_text("input: x.jsonl\n" + "# padding\n" * 20)
+    with pytest.raises(SpecError, match=r"big.yaml: \d+ bytes, more than the 100 allowed"):
+        load_spec(tmp_path / "big.yaml")
+
+
+# -- 33.6: YAML aliases ----------------------------------------------------------------------------
+def laughs(levels: int) -> str:
+    lines = ["input: ok.jsonl", "chat_template_kwargs:", "  a0: &a0 [x, x, x, x, x, x, x, x, x]"]
+    for i in range(1, levels + 1):
+        lines.append(f"  a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]")
+    return "\n".join(lines) + "\n"
+
+
+def test_yaml_alias_expansion_is_bounded(tmp_path, home, capsys):
+    write_jsonl(tmp_path / "ok.jsonl", [PROMPT])
+    spec = tmp_path / "laughs.yaml"
+    spec.write_text(laughs(9))  # about 1 KB; 9**10 values expanded
+    err = refused(capsys, "submit", spec)
+    assert "laughs.yaml: invalid YAML: more than 100000 values with its aliases expanded" in err
+    assert not job_records(home)
+    (tmp_path / "loop.yaml").write_text("input: ok.jsonl\nchat_template_kwargs: {x: &a [1, *a]}\n")
+    with pytest.raises(SpecError, match="loop.yaml: invalid YAML: an alias on line 2 refers to"):
+        load_spec(tmp_path / "loop.yaml")
+    nested = "[" * 5000 + "]" * 5000
+    (tmp_path / "deep.yaml").write_text(f"input: ok.jsonl\nchat_template_kwargs: {{x: {nested}}}\n")
+    with pytest.raises(SpecError, match="deep.yaml: invalid YAML: nested too deeply"):
+        load_spec(tmp_path / "deep.yaml")
+
+
+def test_modest_yaml_aliases_still_work(tmp_path):
+    write_jsonl(tmp_path / "ok.jsonl", [PROMPT])
+    (tmp_path / "few.yaml").write_text(laughs(2) + "sampling: {stop: &s ['\\n\\n']}\n")
+    spec = load_spec(tmp_path / "few.yaml")
+    assert spec.chat_template_kwargs["a2"][0] == spec.chat_template_kwargs["a1"]
+    assert len(spec.chat_template_kwargs["a2"]) == 9
+
+
+# -- 33.8: cron expressions ------------------------------------------------------------------------
+@pytest.mark.parametrize("expression, message", [
+    ("30-10 * * * *", r"bad minute field '30-10' \(range '30-10' is reversed"),
+    ("0 0 * * 5-1", r"bad day_of_week field '5-1' \(range '5-1' is reversed"),
+    ("*/0 * * * *", r"bad minute field '\*/0' \(step '\*/0' is 0"),
+    ("0 1-5/0 * * *", r"bad hour field '1-5/0' \(step '1-5/0' is 0"),
+    ("1,,2 * * * *", r"bad minute field '1,,2' \(has an empty list item"),
+    ("60 * * * *", r"bad minute field '60'"),
+    ("0 0 0 * *", r"bad day field '0'"),
+    ("0 0 31 2 *", r"day '31' never occurs in month '2'"),
+    ("0 0 31 4,6 *", r"day '31' never occurs in month '4,6'"),
+])  # fmt: skip
+def test_cron_expressions_cron_would_refuse(expression, message):
+    with pytest.raises(ValueError, match=message):
+        cron_fields(expression)
+
+
+def test_cron_expressions_that_fire_are_kept():
+    fine = ("10-30 * * * *", "0 0 29 2 *", "0 0 31 1-12 *", "0 0 * * 0-7", "*/90 * * * *", "@daily")
+    for expression in fine:
+        assert len(cron_fields(expression)) == 5
+
+
+def test_reversed_cron_range_is_refused_at_submit(tmp_path, home, capsys):
+    write_jsonl(tmp_path / "ok.jsonl", [PROMPT])
+    (tmp_path / "nightly.yaml").write_text("input: ok.jsonl\nschedule: '30-10 * * * *'\n")
+    err = refused(capsys, "submit", tmp_path / "nightly.yaml")
+    assert "'schedule'" in err and "reversed" in err
+    assert not (home / "schedules").exists() and not job_records(home)
