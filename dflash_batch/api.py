@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Union
 
 from . import checks
-from .errors import JobFailed
+from .errors import JobFailed, SettingError
 from .files import write_atomic
 from .runner.execution import finish_job, run_job
 from .runner.jobs import JobRecord, create_job, home_dir, load_job
@@ -40,19 +40,39 @@ def load_model(**model):
     lazily, and only by whoever calls it). ``$DFLASH_BATCH_ENGINE=module:callable`` names
     another factory (called with the same model keywords; it must return a
     ``request.Generator``): for another engine, or the tests' fake one."""
-    name = os.environ.get(ENGINE_ENV)
-    if name:
-        import importlib
-
-        module, _, attr = name.partition(":")
-        try:
-            factory = getattr(importlib.import_module(module), attr or "load_engine")
-        except (ImportError, AttributeError) as e:
-            raise SpecError(f"${ENGINE_ENV}={name!r} names no engine factory: {e}") from None
+    factory = _named_factory()
+    if factory is not None:
         return factory(**model)
     from .engine import load_engine
 
     return load_engine(**model)
+
+
+def _named_factory() -> Optional[Callable[..., Any]]:
+    """The factory $DFLASH_BATCH_ENGINE names, if set."""
+    name = os.environ.get(ENGINE_ENV)
+    if not name:
+        return None
+    import importlib
+
+    module, _, attr = name.partition(":")
+    try:
+        factory = getattr(importlib.import_module(module), attr or "load_engine")
+    except (ImportError, AttributeError, ValueError) as e:
+        raise SettingError(f"${ENGINE_ENV}={name!r} names no engine factory: {e}") from None
+    if not callable(factory):
+        raise SettingError(f"${ENGINE_ENV}={name!r} names {type(factory).__name__}, not a factory")
+    return factory
+
+
+def check_engine_settings() -> None:
+    """Refuse (``SettingError``) the engine's environment variables with a value it cannot use,
+    before a job starts; when $DFLASH_BATCH_ENGINE names another engine, that it names one."""
+    if _named_factory() is not None:
+        return
+    from .engine import settings
+
+    settings.check()
 
 
 class Job:
@@ -143,7 +163,10 @@ def run(
     from .runner.worker import Engines
 
     home = Path(home) if home else home_dir()
-    record = create_job(_spec(input, overrides), home)
+    spec = _spec(input, overrides)
+    if engine is None and engine_factory is None:
+        check_engine_settings()
+    record = create_job(spec, home)
     engines = (lambda spec: engine) if engine is not None else Engines(engine_factory or load_model)
     bar = None
     if progress:

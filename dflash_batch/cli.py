@@ -243,6 +243,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     from .runner.cron import ScheduleNotFound
 
     try:
+        _check_setup(args)
         return COMMANDS[args.command](args)
     except (InputError, SpecError, BadValue) as e:
         return _fail(str(e), EXIT_REFUSED)
@@ -259,6 +260,30 @@ def main(argv: Optional[List[str]] = None) -> int:
         return EXIT_BROKEN_PIPE
     except KeyboardInterrupt:
         return _fail("interrupted (finished items are saved; rerun to resume)", EXIT_INTERRUPTED)
+
+
+WRITING_COMMANDS = ("submit", "run", "worker", "cancel", "retry", "unschedule")
+
+
+def _check_setup(args) -> None:
+    """Refuse, before any work, a home that cannot serve the command and settings that
+    cannot be used; each message names the flag or variable."""
+    from .runner.jobs import check_home, home_dir
+    from .runner.lease import lease_ttl
+    from .runner.spec import SpecError
+
+    where = "--home" if args.home else "home"
+    if not args.home and os.environ.get("DFLASH_BATCH_HOME"):
+        where = "$DFLASH_BATCH_HOME"
+    try:
+        check_home(home_dir(), write=args.command in WRITING_COMMANDS)
+    except SpecError as e:
+        raise SpecError(f"{where} {e}") from None
+    lease_ttl()
+    if args.command == "worker":
+        from .api import check_engine_settings
+
+        check_engine_settings()
 
 
 def _fail(message: str, code: int) -> int:

@@ -10,7 +10,7 @@ import pytest
 
 from dflash_batch.cli import main
 from dflash_batch.runner.spec import SpecError, cron_fields, load_spec
-from tests.runner_fixtures import cli, home, write_jsonl  # noqa: F401  (fixtures)
+from tests.runner_fixtures import cli, fake_models, home, write_jsonl  # noqa: F401  (fixtures)
 
 PROMPT = {"id": "a", "prompt": "Say hi."}
 
@@ -131,3 +131,76 @@ def test_reversed_cron_range_is_refused_at_submit(tmp_path, home, capsys):
     err = refused(capsys, "submit", tmp_path / "nightly.yaml")
     assert "'schedule'" in err and "reversed" in err
     assert not (home / "schedules").exists() and not job_records(home)
+
+
+# -- 33.7: homes and settings ----------------------------------------------------------------------
+def test_home_that_is_not_a_folder_is_refused(tmp_path, home, capsys):
+    data = write_jsonl(tmp_path / "ok.jsonl", [PROMPT])
+    for command in ("submit", "status"):
+        for bad in ("/dev/null", data):
+            argv = ["--home", bad, command] + ([data] if command == "submit" else [])
+            assert f"--home {bad} is not a folder" in refused(capsys, *argv)
+    home.parent.joinpath("file").write_text("")
+    os.environ["DFLASH_BATCH_HOME"] = str(home.parent / "file")  # restored by the home fixture
+    assert "$DFLASH_BATCH_HOME" in refused(capsys, "run", data)
+
+
+def test_read_only_home_is_refused_before_any_work(tmp_path, home, fake_models, capsys,
+                                                   monkeypatch):
+    import errno
+
+    def read_only(folder):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+
+    monkeypatch.setattr("dflash_batch.runner.jobs._probe_write", read_only)
+    data = write_jsonl(tmp_path / "ok.jsonl", [PROMPT])
+    for command in ("run", "submit", "worker"):
+        err = refused(capsys, command, data) if command != "worker" else refused(capsys, command)
+        assert f"$DFLASH_BATCH_HOME {home}: cannot write there (Read-only file system)" in err
+    assert not job_records(home)
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "nan", "-1", "inf"])
+def test_bad_lease_setting_is_refused(tmp_path, home, fake_models, capsys, monkeypatch, value):
+    monkeypatch.setenv("DFLASH_BATCH_LEASE_S", value)
+    data = write_jsonl(tmp_path / "ok.jsonl", [PROMPT])
+    for argv in (["submit", data], ["run", data, "-q"], ["status"]):
+        err = refused(capsys, *argv)
+        msg = f"$DFLASH_BATCH_LEASE_S must be a number of seconds in [1, 86400], got {value!r}"
+        assert msg in err
+    assert not job_records(home)
+
+
+@pytest.mark.parametrize("name, value", [
+    ("DFLASH_BATCH_DRAFTS", "forest"), ("DFLASH_BATCH_ATTENTION", ""), ("DFLASH_BATCH_PASSES", "x"),
+    ("DFLASH_BATCH_KERNEL_CHECK", "yes"), ("DFLASH_BATCH_MEMORY_GB", "nan"),
+    ("DFLASH_BATCH_MEMORY_GB", "-1"), ("DFLASH_BATCH_MEMORY_GB", "abc"),
+    ("DFLASH_BATCH_MEMORY_GB", "inf"),
+])  # fmt: skip
+def test_bad_engine_setting_is_refused_before_the_job(tmp_path, home, monkeypatch, capsys, name,
+                                                      value):
+    import dflash_batch
+    from dflash_batch.errors import SettingError
+
+    monkeypatch.delenv("DFLASH_BATCH_ENGINE", raising=False)
+    monkeypatch.setenv(name, value)
+    data = write_jsonl(tmp_path / "ok.jsonl", [PROMPT])
+    if value == "":  # unset in effect: the default mode
+        from dflash_batch.api import check_engine_settings
+
+        check_engine_settings()
+        return
+    with pytest.raises(SettingError, match=name):
+        dflash_batch.run(data, home=home)
+    assert name in refused(capsys, "run", data, "-q")
+    assert not job_records(home)
+
+
+def test_engine_factory_setting_is_checked_before_the_job(tmp_path, home, monkeypatch, capsys):
+    data = write_jsonl(tmp_path / "ok.jsonl", [PROMPT])
+    monkeypatch.setenv("DFLASH_BATCH_ENGINE", "no_such_module:load")
+    err = refused(capsys, "run", data)
+    assert "$DFLASH_BATCH_ENGINE='no_such_module:load' names no engine factory" in err
+    monkeypatch.setenv("DFLASH_BATCH_ENGINE", "os:sep")
+    assert "names str, not a factory" in refused(capsys, "run", data)
+    assert not job_records(home)

@@ -12,6 +12,7 @@ import os
 import re
 import secrets
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Set
@@ -36,6 +37,25 @@ def home_dir() -> Path:
         return Path.home() / "Library" / "Application Support" / "dflash-batch"
     base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
     return Path(base).expanduser().resolve() / "dflash-batch"
+
+
+def check_home(home: Path, write: bool) -> None:
+    """Refuse a home that is not a folder, or, for a command that writes, one where nothing can
+    be written (a read-only file system): before any work, rather than a traceback halfway."""
+    if home.exists() and not home.is_dir():
+        raise SpecError(f"{home} is not a folder")
+    if not write:
+        return
+    try:
+        home.mkdir(parents=True, exist_ok=True)
+        _probe_write(home)
+    except OSError as e:
+        raise SpecError(f"{home}: cannot write there ({e.strerror or e})") from None
+
+
+def _probe_write(folder: Path) -> None:
+    with tempfile.TemporaryFile(dir=folder):
+        pass
 
 
 def new_job_id(name: str) -> str:
