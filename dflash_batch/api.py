@@ -139,9 +139,10 @@ def submit(input: Source, *, home: Optional[Union[str, Path]] = None, redis_url:
     home = Path(home) if home else home_dir()
     spec = _spec(input, overrides)
     check_output_dir(spec, home)
+    queue = Queue(home, redis_url=redis_url)  # unreachable: refused before the record exists
     record = create_job(spec, home)
     if record.pending_chunks():
-        Queue(home, redis_url=redis_url).enqueue_job(record)
+        queue.enqueue_job(record)
     else:  # every row is in the output dir already: nothing to queue
         finish_job(record)
     return Job(record.id, home)
@@ -207,6 +208,7 @@ def retry(job_id: str, *, failed_only: bool = False, home: Optional[Union[str, P
 
     job = Job(job_id, home)
     record = job.record
+    queue = Queue(job.home, redis_url=redis_url)  # reachable, before the job is changed
     store = record.store()
     ids = record.ids()
     size = record.spec.chunk_size
@@ -221,7 +223,7 @@ def retry(job_id: str, *, failed_only: bool = False, home: Optional[Union[str, P
         redo = failed if failed_only else {i for i in ids if i not in ok}
         chunks = sorted({n // size for n, i in enumerate(ids) if i in redo})
         record.reopen(chunks, retry_ids=sorted(failed) if failed_only else None)
-    queued = Queue(job.home, redis_url=redis_url).enqueue_job(record, chunks) if chunks else 0
+    queued = queue.enqueue_job(record, chunks) if chunks else 0
     return {"failed_dropped": len(failed), "items": len(redo), "chunks": queued}
 
 

@@ -204,3 +204,62 @@ def test_engine_factory_setting_is_checked_before_the_job(tmp_path, home, monkey
     monkeypatch.setenv("DFLASH_BATCH_ENGINE", "os:sep")
     assert "names str, not a factory" in refused(capsys, "run", data)
     assert not job_records(home)
+
+
+# -- 33.4: Redis URLs ------------------------------------------------------------------------------
+@pytest.fixture
+def loopback_servers():
+    """{"silent": port, "garbage": port, "closed": port}: servers on 127.0.0.1 that are not Redis.
+    ``silent`` takes connections (the kernel's backlog) and never answers; ``garbage`` answers
+    each with an HTTP error; ``closed`` is a port nothing listens on."""
+    import socket
+    import threading
+
+    silent = socket.create_server(("127.0.0.1", 0), backlog=16)
+    garbage = socket.create_server(("127.0.0.1", 0), backlog=16)
+    closed = socket.create_server(("127.0.0.1", 0))
+    closed_port = closed.getsockname()[1]
+    closed.close()
+
+    stop = threading.Event()
+
+    def answer_garbage():
+        while True:
+            conn, _ = garbage.accept()
+            with conn:
+                if stop.is_set():  # the test's own wake-up call
+                    return
+                conn.recv(1024)
+                conn.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+
+    thread = threading.Thread(target=answer_garbage, daemon=True)
+    thread.start()
+    ports = {"silent": silent, "garbage": garbage}
+    yield {"closed": closed_port, **{k: s.getsockname()[1] for k, s in ports.items()}}
+    stop.set()
+    socket.create_connection(garbage.getsockname()).close()
+    thread.join()
+    silent.close()
+    garbage.close()
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("silent", "no answer within 0.5 s"),
+    ("garbage", "no Redis server answers there (InvalidResponse"),
+    ("closed", "no Redis server answers there (ConnectionError"),
+    ("no-scheme", "not a Redis URL"),
+    ("bad-port", "not a Redis URL (Port could not be cast"),
+])  # fmt: skip
+def test_unusable_redis_is_refused_before_the_job_exists(tmp_path, home, fake_models, capsys,
+                                                          monkeypatch, loopback_servers, kind,
+                                                          message):
+    monkeypatch.setattr("dflash_batch.runner.queue.REDIS_CHECK_TIMEOUT_S", 0.5)
+    monkeypatch.setenv("DFLASH_BATCH_REDIS_URL", "")  # main sets it from --redis; restored after
+    url = {"no-scheme": "127.0.0.1:6379", "bad-port": "redis://127.0.0.1:port/0"}.get(kind)
+    url = url or f"redis://:secret@127.0.0.1:{loopback_servers[kind]}/0"
+    data = write_jsonl(tmp_path / "ok.jsonl", [PROMPT])
+    for argv in (["submit", data], ["status"], ["worker"]):
+        err = refused(capsys, "--redis", url, *argv)
+        assert "--redis / $DFLASH_BATCH_REDIS_URL" in err and message in err
+        assert "secret" not in err
+    assert not job_records(home)  # so no later plain worker runs a job refused here
