@@ -263,3 +263,29 @@ def test_unusable_redis_is_refused_before_the_job_exists(tmp_path, home, fake_mo
         assert "--redis / $DFLASH_BATCH_REDIS_URL" in err and message in err
         assert "secret" not in err
     assert not job_records(home)  # so no later plain worker runs a job refused here
+
+
+# -- the sweep: other values a flag or spec carries ---------------------------------------------
+def test_output_dir_that_cannot_be_a_folder_is_refused(tmp_path, home, fake_models, capsys,
+                                                       monkeypatch):
+    import errno
+
+    data = write_jsonl(tmp_path / "ok.jsonl", [PROMPT])
+    os.mkfifo(tmp_path / "fifo")
+    for out in ("/dev/null", data, tmp_path / "fifo", data / "below"):
+        for command in ("run", "submit"):
+            err = refused(capsys, command, data, "-o", out)
+            assert f"output_dir {out}" in err
+    from dflash_batch.runner import jobs
+
+    real = jobs._probe_write
+
+    def read_only(folder):
+        if folder != home:
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+        real(folder)
+
+    monkeypatch.setattr("dflash_batch.runner.jobs._probe_write", read_only)
+    err = refused(capsys, "run", data, "-o", tmp_path / "out")
+    assert f"output_dir {tmp_path / 'out'}: cannot write there (Read-only file system)" in err
+    assert not job_records(home)

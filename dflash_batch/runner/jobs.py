@@ -44,13 +44,19 @@ def check_home(home: Path, write: bool) -> None:
     be written (a read-only file system): before any work, rather than a traceback halfway."""
     if home.exists() and not home.is_dir():
         raise SpecError(f"{home} is not a folder")
-    if not write:
-        return
+    if write:
+        check_writable_folder(home)
+
+
+def check_writable_folder(folder: Path) -> None:
+    """Refuse (``SpecError`` naming the folder) a folder that cannot be made or written to."""
+    if folder.exists() and not folder.is_dir():
+        raise SpecError(f"{folder} is not a folder")
     try:
-        home.mkdir(parents=True, exist_ok=True)
-        _probe_write(home)
+        folder.mkdir(parents=True, exist_ok=True)
+        _probe_write(folder)
     except OSError as e:
-        raise SpecError(f"{home}: cannot write there ({e.strerror or e})") from None
+        raise SpecError(f"{folder}: cannot write there ({e.strerror or e})") from None
 
 
 def _probe_write(folder: Path) -> None:
@@ -219,6 +225,10 @@ def create_job(spec: JobSpec, home: Path, job_id: Optional[str] = None) -> JobRe
         ids.append(item.id)
         samples = samples or item.options.get("n", 1) > 1
     config_hash = spec.config_hash()
+    try:
+        check_writable_folder(output_dir)
+    except SpecError as e:
+        raise SpecError(f"output_dir {e}") from None
     store = ResultStore(output_dir)
     previous = store.manifest().get("config_hash")
     if previous and previous != config_hash and not spec.force:
