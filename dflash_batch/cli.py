@@ -503,15 +503,16 @@ def cmd_results(args) -> int:
         import pyarrow.parquet as pq
 
         try:
-            pq.write_table(job.to_arrow(), args.out)
+            with _open_out(args.out) as f:
+                pq.write_table(job.to_arrow(), f)
         except OSError as e:
-            raise CliError(f"cannot write {args.out}: {e}", EXIT_REFUSED) from e
+            raise CliError(f"cannot write {args.out}: {e.strerror or e}", EXIT_REFUSED) from e
         print(args.out)
         return 0
     table = job.to_arrow()
     if args.out:
         try:
-            with open(args.out, "wb") as f:
+            with _open_out(args.out) as f:
                 n = write_lines(table, f, args.format, model=job.record.spec.model_name)
         except OSError as e:
             raise CliError(f"cannot write {args.out}: {e.strerror or e}", EXIT_REFUSED) from e
@@ -520,6 +521,22 @@ def cmd_results(args) -> int:
         write_lines(table, sys.stdout.buffer, args.format, model=job.record.spec.model_name)
         sys.stdout.flush()  # a closed pipe shows here, inside main, not at exit
     return 0
+
+
+def _open_out(path: str):
+    """``path`` opened for writing without waiting: a FIFO nobody reads is refused (ENXIO)
+    instead of blocking; once open, writes block as usual."""
+    import errno
+    import fcntl
+
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NONBLOCK, 0o666)
+    except OSError as e:
+        if e.errno == errno.ENXIO:
+            raise OSError(e.errno, "a FIFO that nothing reads") from None
+        raise
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    return os.fdopen(fd, "wb")
 
 
 def cmd_schedules(args) -> int:

@@ -4,6 +4,7 @@ behind (issue 33, items 4-8)."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -289,3 +290,15 @@ def test_output_dir_that_cannot_be_a_folder_is_refused(tmp_path, home, fake_mode
     err = refused(capsys, "run", data, "-o", tmp_path / "out")
     assert f"output_dir {tmp_path / 'out'}: cannot write there (Read-only file system)" in err
     assert not job_records(home)
+
+
+def test_results_out_to_a_fifo_nobody_reads_is_refused_at_once(tmp_path, home, fake_models):
+    data = write_jsonl(tmp_path / "ok.jsonl", [PROMPT])
+    job = cli("run", data, "-q", "--json", home=home, check=True)
+    job_id = json.loads(job.stdout)["id"]
+    os.mkfifo(tmp_path / "fifo")
+    for fmt in ("jsonl", "openai", "parquet"):
+        out = cli("results", job_id, "--format", fmt, "--out", tmp_path / "fifo", home=home,
+                  timeout=120)
+        assert out.returncode == 2 and "a FIFO that nothing reads" in out.stderr, out.stderr
+    assert (tmp_path / "fifo").is_fifo()
