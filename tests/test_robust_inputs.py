@@ -176,7 +176,7 @@ def test_bad_lease_setting_is_refused(tmp_path, home, fake_models, capsys, monke
     ("DFLASH_BATCH_DRAFTS", "forest"), ("DFLASH_BATCH_ATTENTION", ""), ("DFLASH_BATCH_PASSES", "x"),
     ("DFLASH_BATCH_KERNEL_CHECK", "yes"), ("DFLASH_BATCH_MEMORY_GB", "nan"),
     ("DFLASH_BATCH_MEMORY_GB", "-1"), ("DFLASH_BATCH_MEMORY_GB", "abc"),
-    ("DFLASH_BATCH_MEMORY_GB", "inf"),
+    ("DFLASH_BATCH_MEMORY_GB", "inf"), ("DFLASH_BATCH_CACHE", "/dev/null"),
 ])  # fmt: skip
 def test_bad_engine_setting_is_refused_before_the_job(tmp_path, home, monkeypatch, capsys, name,
                                                       value):

@@ -4,8 +4,10 @@ starts (``SettingError``, naming the variable) rather than failing the job when 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
-from . import attention, compiled, matmul, memory, modes, tree  # noqa: F401  (their switches)
+from ..errors import SettingError
+from . import attention, compiled, default_model, matmul, memory, modes, tree  # noqa: F401
 from .kernels import cpu, selfcheck  # noqa: F401
 
 
@@ -16,3 +18,6 @@ def check() -> None:
     selfcheck.enabled()
     if os.environ.get(memory.ENV_LIMIT):
         memory.limit_bytes(os.environ[memory.ENV_LIMIT])
+    cache = os.environ.get(default_model.CACHE_ENV)
+    if cache and Path(cache).expanduser().exists() and not Path(cache).expanduser().is_dir():
+        raise SettingError(f"{default_model.CACHE_ENV}={cache!r}: not a folder")
