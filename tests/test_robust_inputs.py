@@ -302,3 +302,17 @@ def test_results_out_to_a_fifo_nobody_reads_is_refused_at_once(tmp_path, home, f
                   timeout=120)
         assert out.returncode == 2 and "a FIFO that nothing reads" in out.stderr, out.stderr
     assert (tmp_path / "fifo").is_fifo()
+
+
+@pytest.mark.parametrize("body, key", [
+    ("chat_template_kwargs: {x: !!set {a, b}}", "chat_template_kwargs"),
+    ("chat_template_kwargs: {x: !!binary aGk=}", "chat_template_kwargs"),
+    ("chat_template_kwargs: {1: a}", "chat_template_kwargs"),
+    ("sampling: {response_format: {type: json_object, x: !!set {a}}}", "response_format"),
+])  # fmt: skip
+def test_spec_values_that_are_not_json_are_refused(tmp_path, home, capsys, body, key):
+    write_jsonl(tmp_path / "ok.jsonl", [PROMPT])
+    (tmp_path / "job.yaml").write_text(f"input: ok.jsonl\n{body}\n")
+    err = refused(capsys, "submit", tmp_path / "job.yaml")
+    assert f"job.yaml: '{key}' must hold only JSON values" in err
+    assert not job_records(home)

@@ -423,6 +423,12 @@ def validate(spec: JobSpec, where: str = "spec") -> None:
         spec.chat_template_kwargs = {}
     if not isinstance(spec.chat_template_kwargs, dict):
         bad("chat_template_kwargs", f"must be a mapping, got {spec.chat_template_kwargs!r}")
+    for key in ("chat_template_kwargs", "response_format"):  # the job record holds them as JSON
+        try:
+            orjson.dumps(getattr(spec, key))
+        except TypeError as e:
+            bad(key, f"must hold only JSON values (mappings with string keys, lists, strings, "
+                f"numbers, booleans, null): {e}")  # fmt: skip
     for key in ("export_openai", "force", "catch_up"):
         if not isinstance(getattr(spec, key), bool):
             bad(key, f"must be true or false, got {getattr(spec, key)!r}")
