@@ -316,3 +316,14 @@ def test_spec_values_that_are_not_json_are_refused(tmp_path, home, capsys, body,
     err = refused(capsys, "submit", tmp_path / "job.yaml")
     assert f"job.yaml: '{key}' must hold only JSON values" in err
     assert not job_records(home)
+
+
+FLAGS_64 = ["--chunk-size", "--max-tokens", "--block-size", "--retries", "--top-k"]
+
+
+@pytest.mark.parametrize("flag", FLAGS_64)
+def test_integers_beyond_64_bits_are_refused(tmp_path, home, capsys, flag):
+    data = write_jsonl(tmp_path / "ok.jsonl", [PROMPT])
+    err = refused(capsys, "submit", data, flag, 2**64)
+    assert f"'{flag[2:].replace('-', '_')}' must be at most 2**64 - 1" in err
+    assert not job_records(home)

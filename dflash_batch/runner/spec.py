@@ -376,6 +376,10 @@ def validate(spec: JobSpec, where: str = "spec") -> None:
         bad("input_format", f"must be auto, jsonl, openai or parquet, got {spec.input_format!r}")
     if spec.dtype not in ("auto", "float32", "bfloat16", "float16"):
         bad("dtype", f"must be auto, float32, bfloat16 or float16, got {spec.dtype!r}")
+    for f in dataclasses.fields(spec):  # job records and hashes store integers in 64 bits
+        value = getattr(spec, f.name)
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > checks.MAX_SEED:
+            bad(f.name, f"must be at most 2**64 - 1, got {checks.show(value)}")
     for key, low in (("max_tokens", 1), ("chunk_size", 1), ("retries", 0)):
         value = getattr(spec, key)
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
