@@ -24,7 +24,7 @@ from typing import Any, Callable, Dict, List, Optional, Union
 import orjson
 
 from . import checks
-from .errors import JobFailed
+from .errors import JobFailed, SettingError
 from .files import write_atomic
 from .runner.execution import finish_job, run_job
 from .runner.jobs import JobRecord, create_job, home_dir, load_job
@@ -44,19 +44,39 @@ def load_model(**model):
     lazily, and only by whoever calls it). ``$DFLASH_BATCH_ENGINE=module:callable`` names
     another factory (called with the same model keywords; it must return a
     ``request.Generator``): for another engine, or the tests' fake one."""
-    name = os.environ.get(ENGINE_ENV)
-    if name:
-        import importlib
-
-        module, _, attr = name.partition(":")
-        try:
-            factory = getattr(importlib.import_module(module), attr or "load_engine")
-        except (ImportError, AttributeError) as e:
-            raise SpecError(f"${ENGINE_ENV}={name!r} names no engine factory: {e}") from None
+    factory = _named_factory()
+    if factory is not None:
         return factory(**model)
     from .engine import load_engine
 
     return load_engine(**model)
+
+
+def _named_factory() -> Optional[Callable[..., Any]]:
+    """The factory $DFLASH_BATCH_ENGINE names, if set."""
+    name = os.environ.get(ENGINE_ENV)
+    if not name:
+        return None
+    import importlib
+
+    module, _, attr = name.partition(":")
+    try:
+        factory = getattr(importlib.import_module(module), attr or "load_engine")
+    except (ImportError, AttributeError, ValueError) as e:
+        raise SettingError(f"${ENGINE_ENV}={name!r} names no engine factory: {e}") from None
+    if not callable(factory):
+        raise SettingError(f"${ENGINE_ENV}={name!r} names {type(factory).__name__}, not a factory")
+    return factory
+
+
+def check_engine_settings() -> None:
+    """Refuse (``SettingError``) the engine's environment variables with a value it cannot use,
+    before a job starts; when $DFLASH_BATCH_ENGINE names another engine, that it names one."""
+    if _named_factory() is not None:
+        return
+    from .engine import settings
+
+    settings.check()
 
 
 class Job:
@@ -166,6 +186,8 @@ def run(
 
     home = Path(home) if home else home_dir()
     spec = _spec(input, overrides)
+    if engine is None and engine_factory is None:
+        check_engine_settings()
     with DirLock(spec.resolved_output_dir(home)):  # a busy dir refuses before anything is written
         pass
     record = create_job(spec, home, foreground=True)
@@ -211,6 +233,7 @@ def retry(job_id: str, *, failed_only: bool = False, home: Optional[Union[str, P
 
     job = Job(job_id, home)
     record = job.record
+    queue = Queue(job.home, redis_url=redis_url)  # reachable, before the job is changed
     store = record.store()
     ids = record.ids()
     size = record.spec.chunk_size
@@ -225,7 +248,7 @@ def retry(job_id: str, *, failed_only: bool = False, home: Optional[Union[str, P
         redo = failed if failed_only else {i for i in ids if i not in ok}
         chunks = sorted({n // size for n, i in enumerate(ids) if i in redo})
         record.reopen(chunks, retry_ids=sorted(failed) if failed_only else None)
-    queued = Queue(job.home, redis_url=redis_url).enqueue_job(record, chunks) if chunks else 0
+    queued = queue.enqueue_job(record, chunks) if chunks else 0
     return {"failed_dropped": len(failed), "items": len(redo), "chunks": queued}
 
 

@@ -11,12 +11,16 @@ naming the key: the caller knows the key (and the file or line) and puts it in f
 * chat messages are checked by one rule for the runner and the engine (``chat_messages``).
 * a JSON value that something recursive walks (``json.dumps``, a deep copy, a grammar compiler)
   nests at most ``MAX_NESTING`` levels (``nesting``), checked without recursion.
+* a file a flag or a spec names is read only if it is a regular file of bounded size
+  (``small_file_text``): never a FIFO that blocks or a device that never ends.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import re
+import stat
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -184,3 +188,32 @@ def _content_parts(parts: list, at: str) -> str:
             raise BadValue(f"{where}.text must be a string, got {json_type(part.get('text'))}")
         texts.append(part["text"])
     return "".join(texts)
+
+
+def small_file_text(path, limit: int) -> str:
+    """The UTF-8 text of a regular file of at most ``limit`` bytes. Checked on the open
+    descriptor, so a FIFO, a device (/dev/zero), a folder or an oversized file is refused at
+    once: opened without blocking, never read."""
+    try:
+        fd = os.open(os.fspath(Path(path).expanduser()), os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise BadValue(f"{path}: no such file") from None
+    except OSError as e:
+        raise BadValue(f"{path}: cannot open: {e.strerror or e}") from None
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_size > limit:
+        os.close(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise BadValue(f"{path}: not a regular file")
+        raise BadValue(f"{path}: {info.st_size} bytes, more than the {limit} allowed")
+    with os.fdopen(fd, "rb") as f:
+        try:
+            data = f.read(limit + 1)  # a file that grew since fstat is still bounded
+        except OSError as e:
+            raise BadValue(f"{path}: cannot read: {e.strerror or e}") from None
+    if len(data) > limit:
+        raise BadValue(f"{path}: more than the {limit} bytes allowed")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise BadValue(f"{path}: not UTF-8 text ({e})") from None

@@ -103,12 +103,20 @@ OVERRIDE_KEYS = (
 ) + tuple(CONTROLS)  # fmt: skip
 
 
+JSON_FILE_BYTES = 16 * 2**20  # the most a flag's @FILE may hold
+
+
 def _json_value(text: str):
-    """A flag's JSON value, given inline or as @file."""
+    """A flag's JSON value, given inline or as @file (a regular file, bounded in size)."""
     import json
 
+    from . import checks
+
     if text.startswith("@"):
-        text = Path(text[1:]).expanduser().read_text()
+        try:
+            text = checks.small_file_text(text[1:], JSON_FILE_BYTES)
+        except checks.BadValue as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
@@ -278,6 +286,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     from .runner.cron import ScheduleNotFound
 
     try:
+        _check_setup(args)
         return COMMANDS[args.command](args)
     except (InputError, SpecError, BadValue) as e:
         # the message in the command line's terms (flags, not keyword arguments) where it has one
@@ -297,6 +306,30 @@ def main(argv: Optional[List[str]] = None) -> int:
         return EXIT_BROKEN_PIPE
     except KeyboardInterrupt:
         return _fail("interrupted (finished items are saved; rerun to resume)", EXIT_INTERRUPTED)
+
+
+WRITING_COMMANDS = ("submit", "run", "worker", "cancel", "retry", "unschedule")
+
+
+def _check_setup(args) -> None:
+    """Refuse, before any work, a home that cannot serve the command and settings that
+    cannot be used; each message names the flag or variable."""
+    from .runner.jobs import check_home, home_dir
+    from .runner.lease import lease_ttl
+    from .runner.spec import SpecError
+
+    where = "--home" if args.home else "home"
+    if not args.home and os.environ.get("DFLASH_BATCH_HOME"):
+        where = "$DFLASH_BATCH_HOME"
+    try:
+        check_home(home_dir(), write=args.command in WRITING_COMMANDS)
+    except SpecError as e:
+        raise SpecError(f"{where} {e}") from None
+    lease_ttl()
+    if args.command == "worker":
+        from .api import check_engine_settings
+
+        check_engine_settings()
 
 
 def _fail(message: str, code: int) -> int:
@@ -543,15 +576,16 @@ def cmd_results(args) -> int:
         import pyarrow.parquet as pq
 
         try:
-            pq.write_table(job.to_arrow(), args.out)
+            with _open_out(args.out) as f:
+                pq.write_table(job.to_arrow(), f)
         except OSError as e:
-            raise CliError(f"cannot write {args.out}: {e}", EXIT_REFUSED) from e
+            raise CliError(f"cannot write {args.out}: {e.strerror or e}", EXIT_REFUSED) from e
         print(args.out)
         return 0
     table = job.to_arrow()
     if args.out:
         try:
-            with open(args.out, "wb") as f:
+            with _open_out(args.out) as f:
                 n = write_lines(table, f, args.format, model=job.record.spec.model_name)
         except OSError as e:
             raise CliError(f"cannot write {args.out}: {e.strerror or e}", EXIT_REFUSED) from e
@@ -582,6 +616,22 @@ def cmd_prune(args) -> int:
 def _print_removed(removed: Dict[str, Optional[str]]) -> None:
     for job_id, kept in removed.items():
         print(f"removed {job_id}" + (f" ({kept})" if kept else ""))
+
+
+def _open_out(path: str):
+    """``path`` opened for writing without waiting: a FIFO nobody reads is refused (ENXIO)
+    instead of blocking; once open, writes block as usual."""
+    import errno
+    import fcntl
+
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NONBLOCK, 0o666)
+    except OSError as e:
+        if e.errno == errno.ENXIO:
+            raise OSError(e.errno, "a FIFO that nothing reads") from None
+        raise
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    return os.fdopen(fd, "wb")
 
 
 def cmd_schedules(args) -> int:

@@ -23,6 +23,10 @@ class SpecError(DflashBatchError, ValueError):
     """A job spec that cannot be used; the message names the key (and the file)."""
 
 
+class SettingError(SpecError):
+    """An environment variable whose value cannot be used; the message names the variable."""
+
+
 class InputError(DflashBatchError, ValueError):
     """The input as a whole cannot be used (no row-level fallback possible)."""
 

@@ -9,20 +9,24 @@ import os
 import sys
 from typing import Callable, List, Optional, Sequence
 
+from ..errors import SettingError
 from .kernels import attention as block
 
 
 class Switch:
+    made: List["Switch"] = []  # every switch, so their variables can be checked before any work
+
     def __init__(self, name: str, env: str, modes: Sequence[str], cuda: str, elsewhere: str):
         self.name, self.env, self.modes = name, env, tuple(modes)
         self.cuda, self.elsewhere = cuda, elsewhere
         self.chosen: Optional[str] = None  # as set; None: the default
+        Switch.made.append(self)
 
     def default(self) -> str:
         """The environment variable if set, else the backend's default."""
         env = os.environ.get(self.env)
         if env and env not in self.modes:
-            raise ValueError(f"{self.env}={env!r}: expected one of {self.modes}")
+            raise SettingError(f"{self.env}={env!r}: expected one of {self.modes}")
         return env or (self.cuda if block.gpu_backend() == "cuda" else self.elsewhere)
 
     def set(self, mode: Optional[str]) -> None:

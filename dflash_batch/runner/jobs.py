@@ -14,6 +14,7 @@ import re
 import secrets
 import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Set
@@ -38,6 +39,31 @@ def home_dir() -> Path:
         return Path.home() / "Library" / "Application Support" / "dflash-batch"
     base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
     return Path(base).expanduser().resolve() / "dflash-batch"
+
+
+def check_home(home: Path, write: bool) -> None:
+    """Refuse a home that is not a folder, or, for a command that writes, one where nothing can
+    be written (a read-only file system): before any work, rather than a traceback halfway."""
+    if home.exists() and not home.is_dir():
+        raise SpecError(f"{home} is not a folder")
+    if write:
+        check_writable_folder(home)
+
+
+def check_writable_folder(folder: Path) -> None:
+    """Refuse (``SpecError`` naming the folder) a folder that cannot be made or written to."""
+    if folder.exists() and not folder.is_dir():
+        raise SpecError(f"{folder} is not a folder")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        _probe_write(folder)
+    except OSError as e:
+        raise SpecError(f"{folder}: cannot write there ({e.strerror or e})") from None
+
+
+def _probe_write(folder: Path) -> None:
+    with tempfile.TemporaryFile(dir=folder):
+        pass
 
 
 def new_job_id(name: str) -> str:
@@ -227,6 +253,10 @@ def create_job(spec: JobSpec, home: Path, job_id: Optional[str] = None,
         ids.append(item.id)
         samples = samples or item.options.get("n", 1) > 1
     config_hash = spec.config_hash()
+    try:
+        check_writable_folder(output_dir)
+    except SpecError as e:
+        raise SpecError(f"output_dir {e}") from None
     store = ResultStore(output_dir)
     previous = store.manifest().get("config_hash")
     if previous and previous != config_hash and not spec.force:

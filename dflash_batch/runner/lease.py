@@ -30,7 +30,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import orjson
 
-from ..errors import LeaseLost
+from ..errors import LeaseLost, SettingError
 
 log = logging.getLogger("dflash_batch.worker")
 LEASE_ENV = "DFLASH_BATCH_LEASE_S"
@@ -50,7 +50,7 @@ def lease_ttl() -> float:
     except ValueError:
         value = float("nan")
     if not 1.0 <= value <= 86400:  # NaN fails both comparisons
-        raise ValueError(f"${LEASE_ENV} must be a number of seconds in [1, 86400], got {text!r}")
+        raise SettingError(f"${LEASE_ENV} must be a number of seconds in [1, 86400], got {text!r}")
     return value
 
 

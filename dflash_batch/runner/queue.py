@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Optional
 
 from ..extras import install_hint
+from ..errors import SetupError
 from .jobs import JobRecord, list_jobs
 from .scaleout import check_sqlite_home, claim_home
 from .spec import SpecError
@@ -23,6 +24,7 @@ from .spec import SpecError
 CHUNK_TASK = "dflash_batch.chunk"
 RETRY_DELAY_S = 5
 REDIS_ENV = "DFLASH_BATCH_REDIS_URL"
+REDIS_CHECK_TIMEOUT_S = 5.0  # how long a Redis server has to answer the first ping
 
 
 def task_id(job_id: str, chunk: int) -> str:
@@ -30,7 +32,8 @@ def task_id(job_id: str, chunk: int) -> str:
 
 
 def redis_huey(url: str):
-    """A ``RedisHuey`` on ``url`` (redis://host:port/db); needs the ``redis`` client package."""
+    """A ``RedisHuey`` on ``url`` (redis://host:port/db); needs the ``redis`` client package.
+    Raises ``SetupError`` unless a Redis server answers a ping there (``check_redis``)."""
     try:
         import redis  # noqa: F401
     except ImportError as e:
@@ -38,7 +41,45 @@ def redis_huey(url: str):
         raise SpecError(f"a Redis queue ({url}) needs the redis client: {hint}") from e
     from huey import RedisHuey
 
+    check_redis(url)
     return RedisHuey(name="dflash-batch", url=url, results=False, utc=True)
+
+
+def check_redis(url: str, timeout: Optional[float] = None) -> None:
+    """Refuse (``SetupError``, naming the URL and the reason) a Redis URL that does not parse, or
+    where no Redis server answers a ping within ``timeout`` seconds: a closed port, a host that
+    never answers, a server that speaks another protocol. Nothing is written before this."""
+    import redis
+
+    timeout = REDIS_CHECK_TIMEOUT_S if timeout is None else timeout
+    where = f"--redis / ${REDIS_ENV} {_without_password(url)!r}"
+    try:
+        client = redis.Redis.from_url(url, socket_connect_timeout=timeout, socket_timeout=timeout)
+    except (ValueError, TypeError) as e:
+        raise SetupError(f"{where}: not a Redis URL ({e}); expected redis://host:port/db") from None
+    try:
+        client.ping()
+    except redis.TimeoutError:
+        raise SetupError(f"{where}: no answer within {timeout:g} s") from None
+    except (redis.RedisError, OSError, ValueError) as e:
+        reason = f"{type(e).__name__}: {e}"
+        raise SetupError(f"{where}: no Redis server answers there ({reason})") from None
+    finally:
+        client.close()
+
+
+def _without_password(url: str) -> str:
+    """``url`` as messages show it: a password in it replaced by ``***``."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        if parts.password is None:
+            return url
+        netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+        return parts._replace(netloc=netloc).geturl()
+    except ValueError:
+        return url
 
 
 class Queue:

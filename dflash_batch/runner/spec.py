@@ -17,8 +17,10 @@ Everything else is a top-level key (see ``TOP_KEYS``). Unknown keys are errors.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import difflib
 import hashlib
+import re
 import string
 import time
 from dataclasses import dataclass, field
@@ -43,6 +45,10 @@ TOP_KEYS = (
     "system_prompt", "prompt_template", "chat_template", "chat_template_kwargs", "model", "sampling",
     "chunk_size", "batch_size", "schedule", "catch_up", "retries", "export_openai", "force",
 )  # fmt: skip
+SPEC_FILE_BYTES = 4 * 2**20  # the most a YAML job spec may hold
+# The most nodes a spec may hold with its aliases expanded: far above any real spec, far below
+# what "billion laughs" (nested aliases, each repeating the one before) expands to.
+YAML_EXPANDED_NODES = 100_000
 CRON_ALIASES = {"@hourly": "0 * * * *", "@daily": "0 0 * * *", "@midnight": "0 0 * * *",
                 "@weekly": "0 0 * * 0", "@monthly": "0 0 1 * *"}  # fmt: skip
 
@@ -232,13 +238,11 @@ def _read_yaml(path: Path) -> Dict[str, Any]:
     import yaml
 
     try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise SpecError(f"{path}: no such file") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise SpecError(f"{path}: cannot read: {e}") from e
+        text = checks.small_file_text(path, SPEC_FILE_BYTES)
+    except checks.BadValue as e:
+        raise SpecError(str(e)) from None
     try:
-        raw = yaml.safe_load(text)
+        raw = safe_yaml(text)
     except yaml.YAMLError as e:
         raise SpecError(f"{path}: invalid YAML: {e}") from e
     except RecursionError:  # PyYAML builds nested values recursively
@@ -259,6 +263,52 @@ def _read_yaml(path: Path) -> Dict[str, Any]:
         if key in ("input", "output_dir") or value.startswith(".") or (base / local).exists():
             data[key] = str(base / local)
     return data
+
+
+def safe_yaml(text: str):
+    """``yaml.safe_load``, refusing a document whose aliases expand past ``YAML_EXPANDED_NODES``
+    nodes or refer to themselves: either would make a spec that copying or hashing never ends."""
+    import yaml
+
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _expanded_size(node, {}, set())
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+def _expanded_size(node, sizes: Dict[int, int], open_nodes: set) -> int:
+    """How many nodes ``node`` stands for with every alias written out (memoized per node)."""
+    import yaml
+
+    key = id(node)
+    if key in sizes:
+        return sizes[key]
+    if key in open_nodes:
+        line = node.start_mark.line + 1
+        raise yaml.YAMLError(f"an alias on line {line} refers to the value that holds it")
+    open_nodes.add(key)
+    if isinstance(node, yaml.MappingNode):
+        children = [n for pair in node.value for n in pair]
+    elif isinstance(node, yaml.SequenceNode):
+        children = node.value
+    else:
+        children = []
+    size = 1
+    for child in children:
+        size += _expanded_size(child, sizes, open_nodes)
+        if size > YAML_EXPANDED_NODES:
+            raise yaml.YAMLError(
+                f"more than {YAML_EXPANDED_NODES} values with its aliases expanded (line "
+                f"{node.start_mark.line + 1}); write the values out or use fewer aliases"
+            )
+    open_nodes.discard(key)
+    sizes[key] = size
+    return size
 
 
 def _flatten(raw: Dict[str, Any], where: str) -> Dict[str, Any]:
@@ -326,6 +376,10 @@ def validate(spec: JobSpec, where: str = "spec") -> None:
         bad("input_format", f"must be auto, jsonl, openai or parquet, got {spec.input_format!r}")
     if spec.dtype not in ("auto", "float32", "bfloat16", "float16"):
         bad("dtype", f"must be auto, float32, bfloat16 or float16, got {spec.dtype!r}")
+    for f in dataclasses.fields(spec):  # job records and hashes store integers in 64 bits
+        value = getattr(spec, f.name)
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > checks.MAX_SEED:
+            bad(f.name, f"must be at most 2**64 - 1, got {checks.show(value)}")
     for key, low in (("max_tokens", 1), ("chunk_size", 1), ("retries", 0)):
         value = getattr(spec, key)
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -377,6 +431,12 @@ def validate(spec: JobSpec, where: str = "spec") -> None:
         checks.nesting(spec.chat_template_kwargs)  # before a deep copy or the hash walks it
     except checks.BadValue as e:
         bad("chat_template_kwargs", str(e))
+    for key in ("chat_template_kwargs", "response_format"):  # the job record holds them as JSON
+        try:
+            orjson.dumps(getattr(spec, key))
+        except TypeError as e:
+            bad(key, f"must hold only JSON values (mappings with string keys, lists, strings, "
+                f"numbers, booleans, null): {e}")  # fmt: skip
     for key in ("export_openai", "force", "catch_up"):
         if not isinstance(getattr(spec, key), bool):
             bad(key, f"must be true or false, got {getattr(spec, key)!r}")
@@ -416,7 +476,41 @@ def cron_fields(expression) -> Dict[str, str]:
     kwargs = dict(zip(names, parts))
     for name, value in kwargs.items():
         try:
+            _check_cron_pieces(value)
             crontab(strict=True, **{name: value})
         except ValueError as e:
             raise ValueError(f"{expression!r}: bad {name} field {value!r} ({e})") from None
+    if not _day_exists(kwargs["day"], kwargs["month"]):
+        day, month = kwargs["day"], kwargs["month"]
+        raise ValueError(f"{expression!r}: day {day!r} never occurs in month {month!r}")
     return kwargs
+
+
+_CRON_PIECE = re.compile(r"(\*|\d+)(?:-(\d+))?(?:/(\d+))?")
+
+
+def _check_cron_pieces(value: str) -> None:
+    """What cron(8) refuses and huey's parser lets through or words obscurely: a reversed range
+    (huey wraps it around), a step of 0."""
+    for piece in value.split(","):
+        if not piece:
+            raise ValueError("has an empty list item")
+        match = _CRON_PIECE.fullmatch(piece)
+        if match is None:
+            continue  # huey's strict parser words the refusal
+        low, high, step = match.groups()
+        if high is not None and low != "*" and int(low) > int(high):
+            raise ValueError(f"range {piece!r} is reversed: write the low end first")
+        if step is not None and int(step) == 0:
+            raise ValueError(f"step {piece!r} is 0: a step must be at least 1")
+
+
+def _day_exists(day: str, month: str) -> bool:
+    """Whether a day of month the schedule names occurs in a month it names (``31 2`` never
+    does). Huey fires only where the day of week matches too, and any date that exists falls on
+    each weekday in some year."""
+    from huey import crontab
+
+    due = crontab(day=day, month=month)
+    start = datetime.datetime(2024, 1, 1)  # a leap year: 29 February counts
+    return any(due(start + datetime.timedelta(days=d)) for d in range(366))

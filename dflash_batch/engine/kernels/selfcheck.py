@@ -29,6 +29,8 @@ from typing import Callable, Dict, Iterator, Mapping, Optional, Tuple, Union
 
 import mlx.core as mx
 
+from ...errors import SettingError
+
 ENV = "DFLASH_BATCH_KERNEL_CHECK"
 SEED = 20240607  # every check case is drawn from this key: the same inputs in every process
 
@@ -59,7 +61,7 @@ def enabled() -> bool:
     """Whether kernels are checked: DFLASH_BATCH_KERNEL_CHECK unset or 1, outside ``unchecked()``."""
     value = os.environ.get(ENV, "")
     if value not in ("", "0", "1"):
-        raise ValueError(f"{ENV}={value!r}: expected 0 (skip the kernel self-check) or 1 (check)")
+        raise SettingError(f"{ENV}={value!r}: expected 0 (skip the kernel self-check) or 1 (check)")
     return value != "0" and _skip == 0
 
 
