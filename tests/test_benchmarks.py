@@ -94,7 +94,7 @@ def test_scripted_drafter_replays_a_recorded_greedy_continuation(tiny, chain_dra
 
 
 def test_random_weights_give_about_one_token_per_cycle(tiny):
-    engine = arms.make_engine(tiny, tiny.drafter)
+    engine = arms.make_engine(tiny, tiny.drafter, cost_model=fixed_costs())
     stats = engine.generate(arms.prompt_ids(32, tiny.vocab_size), max_tokens=60).stats
     assert stats.tokens_per_cycle < 1.5
 
