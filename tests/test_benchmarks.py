@@ -101,7 +101,8 @@ def test_random_weights_give_about_one_token_per_cycle(tiny):
 
 def test_smoke_suite_results_are_well_formed(tmp_path):
     # costs as if measured: timed ones, on a busy CPU, can keep the full-acceptance arm plain
-    path = run.main(["--suite", "smoke", "--out", str(tmp_path)], engine_options={"cost_model": fixed_costs()})
+    options = {"cost_model": fixed_costs()}
+    path = run.main(["--suite", "smoke", "--out", str(tmp_path)], engine_options=options)
     doc = json.loads(path.read_text())
     assert doc["machine"]["backend"] == "cpu" and doc["machine"]["mlx"]
     assert doc["bandwidth_gbps"] > 0

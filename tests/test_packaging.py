@@ -22,6 +22,7 @@ def test_the_licence_is_an_spdx_string():
 
 def test_the_build_backend_reads_spdx_licences():
     """setuptools reads ``project.license`` as a string from version 77 on."""
-    (setuptools,) = [r for r in pyproject()["build-system"]["requires"] if r.startswith("setuptools")]
+    requires = pyproject()["build-system"]["requires"]
+    (setuptools,) = [r for r in requires if r.startswith("setuptools")]
     floor = re.fullmatch(r"setuptools>=(\d+)(\.\d+)*", setuptools)
     assert floor and int(floor.group(1)) >= 77, setuptools

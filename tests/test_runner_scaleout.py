@@ -87,9 +87,10 @@ def test_status_shows_who_holds_which_chunk_and_each_workers_rate(tmp_path, home
     wait_for(lambda: list(tmp_path.glob("hold.*")), timeout=60, interval=0.05, what="a worker held")
     try:
         text = cli("status", job.id, home=home, check=True).stdout
-        data = __import__("json").loads(cli("status", job.id, "--json", home=home, check=True).stdout)
+        as_json = cli("status", job.id, "--json", home=home, check=True).stdout
     finally:
         hold.unlink()
+    data = __import__("json").loads(as_json)
     assert text.count(" held by ") >= 1 and "rows/s" in text and "device 0" in text and "device 1" in text, text
     assert {w["device"] for w in data["workers"]} == {"0", "1"} and all(w["rows_per_s"] > 0 for w in data["workers"])
     assert all(h["worker"] in {w["id"] for w in data["workers"]} for h in data["holders"])
