@@ -72,6 +72,8 @@ def test_two_workers_run_chunks_of_one_job_at_once(tmp_path, home, fast, workers
 
 def test_status_shows_who_holds_which_chunk_and_each_workers_rate(tmp_path, home, fast, workers, monkeypatch):
     monkeypatch.setenv("FAKE_ENGINE_DELAY", "0.3")
+    hold = tmp_path / "hold"
+    monkeypatch.setenv("FAKE_ENGINE_HOLD", str(hold))
     job = submit(tmp_path, fast, 24, chunk_size=6)
     a, b = workers("--device", "0"), workers("--device", "1")
     # both workers hold chunks at once (a worker may stream several chunks of the job)
@@ -79,9 +81,17 @@ def test_status_shows_who_holds_which_chunk_and_each_workers_rate(tmp_path, home
              timeout=120, interval=0.1, what="chunks held by both workers")
     wait_for(lambda: all(w["rows"] > 0 for w in api.activity(home)["workers"]) and
              len(api.activity(home)["workers"]) == 2, timeout=120, interval=0.2, what="both workers' rates")
-    text = cli("status", job.id, home=home, check=True).stdout
+    # held mid-chunk while status runs (heartbeats go on): on a busy machine the job could
+    # otherwise end before status looks
+    hold.touch()
+    wait_for(lambda: list(tmp_path.glob("hold.*")), timeout=60, interval=0.05, what="a worker held")
+    try:
+        text = cli("status", job.id, home=home, check=True).stdout
+        as_json = cli("status", job.id, "--json", home=home, check=True).stdout
+    finally:
+        hold.unlink()
+    data = __import__("json").loads(as_json)
     assert text.count(" held by ") >= 1 and "rows/s" in text and "device 0" in text and "device 1" in text, text
-    data = __import__("json").loads(cli("status", job.id, "--json", home=home, check=True).stdout)
     assert {w["device"] for w in data["workers"]} == {"0", "1"} and all(w["rows_per_s"] > 0 for w in data["workers"])
     assert all(h["worker"] in {w["id"] for w in data["workers"]} for h in data["holders"])
     assert job.wait(timeout=240)["state"] == "completed"
