@@ -57,11 +57,28 @@ def chunks_run_by(worker) -> int:
 
 
 def test_two_workers_run_chunks_of_one_job_at_once(tmp_path, home, fast, workers, monkeypatch):
-    monkeypatch.setenv("FAKE_ENGINE_DELAY", "0.2")  # 8 s of work: one worker cannot finish it alone
+    monkeypatch.setenv("FAKE_ENGINE_DELAY", "0.2")
+    hold = tmp_path / "hold"
+    monkeypatch.setenv("FAKE_ENGINE_HOLD", str(hold))
     a, b = workers(), workers()
     # both consume before the job exists: a worker that started late would find nothing left
     wait_for(lambda: all("worker started" in w.log() for w in (a, b)), timeout=120, what="both workers started")
+    hold.touch()
     job = submit(tmp_path, fast, 40, chunk_size=4)
+    # In lockstep until each worker has held two chunks: every round holds both at their next
+    # item and then lets both go, so on a busy machine neither can run the job alone.
+    held_files = [tmp_path / f"hold.{w.proc.pid}" for w in (a, b)]
+    chunks = {}
+    while len(chunks) < 2 or any(len(c) < 2 for c in chunks.values()):
+        wait_for(lambda: all(f.exists() for f in held_files), timeout=120, interval=0.02,
+                 what="both workers held mid-chunk")
+        for lease in api.activity(home)["leases"]:
+            chunks.setdefault(lease["worker"], set()).add(lease["chunk"])
+        hold.unlink()
+        wait_for(lambda: not any(f.exists() for f in held_files), timeout=120, interval=0.02,
+                 what="both workers going again")
+        hold.touch()
+    hold.unlink()
     assert job.wait(timeout=240)["state"] == "completed"
     exactly_once(job, 40)
     assert chunks_run_by(a) >= 2 and chunks_run_by(b) >= 2, (a.log(), b.log())  # both did real work
