@@ -199,7 +199,8 @@ class KeyCheck:
             if not hmac.compare_digest(given, self.expected):
                 error = ApiError(401, "a valid API key is required: Authorization: Bearer KEY",
                                  code="invalid_api_key")
-                await _api_error(None, error)(scope, receive, send)
+                response = await _api_error(None, error)
+                await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 

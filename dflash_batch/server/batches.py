@@ -58,7 +58,8 @@ class Batches:
             raise bad_request(f"file {params['input_file_id']} has purpose "
                               f"{source['object']['purpose']!r}, not 'batch'",
                               "input_file_id", "invalid_purpose")  # fmt: skip
-        now = int(self.clock())
+        created = self.clock()
+        now = int(created)
         batch_id = new_id("batch_")
         folder = self.root / batch_id
         folder.mkdir(parents=True)
@@ -72,7 +73,7 @@ class Batches:
             "completed_at": None, "failed_at": None, "expired_at": None, "cancelling_at": None,
             "cancelled_at": None, "model": None, "metadata": params["metadata"],
             "request_counts": {"total": source.get("requests", 0), "completed": 0, "failed": 0},
-            EXTENSION: {"job_id": None},
+            EXTENSION: {"job_id": None, "created": created},  # orders batches made in one second
         }  # fmt: skip
         with self.lock:
             self._save(batch)
@@ -86,7 +87,7 @@ class Batches:
     def list(self, after: Optional[str] = None, limit: int = 20) -> Tuple[List[Dict[str, Any]], bool]:
         """A page of batches, newest first, after the batch ``after``; and whether more follow."""
         with self.lock:
-            batches = sorted(self._all(), key=lambda b: (b["created_at"], b["id"]), reverse=True)
+            batches = sorted(self._all(), key=lambda b: (b[EXTENSION]["created"], b["id"]), reverse=True)
             if after is not None:
                 ids = [b["id"] for b in batches]
                 if after not in ids:

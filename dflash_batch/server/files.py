@@ -91,9 +91,9 @@ class FileStore:
         found = []
         for folder in self.root.iterdir():
             if FILE_ID.fullmatch(folder.name) and (folder / "file.json").is_file():
-                found.append(orjson.loads((folder / "file.json").read_bytes())["object"])
-        found = [f for f in found if purpose is None or f["purpose"] == purpose]
-        return sorted(found, key=lambda f: (f["created_at"], f["id"]))
+                found.append(orjson.loads((folder / "file.json").read_bytes()))
+        found.sort(key=lambda r: (r["created"], r["object"]["id"]))
+        return [r["object"] for r in found if purpose in (None, r["object"]["purpose"])]
 
     def delete(self, file_id: str) -> Dict[str, Any]:
         shutil.rmtree(self.folder(file_id))
@@ -128,10 +128,11 @@ class FileStore:
     def _commit(self, staging: Path, filename: str, purpose: str, size: int,
                 checked: Optional[Checked]) -> Dict[str, Any]:
         file_id = new_id("file-")
-        obj = {"id": file_id, "object": "file", "bytes": size, "created_at": int(self.clock()),
+        created = self.clock()
+        obj = {"id": file_id, "object": "file", "bytes": size, "created_at": int(created),
                "filename": filename, "purpose": purpose, "status": "processed",
                "expires_at": None, "status_details": None}  # fmt: skip
-        record = {"object": obj}
+        record = {"object": obj, "created": created}  # orders files made in one second
         if checked is not None:
             record.update(requests=checked.requests, urls=sorted(checked.urls))
         write_atomic(staging / "file.json", orjson.dumps(record))
