@@ -68,7 +68,7 @@ def histogram(rows: List[Dict[str, Any]]) -> List[int]:
     return out
 
 
-def svg_histogram(counts: List[int], width: int = 240, height: int = 64) -> str:
+def svg_histogram(counts: List[int], width: int = 180, height: int = 64) -> str:
     """Bars of cycles committing 0, 1, 2... tokens, labelled below; empty when no cycles."""
     if not counts or not any(counts):
         return '<span class="none">no verify cycles yet</span>'
@@ -87,7 +87,8 @@ def svg_histogram(counts: List[int], width: int = 240, height: int = 64) -> str:
 
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 1.5em; color: #222; }
-table { border-collapse: collapse; } td, th { padding: .35em .7em; border-bottom: 1px solid #ddd; }
+table { border-collapse: collapse; font-size: .9em; }
+td, th { padding: .35em .6em; border-bottom: 1px solid #ddd; } td.id { font-size: .8em; }
 th { text-align: left; } .num { text-align: right; font-variant-numeric: tabular-nums; }
 .bar { width: 120px; height: 10px; background: #eee; } .bar div { height: 10px; background: #3a7; }
 svg.hist rect { fill: #37a; } svg.hist text { font-size: 9px; text-anchor: middle; fill: #555; }
@@ -114,8 +115,8 @@ def _row(job: Dict[str, Any]) -> str:
     batch_text = f'{escape(batch["id"])} ({escape(batch["status"])})' if batch else "-"
     pct = 100 * job["progress"]
     return (
-        f'<tr class="job" data-state="{escape(job["state"])}"><td>{escape(job["id"])}</td>'
-        f"<td>{batch_text}</td><td>{escape(job['state'])}</td>"
+        f'<tr class="job" data-state="{escape(job["state"])}"><td class="id">{escape(job["id"])}'
+        f'</td><td class="id">{batch_text}</td><td>{escape(job["state"])}</td>'
         f'<td><div class="bar"><div style="width:{pct:.0f}%"></div></div>'
         f"{job['done']}/{job['total']} ({job['failed']} failed)</td>"
         f'<td class="num">{_fmt(job["tokens_per_s"], ".1f")}</td>'
