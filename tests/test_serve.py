@@ -198,6 +198,19 @@ def test_binding_beyond_loopback_needs_an_api_key(home):
     assert not (home / "serve").exists()
 
 
+def test_a_port_in_use_is_refused_naming_it(home):  # noqa: F811
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        out = cli("serve", "--port", port, home=home)
+    assert out.returncode == 2 and "--port" in out.stderr and "Traceback" not in out.stderr
+    out = cli("serve", "--port", "http", home=home)
+    assert out.returncode == 2 and "--port" in out.stderr
+
+
 def test_batch_completes_after_its_worker_is_killed(servers, workers, home, monkeypatch):
     """kill -9 of the worker mid-batch; a new worker resumes it: every custom_id once."""
     monkeypatch.setenv("FAKE_ENGINE_DELAY", "0.3")

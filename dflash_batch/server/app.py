@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import socket
 import threading
 import time
 from pathlib import Path
@@ -28,7 +29,6 @@ from .files import FileStore, Limits
 from .page import figures, html_page
 
 log = logging.getLogger("dflash_batch.serve")
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
 MAX_PAGE = 100  # the most a list request may ask for, as OpenAI's
 MAX_FILES_PAGE = 10_000
 FORM_SLACK = 2**16  # multipart framing around the file's own bytes
@@ -75,8 +75,7 @@ class Routes:
 
     # -- the status page -------------------------------------------------------------------
     def _figures(self) -> Dict[str, Any]:
-        self.batches.refresh_all()
-        by_job = {job: self.batches.get(b) for job, b in self.batches.jobs().items()}
+        by_job = {b[EXTENSION]["job_id"]: b for b in self.batches.refreshed()}
         return figures(self.home, by_job)
 
     def page(self, request: Request) -> Response:
@@ -222,20 +221,39 @@ async def _server_error(request, e: Exception) -> Response:
     return JSONResponse(error.body(), status_code=500)
 
 
-def serve(home: Path, *, submit: Callable[..., Any], host: str = "127.0.0.1", port: int = 8000, api_key: Optional[str] = None,
-          limits: Limits = Limits(), overrides: Optional[Dict[str, Any]] = None,
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket on ``host:port``; ``OSError`` (port taken, no such address) before
+    anything else starts."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def serve(home: Path, *, submit: Callable[..., Any], sock: socket.socket,
+          api_key: Optional[str] = None, limits: Limits = Limits(),
+          overrides: Optional[Dict[str, Any]] = None,
           worker: Optional[Callable[[], None]] = None) -> None:
-    """Serve until stopped. ``worker``: a queue worker loop to run in this process's main thread
-    (where its signal handling works), the server then running beside it until it returns."""
+    """Serve on ``sock`` (from ``bind``) until stopped. ``worker``: a queue worker loop to run in
+    this process's main thread (where its signal handling works), the server then running
+    beside it until it returns."""
     import uvicorn
 
     app = create_app(home, submit=submit, api_key=api_key, limits=limits, overrides=overrides)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    host, port = sock.getsockname()[:2]
     log.info("serving the OpenAI Files and Batches API on http://%s:%d (home %s)", host, port, home)
     if worker is None:
-        server.run()
+        server.run(sockets=[sock])
         return
-    thread = threading.Thread(target=server.run, name="serve", daemon=True)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="serve",
+                              daemon=True)  # fmt: skip
     thread.start()
     try:
         worker()

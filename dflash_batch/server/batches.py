@@ -77,7 +77,12 @@ class Batches:
         }  # fmt: skip
         with self.lock:
             self._save(batch)
-            self._start(batch, source, folder / "input.jsonl")
+            try:
+                self._start(batch, source, folder / "input.jsonl")
+            except Exception as e:  # never left validating: the batch says what went wrong
+                self._fail(batch, "server_error", f"{type(e).__name__}: {e}")
+                self._save(batch)
+                raise
             return self._save(batch)
 
     def get(self, batch_id: str) -> Dict[str, Any]:
@@ -108,14 +113,10 @@ class Batches:
             batch["status"], batch["cancelling_at"] = "cancelling", int(self.clock())
             return self._refresh(self._save(batch))
 
-    def jobs(self) -> Dict[str, str]:
-        """{job id: batch id} of every batch with a job."""
-        return {b[EXTENSION]["job_id"]: b["id"] for b in self._all() if b[EXTENSION]["job_id"]}
-
-    def refresh_all(self) -> None:
+    def refreshed(self) -> List[Dict[str, Any]]:
+        """Every batch that has a job, each at its status now."""
         with self.lock:
-            for batch in self._all():
-                self._refresh(batch)
+            return [self._refresh(b) for b in self._all() if b[EXTENSION]["job_id"]]
 
     # -- lifecycle -------------------------------------------------------------------------
     def _start(self, batch: Dict[str, Any], source: Dict[str, Any], path: Path) -> None:

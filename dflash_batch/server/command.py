@@ -68,7 +68,7 @@ def run(args) -> int:
                        f"${API_KEY_ENV}) so that only clients with the key are served",
                        EXIT_REFUSED)  # fmt: skip
     try:
-        from .app import serve
+        from .app import bind, serve
     except ImportError as e:
         from ..extras import install_hint
 
@@ -88,8 +88,21 @@ def run(args) -> int:
         def worker():
             run_worker(home, load_model)
 
+    try:
+        sock = bind(args.host, args.port)
+    except OSError as e:
+        raise CliError(f"--host {args.host} --port {args.port}: cannot listen there "
+                       f"({e.strerror or e})", EXIT_REFUSED) from None
     from ..api import submit
 
-    serve(home, submit=submit, host=args.host, port=args.port, api_key=api_key, limits=limits,
-          overrides=overrides, worker=worker)
+    serve(home, submit=submit, sock=sock, api_key=api_key, limits=limits, overrides=overrides,
+          worker=worker)
+    if worker is not None:  # as `dflash-batch worker` ends: past MLX's teardown, which can abort
+        import logging
+        import sys
+
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
