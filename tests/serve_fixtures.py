@@ -8,7 +8,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -39,7 +38,8 @@ def request_line(custom_id: str, content: str = "say something", max_tokens: int
 
 
 def jsonl(lines) -> bytes:
-    return b"".join((ln if isinstance(ln, str) else json.dumps(ln)).encode() + b"\n" for ln in lines)
+    text = [ln if isinstance(ln, str) else json.dumps(ln) for ln in lines]
+    return b"".join(ln.encode() + b"\n" for ln in text)
 
 
 class Server:
@@ -128,6 +128,3 @@ def stored_files(home: Path) -> list:
 def job_records(home: Path) -> list:
     jobs = home / "jobs"
     return sorted(p.name for p in jobs.iterdir()) if jobs.is_dir() else []
-
-
-

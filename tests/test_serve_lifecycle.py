@@ -64,7 +64,8 @@ def test_the_window_passing_expires_the_batch_with_what_finished(served, home): 
     expired = client.get(f"/v1/batches/{batch['id']}").json()
     assert expired["status"] == "expired" and expired["expired_at"] == int(clock.now)
     assert expired["request_counts"] == {"total": 6, "completed": 2, "failed": 4}
-    assert [ln["custom_id"] for ln in lines_of(client, expired["output_file_id"])] == ["r-0", "r-1"]
+    output = lines_of(client, expired["output_file_id"])
+    assert [ln["custom_id"] for ln in output] == ["r-0", "r-1"]
     errors = lines_of(client, expired["error_file_id"])
     assert [ln["custom_id"] for ln in errors] == [f"r-{i}" for i in range(2, 6)]
     assert {ln["error"]["code"] for ln in errors} == {"batch_expired"}

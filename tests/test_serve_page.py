@@ -13,8 +13,10 @@ from pathlib import Path
 import pytest
 
 from dflash_batch import api
-from tests.runner_fixtures import fake_models, home, workers  # noqa: F401
-from tests.serve_fixtures import CHAT, httpx, jsonl, request_line, servers, wait_batch  # noqa: F401
+from tests.runner_fixtures import fake_models, home  # noqa: F401
+from tests.serve_fixtures import (  # noqa: F401
+    CHAT, jsonl, request_line, servers, wait_batch,
+)
 
 TestClient = pytest.importorskip("starlette.testclient").TestClient
 BROWSERS = ("chromium", "chromium-browser", "google-chrome", "chrome")

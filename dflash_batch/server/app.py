@@ -34,7 +34,8 @@ MAX_FILES_PAGE = 10_000
 FORM_SLACK = 2**16  # multipart framing around the file's own bytes
 
 
-def create_app(home: Path, *, submit: Callable[..., Any], api_key: Optional[str] = None, limits: Limits = Limits(),
+def create_app(home: Path, *, submit: Callable[..., Any], api_key: Optional[str] = None,
+               limits: Limits = Limits(),
                overrides: Optional[Dict[str, Any]] = None,
                clock: Callable[[], float] = time.time) -> Starlette:
     """The app over ``home``: batches become jobs queued by ``submit`` (``api.submit``, passed
@@ -248,7 +249,8 @@ def serve(home: Path, *, submit: Callable[..., Any], sock: socket.socket,
     app = create_app(home, submit=submit, api_key=api_key, limits=limits, overrides=overrides)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     host, port = sock.getsockname()[:2]
-    log.info("serving the OpenAI Files and Batches API on http://%s:%d (home %s)", host, port, home)
+    log.info("serving the OpenAI Files and Batches API on http://%s:%d (home %s)",
+             host, port, home)  # fmt: skip
     if worker is None:
         server.run(sockets=[sock])
         return

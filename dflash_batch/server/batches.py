@@ -41,7 +41,8 @@ Submit = Callable[..., Any]  # api.submit's signature: (input, *, home, **overri
 
 class Batches:
     def __init__(self, home: Path, files: FileStore, submit: Submit,
-                 overrides: Optional[Dict[str, Any]] = None, clock: Callable[[], float] = time.time):
+                 overrides: Optional[Dict[str, Any]] = None,
+                 clock: Callable[[], float] = time.time):
         self.home = Path(home)
         self.root = self.home / "serve" / "batches"
         self.files = files
@@ -89,10 +90,12 @@ class Batches:
         with self.lock:
             return self._refresh(self._load(batch_id))
 
-    def list(self, after: Optional[str] = None, limit: int = 20) -> Tuple[List[Dict[str, Any]], bool]:
+    def list(self, after: Optional[str] = None,
+             limit: int = 20) -> Tuple[List[Dict[str, Any]], bool]:
         """A page of batches, newest first, after the batch ``after``; and whether more follow."""
         with self.lock:
-            batches = sorted(self._all(), key=lambda b: (b[EXTENSION]["created"], b["id"]), reverse=True)
+            batches = sorted(self._all(), key=lambda b: (b[EXTENSION]["created"], b["id"]),
+                             reverse=True)  # fmt: skip
             if after is not None:
                 ids = [b["id"] for b in batches]
                 if after not in ids:

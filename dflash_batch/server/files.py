@@ -20,7 +20,7 @@ import orjson
 
 from ..files import write_atomic
 from ..runner.items import OPENAI_URLS
-from .errors import ApiError, bad_request, not_found
+from .errors import bad_request, not_found
 
 FILE_ID = re.compile(r"file-[0-9a-f]{24}")
 UPLOAD_PURPOSES = ("batch",)
@@ -201,6 +201,3 @@ def _request_line(raw: bytes, number: int) -> Dict[str, Any]:
     if not isinstance(line.get("body"), dict):
         raise bad_request(f"{where}: 'body' must be an object", "file", "invalid_body")
     return line
-
-
-__all__ = ["ApiError", "FileStore", "Limits", "check_batch_input", "new_id"]

@@ -49,7 +49,8 @@ def job_figures(record: JobRecord, batch: Optional[Dict[str, Any]]) -> Dict[str,
 
 def whole_job_rate(rows: List[Dict[str, Any]]) -> Optional[float]:
     """Output tokens over the span from the first row's start to the last row's end."""
-    spans = [(r["started_at"], r["finished_at"]) for r in rows if r["started_at"] and r["finished_at"]]
+    spans = [(r["started_at"], r["finished_at"]) for r in rows
+             if r["started_at"] and r["finished_at"]]  # fmt: skip
     if not spans:
         return None
     seconds = (max(e for _, e in spans) - min(s for s, _ in spans))
