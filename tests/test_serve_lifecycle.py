@@ -116,3 +116,20 @@ def test_an_unknown_route_and_method_answer_in_openai_shape(served):
     for answer in (client.get("/v1/nothing"), client.put("/v1/batches")):
         assert answer.status_code in (404, 405)
         assert answer.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_metadata_and_list_parameters_are_checked(served, home):  # noqa: F811
+    client, _ = served
+    batch = make_batch(client, 1)
+    file_id = batch["input_file_id"]
+    too_many = {f"k{i}": "v" for i in range(17)}
+    for metadata in (too_many, {"k": 1}, ["k"], {"k" * 65: "v"}):
+        body = {"input_file_id": file_id, "endpoint": CHAT, "completion_window": "24h",
+                "metadata": metadata}
+        answer = client.post("/v1/batches", json=body)
+        assert answer.status_code == 400 and answer.json()["error"]["param"] == "metadata"
+    for query in ("limit=0", "limit=101", "limit=x", "after=batch_nothing"):
+        answer = client.get(f"/v1/batches?{query}")
+        assert answer.status_code == 400, query
+    assert client.get("/v1/files?order=sideways").status_code == 400
+    assert len(client.get("/v1/batches").json()["data"]) == 1  # the refused made none
