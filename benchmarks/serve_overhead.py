@@ -9,9 +9,12 @@ alternating, median of ``--runs`` runs per arm.
     serve   ``dflash-batch serve --worker`` started, then OpenAI's client uploads the file,
             creates the batch, polls it every ``--poll`` s until completed and downloads the
             output file: serve's process start to the output in hand
+    worker  (with ``--arms``) the queue without the server: ``dflash-batch submit FILE``, then
+            ``dflash-batch worker`` until the job completes (polled every ``--poll`` s)
 
-``overhead`` = median serve / median run - 1 (the queue's pick-up delay, the HTTP calls, the
-output and error files, and the polling interval all count). Both arms must give the same
+``overhead`` = median serve / median run - 1, ``worker_overhead`` = serve / worker - 1 (the
+queue's pick-up delay, the HTTP calls, the output and error files, and the polling interval all
+count). Both arms must give the same
 greedy outputs (checked). The machine's load average is recorded before and after.
 """
 
@@ -29,7 +32,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-ARMS = ("run", "serve")
+ARMS = ("run", "serve", "worker")
 
 
 def write_batch(path: Path, lines: int, max_tokens: int) -> Path:
@@ -58,6 +61,26 @@ def run_arm(source: Path, home: Path) -> dict:
     [job] = api.jobs(home)
     rows = job.to_arrow().select(["id", "output"]).to_pylist()
     return {"arm": "run", "whole": whole, "outputs": {r["id"]: r["output"] for r in rows}}
+
+
+def worker_arm(source: Path, home: Path, poll: float) -> dict:
+    from dflash_batch import api
+
+    started = time.perf_counter()
+    submitted = subprocess.run(cli("submit", str(source), "--home", str(home)), cwd=ROOT,
+                               capture_output=True, text=True, check=True)  # fmt: skip
+    job = api.Job(submitted.stdout.split()[0], home)
+    worker = subprocess.Popen(cli("worker", "--home", str(home)), cwd=ROOT,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        while job.status()["state"] not in ("completed", "failed", "cancelled"):
+            time.sleep(poll)
+        whole = time.perf_counter() - started
+    finally:
+        worker.terminate()
+        worker.wait(timeout=120)
+    rows = job.to_arrow().select(["id", "output"]).to_pylist()
+    return {"arm": "worker", "whole": whole, "outputs": {r["id"]: r["output"] for r in rows}}
 
 
 def free_port() -> int:
@@ -109,15 +132,16 @@ def _wait_up(client, server) -> None:
 
 
 def summary(runs: list) -> dict:
-    medians = {arm: statistics.median(r["whole"] for r in runs if r["arm"] == arm) for arm in ARMS}
+    arms = [a for a in ARMS if any(r["arm"] == a for r in runs)]
+    medians = {a: statistics.median(r["whole"] for r in runs if r["arm"] == a) for a in arms}
     outputs = {json.dumps(r["outputs"], sort_keys=True) for r in runs}
-    return {
-        "run_whole_s": round(medians["run"], 3),
-        "serve_whole_s": round(medians["serve"], 3),
-        "overhead": round(medians["serve"] / medians["run"] - 1, 4),
-        "runs": {arm: [round(r["whole"], 3) for r in runs if r["arm"] == arm] for arm in ARMS},
-        "same_outputs": len(outputs) == 1,
-    }
+    out = {f"{a}_whole_s": round(medians[a], 3) for a in arms}
+    for base, key in (("run", "overhead"), ("worker", "worker_overhead")):
+        if base in medians and "serve" in medians:
+            out[key] = round(medians["serve"] / medians[base] - 1, 4)
+    out["runs"] = {a: [round(r["whole"], 3) for r in runs if r["arm"] == a] for a in arms}
+    out["same_outputs"] = len(outputs) == 1
+    return out
 
 
 def main(argv=None) -> int:
@@ -127,16 +151,26 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=8, help="max_tokens of each request")
     ap.add_argument("--runs", type=int, default=2, help="runs per arm (median)")
     ap.add_argument("--poll", type=float, default=0.5, help="the client's polling interval, s")
+    ap.add_argument("--arms", default="run,serve",
+                    help="comma-separated, of run, serve, worker (default run,serve)")
     ap.add_argument("--out", help="also write the result here (JSON)")
     args = ap.parse_args(argv)
+    arms = args.arms.split(",")
+    if not arms or any(a not in ARMS for a in arms):
+        ap.error(f"--arms: choose among {', '.join(ARMS)}")
     load_before = os.getloadavg()
     runs = []
     with tempfile.TemporaryDirectory(prefix="serve-overhead-") as tmp:
         source = write_batch(Path(tmp) / "batch.jsonl", args.lines, args.max_tokens)
         for n in range(args.runs):
-            for arm in ARMS if n % 2 == 0 else reversed(ARMS):
+            for arm in arms if n % 2 == 0 else reversed(arms):
                 home = Path(tmp) / f"home-{arm}-{n}"
-                one = run_arm(source, home) if arm == "run" else serve_arm(source, home, args.poll)
+                if arm == "run":
+                    one = run_arm(source, home)
+                elif arm == "serve":
+                    one = serve_arm(source, home, args.poll)
+                else:
+                    one = worker_arm(source, home, args.poll)
                 print(f"{arm}: {one['whole']:.2f} s", file=sys.stderr)
                 runs.append(one)
     result = dict(summary(runs), lines=args.lines, max_tokens=args.max_tokens, poll_s=args.poll,
