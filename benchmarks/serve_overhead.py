@@ -14,8 +14,8 @@ alternating, median of ``--runs`` runs per arm.
 
 ``overhead`` = median serve / median run - 1, ``worker_overhead`` = serve / worker - 1 (the
 queue's pick-up delay, the HTTP calls, the output and error files, and the polling interval all
-count). Both arms must give the same
-greedy outputs (checked). The machine's load average is recorded before and after.
+count). Every arm must give the same greedy outputs (checked). The machine's load average is
+recorded before and after.
 """
 
 from __future__ import annotations
