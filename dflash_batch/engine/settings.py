@@ -7,7 +7,8 @@ import os
 from pathlib import Path
 
 from ..errors import SettingError
-from . import attention, compiled, default_model, matmul, memory, modes, tree  # noqa: F401
+from ..paths import CACHE_ENV
+from . import attention, compiled, matmul, memory, modes, tree  # noqa: F401
 from .kernels import cpu, selfcheck  # noqa: F401
 
 
@@ -18,6 +19,6 @@ def check() -> None:
     selfcheck.enabled()
     if os.environ.get(memory.ENV_LIMIT):
         memory.limit_bytes(os.environ[memory.ENV_LIMIT])
-    cache = os.environ.get(default_model.CACHE_ENV)
+    cache = os.environ.get(CACHE_ENV)
     if cache and Path(cache).expanduser().exists() and not Path(cache).expanduser().is_dir():
-        raise SettingError(f"{default_model.CACHE_ENV}={cache!r}: not a folder")
+        raise SettingError(f"{CACHE_ENV}={cache!r}: not a folder")

@@ -8,7 +8,7 @@ the same order, eight lanes at a time (AVX2 + FMA), so the outputs are MLX's, bi
 
 It is built on first use, once per machine, MLX version and source, with the C++ compiler MLX's
 own ``mx.compile`` uses (``$CXX``, else g++) against the installed MLX headers and nanobind, into
-``<model cache>/kernels/`` (``default_model.cache_dir()``), in a few seconds. Each op is then checked
+``<model cache>/kernels/`` (``paths.cache_dir()``), in a few seconds. Each op is then checked
 once per process against MLX's own op on a seeded case (``selfcheck.verified``, tolerance 0:
 equal bit for bit). Where anything fails (no compiler, no Python headers, a nanobind that does not
 match MLX's, a mismatch), one RuntimeWarning says why and MLX's own ops run: the results are the
@@ -39,6 +39,7 @@ from typing import Dict, Optional, Sequence
 import mlx.core as mx
 
 from ... import files
+from ...paths import cache_dir
 from .. import modes
 from . import selfcheck
 
@@ -122,7 +123,6 @@ def _paths():
 
 
 def _target(paths, compiler: str, defines: Sequence[str] = ()) -> Path:
-    from ..default_model import cache_dir
 
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256(
