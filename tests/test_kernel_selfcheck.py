@@ -22,6 +22,7 @@ from dflash_batch.engine import attention as routing
 from dflash_batch.engine.kernels import attention as ka
 from dflash_batch.engine.kernels import gated_delta as gd
 from dflash_batch.engine.kernels import selfcheck
+from dflash_batch.engine.ops import device
 from tests.test_hybrid import inputs as hybrid_inputs
 
 
@@ -238,7 +239,7 @@ def test_real_gated_delta_kernels_pass_their_self_check(dtype, state_dtype):
 @pytest.fixture
 def metal_routing(monkeypatch):
     """The routing in "kernel" mode, with this CPU device taken for a Metal backend."""
-    monkeypatch.setitem(ka._backend_cache, mx.default_device().type, "metal")
+    monkeypatch.setitem(device._known, mx.default_device().type, "metal")
     routing.set_mode("kernel")
     yield
     routing.set_mode(None)

@@ -45,6 +45,7 @@ from . import modes
 from .batch_cache import RaggedKVCache
 from .kernels import attention as block
 from .kernels import cpu
+from .ops import device
 
 MODES = ("stock", "kernel", "reference")
 RAGGED_ROUTES = ("block", "sdpa")
@@ -99,7 +100,7 @@ def _route(q: mx.array, k: mx.array, v: mx.array, min_rows: int = 2) -> Optional
     chosen = _resolved or mode()
     if chosen == "stock" or not min_rows <= q.shape[2] <= MAX_ROWS:
         return None
-    if chosen == "kernel" and (block._backend() is None or block.unsupported(q, k, v)):
+    if chosen == "kernel" and (device.gpu() is None or block.unsupported(q, k, v)):
         return None
     if chosen == "reference" and block.unsupported(q, k, v, head_dims=None):
         return None

@@ -23,6 +23,7 @@ from .. import checks, constraints
 from ..request import CONTROLS, SamplingControls, sample_seed
 from .batch import BatchDecoder, Request
 from .kernels import cpu
+from .ops import device
 from .scheduler import CostModel, NodeCalibration, Scheduler, pooled_acceptance
 from .target import Target
 from .waiting import Waiting
@@ -476,7 +477,7 @@ def _completion(pieces: List[Piece]) -> Completion:
 def _pick_dtype(dtype: Optional[str]) -> Optional[mx.Dtype]:
     """fp32 on CPU (bf16 and quantized matmuls are slow there); as stored on a GPU."""
     if dtype is None or dtype == "auto":
-        return mx.float32 if mx.default_device() == mx.cpu else None
+        return mx.float32 if device.on_cpu() else None
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)} or 'auto', got {dtype!r}")
     return DTYPES[dtype]

@@ -32,8 +32,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import modes
-from .kernels import attention as block
 from .kernels import matmul as kernel
+from .ops import device
 
 MODES = ("stock", "kernel")
 ENV = "DFLASH_BATCH_MATMUL"
@@ -66,7 +66,7 @@ def counters() -> Dict[str, int]:
 def _routed(x: mx.array, w: mx.array) -> bool:
     global _routing
     if _routing is None:
-        _routing = mode() == "kernel" and block.gpu_backend() == "cuda"
+        _routing = mode() == "kernel" and device.backend() == "cuda"
     if not _routing:
         return False
     rows = x.size // x.shape[-1] if x.ndim else 0

@@ -37,6 +37,7 @@ import mlx.core as mx
 
 from . import attention, compiled, decode, hybrid
 from .batch_cache import Lengths, round_up
+from .ops import device
 from .scheduler import PROBE_WIDTH, CostModel, Scheduler
 
 SHORT_CONTEXT = 64  # tokens per row when the job's context is not known
@@ -97,7 +98,7 @@ def measure_costs(engine, batch_size: int, context: Optional[int] = None) -> Cos
 
 def _quick() -> bool:
     """Whether passes are timed the CPU's way (module doc): once each, at two widths."""
-    return mx.default_device() == mx.cpu
+    return device.on_cpu()
 
 
 def _first_widths(B: int, block: int, quick: bool, alone: bool = False) -> list:
@@ -127,9 +128,7 @@ def _straight(points, tolerance: float = 0.1) -> bool:
 
 def _routes_differ() -> bool:
     """Whether the two ragged routes run different code here (a kernel against stock SDPA)."""
-    from .kernels import attention as block
-
-    return attention.mode() == "kernel" and block._backend() is not None
+    return attention.mode() == "kernel" and device.gpu() is not None
 
 
 class _Passes:

@@ -43,6 +43,7 @@ from typing import Callable, Dict, Optional, Tuple
 
 import mlx.core as mx
 
+from ..ops import device
 from . import selfcheck
 
 LOG2E = 1.4426950408889634
@@ -1129,25 +1130,7 @@ def mma_config(head_dim: int, warps: int = 0, fused: Optional[bool] = None, tile
 
 def gpu_backend() -> Optional[str]:
     """"cuda" or "metal" when that backend is present and the default device is the GPU."""
-    if mx.default_device() != mx.gpu:
-        return None
-    if mx.cuda.is_available():
-        return "cuda"
-    if mx.metal.is_available():
-        return "metal"
-    return None
-
-
-_backend_cache: Dict[object, Optional[str]] = {}
-
-
-def _backend() -> Optional[str]:
-    """gpu_backend(), remembered per default device type (asked on every attention call; keyed
-    by type because mx.Device objects hash by identity: a new one from every default_device())."""
-    device = mx.default_device().type
-    if device not in _backend_cache:
-        _backend_cache[device] = gpu_backend()
-    return _backend_cache[device]
+    return device.gpu()
 
 
 _kernels: Dict[tuple, object] = {}
@@ -1327,7 +1310,7 @@ def block_attention_kernel(
     the reference's semantics.
     No self-check here: callers that want the reference in place of a failing kernel ask
     ``kernel_verified`` first, as ``block_attention`` and the engine's routing do."""
-    backend = backend or _backend()
+    backend = backend or gpu_backend()
     if backend is None:
         raise RuntimeError("block_attention_kernel needs the CUDA or Metal backend as the default device")
     if not checked:
@@ -1426,7 +1409,7 @@ def kernel_verified(
     process, for this backend, dtype, head dim, config and mask flags: kv_start, kv_len given or
     not) or checks are off (``selfcheck``). False: use ``block_attention_reference``; a warning
     has been given."""
-    backend = backend or _backend()
+    backend = backend or gpu_backend()
     D = q.shape[-1]
     key = (("dtype", q.dtype), ("head_dim", D), ("causal", bool(causal)), ("window", bool(window)),
            ("kv_start", kv_start is not None), ("kv_len", kv_len is not None), ("config", config))

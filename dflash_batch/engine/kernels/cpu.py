@@ -41,6 +41,7 @@ import mlx.core as mx
 from ... import files
 from ...paths import cache_dir
 from .. import modes
+from ..ops import device
 from . import selfcheck
 
 SOURCE = Path(__file__).with_name("cpu.cpp")
@@ -62,25 +63,25 @@ def set_mode(chosen: Optional[str]) -> None:
     _active.clear()
 
 
-def _applies(device) -> bool:
-    """Whether these ops apply to a default device of this type: the CPU, on Linux."""
-    return device == mx.cpu and sys.platform.startswith("linux")
+def _applies() -> bool:
+    """Whether these ops apply to the default device: the CPU, on Linux."""
+    return device.on_cpu() and sys.platform.startswith("linux")
 
 
 def active() -> bool:
     """Whether the engine's passes use these ops: "native" mode where they apply (resolved once
     per mode and device type: asked on every op of a pass)."""
-    device = mx.default_device().type
-    if device not in _active:
-        _active[device] = mode() == "native" and _applies(device)
-    return _active[device]
+    kind = mx.default_device().type
+    if kind not in _active:
+        _active[kind] = mode() == "native" and _applies()
+    return _active[kind]
 
 
 def in_force() -> Optional[str]:
     """The ops in force, loaded now (built the first time on this machine) rather than inside a
     job: "native"; "mlx" where turned off; "mlx (why)" where they cannot be had; None where they
     do not apply (a GPU, macOS)."""
-    if not _applies(mx.default_device().type):
+    if not _applies():
         return None
     if not active():
         return "mlx"

@@ -36,6 +36,7 @@ from typing import Optional, Tuple
 
 import mlx.core as mx
 
+from ..ops import device
 from . import selfcheck
 
 IMPLEMENTATIONS = ("reference", "metal", "cuda")
@@ -44,13 +45,7 @@ CHECK_STEPS = 4  # tokens in a self-check case
 
 def backend() -> str:
     """The implementation the current default device runs."""
-    if mx.default_device() != mx.gpu:
-        return "reference"
-    if mx.metal.is_available():
-        return "metal"
-    if cuda_available():
-        return "cuda"
-    return "reference"
+    return device.gpu() or "reference"
 
 
 def cuda_available() -> bool:
