@@ -191,27 +191,27 @@ def prefill(model, cache, n, chunk=2048):
         mx.eval([c.state for c in cache])
 
 
-# Kernel variants timed side by side: (attention mode, USE_MMA, MMA_FUSED, FUSE_REDUCTION).
+# Kernel variants timed side by side: (attention mode, USE_MMA, MMA_FUSED).
 # "kernel" is what the engine runs by default on CUDA.
 VARIANTS = {
-    "kernel": ("kernel", True, True, False),  # tensor-core pass 1, reduction fused: one launch
-    "kernel_mma_pass2": ("kernel", True, False, False),  # tensor-core pass 1, pass 2 its own kernel
-    "kernel_cuda_cores": ("kernel", False, True, False),  # the CUDA-core kernel (v4) and its pass 2
-    "stock": ("stock", True, True, False),
+    "kernel": ("kernel", True, True),  # tensor-core pass 1, reduction fused: one launch
+    "kernel_mma_pass2": ("kernel", True, False),  # tensor-core pass 1, pass 2 its own kernel
+    "kernel_cuda_cores": ("kernel", False, True),  # the CUDA-core kernel (v4) and its pass 2
+    "stock": ("stock", True, True),
 }
 
 
 @contextmanager
 def variant(name):
-    mode, use_mma, mma_fused, fuse = VARIANTS[name]
-    saved = ka.USE_MMA, ka.MMA_FUSED, ka.FUSE_REDUCTION
+    mode, use_mma, mma_fused = VARIANTS[name]
+    saved = ka.USE_MMA, ka.MMA_FUSED
     routing.set_mode(mode)
-    ka.USE_MMA, ka.MMA_FUSED, ka.FUSE_REDUCTION = use_mma, mma_fused, fuse
+    ka.USE_MMA, ka.MMA_FUSED = use_mma, mma_fused
     try:
         yield
     finally:
         routing.set_mode(None)
-        ka.USE_MMA, ka.MMA_FUSED, ka.FUSE_REDUCTION = saved
+        ka.USE_MMA, ka.MMA_FUSED = saved
 
 
 def section_verify(model, context, pairs=60):

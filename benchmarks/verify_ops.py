@@ -31,7 +31,7 @@ On another H200 (faster host), ``--modes kernel,kernel-fused,stock`` at 300 and 
 (``docs/benchmarks/verify-ops-h200-2026-11-24-b1-c*-fused.json``): kernel 3.6-3.7 ms at T = 1 and
 6.6-9.6 at T = 2-16; stock SDPA no cheaper (5.5-8.5), its logits 0.1-1.0 from the kernel's; the
 fused reduction no cheaper either, and wrong (logits off by 26-56, also at batch 8:
-``...-b8-c300-fused.json``), so it stays off (kernels/attention.py: FUSE_REDUCTION).
+``...-b8-c300-fused.json``), so that path was deleted.
 
 With the host's share and the few-row matmul kernel (a third H200, ``--modes kernel --matmul
 stock,kernel --rounds 3``, ``docs/benchmarks/verify-ops-h200-2026-11-24-b1-matmul-ab.json``),
@@ -101,7 +101,7 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=300)
     ap.add_argument("--widths", default="1,2,4,8,16")
     ap.add_argument("--modes", default="kernel,stock,reference",
-                    help="attention modes to try where they run; kernel-fused: the kernel with its reduction in pass 1")
+                    help="attention modes to try where they run (engine/attention.py)")
     ap.add_argument("--matmul", default="stock,kernel",
                     help="few-row product modes to try where they run (engine/matmul.py), each with every attention mode")
     ap.add_argument("--passes", default="eager,compiled",
@@ -111,8 +111,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     engine = load_engine(args.target, args.draft)
-    fused = block.FUSE_REDUCTION
-    modes = [m for m in args.modes.split(",") if not m.startswith("kernel") or attention.default_mode() == "kernel"]
+    modes = [m for m in args.modes.split(",") if m != "kernel" or attention.default_mode() == "kernel"]
     products = [m for m in args.matmul.split(",") if m != "kernel" or block.gpu_backend() == "cuda"]
     pass_modes = args.passes.split(",")
     combos = [(p, m, c) for c in pass_modes for p in products for m in modes]
@@ -124,9 +123,7 @@ def main(argv=None) -> int:
         for product, mode, passes_mode in combos:
             matmul.set_mode(product)
             compiled.set_mode(passes_mode)
-            # kernel-fused: the CUDA-core kernel with its reduction fused into pass 1 (one launch)
-            block.FUSE_REDUCTION = mode == "kernel-fused"
-            attention.set_mode(mode.split("-")[0])
+            attention.set_mode(mode)
             key = (product, mode, passes_mode)
             if key not in passes:  # its cache allocated as a batch in this pass mode allocates it
                 passes[key] = warmup._Passes(engine, args.batch, args.context)
@@ -164,7 +161,6 @@ def main(argv=None) -> int:
     attention.set_mode(None)
     matmul.set_mode(None)
     compiled.set_mode(None)
-    block.FUSE_REDUCTION = fused
     write_result({
         "command": command_line("verify_ops", argv),
         "device": str(mx.default_device()),
