@@ -202,7 +202,8 @@ class Recorder:
         return row.get("figures")
 
 
-def run_shape(rec: Recorder, suite: Suite, plan: Plan) -> None:
+def run_shape(rec: Recorder, suite: Suite, plan: Plan,
+              engine_options: Optional[Dict[str, Any]] = None) -> None:
     name = plan.shape
     dtype = getattr(mx, suite.dtype)
     t0 = time.perf_counter()
@@ -231,7 +232,8 @@ def run_shape(rec: Recorder, suite: Suite, plan: Plan) -> None:
     try:
         engine_setup = arms.engine_setup(setup)
         engine_ar = arms.make_engine(engine_setup) if plan.engine_ar else None
-        engine = arms.make_engine(engine_setup, engine_setup.drafter) if engine_setup.drafter is not None else None
+        if engine_setup.drafter is not None:
+            engine = arms.make_engine(engine_setup, engine_setup.drafter, **(engine_options or {}))
     except Exception as e:
         engine_error = f"engine refuses this target: {type(e).__name__}: {e}"
 
@@ -303,17 +305,18 @@ def run_shape(rec: Recorder, suite: Suite, plan: Plan) -> None:
     mx.clear_cache()
 
 
-def main(argv: Optional[List[str]] = None) -> Path:
+def main(argv: Optional[List[str]] = None, engine_options: Optional[Dict[str, Any]] = None) -> Path:
+    """``engine_options`` go to the drafting engine (a test pins its widths: ``cost_model``)."""
     # the arms script a chain's acceptance (scripted drafters, zeroed norms): their cycles verify
     # chains wherever they run (draft trees, engine/tree.py, are measured by default_pair.py)
     tree.set_mode("chain")
     try:
-        return _main(argv)
+        return _main(argv, engine_options)
     finally:
         tree.set_mode(None)
 
 
-def _main(argv: Optional[List[str]] = None) -> Path:
+def _main(argv: Optional[List[str]], engine_options: Optional[Dict[str, Any]]) -> Path:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--suite", required=True, choices=sorted(SUITES))
     ap.add_argument("--out", default="docs/benchmarks", help="folder for the JSON results")
@@ -361,7 +364,7 @@ def _main(argv: Optional[List[str]] = None) -> Path:
             left = budget - (time.perf_counter() - start)
             rec.deadline = time.perf_counter() + left * plan.share / sum(p.share for p in suite.plans[i:])
         try:
-            run_shape(rec, suite, plan)
+            run_shape(rec, suite, plan, engine_options)
         except Exception as e:  # e.g. out of memory while building: record and go on
             rec.doc.setdefault("failures", []).append({"shape": plan.shape, "error": f"{type(e).__name__}: {e}",
                                                        "traceback": traceback.format_exc(limit=6)})

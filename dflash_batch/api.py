@@ -27,7 +27,7 @@ from . import checks
 from .errors import JobFailed, SettingError
 from .files import write_atomic
 from .runner.execution import finish_job, run_job
-from .runner.jobs import JobRecord, create_job, home_dir, load_job
+from .runner.jobs import JobRecord, check_output_folder, create_job, home_dir, load_job
 from .runner.lock import DirLock, Locked
 from .runner.spec import JobSpec, SpecError, load_spec, validate
 
@@ -188,6 +188,7 @@ def run(
     spec = _spec(input, overrides)
     if engine is None and engine_factory is None:
         check_engine_settings()
+    check_output_folder(spec.resolved_output_dir(home))  # before the lock makes it
     with DirLock(spec.resolved_output_dir(home)):  # a busy dir refuses before anything is written
         pass
     record = create_job(spec, home, foreground=True)

@@ -8,10 +8,13 @@ within each batch (as a batch finishes rows), and failures on demand:
   is too long (``PromptTooLongError``), as the engine refuses them;
 * a prompt in ``fail`` fails alone (a ``RuntimeError`` outcome);
 * ``crash_after=n``: the call itself raises after n outcomes (a batch-level failure);
-* ``delay``: seconds per batch step, so worker tests can stop or kill it mid-job.
+* ``delay``: seconds per batch step, so worker tests can stop or kill it mid-job;
+* ``hold``: a path; while that file exists, each batch step waits (and a file ``hold.PID`` says
+  so), so a test can look at a job that cannot end meanwhile.
 
 A worker or ``dflash-batch run`` uses it when ``DFLASH_BATCH_ENGINE=tests.fake_engine:from_env``
-(the factory reads ``FAKE_ENGINE_DELAY``, ``FAKE_ENGINE_FAIL``, ``FAKE_ENGINE_BATCH``).
+(the factory reads ``FAKE_ENGINE_DELAY``, ``FAKE_ENGINE_FAIL``, ``FAKE_ENGINE_BATCH``,
+``FAKE_ENGINE_HOLD``).
 """
 
 from __future__ import annotations
@@ -42,8 +45,10 @@ def words_for(prompt, n: int) -> List[str]:
 
 class FakeEngine:
     def __init__(self, *, fail=(), max_context: Optional[int] = None, delay: float = 0.0, batch: int = 4,
-                 crash_after: Optional[int] = None, description: Optional[dict] = None):  # fmt: skip
+                 crash_after: Optional[int] = None, description: Optional[dict] = None,
+                 hold: Optional[str] = None):  # fmt: skip
         self.fail = set(fail)
+        self.hold = Path(hold) if hold else None
         self.max_context = max_context
         self.delay = delay
         self.batch = batch
@@ -88,6 +93,8 @@ class FakeEngine:
 
         def flush():
             nonlocal yielded
+            if window:  # a step of rows: one whose chunk is held
+                self._wait_while_held()
             if self.delay:
                 time.sleep(self.delay)
             for request in reversed(window):  # a batch finishes rows in its own order
@@ -106,6 +113,16 @@ class FakeEngine:
         yield from flush()
 
 
+    def _wait_while_held(self) -> None:
+        if self.hold is None or not self.hold.exists():
+            return
+        held = self.hold.with_name(f"{self.hold.name}.{os.getpid()}")
+        held.touch()
+        while self.hold.exists():
+            time.sleep(0.01)
+        held.unlink(missing_ok=True)
+
+
 def from_env(target=None, draft=None, **model) -> FakeEngine:
     """The engine factory a worker or ``dflash-batch run`` gets from ``DFLASH_BATCH_ENGINE``. A
     ``target`` that names a missing local path fails to load, as the real factory does."""
@@ -115,4 +132,5 @@ def from_env(target=None, draft=None, **model) -> FakeEngine:
     return FakeEngine(
         fail=fail, delay=float(os.environ.get("FAKE_ENGINE_DELAY", "0")), batch=int(os.environ.get("FAKE_ENGINE_BATCH", "4")),
         max_context=model.get("max_context"), description={"fake": True, "target": target, "draft": draft},
+        hold=os.environ.get("FAKE_ENGINE_HOLD"),
     )  # fmt: skip

@@ -140,6 +140,17 @@ class Worker:
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(timeout=30)
 
+    def pause(self) -> None:
+        """SIGSTOP, returning once every thread has stopped (where /proc tells): what the test
+        then reads of the worker's files stays true until it resumes or is killed."""
+        self.proc.send_signal(signal.SIGSTOP)
+        tasks = Path(f"/proc/{self.proc.pid}/task")
+        while tasks.exists() and not all(_stopped(t) for t in tasks.iterdir()):
+            time.sleep(0.005)
+
+    def resume(self) -> None:
+        self.proc.send_signal(signal.SIGCONT)
+
     def stop(self, sig=signal.SIGTERM, timeout: float = 120) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
@@ -153,6 +164,14 @@ class Worker:
             self.proc.kill()
             self.proc.wait(timeout=30)
         self._log.close()
+
+
+def _stopped(task: Path) -> bool:
+    """Whether a thread (/proc/PID/task/TID) is stopped, or gone."""
+    try:
+        return (task / "stat").read_text().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except OSError:
+        return True
 
 
 @pytest.fixture

@@ -259,13 +259,16 @@ LOSSLESS_PROMPTS = ["Hi", "Write a haiku about the sea.", "How are you today? " 
 
 def assert_dflash_lossless(target: Path, drafter: Path, max_tokens: int = 40) -> None:
     """Greedy DFlash output equals plain decoding of the same target, token for token, on prompts
-    short and long, and every one of them really drafted (fewer cycles than tokens)."""
+    short and long, and every one of them really drafted (drafts verified: fewer cycles than
+    tokens held for plain decoding too, whose first token is the prefill's). The drafting
+    engine's pass costs are given: timed ones, on a busy CPU, may keep it plain."""
     from dflash_batch.engine import load_engine
+    from tests.conftest import fixed_costs
 
     ar = load_engine(target, draft=None)
-    spec = load_engine(target, draft=drafter)
+    spec = load_engine(target, draft=drafter, cost_model=fixed_costs())
     for prompt in LOSSLESS_PROMPTS:
         want = ar.generate(prompt, max_tokens=max_tokens).token_ids
         got = spec.generate(prompt, max_tokens=max_tokens)
         assert got.token_ids == want, prompt
-        assert got.stats.cycles < len(want), prompt  # it really drafted
+        assert got.stats.drafted_tokens > 0, prompt  # it really drafted

@@ -15,7 +15,7 @@ from dflash_batch.engine.drafter import ModelArgs, build_target_layer_ids
 from dflash_batch.engine.batch_cache import Lengths
 from dflash_batch.engine.target import Target
 from tests import synthetic
-from tests.conftest import make_drafter
+from tests.conftest import fixed_costs, make_drafter
 from tests.scripting import ScriptedDrafts
 from tests.test_engine_lossless import greedy_reference
 
@@ -59,7 +59,8 @@ def test_the_drafters_acceptance_carries_from_job_to_job(zero_head_target, model
     are all accepted only as a chain drafts them (its argmax, token 0); a tree's candidates over
     equal logits need not hold token 0."""
     draft = make_drafter(model_dir, "draft-b8", synthetic.tiny_qwen3_config(), block_size=8)
-    engine = load_engine(str(zero_head_target), str(draft))
+    # given costs: it drafts on a busy CPU too
+    engine = load_engine(str(zero_head_target), str(draft), cost_model=fixed_costs())
     first = engine._scheduler(1)
     assert first.job is engine.acceptance and engine.acceptance.seen[0] == 0
     engine.generate([5, 6, 7, 8], max_tokens=60)
@@ -196,8 +197,8 @@ def test_drafter_context_is_the_committed_tapped_hidden_state(tiny_pair, monkeyp
     """Context rows handed to the drafter, cycle by cycle, equal the tapped hidden states of
     one fresh target pass over prompt + committed tokens."""
     target_dir, draft_dir = tiny_pair
-    engine = load_engine(str(target_dir), str(draft_dir))
-    engine.warm_up(1)  # its passes are not the job's
+    # given costs: no warm-up passes among the job's, and drafting cycles on a busy CPU too
+    engine = load_engine(str(target_dir), str(draft_dir), cost_model=fixed_costs())
     seen = []  # context rows as the drafter receives them: the prompt's, then each cycle's new ones
     add_context = engine.drafter.add_context
     real = decode.draft_block

@@ -10,7 +10,7 @@ from mlx_lm.generate import generate_step
 from dflash_batch.engine import load_engine
 from dflash_batch.engine.scheduler import CostModel
 from tests import synthetic
-from tests.conftest import make_drafter
+from tests.conftest import fixed_costs, make_drafter
 from tests.scripting import ScriptedDrafts
 
 PROMPTS = [
@@ -64,7 +64,8 @@ def test_greedy_dflash_equals_target_greedy(request, model_dir, target_name, blo
     target = request.getfixturevalue(f"{target_name}_target")
     cfg = synthetic.tiny_qwen3_config() if target_name == "qwen3" else synthetic.tiny_llama_config()
     draft = make_drafter(model_dir, f"d-{target_name}-{block}-{nested}", cfg, block_size=block, nested=nested)
-    engine = load_engine(str(target), str(draft))
+    # given costs: widths, and so the acceptance lengths seen, that no load changes
+    engine = load_engine(str(target), str(draft), cost_model=fixed_costs())
     assert engine.block_size == block
     hist = [0] * (block + 1)
     for n, prompt in enumerate(PROMPTS):

@@ -27,6 +27,7 @@ from dflash_batch.engine.batch_cache import Lengths
 from dflash_batch.engine.kernels import selfcheck
 from dflash_batch.engine.target import Target
 from tests import synthetic
+from tests.conftest import fixed_costs
 from tests.scripting import ScriptedDrafts
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -278,7 +279,8 @@ def test_greedy_dflash_equals_mlx_lm_greedy(request, tmp_path, folder, block, sc
     target = request.getfixturevalue(folder)
     cfg = synthetic.tiny_qwen3_5_config(layers=8 if folder == "qwen35_folder" else 4)
     draft = synthetic.save_drafter(tmp_path / "d", synthetic.drafter_config(cfg, block_size=block), seed=5)
-    engine = load_engine(str(target), str(draft))
+    # given costs: widths, and so the acceptance lengths seen, that no load changes
+    engine = load_engine(str(target), str(draft), cost_model=fixed_costs())
     eos = engine.tokenizer.eos_token_ids
     hist = [0] * (block + 1)
     for n, prompt in enumerate(PROMPTS):

@@ -91,7 +91,7 @@ def test_yaml_alias_expansion_is_bounded(tmp_path, home, capsys):
         load_spec(tmp_path / "loop.yaml")
     nested = "[" * 5000 + "]" * 5000
     (tmp_path / "deep.yaml").write_text(f"input: ok.jsonl\nchat_template_kwargs: {{x: {nested}}}\n")
-    with pytest.raises(SpecError, match="deep.yaml: invalid YAML: nested too deeply"):
+    with pytest.raises(SpecError, match="deep.yaml: invalid YAML: nests too deeply to read"):
         load_spec(tmp_path / "deep.yaml")
 
 

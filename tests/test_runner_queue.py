@@ -60,8 +60,17 @@ def test_kill_9_mid_job_then_restart_every_id_exactly_once(tmp_path, home, tiny_
     store = ResultStore(job.output_dir)
     w = workers()
     # Kill while finished rows sit in a journal (not just after a chunk became a part): rows of a
-    # batch can finish together, so "3 done" alone may land right after a commit.
-    wait_for(lambda: done(job) >= 3 and store.journals(), timeout=240, interval=0.02, what="first items in a journal")
+    # batch can finish together, so "3 done" alone may land right after a commit. Each look is
+    # taken with the worker paused, so no commit can fall between the look and the kill (and
+    # reads only files: a paused worker may hold the SQLite lock).
+    def paused_mid_journal():
+        w.pause()
+        if len(store.journal_rows()) >= 3:
+            return True
+        w.resume()
+        return False
+
+    wait_for(paused_mid_journal, timeout=240, interval=0.02, what="first items in a journal")
     w.kill9()
     before = {r["id"]: r["started_at"] for r in store.journal_rows()}
     before.update({r["id"]: r["started_at"].timestamp() for r in store.read(["id", "started_at"]).to_pylist()})

@@ -57,11 +57,28 @@ def chunks_run_by(worker) -> int:
 
 
 def test_two_workers_run_chunks_of_one_job_at_once(tmp_path, home, fast, workers, monkeypatch):
-    monkeypatch.setenv("FAKE_ENGINE_DELAY", "0.2")  # 8 s of work: one worker cannot finish it alone
+    monkeypatch.setenv("FAKE_ENGINE_DELAY", "0.2")
+    hold = tmp_path / "hold"
+    monkeypatch.setenv("FAKE_ENGINE_HOLD", str(hold))
     a, b = workers(), workers()
     # both consume before the job exists: a worker that started late would find nothing left
     wait_for(lambda: all("worker started" in w.log() for w in (a, b)), timeout=120, what="both workers started")
+    hold.touch()
     job = submit(tmp_path, fast, 40, chunk_size=4)
+    # In lockstep until each worker has held two chunks: every round holds both at their next
+    # item and then lets both go, so on a busy machine neither can run the job alone.
+    held_files = [tmp_path / f"hold.{w.proc.pid}" for w in (a, b)]
+    chunks = {}
+    while len(chunks) < 2 or any(len(c) < 2 for c in chunks.values()):
+        wait_for(lambda: all(f.exists() for f in held_files), timeout=120, interval=0.02,
+                 what="both workers held mid-chunk")
+        for lease in api.activity(home)["leases"]:
+            chunks.setdefault(lease["worker"], set()).add(lease["chunk"])
+        hold.unlink()
+        wait_for(lambda: not any(f.exists() for f in held_files), timeout=120, interval=0.02,
+                 what="both workers going again")
+        hold.touch()
+    hold.unlink()
     assert job.wait(timeout=240)["state"] == "completed"
     exactly_once(job, 40)
     assert chunks_run_by(a) >= 2 and chunks_run_by(b) >= 2, (a.log(), b.log())  # both did real work
@@ -72,6 +89,8 @@ def test_two_workers_run_chunks_of_one_job_at_once(tmp_path, home, fast, workers
 
 def test_status_shows_who_holds_which_chunk_and_each_workers_rate(tmp_path, home, fast, workers, monkeypatch):
     monkeypatch.setenv("FAKE_ENGINE_DELAY", "0.3")
+    hold = tmp_path / "hold"
+    monkeypatch.setenv("FAKE_ENGINE_HOLD", str(hold))
     job = submit(tmp_path, fast, 24, chunk_size=6)
     a, b = workers("--device", "0"), workers("--device", "1")
     # both workers hold chunks at once (a worker may stream several chunks of the job)
@@ -79,9 +98,17 @@ def test_status_shows_who_holds_which_chunk_and_each_workers_rate(tmp_path, home
              timeout=120, interval=0.1, what="chunks held by both workers")
     wait_for(lambda: all(w["rows"] > 0 for w in api.activity(home)["workers"]) and
              len(api.activity(home)["workers"]) == 2, timeout=120, interval=0.2, what="both workers' rates")
-    text = cli("status", job.id, home=home, check=True).stdout
+    # held mid-chunk while status runs (heartbeats go on): on a busy machine the job could
+    # otherwise end before status looks
+    hold.touch()
+    wait_for(lambda: list(tmp_path.glob("hold.*")), timeout=60, interval=0.05, what="a worker held")
+    try:
+        text = cli("status", job.id, home=home, check=True).stdout
+        as_json = cli("status", job.id, "--json", home=home, check=True).stdout
+    finally:
+        hold.unlink()
+    data = __import__("json").loads(as_json)
     assert text.count(" held by ") >= 1 and "rows/s" in text and "device 0" in text and "device 1" in text, text
-    data = __import__("json").loads(cli("status", job.id, "--json", home=home, check=True).stdout)
     assert {w["device"] for w in data["workers"]} == {"0", "1"} and all(w["rows_per_s"] > 0 for w in data["workers"])
     assert all(h["worker"] in {w["id"] for w in data["workers"]} for h in data["holders"])
     assert job.wait(timeout=240)["state"] == "completed"

@@ -45,6 +45,13 @@ def test_passes_are_timed_at_the_jobs_context(engine, monkeypatch):
             super().__init__(engine, B, n)
             seen.append((B, n, list(self.lengths.host), self.cache[0].keys is None))
 
+        # costs by the rows a pass verifies, not timed: the order below holds on a busy CPU too
+        def target(self, T):
+            return 0.01 * (1 + self.B * T)
+
+        def draft(self):
+            return 0.005 * self.B
+
     monkeypatch.setattr(warmup, "_Passes", Spy)
     cost = engine.warm_up(4, context=300)
     assert cost.context == 300

@@ -57,6 +57,7 @@ class Engine:
         prefill_rows: Optional[int] = None,
         prefix_cache_mb: Optional[float] = None,
         prefix_granularity: int = 64,
+        cost_model: Optional[CostModel] = None,
     ):
         self.tokenizer = tokenizer
         _lift_length_limit(tokenizer)
@@ -93,6 +94,7 @@ class Engine:
         self.adaptive_block = True if adaptive_block is None else adaptive_block
         self.batch_cap = batch_size
         self.cost: Dict[int, CostModel] = {}  # batch size -> measured pass costs (warm_up)
+        self.cost_model = cost_model  # given pass costs: no warm-up, any batch size (load_engine)
         # the drafter's acceptance over every job's cycles: each job's prior (engine/scheduler.py)
         self.acceptance = pooled_acceptance(self.block_size)
         self.node_calibration = NodeCalibration(max(self.block_size - 1, 0))  # draft trees' nodes, likewise
@@ -399,14 +401,21 @@ class Engine:
     def _scheduler(self, slots: int, requests: Sequence[Request] = ()) -> Scheduler:
         if not self.adaptive_block or self.drafter is None:
             return Scheduler(self.block_size, CostModel(), fixed=True)
+        cost = self.cost_model
+        if cost is None:
+            cost = self._measured_cost(slots, requests)
+        if cost.route is not None:
+            attention.set_ragged_route(cost.route)
+        return Scheduler(self.block_size, cost, job=self.acceptance, nodes=self.node_calibration)
+
+    def _measured_cost(self, slots: int, requests: Sequence[Request]) -> CostModel:
+        """The pass costs timed for this batch size at these requests' context (warm_up)."""
         context = _typical_context(requests)
         cost = self.cost.get(slots)
         if cost is None or (cost.context is not None and context and
                             warmup.context_bucket(cost.context) != warmup.context_bucket(context)):
             cost = self.warm_up(slots, context)
-        if cost.route is not None:
-            attention.set_ragged_route(cost.route)
-        return Scheduler(self.block_size, cost, job=self.acceptance, nodes=self.node_calibration)
+        return cost
 
     def warm_up(self, batch_size: int = 1, context: Optional[int] = None) -> CostModel:
         """Compile and time the passes a job of this batch size runs: target passes of 1, half the
@@ -510,6 +519,7 @@ def load_engine(
     prefill_rows: Optional[int] = None,
     prefix_cache_mb: Optional[float] = None,
     prefix_granularity: int = 64,
+    cost_model: Optional[CostModel] = None,
 ) -> Engine:
     """Load a target and its DFlash drafter.
 
@@ -537,6 +547,9 @@ def load_engine(
         max_context: refuse prompts this long or longer (default: the target config's limit).
         batch_size: most sequences decoded together (default: 32 on a GPU, 16 on CPU; fewer
             when memory holds fewer).
+        cost_model: the pass costs the adaptive width is chosen from, in place of timing passes
+            at warm-up (engine/scheduler.py); with ``window=0`` no timing steers the widths,
+            so runs choose the same widths on any machine under any load (tests).
     """
     mx_dtype = _pick_dtype(dtype)
     if target is None:
@@ -570,4 +583,5 @@ def load_engine(
         prefill_rows=prefill_rows,
         prefix_cache_mb=prefix_cache_mb,
         prefix_granularity=prefix_granularity,
+        cost_model=cost_model,
     )

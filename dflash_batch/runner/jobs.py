@@ -25,7 +25,7 @@ from ..files import write_atomic
 from ..paths import home_dir  # noqa: F401  (the name the front ends import from here)
 from .items import read_items
 from .lock import is_locked
-from .spec import JobSpec, default_name
+from .spec import JobSpec, SpecError, default_name
 from .store import ResultStore, key_of
 
 
@@ -47,6 +47,14 @@ def check_writable_folder(folder: Path) -> None:
         _probe_write(folder)
     except OSError as e:
         raise SpecError(f"{folder}: cannot write there ({e.strerror or e})") from None
+
+
+def check_output_folder(output_dir: Path) -> None:
+    """Refuse (``SpecError`` naming ``output_dir``) a job's output folder that cannot be one."""
+    try:
+        check_writable_folder(output_dir)
+    except SpecError as e:
+        raise SpecError(f"output_dir {e}") from None
 
 
 def _probe_write(folder: Path) -> None:
@@ -241,10 +249,7 @@ def create_job(spec: JobSpec, home: Path, job_id: Optional[str] = None,
         ids.append(item.id)
         samples = samples or item.options.get("n", 1) > 1
     config_hash = spec.config_hash()
-    try:
-        check_writable_folder(output_dir)
-    except SpecError as e:
-        raise SpecError(f"output_dir {e}") from None
+    check_output_folder(output_dir)
     store = ResultStore(output_dir)
     previous = store.manifest().get("config_hash")
     if previous and previous != config_hash and not spec.force:

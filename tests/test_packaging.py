@@ -1,0 +1,28 @@
+"""pyproject.toml as today's setuptools reads it without deprecation warnings: the licence an
+SPDX expression (a TOML table is deprecated), with a build backend new enough to read one."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests.runner_fixtures import REPO
+
+tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+
+def pyproject() -> dict:
+    return tomllib.loads((REPO / "pyproject.toml").read_text())
+
+
+def test_the_licence_is_an_spdx_string():
+    assert pyproject()["project"]["license"] == "Apache-2.0"
+
+
+def test_the_build_backend_reads_spdx_licences():
+    """setuptools reads ``project.license`` as a string from version 77 on."""
+    requires = pyproject()["build-system"]["requires"]
+    (setuptools,) = [r for r in requires if r.startswith("setuptools")]
+    floor = re.fullmatch(r"setuptools>=(\d+)(\.\d+)*", setuptools)
+    assert floor and int(floor.group(1)) >= 77, setuptools
