@@ -61,7 +61,9 @@ from typing import Callable, Dict, List
 import dflash_batch.engine  # noqa: F401  (BLAS preload before mlx on Linux CPU)
 import mlx.core as mx
 
-from dflash_batch.engine import Engine, batch, batch_cache, decode, output, scheduler, target, tree
+from dflash_batch.engine import Engine, batch, decode, output, scheduler, tree
+from dflash_batch.engine.ops import batch_cache
+from dflash_batch.engine.models import target
 from dflash_batch.engine.batch import BatchDecoder
 
 from . import arms

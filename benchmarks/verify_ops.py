@@ -11,7 +11,7 @@ run, then the fastest of five, in each of ``--rounds`` rounds over every combina
 ``build_ms``: of that, the host building the graph before it runs). The drafter's pass likewise
 (a block of new context rows; compiled too in the compiled pass mode). ``--matmul``: each of
 these with few-row products through MLX's matmul ("stock") and through the few-row kernel
-("kernel", engine/matmul.py).
+("kernel", engine/ops/matmul.py).
 
 Measured (H200, mlx[cuda13] 0.32.4, default pair fp32, batch 1, 300 keys, 2026-11-24;
 ``docs/benchmarks/verify-ops-h200-2026-11-24-b1.json``), ms per pass (operations):
@@ -24,7 +24,7 @@ Passes of T >= 2 cost two to three times the one-row pass with as many operation
 launches but dearer ones. About 2 ms of it is cuBLAS against the one-row gemv
 (``benchmarks/small_matmul``). Stock SDPA's passes (one kernel a layer against the routed
 attention's two; it recompiles for every new key length when it has more than one row:
-engine/attention.py) were 3 ms cheaper at T = 16 on this machine, but not on the next one
+engine/ops/attention.py) were 3 ms cheaper at T = 16 on this machine, but not on the next one
 (below): where the rest goes is not settled.
 
 On another H200 (faster host), ``--modes kernel,kernel-fused,stock`` at 300 and 1000 keys
@@ -43,7 +43,7 @@ ms per pass / of them building the graph:
 
 The kernel halves the operations and their device time, and the host spends as much building
 the calls: a batch-1 pass is as much host as device (docs/batched.md, "A few-row matmul kernel").
-``--passes eager,compiled`` (engine/compiled.py; a fourth H200, ``--modes kernel --matmul kernel
+``--passes eager,compiled`` (engine/ops/compiled.py; a fourth H200, ``--modes kernel --matmul kernel
 --rounds 3``, ``docs/benchmarks/verify-ops-h200-2026-11-24-b1-compiled.json``):
 
     T          2            4            8            16
@@ -65,8 +65,9 @@ import time
 import dflash_batch.engine  # noqa: F401  (preloads a fast CPU BLAS before mlx.core)
 import mlx.core as mx
 
-from dflash_batch.engine import attention, compiled, load_engine, matmul, warmup
-from dflash_batch.engine.kernels import attention as block
+from dflash_batch.engine.ops import attention, compiled, matmul
+from dflash_batch.engine import load_engine, warmup
+from dflash_batch.engine.ops.kernels import attention as block
 
 from .default_pair import command_line, write_result
 
@@ -101,11 +102,11 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=300)
     ap.add_argument("--widths", default="1,2,4,8,16")
     ap.add_argument("--modes", default="kernel,stock,reference",
-                    help="attention modes to try where they run (engine/attention.py)")
+                    help="attention modes to try where they run (engine/ops/attention.py)")
     ap.add_argument("--matmul", default="stock,kernel",
-                    help="few-row product modes to try where they run (engine/matmul.py), each with every attention mode")
+                    help="few-row product modes to try where they run (engine/ops/matmul.py), each with every attention mode")
     ap.add_argument("--passes", default="eager,compiled",
-                    help="decoding pass modes to try (engine/compiled.py), each with every combination above")
+                    help="decoding pass modes to try (engine/ops/compiled.py), each with every combination above")
     ap.add_argument("--rounds", type=int, default=3, help="rounds over every combination, each keeping its fastest")
     ap.add_argument("--out")
     args = ap.parse_args(argv)

@@ -110,8 +110,8 @@ def tree_drafts():
 
 @pytest.fixture
 def fresh_verdicts(monkeypatch):
-    """Kernel self-checks (engine/kernels/selfcheck.py) on, and no verdict kept from before or after."""
-    from dflash_batch.engine.kernels import selfcheck
+    """Kernel self-checks (engine/ops/kernels/selfcheck.py) on, and no verdict kept from before or after."""
+    from dflash_batch.engine.ops.kernels import selfcheck
 
     monkeypatch.delenv(selfcheck.ENV, raising=False)
     selfcheck.reset()

@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 from mlx_lm.models.base import create_causal_mask
 
-from dflash_batch.engine import attention as routing
-from dflash_batch.engine.kernels import attention as ka
+from dflash_batch.engine.ops import attention as routing
+from dflash_batch.engine.ops.kernels import attention as ka
 from tests import emulator as emulator_build
 from tests.synthetic import assert_dflash_lossless
 

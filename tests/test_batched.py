@@ -8,10 +8,11 @@ import mlx.core as mx
 import pytest
 
 from dflash_batch.completion import GenerationError
-from dflash_batch.engine import hybrid, load_engine, memory
+from dflash_batch.engine.models import hybrid
+from dflash_batch.engine import load_engine, memory
 from dflash_batch.engine.batch import BatchDecoder
-from dflash_batch.engine.batch_cache import Lengths, RaggedKVCache
-from dflash_batch.engine.kernels import gated_delta as gd
+from dflash_batch.engine.ops.batch_cache import Lengths, RaggedKVCache
+from dflash_batch.engine.ops.kernels import gated_delta as gd
 from tests import synthetic
 from tests.conftest import make_drafter
 from tests.scripting import ScriptedDrafts
@@ -308,7 +309,7 @@ def test_a_long_joining_prompt_is_prefilled_in_chunks_between_cycles(tiny_pair):
 
 def test_ragged_batch_through_the_block_attention_reference_is_lossless(qwen3_target, qwen3_b8, monkeypatch):
     """The routed path (per-row key lengths), as the GPU kernels run it, in its pure-MLX form."""
-    from dflash_batch.engine import attention
+    from dflash_batch.engine.ops import attention
 
     attention.set_mode("reference")
     try:
@@ -322,10 +323,10 @@ def test_ragged_batch_through_the_block_attention_reference_is_lossless(qwen3_ta
 
 @pytest.mark.parametrize("route", ["block", "sdpa"])
 def test_both_ragged_routes_are_lossless(qwen3_target, qwen3_b8, monkeypatch, route):
-    """The warm-up picks one of two routes for ragged batches (engine/attention.py): block
+    """The warm-up picks one of two routes for ragged batches (engine/ops/attention.py): block
     attention with per-row key lengths, or stock SDPA over the bucketed cache with a per-row mask.
     Each must give every row its batch-1 greedy output."""
-    from dflash_batch.engine import attention
+    from dflash_batch.engine.ops import attention
 
     attention.set_mode("reference")  # "block" then runs the kernels' pure-MLX form, not stock SDPA
     attention.set_ragged_route(route)

@@ -146,7 +146,7 @@ def test_the_engine_copy_of_the_target_has_the_same_weights():
 
 
 def test_mlx_lm_arms_run_with_stock_ops_and_restore_the_engine_routing():
-    from dflash_batch.engine import attention, matmul
+    from dflash_batch.engine.ops import attention, matmul
 
     attention.set_mode("reference")
     matmul.set_mode("kernel")
@@ -269,7 +269,7 @@ def test_verify_ops_counts_each_modes_graph(tiny_pair, tmp_path):
     """benchmarks/verify_ops.py: per mode and width, the verify pass's operations and time; the
     MLX-ops reference attention of a multi-row pass has more operations than stock SDPA's (the
     mode must take effect), and a one-row pass is not routed (the same graph in both); compiled
-    passes (engine/compiled.py) fuse the multi-row pass into fewer operations, the drafter's too."""
+    passes (engine/ops/compiled.py) fuse the multi-row pass into fewer operations, the drafter's too."""
     from benchmarks import verify_ops
 
     target, drafter = tiny_pair

@@ -20,12 +20,13 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models import qwen3_5
 from mlx_lm.models.gated_delta import gated_delta_ops
 
-from dflash_batch.engine import hybrid, load_engine
-from dflash_batch.engine.backend import loaded_blas
-from dflash_batch.engine.kernels import gated_delta as gd
-from dflash_batch.engine.batch_cache import Lengths
-from dflash_batch.engine.kernels import selfcheck
-from dflash_batch.engine.target import Target
+from dflash_batch.engine.models import hybrid
+from dflash_batch.engine import load_engine
+from dflash_batch.engine.ops.backend import loaded_blas
+from dflash_batch.engine.ops.kernels import gated_delta as gd
+from dflash_batch.engine.ops.batch_cache import Lengths
+from dflash_batch.engine.ops.kernels import selfcheck
+from dflash_batch.engine.models.target import Target
 from tests import synthetic
 from tests.conftest import fixed_costs
 from tests.scripting import ScriptedDrafts

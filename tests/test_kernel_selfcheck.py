@@ -1,4 +1,4 @@
-"""The kernels' self-check (engine/kernels/selfcheck.py), on the CPU with stand-in "kernels".
+"""The kernels' self-check (engine/ops/kernels/selfcheck.py), on the CPU with stand-in "kernels".
 
 No GPU is needed: the tests register, for the metal backend, deliberately broken kernels (the
 reference's output plus noise, kernels broken for one mask or tape flag only, one that raises as
@@ -18,10 +18,10 @@ import warnings
 import mlx.core as mx
 import pytest
 
-from dflash_batch.engine import attention as routing
-from dflash_batch.engine.kernels import attention as ka
-from dflash_batch.engine.kernels import gated_delta as gd
-from dflash_batch.engine.kernels import selfcheck
+from dflash_batch.engine.ops import attention as routing
+from dflash_batch.engine.ops.kernels import attention as ka
+from dflash_batch.engine.ops.kernels import gated_delta as gd
+from dflash_batch.engine.ops.kernels import selfcheck
 from dflash_batch.engine.ops import device
 from tests.test_hybrid import inputs as hybrid_inputs
 

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from dflash_batch.engine.kernels import attention as ka
-from dflash_batch.engine.kernels import gated_delta as gd
-from dflash_batch.engine.kernels import matmul as km
-from dflash_batch.engine.kernels import sources
+from dflash_batch.engine.ops.kernels import attention as ka
+from dflash_batch.engine.ops.kernels import gated_delta as gd
+from dflash_batch.engine.ops.kernels import matmul as km
+from dflash_batch.engine.ops.kernels import sources
 from tests.runner_fixtures import REPO
 
 PACKAGE = REPO / "dflash_batch"

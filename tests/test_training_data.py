@@ -15,7 +15,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from dflash_batch.engine import Engine, loading
+from dflash_batch.engine import Engine
+from dflash_batch.engine.models import loading
 from dflash_batch.training import cli, corpus, store as store_mod
 from dflash_batch.training import generate as gen
 from dflash_batch.training.store import AnswerStore, prompt_key

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from dflash_batch.engine import decode, load_engine, routing, tree
-from dflash_batch.engine.batch_cache import Lengths
+from dflash_batch.engine.ops.batch_cache import Lengths
 from dflash_batch.engine.scheduler import CostModel, Scheduler
-from dflash_batch.engine.target import Target
+from dflash_batch.engine.models.target import Target
 from tests.scripting import ScriptedDrafts
 from tests.test_engine_lossless import greedy_reference
 from tests.test_batched import MAX_TOKENS, P_WRONG, PROMPTS_B, qwen3_b8, scripted_batch  # noqa: F401 (fixture)
@@ -292,7 +292,7 @@ def test_adaptive_trees_learn_the_drafters_calibration(tiny_pair, monkeypatch, t
 
 
 def _on_the_ladder(cache, width: int = 512):
-    """The same rows in buffers ``width`` columns wide (a compiling batch's: engine/compiled.py)."""
+    """The same rows in buffers ``width`` columns wide (a compiling batch's: engine/ops/compiled.py)."""
     for c in cache:
         B, H, n, D = c.keys.shape
         for name in ("keys", "values"):
@@ -328,7 +328,7 @@ def test_a_compiled_tree_pass_equals_the_eager_one(tiny_pair, rows):
 
 
 def test_tree_runs_with_compiled_passes_equal_the_targets_greedy_output(qwen3_target, qwen3_b8, monkeypatch, tree_drafts):
-    """Scripted tree runs with compiled passes (engine/compiled.py): mlx-lm's greedy output, batch
+    """Scripted tree runs with compiled passes (engine/ops/compiled.py): mlx-lm's greedy output, batch
     1 and 3, and the tree passes were replayed, not rebuilt each cycle."""
     with routing.modes(passes="compiled"):
         engine, _, ids, refs = scripted_batch(qwen3_target, qwen3_b8, monkeypatch, PROMPTS_B, MAX_TOKENS,

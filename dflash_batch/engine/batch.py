@@ -29,8 +29,9 @@ import numpy as np
 
 from ..completion import Piece
 from ..request import SamplingControls
-from . import compiled, decode, memory, prefill, sampling, tree
-from .batch_cache import Lengths, round_up
+from . import decode, memory, prefill, sampling, tree
+from .ops import compiled
+from .ops.batch_cache import Lengths, round_up
 from .decode import Step
 from .output import RowOutput
 from .scheduler import Acceptance, Scheduler
@@ -99,7 +100,7 @@ class BatchDecoder:
         self.lengths = Lengths([0] * self.slots)
         # allocated once for the longest row the memory plan allows for (``capacity`` positions):
         # growing a batch's cache copies it, and for that moment it needs twice its memory.
-        # Passes that compile see the buffers whole, at a width of their ladder (engine/compiled.py).
+        # Passes that compile see the buffers whole, at a width of their ladder (engine/ops/compiled.py).
         capacity = self._capacity(capacity)
         self.cache = self.target.make_cache(self.lengths, capacity)
         self.draft_lengths = Lengths([0] * self.slots) if self.drafter else None

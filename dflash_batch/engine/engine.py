@@ -18,14 +18,15 @@ from ..completion import (
     Piece,
     PromptTooLongError,
 )
-from . import activations, attention, decode, loading, matmul, memory, prefill, registry, tree, warmup
+from . import decode, memory, prefill, tree, warmup
+from .models import loading, registry
+from .ops import activations, attention, device, matmul
 from .. import checks, constraints
 from ..request import CONTROLS, SamplingControls, sample_seed
 from .batch import BatchDecoder, Request
-from .kernels import cpu
-from .ops import device
+from .ops.kernels import cpu
 from .scheduler import CostModel, NodeCalibration, Scheduler, pooled_acceptance
-from .target import Target
+from .models.target import Target
 from .waiting import Waiting
 
 if TYPE_CHECKING:
@@ -64,8 +65,8 @@ class Engine:
         self.drafter = drafter
         self.target = Target(model)
         attention.install(model)  # verify passes: multi-row attention routed per backend
-        matmul.install(model)  # and few-row products (engine/matmul.py)
-        activations.install(model)  # SwiGLU by the CPU ops where they run (engine/activations.py)
+        matmul.install(model)  # and few-row products (engine/ops/matmul.py)
+        activations.install(model)  # SwiGLU by the CPU ops where they run (engine/ops/activations.py)
         self.config = config or {}
         chunk, tokens = memory.default_prefill()
         self.prefill_chunk = chunk if prefill_chunk is None else prefill_chunk

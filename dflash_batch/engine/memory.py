@@ -17,7 +17,7 @@ import mlx.nn as nn
 
 from ..completion import GenerationError
 from ..errors import SettingError
-from .batch_cache import Lengths, RaggedKVCache, round_up
+from .ops.batch_cache import Lengths, RaggedKVCache, round_up
 from .ops import device
 
 USABLE = 0.8  # of free memory, for caches and the passes' temporaries

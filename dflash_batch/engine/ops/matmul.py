@@ -33,7 +33,7 @@ import mlx.nn as nn
 
 from . import modes
 from .kernels import matmul as kernel
-from .ops import device
+from . import device
 
 MODES = ("stock", "kernel")
 ENV = "DFLASH_BATCH_MATMUL"

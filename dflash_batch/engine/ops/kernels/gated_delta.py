@@ -37,7 +37,7 @@ from typing import Optional, Tuple
 
 import mlx.core as mx
 
-from ..ops import device
+from .. import device
 from . import selfcheck, sources
 
 IMPLEMENTATIONS = ("reference", "metal", "cuda")

@@ -45,7 +45,7 @@ from . import modes
 from .batch_cache import RaggedKVCache
 from .kernels import attention as block
 from .kernels import cpu
-from .ops import device
+from . import device
 
 MODES = ("stock", "kernel", "reference")
 RAGGED_ROUTES = ("block", "sdpa")

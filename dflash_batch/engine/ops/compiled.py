@@ -8,7 +8,7 @@ own record of it, with its elementwise chains fused, and the custom kernels' cal
 
 Its shapes must not change from cycle to cycle, so the pass sees the batch's K/V buffers whole,
 at a fixed width, with the rows' lengths n_b as a device array: the ragged batch's pass
-(engine/batch_cache.py) at a width that stays put:
+(engine/ops/batch_cache.py) at a width that stays put:
 
     write:   row b's T new keys and values at columns n_b .. n_b + T - 1     (a scatter)
     RoPE:    positions n_b + i                                            (a per-row offset)
@@ -41,7 +41,7 @@ cycle before) compiles the same way, under the same mode, rows and ladder. Its s
 from cycle to cycle twice over: the new context rows S (what the last cycle kept, more after
 plain cycles) and the draft cache's keys. Both are fixed here: the context is padded to P = the
 drafter's block size rows, with each row's count c_b on the device, and the cache is seen whole.
-The pass is the drafter's ragged one (engine/drafter.py: ``Attention._ragged``), for L block rows:
+The pass is the drafter's ragged one (engine/models/drafter.py: ``Attention._ragged``), for L block rows:
 
     context row j of row b -> column n_b + j           (j < c_b: the rows the engine counts)
     padding row j          -> column n_b + L + j       (j >= c_b: past the block, never counted)
@@ -63,7 +63,7 @@ import mlx.core as mx
 
 from . import attention, matmul, modes
 from .batch_cache import RaggedKVCache, put_columns, tree_visible, visible
-from .tree import TokenPositions
+from .rope import TokenPositions
 
 MODES = ("eager", "compiled")
 ENV = "DFLASH_BATCH_PASSES"

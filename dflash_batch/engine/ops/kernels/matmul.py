@@ -18,7 +18,7 @@ rounded once. Any K and alignment: 16-byte loads where x, W and K allow, scalar 
 
 ``matmul_reference`` is ``x @ W.T`` in MLX ops (the oracle; the CPU path). ``matmul_kernel`` runs
 the CUDA kernel as it is (tests and benchmarks). ``kernel_verified`` checks it once per process
-and dtype against the reference on the CPU (``selfcheck``); ``engine/matmul.py`` routes products
+and dtype against the reference on the CPU (``selfcheck``); ``engine/ops/matmul.py`` routes products
 to it. There is no Metal kernel: MLX's Metal matmul has its own few-row path, and nothing here
 can run Metal to measure whether one would help. The body is written against a few macros that
 the CUDA header (and the tests' CPU emulator, which runs this exact text) define.

@@ -9,8 +9,8 @@ import os
 import sys
 from typing import Callable, List, Optional, Sequence
 
-from ..errors import SettingError
-from .ops import device
+from ...errors import SettingError
+from . import device
 
 
 class Switch:

@@ -38,10 +38,10 @@ from typing import Dict, Optional, Sequence
 
 import mlx.core as mx
 
-from ... import files
-from ...paths import cache_dir
+from .... import files
+from ....paths import cache_dir
 from .. import modes
-from ..ops import device
+from .. import device
 from . import selfcheck
 
 SOURCE = Path(__file__).with_name("cpu.cpp")

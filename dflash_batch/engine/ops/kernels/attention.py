@@ -44,7 +44,7 @@ from typing import Callable, Dict, Optional, Tuple
 
 import mlx.core as mx
 
-from ..ops import device
+from .. import device
 from . import selfcheck, sources
 
 LOG2E = 1.4426950408889634
