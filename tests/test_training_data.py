@@ -201,7 +201,8 @@ def test_killed_generation_resumes_without_duplicates_or_loss(tiny, tmp_path):
     script = f"""
 import sys, json
 sys.path.insert(0, {str(ROOT)!r})
-from dflash_batch.engine import Engine, loading
+from dflash_batch.engine import Engine
+from dflash_batch.engine.models import loading
 from dflash_batch.training import generate as gen
 from dflash_batch.training.store import AnswerStore
 prompts, eos = json.load(open({str(tmp_path / 'prompts.json')!r}))
