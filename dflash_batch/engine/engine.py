@@ -24,6 +24,7 @@ from .ops import activations, attention, device, matmul
 from .. import checks, constraints
 from ..request import CONTROLS, SamplingControls, sample_seed
 from .batch import BatchDecoder, Request
+from .config import EngineConfig
 from .ops.kernels import cpu
 from .scheduler import CostModel, NodeCalibration, Scheduler, pooled_acceptance
 from .models.target import Target
@@ -34,7 +35,6 @@ if TYPE_CHECKING:
 
 Prompt = Union[str, List[Dict[str, Any]], List[int]]
 NO_LENGTH_LIMIT = int(1e30)  # what transformers itself sets for a tokenizer without a limit
-PREFIX_CACHE_MB = 1024  # memory for shared prompt prefixes, by default
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
 
@@ -48,18 +48,16 @@ class Engine:
         drafter=None,
         *,
         config: Optional[dict] = None,
-        block_size: Optional[int] = None,
-        adaptive_block: Optional[bool] = None,
-        prefill_chunk: Optional[int] = None,
-        max_context: Optional[int] = None,
-        batch_size: Optional[int] = None,
         description: Optional[dict] = None,
-        prefill_tokens: Optional[int] = None,
-        prefill_rows: Optional[int] = None,
-        prefix_cache_mb: Optional[float] = None,
-        prefix_granularity: int = 64,
-        cost_model: Optional[CostModel] = None,
+        settings: Optional[EngineConfig] = None,
+        **options,
     ):
+        """``config``: the target's model config; ``settings``, or its fields as ``options``:
+        the engine's settings (``EngineConfig``)."""
+        if settings is not None and options:
+            raise TypeError(f"give settings or its fields, not both: {sorted(options)}")
+        settings = EngineConfig(**options) if settings is None else settings
+        self.settings = settings
         self.tokenizer = tokenizer
         _lift_length_limit(tokenizer)
         self.drafter = drafter
@@ -69,33 +67,25 @@ class Engine:
         activations.install(model)  # SwiGLU by the CPU ops where they run (engine/ops/activations.py)
         self.config = config or {}
         chunk, tokens = memory.default_prefill()
-        self.prefill_chunk = chunk if prefill_chunk is None else prefill_chunk
-        prefill_tokens = tokens if prefill_tokens is None else prefill_tokens
-        if self.prefill_chunk < 1:
-            raise ValueError(f"prefill_chunk must be at least 1, got {self.prefill_chunk}")
-        if prefill_tokens < 1:
-            raise ValueError(f"prefill_tokens must be at least 1, got {prefill_tokens}")
-        self.prefill_tokens = prefill_tokens  # tokens per packed prefill pass (rows x width), at most
-        self.prefill_rows = prefill_rows  # prompts prefilled together, at most (None: any; 1: one per pass)
+        self.prefill_chunk = chunk if settings.prefill_chunk is None else settings.prefill_chunk
+        # tokens per packed prefill pass (rows x width), at most
+        self.prefill_tokens = tokens if settings.prefill_tokens is None else settings.prefill_tokens
+        self.prefill_rows = settings.prefill_rows  # prompts prefilled together, at most (None: any)
         # Prefix states kept across runs (engine/prefill.py); None: every prompt prefilled alone.
-        prefix_cache_mb = PREFIX_CACHE_MB if prefix_cache_mb is None else prefix_cache_mb
-        if prefix_cache_mb < 0:
-            raise ValueError(f"prefix_cache_mb must be >= 0, got {prefix_cache_mb}")
-        self.prefixes = (
-            prefill.PrefixCache(int(prefix_cache_mb * 2**20), prefix_granularity) if prefix_cache_mb > 0 else None
-        )
-        self.max_context = max_context or self.config.get("max_position_embeddings")
+        mb = settings.prefix_mb
+        self.prefixes = prefill.PrefixCache(int(mb * 2**20), settings.prefix_granularity) if mb > 0 else None
+        self.max_context = settings.max_context or self.config.get("max_position_embeddings")
         self.block_size = 0
         self.draft_head: Optional[decode.DraftHead] = None  # set with a drafter that has a draft vocabulary
         self.target.check_cache()
         if drafter is not None:
-            self._attach(drafter, block_size)
+            self._attach(drafter, settings.block_size)
         # The verify width per cycle from a cost model of the passes and each row's acceptance
         # (engine/scheduler.py); False: the whole block every cycle.
-        self.adaptive_block = True if adaptive_block is None else adaptive_block
-        self.batch_cap = batch_size
+        self.adaptive_block = True if settings.adaptive_block is None else settings.adaptive_block
+        self.batch_cap = settings.batch_size
         self.cost: Dict[int, CostModel] = {}  # batch size -> measured pass costs (warm_up)
-        self.cost_model = cost_model  # given pass costs: no warm-up, any batch size (load_engine)
+        self.cost_model = settings.cost_model  # given pass costs: no warm-up, any batch size (load_engine)
         # the drafter's acceptance over every job's cycles: each job's prior (engine/scheduler.py)
         self.acceptance = pooled_acceptance(self.block_size)
         self.node_calibration = NodeCalibration(max(self.block_size - 1, 0))  # draft trees' nodes, likewise
@@ -511,16 +501,7 @@ def load_engine(
     target_revision: Optional[str] = None,
     draft_revision: Optional[str] = None,
     dtype: Optional[str] = "auto",
-    block_size: Optional[int] = None,
-    adaptive_block: Optional[bool] = None,
-    prefill_chunk: Optional[int] = None,
-    max_context: Optional[int] = None,
-    batch_size: Optional[int] = None,
-    prefill_tokens: Optional[int] = None,
-    prefill_rows: Optional[int] = None,
-    prefix_cache_mb: Optional[float] = None,
-    prefix_granularity: int = 64,
-    cost_model: Optional[CostModel] = None,
+    **options,
 ) -> Engine:
     """Load a target and its DFlash drafter.
 
@@ -530,28 +511,11 @@ def load_engine(
             target (none: plain AR decoding); None for plain AR decoding.
         target_revision, draft_revision: pin a branch, tag or commit on the hub.
         dtype: "auto" (fp32 on CPU, as stored on GPU), "float32", "bfloat16" or "float16".
-        block_size: verify at most this many tokens per cycle (at most the drafter's own).
-        adaptive_block: choose each cycle's verify width from measured pass costs and each
-            row's acceptance, down to plain decoding (default on); False: the whole block.
-        prefill_chunk: prompt tokens per prefill pass of one prompt (and per engine step and
-            free slot for joining prompts); default 512 on a CPU, 2048 on a GPU
-            (``memory.default_prefill``).
-        prefill_tokens: most tokens in one packed prefill pass (joining prompts x tokens each);
-            default 4096 on a CPU, 8192 on a GPU.
-        prefill_rows: most prompts prefilled together (None: as many as there are free slots;
-            1: one prompt per pass, as before packing).
-        prefix_cache_mb: memory for prompt prefixes prefilled once and reused by the prompts
-            that share them (least recently used dropped; default 1024); 0: every prompt
-            prefilled alone.
-        prefix_granularity: shared prefixes are kept at multiples of this many tokens (and at
-            whole prompts, for the samples of one prompt).
-        max_context: refuse prompts this long or longer (default: the target config's limit).
-        batch_size: most sequences decoded together (default: 32 on a GPU, 16 on CPU; fewer
-            when memory holds fewer).
-        cost_model: the pass costs the adaptive width is chosen from, in place of timing passes
-            at warm-up (engine/scheduler.py); with ``window=0`` no timing steers the widths,
-            so runs choose the same widths on any machine under any load (tests).
+        options: the engine's settings, ``EngineConfig``'s fields (block_size, adaptive_block,
+            prefill_chunk, prefill_tokens, prefill_rows, prefix_cache_mb, prefix_granularity,
+            max_context, batch_size, cost_model), checked before any model is loaded.
     """
+    settings = EngineConfig(**options)
     mx_dtype = _pick_dtype(dtype)
     if target is None:
         target, default_draft = registry.default_pair()
@@ -574,15 +538,6 @@ def load_engine(
         tokenizer,
         drafter,
         config=config,
-        block_size=block_size,
-        adaptive_block=adaptive_block,
-        prefill_chunk=prefill_chunk,
-        max_context=max_context,
-        batch_size=batch_size,
         description=description,
-        prefill_tokens=prefill_tokens,
-        prefill_rows=prefill_rows,
-        prefix_cache_mb=prefix_cache_mb,
-        prefix_granularity=prefix_granularity,
-        cost_model=cost_model,
+        settings=settings,
     )
