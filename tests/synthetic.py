@@ -263,7 +263,7 @@ def assert_dflash_lossless(target: Path, drafter: Path, max_tokens: int = 40) ->
     tokens held for plain decoding too, whose first token is the prefill's). The drafting
     engine's pass costs are given: timed ones, on a busy CPU, may keep it plain."""
     from dflash_batch.engine import load_engine
-    from tests.conftest import fixed_costs
+    from tests.helpers import fixed_costs
 
     ar = load_engine(target, draft=None)
     spec = load_engine(target, draft=drafter, cost_model=fixed_costs())

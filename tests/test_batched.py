@@ -14,9 +14,9 @@ from dflash_batch.engine.batch import BatchDecoder
 from dflash_batch.engine.ops.batch_cache import Lengths, RaggedKVCache
 from dflash_batch.engine.ops.kernels import gated_delta as gd
 from tests import synthetic
-from tests.conftest import make_drafter
+from tests.helpers import make_drafter
 from tests.scripting import ScriptedDrafts
-from tests.test_engine_lossless import PROMPTS, greedy_reference
+from tests.helpers import PROMPTS, greedy_reference
 
 # Very different lengths: 2 to about 400 tokens (and one over a 256-token prefill chunk below).
 PROMPTS_B = PROMPTS + ["Tell me everything about the number seven. " * 40, "x"]

@@ -11,7 +11,7 @@ import mlx.core as mx
 from benchmarks import arms, report, run
 from benchmarks.scripted import AcceptanceScript, ScriptedDrafter, head_rows_of, per_token_rate
 from dflash_batch.engine.output import RowOutput
-from tests.conftest import fixed_costs
+from tests.helpers import fixed_costs
 from tests.runner_fixtures import REPO
 
 
@@ -210,7 +210,8 @@ def _zero_head_job(zero_head_target, model_dir, tmp_path, n: int):
     prompts as ids in ``tmp_path/eval.jsonl``, and the tokens per cycle a fixed-width engine
     makes on them (the prefill's token aside): (drafter folder, samples file, tau)."""
     from dflash_batch.engine import load_engine
-    from tests.conftest import make_drafter, synthetic
+    from tests import synthetic
+    from tests.helpers import make_drafter
 
     draft = make_drafter(model_dir, "draft-b8", synthetic.tiny_qwen3_config(), block_size=8)
     prompts = [{"id": f"p{i}", "kind": "test", "prompt": [5 + i, 6, 7, 8]} for i in range(n)]

@@ -11,7 +11,7 @@ from dflash_batch.engine.ops import compiled
 from dflash_batch.engine import decode, load_engine, routing
 from dflash_batch.engine.ops.batch_cache import Lengths
 from tests import synthetic
-from tests.conftest import make_drafter
+from tests.helpers import make_drafter
 from tests.test_batched import MAX_TOKENS, PROMPTS_B, scripted_batch
 
 

@@ -15,9 +15,9 @@ from dflash_batch.engine.models.drafter import ModelArgs, build_target_layer_ids
 from dflash_batch.engine.ops.batch_cache import Lengths
 from dflash_batch.engine.models.target import Target
 from tests import synthetic
-from tests.conftest import fixed_costs, make_drafter
+from tests.helpers import fixed_costs, make_drafter
 from tests.scripting import ScriptedDrafts
-from tests.test_engine_lossless import greedy_reference
+from tests.helpers import greedy_reference
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,7 @@ from dflash_batch.engine.ops.batch_cache import Lengths
 from dflash_batch.engine.ops.kernels import selfcheck
 from dflash_batch.engine.models.target import Target
 from tests import synthetic
-from tests.conftest import fixed_costs
+from tests.helpers import fixed_costs
 from tests.scripting import ScriptedDrafts
 
 ROOT = Path(__file__).resolve().parents[1]

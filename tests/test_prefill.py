@@ -14,7 +14,7 @@ from dflash_batch.engine.models import hybrid
 from dflash_batch.engine import load_engine, prefill
 from dflash_batch.request import sample_seed
 from tests import synthetic
-from tests.test_engine_lossless import greedy_reference
+from tests.helpers import greedy_reference
 
 LENGTHS = [3, 41, 150, 333]  # very different prompt lengths, most over the 64-token chunk below
 

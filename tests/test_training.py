@@ -218,7 +218,7 @@ def test_engine_drafts_equal_the_training_objective(qwen3_target, model_dir, mon
     from dflash_batch.training.trainer import tapped_hidden
     from tests.scripting import ScriptedDrafts
 
-    from tests.conftest import make_drafter
+    from tests.helpers import make_drafter
 
     target_dir = qwen3_target  # two distinct taps: a per-tap change of scale is not normed away
     draft_dir = make_drafter(model_dir, "draft-qwen3-taps-1-3", synthetic.tiny_qwen3_config(), target_layer_ids=[1, 3])
