@@ -22,7 +22,7 @@ from mlx_lm.models.gated_delta import gated_delta_ops
 
 from dflash_batch.engine.models import hybrid
 from dflash_batch.engine import load_engine
-from dflash_batch.engine.ops.backend import loaded_blas
+from dflash_batch.engine.ops.blas import loaded_blas
 from dflash_batch.engine.ops.kernels import gated_delta as gd
 from dflash_batch.engine.ops.batch_cache import Lengths
 from dflash_batch.engine.ops.kernels import selfcheck

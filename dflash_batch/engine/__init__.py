@@ -1,7 +1,7 @@
 """MLX inference (training/ is the other MLX user), on three floors: the decoding loop here, the
 models in models/, how a pass computes in ops/. No floor imports one above it."""
 
-from .ops.backend import preload_blas
+from .ops.blas import preload_blas
 
 preload_blas()  # before mlx.core is imported anywhere below
 

@@ -13,8 +13,8 @@ from typing import Callable, Tuple
 from ..errors import SettingError
 from ..paths import CACHE_ENV
 from . import memory, tree  # noqa: F401  (tree declares the drafts switch)
-from .ops import attention, compiled, matmul, modes  # noqa: F401  (each declares its switch)
-from .ops.backend import BLAS_ENV
+from .ops import attention, compiled, matmul, switch  # noqa: F401  (each declares its switch)
+from .ops.blas import BLAS_ENV
 from .ops.kernels import cpu, selfcheck  # noqa: F401
 
 
@@ -37,15 +37,15 @@ def _cache() -> None:
         raise SettingError(f"{CACHE_ENV}={cache!r}: not a folder")
 
 
-def _switch(switch: modes.Switch) -> Variable:
-    default = f"{switch.cuda} on CUDA, {switch.elsewhere} elsewhere"
-    doc = f"the {switch.name} route: one of {', '.join(switch.modes)}"
-    return Variable(switch.env, default, doc, switch.default)
+def _routing(made: switch.Switch) -> Variable:
+    default = f"{made.cuda} on CUDA, {made.elsewhere} elsewhere"
+    doc = f"the {made.name} route: one of {', '.join(made.modes)}"
+    return Variable(made.env, default, doc, made.default)
 
 
 def variables() -> Tuple[Variable, ...]:
     """Every engine variable: the routing switches, then the rest."""
-    return (*map(_switch, modes.Switch.made),
+    return (*map(_routing, switch.Switch.made),
             Variable(selfcheck.ENV, "1", "0 skips the GPU kernels' self-check", selfcheck.enabled),
             Variable(memory.ENV_LIMIT, "the device's memory", "gigabytes the engine may use", _memory),
             Variable(CACHE_ENV, "the platform's cache folder", "where converted models and built ops live",

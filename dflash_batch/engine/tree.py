@@ -36,11 +36,12 @@ from typing import List, Sequence
 import mlx.core as mx
 import numpy as np
 
-from .ops import modes
+from .ops import switch
 
 CANDIDATES = 8  # top tokens per draft position a tree chooses among
 
-_switch = modes.Switch("draft", "DFLASH_BATCH_DRAFTS", ("chain", "tree"), cuda="chain", elsewhere="tree")
+_switch = switch.Switch("draft", "DFLASH_BATCH_DRAFTS", ("chain", "tree"), cuda="chain",
+                        elsewhere="tree")
 default_mode = _switch.default  # DFLASH_BATCH_DRAFTS if set, else "chain" on CUDA (compiled chain passes) and "tree" elsewhere
 set_mode = _switch.set
 mode = _switch.mode

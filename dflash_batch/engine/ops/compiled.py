@@ -61,7 +61,7 @@ from typing import Dict, List, Optional, Tuple
 
 import mlx.core as mx
 
-from . import attention, matmul, modes
+from . import attention, matmul, switch
 from .batch_cache import RaggedKVCache, put_columns, tree_visible, visible
 from .rope import TokenPositions
 
@@ -73,7 +73,7 @@ MIN_WIDTH = 2  # a plain step (T = 1) stays eager: stock SDPA's one-row kernel o
                # against 4.3 ms a pass), more than the host would save
 LADDER = (512, 1024, 2048, 4096)  # buffer widths a compiling batch allocates; wider caches stay eager
 
-_switch = modes.Switch("pass", ENV, MODES, cuda="compiled", elsewhere="eager")
+_switch = switch.Switch("pass", ENV, MODES, cuda="compiled", elsewhere="eager")
 default_mode = _switch.default  # DFLASH_BATCH_PASSES if set, else "compiled" on CUDA and "eager" elsewhere
 set_mode = _switch.set  # for the whole process; None returns to the default
 mode = _switch.mode

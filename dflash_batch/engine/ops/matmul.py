@@ -31,7 +31,7 @@ from typing import Dict, Optional
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import modes
+from . import switch
 from .kernels import matmul as kernel
 from . import device
 
@@ -46,7 +46,7 @@ MAX_OUTPUTS = 8192
 
 _routing: Optional[bool] = None  # resolved: whether few-row products go to the kernel
 _counts: Dict[str, int] = {"routed": 0}
-_switch = modes.Switch("matmul", ENV, MODES, cuda="kernel", elsewhere="stock")
+_switch = switch.Switch("matmul", ENV, MODES, cuda="kernel", elsewhere="stock")
 default_mode = _switch.default  # DFLASH_BATCH_MATMUL if set, else "kernel" on CUDA and "stock" elsewhere
 mode = _switch.mode
 

@@ -40,7 +40,7 @@ import mlx.core as mx
 
 from .... import files
 from ....paths import cache_dir
-from .. import modes
+from .. import switch
 from .. import device
 from . import selfcheck
 
@@ -49,7 +49,7 @@ MODULE = "_cpu_ops"
 ENV = "DFLASH_BATCH_CPU_OPS"
 MODES = ("native", "mlx")
 
-_switch = modes.Switch("cpu ops", ENV, MODES, cuda="mlx", elsewhere="native")
+_switch = switch.Switch("cpu ops", ENV, MODES, cuda="mlx", elsewhere="native")
 default_mode = _switch.default
 mode = _switch.mode
 _active: Dict[object, bool] = {}  # per default device type, for the mode in force
