@@ -30,16 +30,16 @@ import numpy as np
 from ..completion import Piece
 from ..request import SamplingControls
 from . import decode, memory, prefill, sampling, tree
+from .decode import Step
 from .ops import compiled
 from .ops.batch_cache import Lengths, round_up
-from .decode import Step
 from .output import RowOutput
 from .scheduler import Acceptance, Scheduler
 from .waiting import Waiting
 
 
 @dataclass
-class Request:
+class EncodedRequest:
     """One prompt as the engine decodes it: token ids and its own options."""
 
     ids: List[int]
@@ -60,7 +60,7 @@ class Request:
 class Row:
     """A request in a slot of the batch."""
 
-    request: Request
+    request: EncodedRequest
     output: RowOutput
     seed: int  # of the row's sampling noise (engine/decode.py: choose)
     last: int = 0  # the newest committed token, not yet in the target cache
@@ -82,8 +82,8 @@ class BatchDecoder:
     for a row that failed alone (its grammar: the other rows go on), and ``(None, None)`` after
     the stream gave a refused request (``requests.refused``), so that the caller can report it."""
 
-    def __init__(self, engine, requests: Union[Sequence[Request], Waiting], slots: int, scheduler: Scheduler,
-                 plan=None, capacity: int = 0):
+    def __init__(self, engine, requests: Union[Sequence[EncodedRequest], Waiting], slots: int,
+                 scheduler: Scheduler, plan=None, capacity: int = 0):
         self.engine, self.target, self.drafter = engine, engine.target, engine.drafter
         # Joining prompts (engine/prefill.py): prefilled together, sharing the prefixes they have in common.
         self.prefixes = engine.prefixes
@@ -194,7 +194,7 @@ class BatchDecoder:
             else:
                 self.group.add(prefill.Joiner(row, b, request.ids, 0, list(marks)), start)
 
-    def _new_row(self, request: Request) -> Row:
+    def _new_row(self, request: EncodedRequest) -> Row:
         engine = self.engine
         output = RowOutput(engine.tokenizer, len(request.ids), request.max_tokens, request.stop, engine.block_size)
         output.start()

@@ -18,16 +18,16 @@ from ..completion import (
     Piece,
     PromptTooLongError,
 )
-from . import decode, memory, prefill, tree, warmup
-from .models import loading, registry
-from .ops import activations, attention, device, matmul
 from .. import checks, constraints
 from ..request import CONTROLS, SamplingControls, sample_seed
-from .batch import BatchDecoder, Request
+from . import decode, memory, prefill, tree, warmup
+from .batch import BatchDecoder, EncodedRequest
 from .config import EngineConfig
+from .models import loading, registry
+from .models.target import Target
+from .ops import activations, attention, device, matmul
 from .ops.kernels import cpu
 from .scheduler import CostModel, NodeCalibration, Scheduler, pooled_acceptance
-from .models.target import Target
 from .waiting import Waiting
 
 if TYPE_CHECKING:
@@ -186,7 +186,7 @@ class Engine:
         seed: Optional[int] = None,
         index: int = 0,
         **prompt_options,
-    ) -> Request:
+    ) -> EncodedRequest:
         """Check and encode one prompt with its options (raises GenerationError naming the problem).
         Sampling controls (``request.SamplingControls``: top_k, top_p, min_p, the penalties,
         logprobs, top_logprobs, response_format) come as keywords; docs/sampling.md."""
@@ -211,7 +211,7 @@ class Engine:
         if self.max_context:
             max_tokens = min(max_tokens, self.max_context - len(ids))
         want_logprobs = controls.logprobs or controls.top_logprobs > 0
-        return Request(
+        return EncodedRequest(
             ids, max_tokens, float(temperature), seed, tuple(stop or ()), index, controls=controls,
             logprobs=controls.top_logprobs if want_logprobs else None, grammar=constraints.grammar(controls.response_format),
         )
@@ -251,7 +251,8 @@ class Engine:
             completion.sample_index = index % n
             yield index // n, completion
 
-    def run(self, requests: Sequence[Request], batch_size: Optional[int] = None) -> Iterator[Tuple[int, Completion]]:
+    def run(self, requests: Sequence[EncodedRequest],
+            batch_size: Optional[int] = None) -> Iterator[Tuple[int, Completion]]:
         """Decode checked requests (see ``request``); yield ``(request.index, Completion)`` as each
         finishes. ``prefill_counts`` then holds the run's prefill passes, prompt tokens run through
         them and padding tokens; ``decode_counts`` its cycles per verify width T:
@@ -302,7 +303,7 @@ class Engine:
         refused: List[Tuple[Any, Exception]] = []
         owners: Dict[int, Tuple[Any, int]] = {}  # engine request index -> (runner's request, sample), in flight
 
-        def encoded() -> Iterator[Optional[List[Request]]]:
+        def encoded() -> Iterator[Optional[List[EncodedRequest]]]:
             count = 0
             for req in requests:
                 try:
@@ -372,14 +373,15 @@ class Engine:
         return _completion(list(self.stream(prompt, max_tokens, temperature, stop, seed, **prompt_options)))
 
     # -- batch size, pass costs ----------------------------------------------------------
-    def plan_batch(self, requests: Sequence[Request], batch_size: Optional[int] = None) -> int:
+    def plan_batch(self, requests: Sequence[EncodedRequest],
+                   batch_size: Optional[int] = None) -> int:
         """Rows in flight: the asked (or configured) cap, at most what memory holds for the
         longest request. Too little memory for even one row is an error before any work."""
         plan = memory.Plan(self, self._batch_cap(batch_size))
         plan.take(self._positions(requests))
         return max(1, min(plan.rows, len(requests)))
 
-    def _positions(self, requests: Sequence[Request]) -> int:
+    def _positions(self, requests: Sequence[EncodedRequest]) -> int:
         """Cache positions the longest of ``requests`` can reach: prompt, budget and one block."""
         return max(len(r.ids) + r.max_tokens for r in requests) + max(self.block_size, 1)
 
@@ -389,7 +391,7 @@ class Engine:
             raise ValueError(f"batch_size must be at least 1, got {cap}")
         return cap
 
-    def _scheduler(self, slots: int, requests: Sequence[Request] = ()) -> Scheduler:
+    def _scheduler(self, slots: int, requests: Sequence[EncodedRequest] = ()) -> Scheduler:
         if not self.adaptive_block or self.drafter is None:
             return Scheduler(self.block_size, CostModel(), fixed=True)
         cost = self.cost_model
@@ -399,7 +401,7 @@ class Engine:
             attention.set_ragged_route(cost.route)
         return Scheduler(self.block_size, cost, job=self.acceptance, nodes=self.node_calibration)
 
-    def _measured_cost(self, slots: int, requests: Sequence[Request]) -> CostModel:
+    def _measured_cost(self, slots: int, requests: Sequence[EncodedRequest]) -> CostModel:
         """The pass costs timed for this batch size at these requests' context (warm_up)."""
         context = _typical_context(requests)
         cost = self.cost.get(slots)
@@ -430,7 +432,7 @@ def _drafts(drafter, target) -> Optional[str]:
     return tree.mode() if target.trees else "chain"
 
 
-def _typical_context(requests: Sequence[Request]) -> int:
+def _typical_context(requests: Sequence[EncodedRequest]) -> int:
     """Tokens a row of these requests holds halfway through: the median prompt and half the
     median budget (0 for none)."""
     if not requests:
@@ -440,7 +442,7 @@ def _typical_context(requests: Sequence[Request]) -> int:
     return prompts[len(prompts) // 2] + budgets[len(budgets) // 2] // 2
 
 
-def _samples(first: Request, n: int, item: str = "") -> List[Request]:
+def _samples(first: EncodedRequest, n: int, item: str = "") -> List[EncodedRequest]:
     """``first`` and its n - 1 siblings: the same prompt, sample k seeded ``sample_seed(seed, k, item)``."""
     return [
         dataclasses.replace(first, seed=sample_seed(first.seed, k, item), index=first.index + k, sample=k)
