@@ -112,3 +112,8 @@ def fresh_verdicts(monkeypatch):
     selfcheck.reset()
     yield
     selfcheck.reset()
+
+
+@pytest.fixture(scope="session")
+def qwen3_b8(model_dir):
+    return make_drafter(model_dir, "d-qwen3-8", synthetic.tiny_qwen3_config(), block_size=8)

@@ -62,3 +62,43 @@ def _mlx_model(folder):
     if folder not in _MODELS:
         _MODELS[folder] = mlx_load(str(folder))
     return _MODELS[folder]
+
+
+# Very different lengths: 2 to about 400 tokens (and one over a 256-token prefill chunk below).
+PROMPTS_B = PROMPTS + ["Tell me everything about the number seven. " * 40, "x"]
+MAX_TOKENS = [7, 40, 23, 64, 1, 33, 50, 17, 45]
+P_WRONG = [0.0, 0.1, 0.3, 0.7, 0.5, 0.2, 1.0, 0.05, 0.4]  # every acceptance length in some row
+
+
+def scripted_batch(target, drafter, monkeypatch, prompts=PROMPTS_B[:5], max_tokens=30, **kw):
+    """An engine (``kw``: its options), ``prompts`` (default five of very different lengths), their
+    greedy outputs of ``max_tokens`` (one budget, or one per prompt) and the scripted drafts: row n's
+    are wrong with probability P_WRONG[n] (every acceptance length in some row). Returns (engine,
+    script, prompt ids, greedy outputs)."""
+    from dflash_batch.engine import load_engine
+    from tests.scripting import ScriptedDrafts
+
+    engine = load_engine(str(target), str(drafter), prefill_chunk=256, **kw)
+    script = ScriptedDrafts(monkeypatch)
+    ids = [engine.encode(p) for p in prompts]
+    budgets = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(ids)
+    refs = [greedy_reference(target, i, n, engine.tokenizer.eos_token_ids) for i, n in zip(ids, budgets)]
+    for n, (i, ref) in enumerate(zip(ids, refs)):
+        script(i + ref + [0] * 16, p_wrong=P_WRONG[n], seed=n)
+    return engine, script, ids, refs
+
+
+def gated_delta_inputs(T=16, Hk=2, Hv=4, Dk=32, Dv=32, dtype=None, seed=0):
+    """Seeded inputs of a GatedDeltaNet recurrence: q, k, v, g, beta and a start state."""
+    import mlx.core as mx
+
+    dtype = dtype or mx.float32
+    mx.random.seed(seed)
+    q = mx.random.normal((1, T, Hk, Dk)) * Dk**-0.5
+    k = mx.random.normal((1, T, Hk, Dk))
+    k = k / mx.linalg.norm(k, axis=-1, keepdims=True)
+    v = mx.random.normal((1, T, Hv, Dv))
+    g = mx.random.uniform(0.5, 1.0, (1, T, Hv))
+    beta = mx.sigmoid(mx.random.normal((1, T, Hv)))
+    state = mx.random.normal((1, Hv, Dv, Dk)) * 0.5
+    return (*(x.astype(dtype) for x in (q, k, v)), g, beta.astype(dtype), state)

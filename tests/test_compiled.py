@@ -7,12 +7,11 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from dflash_batch.engine.ops import compiled
 from dflash_batch.engine import decode, load_engine, routing
+from dflash_batch.engine.ops import compiled
 from dflash_batch.engine.ops.batch_cache import Lengths
 from tests import synthetic
-from tests.helpers import make_drafter
-from tests.test_batched import MAX_TOKENS, PROMPTS_B, scripted_batch
+from tests.helpers import MAX_TOKENS, PROMPTS_B, make_drafter, scripted_batch
 
 
 @pytest.fixture

@@ -19,11 +19,11 @@ import mlx.core as mx
 import pytest
 
 from dflash_batch.engine.ops import attention as routing
+from dflash_batch.engine.ops import device
 from dflash_batch.engine.ops.kernels import attention as ka
 from dflash_batch.engine.ops.kernels import gated_delta as gd
 from dflash_batch.engine.ops.kernels import selfcheck
-from dflash_batch.engine.ops import device
-from tests.test_hybrid import inputs as hybrid_inputs
+from tests.helpers import gated_delta_inputs as hybrid_inputs
 
 
 pytestmark = pytest.mark.usefixtures("fresh_verdicts")

@@ -12,12 +12,11 @@ import numpy as np
 import pytest
 
 from dflash_batch.engine import decode, load_engine, routing, tree
+from dflash_batch.engine.models.target import Target
 from dflash_batch.engine.ops.batch_cache import Lengths
 from dflash_batch.engine.scheduler import CostModel, Scheduler
-from dflash_batch.engine.models.target import Target
+from tests.helpers import MAX_TOKENS, PROMPTS_B, P_WRONG, greedy_reference, scripted_batch
 from tests.scripting import ScriptedDrafts
-from tests.helpers import greedy_reference
-from tests.test_batched import MAX_TOKENS, P_WRONG, PROMPTS_B, qwen3_b8, scripted_batch  # noqa: F401 (fixture)
 
 PROMPT = [5, 17, 3, 88, 41, 9, 23, 60, 2, 71, 14]
 
