@@ -24,11 +24,11 @@ from contextlib import contextmanager
 import dflash_batch.engine  # noqa: F401  (preloads a fast CPU BLAS before mlx.core)
 import mlx.core as mx
 
-from dflash_batch.engine.ops import compiled, matmul
 from dflash_batch.engine import load_engine, routing
-from dflash_batch.engine.models import loading
 from dflash_batch.engine.batch import BatchDecoder
 from dflash_batch.engine.engine import _pick_dtype
+from dflash_batch.engine.models import loading
+from dflash_batch.engine.ops import compiled, matmul
 from dflash_batch.engine.scheduler import CostModel
 
 from .default_pair import command_line, held_out_options, held_out_prompts, run_engine, run_mlx_lm, write_result

@@ -26,9 +26,9 @@ import mlx.core as mx
 from mlx_lm.models.activations import swiglu as mlx_lm_swiglu
 
 from dflash_batch.engine import decode, load_engine, routing
+from dflash_batch.engine.engine import _pick_dtype
 from dflash_batch.engine.models import loading
 from dflash_batch.engine.ops.batch_cache import Lengths
-from dflash_batch.engine.engine import _pick_dtype
 from dflash_batch.engine.ops.kernels import cpu
 
 from .default_pair import command_line, write_result

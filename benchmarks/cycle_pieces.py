@@ -36,10 +36,10 @@ import dflash_batch.engine  # noqa: F401  (BLAS preload before mlx on Linux CPU)
 import mlx.core as mx
 
 from dflash_batch.engine import decode, load_engine
-from dflash_batch.engine.models import loading
-from dflash_batch.engine.models import target as target_module
 from dflash_batch.engine.batch import BatchDecoder
 from dflash_batch.engine.engine import _pick_dtype
+from dflash_batch.engine.models import loading
+from dflash_batch.engine.models import target as target_module
 
 from .cycle_host import patched
 from .default_pair import command_line, held_out_prompts, run_engine, run_mlx_lm, write_result

@@ -30,8 +30,8 @@ import dflash_batch.engine  # noqa: F401  (preloads a fast CPU BLAS before mlx.c
 import mlx.core as mx
 
 from dflash_batch.engine import Engine, load_engine
-from dflash_batch.engine.models import loading
 from dflash_batch.engine.engine import _pick_dtype
+from dflash_batch.engine.models import loading
 
 ROOT = Path(__file__).resolve().parent.parent
 

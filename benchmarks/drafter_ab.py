@@ -29,8 +29,8 @@ import mlx.core as mx
 
 from benchmarks.gpu_attention import dflash_rate, mlx_lm_ar_rate, timed
 from dflash_batch.engine import decode, load_engine
-from dflash_batch.engine.ops.batch_cache import Lengths
 from dflash_batch.engine.models import drafter as current
+from dflash_batch.engine.ops.batch_cache import Lengths
 
 
 def load_old(path: str):

@@ -65,8 +65,8 @@ import time
 import dflash_batch.engine  # noqa: F401  (preloads a fast CPU BLAS before mlx.core)
 import mlx.core as mx
 
-from dflash_batch.engine.ops import attention, compiled, matmul
 from dflash_batch.engine import load_engine, warmup
+from dflash_batch.engine.ops import attention, compiled, matmul
 from dflash_batch.engine.ops.kernels import attention as block
 
 from .default_pair import command_line, write_result

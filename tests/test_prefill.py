@@ -10,8 +10,8 @@ import mlx.core as mx
 import pytest
 
 from dflash_batch.completion import GenerationError
-from dflash_batch.engine.models import hybrid
 from dflash_batch.engine import load_engine, prefill
+from dflash_batch.engine.models import hybrid
 from dflash_batch.request import sample_seed
 from tests import synthetic
 from tests.helpers import greedy_reference

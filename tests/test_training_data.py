@@ -20,8 +20,8 @@ from dflash_batch.engine.models import loading
 from dflash_batch.training import cli, corpus, store as store_mod
 from dflash_batch.training import generate as gen
 from dflash_batch.training.store import AnswerStore, prompt_key
-from tests import synthetic
 from dflash_batch.training.trainer import TrainConfig, all_prompts, answer_samples, chat_pieces, prompt_order
+from tests import synthetic
 
 ROOT = Path(__file__).resolve().parent.parent
 

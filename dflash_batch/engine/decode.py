@@ -25,9 +25,9 @@ from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
+from .models.target import Target
 from .ops.batch_cache import Lengths
 from .ops.kernels import cpu
-from .models.target import Target
 
 
 @dataclass

@@ -17,8 +17,8 @@ import mlx.nn as nn
 
 from ..completion import GenerationError
 from ..errors import SettingError
-from .ops.batch_cache import Lengths, RaggedKVCache, round_up
 from .ops import device
+from .ops.batch_cache import Lengths, RaggedKVCache, round_up
 
 USABLE = 0.8  # of free memory, for caches and the passes' temporaries
 ENV_LIMIT = "DFLASH_BATCH_MEMORY_GB"  # overrides the device's own figure (e.g. to share a GPU)

@@ -38,9 +38,9 @@ import mlx.core as mx
 from . import decode
 from .models import hybrid
 from .ops import attention, compiled
-from .ops.batch_cache import Lengths, round_up
 from .ops import device
-from .scheduler import PROBE_WIDTH, CostModel, Scheduler
+from .ops.batch_cache import Lengths, round_up
+from .scheduler import CostModel, PROBE_WIDTH, Scheduler
 
 SHORT_CONTEXT = 64  # tokens per row when the job's context is not known
 CHEAP_PASS = 0.02  # seconds: a CPU pass this quick is timed as on a GPU (repeating it costs nothing)

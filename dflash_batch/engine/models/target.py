@@ -15,8 +15,8 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from ..ops import compiled, matmul, rope
-from . import hybrid
 from ..ops.batch_cache import Lengths, RaggedKVCache
+from . import hybrid
 
 
 class _Tap(nn.Module):

@@ -42,10 +42,10 @@ from mlx_lm.models import base as mlx_lm_base
 from mlx_lm.models.base import create_causal_mask
 
 from . import switch
+from . import device
 from .batch_cache import RaggedKVCache
 from .kernels import attention as block
 from .kernels import cpu
-from . import device
 
 MODES = ("stock", "kernel", "reference")
 RAGGED_ROUTES = ("block", "sdpa")

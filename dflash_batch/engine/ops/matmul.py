@@ -32,8 +32,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import switch
-from .kernels import matmul as kernel
 from . import device
+from .kernels import matmul as kernel
 
 MODES = ("stock", "kernel")
 ENV = "DFLASH_BATCH_MATMUL"
