@@ -14,7 +14,8 @@ def make_drafter(model_dir: Path, name: str, target_config: dict, **kw) -> Path:
 
     folder = model_dir / name
     if not folder.exists():
-        synthetic.save_drafter(folder, synthetic.drafter_config(target_config, **kw), seed=kw.get("layers", 2) + 7)
+        config = synthetic.drafter_config(target_config, **kw)
+        synthetic.save_drafter(folder, config, seed=kw.get("layers", 2) + 7)
     return folder
 
 
@@ -34,7 +35,8 @@ PROMPTS = [
     "def add(a, b):\n    return a + b\n# now multiply",
     "12 * 7 = ? Explain step by step.",
     "How are you today? " * 20,
-    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "List three colors."}],
+    [{"role": "system", "content": "You are terse."},
+     {"role": "user", "content": "List three colors."}],
 ]
 
 
@@ -71,10 +73,10 @@ P_WRONG = [0.0, 0.1, 0.3, 0.7, 0.5, 0.2, 1.0, 0.05, 0.4]  # every acceptance len
 
 
 def scripted_batch(target, drafter, monkeypatch, prompts=PROMPTS_B[:5], max_tokens=30, **kw):
-    """An engine (``kw``: its options), ``prompts`` (default five of very different lengths), their
-    greedy outputs of ``max_tokens`` (one budget, or one per prompt) and the scripted drafts: row n's
-    are wrong with probability P_WRONG[n] (every acceptance length in some row). Returns (engine,
-    script, prompt ids, greedy outputs)."""
+    """An engine (``kw``: its options), ``prompts`` (default five of very different lengths),
+    their greedy outputs of ``max_tokens`` (one budget, or one per prompt) and the scripted
+    drafts: row n's are wrong with probability P_WRONG[n] (every acceptance length in some row).
+    Returns (engine, script, prompt ids, greedy outputs)."""
     from dflash_batch.engine import load_engine
     from tests.scripting import ScriptedDrafts
 
@@ -82,7 +84,8 @@ def scripted_batch(target, drafter, monkeypatch, prompts=PROMPTS_B[:5], max_toke
     script = ScriptedDrafts(monkeypatch)
     ids = [engine.encode(p) for p in prompts]
     budgets = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(ids)
-    refs = [greedy_reference(target, i, n, engine.tokenizer.eos_token_ids) for i, n in zip(ids, budgets)]
+    eos = engine.tokenizer.eos_token_ids
+    refs = [greedy_reference(target, i, n, eos) for i, n in zip(ids, budgets)]
     for n, (i, ref) in enumerate(zip(ids, refs)):
         script(i + ref + [0] * 16, p_wrong=P_WRONG[n], seed=n)
     return engine, script, ids, refs
@@ -102,3 +105,47 @@ def gated_delta_inputs(T=16, Hk=2, Hv=4, Dk=32, Dv=32, dtype=None, seed=0):
     beta = mx.sigmoid(mx.random.normal((1, T, Hv)))
     state = mx.random.normal((1, Hv, Dv, Dk)) * 0.5
     return (*(x.astype(dtype) for x in (q, k, v)), g, beta.astype(dtype), state)
+
+
+TREE_PROMPT = [5, 17, 3, 88, 41, 9, 23, 60, 2, 71, 14]
+
+
+def prefilled(target, prompt, rows: int = 1):
+    """A cache of ``rows`` rows, row b prefilled with the prompt less its last b tokens."""
+    from dflash_batch.engine import decode
+    from dflash_batch.engine.ops.batch_cache import Lengths
+
+    lengths = Lengths([0] * rows)
+    cache = target.make_cache(lengths)
+    for b in range(rows):
+        alone = Lengths([0])
+        one = target.make_cache(alone)
+        decode.prefill(target, prompt[: len(prompt) - b], one, alone, 256)
+        for big, small in zip(cache, one):
+            big.put_row(b, small.row_state(0, alone.host[0]), rows)
+    lengths.set([len(prompt) - b for b in range(rows)])
+    return cache, lengths
+
+
+def tree_pass(target, cache, lengths, trees, run=None):
+    """A verify pass of ``trees`` over the cache: (logits, hidden)."""
+    tokens, depth, ancestors = trees.device()
+    lengths.tree = (depth, ancestors)
+    try:
+        logits, hidden = (run or target.verify)(tokens, cache)
+    finally:
+        lengths.tree = None
+    return logits, hidden
+
+
+def branchy_trees():
+    """Two rows of seven nodes: a branching tree and a chain."""
+    from dflash_batch.engine import tree
+
+    return tree.Trees(
+        # row 0: root -> 31 -> (44 -> 45, 46); root -> 32 -> 47.
+        # row 1: a chain 50 -> 51 -> 52 -> 53 -> 54 -> 55
+        [[60, 31, 32, 44, 47, 45, 46], [61, 50, 51, 52, 53, 54, 55]],
+        [[-1, 0, 0, 1, 2, 3, 3], [-1, 0, 1, 2, 3, 4, 5]],
+        [[0, 1, 1, 2, 2, 3, 3], [0, 1, 2, 3, 4, 5, 6]],
+    )

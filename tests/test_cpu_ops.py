@@ -194,16 +194,16 @@ def _passes(engine, cpu_ops: str):
     drafter pass, all under one mode of the CPU ops: their outputs."""
     from dflash_batch.engine import decode, tree
     from dflash_batch.engine.ops.batch_cache import Lengths
-    from tests.test_tree import BRANCHY, PROMPT, _prefilled, _tree_pass
+    from tests.helpers import TREE_PROMPT, branchy_trees, prefilled, tree_pass
 
     target, out = engine.target, []
     with routing.modes(cpu_ops=cpu_ops):
-        cache, lengths = _prefilled(target, PROMPT)
+        cache, lengths = prefilled(target, TREE_PROMPT)
         out += list(target.verify(mx.array([list(range(40, 56))]), cache))
-        cache, lengths = _prefilled(target, PROMPT, 2)
+        cache, lengths = prefilled(target, TREE_PROMPT, 2)
         out += list(target.verify(mx.array([list(range(40, 45)), list(range(50, 55))]), cache))
-        cache, lengths = _prefilled(target, PROMPT, 2)
-        out += list(_tree_pass(target, cache, lengths, BRANCHY))
+        cache, lengths = prefilled(target, TREE_PROMPT, 2)
+        out += list(tree_pass(target, cache, lengths, branchy_trees()))
         hidden = out[1]
         drafter = engine.drafter
         dcache = drafter.make_cache(Lengths([0]))
