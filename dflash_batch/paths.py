@@ -13,7 +13,8 @@ CACHE_ENV = "DFLASH_BATCH_CACHE"
 
 
 def home_dir() -> Path:
-    """``$DFLASH_BATCH_HOME``, else the user's data dir (XDG on Linux, Application Support on macOS)."""
+    """``$DFLASH_BATCH_HOME``, else the user's data dir (XDG on Linux, Application Support on
+    macOS)."""
     env = os.environ.get(HOME_ENV)
     if env:
         return Path(env).expanduser().resolve()

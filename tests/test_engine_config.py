@@ -15,7 +15,8 @@ from dflash_batch.engine.engine import Engine
 from tests.runner_fixtures import REPO
 
 
-@pytest.mark.parametrize("field, value", [("prefill_chunk", 0), ("prefill_tokens", 0), ("prefix_cache_mb", -1)])
+@pytest.mark.parametrize("field, value",
+                         [("prefill_chunk", 0), ("prefill_tokens", 0), ("prefix_cache_mb", -1)])
 def test_a_bad_setting_is_refused_naming_it_before_any_model_loads(tmp_path, field, value):
     with pytest.raises(ValueError, match=field):
         EngineConfig(**{field: value})
@@ -37,7 +38,8 @@ def test_the_config_is_slotted_and_lists_the_engine_settings():
 
 
 def test_load_engine_passes_its_settings_down(tiny_pair):
-    engine = load_engine(*map(str, tiny_pair), prefill_chunk=7, prefill_tokens=30, prefix_cache_mb=0)
+    engine = load_engine(*map(str, tiny_pair), prefill_chunk=7, prefill_tokens=30,
+                         prefix_cache_mb=0)
     assert isinstance(engine.settings, EngineConfig) and engine.settings.prefill_chunk == 7
     assert (engine.prefill_chunk, engine.prefill_tokens, engine.prefixes) == (7, 30, None)
     with pytest.raises(TypeError, match="not both"):

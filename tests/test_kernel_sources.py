@@ -26,7 +26,8 @@ def kernel_files():
 
 def test_every_kernel_source_file_ships_as_package_data():
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
-    patterns = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    patterns = setuptools["package-data"]
     files = kernel_files()
     assert len(files) >= 15
     for path in files:
@@ -58,7 +59,8 @@ def test_no_kernel_source_is_held_in_a_python_string():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Constant) and isinstance(node.value, str):
                 text = node.value
-                assert not (text.count("\n") > 3 and text.count(";") > 3 and "{" in text), (path, node.lineno)
+                reads_as_c = text.count("\n") > 3 and text.count(";") > 3 and "{" in text
+                assert not reads_as_c, (path, node.lineno)
 
 
 def test_the_fused_cuda_core_reduction_is_gone():
@@ -66,5 +68,5 @@ def test_the_fused_cuda_core_reduction_is_gone():
     assert not hasattr(ka, "FUSE_REDUCTION")
     assert "DFLASH_FUSED" not in ka.CUDA_PASS1 + ka.METAL_PASS1
     assert "ATOMIC_ADD(counters" in ka.CUDA_MMA
-    assert set(ka.KERNELS) == {("cuda", "mma"), ("cuda", "pass1"), ("cuda", "pass2"), ("metal", "pass1"),
-                               ("metal", "pass2")}
+    assert set(ka.KERNELS) == {("cuda", "mma"), ("cuda", "pass1"), ("cuda", "pass2"),
+                               ("metal", "pass1"), ("metal", "pass2")}

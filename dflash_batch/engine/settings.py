@@ -47,11 +47,12 @@ def variables() -> Tuple[Variable, ...]:
     """Every engine variable: the routing switches, then the rest."""
     return (*map(_routing, switch.Switch.made),
             Variable(selfcheck.ENV, "1", "0 skips the GPU kernels' self-check", selfcheck.enabled),
-            Variable(memory.ENV_LIMIT, "the device's memory", "gigabytes the engine may use", _memory),
-            Variable(CACHE_ENV, "the platform's cache folder", "where converted models and built ops live",
-                     _cache),
-            Variable(BLAS_ENV, "a system OpenBLAS", "a CBLAS .so preloaded for MLX's CPU backend, or none",
-                     lambda: None))
+            Variable(memory.ENV_LIMIT, "the device's memory", "gigabytes the engine may use",
+                     _memory),
+            Variable(CACHE_ENV, "the platform's cache folder",
+                     "where converted models and built ops live", _cache),
+            Variable(BLAS_ENV, "a system OpenBLAS",
+                     "a CBLAS .so preloaded for MLX's CPU backend, or none", lambda: None))
 
 
 def check() -> None:
