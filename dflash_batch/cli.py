@@ -222,6 +222,10 @@ def build_parser() -> argparse.ArgumentParser:
                        "--draft auto.")  # fmt: skip
     p.add_argument("--json", action="store_true")
 
+    from .server.command import add_parser as add_serve_parser  # its flags only: no server yet
+
+    add_serve_parser(sub)
+
     for p in sub.choices.values():  # after the command too: `run x.jsonl --home DIR`
         _common(p, argparse.SUPPRESS)  # not given there: the value before the command stands
     sub.add_parser("train-drafter", help="train a DFlash drafter (see `dflash-batch train-drafter --help`)", add_help=False)
@@ -308,7 +312,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return _fail("interrupted (finished items are saved; rerun to resume)", EXIT_INTERRUPTED)
 
 
-WRITING_COMMANDS = ("submit", "run", "worker", "cancel", "retry", "unschedule")
+WRITING_COMMANDS = ("submit", "run", "worker", "cancel", "retry", "unschedule", "serve")
 
 
 def _check_setup(args) -> None:
@@ -685,6 +689,12 @@ def cmd_drafters(args) -> int:
     return EXIT_OK
 
 
+def cmd_serve(args) -> int:
+    from .server.command import run
+
+    return run(args)
+
+
 def _train_drafter(argv: List[str]) -> int:
     try:
         from .training.cli import main as train_main
@@ -711,6 +721,7 @@ COMMANDS = {
     "drafters": cmd_drafters,
     "rm": cmd_rm,
     "prune": cmd_prune,
+    "serve": cmd_serve,
 }
 
 
