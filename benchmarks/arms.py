@@ -104,7 +104,7 @@ def stock_ops():
 def attention_mode() -> str:
     """The engine's attention routing for multi-row passes ("stock", "kernel", ...)."""
     try:
-        from dflash_batch.engine import attention
+        from dflash_batch.engine.ops import attention
     except ImportError:
         return "stock"
     return attention.mode()
@@ -237,7 +237,7 @@ def cycle_breakdown(engine, prompt: List[int], keep: int, cycles: int = 12) -> D
     """Median milliseconds of one DFlash cycle's parts, each synchronised on its own:
     draft (embed + drafter + LM head + argmax), verify (target pass over B rows), rollback
     (keep ``keep`` of the B rows, so the KV length grows like in a real loop)."""
-    from dflash_batch.engine.batch_cache import Lengths
+    from dflash_batch.engine.ops.batch_cache import Lengths
     from dflash_batch.engine.decode import draft_block, prefill
 
     target, drafter, B = engine.target, engine.drafter, engine.block_size

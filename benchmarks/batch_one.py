@@ -24,9 +24,11 @@ from contextlib import contextmanager
 import dflash_batch.engine  # noqa: F401  (preloads a fast CPU BLAS before mlx.core)
 import mlx.core as mx
 
-from dflash_batch.engine import compiled, load_engine, loading, matmul, routing
+from dflash_batch.engine import load_engine, routing
 from dflash_batch.engine.batch import BatchDecoder
 from dflash_batch.engine.engine import _pick_dtype
+from dflash_batch.engine.models import loading
+from dflash_batch.engine.ops import compiled, matmul
 from dflash_batch.engine.scheduler import CostModel
 
 from .default_pair import command_line, held_out_options, held_out_prompts, run_engine, run_mlx_lm, write_result
@@ -97,11 +99,11 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--matmul-ab", action="store_true",
                     help="also the adaptive engine and the whole block with few-row products the other way than "
-                         "the default (engine/matmul.py: the kernel on CUDA, MLX's matmul elsewhere), each an "
+                         "the default (engine/ops/matmul.py: the kernel on CUDA, MLX's matmul elsewhere), each an "
                          "engine of its own, named adaptive_<mode>_matmul, whole_block_<mode>_matmul and "
                          "no_draft_<mode>_matmul")
     ap.add_argument("--passes-ab", action="store_true",
-                    help="likewise with decoding passes the other way than the default (engine/compiled.py: "
+                    help="likewise with decoding passes the other way than the default (engine/ops/compiled.py: "
                          "compiled on CUDA, eager elsewhere): adaptive_<mode>_passes, ...")
     args = ap.parse_args(argv)
 
@@ -110,7 +112,7 @@ def main(argv=None) -> int:
     plain = load_engine(args.target, None)
     folder = adaptive.description["target"]
     if args.target is None:
-        from dflash_batch.engine.default_model import ensure_default_pair
+        from dflash_batch.engine.models.default_model import ensure_default_pair
 
         folder = ensure_default_pair()[0]
     ref, tokenizer, _ = loading.load_target(folder, None, _pick_dtype("auto"))

@@ -283,8 +283,9 @@ def profile(shape: str, batches: List[int], context: int, widths=(1, 4, 8, 16)) 
     """Milliseconds of the passes of one cycle (engine/warmup.py's timing: a batch whose rows hold
     about ``context`` tokens, fastest of three after a compiling call): target verify passes of
     each width and the drafter pass, at each batch size, through each ragged attention route
-    (engine/attention.py); then what the engine's own warm-up chose and fitted at each B."""
-    from dflash_batch.engine import Engine, attention, warmup
+    (engine/ops/attention.py); then what the engine's own warm-up chose and fitted at each B."""
+    from dflash_batch.engine import Engine, warmup
+    from dflash_batch.engine.ops import attention
 
     gpu = mx.default_device() == mx.gpu
     setup = arms.build_setup(shape, mx.bfloat16 if gpu else mx.float32, with_ar_draft=False)

@@ -1,4 +1,4 @@
-"""The CPU ops (engine/kernels/cpu.py) against MLX's own, in one process: ``python -m benchmarks.cpu_ops``.
+"""The CPU ops (engine/ops/kernels/cpu.py) against MLX's own, in one process: ``python -m benchmarks.cpu_ops``.
 
 Three measures, each the median of ``--reps`` runs after a warm-up, the two arms alternating
 (the verify passes fill the same cache columns each time: what they hold does not change the cost):
@@ -25,10 +25,11 @@ import dflash_batch.engine  # noqa: F401  (BLAS preload before mlx on Linux CPU)
 import mlx.core as mx
 from mlx_lm.models.activations import swiglu as mlx_lm_swiglu
 
-from dflash_batch.engine import decode, load_engine, loading, routing
-from dflash_batch.engine.batch_cache import Lengths
+from dflash_batch.engine import decode, load_engine, routing
 from dflash_batch.engine.engine import _pick_dtype
-from dflash_batch.engine.kernels import cpu
+from dflash_batch.engine.models import loading
+from dflash_batch.engine.ops.batch_cache import Lengths
+from dflash_batch.engine.ops.kernels import cpu
 
 from .default_pair import command_line, write_result
 
@@ -84,7 +85,7 @@ def main(argv=None) -> dict:
     if args.target:
         folder = args.target
     else:
-        from dflash_batch.engine.default_model import ensure_default_pair
+        from dflash_batch.engine.models.default_model import ensure_default_pair
 
         folder = ensure_default_pair()[0]
     engine = load_engine(folder, draft=None, prefill_chunk=args.prefill_chunk)

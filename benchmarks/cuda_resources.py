@@ -19,7 +19,7 @@ import tempfile
 import dflash_batch.engine  # noqa: F401  (preloads a fast BLAS before mlx on Linux CPU)
 import mlx.core as mx
 
-from dflash_batch.engine.kernels import attention as ka
+from dflash_batch.engine.ops.kernels import attention as ka
 
 
 def captured_source(call) -> str:

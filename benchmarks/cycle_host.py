@@ -61,8 +61,10 @@ from typing import Callable, Dict, List
 import dflash_batch.engine  # noqa: F401  (BLAS preload before mlx on Linux CPU)
 import mlx.core as mx
 
-from dflash_batch.engine import Engine, batch, batch_cache, decode, output, scheduler, target, tree
+from dflash_batch.engine import Engine, batch, decode, output, scheduler, tree
 from dflash_batch.engine.batch import BatchDecoder
+from dflash_batch.engine.models import target
+from dflash_batch.engine.ops import batch_cache
 
 from . import arms
 from .scripted import AcceptanceScript, ScriptedDrafter, head_rows_of
@@ -187,7 +189,8 @@ def build(shape: str, acceptance: str):
     return engine, zeroed, setup.vocab_size
 
 
-def job(engine: Engine, rows: int, max_tokens: int, vocab: int, stop: List[str]) -> List[batch.Request]:
+def job(engine: Engine, rows: int, max_tokens: int, vocab: int,
+        stop: List[str]) -> List[batch.EncodedRequest]:
     return [engine.request([(7 * i + j) % (vocab - 2) + 1 for j in range(16 + i % 8)], max_tokens=max_tokens,
                            stop=stop or None, index=i) for i in range(rows)]  # fmt: skip
 

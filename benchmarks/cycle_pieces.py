@@ -35,10 +35,11 @@ from typing import Dict, List
 import dflash_batch.engine  # noqa: F401  (BLAS preload before mlx on Linux CPU)
 import mlx.core as mx
 
-from dflash_batch.engine import decode, load_engine, loading
-from dflash_batch.engine import target as target_module
+from dflash_batch.engine import decode, load_engine
 from dflash_batch.engine.batch import BatchDecoder
 from dflash_batch.engine.engine import _pick_dtype
+from dflash_batch.engine.models import loading
+from dflash_batch.engine.models import target as target_module
 
 from .cycle_host import patched
 from .default_pair import command_line, held_out_prompts, run_engine, run_mlx_lm, write_result
@@ -92,7 +93,7 @@ def main(argv=None) -> dict:
         raise SystemExit("needs a drafter")
     target_folder = engine.description["target"]
     if args.target is None:
-        from dflash_batch.engine.default_model import ensure_default_pair
+        from dflash_batch.engine.models.default_model import ensure_default_pair
 
         target_folder = ensure_default_pair()[0]
     model, tokenizer, _ = loading.load_target(target_folder, None, _pick_dtype(args.dtype))

@@ -29,8 +29,9 @@ from pathlib import Path
 import dflash_batch.engine  # noqa: F401  (preloads a fast CPU BLAS before mlx.core)
 import mlx.core as mx
 
-from dflash_batch.engine import Engine, load_engine, loading
+from dflash_batch.engine import Engine, load_engine
 from dflash_batch.engine.engine import _pick_dtype
+from dflash_batch.engine.models import loading
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -141,7 +142,7 @@ def main(argv=None) -> int:
     engine = load_engine(args.target, args.draft or "auto", dtype=args.dtype)
     target_folder = engine.description["target"]
     if args.target is None:
-        from dflash_batch.engine.default_model import ensure_default_pair
+        from dflash_batch.engine.models.default_model import ensure_default_pair
 
         target_folder = ensure_default_pair()[0]
     ref_model, tokenizer, _ = loading.load_target(target_folder, None, _pick_dtype(args.dtype))

@@ -27,8 +27,9 @@ import mlx.core as mx
 
 from benchmarks.arms import stock_ops
 from benchmarks.default_pair import held_out_prompts
-from dflash_batch.engine import load_engine, loading
-from dflash_batch.engine.default_model import ensure_default_pair
+from dflash_batch.engine import load_engine
+from dflash_batch.engine.models import loading
+from dflash_batch.engine.models.default_model import ensure_default_pair
 
 
 def first_difference(a, b):

@@ -31,8 +31,9 @@ import dflash_batch.engine  # noqa: F401  (BLAS preload before mlx)
 import mlx.core as mx
 
 from benchmarks.default_pair import command_line, held_out_options, held_out_prompts, run_engine, write_result
-from dflash_batch.engine import load_engine, loading
-from dflash_batch.engine.default_model import ensure_default_pair
+from dflash_batch.engine import load_engine
+from dflash_batch.engine.models import loading
+from dflash_batch.engine.models.default_model import ensure_default_pair
 from dflash_batch.training import export
 from dflash_batch.training.sweep import decode_rows
 from dflash_batch.training.trainer import TrainConfig, answer_samples

@@ -1,7 +1,7 @@
-"""A/B of the drafter's attention in one process: the current ``engine/drafter.py`` against an
+"""A/B of the drafter's attention in one process: the current ``engine/models/drafter.py`` against an
 older copy of that file (its ``Attention.__call__`` swapped in at run time, same weights).
 
-    git show <commit>:dflash_batch/engine/drafter.py > /tmp/drafter_old.py
+    git show <commit>:dflash_batch/engine/models/drafter.py > /tmp/drafter_old.py
     python -m benchmarks.drafter_ab --old /tmp/drafter_old.py --cycles      # GPU: Qwen3-4B shapes, bf16
     python -m benchmarks.drafter_ab --old /tmp/drafter_old.py --default-pair --new-rows 3 --outputs   # CPU
 
@@ -29,8 +29,8 @@ import mlx.core as mx
 
 from benchmarks.gpu_attention import dflash_rate, mlx_lm_ar_rate, timed
 from dflash_batch.engine import decode, load_engine
-from dflash_batch.engine.batch_cache import Lengths
-from dflash_batch.engine import drafter as current
+from dflash_batch.engine.models import drafter as current
+from dflash_batch.engine.ops.batch_cache import Lengths
 
 
 def load_old(path: str):
@@ -59,7 +59,7 @@ def primitives(drafter, target, last, ctx, cache) -> int:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--old", required=True, help="an older engine/drafter.py")
+    ap.add_argument("--old", required=True, help="an older engine/models/drafter.py")
     ap.add_argument("--default-pair", action="store_true", help="the embedded SmolLM2 pair (else a benchmarks.shapes shape)")
     ap.add_argument("--shape", default="qwen3-4b")
     ap.add_argument("--context", type=int, default=2048)
@@ -78,8 +78,8 @@ def main(argv=None):
         prompt = engine.tokenizer.encode(text)[: args.context]
     else:
         from benchmarks.shapes import SHAPES, build_drafter, build_target
-        from dflash_batch.engine import attention as routing
-        from dflash_batch.engine.target import Target
+        from dflash_batch.engine.ops import attention as routing
+        from dflash_batch.engine.models.target import Target
 
         shape = SHAPES[args.shape]
         dtype = mx.bfloat16 if mx.default_device() == mx.gpu else mx.float32

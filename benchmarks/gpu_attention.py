@@ -37,8 +37,8 @@ import dflash_batch.engine  # noqa: F401  (preloads a fast BLAS before mlx on Li
 import mlx.core as mx
 
 from benchmarks.shapes import SHAPES, build_drafter, build_target
-from dflash_batch.engine import attention as routing
-from dflash_batch.engine.kernels import attention as ka
+from dflash_batch.engine.ops import attention as routing
+from dflash_batch.engine.ops.kernels import attention as ka
 
 TOL = {"bfloat16": 1.6e-2, "float16": 2e-3, "float32": 2e-5}  # as in tests/test_attention.py
 DT = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
@@ -191,27 +191,27 @@ def prefill(model, cache, n, chunk=2048):
         mx.eval([c.state for c in cache])
 
 
-# Kernel variants timed side by side: (attention mode, USE_MMA, MMA_FUSED, FUSE_REDUCTION).
+# Kernel variants timed side by side: (attention mode, USE_MMA, MMA_FUSED).
 # "kernel" is what the engine runs by default on CUDA.
 VARIANTS = {
-    "kernel": ("kernel", True, True, False),  # tensor-core pass 1, reduction fused: one launch
-    "kernel_mma_pass2": ("kernel", True, False, False),  # tensor-core pass 1, pass 2 its own kernel
-    "kernel_cuda_cores": ("kernel", False, True, False),  # the CUDA-core kernel (v4) and its pass 2
-    "stock": ("stock", True, True, False),
+    "kernel": ("kernel", True, True),  # tensor-core pass 1, reduction fused: one launch
+    "kernel_mma_pass2": ("kernel", True, False),  # tensor-core pass 1, pass 2 its own kernel
+    "kernel_cuda_cores": ("kernel", False, True),  # the CUDA-core kernel (v4) and its pass 2
+    "stock": ("stock", True, True),
 }
 
 
 @contextmanager
 def variant(name):
-    mode, use_mma, mma_fused, fuse = VARIANTS[name]
-    saved = ka.USE_MMA, ka.MMA_FUSED, ka.FUSE_REDUCTION
+    mode, use_mma, mma_fused = VARIANTS[name]
+    saved = ka.USE_MMA, ka.MMA_FUSED
     routing.set_mode(mode)
-    ka.USE_MMA, ka.MMA_FUSED, ka.FUSE_REDUCTION = use_mma, mma_fused, fuse
+    ka.USE_MMA, ka.MMA_FUSED = use_mma, mma_fused
     try:
         yield
     finally:
         routing.set_mode(None)
-        ka.USE_MMA, ka.MMA_FUSED, ka.FUSE_REDUCTION = saved
+        ka.USE_MMA, ka.MMA_FUSED = saved
 
 
 def section_verify(model, context, pairs=60):
@@ -431,7 +431,7 @@ def greedy_cycles(target, drafter, prompt, max_tokens, block=16):
     """One sequence through the engine's cycle functions (greedy, whole blocks): yields the
     tokens each cycle commits, after the prefill's first one."""
     from dflash_batch.engine import decode
-    from dflash_batch.engine.batch_cache import Lengths
+    from dflash_batch.engine.ops.batch_cache import Lengths
 
     lengths, draft_lengths = Lengths([0]), Lengths([0])
     cache, dcache = target.make_cache(lengths), drafter.make_cache(draft_lengths)
@@ -480,7 +480,7 @@ def mlx_lm_ar_rate(model, prompt, max_tokens):
 
 def cycle_phases(target, drafter, prompt, cycles=20):
     """Per-phase ms of a cycle with syncs between phases (every block accepted)."""
-    from dflash_batch.engine.batch_cache import Lengths
+    from dflash_batch.engine.ops.batch_cache import Lengths
     from dflash_batch.engine.decode import draft_block, prefill as dprefill
 
     lengths, draft_lengths = Lengths([0]), Lengths([0])
@@ -517,7 +517,7 @@ def cycle_phases(target, drafter, prompt, cycles=20):
 def section_cycle(model, shape, context, rounds=5):
     """DFlash tok/s (every block accepted) for each kernel variant and mlx_lm AR tok/s, in
     interleaved rounds on the same prompt; ratios of medians."""
-    from dflash_batch.engine.target import Target
+    from dflash_batch.engine.models.target import Target
 
     drafter = build_drafter(shape.drafter, shape.target["hidden_size"], mx.bfloat16)
     model.model.embed_tokens.weight = mx.zeros_like(model.model.embed_tokens.weight)  # all logits 0

@@ -12,7 +12,7 @@ Run on a machine with ``mlx[cuda13]`` from the project root (PYTHONPATH=.):
    the same verify and decode with mlx-lm's stock GatedDeltaNet for comparison. Every timed pass
    starts from the same cache length, so attention's key length repeats from call to call.
 3. Unless --no-growing: cycles as the decode loop runs them (verify 16, keep 4, one decode step),
-   so the key length grows every call, with engine/attention.py's routing in "kernel" and
+   so the key length grows every call, with engine/ops/attention.py's routing in "kernel" and
    "stock" modes.
 
 Imports only mlx, mlx_lm and the engine modules it needs (not the package ``__init__``).
@@ -39,11 +39,11 @@ import mlx.core as mx  # noqa: E402
 from mlx_lm.models import qwen3_5  # noqa: E402
 from mlx_lm.models.gated_delta import gated_delta_ops  # noqa: E402
 
-from dflash_batch.engine import hybrid  # noqa: E402
-from dflash_batch.engine.kernels import gated_delta as gd  # noqa: E402
-from dflash_batch.engine.batch_cache import Lengths  # noqa: E402
-from dflash_batch.engine.kernels import selfcheck  # noqa: E402
-from dflash_batch.engine.target import Target  # noqa: E402
+from dflash_batch.engine.models import hybrid  # noqa: E402
+from dflash_batch.engine.ops.kernels import gated_delta as gd  # noqa: E402
+from dflash_batch.engine.ops.batch_cache import Lengths  # noqa: E402
+from dflash_batch.engine.ops.kernels import selfcheck  # noqa: E402
+from dflash_batch.engine.models.target import Target  # noqa: E402
 
 QWEN35_9B = {
     "model_type": "qwen3_5",
@@ -194,8 +194,8 @@ def set_stock(target, stock):
 def growing_cycles(target, cache, lengths, reset, one, block, iters):
     """Cycles as the DFlash loop runs them: verify 16, roll back to 4 kept rows, so the key length
     grows every call; one decode step per cycle at the same growing length for comparison. With the
-    GPU attention issue's routing (engine/attention.py) in each of its modes."""
-    from dflash_batch.engine import attention
+    GPU attention issue's routing (engine/ops/attention.py) in each of its modes."""
+    from dflash_batch.engine.ops import attention
 
     attention.install(target.model)
     gdn = [c for c in cache if isinstance(c, hybrid.TapeCache)]

@@ -12,7 +12,7 @@ import argparse
 import dflash_batch.engine  # noqa: F401  (preloads a fast BLAS before mlx on Linux CPU)
 import mlx.core as mx
 
-from dflash_batch.engine.kernels import attention as ka
+from dflash_batch.engine.ops.kernels import attention as ka
 
 H, Hk, D, Lq, L = 32, 8, 128, 16, 2048
 

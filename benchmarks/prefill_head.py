@@ -17,8 +17,8 @@ import time
 import dflash_batch.engine  # noqa: F401  (BLAS preload before mlx on Linux CPU)
 import mlx.core as mx
 
-from dflash_batch.engine.batch_cache import Lengths
-from dflash_batch.engine.target import Target
+from dflash_batch.engine.models.target import Target
+from dflash_batch.engine.ops.batch_cache import Lengths
 
 from . import arms
 

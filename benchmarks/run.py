@@ -126,7 +126,7 @@ def machine() -> Dict[str, Any]:
             chip = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
         except (OSError, StopIteration):
             pass
-    from dflash_batch.engine.backend import loaded_blas
+    from dflash_batch.engine.ops.blas import loaded_blas
 
     return {
         "backend": backend,

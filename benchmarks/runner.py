@@ -152,8 +152,9 @@ def main(argv=None) -> Dict[str, Any]:
     ap.add_argument("--out", help="write the results as JSON here")
     args = ap.parse_args(argv)
 
-    from dflash_batch.engine import load_engine, loading
-    from dflash_batch.engine.default_model import ensure_default_pair
+    from dflash_batch.engine import load_engine
+    from dflash_batch.engine.models import loading
+    from dflash_batch.engine.models.default_model import ensure_default_pair
     from dflash_batch.engine.engine import _pick_dtype
 
     engine = load_engine()  # the embedded default pair, fp32

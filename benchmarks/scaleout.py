@@ -75,7 +75,7 @@ def prepared(command: List[str]) -> Dict[str, str]:
 
 
 DEFAULT_PAIR = (
-    "import json; from dflash_batch.engine.default_model import ensure_default_pair; "
+    "import json; from dflash_batch.engine.models.default_model import ensure_default_pair; "
     "print(json.dumps({'target': str(ensure_default_pair()[0]), 'draft': 'auto'}))"
 )
 

@@ -210,7 +210,7 @@ def build_target(config: dict, dtype: mx.Dtype, seed: int = 0) -> nn.Module:
 
 def build_drafter(config: dict, target_hidden: int, dtype: mx.Dtype, seed: int = 1):
     """A DFlash drafter of ``config`` (the engine's own model class) with seeded random weights."""
-    from dflash_batch.engine.drafter import Model, ModelArgs
+    from dflash_batch.engine.models.drafter import Model, ModelArgs
 
     mx.random.seed(seed)
     model = Model(ModelArgs.from_config(config), target_hidden_size=target_hidden)

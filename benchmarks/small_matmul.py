@@ -10,7 +10,7 @@ time to build the product's graph (Python and MLX's op construction). The ways:
     gemv     the M rows as M products of one row each in one batched call: ``x`` viewed as
              [M, 1, K] with a batch stride MLX does not fold back into the rows, so that each
              batch stays a one-row product (MLX's CUDA gemv takes a batch)
-    kernel   the few-row kernel (``dflash_batch.engine.kernels.matmul``; CUDA only)
+    kernel   the few-row kernel (``dflash_batch.engine.ops.kernels.matmul``; CUDA only)
 
 ``max_abs_diff``: from the product computed on the CPU in fp32 (MLX's CUDA matmul of two or more
 rows rounds fp32 through TF32).
@@ -50,8 +50,8 @@ import sys
 import dflash_batch.engine  # noqa: F401  (preloads a fast CPU BLAS before mlx.core)
 import mlx.core as mx
 
-from dflash_batch.engine.kernels import attention as block
-from dflash_batch.engine.kernels import matmul as few_row
+from dflash_batch.engine.ops.kernels import attention as block
+from dflash_batch.engine.ops.kernels import matmul as few_row
 
 from . import verify_ops
 from .default_pair import command_line, write_result

@@ -11,7 +11,7 @@ run, then the fastest of five, in each of ``--rounds`` rounds over every combina
 ``build_ms``: of that, the host building the graph before it runs). The drafter's pass likewise
 (a block of new context rows; compiled too in the compiled pass mode). ``--matmul``: each of
 these with few-row products through MLX's matmul ("stock") and through the few-row kernel
-("kernel", engine/matmul.py).
+("kernel", engine/ops/matmul.py).
 
 Measured (H200, mlx[cuda13] 0.32.4, default pair fp32, batch 1, 300 keys, 2026-11-24;
 ``docs/benchmarks/verify-ops-h200-2026-11-24-b1.json``), ms per pass (operations):
@@ -24,14 +24,14 @@ Passes of T >= 2 cost two to three times the one-row pass with as many operation
 launches but dearer ones. About 2 ms of it is cuBLAS against the one-row gemv
 (``benchmarks/small_matmul``). Stock SDPA's passes (one kernel a layer against the routed
 attention's two; it recompiles for every new key length when it has more than one row:
-engine/attention.py) were 3 ms cheaper at T = 16 on this machine, but not on the next one
+engine/ops/attention.py) were 3 ms cheaper at T = 16 on this machine, but not on the next one
 (below): where the rest goes is not settled.
 
 On another H200 (faster host), ``--modes kernel,kernel-fused,stock`` at 300 and 1000 keys
 (``docs/benchmarks/verify-ops-h200-2026-11-24-b1-c*-fused.json``): kernel 3.6-3.7 ms at T = 1 and
 6.6-9.6 at T = 2-16; stock SDPA no cheaper (5.5-8.5), its logits 0.1-1.0 from the kernel's; the
 fused reduction no cheaper either, and wrong (logits off by 26-56, also at batch 8:
-``...-b8-c300-fused.json``), so it stays off (kernels/attention.py: FUSE_REDUCTION).
+``...-b8-c300-fused.json``), so that path was deleted.
 
 With the host's share and the few-row matmul kernel (a third H200, ``--modes kernel --matmul
 stock,kernel --rounds 3``, ``docs/benchmarks/verify-ops-h200-2026-11-24-b1-matmul-ab.json``),
@@ -43,7 +43,7 @@ ms per pass / of them building the graph:
 
 The kernel halves the operations and their device time, and the host spends as much building
 the calls: a batch-1 pass is as much host as device (docs/batched.md, "A few-row matmul kernel").
-``--passes eager,compiled`` (engine/compiled.py; a fourth H200, ``--modes kernel --matmul kernel
+``--passes eager,compiled`` (engine/ops/compiled.py; a fourth H200, ``--modes kernel --matmul kernel
 --rounds 3``, ``docs/benchmarks/verify-ops-h200-2026-11-24-b1-compiled.json``):
 
     T          2            4            8            16
@@ -65,8 +65,9 @@ import time
 import dflash_batch.engine  # noqa: F401  (preloads a fast CPU BLAS before mlx.core)
 import mlx.core as mx
 
-from dflash_batch.engine import attention, compiled, load_engine, matmul, warmup
-from dflash_batch.engine.kernels import attention as block
+from dflash_batch.engine import load_engine, warmup
+from dflash_batch.engine.ops import attention, compiled, matmul
+from dflash_batch.engine.ops.kernels import attention as block
 
 from .default_pair import command_line, write_result
 
@@ -101,18 +102,17 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=300)
     ap.add_argument("--widths", default="1,2,4,8,16")
     ap.add_argument("--modes", default="kernel,stock,reference",
-                    help="attention modes to try where they run; kernel-fused: the kernel with its reduction in pass 1")
+                    help="attention modes to try where they run (engine/ops/attention.py)")
     ap.add_argument("--matmul", default="stock,kernel",
-                    help="few-row product modes to try where they run (engine/matmul.py), each with every attention mode")
+                    help="few-row product modes to try where they run (engine/ops/matmul.py), each with every attention mode")
     ap.add_argument("--passes", default="eager,compiled",
-                    help="decoding pass modes to try (engine/compiled.py), each with every combination above")
+                    help="decoding pass modes to try (engine/ops/compiled.py), each with every combination above")
     ap.add_argument("--rounds", type=int, default=3, help="rounds over every combination, each keeping its fastest")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
 
     engine = load_engine(args.target, args.draft)
-    fused = block.FUSE_REDUCTION
-    modes = [m for m in args.modes.split(",") if not m.startswith("kernel") or attention.default_mode() == "kernel"]
+    modes = [m for m in args.modes.split(",") if m != "kernel" or attention.default_mode() == "kernel"]
     products = [m for m in args.matmul.split(",") if m != "kernel" or block.gpu_backend() == "cuda"]
     pass_modes = args.passes.split(",")
     combos = [(p, m, c) for c in pass_modes for p in products for m in modes]
@@ -124,9 +124,7 @@ def main(argv=None) -> int:
         for product, mode, passes_mode in combos:
             matmul.set_mode(product)
             compiled.set_mode(passes_mode)
-            # kernel-fused: the CUDA-core kernel with its reduction fused into pass 1 (one launch)
-            block.FUSE_REDUCTION = mode == "kernel-fused"
-            attention.set_mode(mode.split("-")[0])
+            attention.set_mode(mode)
             key = (product, mode, passes_mode)
             if key not in passes:  # its cache allocated as a batch in this pass mode allocates it
                 passes[key] = warmup._Passes(engine, args.batch, args.context)
@@ -164,7 +162,6 @@ def main(argv=None) -> int:
     attention.set_mode(None)
     matmul.set_mode(None)
     compiled.set_mode(None)
-    block.FUSE_REDUCTION = fused
     write_result({
         "command": command_line("verify_ops", argv),
         "device": str(mx.default_device()),

@@ -669,7 +669,7 @@ def cmd_unschedule(args) -> int:
 
 
 def cmd_drafters(args) -> int:
-    from .engine import registry  # here, not at import: the engine imports MLX
+    from .engine.models import registry  # here, not at import: the engine imports MLX
 
     listed = registry.pairs()
     if args.json:

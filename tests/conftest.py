@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import make_drafter
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a model hub
 
 
@@ -69,13 +71,6 @@ def zero_head_target(model_dir) -> Path:
     return synthetic.save_target(model_dir / "zero", synthetic.tiny_qwen3_config(), seed=0, zero_head=True)
 
 
-def make_drafter(model_dir: Path, name: str, target_config: dict, **kw) -> Path:
-    folder = model_dir / name
-    if not folder.exists():
-        synthetic.save_drafter(folder, synthetic.drafter_config(target_config, **kw), seed=kw.get("layers", 2) + 7)
-    return folder
-
-
 @pytest.fixture(scope="session")
 def qwen3_drafter(model_dir) -> Path:
     return make_drafter(model_dir, "draft-qwen3-b16", synthetic.tiny_qwen3_config(), block_size=16)
@@ -110,8 +105,8 @@ def tree_drafts():
 
 @pytest.fixture
 def fresh_verdicts(monkeypatch):
-    """Kernel self-checks (engine/kernels/selfcheck.py) on, and no verdict kept from before or after."""
-    from dflash_batch.engine.kernels import selfcheck
+    """Kernel self-checks (engine/ops/kernels/selfcheck.py) on, and no verdict kept from before or after."""
+    from dflash_batch.engine.ops.kernels import selfcheck
 
     monkeypatch.delenv(selfcheck.ENV, raising=False)
     selfcheck.reset()
@@ -119,10 +114,6 @@ def fresh_verdicts(monkeypatch):
     selfcheck.reset()
 
 
-def fixed_costs():
-    """Pass costs as if measured that no timing changes (``window=0``): an adaptive engine given
-    them (``load_engine(cost_model=...)``) chooses the same widths on a busy machine as on an
-    idle one."""
-    from dflash_batch.engine.scheduler import CostModel
-
-    return CostModel(t0=1.0, t1=0.05, d0=0.5, window=0)
+@pytest.fixture(scope="session")
+def qwen3_b8(model_dir):
+    return make_drafter(model_dir, "d-qwen3-8", synthetic.tiny_qwen3_config(), block_size=8)

@@ -173,7 +173,7 @@ def drafter_config(
     heads = target_config["num_attention_heads"]
     taps = target_layer_ids
     if taps is None:
-        from dflash_batch.engine.drafter import build_target_layer_ids
+        from dflash_batch.engine.models.drafter import build_target_layer_ids
 
         taps = build_target_layer_ids(target_config["num_hidden_layers"], layers)
     cfg = {
@@ -207,7 +207,7 @@ def drafter_config(
 
 def save_drafter(folder: Path, config: dict, seed: int = 1, scale: float = 1.0, dtype=mx.float32) -> Path:
     """A seeded random drafter with exactly the published weight names (no embedding, no head)."""
-    from dflash_batch.engine.drafter import Model, ModelArgs
+    from dflash_batch.engine.models.drafter import Model, ModelArgs
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -263,7 +263,7 @@ def assert_dflash_lossless(target: Path, drafter: Path, max_tokens: int = 40) ->
     tokens held for plain decoding too, whose first token is the prefill's). The drafting
     engine's pass costs are given: timed ones, on a busy CPU, may keep it plain."""
     from dflash_batch.engine import load_engine
-    from tests.conftest import fixed_costs
+    from tests.helpers import fixed_costs
 
     ar = load_engine(target, draft=None)
     spec = load_engine(target, draft=drafter, cost_model=fixed_costs())

@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 from mlx_lm.models.base import create_causal_mask
 
-from dflash_batch.engine import attention as routing
-from dflash_batch.engine.kernels import attention as ka
+from dflash_batch.engine.ops import attention as routing
+from dflash_batch.engine.ops.kernels import attention as ka
 from tests import emulator as emulator_build
 from tests.synthetic import assert_dflash_lossless
 
@@ -379,21 +379,17 @@ def emulator(tmp_path_factory):
         v = "true" if c.v_in_smem else "false"
         kernel = f"pass1<{D}, {c.k_tile_dims}, {c.rows_per_warp}, {c.dim_groups}, {c.warps}, {v}>"
         cases.append(f"case {n}: return run_blocks<float, {D}, {c.warps}, {c.smem_floats * 4}>"
-                     f"(dir, B, H, Hk, Lq, Lk, cap, splits, groups, !DFLASH_FUSED, {kernel});")
+                     f"(dir, B, H, Hk, Lq, Lk, cap, splits, groups, true, {kernel});")
     body1 = ka.PASS1_BODY
     body2 = ka.PASS2_BODY
     src = EMU_HEADER + (EMU_MAIN.replace("KERNELS", EMU_KERNELS) + EMU_ENTRY).replace("PASS1", body1).replace("PASS2", body2).replace("CASES", "\n    ".join(cases))
-    exes = {}
-    for fused in (0, 1):  # pass 2 as its own kernel (Metal), or done by the last block (CUDA)
-        exes[fused] = emulator_build.build(f"#define DFLASH_FUSED {fused}\n" + src, folder, f"emu{fused}")
+    exe = emulator_build.build(src, folder, "emu")  # pass 2 as its own kernel, as on the GPU
 
-    def run(backend, q, k_buf, v_buf, Lk, *, scale, causal, window, kv_start, kv_len=None, splits=None, fused=False):
+    def run(backend, q, k_buf, v_buf, Lk, *, scale, causal, window, kv_start, kv_len=None, splits=None):
         B, H, Lq, D = q.shape
         Hk, cap = k_buf.shape[1], k_buf.shape[2]
         c = ka.kernel_config(backend, D)
         splits = splits or ka.split_count(Lq, Lk, H, Hk, B, c.rows, window)
-        if fused:
-            splits = min(splits, c.smem_floats // c.rows - 2)
         groups = -(-((H // Hk) * Lq) // c.rows)
         d = Path(folder) / "case"
         d.mkdir(exist_ok=True)
@@ -405,7 +401,6 @@ def emulator(tmp_path_factory):
         np.asarray([int(causal), int(window or 0)], dtype=np.int32).tofile(d / "flags.bin")
         np.asarray([scale * ka.LOG2E], dtype=np.float32).tofile(d / "scale.bin")
         cfg = EMU_CONFIGS.index((backend, D))
-        exe = exes[int(fused)]
         args = [str(exe), str(d), cfg, B, H, Hk, Lq, Lk, cap, splits, groups]
         subprocess.run([str(a) for a in args], check=True, timeout=300)
         return mx.array(np.fromfile(d / "out.bin", dtype=np.float32).reshape(B, H, Lq, D))
@@ -437,11 +432,10 @@ def test_kernel_body_on_emulated_gpu_matches_reference(emulator, case):
     k_buf, v_buf = mx.pad(k_buf, pad, constant_values=float("nan")), mx.pad(v_buf, pad, constant_values=float("nan"))
     starts = None if kv_start is None else mx.array(kv_start, dtype=mx.int32)
     want = ka.block_attention_reference(q, k, v, scale=D**-0.5, causal=causal, window=window, kv_start=starts)
-    for fused in (False, True) if backend == "cuda" else (False,):  # CUDA has both pass-2 forms
-        got = emulator(backend, q, k_buf, v_buf, Lk, scale=D**-0.5, causal=causal, window=window,
-                       kv_start=kv_start, splits=splits, fused=fused)
-        assert not mx.isnan(got).any().item(), "a key past Lk leaked into the result"
-        assert max_err(got, want) < 2e-5
+    got = emulator(backend, q, k_buf, v_buf, Lk, scale=D**-0.5, causal=causal, window=window,
+                   kv_start=kv_start, splits=splits)
+    assert not mx.isnan(got).any().item(), "a key past Lk leaked into the result"
+    assert max_err(got, want) < 2e-5
 
 
 def ragged_buffers(k, v, cap, lengths):
@@ -475,11 +469,10 @@ def test_kernel_body_with_row_lengths_on_emulated_gpu_matches_reference(emulator
     starts = None if kv_start is None else mx.array(kv_start, dtype=mx.int32)
     want = ka.block_attention_reference(q, k, v, scale=D**-0.5, causal=causal, window=window, kv_start=starts,
                                         kv_len=mx.array(lengths, dtype=mx.int32))
-    for fused in (False, True) if backend == "cuda" else (False,):  # CUDA has both pass-2 forms
-        got = emulator(backend, q, k_buf, v_buf, Lk, scale=D**-0.5, causal=causal, window=window,
-                       kv_start=kv_start, kv_len=lengths, splits=splits, fused=fused)
-        assert not mx.isnan(got).any().item(), "a key past a row's length leaked into the result"
-        assert max_err(got, want) < 2e-5
+    got = emulator(backend, q, k_buf, v_buf, Lk, scale=D**-0.5, causal=causal, window=window,
+                   kv_start=kv_start, kv_len=lengths, splits=splits)
+    assert not mx.isnan(got).any().item(), "a key past a row's length leaked into the result"
+    assert max_err(got, want) < 2e-5
 
 
 # The tensor-core pass 1 (CUDA, bf16) under the same emulator. What the GPU does per warp is

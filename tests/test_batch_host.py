@@ -51,7 +51,7 @@ def test_a_pass_builds_its_write_columns_once_for_every_layer():
     the lengths as they change."""
     import mlx.core as mx
 
-    from dflash_batch.engine.batch_cache import Lengths, RaggedKVCache
+    from dflash_batch.engine.ops.batch_cache import Lengths, RaggedKVCache
 
     lengths = Lengths([3, 1, 5])
     layers = [RaggedKVCache(lengths, 16) for _ in range(3)]

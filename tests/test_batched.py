@@ -8,20 +8,14 @@ import mlx.core as mx
 import pytest
 
 from dflash_batch.completion import GenerationError
-from dflash_batch.engine import hybrid, load_engine, memory
+from dflash_batch.engine import load_engine, memory
 from dflash_batch.engine.batch import BatchDecoder
-from dflash_batch.engine.batch_cache import Lengths, RaggedKVCache
-from dflash_batch.engine.kernels import gated_delta as gd
+from dflash_batch.engine.models import hybrid
+from dflash_batch.engine.ops.batch_cache import Lengths, RaggedKVCache
+from dflash_batch.engine.ops.kernels import gated_delta as gd
 from tests import synthetic
-from tests.conftest import make_drafter
+from tests.helpers import MAX_TOKENS, PROMPTS_B, P_WRONG, greedy_reference, scripted_batch
 from tests.scripting import ScriptedDrafts
-from tests.test_engine_lossless import PROMPTS, greedy_reference
-
-# Very different lengths: 2 to about 400 tokens (and one over a 256-token prefill chunk below).
-PROMPTS_B = PROMPTS + ["Tell me everything about the number seven. " * 40, "x"]
-MAX_TOKENS = [7, 40, 23, 64, 1, 33, 50, 17, 45]
-P_WRONG = [0.0, 0.1, 0.3, 0.7, 0.5, 0.2, 1.0, 0.05, 0.4]  # every acceptance length in some row
-
 
 def _engine(target, draft, **kw):
     return load_engine(str(target), str(draft), prefill_chunk=256, **kw)
@@ -32,26 +26,6 @@ def _alone_and_batched(engine, prompts, batch_size, max_tokens, **kw):
     budgets = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
     alone = [engine.generate(p, max_tokens=m, **kw) for p, m in zip(prompts, budgets)]
     return alone, engine.generate_batch(prompts, max_tokens=max_tokens, batch_size=batch_size, **kw)
-
-
-def scripted_batch(target, drafter, monkeypatch, prompts=PROMPTS_B[:5], max_tokens=30, **kw):
-    """An engine (``kw``: its options), ``prompts`` (default five of very different lengths), their
-    greedy outputs of ``max_tokens`` (one budget, or one per prompt) and the scripted drafts: row n's
-    are wrong with probability P_WRONG[n] (every acceptance length in some row). Returns (engine,
-    script, prompt ids, greedy outputs)."""
-    engine = _engine(target, drafter, **kw)
-    script = ScriptedDrafts(monkeypatch)
-    ids = [engine.encode(p) for p in prompts]
-    budgets = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(ids)
-    refs = [greedy_reference(target, i, n, engine.tokenizer.eos_token_ids) for i, n in zip(ids, budgets)]
-    for n, (i, ref) in enumerate(zip(ids, refs)):
-        script(i + ref + [0] * 16, p_wrong=P_WRONG[n], seed=n)
-    return engine, script, ids, refs
-
-
-@pytest.fixture(scope="module")
-def qwen3_b8(model_dir):
-    return make_drafter(model_dir, "d-qwen3-8", synthetic.tiny_qwen3_config(), block_size=8)
 
 
 @pytest.mark.parametrize("batch_size", [1, 3, 8])
@@ -308,7 +282,7 @@ def test_a_long_joining_prompt_is_prefilled_in_chunks_between_cycles(tiny_pair):
 
 def test_ragged_batch_through_the_block_attention_reference_is_lossless(qwen3_target, qwen3_b8, monkeypatch):
     """The routed path (per-row key lengths), as the GPU kernels run it, in its pure-MLX form."""
-    from dflash_batch.engine import attention
+    from dflash_batch.engine.ops import attention
 
     attention.set_mode("reference")
     try:
@@ -322,10 +296,10 @@ def test_ragged_batch_through_the_block_attention_reference_is_lossless(qwen3_ta
 
 @pytest.mark.parametrize("route", ["block", "sdpa"])
 def test_both_ragged_routes_are_lossless(qwen3_target, qwen3_b8, monkeypatch, route):
-    """The warm-up picks one of two routes for ragged batches (engine/attention.py): block
+    """The warm-up picks one of two routes for ragged batches (engine/ops/attention.py): block
     attention with per-row key lengths, or stock SDPA over the bucketed cache with a per-row mask.
     Each must give every row its batch-1 greedy output."""
-    from dflash_batch.engine import attention
+    from dflash_batch.engine.ops import attention
 
     attention.set_mode("reference")  # "block" then runs the kernels' pure-MLX form, not stock SDPA
     attention.set_ragged_route(route)

@@ -11,7 +11,7 @@ import mlx.core as mx
 from benchmarks import arms, report, run
 from benchmarks.scripted import AcceptanceScript, ScriptedDrafter, head_rows_of, per_token_rate
 from dflash_batch.engine.output import RowOutput
-from tests.conftest import fixed_costs
+from tests.helpers import fixed_costs
 from tests.runner_fixtures import REPO
 
 
@@ -146,7 +146,7 @@ def test_the_engine_copy_of_the_target_has_the_same_weights():
 
 
 def test_mlx_lm_arms_run_with_stock_ops_and_restore_the_engine_routing():
-    from dflash_batch.engine import attention, matmul
+    from dflash_batch.engine.ops import attention, matmul
 
     attention.set_mode("reference")
     matmul.set_mode("kernel")
@@ -210,7 +210,8 @@ def _zero_head_job(zero_head_target, model_dir, tmp_path, n: int):
     prompts as ids in ``tmp_path/eval.jsonl``, and the tokens per cycle a fixed-width engine
     makes on them (the prefill's token aside): (drafter folder, samples file, tau)."""
     from dflash_batch.engine import load_engine
-    from tests.conftest import make_drafter, synthetic
+    from tests import synthetic
+    from tests.helpers import make_drafter
 
     draft = make_drafter(model_dir, "draft-b8", synthetic.tiny_qwen3_config(), block_size=8)
     prompts = [{"id": f"p{i}", "kind": "test", "prompt": [5 + i, 6, 7, 8]} for i in range(n)]
@@ -269,7 +270,7 @@ def test_verify_ops_counts_each_modes_graph(tiny_pair, tmp_path):
     """benchmarks/verify_ops.py: per mode and width, the verify pass's operations and time; the
     MLX-ops reference attention of a multi-row pass has more operations than stock SDPA's (the
     mode must take effect), and a one-row pass is not routed (the same graph in both); compiled
-    passes (engine/compiled.py) fuse the multi-row pass into fewer operations, the drafter's too."""
+    passes (engine/ops/compiled.py) fuse the multi-row pass into fewer operations, the drafter's too."""
     from benchmarks import verify_ops
 
     target, drafter = tiny_pair

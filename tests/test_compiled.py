@@ -1,4 +1,4 @@
-"""Compiled decoding passes (engine/compiled.py): traced once per shape, replayed after, and every
+"""Compiled decoding passes (engine/ops/compiled.py): traced once per shape, replayed after, and every
 row's output still the target's own greedy output (fp32, CPU), whatever the other rows are. The
 target's verify pass and the drafter's pass both."""
 
@@ -7,11 +7,11 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from dflash_batch.engine import compiled, decode, load_engine, routing
-from dflash_batch.engine.batch_cache import Lengths
+from dflash_batch.engine import decode, load_engine, routing
+from dflash_batch.engine.ops import compiled
+from dflash_batch.engine.ops.batch_cache import Lengths
 from tests import synthetic
-from tests.conftest import make_drafter
-from tests.test_batched import MAX_TOKENS, PROMPTS_B, scripted_batch
+from tests.helpers import MAX_TOKENS, PROMPTS_B, make_drafter, scripted_batch
 
 
 @pytest.fixture

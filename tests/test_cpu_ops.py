@@ -1,4 +1,4 @@
-"""The CPU ops (engine/kernels/cpu.py, cpu.cpp): MLX's exp-based ops, bit for bit.
+"""The CPU ops (engine/ops/kernels/cpu.py, cpu.cpp): MLX's exp-based ops, bit for bit.
 
 Every op must equal MLX's own exactly (``mx.array_equal``, NaNs where MLX has them), over dense
 sweeps of its input range and the special values MLX treats apart (exp's cut-offs at +-88,
@@ -23,7 +23,7 @@ import pytest
 from mlx_lm.models.activations import swiglu as mlx_lm_swiglu
 
 from dflash_batch.engine import load_engine, routing
-from dflash_batch.engine.kernels import cpu, selfcheck
+from dflash_batch.engine.ops.kernels import cpu, selfcheck
 
 pytestmark = [pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the CPU ops are built for Linux"),
               pytest.mark.usefixtures("fresh_verdicts")]
@@ -193,17 +193,17 @@ def _passes(engine, cpu_ops: str):
     """A prefill, a chain verify pass of 16 rows, a ragged two-row pass, a draft-tree pass and a
     drafter pass, all under one mode of the CPU ops: their outputs."""
     from dflash_batch.engine import decode, tree
-    from dflash_batch.engine.batch_cache import Lengths
-    from tests.test_tree import BRANCHY, PROMPT, _prefilled, _tree_pass
+    from dflash_batch.engine.ops.batch_cache import Lengths
+    from tests.helpers import TREE_PROMPT, branchy_trees, prefilled, tree_pass
 
     target, out = engine.target, []
     with routing.modes(cpu_ops=cpu_ops):
-        cache, lengths = _prefilled(target, PROMPT)
+        cache, lengths = prefilled(target, TREE_PROMPT)
         out += list(target.verify(mx.array([list(range(40, 56))]), cache))
-        cache, lengths = _prefilled(target, PROMPT, 2)
+        cache, lengths = prefilled(target, TREE_PROMPT, 2)
         out += list(target.verify(mx.array([list(range(40, 45)), list(range(50, 55))]), cache))
-        cache, lengths = _prefilled(target, PROMPT, 2)
-        out += list(_tree_pass(target, cache, lengths, BRANCHY))
+        cache, lengths = prefilled(target, TREE_PROMPT, 2)
+        out += list(tree_pass(target, cache, lengths, branchy_trees()))
         hidden = out[1]
         drafter = engine.drafter
         dcache = drafter.make_cache(Lengths([0]))
@@ -237,7 +237,7 @@ def test_stock_ops_turn_the_ops_off():
 def test_the_models_swiglu_is_routed_only_while_the_ops_are_active(tiny_pair):
     """After the engine installs it, mlx-lm's MLP runs the routed swiglu: the CPU op in "native"
     mode, mlx-lm's own under stock_ops (the benchmarks' baselines)."""
-    from dflash_batch.engine import activations
+    from dflash_batch.engine.ops import activations
 
     engine = load_engine(*map(str, tiny_pair))
     layer = engine.target.layers[0]

@@ -9,7 +9,8 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from dflash_batch.engine import default_model, load_drafter, load_engine, registry
+from dflash_batch.engine import load_drafter, load_engine
+from dflash_batch.engine.models import default_model, registry
 
 PROMPTS = [
     "What is 25 + 17?",

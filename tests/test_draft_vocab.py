@@ -12,11 +12,12 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from dflash_batch.engine import decode, load_engine, loading
-from dflash_batch.engine.target import Target
+from dflash_batch.engine import decode, load_engine
+from dflash_batch.engine.models import loading
+from dflash_batch.engine.models.target import Target
 from dflash_batch.errors import ModelMismatchError
 from dflash_batch.training import export
-from tests.test_engine_lossless import PROMPTS, greedy_reference
+from tests.helpers import PROMPTS, greedy_reference
 
 VOCAB = list(range(0, 512, 3)) + [7, 11]  # 173 of the tiny targets' 512 tokens
 

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from dflash_batch import cli
-from dflash_batch.engine import default_model, loading, registry
+from dflash_batch.engine.models import default_model, loading, registry
 from tests.runner_fixtures import REPO
 
 

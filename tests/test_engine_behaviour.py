@@ -11,13 +11,13 @@ from mlx_lm import load as mlx_load
 
 from dflash_batch.completion import EmptyPromptError, GenerationError, ModelMismatchError, PromptTooLongError
 from dflash_batch.engine import decode, load_drafter, load_engine, resolve_model_path
-from dflash_batch.engine.drafter import ModelArgs, build_target_layer_ids
-from dflash_batch.engine.batch_cache import Lengths
-from dflash_batch.engine.target import Target
+from dflash_batch.engine.models.drafter import ModelArgs, build_target_layer_ids
+from dflash_batch.engine.models.target import Target
+from dflash_batch.engine.ops.batch_cache import Lengths
 from tests import synthetic
-from tests.conftest import fixed_costs, make_drafter
+from tests.helpers import fixed_costs, make_drafter
+from tests.helpers import greedy_reference
 from tests.scripting import ScriptedDrafts
-from tests.test_engine_lossless import greedy_reference
 
 
 @pytest.fixture(scope="module")

@@ -2,48 +2,13 @@
 
 from __future__ import annotations
 
-import mlx.core as mx
 import pytest
-from mlx_lm import load as mlx_load
-from mlx_lm.generate import generate_step
 
 from dflash_batch.engine import load_engine
 from dflash_batch.engine.scheduler import CostModel
 from tests import synthetic
-from tests.conftest import fixed_costs, make_drafter
+from tests.helpers import PROMPTS, fixed_costs, greedy_reference, make_drafter
 from tests.scripting import ScriptedDrafts
-
-PROMPTS = [
-    "Hi",
-    "Write a haiku about the sea.",
-    "Summarize: The quick brown fox jumps over the lazy dog. " * 3,
-    "def add(a, b):\n    return a + b\n# now multiply",
-    "12 * 7 = ? Explain step by step.",
-    "How are you today? " * 20,
-    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "List three colors."}],
-]
-
-
-def greedy_reference(folder, ids, max_tokens, eos=()):
-    """mlx-lm's own greedy decoding of the target from the same prompt ids."""
-    model, _ = _mlx_model(folder)
-    out = []
-    for tok, _ in generate_step(mx.array(ids), model, max_tokens=max_tokens):
-        tok = int(tok)
-        if tok in eos:
-            break
-        out.append(tok)
-    return out
-
-
-_MODELS = {}
-
-
-def _mlx_model(folder):
-    if folder not in _MODELS:
-        _MODELS[folder] = mlx_load(str(folder))
-    return _MODELS[folder]
-
 
 @pytest.fixture
 def scripted(monkeypatch):

@@ -7,8 +7,8 @@ import json
 import mlx.core as mx
 import pytest
 
-from dflash_batch.engine import gguf, loading
-from dflash_batch.engine.default_model import gguf_path
+from dflash_batch.engine.models import gguf, loading
+from dflash_batch.engine.models.default_model import gguf_path
 
 
 @pytest.fixture(scope="module")

@@ -20,14 +20,16 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models import qwen3_5
 from mlx_lm.models.gated_delta import gated_delta_ops
 
-from dflash_batch.engine import hybrid, load_engine
-from dflash_batch.engine.backend import loaded_blas
-from dflash_batch.engine.kernels import gated_delta as gd
-from dflash_batch.engine.batch_cache import Lengths
-from dflash_batch.engine.kernels import selfcheck
-from dflash_batch.engine.target import Target
+from dflash_batch.engine import load_engine
+from dflash_batch.engine.models import hybrid
+from dflash_batch.engine.models.target import Target
+from dflash_batch.engine.ops.batch_cache import Lengths
+from dflash_batch.engine.ops.blas import loaded_blas
+from dflash_batch.engine.ops.kernels import gated_delta as gd
+from dflash_batch.engine.ops.kernels import selfcheck
 from tests import synthetic
-from tests.conftest import fixed_costs
+from tests.helpers import fixed_costs
+from tests.helpers import gated_delta_inputs as inputs
 from tests.scripting import ScriptedDrafts
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,18 +37,6 @@ KERNELS = [
     pytest.param("metal", marks=pytest.mark.skipif(not mx.metal.is_available(), reason="no Metal")),
     pytest.param("cuda", marks=pytest.mark.skipif(not gd.cuda_available(), reason="no CUDA")),
 ]
-
-
-def inputs(T=16, Hk=2, Hv=4, Dk=32, Dv=32, dtype=mx.float32, seed=0):
-    mx.random.seed(seed)
-    q = mx.random.normal((1, T, Hk, Dk)) * Dk**-0.5
-    k = mx.random.normal((1, T, Hk, Dk))
-    k = k / mx.linalg.norm(k, axis=-1, keepdims=True)
-    v = mx.random.normal((1, T, Hv, Dv))
-    g = mx.random.uniform(0.5, 1.0, (1, T, Hv))
-    beta = mx.sigmoid(mx.random.normal((1, T, Hv)))
-    state = mx.random.normal((1, Hv, Dv, Dk)) * 0.5
-    return (*(x.astype(dtype) for x in (q, k, v)), g, beta.astype(dtype), state)
 
 
 def one_at_a_time(q, k, v, g, beta, state, n, impl="reference"):

@@ -1,4 +1,4 @@
-"""The kernels' self-check (engine/kernels/selfcheck.py), on the CPU with stand-in "kernels".
+"""The kernels' self-check (engine/ops/kernels/selfcheck.py), on the CPU with stand-in "kernels".
 
 No GPU is needed: the tests register, for the metal backend, deliberately broken kernels (the
 reference's output plus noise, kernels broken for one mask or tape flag only, one that raises as
@@ -18,11 +18,12 @@ import warnings
 import mlx.core as mx
 import pytest
 
-from dflash_batch.engine import attention as routing
-from dflash_batch.engine.kernels import attention as ka
-from dflash_batch.engine.kernels import gated_delta as gd
-from dflash_batch.engine.kernels import selfcheck
-from tests.test_hybrid import inputs as hybrid_inputs
+from dflash_batch.engine.ops import attention as routing
+from dflash_batch.engine.ops import device
+from dflash_batch.engine.ops.kernels import attention as ka
+from dflash_batch.engine.ops.kernels import gated_delta as gd
+from dflash_batch.engine.ops.kernels import selfcheck
+from tests.helpers import gated_delta_inputs as hybrid_inputs
 
 
 pytestmark = pytest.mark.usefixtures("fresh_verdicts")
@@ -238,7 +239,7 @@ def test_real_gated_delta_kernels_pass_their_self_check(dtype, state_dtype):
 @pytest.fixture
 def metal_routing(monkeypatch):
     """The routing in "kernel" mode, with this CPU device taken for a Metal backend."""
-    monkeypatch.setitem(ka._backend_cache, mx.default_device().type, "metal")
+    monkeypatch.setitem(device._known, mx.default_device().type, "metal")
     routing.set_mode("kernel")
     yield
     routing.set_mode(None)

@@ -1,4 +1,4 @@
-"""Few-row products (kernels/matmul.py, engine/matmul.py): the kernel body run on the CPU under an
+"""Few-row products (kernels/matmul.py, engine/ops/matmul.py): the kernel body run on the CPU under an
 emulated GPU against ``x @ W.T``, the CUDA kernel itself where that backend exists, the routing
 (what goes to the kernel, and that stock mode runs the layers' own code), and DFlash output with
 the routing on."""
@@ -13,10 +13,10 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from dflash_batch.engine import matmul as routing
-from dflash_batch.engine.kernels import attention as ka
-from dflash_batch.engine.kernels import matmul as km
-from dflash_batch.engine.kernels import selfcheck
+from dflash_batch.engine.ops import matmul as routing
+from dflash_batch.engine.ops.kernels import attention as ka
+from dflash_batch.engine.ops.kernels import matmul as km
+from dflash_batch.engine.ops.kernels import selfcheck
 from tests import emulator as emulator_build
 from tests.synthetic import assert_dflash_lossless
 

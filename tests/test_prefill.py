@@ -10,10 +10,11 @@ import mlx.core as mx
 import pytest
 
 from dflash_batch.completion import GenerationError
-from dflash_batch.engine import hybrid, load_engine, prefill
+from dflash_batch.engine import load_engine, prefill
+from dflash_batch.engine.models import hybrid
 from dflash_batch.request import sample_seed
 from tests import synthetic
-from tests.test_engine_lossless import greedy_reference
+from tests.helpers import greedy_reference
 
 LENGTHS = [3, 41, 150, 333]  # very different prompt lengths, most over the 64-token chunk below
 
@@ -247,8 +248,8 @@ def test_logits_at_chosen_positions_equal_the_full_pass(kind, tmp_path):
     """``Target(tokens, cache, at)`` runs the LM head on row b's position at[b] only: the same
     logits and taps as the whole pass. A head-after-backbone model
     takes the short path (a model file outside the list runs its whole forward)."""
-    from dflash_batch.engine.batch_cache import Lengths
-    from dflash_batch.engine.target import Target
+    from dflash_batch.engine.ops.batch_cache import Lengths
+    from dflash_batch.engine.models.target import Target
     from mlx_lm.utils import load
 
     cfg = {"qwen3": synthetic.tiny_qwen3_config(), "llama": synthetic.tiny_llama_config(),

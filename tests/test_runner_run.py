@@ -368,7 +368,7 @@ def test_openai_output_names_the_target(tmp_path, home, fake_models):
     out = cli("results", job.id, "--format", "openai", home=home, check=True)
     assert json.loads(out.stdout)["response"]["body"]["model"] == "target"
     assert api.load_spec(src).model_name == "SmolLM2-135M-Instruct"  # the embedded default pair
-    from dflash_batch.engine import default_model
+    from dflash_batch.engine.models import default_model
 
     assert default_model.GGUF_FILE.startswith("SmolLM2-135M-Instruct.")  # the name is the model's own
     assert api.load_spec(src, target="mlx-community/Qwen3-4B-bf16").model_name == "mlx-community/Qwen3-4B-bf16"

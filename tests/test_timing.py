@@ -4,7 +4,7 @@ the widths an adaptive engine chooses, and what tests assert of them, hang on no
 from __future__ import annotations
 
 from dflash_batch.engine import load_engine, warmup
-from tests.conftest import fixed_costs
+from tests.helpers import fixed_costs
 
 
 def test_an_engine_given_its_costs_times_no_pass(tiny_pair, monkeypatch):

@@ -9,7 +9,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from dflash_batch.engine import Engine, drafter as drafter_model, load_drafter, loading
+from dflash_batch.engine import Engine, load_drafter
+from dflash_batch.engine.models import drafter as drafter_model, loading
 from dflash_batch.training import cli, export, objective, prompts
 from dflash_batch.training.trainer import pick_mask_token
 from tests import synthetic
@@ -138,7 +139,7 @@ def test_train_checkpoint_resume_export(tiny_target, tmp_path, capsys):
     assert dflash.token_ids == plain.token_ids and dflash.stats.cycles > 0
 
     # --init starts a new run from the export (dequantized); a drafter of another shape is refused.
-    from dflash_batch.engine.default_model import plain_drafter_weights
+    from dflash_batch.engine.models.default_model import plain_drafter_weights
     from dflash_batch.training.trainer import TrainConfig, Trainer
 
     _, exported = plain_drafter_weights(out / "drafter", "float32")
@@ -213,11 +214,11 @@ def test_engine_drafts_equal_the_training_objective(qwen3_target, model_dir, mon
     context rows, positions or the mask token shows here, as a drafter whose real acceptance
     falls short of its teacher-forced one (issue 15)."""
     from dflash_batch.engine import decode
-    from dflash_batch.engine.target import Target
+    from dflash_batch.engine.models.target import Target
     from dflash_batch.training.trainer import tapped_hidden
     from tests.scripting import ScriptedDrafts
 
-    from tests.conftest import make_drafter
+    from tests.helpers import make_drafter
 
     target_dir = qwen3_target  # two distinct taps: a per-tap change of scale is not normed away
     draft_dir = make_drafter(model_dir, "draft-qwen3-taps-1-3", synthetic.tiny_qwen3_config(), target_layer_ids=[1, 3])

@@ -15,12 +15,13 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from dflash_batch.engine import Engine, loading
+from dflash_batch.engine import Engine
+from dflash_batch.engine.models import loading
 from dflash_batch.training import cli, corpus, store as store_mod
 from dflash_batch.training import generate as gen
 from dflash_batch.training.store import AnswerStore, prompt_key
-from tests import synthetic
 from dflash_batch.training.trainer import TrainConfig, all_prompts, answer_samples, chat_pieces, prompt_order
+from tests import synthetic
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -200,7 +201,8 @@ def test_killed_generation_resumes_without_duplicates_or_loss(tiny, tmp_path):
     script = f"""
 import sys, json
 sys.path.insert(0, {str(ROOT)!r})
-from dflash_batch.engine import Engine, loading
+from dflash_batch.engine import Engine
+from dflash_batch.engine.models import loading
 from dflash_batch.training import generate as gen
 from dflash_batch.training.store import AnswerStore
 prompts, eos = json.load(open({str(tmp_path / 'prompts.json')!r}))

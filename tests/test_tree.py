@@ -11,15 +11,16 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from dflash_batch.engine import decode, load_engine, routing, tree
-from dflash_batch.engine.batch_cache import Lengths
+from dflash_batch.engine import load_engine, routing, tree
+from dflash_batch.engine.models.target import Target
 from dflash_batch.engine.scheduler import CostModel, Scheduler
-from dflash_batch.engine.target import Target
+from tests.helpers import (
+    MAX_TOKENS, PROMPTS_B, P_WRONG, TREE_PROMPT, branchy_trees, greedy_reference, prefilled,
+    scripted_batch, tree_pass,
+)
 from tests.scripting import ScriptedDrafts
-from tests.test_engine_lossless import greedy_reference
-from tests.test_batched import MAX_TOKENS, P_WRONG, PROMPTS_B, qwen3_b8, scripted_batch  # noqa: F401 (fixture)
 
-PROMPT = [5, 17, 3, 88, 41, 9, 23, 60, 2, 71, 14]
+BRANCHY = branchy_trees()
 
 
 def _candidates(rng: np.random.Generator, P: int, C: int):
@@ -95,38 +96,6 @@ def test_padding_is_never_walked():
         assert paths[0] == [0] and len(paths[1]) <= 2
 
 
-def _prefilled(target: Target, prompt, rows: int = 1):
-    """A cache of ``rows`` rows, row b prefilled with the prompt less its last b tokens."""
-    lengths = Lengths([0] * rows)
-    cache = target.make_cache(lengths)
-    for b in range(rows):
-        alone = Lengths([0])
-        one = target.make_cache(alone)
-        decode.prefill(target, prompt[: len(prompt) - b], one, alone, 256)
-        for big, small in zip(cache, one):
-            big.put_row(b, small.row_state(0, alone.host[0]), rows)
-    lengths.set([len(prompt) - b for b in range(rows)])
-    return cache, lengths
-
-
-def _tree_pass(target, cache, lengths, trees, run=None):
-    tokens, depth, ancestors = trees.device()
-    lengths.tree = (depth, ancestors)
-    try:
-        logits, hidden = (run or target.verify)(tokens, cache)
-    finally:
-        lengths.tree = None
-    return logits, hidden
-
-
-BRANCHY = tree.Trees(
-    # row 0: root -> 31 -> (44 -> 45, 46); root -> 32 -> 47.  row 1: a chain 50 -> 51 -> 52 -> 53 -> 54 -> 55
-    [[60, 31, 32, 44, 47, 45, 46], [61, 50, 51, 52, 53, 54, 55]],
-    [[-1, 0, 0, 1, 2, 3, 3], [-1, 0, 1, 2, 3, 4, 5]],
-    [[0, 1, 1, 2, 2, 3, 3], [0, 1, 2, 3, 4, 5, 6]],
-)
-
-
 def _path(trees, b, i):
     out = []
     while i >= 0:
@@ -141,12 +110,12 @@ def test_each_node_sees_its_prefix_at_its_positions(tiny_pair, rows):
     engine = load_engine(*map(str, tiny_pair))
     target = engine.target
     trees = tree.Trees(BRANCHY.tokens[:rows], BRANCHY.parents[:rows], BRANCHY.depths[:rows])
-    cache, lengths = _prefilled(target, PROMPT, rows)
-    logits, hidden = _tree_pass(target, cache, lengths, trees)
+    cache, lengths = prefilled(target, TREE_PROMPT, rows)
+    logits, hidden = tree_pass(target, cache, lengths, trees)
     for b in range(rows):
         n = lengths.host[b]
         for i in range(len(trees.tokens[b])):
-            alone, alone_lengths = _prefilled(target, PROMPT[: n])
+            alone, alone_lengths = prefilled(target, TREE_PROMPT[: n])
             path = _path(trees, b, i)
             ref_logits, ref_hidden = target.verify(mx.array([path]), alone)
             np.testing.assert_allclose(np.array(logits[b, i]), np.array(ref_logits[0, -1]), atol=2e-5, rtol=1e-5)
@@ -157,10 +126,10 @@ def test_positions_by_index_are_not_a_tree_pass(tiny_pair, monkeypatch):
     """Negative control: RoPE at the node's index instead of its depth changes the branch's logits."""
     engine = load_engine(*map(str, tiny_pair))
     target = engine.target
-    cache, lengths = _prefilled(target, PROMPT)
+    cache, lengths = prefilled(target, TREE_PROMPT)
     trees = tree.Trees(BRANCHY.tokens[:1], BRANCHY.parents[:1], [list(range(7))])  # depth := index
-    logits, _ = _tree_pass(target, cache, lengths, trees)
-    alone, _ = _prefilled(target, PROMPT)
+    logits, _ = tree_pass(target, cache, lengths, trees)
+    alone, _ = prefilled(target, TREE_PROMPT)
     ref, _ = target.verify(mx.array([_path(BRANCHY, 0, 4)]), alone)  # node 4: depth 2, index 4
     assert not np.allclose(np.array(logits[0, 4]), np.array(ref[0, -1]), atol=1e-3)
 
@@ -170,13 +139,13 @@ def test_reorder_leaves_the_path_where_a_chain_would(tiny_pair):
     to a causal pass over the path."""
     engine = load_engine(*map(str, tiny_pair))
     target = engine.target
-    cache, lengths = _prefilled(target, PROMPT, 2)
-    _tree_pass(target, cache, lengths, BRANCHY)
+    cache, lengths = prefilled(target, TREE_PROMPT, 2)
+    tree_pass(target, cache, lengths, BRANCHY)
     paths = [[0, 2, 4], [0, 1, 2, 3]]
     target.reorder(cache, mx.array(tree.order(paths, 7), dtype=mx.int32))
     for b, path in enumerate(paths):
         n = lengths.host[b]
-        alone, _ = _prefilled(target, PROMPT[:n])
+        alone, _ = prefilled(target, TREE_PROMPT[:n])
         target.verify(mx.array([[BRANCHY.tokens[b][i] for i in path]]), alone)
         for big, small in zip(cache, alone):
             np.testing.assert_allclose(np.array(big.keys[b, :, : n + len(path)]), np.array(small.keys[0, :, : n + len(path)]),
@@ -292,7 +261,7 @@ def test_adaptive_trees_learn_the_drafters_calibration(tiny_pair, monkeypatch, t
 
 
 def _on_the_ladder(cache, width: int = 512):
-    """The same rows in buffers ``width`` columns wide (a compiling batch's: engine/compiled.py)."""
+    """The same rows in buffers ``width`` columns wide (a compiling batch's: engine/ops/compiled.py)."""
     for c in cache:
         B, H, n, D = c.keys.shape
         for name in ("keys", "values"):
@@ -309,15 +278,15 @@ def test_a_compiled_tree_pass_equals_the_eager_one(tiny_pair, rows):
     engine = load_engine(*map(str, tiny_pair))
     target = engine.target
     trees = tree.Trees(BRANCHY.tokens[:rows], BRANCHY.parents[:rows], BRANCHY.depths[:rows])
-    cache, lengths = _prefilled(target, PROMPT, rows)
-    want_logits, want_hidden = _tree_pass(target, cache, lengths, trees)
+    cache, lengths = prefilled(target, TREE_PROMPT, rows)
+    want_logits, want_hidden = tree_pass(target, cache, lengths, trees)
     T = len(trees.tokens[0])
     with routing.modes(passes="compiled"):
         for _ in range(3):  # the first eagerly through the view, then a trace, then a replay
-            wide, wide_lengths = _prefilled(target, PROMPT, rows)
+            wide, wide_lengths = prefilled(target, TREE_PROMPT, rows)
             _on_the_ladder(wide)
             assert target.passes.applies(wide, T)
-            logits, hidden = _tree_pass(target, wide, wide_lengths, trees, target.decode_pass)
+            logits, hidden = tree_pass(target, wide, wide_lengths, trees, target.decode_pass)
             np.testing.assert_allclose(np.array(logits), np.array(want_logits), atol=2e-5, rtol=1e-5)
             np.testing.assert_allclose(np.array(hidden), np.array(want_hidden), atol=2e-5, rtol=1e-5)
             for c, e in zip(wide, cache):
@@ -328,7 +297,7 @@ def test_a_compiled_tree_pass_equals_the_eager_one(tiny_pair, rows):
 
 
 def test_tree_runs_with_compiled_passes_equal_the_targets_greedy_output(qwen3_target, qwen3_b8, monkeypatch, tree_drafts):
-    """Scripted tree runs with compiled passes (engine/compiled.py): mlx-lm's greedy output, batch
+    """Scripted tree runs with compiled passes (engine/ops/compiled.py): mlx-lm's greedy output, batch
     1 and 3, and the tree passes were replayed, not rebuilt each cycle."""
     with routing.modes(passes="compiled"):
         engine, _, ids, refs = scripted_batch(qwen3_target, qwen3_b8, monkeypatch, PROMPTS_B, MAX_TOKENS,

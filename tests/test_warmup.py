@@ -7,7 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from dflash_batch.engine import attention, load_engine, warmup
+from dflash_batch.engine import load_engine, warmup
+from dflash_batch.engine.ops import attention
 
 
 @pytest.fixture

@@ -29,16 +29,17 @@ import numpy as np
 
 from ..completion import Piece
 from ..request import SamplingControls
-from . import compiled, decode, memory, prefill, sampling, tree
-from .batch_cache import Lengths, round_up
+from . import decode, memory, prefill, sampling, tree
 from .decode import Step
+from .ops import compiled
+from .ops.batch_cache import Lengths, round_up
 from .output import RowOutput
 from .scheduler import Acceptance, Scheduler
 from .waiting import Waiting
 
 
 @dataclass
-class Request:
+class EncodedRequest:
     """One prompt as the engine decodes it: token ids and its own options."""
 
     ids: List[int]
@@ -59,7 +60,7 @@ class Request:
 class Row:
     """A request in a slot of the batch."""
 
-    request: Request
+    request: EncodedRequest
     output: RowOutput
     seed: int  # of the row's sampling noise (engine/decode.py: choose)
     last: int = 0  # the newest committed token, not yet in the target cache
@@ -81,8 +82,8 @@ class BatchDecoder:
     for a row that failed alone (its grammar: the other rows go on), and ``(None, None)`` after
     the stream gave a refused request (``requests.refused``), so that the caller can report it."""
 
-    def __init__(self, engine, requests: Union[Sequence[Request], Waiting], slots: int, scheduler: Scheduler,
-                 plan=None, capacity: int = 0):
+    def __init__(self, engine, requests: Union[Sequence[EncodedRequest], Waiting], slots: int,
+                 scheduler: Scheduler, plan=None, capacity: int = 0):
         self.engine, self.target, self.drafter = engine, engine.target, engine.drafter
         # Joining prompts (engine/prefill.py): prefilled together, sharing the prefixes they have in common.
         self.prefixes = engine.prefixes
@@ -99,7 +100,7 @@ class BatchDecoder:
         self.lengths = Lengths([0] * self.slots)
         # allocated once for the longest row the memory plan allows for (``capacity`` positions):
         # growing a batch's cache copies it, and for that moment it needs twice its memory.
-        # Passes that compile see the buffers whole, at a width of their ladder (engine/compiled.py).
+        # Passes that compile see the buffers whole, at a width of their ladder (engine/ops/compiled.py).
         capacity = self._capacity(capacity)
         self.cache = self.target.make_cache(self.lengths, capacity)
         self.draft_lengths = Lengths([0] * self.slots) if self.drafter else None
@@ -193,7 +194,7 @@ class BatchDecoder:
             else:
                 self.group.add(prefill.Joiner(row, b, request.ids, 0, list(marks)), start)
 
-    def _new_row(self, request: Request) -> Row:
+    def _new_row(self, request: EncodedRequest) -> Row:
         engine = self.engine
         output = RowOutput(engine.tokenizer, len(request.ids), request.max_tokens, request.stop, engine.block_size)
         output.start()

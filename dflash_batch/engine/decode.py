@@ -11,7 +11,7 @@ target cache), n_b the tokens the cache holds, and T the cycle's verify width (t
     context:  the a_b + 1 kept rows of tapped hidden state feed the next draft of row b
 
 T = 1 is a plain decoding step (no draft: the target's choice is the bonus). Rows never see each
-other: each row's keys are masked to its own length (engine/batch_cache.py), recurrent layers
+other: each row's keys are masked to its own length (engine/ops/batch_cache.py), recurrent layers
 keep per-row state, and acceptance, rollback and budgets are per row. Every committed token is
 the target's own choice given that row's committed prefix, so greedy output equals plain greedy
 decoding of the target, row by row.
@@ -25,9 +25,9 @@ from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from .batch_cache import Lengths
-from .kernels import cpu
-from .target import Target
+from .models.target import Target
+from .ops.batch_cache import Lengths
+from .ops.kernels import cpu
 
 
 @dataclass
@@ -124,7 +124,7 @@ def draft_block(
     draft under a grammar); ``head``: draft from a draft vocabulary (``DraftHead``) instead.
 
     ``context`` [B, S] holds each row's new context rows, row b's first ``counts[b]`` valid (None:
-    all S). The drafter always runs the whole block (compiled where it can be: engine/compiled.py);
+    all S). The drafter always runs the whole block (compiled where it can be: engine/ops/compiled.py);
     only the LM head is cut to the rows verified.
     """
     h = _drafted_hidden(drafter, target, last, context, counts, cache, rows)

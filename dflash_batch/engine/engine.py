@@ -18,13 +18,16 @@ from ..completion import (
     Piece,
     PromptTooLongError,
 )
-from . import activations, attention, decode, loading, matmul, memory, prefill, registry, tree, warmup
 from .. import checks, constraints
 from ..request import CONTROLS, SamplingControls, sample_seed
-from .batch import BatchDecoder, Request
-from .kernels import cpu
+from . import decode, memory, prefill, tree, warmup
+from .batch import BatchDecoder, EncodedRequest
+from .config import EngineConfig
+from .models import loading, registry
+from .models.target import Target
+from .ops import activations, attention, device, matmul
+from .ops.kernels import cpu
 from .scheduler import CostModel, NodeCalibration, Scheduler, pooled_acceptance
-from .target import Target
 from .waiting import Waiting
 
 if TYPE_CHECKING:
@@ -32,7 +35,6 @@ if TYPE_CHECKING:
 
 Prompt = Union[str, List[Dict[str, Any]], List[int]]
 NO_LENGTH_LIMIT = int(1e30)  # what transformers itself sets for a tokenizer without a limit
-PREFIX_CACHE_MB = 1024  # memory for shared prompt prefixes, by default
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
 
@@ -46,54 +48,44 @@ class Engine:
         drafter=None,
         *,
         config: Optional[dict] = None,
-        block_size: Optional[int] = None,
-        adaptive_block: Optional[bool] = None,
-        prefill_chunk: Optional[int] = None,
-        max_context: Optional[int] = None,
-        batch_size: Optional[int] = None,
         description: Optional[dict] = None,
-        prefill_tokens: Optional[int] = None,
-        prefill_rows: Optional[int] = None,
-        prefix_cache_mb: Optional[float] = None,
-        prefix_granularity: int = 64,
-        cost_model: Optional[CostModel] = None,
+        settings: Optional[EngineConfig] = None,
+        **options,
     ):
+        """``config``: the target's model config; ``settings``, or its fields as ``options``:
+        the engine's settings (``EngineConfig``)."""
+        if settings is not None and options:
+            raise TypeError(f"give settings or its fields, not both: {sorted(options)}")
+        settings = EngineConfig(**options) if settings is None else settings
+        self.settings = settings
         self.tokenizer = tokenizer
         _lift_length_limit(tokenizer)
         self.drafter = drafter
         self.target = Target(model)
         attention.install(model)  # verify passes: multi-row attention routed per backend
-        matmul.install(model)  # and few-row products (engine/matmul.py)
-        activations.install(model)  # SwiGLU by the CPU ops where they run (engine/activations.py)
+        matmul.install(model)  # and few-row products (engine/ops/matmul.py)
+        activations.install(model)  # SwiGLU by the CPU ops where they run (engine/ops/activations.py)
         self.config = config or {}
         chunk, tokens = memory.default_prefill()
-        self.prefill_chunk = chunk if prefill_chunk is None else prefill_chunk
-        prefill_tokens = tokens if prefill_tokens is None else prefill_tokens
-        if self.prefill_chunk < 1:
-            raise ValueError(f"prefill_chunk must be at least 1, got {self.prefill_chunk}")
-        if prefill_tokens < 1:
-            raise ValueError(f"prefill_tokens must be at least 1, got {prefill_tokens}")
-        self.prefill_tokens = prefill_tokens  # tokens per packed prefill pass (rows x width), at most
-        self.prefill_rows = prefill_rows  # prompts prefilled together, at most (None: any; 1: one per pass)
+        self.prefill_chunk = chunk if settings.prefill_chunk is None else settings.prefill_chunk
+        # tokens per packed prefill pass (rows x width), at most
+        self.prefill_tokens = tokens if settings.prefill_tokens is None else settings.prefill_tokens
+        self.prefill_rows = settings.prefill_rows  # prompts prefilled together, at most (None: any)
         # Prefix states kept across runs (engine/prefill.py); None: every prompt prefilled alone.
-        prefix_cache_mb = PREFIX_CACHE_MB if prefix_cache_mb is None else prefix_cache_mb
-        if prefix_cache_mb < 0:
-            raise ValueError(f"prefix_cache_mb must be >= 0, got {prefix_cache_mb}")
-        self.prefixes = (
-            prefill.PrefixCache(int(prefix_cache_mb * 2**20), prefix_granularity) if prefix_cache_mb > 0 else None
-        )
-        self.max_context = max_context or self.config.get("max_position_embeddings")
+        mb = settings.prefix_mb
+        self.prefixes = prefill.PrefixCache(int(mb * 2**20), settings.prefix_granularity) if mb > 0 else None
+        self.max_context = settings.max_context or self.config.get("max_position_embeddings")
         self.block_size = 0
         self.draft_head: Optional[decode.DraftHead] = None  # set with a drafter that has a draft vocabulary
         self.target.check_cache()
         if drafter is not None:
-            self._attach(drafter, block_size)
+            self._attach(drafter, settings.block_size)
         # The verify width per cycle from a cost model of the passes and each row's acceptance
         # (engine/scheduler.py); False: the whole block every cycle.
-        self.adaptive_block = True if adaptive_block is None else adaptive_block
-        self.batch_cap = batch_size
+        self.adaptive_block = True if settings.adaptive_block is None else settings.adaptive_block
+        self.batch_cap = settings.batch_size
         self.cost: Dict[int, CostModel] = {}  # batch size -> measured pass costs (warm_up)
-        self.cost_model = cost_model  # given pass costs: no warm-up, any batch size (load_engine)
+        self.cost_model = settings.cost_model  # given pass costs: no warm-up, any batch size (load_engine)
         # the drafter's acceptance over every job's cycles: each job's prior (engine/scheduler.py)
         self.acceptance = pooled_acceptance(self.block_size)
         self.node_calibration = NodeCalibration(max(self.block_size - 1, 0))  # draft trees' nodes, likewise
@@ -194,7 +186,7 @@ class Engine:
         seed: Optional[int] = None,
         index: int = 0,
         **prompt_options,
-    ) -> Request:
+    ) -> EncodedRequest:
         """Check and encode one prompt with its options (raises GenerationError naming the problem).
         Sampling controls (``request.SamplingControls``: top_k, top_p, min_p, the penalties,
         logprobs, top_logprobs, response_format) come as keywords; docs/sampling.md."""
@@ -219,7 +211,7 @@ class Engine:
         if self.max_context:
             max_tokens = min(max_tokens, self.max_context - len(ids))
         want_logprobs = controls.logprobs or controls.top_logprobs > 0
-        return Request(
+        return EncodedRequest(
             ids, max_tokens, float(temperature), seed, tuple(stop or ()), index, controls=controls,
             logprobs=controls.top_logprobs if want_logprobs else None, grammar=constraints.grammar(controls.response_format),
         )
@@ -259,7 +251,8 @@ class Engine:
             completion.sample_index = index % n
             yield index // n, completion
 
-    def run(self, requests: Sequence[Request], batch_size: Optional[int] = None) -> Iterator[Tuple[int, Completion]]:
+    def run(self, requests: Sequence[EncodedRequest],
+            batch_size: Optional[int] = None) -> Iterator[Tuple[int, Completion]]:
         """Decode checked requests (see ``request``); yield ``(request.index, Completion)`` as each
         finishes. ``prefill_counts`` then holds the run's prefill passes, prompt tokens run through
         them and padding tokens; ``decode_counts`` its cycles per verify width T:
@@ -310,7 +303,7 @@ class Engine:
         refused: List[Tuple[Any, Exception]] = []
         owners: Dict[int, Tuple[Any, int]] = {}  # engine request index -> (runner's request, sample), in flight
 
-        def encoded() -> Iterator[Optional[List[Request]]]:
+        def encoded() -> Iterator[Optional[List[EncodedRequest]]]:
             count = 0
             for req in requests:
                 try:
@@ -380,14 +373,15 @@ class Engine:
         return _completion(list(self.stream(prompt, max_tokens, temperature, stop, seed, **prompt_options)))
 
     # -- batch size, pass costs ----------------------------------------------------------
-    def plan_batch(self, requests: Sequence[Request], batch_size: Optional[int] = None) -> int:
+    def plan_batch(self, requests: Sequence[EncodedRequest],
+                   batch_size: Optional[int] = None) -> int:
         """Rows in flight: the asked (or configured) cap, at most what memory holds for the
         longest request. Too little memory for even one row is an error before any work."""
         plan = memory.Plan(self, self._batch_cap(batch_size))
         plan.take(self._positions(requests))
         return max(1, min(plan.rows, len(requests)))
 
-    def _positions(self, requests: Sequence[Request]) -> int:
+    def _positions(self, requests: Sequence[EncodedRequest]) -> int:
         """Cache positions the longest of ``requests`` can reach: prompt, budget and one block."""
         return max(len(r.ids) + r.max_tokens for r in requests) + max(self.block_size, 1)
 
@@ -397,7 +391,7 @@ class Engine:
             raise ValueError(f"batch_size must be at least 1, got {cap}")
         return cap
 
-    def _scheduler(self, slots: int, requests: Sequence[Request] = ()) -> Scheduler:
+    def _scheduler(self, slots: int, requests: Sequence[EncodedRequest] = ()) -> Scheduler:
         if not self.adaptive_block or self.drafter is None:
             return Scheduler(self.block_size, CostModel(), fixed=True)
         cost = self.cost_model
@@ -407,7 +401,7 @@ class Engine:
             attention.set_ragged_route(cost.route)
         return Scheduler(self.block_size, cost, job=self.acceptance, nodes=self.node_calibration)
 
-    def _measured_cost(self, slots: int, requests: Sequence[Request]) -> CostModel:
+    def _measured_cost(self, slots: int, requests: Sequence[EncodedRequest]) -> CostModel:
         """The pass costs timed for this batch size at these requests' context (warm_up)."""
         context = _typical_context(requests)
         cost = self.cost.get(slots)
@@ -438,7 +432,7 @@ def _drafts(drafter, target) -> Optional[str]:
     return tree.mode() if target.trees else "chain"
 
 
-def _typical_context(requests: Sequence[Request]) -> int:
+def _typical_context(requests: Sequence[EncodedRequest]) -> int:
     """Tokens a row of these requests holds halfway through: the median prompt and half the
     median budget (0 for none)."""
     if not requests:
@@ -448,7 +442,7 @@ def _typical_context(requests: Sequence[Request]) -> int:
     return prompts[len(prompts) // 2] + budgets[len(budgets) // 2] // 2
 
 
-def _samples(first: Request, n: int, item: str = "") -> List[Request]:
+def _samples(first: EncodedRequest, n: int, item: str = "") -> List[EncodedRequest]:
     """``first`` and its n - 1 siblings: the same prompt, sample k seeded ``sample_seed(seed, k, item)``."""
     return [
         dataclasses.replace(first, seed=sample_seed(first.seed, k, item), index=first.index + k, sample=k)
@@ -485,7 +479,7 @@ def _completion(pieces: List[Piece]) -> Completion:
 def _pick_dtype(dtype: Optional[str]) -> Optional[mx.Dtype]:
     """fp32 on CPU (bf16 and quantized matmuls are slow there); as stored on a GPU."""
     if dtype is None or dtype == "auto":
-        return mx.float32 if mx.default_device() == mx.cpu else None
+        return mx.float32 if device.on_cpu() else None
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)} or 'auto', got {dtype!r}")
     return DTYPES[dtype]
@@ -509,16 +503,7 @@ def load_engine(
     target_revision: Optional[str] = None,
     draft_revision: Optional[str] = None,
     dtype: Optional[str] = "auto",
-    block_size: Optional[int] = None,
-    adaptive_block: Optional[bool] = None,
-    prefill_chunk: Optional[int] = None,
-    max_context: Optional[int] = None,
-    batch_size: Optional[int] = None,
-    prefill_tokens: Optional[int] = None,
-    prefill_rows: Optional[int] = None,
-    prefix_cache_mb: Optional[float] = None,
-    prefix_granularity: int = 64,
-    cost_model: Optional[CostModel] = None,
+    **options,
 ) -> Engine:
     """Load a target and its DFlash drafter.
 
@@ -528,28 +513,11 @@ def load_engine(
             target (none: plain AR decoding); None for plain AR decoding.
         target_revision, draft_revision: pin a branch, tag or commit on the hub.
         dtype: "auto" (fp32 on CPU, as stored on GPU), "float32", "bfloat16" or "float16".
-        block_size: verify at most this many tokens per cycle (at most the drafter's own).
-        adaptive_block: choose each cycle's verify width from measured pass costs and each
-            row's acceptance, down to plain decoding (default on); False: the whole block.
-        prefill_chunk: prompt tokens per prefill pass of one prompt (and per engine step and
-            free slot for joining prompts); default 512 on a CPU, 2048 on a GPU
-            (``memory.default_prefill``).
-        prefill_tokens: most tokens in one packed prefill pass (joining prompts x tokens each);
-            default 4096 on a CPU, 8192 on a GPU.
-        prefill_rows: most prompts prefilled together (None: as many as there are free slots;
-            1: one prompt per pass, as before packing).
-        prefix_cache_mb: memory for prompt prefixes prefilled once and reused by the prompts
-            that share them (least recently used dropped; default 1024); 0: every prompt
-            prefilled alone.
-        prefix_granularity: shared prefixes are kept at multiples of this many tokens (and at
-            whole prompts, for the samples of one prompt).
-        max_context: refuse prompts this long or longer (default: the target config's limit).
-        batch_size: most sequences decoded together (default: 32 on a GPU, 16 on CPU; fewer
-            when memory holds fewer).
-        cost_model: the pass costs the adaptive width is chosen from, in place of timing passes
-            at warm-up (engine/scheduler.py); with ``window=0`` no timing steers the widths,
-            so runs choose the same widths on any machine under any load (tests).
+        options: the engine's settings, ``EngineConfig``'s fields (block_size, adaptive_block,
+            prefill_chunk, prefill_tokens, prefill_rows, prefix_cache_mb, prefix_granularity,
+            max_context, batch_size, cost_model), checked before any model is loaded.
     """
+    settings = EngineConfig(**options)
     mx_dtype = _pick_dtype(dtype)
     if target is None:
         target, default_draft = registry.default_pair()
@@ -572,15 +540,6 @@ def load_engine(
         tokenizer,
         drafter,
         config=config,
-        block_size=block_size,
-        adaptive_block=adaptive_block,
-        prefill_chunk=prefill_chunk,
-        max_context=max_context,
-        batch_size=batch_size,
         description=description,
-        prefill_tokens=prefill_tokens,
-        prefill_rows=prefill_rows,
-        prefix_cache_mb=prefix_cache_mb,
-        prefix_granularity=prefix_granularity,
-        cost_model=cost_model,
+        settings=settings,
     )

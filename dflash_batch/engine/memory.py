@@ -17,14 +17,15 @@ import mlx.nn as nn
 
 from ..completion import GenerationError
 from ..errors import SettingError
-from .batch_cache import Lengths, RaggedKVCache, round_up
+from .ops import device
+from .ops.batch_cache import Lengths, RaggedKVCache, round_up
 
 USABLE = 0.8  # of free memory, for caches and the passes' temporaries
 ENV_LIMIT = "DFLASH_BATCH_MEMORY_GB"  # overrides the device's own figure (e.g. to share a GPU)
 
 
 def default_batch_cap() -> int:
-    return 16 if mx.default_device() == mx.cpu else 32
+    return 16 if device.on_cpu() else 32
 
 
 def default_prefill() -> tuple:
@@ -34,7 +35,7 @@ def default_prefill() -> tuple:
     (``benchmarks/cpu_ops --prefill-chunk``, the 2-core VM, 2026-11-27). An ad-hoc sweep (not
     kept) found chunks of 256 and 384 no faster and 768 slower, and 8 prompts of 500 tokens 7%
     faster in packed passes of up to 4,096 tokens than of up to 8,192."""
-    return (512, 4096) if mx.default_device() == mx.cpu else (2048, 8192)
+    return (512, 4096) if device.on_cpu() else (2048, 8192)
 
 
 def limit_bytes(text: str) -> int:
@@ -53,7 +54,7 @@ def total_bytes() -> int:
     recommended working set on Metal), else the machine's RAM."""
     if os.environ.get(ENV_LIMIT):
         return limit_bytes(os.environ[ENV_LIMIT])
-    info = mx.device_info() if mx.default_device() != mx.cpu else {}
+    info = mx.device_info() if not device.on_cpu() else {}
     for key in ("max_recommended_working_set_size", "memory_size", "total_memory"):
         if info.get(key):
             return int(info[key])

@@ -7,7 +7,7 @@ padded to C = max_j c_j, where c_j = min(r_j, C), r_j is what row j has left up 
 less left pads less than a quarter of the width:
 
     attention:  row j's keys are written at columns n_j .. n_j + C - 1 and query i of row j sees
-                keys j' <= n_j + i (engine/batch_cache.py), so row j's padding comes after all of
+                keys j' <= n_j + i (engine/ops/batch_cache.py), so row j's padding comes after all of
                 its valid queries and lies past n_j + c_j, where its next pass overwrites it
     recurrent:  when the c_j differ the pass records its tape and row j keeps its first c_j steps
                 (``TapeCache.trim_rows``, as after a verify pass): no row absorbs padding
@@ -37,7 +37,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from .batch_cache import Lengths
+from .ops.batch_cache import Lengths
 
 
 @dataclass

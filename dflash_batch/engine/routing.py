@@ -15,8 +15,9 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Iterator
 
-from . import attention, compiled, matmul, tree
-from .kernels import cpu
+from . import tree
+from .ops import attention, compiled, matmul
+from .ops.kernels import cpu
 
 
 @contextmanager

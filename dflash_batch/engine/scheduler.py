@@ -167,7 +167,7 @@ class CostModel:
     excess: Dict[bool, List[float]] = field(default_factory=lambda: {False: [], True: []})
     width_excess: Dict[Tuple[int, int], List[float]] = field(default_factory=dict)  # (B, T) -> the last cycles' excess
     context: Optional[int] = None  # tokens per row the passes were timed at (None: any)
-    route: Optional[str] = None  # the ragged attention route chosen with them (engine/attention.py)
+    route: Optional[str] = None  # the ragged attention route chosen with them (engine/ops/attention.py)
     rows: int = 0  # the batch size of ``timed`` (0: none timed)
     timed: Dict[int, float] = field(default_factory=dict)  # T -> seconds of a target pass at ``rows``
 

@@ -1,23 +1,61 @@
-"""The engine's environment variables, checked together: a bad value is refused before a job
-starts (``SettingError``, naming the variable) rather than failing the job when first read."""
+"""The engine's environment variables in one table (name, default, one line of doc, check),
+checked together: a bad value is refused before a job starts (``SettingError``, naming the
+variable) rather than failing the job when first read. Each variable supplies a default only;
+``EngineConfig`` and the routing modes set in code take precedence."""
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Tuple
 
 from ..errors import SettingError
-from . import attention, compiled, default_model, matmul, memory, modes, tree  # noqa: F401
-from .kernels import cpu, selfcheck  # noqa: F401
+from ..paths import CACHE_ENV
+from . import memory, tree  # noqa: F401  (tree declares the drafts switch)
+from .ops import attention, compiled, matmul, switch  # noqa: F401  (each declares its switch)
+from .ops.blas import BLAS_ENV
+from .ops.kernels import cpu, selfcheck  # noqa: F401
+
+
+@dataclass(frozen=True)
+class Variable:
+    name: str
+    default: str
+    doc: str
+    check: Callable[[], object]  # raises SettingError for a value that cannot be used
+
+
+def _memory() -> None:
+    if os.environ.get(memory.ENV_LIMIT):
+        memory.limit_bytes(os.environ[memory.ENV_LIMIT])
+
+
+def _cache() -> None:
+    cache = os.environ.get(CACHE_ENV)
+    if cache and Path(cache).expanduser().exists() and not Path(cache).expanduser().is_dir():
+        raise SettingError(f"{CACHE_ENV}={cache!r}: not a folder")
+
+
+def _routing(made: switch.Switch) -> Variable:
+    default = f"{made.cuda} on CUDA, {made.elsewhere} elsewhere"
+    doc = f"the {made.name} route: one of {', '.join(made.modes)}"
+    return Variable(made.env, default, doc, made.default)
+
+
+def variables() -> Tuple[Variable, ...]:
+    """Every engine variable: the routing switches, then the rest."""
+    return (*map(_routing, switch.Switch.made),
+            Variable(selfcheck.ENV, "1", "0 skips the GPU kernels' self-check", selfcheck.enabled),
+            Variable(memory.ENV_LIMIT, "the device's memory", "gigabytes the engine may use",
+                     _memory),
+            Variable(CACHE_ENV, "the platform's cache folder",
+                     "where converted models and built ops live", _cache),
+            Variable(BLAS_ENV, "a system OpenBLAS",
+                     "a CBLAS .so preloaded for MLX's CPU backend, or none", lambda: None))
 
 
 def check() -> None:
     """Raise ``SettingError`` for the first engine variable whose value cannot be used."""
-    for switch in modes.Switch.made:
-        switch.default()
-    selfcheck.enabled()
-    if os.environ.get(memory.ENV_LIMIT):
-        memory.limit_bytes(os.environ[memory.ENV_LIMIT])
-    cache = os.environ.get(default_model.CACHE_ENV)
-    if cache and Path(cache).expanduser().exists() and not Path(cache).expanduser().is_dir():
-        raise SettingError(f"{default_model.CACHE_ENV}={cache!r}: not a folder")
+    for variable in variables():
+        variable.check()

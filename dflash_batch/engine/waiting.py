@@ -19,7 +19,7 @@ REFUSED_AT_ONCE = 64  # refused requests held before the caller reports them
 
 
 class Waiting:
-    """Requests (engine/batch.py: ``Request``) in input order, each with its share marks.
+    """Requests (engine/batch.py: ``EncodedRequest``) in input order, each with its share marks.
 
     ``source`` yields lists of requests that are pulled together (the n samples of one prompt,
     so that they share its prefill), or None for a request the caller refused itself, counted in

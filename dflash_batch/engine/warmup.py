@@ -11,7 +11,7 @@ of three: other work on the machine only ever adds time):
                    through the others by more than 10% (a GPU's attention works in tiles of
                    query rows; at batch 1 its launches cost the same at every T > 1), every width the scheduler chooses among (1, 2, 3, 4, 6, 8, 12, 16)
     draft(B)       one drafter pass over a block of new context rows (those the widest timed
-                   verify pass tapped), compiled where the job's are (engine/compiled.py)
+                   verify pass tapped), compiled where the job's are (engine/ops/compiled.py)
 
 On the CPU a pass compiles nothing (its first run costs what later ones do, but for a process's
 first pass at a wide batch, run untimed) and costs a line in the rows it verifies, while each
@@ -21,7 +21,7 @@ only (the line through them gives the other widths; a job of one row times the b
 reads the widths between from the three), and the drafter over that many new context rows. On the default pair at batch 8 that is 6 timed passes and 1 untimed, about 1 s on the
 2-core VM, where the GPU's way runs about 30 (4.1 s, a fifth of the README's job).
 
-On a GPU backend whose block attention is a kernel, the ragged route (engine/attention.py) is
+On a GPU backend whose block attention is a kernel, the ragged route (engine/ops/attention.py) is
 chosen here too: the target and drafter passes at the job's batch size are timed with block
 attention and with stock SDPA over the bucketed cache, and the faster is kept for the job. The
 first job of a process no longer pays for compilation inside its first items, and the scheduler
@@ -35,9 +35,12 @@ from typing import Callable, Dict, Optional, Tuple
 
 import mlx.core as mx
 
-from . import attention, compiled, decode, hybrid
-from .batch_cache import Lengths, round_up
-from .scheduler import PROBE_WIDTH, CostModel, Scheduler
+from . import decode
+from .models import hybrid
+from .ops import attention, compiled
+from .ops import device
+from .ops.batch_cache import Lengths, round_up
+from .scheduler import CostModel, PROBE_WIDTH, Scheduler
 
 SHORT_CONTEXT = 64  # tokens per row when the job's context is not known
 CHEAP_PASS = 0.02  # seconds: a CPU pass this quick is timed as on a GPU (repeating it costs nothing)
@@ -97,7 +100,7 @@ def measure_costs(engine, batch_size: int, context: Optional[int] = None) -> Cos
 
 def _quick() -> bool:
     """Whether passes are timed the CPU's way (module doc): once each, at two widths."""
-    return mx.default_device() == mx.cpu
+    return device.on_cpu()
 
 
 def _first_widths(B: int, block: int, quick: bool, alone: bool = False) -> list:
@@ -127,9 +130,7 @@ def _straight(points, tolerance: float = 0.1) -> bool:
 
 def _routes_differ() -> bool:
     """Whether the two ragged routes run different code here (a kernel against stock SDPA)."""
-    from .kernels import attention as block
-
-    return attention.mode() == "kernel" and block._backend() is not None
+    return attention.mode() == "kernel" and device.gpu() is not None
 
 
 class _Passes:
@@ -168,7 +169,7 @@ class _Passes:
         def run():
             out, hidden = target.decode_pass(tokens, cache)
             # the rollback is part of a cycle's cost: recurrent layers replay the kept steps of
-            # each row (engine/hybrid.py); attention layers need nothing (the lengths stay)
+            # each row (engine/models/hybrid.py); attention layers need nothing (the lengths stay)
             target.rollback(cache, keep)
             if T == self.context_rows and hidden is not None:
                 self.hidden = hidden  # kept for the drafter's timed pass

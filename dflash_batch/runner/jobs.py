@@ -9,11 +9,9 @@ itself lives in the output dir (store.py), never here.
 
 from __future__ import annotations
 
-import os
 import re
 import secrets
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -24,21 +22,11 @@ import orjson
 from .. import checks
 from ..errors import AmbiguousJob, JobActive, JobNotFound, OutputDirClaimed
 from ..files import write_atomic
+from ..paths import home_dir  # noqa: F401  (the name the front ends import from here)
 from .items import read_items
 from .lock import is_locked
 from .spec import JobSpec, SpecError, default_name
 from .store import ResultStore, key_of
-
-
-def home_dir() -> Path:
-    """``$DFLASH_BATCH_HOME``, else the user's data dir (XDG on Linux, Application Support on macOS)."""
-    env = os.environ.get("DFLASH_BATCH_HOME")
-    if env:
-        return Path(env).expanduser().resolve()
-    if sys.platform == "darwin":
-        return Path.home() / "Library" / "Application Support" / "dflash-batch"
-    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
-    return Path(base).expanduser().resolve() / "dflash-batch"
 
 
 def check_home(home: Path, write: bool) -> None:

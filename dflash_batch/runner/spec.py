@@ -38,7 +38,7 @@ MODEL_KEYS = ("target", "target_revision", "draft", "draft_revision", "dtype", "
               "prefix_cache_mb")  # fmt: skip
 SAMPLING_KEYS = ("max_tokens", "max_tokens_cap", "temperature", "seed", "stop", "n") + tuple(CONTROLS)
 OUTPUT_DIR_FIELDS = ("home", "name", "date", "time")
-# The name OpenAI-format output gives the embedded default target (engine/default_model.py).
+# The name OpenAI-format output gives the embedded default target (engine/models/default_model.py).
 DEFAULT_TARGET_NAME = "SmolLM2-135M-Instruct"
 TOP_KEYS = (
     "name", "input", "input_format", "id_field", "prompt_field", "messages_field", "output_dir",

@@ -206,7 +206,7 @@ def evaluate(cfg, drafter: str, log) -> int:
     import dataclasses
     import json
 
-    from ..engine.default_model import DRAFTER_ASSET
+    from ..engine.models.default_model import DRAFTER_ASSET
     from .trainer import Trainer
 
     folder = DRAFTER_ASSET if drafter == "default" else Path(drafter)

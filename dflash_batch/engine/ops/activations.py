@@ -15,7 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import activations as mlx_lm_activations
 
-from . import modes
+from . import switch
 from .kernels import cpu
 
 _stock_swiglu = mlx_lm_activations.swiglu
@@ -31,7 +31,7 @@ def routed_swiglu(gate: mx.array, x: mx.array) -> mx.array:
 def install(model: nn.Module) -> List[str]:
     """Point the MLPs of an mlx-lm model at ``routed_swiglu``; returns the modules patched (none
     when already installed)."""
-    return modes.repoint(model, "swiglu", _stock_swiglu, routed_swiglu)
+    return switch.repoint(model, "swiglu", _stock_swiglu, routed_swiglu)
 
 
 __all__ = ["install", "routed_swiglu"]

@@ -20,7 +20,7 @@ from typing import Dict, Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..files import write_folder_atomic
+from ...files import write_folder_atomic
 from .loading import quantize_like
 
 GROUP_SIZE = 32  # every GGUF block type mx.load converts uses blocks of 32

@@ -41,7 +41,8 @@ import mlx.nn as nn
 from mlx_lm.models import base as mlx_lm_base
 from mlx_lm.models.base import create_causal_mask
 
-from . import modes
+from . import switch
+from . import device
 from .batch_cache import RaggedKVCache
 from .kernels import attention as block
 from .kernels import cpu
@@ -57,7 +58,7 @@ _counts: Dict[str, int] = {"routed": 0, "stock": 0}
 _ragged_route = "block"
 
 
-_switch = modes.Switch("attention", ENV, MODES, cuda="kernel", elsewhere="stock")
+_switch = switch.Switch("attention", ENV, MODES, cuda="kernel", elsewhere="stock")
 default_mode = _switch.default  # DFLASH_BATCH_ATTENTION if set, else "kernel" on CUDA and "stock" elsewhere
 
 
@@ -99,7 +100,7 @@ def _route(q: mx.array, k: mx.array, v: mx.array, min_rows: int = 2) -> Optional
     chosen = _resolved or mode()
     if chosen == "stock" or not min_rows <= q.shape[2] <= MAX_ROWS:
         return None
-    if chosen == "kernel" and (block._backend() is None or block.unsupported(q, k, v)):
+    if chosen == "kernel" and (device.gpu() is None or block.unsupported(q, k, v)):
         return None
     if chosen == "reference" and block.unsupported(q, k, v, head_dims=None):
         return None
@@ -195,4 +196,4 @@ def _ragged_mask(kv_len: mx.array, L: int, width: int, causal: bool, window: Opt
 def install(model: nn.Module) -> List[str]:
     """Point the attention layers of an mlx-lm model at ``target_sdpa``; returns the modules
     patched (none when already installed). Harmless in "stock" mode: the same SDPA runs."""
-    return modes.repoint(model, "scaled_dot_product_attention", _stock_sdpa, target_sdpa)
+    return switch.repoint(model, "scaled_dot_product_attention", _stock_sdpa, target_sdpa)

@@ -32,11 +32,13 @@ that runs each kernel (tests register deliberately broken ones there).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Optional, Tuple
 
 import mlx.core as mx
 
-from . import selfcheck
+from .. import device
+from . import selfcheck, sources
 
 IMPLEMENTATIONS = ("reference", "metal", "cuda")
 CHECK_STEPS = 4  # tokens in a self-check case
@@ -44,13 +46,7 @@ CHECK_STEPS = 4  # tokens in a self-check case
 
 def backend() -> str:
     """The implementation the current default device runs."""
-    if mx.default_device() != mx.gpu:
-        return "reference"
-    if mx.metal.is_available():
-        return "metal"
-    if cuda_available():
-        return "cuda"
-    return "reference"
+    return device.gpu() or "reference"
 
 
 def cuda_available() -> bool:
@@ -119,161 +115,11 @@ def _reference_replay(tape, k, g, state):
     return state
 
 
-# ---------------------------------------------------------------------------------------------
-# Metal: grid (32, Dv, B*Hv), threadgroup (32, 4, 1). One simdgroup per state row (b, hv, dv);
-# lane l owns columns [l * Dk/32, (l+1) * Dk/32).
-
-_METAL_RECURRENCE = """
-    const int n = thread_position_in_grid.z;
-    const int b = n / Hv;
-    const int hv = n % Hv;
-    const int hk = hv / (Hv / Hk);
-    const int lane = thread_position_in_threadgroup.x;
-    const int dv = thread_position_in_grid.y;
-    constexpr int per_lane = Dk / 32;
-    const int steps = T;
-
-    const int64_t row = (int64_t(n) * Dv + dv) * Dk + lane * per_lane;
-    float s[per_lane];
-    for (int i = 0; i < per_lane; ++i) {
-      s[i] = static_cast<float>(state_in[row + i]);
-    }
-    for (int t = 0; t < steps; ++t) {
-      const int64_t kq = (int64_t(b * steps + t) * Hk + hk) * Dk + lane * per_lane;
-      const int64_t vh = int64_t(b * steps + t) * Hv + hv;
-      const float gt = static_cast<float>(g[vh]);
-      float kv = 0.0f;
-      for (int i = 0; i < per_lane; ++i) {
-        s[i] = s[i] * gt;
-        kv += s[i] * static_cast<float>(k[kq + i]);
-      }
-      kv = simd_sum(kv);
-      const float delta = (static_cast<float>(v[vh * Dv + dv]) - kv) * static_cast<float>(beta[vh]);
-      float out = 0.0f;
-      for (int i = 0; i < per_lane; ++i) {
-        s[i] = fma(static_cast<float>(k[kq + i]), delta, s[i]);
-        out += s[i] * static_cast<float>(q[kq + i]);
-        s[i] = static_cast<float>(static_cast<StT>(s[i]));
-      }
-      out = simd_sum(out);
-      if (lane == 0) {
-        y[vh * Dv + dv] = static_cast<InT>(out);
-        if (Record) {
-          tape[vh * Dv + dv] = delta;
-        }
-      }
-    }
-    for (int i = 0; i < per_lane; ++i) {
-      state_out[row + i] = static_cast<StT>(s[i]);
-    }
-"""
-
-# grid (Dk, Dv, B*Hv), threadgroup (32, 4, 1): one thread per state element.
-_METAL_REPLAY = """
-    const int c = thread_position_in_grid.x;
-    const int dv = thread_position_in_grid.y;
-    const int n = thread_position_in_grid.z;
-    const int b = n / Hv;
-    const int hv = n % Hv;
-    const int hk = hv / (Hv / Hk);
-    const int steps = T;
-    const int64_t at = (int64_t(n) * Dv + dv) * Dk + c;
-    float s = static_cast<float>(state_in[at]);
-    for (int t = 0; t < steps; ++t) {
-      const int64_t vh = int64_t(b * steps + t) * Hv + hv;
-      s = s * static_cast<float>(g[vh]);
-      s = fma(static_cast<float>(k[(int64_t(b * steps + t) * Hk + hk) * Dk + c]), tape[vh * Dv + dv], s);
-      s = static_cast<float>(static_cast<StT>(s));
-    }
-    state_out[at] = static_cast<StT>(s);
-"""
-
-# ---------------------------------------------------------------------------------------------
-# CUDA: grid (32, Dv, B*Hv), block (32, 4, 1). One warp per state row (b, hv, dv); lane l owns
-# columns l, l + 32, ... (coalesced loads). Same operation order as the Metal kernel.
-
-_CUDA_RECURRENCE = """
-    const int n = blockIdx.z;
-    const int b = n / Hv;
-    const int hv = n % Hv;
-    const int hk = hv / (Hv / Hk);
-    const int lane = threadIdx.x;
-    const int dv = blockIdx.y * blockDim.y + threadIdx.y;
-    constexpr int per_lane = Dk / 32;
-    const int steps = k_shape[1];
-
-    const int64_t row = ((int64_t)n * Dv + dv) * Dk + lane;
-    float s[per_lane];
-    #pragma unroll
-    for (int i = 0; i < per_lane; ++i) {
-      s[i] = static_cast<float>(state_in[row + 32 * i]);
-    }
-    for (int t = 0; t < steps; ++t) {
-      const int64_t kq = ((int64_t)(b * steps + t) * Hk + hk) * Dk + lane;
-      const int64_t vh = (int64_t)(b * steps + t) * Hv + hv;
-      const float gt = static_cast<float>(g[vh]);
-      float kc[per_lane];
-      float kv = 0.0f;
-      #pragma unroll
-      for (int i = 0; i < per_lane; ++i) {
-        kc[i] = static_cast<float>(k[kq + 32 * i]);
-        s[i] = s[i] * gt;
-        kv += s[i] * kc[i];
-      }
-      #pragma unroll
-      for (int m = 16; m > 0; m >>= 1) {
-        kv += __shfl_xor_sync(0xffffffffu, kv, m);
-      }
-      const float delta = (static_cast<float>(v[vh * Dv + dv]) - kv) * static_cast<float>(beta[vh]);
-      float out = 0.0f;
-      #pragma unroll
-      for (int i = 0; i < per_lane; ++i) {
-        s[i] = fmaf(kc[i], delta, s[i]);
-        out += s[i] * static_cast<float>(q[kq + 32 * i]);
-        s[i] = static_cast<float>(static_cast<StT>(s[i]));
-      }
-      #pragma unroll
-      for (int m = 16; m > 0; m >>= 1) {
-        out += __shfl_xor_sync(0xffffffffu, out, m);
-      }
-      if (lane == 0) {
-        y[vh * Dv + dv] = static_cast<InT>(out);
-        if (Record) {
-          tape[vh * Dv + dv] = delta;
-        }
-      }
-    }
-    #pragma unroll
-    for (int i = 0; i < per_lane; ++i) {
-      state_out[row + 32 * i] = static_cast<StT>(s[i]);
-    }
-"""
-
-# grid (Dk, Dv, B*Hv), block (32, 4, 1): one thread per state element.
-_CUDA_REPLAY = """
-    const int c = blockIdx.x * blockDim.x + threadIdx.x;
-    const int dv = blockIdx.y * blockDim.y + threadIdx.y;
-    const int n = blockIdx.z;
-    const int b = n / Hv;
-    const int hv = n % Hv;
-    const int hk = hv / (Hv / Hk);
-    const int steps = k_shape[1];
-    const int64_t at = ((int64_t)n * Dv + dv) * Dk + c;
-    float s = static_cast<float>(state_in[at]);
-    for (int t = 0; t < steps; ++t) {
-      const int64_t vh = (int64_t)(b * steps + t) * Hv + hv;
-      s = s * static_cast<float>(g[vh]);
-      s = fmaf(static_cast<float>(k[((int64_t)(b * steps + t) * Hk + hk) * Dk + c]), tape[vh * Dv + dv], s);
-      s = static_cast<float>(static_cast<StT>(s));
-    }
-    state_out[at] = static_cast<StT>(s);
-"""
-
+# The kernel bodies: gated_delta_{recurrence,replay}.{metal,cuh} beside this file.
 _SOURCES = {
-    ("metal", "recurrence"): _METAL_RECURRENCE,
-    ("metal", "replay"): _METAL_REPLAY,
-    ("cuda", "recurrence"): _CUDA_RECURRENCE,
-    ("cuda", "replay"): _CUDA_REPLAY,
+    (impl, which): sources.read(Path(__file__).parent, f"gated_delta_{which}.{ext}")
+    for impl, ext in (("metal", "metal"), ("cuda", "cuh"))
+    for which in ("recurrence", "replay")
 }
 _INPUTS = {"recurrence": ["q", "k", "v", "g", "beta", "state_in"], "replay": ["tape", "k", "g", "state_in"]}
 _OUTPUTS = {"recurrence": ["y", "state_out", "tape"], "replay": ["state_out"]}

@@ -31,8 +31,8 @@ from typing import Dict, Optional
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import modes
-from .kernels import attention as block
+from . import switch
+from . import device
 from .kernels import matmul as kernel
 
 MODES = ("stock", "kernel")
@@ -46,7 +46,7 @@ MAX_OUTPUTS = 8192
 
 _routing: Optional[bool] = None  # resolved: whether few-row products go to the kernel
 _counts: Dict[str, int] = {"routed": 0}
-_switch = modes.Switch("matmul", ENV, MODES, cuda="kernel", elsewhere="stock")
+_switch = switch.Switch("matmul", ENV, MODES, cuda="kernel", elsewhere="stock")
 default_mode = _switch.default  # DFLASH_BATCH_MATMUL if set, else "kernel" on CUDA and "stock" elsewhere
 mode = _switch.mode
 
@@ -66,7 +66,7 @@ def counters() -> Dict[str, int]:
 def _routed(x: mx.array, w: mx.array) -> bool:
     global _routing
     if _routing is None:
-        _routing = mode() == "kernel" and block.gpu_backend() == "cuda"
+        _routing = mode() == "kernel" and device.backend() == "cuda"
     if not _routing:
         return False
     rows = x.size // x.shape[-1] if x.ndim else 0

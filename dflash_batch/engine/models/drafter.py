@@ -7,7 +7,7 @@ caller applies the target's LM head to the output, cut to the drafter's draft vo
 has one (``draft_vocab.json``; engine/decode.py: ``DraftHead``). The draft cache holds context
 K/V (the block's rows are written past the context and never counted). Batches whose rows bring
 different numbers of context rows take the ragged path (``Attention._ragged``); so does a
-decoding cycle's pass where it is replayed from a trace (``draft_pass``: engine/compiled.py).
+decoding cycle's pass where it is replayed from a trace (``draft_pass``: engine/ops/compiled.py).
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.rope_utils import initialize_rope
 
-from . import compiled
-from .attention import drafter_attention
-from .batch_cache import Lengths, RaggedKVCache
-from .kernels import cpu
+from ..ops import compiled
+from ..ops.attention import drafter_attention
+from ..ops.batch_cache import Lengths, RaggedKVCache
+from ..ops.kernels import cpu
 
 REQUIRED_KEYS = (
     "hidden_size",
@@ -158,7 +158,7 @@ class Attention(nn.Module):
         # Keys sit at absolute positions 0..T+L-1 and queries at T..T+L-1 (T = context length).
         # Full layers: every query sees all context and the whole block (bidirectional).
         # Sliding layers: causal inside the block, context limited to the window.
-        # (stock SDPA with that mask, or the two-pass block attention on GPU: engine/attention.py)
+        # (stock SDPA with that mask, or the two-pass block attention on GPU: engine/ops/attention.py)
         out = drafter_attention(q, keys, values, scale=self.scale, window=self.window)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
@@ -256,7 +256,7 @@ class Model(nn.Module):
         self, x: mx.array, context: mx.array, cache: List[RaggedKVCache], counts: Optional[mx.array] = None
     ) -> mx.array:
         """A decoding cycle's drafter pass: ``__call__``, replayed from a trace where it can be
-        (engine/compiled.py)."""
+        (engine/ops/compiled.py)."""
         return self.passes(x, context, cache, counts)
 
     def add_context(self, context: mx.array, cache: List[RaggedKVCache]) -> None:

@@ -18,7 +18,7 @@ rounded once. Any K and alignment: 16-byte loads where x, W and K allow, scalar 
 
 ``matmul_reference`` is ``x @ W.T`` in MLX ops (the oracle; the CPU path). ``matmul_kernel`` runs
 the CUDA kernel as it is (tests and benchmarks). ``kernel_verified`` checks it once per process
-and dtype against the reference on the CPU (``selfcheck``); ``engine/matmul.py`` routes products
+and dtype against the reference on the CPU (``selfcheck``); ``engine/ops/matmul.py`` routes products
 to it. There is no Metal kernel: MLX's Metal matmul has its own few-row path, and nothing here
 can run Metal to measure whether one would help. The body is written against a few macros that
 the CUDA header (and the tests' CPU emulator, which runs this exact text) define.
@@ -26,11 +26,12 @@ the CUDA header (and the tests' CPU emulator, which runs this exact text) define
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Dict, Optional
 
 import mlx.core as mx
 
-from . import selfcheck
+from . import selfcheck, sources
 
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 ROW_BUCKETS = (4, 8, 16, 32)  # ROWS template values: a product of M rows runs the smallest >= M
@@ -38,70 +39,11 @@ MAX_ROWS = ROW_BUCKETS[-1]
 WARPS = 4  # warps per block
 COLS = 2  # output columns per warp
 
-# One warp's share of y = x @ W.T. Inputs x [M, K], w [N, K] (row-major); output y [M, N].
-BODY = r"""
-    constexpr int V = 16 / sizeof(T);  // elements per 16-byte load
-    const int lane = THREAD_X % 32;
-    const I64 n0 = ((I64)BLOCK_X * WARPS + THREAD_X / 32) * COLS;
-    int M = 1;  // x [..., K]: every leading axis is rows
-    for (int d = 0; d < x_ndim - 1; ++d) M *= x_shape[d];
-    const int K = x_shape[x_ndim - 1];
-    const int N = w_shape[0];
-    if (n0 >= N) return;  // the whole warp: its first column is past the end
-    const bool vec = (K % V) == 0 && ALIGNED16(x) && ALIGNED16(w);
-    float acc[ROWS][COLS];
-    UNROLL for (int m = 0; m < ROWS; ++m) UNROLL for (int c = 0; c < COLS; ++c) acc[m][c] = 0.0f;
-    for (int k = lane * V; k < K; k += 32 * V) {
-        float wv[COLS][V];
-        UNROLL for (int c = 0; c < COLS; ++c) {
-            const I64 n = n0 + c < N ? n0 + c : n0;  // a column past the end reads column n0, never written
-            if (vec) LOADV(wv[c], w + n * K + k);
-            else UNROLL for (int e = 0; e < V; ++e) wv[c][e] = k + e < K ? static_cast<float>(w[n * K + k + e]) : 0.0f;
-        }
-        UNROLL for (int m = 0; m < ROWS; ++m) {
-            if (m < M) {
-                float xv[V];
-                if (vec) LOADV(xv, x + (I64)m * K + k);
-                else UNROLL for (int e = 0; e < V; ++e) xv[e] = k + e < K ? static_cast<float>(x[(I64)m * K + k + e]) : 0.0f;
-                UNROLL for (int c = 0; c < COLS; ++c) UNROLL for (int e = 0; e < V; ++e) acc[m][c] += xv[e] * wv[c][e];
-            }
-        }
-    }
-    UNROLL for (int m = 0; m < ROWS; ++m) UNROLL for (int c = 0; c < COLS; ++c) {
-        const float total = WARP_SUM(acc[m][c]);
-        if (lane == (m * COLS + c) % 32 && m < M && n0 + c < N) y[(I64)m * N + n0 + c] = OUT_CAST(total);
-    }
-"""
-
-CUDA_HEADER = r"""
-#define I64 long long
-#define THREAD_X threadIdx.x
-#define BLOCK_X blockIdx.x
-#define UNROLL _Pragma("unroll")
-#define ALIGNED16(p) ((reinterpret_cast<unsigned long long>(p) & 15ull) == 0)
-#define OUT_CAST(x) static_cast<T>(x)
-__device__ __forceinline__ float dflash_mm_warp_sum(float x) {
-    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-    return x;
-}
-template <typename TT>
-__device__ __forceinline__ void dflash_mm_loadv(float* dst, const TT* src) {
-    const uint4 raw = *reinterpret_cast<const uint4*>(src);  // one 16-byte load
-    const TT* vals = reinterpret_cast<const TT*>(&raw);
-    for (int e = 0; e < (int)(16 / sizeof(TT)); ++e) dst[e] = static_cast<float>(vals[e]);
-}
-#define WARP_SUM(x) dflash_mm_warp_sum(x)
-#define LOADV(dst, src) dflash_mm_loadv((dst), (src))
-"""
-
-
-def _compact(source: str) -> str:
-    """Drop comments, indentation and blank lines: MLX hashes the source on every call."""
-    lines = (" ".join(line.split("//")[0].split()) for line in source.splitlines())
-    return "\n" + "\n".join(line for line in lines if line) + "\n"
-
-
-CUDA_BODY, CUDA_HEADER_COMPACT = _compact(BODY), _compact(CUDA_HEADER)
+# The kernel: matmul_body.inc (one warp's share of y = x @ W.T; the tests' emulator builds the
+# same text) under matmul_header.cuh, files beside this one.
+BODY = sources.read(Path(__file__).parent, "matmul_body.inc")
+CUDA_HEADER = sources.read(Path(__file__).parent, "matmul_header.cuh")
+CUDA_BODY, CUDA_HEADER_COMPACT = sources.compact(BODY), sources.compact(CUDA_HEADER)
 
 
 def matmul_reference(x: mx.array, w: mx.array) -> mx.array:

@@ -14,8 +14,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from . import compiled, hybrid, matmul, tree
-from .batch_cache import Lengths, RaggedKVCache
+from ..ops import compiled, matmul, rope
+from ..ops.batch_cache import Lengths, RaggedKVCache
+from . import hybrid
 
 
 class _Tap(nn.Module):
@@ -78,8 +79,8 @@ class Target:
         self._store: List[Optional[mx.array]] = []
         self.tap_ids: List[int] = []
         self.passes = compiled.CompiledPasses(self)
-        # draft trees need one RoPE position per token (engine/tree.py); recurrent layers cannot branch
-        self.trees = not self.hybrid and tree.wrap_ropes(self.layers)
+        # draft trees need one RoPE position per token (engine/ops/rope.py); recurrent layers cannot branch
+        self.trees = not self.hybrid and rope.wrap_ropes(self.layers)
         if tap_ids:
             self.set_taps(tap_ids)
 
@@ -114,7 +115,7 @@ class Target:
     def make_cache(self, lengths: Optional[Lengths] = None, capacity: int = 0) -> list:
         """Per-layer caches for a batch whose rows hold ``lengths`` tokens: ``RaggedKVCache`` for
         attention layers (``capacity`` key positions allocated at first use), ``TapeCache`` for
-        GatedDeltaNet layers (see engine/batch_cache.py). None: one empty row, for a single pass
+        GatedDeltaNet layers (see engine/ops/batch_cache.py). None: one empty row, for a single pass
         (the caller advances ``lengths`` otherwise)."""
         lengths = Lengths([0]) if lengths is None else lengths
         caches = hybrid.make_cache(self.model) if self.hybrid else make_prompt_cache(self.model)
@@ -186,7 +187,7 @@ class Target:
 
     def decode_pass(self, tokens: mx.array, cache: list) -> Tuple[mx.array, Optional[mx.array]]:
         """A decoding cycle's verify pass: ``verify``, replayed from a trace where it can be
-        (engine/compiled.py)."""
+        (engine/ops/compiled.py)."""
         return self.passes(tokens, cache)
 
     def verify(self, tokens: mx.array, cache: list, at: Optional[mx.array] = None) -> Tuple[mx.array, Optional[mx.array]]:

@@ -9,8 +9,8 @@ import os
 import sys
 from typing import Callable, List, Optional, Sequence
 
-from ..errors import SettingError
-from .kernels import attention as block
+from ...errors import SettingError
+from . import device
 
 
 class Switch:
@@ -27,7 +27,7 @@ class Switch:
         env = os.environ.get(self.env)
         if env and env not in self.modes:
             raise SettingError(f"{self.env}={env!r}: expected one of {self.modes}")
-        return env or (self.cuda if block.gpu_backend() == "cuda" else self.elsewhere)
+        return env or (self.cuda if device.backend() == "cuda" else self.elsewhere)
 
     def set(self, mode: Optional[str]) -> None:
         """Choose the mode for the whole process; None returns to the default."""

@@ -31,7 +31,7 @@ from mlx_lm.models import qwen3_5
 from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 from mlx_lm.models.gated_delta import compute_g, normalize_qk
 
-from .kernels import gated_delta
+from ..ops.kernels import gated_delta
 
 
 class TapeCache(ArraysCache):

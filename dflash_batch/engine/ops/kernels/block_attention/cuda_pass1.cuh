@@ -1,0 +1,2 @@
+#include "cuda_block_ids.inc"
+#include "pass1.inc"

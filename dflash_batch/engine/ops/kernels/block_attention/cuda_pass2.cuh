@@ -1,0 +1,4 @@
+    const int row = blockIdx.x;
+    const int d = threadIdx.x;
+
+#include "pass2.inc"

@@ -1,0 +1,59 @@
+"""One EngineConfig holds the engine's settings, checked when it is made (before any model is
+loaded); one table lists the engine's environment variables."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+
+from dflash_batch.engine import load_engine
+from dflash_batch.engine import settings as engine_settings
+from dflash_batch.engine.config import FIELDS, EngineConfig
+from dflash_batch.engine.engine import Engine
+from tests.runner_fixtures import REPO
+
+
+@pytest.mark.parametrize("field, value",
+                         [("prefill_chunk", 0), ("prefill_tokens", 0), ("prefix_cache_mb", -1)])
+def test_a_bad_setting_is_refused_naming_it_before_any_model_loads(tmp_path, field, value):
+    with pytest.raises(ValueError, match=field):
+        EngineConfig(**{field: value})
+    with pytest.raises(ValueError, match=field):  # not a missing-model error: checked first
+        load_engine(str(tmp_path / "no-such-model"), None, **{field: value})
+
+
+def test_an_unknown_setting_is_refused_by_name(tmp_path):
+    with pytest.raises(TypeError, match="prefil_chunk"):
+        load_engine(str(tmp_path / "no-such-model"), None, prefil_chunk=8)
+
+
+def test_the_config_is_slotted_and_lists_the_engine_settings():
+    config = EngineConfig(prefill_chunk=7)
+    with pytest.raises(AttributeError):
+        config.prefill_chunks = 8  # a misspelt setting is no silent new attribute
+    assert set(FIELDS) == {f.name for f in dataclasses.fields(EngineConfig)}
+    assert {"block_size", "batch_size", "prefill_chunk", "cost_model", "max_context"} <= set(FIELDS)
+
+
+def test_load_engine_passes_its_settings_down(tiny_pair):
+    engine = load_engine(*map(str, tiny_pair), prefill_chunk=7, prefill_tokens=30,
+                         prefix_cache_mb=0)
+    assert isinstance(engine.settings, EngineConfig) and engine.settings.prefill_chunk == 7
+    assert (engine.prefill_chunk, engine.prefill_tokens, engine.prefixes) == (7, 30, None)
+    with pytest.raises(TypeError, match="not both"):
+        Engine(engine.target.model, engine.tokenizer, settings=EngineConfig(), prefill_chunk=3)
+
+
+def test_every_engine_variable_is_in_the_one_table():
+    """Each DFLASH_BATCH_* name the engine's code spells appears in settings.variables(), with
+    a default and a line of doc."""
+    spelled = set()
+    for path in (REPO / "dflash_batch" / "engine").rglob("*.py"):
+        spelled |= set(re.findall(r"DFLASH_BATCH_[A-Z_]+", path.read_text()))
+    spelled |= {"DFLASH_BATCH_CACHE"}  # read in paths.py, for the engine's model cache
+    spelled -= {"DFLASH_BATCH_HOME"}  # the runner's job home, named in a docstring
+    table = {v.name: v for v in engine_settings.variables()}
+    assert spelled <= set(table), spelled - set(table)
+    assert all(v.default and v.doc for v in table.values())
