@@ -188,8 +188,9 @@ def run(
     spec = _spec(input, overrides)
     if engine is None and engine_factory is None:
         check_engine_settings()
-    check_output_folder(spec.resolved_output_dir(home))  # before the lock makes it
-    with DirLock(spec.resolved_output_dir(home)):  # a busy dir refuses before anything is written
+    output_dir = spec.resolved_output_dir(home)
+    check_output_folder(output_dir)  # before the lock makes it
+    with DirLock(output_dir):  # a busy dir refuses before anything is written
         pass
     record = create_job(spec, home, foreground=True)
     engines = (lambda spec: engine) if engine is not None else Engines(engine_factory or load_model)

@@ -113,10 +113,8 @@ def _checked(kind: str, text: str) -> Tuple[Optional[str], Optional[str]]:
 
 def compile_here(kind: str, text: str) -> str:
     """Compile and validate in this process (the helper's work); raises ``BadValue``."""
-    try:
-        import llguidance
-    except ImportError:
-        raise BadValue(f"needs llguidance: {install_hint('structured')}") from None
+    _require_library()
+    import llguidance
     try:
         if kind == "json":
             # compact JSON (no free whitespace): a model cannot pad its output with blank runs
