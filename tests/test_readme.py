@@ -37,7 +37,7 @@ def test_readme_commands_name_the_programs_of_the_venv():
 
 def test_readme_default_pair_figures_are_what_the_benchmark_measured():
     paragraph = " ".join(README[README.index("Default pair (SmolLM2-135M-Instruct") :].split("\n\n")[0].split())
-    named = re.search(r"`(docs/benchmarks/default-pair-cpu-[\w.-]+)\.md`", paragraph)  # the file it quotes
+    named = re.search(r"`(docs/results/default-pair-cpu-[\w.-]+)\.md`", paragraph)  # the file it quotes
     assert named, "the paragraph names no CPU default-pair result"
     result = json.loads((REPO / f"{named.group(1)}.json").read_text())
     command = ".venv/bin/" + result["command"]
