@@ -232,7 +232,7 @@ def dry_run(input: Source, *, home: Optional[Union[str, Path]] = None, **overrid
     store = ResultStore(spec.resolved_output_dir(home))
     check_claim(store, spec)
     return {"input": spec.input, "rows": rows, "errors": errors, "output_dir": str(store.dir),
-            "done": len(store.done_ids()), "settings": spec.to_dict()}
+            "done": len(store.done_ids()), "model": spec.model_name, "settings": spec.to_dict()}
 
 
 def cancel(job_id: str, *, home: Optional[Union[str, Path]] = None) -> Job:

@@ -441,6 +441,7 @@ def _dry_run(args) -> int:
         return EXIT_ROWS_FAILED if plan["errors"] else EXIT_OK
     print(f"input: {plan['input']}: {plan['rows']} rows, {plan['errors']} of them error rows")
     print(f"output: {plan['output_dir']} ({plan['done']} rows there already)")
+    print(f"model: {plan['model']}, drafter {plan['settings']['draft']}")
     print("settings:")
     for key, value in plan["settings"].items():
         if value not in (None, [], {}) and key != "input":

@@ -40,7 +40,7 @@ def test_a_dry_run_counts_rows_and_creates_nothing(command, rows, home, no_model
     assert code == cli.EXIT_ROWS_FAILED  # the empty prompt is an error row, as in a real run
     assert f"input: {rows}: 3 rows, 1 of them error rows" in out
     assert f"output: {home / 'results' / 'dry'} (0 rows there already)" in out
-    assert "  max_tokens: 7" in out and "  name: dry" in out
+    assert "  max_tokens: 7" in out and "  name: dry" in out and "model: SmolLM2-135M-Instruct" in out
     assert written(home) == []  # no job record, no queue, no output folder
     assert api.jobs(home) == []
 
