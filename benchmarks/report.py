@@ -2,7 +2,7 @@
 
 For each results file ``docs/results/NAME.json`` this writes ``NAME.md`` (tables) and
 ``NAME-context.png`` / ``NAME-batch.png`` (plots, when matplotlib is installed: the ``bench``
-extra), then refreshes the generated block of ``docs/benchmarks.md``. No MLX needed.
+extra), then refreshes the generated block of ``docs/results/benchmarks.md``. No MLX needed.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 DOCS = Path("docs/results")
-PAGE = Path("docs/benchmarks.md")
+PAGE = Path("docs/results/benchmarks.md")
 BEGIN, END = "<!-- generated tables: begin -->", "<!-- generated tables: end -->"
 README_BEGIN, README_END = "<!-- README section: begin -->", "<!-- README section: end -->"
 README_ARMS = [("tau=9.57", "dflash, tau 9.57 (published)"), ("drafted=0.89", "dflash, 89% of drafted"), ("full", "dflash, full blocks")]
@@ -318,7 +318,7 @@ def readme_section(docs: List[Tuple[str, Dict[str, Any]]]) -> List[str]:
         "Decode tok/s per sequence at each shape's headline context, ratio to `mlx_lm.stream_generate` on the "
         "same machine and prompt. Random-weight models of the exact shapes; DFlash acceptance is scripted "
         "(only the drafter's proposed ids are; all compute is real). Method and full tables: "
-        "[docs/benchmarks.md](docs/benchmarks.md).",
+        "[../benchmarks.md](../benchmarks.md).",
         "",
         "| run (machine, start UTC, tag) | shape, context | mlx_lm stream_generate | " + " | ".join(l for _, l in README_ARMS)
         + " | physical limit |",
@@ -354,7 +354,7 @@ def readme_section(docs: List[Tuple[str, Dict[str, Any]]]) -> List[str]:
         "Physical limit: weight bytes / measured copy bandwidth, tok/s per sequence for plain decoding "
         "(on CPU the copy runs on one MLX thread: a lower bound of the bandwidth, not a ceiling)."
         + (" invalid: a run made meaningless by the engine bug it exposed (fixed since; see "
-           "docs/benchmarks.md for the rerun)." if invalid else ""),
+           "below for the rerun)." if invalid else ""),
     ]
     return out
 
