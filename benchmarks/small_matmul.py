@@ -38,7 +38,7 @@ With the few-row kernel and the host's share (another H200, the same day,
     16    17.3 / 0.9    16.3 / 8.1         18.5 / 0.9    21.3 / 8.1       47.0 / 1.6    139.2 / 11.4
 
 The kernel's device time is a third to a half of cuBLAS's; its calls cost the host 4-7 us more
-(docs/batched.md, "A few-row matmul kernel"). That run's kernel reshaped x to two axes and back
+(docs/results/batched.md, "A few-row matmul kernel"). That run's kernel reshaped x to two axes and back
 (two more operations a call); it now reads x's leading axes as rows.
 """
 

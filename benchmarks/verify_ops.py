@@ -42,7 +42,7 @@ ms per pass / of them building the graph:
     kernel    4.37 / 1.54  8.79 / 4.51  8.69 / 4.44   8.88 / 4.45  10.33 / 4.50  (847)
 
 The kernel halves the operations and their device time, and the host spends as much building
-the calls: a batch-1 pass is as much host as device (docs/batched.md, "A few-row matmul kernel").
+the calls: a batch-1 pass is as much host as device (docs/results/batched.md, "A few-row matmul kernel").
 ``--passes eager,compiled`` (engine/ops/compiled.py; a fourth H200, ``--modes kernel --matmul kernel
 --rounds 3``, ``docs/results/verify-ops-h200-2026-11-24-b1-compiled.json``):
 
