@@ -158,3 +158,26 @@ def test_the_readme_sections_run_as_written(tmp_path, home, fake_models, redis_u
     assert len(qwen) == 8 and (qwen["block_size"] == 8).all()  # the registered drafter drafted
     assert (qwen["drafted_tokens"] > 0).any()
 
+
+
+def test_the_readme_python_names_what_the_package_has():
+    """The Python blocks parse, and every `dflash_batch.X` and method they call exists with the
+    keyword arguments they pass (their engine calls run for real in tests/test_engine_*.py)."""
+    import ast
+    import inspect
+
+    import dflash_batch
+    from dflash_batch.engine import Engine
+
+    blocks = re.findall(r"```python\n(.*?)```", README, flags=re.S)
+    assert blocks
+    owners = {"dflash_batch": dflash_batch, "engine": Engine, "job": dflash_batch.Job}
+    for block in blocks:
+        for call in [n for n in ast.walk(ast.parse(block)) if isinstance(n, ast.Call)]:
+            f = call.func
+            if not (isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id in owners):
+                continue
+            target = getattr(owners[f.value.id], f.attr)  # AttributeError: the README names nothing
+            params = inspect.signature(target).parameters
+            if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
+                assert {k.arg for k in call.keywords} <= set(params), (f.attr, block)
