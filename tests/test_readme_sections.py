@@ -16,6 +16,8 @@ import subprocess
 import sys
 import urllib.request
 
+import pytest
+
 from dflash_batch import api
 from tests.runner_fixtures import fake_models, home, wait_for  # noqa: F401  (fixtures)
 from tests.test_readme import README, SET_UP, command_lines, shell_blocks
@@ -134,7 +136,11 @@ def run_section(heading, lines, background, redis_url, home):  # noqa: F811
         background.stop()
 
 
-def test_the_readme_sections_run_as_written(tmp_path, home, fake_models, redis_url):  # noqa: F811
+def test_the_readme_sections_run_as_written(tmp_path, home, fake_models, request):  # noqa: F811
+    try:  # a machine without redis-server still runs every other section
+        redis_url = request.getfixturevalue("redis_url")  # noqa: F811
+    except pytest.skip.Exception:
+        redis_url = None
     bin_dir = shim(tmp_path)
     hf = bin_dir / "hf"  # the Hugging Face CLI the install puts in .venv/bin
     hf.write_text(f'#!/bin/sh\nexec {sys.executable} -c "from huggingface_hub.cli.hf import main; main()" "$@"\n')
@@ -146,13 +152,15 @@ def test_the_readme_sections_run_as_written(tmp_path, home, fake_models, redis_u
         if heading in RUN_ELSEWHERE:
             continue
         env = mac_env if heading == MAC else fake_env
+        if redis_url is None and any("--redis" in line for line in lines):
+            continue
         background = Background(bin_dir, env, tmp_path / "background.log")
         try:
             run_section(heading, lines, background, redis_url, home)
         finally:
             background.kill()
     jobs = {j.record.data["name"]: j for j in api.jobs(home)}
-    assert {"short", "sampled", "as-json", "qwen3-4b", "shared"} <= set(jobs)
+    assert {"short", "sampled", "as-json", "qwen3-4b"} | ({"shared"} if redis_url else set()) <= set(jobs)
     assert jobs["sampled"].status()["ok"] == 16  # --n 2: two rows an item
     qwen = jobs["qwen3-4b"].to_pandas()
     assert len(qwen) == 8 and (qwen["block_size"] == 8).all()  # the registered drafter drafted
