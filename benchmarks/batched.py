@@ -142,7 +142,7 @@ def main(argv=None) -> Path:
     ap.add_argument("--reps", type=int, default=1)
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on a GPU, float32 on CPU")
     ap.add_argument("--budget-s", type=float, default=0, help="start no new measurement after this long")
-    ap.add_argument("--out", default="docs/benchmarks")
+    ap.add_argument("--out", default="docs/results")
     ap.add_argument("--tag", default="")
     ap.add_argument("--skip-baseline", action="store_true", help="no mlx_lm.batch_generate arm (e.g. where it runs out of memory)")
     ap.add_argument("--resume", action="store_true",

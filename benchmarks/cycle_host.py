@@ -27,7 +27,7 @@ On a shared CPU only ratios mean anything; on a GPU the host share is GPU idle t
 
 Measured (shared 2-core CPU VM, 2026-11-23, qwen3-tiny fp32, block 16, full acceptance: 16 tokens
 per row per cycle; ``--reps 3 --max-tokens 160``, the code before this benchmark's branch and
-after it (a7fbffb) run alternately three times, medians; docs/benchmarks/cycle-host-*-cpu-2026-11-23.jsonl),
+after it (a7fbffb) run alternately three times, medians; docs/results/cycle-host-*-cpu-2026-11-23.jsonl),
 host ms per cycle, before -> after:
 
   piece                  B=16          B=64

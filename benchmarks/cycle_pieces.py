@@ -19,8 +19,8 @@ to the cycle; on a GPU the syncs remove the overlap of host and device, and the 
 each costs alone, not what the cycle costs as run.
 
 Measured (this shared 2-core VM, mlx[cpu] 0.32.4, fp32, 4 held-out prompts x 128 tokens):
-2026-11-25, ``docs/benchmarks/cycle-pieces-cpu-2core-2026-11-25.json`` (docs/batched.md, "Draft
-trees"); 2026-11-27 with the CPU ops, ``...-2026-11-27-cpu-ops.json`` (docs/batched.md, "CPU ops").
+2026-11-25, ``docs/results/cycle-pieces-cpu-2core-2026-11-25.json`` (docs/results/batched.md, "Draft
+trees"); 2026-11-27 with the CPU ops, ``...-2026-11-27-cpu-ops.json`` (docs/results/batched.md, "CPU ops").
 """
 
 from __future__ import annotations

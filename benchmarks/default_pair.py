@@ -10,7 +10,7 @@ Measures, on held-out prompts that drafter training never saw:
   * decode speed against ``mlx_lm.stream_generate`` of the same converted target, same prompt
     tokens, after a warm-up, median of several runs.
 
-    python benchmarks/default_pair.py --machine cpu-2core          # writes docs/benchmarks/...
+    python benchmarks/default_pair.py --machine cpu-2core          # writes docs/results/...
 
 Decode speed = (tokens - 1) / (time of the last token - time of the first token), for both
 sides: the prefill and the first token are excluded alike.

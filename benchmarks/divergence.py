@@ -127,7 +127,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--out", default="docs/benchmarks")
+    ap.add_argument("--out", default="docs/results")
     ap.add_argument("--tag", default="")
     args = ap.parse_args(argv)
     results = [one_dtype(d, args.prompts, args.max_tokens, args.batch) for d in args.dtypes.split(",")]

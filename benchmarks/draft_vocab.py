@@ -3,7 +3,7 @@ acceptance and buys in speed: one drafter with draft vocabularies of several siz
 in one process, on held-out prompts.
 
     python -m benchmarks.draft_vocab --data .train-run/data --self-prompts 20000 --sizes 0,4096,8192,16384 \\
-        --samples benchmarks/data/smollm2-held-out-prompts.jsonl --out docs/benchmarks/draft-vocab-<machine>.json
+        --samples benchmarks/data/smollm2-held-out-prompts.jsonl --out docs/results/draft-vocab-<machine>.json
 
 Size 0 is the whole vocabulary. Each size's vocabulary is rebuilt from the training answers of
 ``--data`` (``train-drafter``'s rule: the most written tokens, EOS among them), so the figures

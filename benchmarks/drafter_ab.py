@@ -6,7 +6,7 @@ older copy of that file (its ``Attention.__call__`` swapped in at run time, same
     python -m benchmarks.drafter_ab --old /tmp/drafter_old.py --default-pair --new-rows 3 --outputs   # CPU
 
 The older copy must share the current cache protocol (``RaggedKVCache``, ``counts``): copies
-from before the batched engine (e.g. 8f034b8, the figures in docs/gpu-attention.md) used
+from before the batched engine (e.g. 8f034b8, the figures in docs/results/gpu-attention.md) used
 mlx-lm's KVCache and ran with the tool as it was at commit 7a8da8d.
 
 Reports the primitives in one draft graph (``mx.export_to_dot``), the draft pass in ms (median

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The default drafter (SmolLM2-135M-Instruct) at scale on one NVIDIA GPU with mlx[cuda13], in
 # stages that each fit one call of at most 10 minutes and resume where the last call stopped.
-# Run from the repository root on the GPU machine; TRAINING.md (in the drafter asset) has the recipe.
+# Run from the repository root on the GPU machine; docs/results/drafter-training.md has the recipe.
 #
 # Needs: MLX (CUDA) and mlx-lm importable via PYTHONPATH; GGUF=<SmolLM2-135M-Instruct.Q4_1.gguf>;
 # OUT=<folder for the results>; TOTAL=<seconds this call may take, default 540>;
@@ -56,8 +56,8 @@ final)
   cp -r "$RUN/final/drafter" "$OUT/drafter" && cp "$RUN/final/train.log.jsonl" "$OUT/" || exit 1
   [ "$rc" = 0 ] && [ "$BENCH" = 1 ] || { echo "stage final: exit $rc, ${SECONDS}s"; exit "$rc"; }
   asset=dflash_batch/assets/drafters/smollm2-135m-instruct
-  cp "$asset/TRAINING.md" /tmp/TRAINING.md && rm -rf "$asset" && cp -r "$RUN/final/drafter" "$asset" \
-    && cp /tmp/TRAINING.md "$asset/"
+  cp "$asset/README.md" /tmp/drafter-README.md && rm -rf "$asset" && cp -r "$RUN/final/drafter" "$asset" \
+    && cp /tmp/drafter-README.md "$asset/README.md"
   timeout "$(left 5)" python3 benchmarks/default_pair.py --machine "${MACHINE:-gpu}" --samples "$RUN/data/eval.jsonl" \
     --prompts 12 --speed-prompts 4 --runs 3 --out-dir "$OUT/bench" 2>&1 | tail -60
   ;;

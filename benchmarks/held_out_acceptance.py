@@ -3,7 +3,7 @@ goal (mean tokens per cycle >= 4.0) is about, over more prompts than ``default_p
 time one by one.
 
     python -m benchmarks.held_out_acceptance --samples benchmarks/data/smollm2-held-out-prompts.jsonl \\
-        --prompts 64 --max-tokens 128 --out docs/benchmarks/held-out-acceptance-<machine>.json
+        --prompts 64 --max-tokens 128 --out docs/results/held-out-acceptance-<machine>.json
 
 Every cycle verifies the whole block (``adaptive_block=False``), as in ``default_pair.py`` and the
 sweep: tokens per cycle = committed tokens / verify cycles, the bonus token included and the

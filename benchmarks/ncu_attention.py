@@ -5,7 +5,7 @@
         python3 benchmarks/ncu_attention.py > ncu.csv
     python3 benchmarks/ncu_summary.py ncu.csv
 
-(docs/benchmarks/ncu-h200-run*.txt hold the summaries of the H200 runs.)
+(docs/results/ncu-h200-run*.txt hold the summaries of the H200 runs.)
 """
 import argparse
 

@@ -319,7 +319,7 @@ def main(argv: Optional[List[str]] = None, engine_options: Optional[Dict[str, An
 def _main(argv: Optional[List[str]], engine_options: Optional[Dict[str, Any]]) -> Path:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--suite", required=True, choices=sorted(SUITES))
-    ap.add_argument("--out", default="docs/benchmarks", help="folder for the JSON results")
+    ap.add_argument("--out", default="docs/results", help="folder for the JSON results")
     ap.add_argument("--shapes", help="comma-separated subset of the suite's shapes")
     ap.add_argument("--contexts", help="comma-separated context lengths (override)")
     ap.add_argument("--reps", type=int)

@@ -18,7 +18,7 @@ rows rounds fp32 through TF32).
 The verify pass of the default pair has 211 of these per pass; at batch 1 its T >= 2 passes cost
 two to three times its T = 1 pass with the same number of operations (``benchmarks/verify_ops``).
 
-Measured (H200, mlx[cuda13] 0.32.4, 2026-11-24, ``docs/benchmarks/small-matmul-h200-2026-11-24.json``),
+Measured (H200, mlx[cuda13] 0.32.4, 2026-11-24, ``docs/results/small-matmul-h200-2026-11-24.json``),
 microseconds per product, ``matmul`` / ``gemv``:
 
     rows  N = 576          N = 1536         N = 49152 (LM head)
@@ -31,14 +31,14 @@ So cuBLAS costs about 10 us more than the one-row gemv per product (about 2 ms o
 and a batched gemv): not worth routing.
 
 With the few-row kernel and the host's share (another H200, the same day,
-``docs/benchmarks/small-matmul-h200-2026-11-24-kernel.json``), us per product / of them building:
+``docs/results/small-matmul-h200-2026-11-24-kernel.json``), us per product / of them building:
 
     rows  N = 576: matmul      kernel        N = 1536: matmul   kernel       N = 49152: matmul   kernel
     4     13.6 / 0.5    9.3 / 4.4          17.2 / 0.9    14.6 / 7.9       47.2 / 2.0    56.2 / 10.5
     16    17.3 / 0.9    16.3 / 8.1         18.5 / 0.9    21.3 / 8.1       47.0 / 1.6    139.2 / 11.4
 
 The kernel's device time is a third to a half of cuBLAS's; its calls cost the host 4-7 us more
-(docs/batched.md, "A few-row matmul kernel"). That run's kernel reshaped x to two axes and back
+(docs/results/batched.md, "A few-row matmul kernel"). That run's kernel reshaped x to two axes and back
 (two more operations a call); it now reads x's leading axes as rows.
 """
 

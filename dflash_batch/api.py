@@ -218,6 +218,23 @@ def run(
     return Job(record.id, home)
 
 
+def dry_run(input: Source, *, home: Optional[Union[str, Path]] = None, **overrides) -> Dict[str, Any]:
+    """What ``run`` or ``submit`` would do, without doing it: the input read and its rows and
+    error rows counted, the resolved settings, the output folder and the rows already there.
+    Loads no model and writes nothing; raises what they would raise for bad input or spec."""
+    from .runner.items import count_rows
+    from .runner.jobs import check_claim
+    from .runner.store import ResultStore
+
+    home = Path(home) if home else home_dir()
+    spec = _spec(input, overrides)
+    rows, errors = count_rows(spec.input, spec.input_format, spec.fields)
+    store = ResultStore(spec.resolved_output_dir(home))
+    check_claim(store, spec)
+    return {"input": spec.input, "rows": rows, "errors": errors, "output_dir": str(store.dir),
+            "done": len(store.done_ids()), "model": spec.model_name, "settings": spec.to_dict()}
+
+
 def cancel(job_id: str, *, home: Optional[Union[str, Path]] = None) -> Job:
     """Stop a job: queued chunks are dropped when they come up, a running chunk stops between
     items (its finished items stay)."""

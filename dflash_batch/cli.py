@@ -45,6 +45,10 @@ Queue, job records and default output dirs live in $DFLASH_BATCH_HOME (see --hom
 """
 
 
+DRY_RUN_HELP = ("read the input and spec, count rows and error rows, print the settings and output dir; "
+                "load no model, create no job (exit 5 when some rows are error rows)")
+
+
 def _overrides(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("job settings (override the YAML spec)")
     g.add_argument("--name", help="job name (default: input file name + path hash)")
@@ -146,6 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("source", metavar="FILE|JOB.yaml")
     p.add_argument("--now", action="store_true", help="for a scheduled YAML job: also queue it now")
     p.add_argument("--json", action="store_true", help="print the job as JSON")
+    p.add_argument("--dry-run", action="store_true", help=DRY_RUN_HELP)
     _overrides(p)
 
     p = sub.add_parser("run", help="run a job here in the foreground (no queue), with a progress bar",
@@ -155,6 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-q", "--quiet", "--no-progress", dest="quiet", action="store_true",
                    help="no progress bar (items done, output tok/s, ETA) and no INFO logs")
     p.add_argument("--json", action="store_true", help="print the final status as JSON")
+    p.add_argument("--dry-run", action="store_true", help=DRY_RUN_HELP)
     _overrides(p)
 
     p = sub.add_parser("worker", help="run the queue consumer (one resident engine)",
@@ -215,6 +221,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("job", metavar="JOB")
     p.add_argument("--format", choices=["parquet", "jsonl", "openai"], default="parquet")
     p.add_argument("--out", help="file to write (default: parquet prints the output dir, others go to stdout)")
+    shown = p.add_mutually_exclusive_group()
+    shown.add_argument("--text", action="store_true", help="print each row's id and output, in input order")
+    shown.add_argument("--columns", metavar="A,B", help="print these columns as JSON lines, in input order")
 
     p = sub.add_parser("drafters", help="list the registered target/drafter pairs (--draft auto)",
                        description="The DFlash drafters registered for target names (no model is "
@@ -326,7 +335,7 @@ def _check_setup(args) -> None:
     if not args.home and os.environ.get("DFLASH_BATCH_HOME"):
         where = "$DFLASH_BATCH_HOME"
     try:
-        check_home(home_dir(), write=args.command in WRITING_COMMANDS)
+        check_home(home_dir(), write=args.command in WRITING_COMMANDS and not getattr(args, "dry_run", False))
     except SpecError as e:
         raise SpecError(f"{where} {e}") from None
     lease_ttl()
@@ -358,6 +367,8 @@ def cmd_submit(args) -> int:
     from . import api
     from .runner.jobs import home_dir
 
+    if args.dry_run:
+        return _dry_run(args)
     spec = _load(args)
     home = home_dir()
     if spec.schedule:
@@ -399,6 +410,8 @@ def _queued_line(s: Dict[str, Any], chunks: int) -> str:
 def cmd_run(args) -> int:
     from . import api
 
+    if args.dry_run:
+        return _dry_run(args)
     try:
         job = api.run(_load(args), progress=not args.quiet)
     except api.JobFailed as e:
@@ -416,6 +429,25 @@ def cmd_run(args) -> int:
               f"why (`dflash-batch results {status['id']} --format jsonl`)",
               file=sys.stderr)  # fmt: skip
     return code
+
+
+def _dry_run(args) -> int:
+    """What the job would be, from its input and spec alone: no model, no job record."""
+    from . import api
+
+    plan = api.dry_run(args.source, **_override_values(args))
+    if args.json:
+        _print_json(plan)
+        return EXIT_ROWS_FAILED if plan["errors"] else EXIT_OK
+    print(f"input: {plan['input']}: {plan['rows']} rows, {plan['errors']} of them error rows")
+    print(f"output: {plan['output_dir']} ({plan['done']} rows there already)")
+    print(f"model: {plan['model']}, drafter {plan['settings']['draft']}")
+    print("settings:")
+    for key, value in plan["settings"].items():
+        if value not in (None, [], {}) and key != "input":
+            print(f"  {key}: {value}")
+    print("dry run: no model loaded, no job created")
+    return EXIT_ROWS_FAILED if plan["errors"] else EXIT_OK
 
 
 def run_exit_code(status: Dict[str, Any]) -> int:
@@ -573,6 +605,8 @@ def cmd_results(args) -> int:
     from .runner.export import write_lines
 
     job = Job(args.job)
+    if args.text or args.columns:
+        return _print_rows(job, args.columns)
     if args.format == "parquet":
         if not args.out:
             print(job.output_dir)
@@ -598,6 +632,29 @@ def cmd_results(args) -> int:
         write_lines(table, sys.stdout.buffer, args.format, model=job.record.spec.model_name)
         sys.stdout.flush()  # a closed pipe shows here, inside main, not at exit
     return 0
+
+
+def _print_rows(job, columns: Optional[str]) -> int:
+    """``--text``: each row's id and output (or error); ``--columns``: those columns as JSON
+    lines. In input order, a row's samples in turn."""
+    import orjson
+
+    table = job.to_arrow().sort_by([("input_index", "ascending"), ("sample_index", "ascending")])
+    if columns:
+        names = [c.strip() for c in columns.split(",") if c.strip()]
+        unknown = [c for c in names if c not in table.column_names]
+        if unknown or not names:
+            raise CliError(f"--columns: no column {', '.join(unknown) or columns!r}; a row has "
+                           f"{', '.join(table.column_names)}", EXIT_REFUSED)  # fmt: skip
+        for row in table.select(names).to_pylist():
+            sys.stdout.buffer.write(orjson.dumps(row, default=str) + b"\n")
+        sys.stdout.flush()
+        return EXIT_OK
+    for row in table.to_pylist():
+        sample = f" (sample {row['sample_index']})" if row["sample_index"] else ""
+        print(f"--- {row['id']}{sample}")
+        print(row["output"] if row["status"] == "ok" else f"error: {row['error']}")
+    return EXIT_OK
 
 
 def cmd_rm(args) -> int:

@@ -26,3 +26,11 @@ def test_the_build_backend_reads_spdx_licences():
     (setuptools,) = [r for r in requires if r.startswith("setuptools")]
     floor = re.fullmatch(r"setuptools>=(\d+)(\.\d+)*", setuptools)
     assert floor and int(floor.group(1)) >= 77, setuptools
+
+
+def test_the_package_carries_no_diary():
+    """Package data is code and assets: the only prose a wheel ships is each asset's short
+    README; training diaries and dated results live in docs/results/."""
+    texts = [p for p in (REPO / "dflash_batch").rglob("*") if p.suffix in (".md", ".log", ".jsonl")]
+    assert all(p.name == "README.md" and p.stat().st_size < 8000 for p in texts), texts
+    assert (REPO / "dflash_batch/assets/drafters/smollm2-135m-instruct/README.md").exists()

@@ -32,22 +32,21 @@ def test_readme_commands_name_the_programs_of_the_venv():
     bare = [line for line in command_lines(README) if BARE.search(line)]
     assert bare == [], f"not on PATH after the README's install: {bare}"
     assert ".venv/bin/dflash-batch submit examples/prompts.jsonl" in README
-    assert ".venv/bin/python -c \"import pandas" in README
+    assert ".venv/bin/dflash-batch results $JOB --text" in README  # the answers, one command
 
 
-def test_readme_default_pair_figures_are_what_the_benchmark_measured():
-    paragraph = " ".join(README[README.index("Default pair (SmolLM2-135M-Instruct") :].split("\n\n")[0].split())
-    named = re.search(r"`(docs/benchmarks/default-pair-cpu-[\w.-]+)\.md`", paragraph)  # the file it quotes
-    assert named, "the paragraph names no CPU default-pair result"
-    result = json.loads((REPO / f"{named.group(1)}.json").read_text())
-    command = ".venv/bin/" + result["command"]
-    assert f"`{command}`" in paragraph, command
-    tau = re.search(r"mean acceptance length \*\*([\d.]+)\*\*", paragraph)
-    assert tau and float(tau.group(1)) == round(result["mean_acceptance_length"], 2)
-    assert f"{result['exact_prompts']}/{result['held_out_prompts']} outputs identical" in paragraph
-    over_all = re.search(r"over all held-out prompts: \*\*([\d.]+)x\*\*", paragraph)
-    assert over_all and float(over_all.group(1)) == round(result["all_prompts_speedup"], 2)
-    first = re.search(r"on the first \d+ prompts: \*\*([\d.]+)x\*\*", paragraph)
-    assert first and float(first.group(1)) == round(result["speedup_median"], 2)
-    if result["all_prompts_speedup"] < 1:
-        assert "slower than plain decoding" in paragraph and "does not help" in paragraph
+def test_readme_speed_table_quotes_its_result_files():
+    """Each row of the speed table: the figures are those of the result file it links."""
+    rows = [line for line in README.split("\n## ")[0].splitlines() if "](docs/results/" in line and line.startswith("|")]
+    assert len(rows) == 2, rows
+    cpu, gpu = rows
+    result = json.loads((REPO / re.search(r"\((docs/results/default-pair-cpu[\w.-]+)\.md\)", cpu).group(1)).with_suffix(".json").read_text())
+    assert f"| {result['all_prompts_mlx_lm_decode_tps']:.2f} tok/s |" in cpu
+    assert f"| {result['all_prompts_dflash_decode_tps']:.2f} tok/s (**{result['all_prompts_speedup']:.2f}x**)" in cpu
+    assert f"{result['exact_prompts']}/{result['held_out_prompts']} identical" in cpu
+    assert f"{result['held_out_prompts']} held-out prompts" in cpu
+    page = (REPO / re.search(r"\((docs/results/batched-h100[\w.-]+\.md)\)", gpu).group(1)).read_text()
+    plain, dflash = re.search(r"\| ([\d,]+) tok/s \| ([\d,]+) tok/s \(\*\*([\d.]+)x", gpu).groups()[:2]
+    ratio = re.search(r"\(\*\*([\d.]+)x\*\*\)", gpu).group(1)
+    assert re.search(rf"^\| mlx_lm.batch_generate \|.*\| {plain} \(gen \d+\) \|$", page, re.M), plain
+    assert re.search(rf"^\| dflash tau=6.5 \|.*\| {dflash} \({ratio}x\) \|$", page, re.M), (dflash, ratio)

@@ -1,6 +1,6 @@
 """The README's documented sequence, run as written and in order on a fresh home with the fake
 engine: the main job, then the batch-jobs block (submit, worker, status, status --watch, the
-results read with pandas, examples/enqueue.py). The queued job generates its rows, and the
+answers read with `results --text`, examples/enqueue.py). The queued job generates its rows, and the
 example from another program completes beside the main job's results."""
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ ASSIGN = re.compile(r"^(\w+)=\$\((.*)\)$")  # VAR=$(command)
 
 def batch_jobs_block() -> list:
     """The command lines of the README's batch-jobs block, comments dropped."""
-    [block] = [b for b in shell_blocks(README) if "dflash-batch submit" in b]
+    [block] = [b for b in shell_blocks(README) if "dflash-batch submit examples/prompts.jsonl --name queued-example" in b]
     return [line.split(" # ")[0].strip() for line in block.splitlines() if line.strip()]
 
 
@@ -73,8 +73,8 @@ def test_the_readme_sequence_runs_as_written(tmp_path, home, fake_models):  # no
                 env[assigned.group(1)] = out.stdout.strip()
                 # the queued job generates: its rows are not the main job's
                 assert "8 items in 1 chunk(s) queued" in out.stderr, out.stderr
-            if "read_parquet" in line:
-                assert "[8 rows x" in out.stdout
+            if line.endswith("--text"):  # each of the 8 answers, under its id
+                assert out.stdout.count("--- ") == 8, out.stdout
             if "enqueue.py" in line:
                 assert "completed: 8/8 items done; 8 rows: 8 ok, 0 failed" in out.stdout
         assert worker is not None, "the block starts no worker"

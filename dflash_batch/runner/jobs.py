@@ -251,16 +251,7 @@ def create_job(spec: JobSpec, home: Path, job_id: Optional[str] = None,
     config_hash = spec.config_hash()
     check_output_folder(output_dir)
     store = ResultStore(output_dir)
-    previous = store.manifest().get("config_hash")
-    if previous and previous != config_hash and not spec.force:
-        claimed = (f"{output_dir} holds results made with another model/sampling config "
-                   f"(hash {previous}, now {config_hash})")  # fmt: skip
-        raise OutputDirClaimed(
-            f"{claimed}; use another output_dir= (or name=, where the folder is named after "
-            "the job), or force=True to add to it anyway",
-            f"{claimed}; use another -o/--output-dir (or --name, where the folder is named after "
-            "the job), or --force to add to it anyway",
-        )
+    check_claim(store, spec)
     chunk_size = spec.chunk_size
     done = store.done_ids()  # rows an earlier job already wrote to this output dir
     # An id's first row says the item is done only when no item has more samples (else the job
@@ -294,6 +285,21 @@ def create_job(spec: JobSpec, home: Path, job_id: Optional[str] = None,
     for start in done_chunks:
         record.mark_chunk_done(start // chunk_size)
     return record
+
+
+def check_claim(store: ResultStore, spec: JobSpec) -> None:
+    """Refuse (``OutputDirClaimed``) an output dir holding results of another config, unless
+    ``spec.force``."""
+    previous, config_hash = store.manifest().get("config_hash"), spec.config_hash()
+    if previous and previous != config_hash and not spec.force:
+        claimed = (f"{store.dir} holds results made with another model/sampling config "
+                   f"(hash {previous}, now {config_hash})")  # fmt: skip
+        raise OutputDirClaimed(
+            f"{claimed}; use another output_dir= (or name=, where the folder is named after "
+            "the job), or force=True to add to it anyway",
+            f"{claimed}; use another -o/--output-dir (or --name, where the folder is named after "
+            "the job), or --force to add to it anyway",
+        )
 
 
 def same_job(home: Path, spec: JobSpec, output_dir: Path, ids: List[str], finished: bool,

@@ -461,7 +461,7 @@ class Trainer:
         """A step's inputs. With ``follow_anchors`` = f, a share f of the anchors (at most half)
         is not drawn but placed where decoding would anchor next after drawn ones, chosen at
         random: right after a draft the target overruled, a harder place than a uniform draw
-        (TRAINING.md, "Why real decoding accepts less")."""
+        (docs/results/drafter-training.md, "Why real decoding accepts less")."""
         cfg = self.cfg
         follow = min(int(round(cfg.follow_anchors * cfg.anchors)), cfg.anchors // 2)
         host = self._host(samples, rng, cfg.anchors - follow)
@@ -505,7 +505,8 @@ class Trainer:
     def evaluate(self, max_samples: Optional[int] = None) -> dict:
         """Loss and teacher-forced acceptance on the held-out split (fixed uniform anchors), and
         ``tau_follow``: the acceptance of the blocks decoding would anchor next after those,
-        closer to what real decoding accepts (TRAINING.md, "Why real decoding accepts less")."""
+        closer to what real decoding accepts (docs/results/drafter-training.md, "Why real
+        decoding accepts less")."""
         cfg = self.cfg
         rng = np.random.default_rng([cfg.seed, 10**9])
         samples = self.eval_samples[: max_samples or cfg.eval_samples]

@@ -9,7 +9,7 @@ job home (``$DFLASH_BATCH_HOME``), so a job home of its own does not convert the
 
 The default dtype is fp32 on every device. On CPU, quantized and bf16 matmuls are slow. On a
 GPU a 135M model is launch-bound, so fp32 costs little, and in bf16 greedy DFlash output is not
-token-exact (4 of 12 held-out prompts on an H200, against 12 of 12 in fp32; docs/benchmarks).
+token-exact (4 of 12 held-out prompts on an H200, against 12 of 12 in fp32; docs/results).
 ``ensure_default_pair("bfloat16")`` still gives a bf16 pair.
 """
 

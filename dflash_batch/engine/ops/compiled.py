@@ -2,7 +2,7 @@
 and the drafter's pass.
 
 At batch 1 on a GPU a verify pass is as much host as device: every cycle the host builds, in
-Python, a graph of 850-1,500 operations, 1.3-4.5 ms of a 4-10 ms pass on H200s (docs/batched.md,
+Python, a graph of 850-1,500 operations, 1.3-4.5 ms of a 4-10 ms pass on H200s (docs/results/batched.md,
 "A few-row matmul kernel"). A compiled pass is traced once per shape; later calls replay MLX's
 own record of it, with its elementwise chains fused, and the custom kernels' calls are built once.
 

@@ -13,7 +13,7 @@ Modes (``set_mode``, or the environment variable DFLASH_BATCH_MATMUL):
              (``kernels.matmul.kernel_verified``: once per process and dtype; a kernel that fails
              it warns once and MLX's matmul runs in its place)
 
-Measured on H200s (default pair; docs/batched.md, "A few-row matmul kernel"): the kernel takes a
+Measured on H200s (default pair; docs/results/batched.md, "A few-row matmul kernel"): the kernel takes a
 third to a half of cuBLAS's device time per product, but each call costs the host 4-7 us more,
 and a verify pass at batch 1 is as much host as device, so a pass timed alone costs about the
 same. In decoding, where the host builds the verify graph while the device drafts, the engine at
