@@ -122,14 +122,20 @@ def target_sdpa(queries, keys, values, cache, scale: float, mask, sinks=None) ->
     Routed: mask "causal" (rows causal inside the block, all earlier keys visible) or None
     (every row sees every key), plain (unquantized) caches, no attention sinks; and the passes of
     a ragged batch (``RaggedKVCache`` rows of their own lengths: row b's keys end at
-    ``lengths[b] + rows``), plain decoding steps included. A draft tree's mask goes to stock SDPA.
+    ``lengths[b] + rows``), plain decoding steps included. A sliding-window layer's cache
+    (``RaggedKVCache.window``) routes with its window, the one its mask carries. A draft tree's
+    mask goes to stock SDPA.
     """
-    if (isinstance(cache, RaggedKVCache) and not cache.lengths.uniform and cache.lengths.tree is None and sinks is None
-            and _ragged_route == "block"):  # a draft tree's pass (engine/tree.py) attends by its mask
+    ours = isinstance(cache, RaggedKVCache) and cache.lengths.tree is None and sinks is None
+    if ours and not cache.lengths.uniform and _ragged_route == "block":  # a tree's pass attends by its mask
         impl = _route(queries, keys, values, min_rows=1)
         if impl is not None:
             kv_len = cache.lengths.device + queries.shape[2]
-            return _block_attention(impl, queries, keys, values, scale, causal=True, window=None, kv_len=kv_len)
+            return _block_attention(impl, queries, keys, values, scale, causal=True, window=cache.window, kv_len=kv_len)
+    if ours and cache.window and cache.lengths.uniform:  # keys end at the last query, as the window counts
+        impl = _route(queries, keys, values)
+        if impl is not None:
+            return _block_attention(impl, queries, keys, values, scale, causal=True, window=cache.window)
     plain_mask = mask is None or (isinstance(mask, str) and mask == "causal")
     if plain_mask and sinks is None and not hasattr(cache, "bits"):
         impl = _route(queries, keys, values)
