@@ -142,3 +142,50 @@ def test_window_attends_as_mlx_lm_ring_buffer_per_row(route, sinks):
                 assert mx.allclose(got[b:b + 1], want, atol=1e-5).item(), (t, b)
             lengths.advance([keep[b][t] for b in range(2)])
     assert lengths.host == [sum(r) for r in keep]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_last_position_logits_are_the_models_own(pair, family):
+    """A prefill pass asks for the last position's logits only (``Target(..., at=)``): the head
+    alone on that position where the family's logits are the head's (HEAD_AFTER_BACKBONE), the
+    whole forward where they are more (gemma4_text soft-caps them)."""
+    from mlx_lm.utils import load_model
+
+    model, _ = load_model(pair(family)[0])
+    target = Target(model, tap_ids=[1])
+    tokens = mx.array([[5, 17, 3, 88, 41, 9, 23, 60, 2, 71, 14, 30]])
+    want = model(tokens)[:, -1:]
+    got, hidden = target(tokens, target.make_cache(), at=mx.array([tokens.shape[1] - 1]))
+    assert mx.allclose(got, want, atol=1e-5).item()
+    assert hidden.shape == (1, tokens.shape[1], model.args.hidden_size)  # the tap: a hidden state, not a tuple
+
+
+def test_trees_only_on_full_attention_targets(pair):
+    """Draft trees need per-token RoPE positions and a tree mask, which has no window."""
+    from mlx_lm.utils import load_model
+
+    trees = {family: Target(load_model(pair(family)[0])[0]).trees for family in FAMILIES}
+    assert trees == {"qwen3_moe": True, "llama": False, "gemma4_text": False, "gpt_oss": False, "laguna": False}
+
+
+def test_gemma_drafter_input_is_the_scaled_embedding(pair):
+    """Gemma scales its embeddings by sqrt(hidden) inside the forward; the drafter's block input
+    is that scaled embedding, as Hugging Face's embedding module returns it."""
+    from mlx_lm.utils import load_model
+
+    model, config = load_model(pair("gemma4_text")[0])
+    tokens = mx.array([[5, 17, 3]])
+    want = model.model.embed_tokens(tokens) * config["hidden_size"] ** 0.5
+    assert mx.allclose(Target(model).embed(tokens), want).item()
+
+
+@pytest.mark.parametrize("cache", [lambda: RotatingKVCache(max_size=8, keep=4), lambda: QuantizedKVCache()])
+def test_other_caches_are_refused_at_load_with_the_reason(pair, monkeypatch, cache):
+    """A ring buffer that keeps its first positions (a window plus attention-sink tokens) or a
+    quantized cache: no per-row rollback here, so the engine refuses the target before decoding."""
+    from mlx_lm.utils import load_model
+
+    model, _ = load_model(pair("llama")[0])
+    monkeypatch.setattr(type(model), "make_cache", lambda self: [KVCache()] + [cache() for _ in self.layers[1:]])
+    with pytest.raises(TypeError, match="layer 1 uses (RotatingKVCache|QuantizedKVCache)"):
+        Target(model).check_cache()
