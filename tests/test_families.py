@@ -19,7 +19,7 @@ from tests.helpers import PROMPTS_B, P_WRONG, greedy_reference, scripted_batch
 from tests.scripting import ScriptedDrafts
 
 FAMILIES = list(families.CONFIGS)
-WINDOWED = ["llama", "gemma4_text", "laguna"]  # and gpt_oss, whose layers all have sinks: stock SDPA
+WINDOWED = ["llama", "gemma4_text", "gpt_oss", "laguna"]
 PROMPTS = PROMPTS_B[:5]  # chat-templated: about 20 to 60 tokens, far longer than the window
 BUDGETS = [7, 40, 23, 33, 17]  # none a whole number of blocks: cuts fall inside them
 
@@ -45,9 +45,9 @@ def _windowed_calls(monkeypatch):
     seen = []
     block_attention = attention._block_attention
 
-    def counted(impl, q, k, v, scale, causal, window, kv_len=None):
-        seen.append(window)
-        return block_attention(impl, q, k, v, scale, causal, window, kv_len)
+    def counted(impl, q, k, v, scale, causal, window, kv_len=None, sinks=None):
+        seen.append((window, sinks is not None))
+        return block_attention(impl, q, k, v, scale, causal, window, kv_len, sinks)
 
     monkeypatch.setattr(attention, "_block_attention", counted)
     return seen
@@ -72,8 +72,8 @@ def test_greedy_dflash_equals_mlx_lm_alone_and_batched(pair, monkeypatch, family
     assert [c.token_ids for c in alone] == refs
     hist = [sum(h) for h in zip(*(c.stats.acceptance_histogram for c in batched))]
     assert hist[1] and sum(map(bool, hist[2:])) >= 4, hist  # drafts rejected, and accepted at many lengths
-    if mode == "reference" and family in WINDOWED:
-        assert families.WINDOW in windows  # sliding layers went through the routed attention
+    if mode == "reference" and family in WINDOWED:  # sliding layers (with their sinks) went through the routed attention
+        assert (families.WINDOW, family == "gpt_oss") in windows
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -131,6 +131,7 @@ def test_window_attends_as_mlx_lm_ring_buffer_per_row(route, sinks):
     lengths = Lengths([0, 0])
     ours = RaggedKVCache(lengths, window=w)
     with routing.modes(attention=route):
+        before = attention.counters()["routed"]
         for t, T in enumerate(passes):
             at = lengths.host
             q = mx.stack([q_all[b, :, at[b]: at[b] + T] for b in range(2)])
@@ -141,6 +142,7 @@ def test_window_attends_as_mlx_lm_ring_buffer_per_row(route, sinks):
                 want = _ring_attention(q[b:b + 1], k_all[b:b + 1, :, : at[b] + T], w, sink)
                 assert mx.allclose(got[b:b + 1], want, atol=1e-5).item(), (t, b)
             lengths.advance([keep[b][t] for b in range(2)])
+        assert (attention.counters()["routed"] > before) == (route == "reference")
     assert lengths.host == [sum(r) for r in keep]
 
 
