@@ -191,3 +191,22 @@ def test_other_caches_are_refused_at_load_with_the_reason(pair, monkeypatch, cac
     monkeypatch.setattr(type(model), "make_cache", lambda self: [KVCache()] + [cache() for _ in self.layers[1:]])
     with pytest.raises(TypeError, match="layer 1 uses (RotatingKVCache|QuantizedKVCache)"):
         Target(model).check_cache()
+
+
+@pytest.mark.parametrize("target, drafter", [
+    ("google/gemma-4-26B-A4B-it", "z-lab/gemma-4-26B-A4B-it-DFlash"),
+    ("mlx-community/gemma-4-31b-it-4bit", "z-lab/gemma-4-31B-it-DFlash"),
+    ("openai/gpt-oss-20b", "z-lab/gpt-oss-20b-DFlash"),
+    ("mlx-community/gpt-oss-120b-MXFP4-Q8", "z-lab/gpt-oss-120b-DFlash"),
+    ("Qwen/Qwen3-Coder-30B-A3B-Instruct", "z-lab/Qwen3-Coder-30B-A3B-DFlash"),
+    ("meta-llama/Llama-3.1-8B-Instruct", "z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat"),
+    ("mlx-community/Meta-Llama-3.1-8B-Instruct-4bit", "z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat"),
+    ("poolside/Laguna-XS-2.1", "poolside/Laguna-XS-2.1-DFlash"),
+    ("meta-llama/Llama-3.1-70B-Instruct", None),  # a drafter is for one target size
+    ("openai/gpt-oss-200b", None),
+])  # fmt: skip
+def test_published_family_pairings_are_registered(target, drafter):
+    from dflash_batch.engine.models import registry
+
+    found = registry.registered_drafter(target)
+    assert (found and found[0]) == drafter
