@@ -38,6 +38,17 @@ def gemma4_text() -> dict:
                 tie_word_embeddings=True)  # fmt: skip
 
 
+def gemma4() -> dict:
+    """What the published Gemma-4 checkpoints are: ``gemma4``, the text model inside a wrapper
+    (``model.language_model``) with the vision and audio towers left out."""
+    text = {k: v for k, v in gemma4_text().items() if k != "model_type"}
+    return {"model_type": "gemma4", "vocab_size": text["vocab_size"], "text_config": text}
+
+
+def text_config(config: dict) -> dict:
+    return config.get("text_config", config)
+
+
 def gpt_oss() -> dict:
     """gpt-oss: sliding and full layers alternating, attention sinks, a top-2 of 4 experts."""
     return dict(_base("gpt_oss"), num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW,
@@ -52,7 +63,7 @@ def laguna() -> dict:
                 moe_intermediate_size=32, shared_expert_intermediate_size=32)  # fmt: skip
 
 
-CONFIGS = {f.__name__: f for f in (qwen3_moe, llama, gemma4_text, gpt_oss, laguna)}
+CONFIGS = {f.__name__: f for f in (qwen3_moe, llama, gemma4_text, gemma4, gpt_oss, laguna)}
 
 
 def random_sinks(model) -> None:

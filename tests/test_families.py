@@ -19,7 +19,7 @@ from tests.helpers import PROMPTS_B, P_WRONG, greedy_reference, scripted_batch
 from tests.scripting import ScriptedDrafts
 
 FAMILIES = list(families.CONFIGS)
-WINDOWED = ["llama", "gemma4_text", "gpt_oss", "laguna"]
+WINDOWED = ["llama", "gemma4_text", "gemma4", "gpt_oss", "laguna"]
 PROMPTS = PROMPTS_B[:5]  # chat-templated: about 20 to 60 tokens, far longer than the window
 BUDGETS = [7, 40, 23, 33, 17]  # none a whole number of blocks: cuts fall inside them
 
@@ -33,7 +33,8 @@ def pair(tmp_path_factory):
             root = tmp_path_factory.mktemp(family)
             cfg = families.CONFIGS[family]()
             target = synthetic.save_target(root / "target", cfg, seed=families.SEEDS.get(family, 3), adjust=families.ADJUST.get(family))
-            draft = synthetic.save_drafter(root / "draft", synthetic.drafter_config(cfg, block_size=8), seed=4)
+            draft_cfg = synthetic.drafter_config(families.text_config(cfg), block_size=8)
+            draft = synthetic.save_drafter(root / "draft", draft_cfg, seed=4)
             built[family] = (target, draft)
         return built[family]
 
@@ -153,13 +154,13 @@ def test_last_position_logits_are_the_models_own(pair, family):
     whole forward where they are more (gemma4_text soft-caps them)."""
     from mlx_lm.utils import load_model
 
-    model, _ = load_model(pair(family)[0])
+    model, config = load_model(pair(family)[0])
     target = Target(model, tap_ids=[1])
     tokens = mx.array([[5, 17, 3, 88, 41, 9, 23, 60, 2, 71, 14, 30]])
     want = model(tokens)[:, -1:]
     got, hidden = target(tokens, target.make_cache(), at=mx.array([tokens.shape[1] - 1]))
     assert mx.allclose(got, want, atol=1e-5).item()
-    assert hidden.shape == (1, tokens.shape[1], model.args.hidden_size)  # the tap: a hidden state, not a tuple
+    assert hidden.shape == (1, tokens.shape[1], families.text_config(config)["hidden_size"])  # the tap: a hidden state, not a tuple
 
 
 def test_trees_only_on_full_attention_targets(pair):
@@ -167,17 +168,20 @@ def test_trees_only_on_full_attention_targets(pair):
     from mlx_lm.utils import load_model
 
     trees = {family: Target(load_model(pair(family)[0])[0]).trees for family in FAMILIES}
-    assert trees == {"qwen3_moe": True, "llama": False, "gemma4_text": False, "gpt_oss": False, "laguna": False}
+    assert trees == {"qwen3_moe": True, "llama": False, "gemma4_text": False, "gemma4": False, "gpt_oss": False,
+                     "laguna": False}
 
 
-def test_gemma_drafter_input_is_the_scaled_embedding(pair):
+@pytest.mark.parametrize("family", ["gemma4_text", "gemma4"])
+def test_gemma_drafter_input_is_the_scaled_embedding(pair, family):
     """Gemma scales its embeddings by sqrt(hidden) inside the forward; the drafter's block input
     is that scaled embedding, as Hugging Face's embedding module returns it."""
     from mlx_lm.utils import load_model
 
-    model, config = load_model(pair("gemma4_text")[0])
+    model, config = load_model(pair(family)[0])
     tokens = mx.array([[5, 17, 3]])
-    want = model.model.embed_tokens(tokens) * config["hidden_size"] ** 0.5
+    embed = Target(model).embed_tokens
+    want = embed(tokens) * families.text_config(config)["hidden_size"] ** 0.5
     assert mx.allclose(Target(model).embed(tokens), want).item()
 
 
