@@ -214,3 +214,15 @@ def test_published_family_pairings_are_registered(target, drafter):
 
     found = registry.registered_drafter(target)
     assert (found and found[0]) == drafter
+
+
+@pytest.mark.parametrize("family", ["gemma4_text", "gpt_oss", "laguna"])
+def test_prompts_prefilled_in_chunks_past_the_window(pair, family):
+    """Prefill chunks of 16 (two windows) and rows joining a running batch: every chunk after the
+    first attends across the window's edge. The real (random) drafter, no scripting."""
+    target, draft = pair(family)
+    engine = load_engine(str(target), str(draft), prefill_chunk=16)
+    ids = [engine.encode(p) for p in PROMPTS_B[5:7] + PROMPTS[:3]]
+    refs = [greedy_reference(target, i, 12, engine.tokenizer.eos_token_ids) for i in ids]
+    assert max(map(len, ids)) > 8 * 16
+    assert [c.token_ids for c in engine.generate_batch(ids, max_tokens=12, batch_size=2)] == refs
