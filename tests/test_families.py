@@ -60,7 +60,7 @@ def test_greedy_dflash_equals_mlx_lm_alone_and_batched(pair, monkeypatch, family
     """Scripted drafts wrong at rates 0 to 1 (ragged acceptance in every batch); "reference" routes
     the verify attention (per-row key lengths, the sliding window) as the GPU kernels run it."""
     target, draft = pair(family)
-    with routing.modes(attention=mode):
+    with routing.modes(attention=mode, drafts="chain"):  # trees: the test below
         engine, script, ids, refs = scripted_batch(target, draft, monkeypatch, PROMPTS, BUDGETS, adaptive_block=False)
         assert max(map(len, ids)) > 5 * families.WINDOW
         windows = _windowed_calls(monkeypatch)
@@ -75,6 +75,22 @@ def test_greedy_dflash_equals_mlx_lm_alone_and_batched(pair, monkeypatch, family
     assert hist[1] and sum(map(bool, hist[2:])) >= 4, hist  # drafts rejected, and accepted at many lengths
     if mode == "reference" and family in WINDOWED:  # sliding layers (with their sinks) went through the routed attention
         assert (families.WINDOW, family == "gpt_oss") in windows
+
+
+def test_moe_target_verifies_draft_trees(pair, monkeypatch):
+    """qwen3_moe's layers attend to every earlier key, so its cycles may verify draft trees (the
+    CPU's default): experts chosen per node, the accepted path moved to the front of the cache."""
+    from dflash_batch.engine import tree
+
+    target, draft = pair("qwen3_moe")
+    with routing.modes(drafts="tree"):
+        engine, _, ids, refs = scripted_batch(target, draft, monkeypatch, PROMPTS, BUDGETS, adaptive_block=False)
+        walked = []
+        real_walk = tree.walk
+        monkeypatch.setattr(tree, "walk", lambda trees, chosen: walked.append(real_walk(trees, chosen)) or walked[-1])
+        batched = engine.generate_batch(ids, max_tokens=BUDGETS, batch_size=3)
+    assert [c.token_ids for c in batched] == refs
+    assert sum(any(p != list(range(len(p))) for p in paths) for paths in walked) > 3  # branches taken
 
 
 @pytest.mark.parametrize("family", FAMILIES)
