@@ -6,12 +6,13 @@ KV-shared layers, logit soft-capping, scaled embeddings."""
 from __future__ import annotations
 
 WINDOW = 8
+HEAD_DIM = 64  # one the GPU kernels take (engine/ops/kernels/attention.py HEAD_DIMS), so they run on a GPU
 
 
 def _base(model_type: str, layers: int = 4, hidden: int = 64) -> dict:
     return {"model_type": model_type, "hidden_size": hidden, "num_hidden_layers": layers,
             "intermediate_size": hidden * 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-            "head_dim": 16, "rms_norm_eps": 1e-6, "vocab_size": 512, "max_position_embeddings": 4096,
+            "head_dim": HEAD_DIM, "rms_norm_eps": 1e-6, "vocab_size": 512, "max_position_embeddings": 4096,
             "rope_theta": 1e4, "tie_word_embeddings": False}  # fmt: skip
 
 
@@ -30,7 +31,7 @@ def gemma4_text() -> dict:
     """Gemma-4 26B-A4B / 31B's parts: sliding and full layers (full ones with wider heads and K = V),
     the last two layers reusing earlier layers' K/V, an MoE block beside the MLP, scaled
     embeddings and soft-capped logits."""
-    return dict(_base("gemma4_text", layers=6), global_head_dim=32, num_kv_shared_layers=2,
+    return dict(_base("gemma4_text", layers=6), global_head_dim=128, num_kv_shared_layers=2,
                 hidden_size_per_layer_input=0, vocab_size_per_layer_input=512, sliding_window=WINDOW,
                 layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
                 attention_k_eq_v=True, num_global_key_value_heads=1, enable_moe_block=True, num_experts=4,

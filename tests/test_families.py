@@ -12,7 +12,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 
 from dflash_batch.engine import load_engine, routing
 from dflash_batch.engine.models.target import Target
-from dflash_batch.engine.ops import attention
+from dflash_batch.engine.ops import attention, device
 from dflash_batch.engine.ops.batch_cache import Lengths, RaggedKVCache
 from tests import families, synthetic
 from tests.helpers import PROMPTS_B, P_WRONG, greedy_reference, scripted_batch
@@ -54,11 +54,15 @@ def _windowed_calls(monkeypatch):
     return seen
 
 
-@pytest.mark.parametrize("mode", ["stock", "reference"])
+ON_GPU = pytest.mark.skipif(device.gpu() is None, reason="the block attention kernels need CUDA or Metal")
+
+
+@pytest.mark.parametrize("mode", ["stock", "reference", pytest.param("kernel", marks=ON_GPU)])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_dflash_equals_mlx_lm_alone_and_batched(pair, monkeypatch, family, mode):
     """Scripted drafts wrong at rates 0 to 1 (ragged acceptance in every batch); "reference" routes
-    the verify attention (per-row key lengths, the sliding window) as the GPU kernels run it."""
+    the verify attention (per-row key lengths, the sliding window) as the GPU kernels run it, and
+    "kernel" runs the kernels themselves (sinks: stock SDPA)."""
     target, draft = pair(family)
     with routing.modes(attention=mode, drafts="chain"):  # trees: the test below
         engine, script, ids, refs = scripted_batch(target, draft, monkeypatch, PROMPTS, BUDGETS, adaptive_block=False)
@@ -75,6 +79,8 @@ def test_greedy_dflash_equals_mlx_lm_alone_and_batched(pair, monkeypatch, family
     assert hist[1] and sum(map(bool, hist[2:])) >= 4, hist  # drafts rejected, and accepted at many lengths
     if mode == "reference" and family in WINDOWED:  # sliding layers (with their sinks) went through the routed attention
         assert (families.WINDOW, family == "gpt_oss") in windows
+    if mode == "kernel" and family in WINDOWED and family != "gpt_oss":
+        assert (families.WINDOW, False) in windows
 
 
 def test_moe_target_verifies_draft_trees(pair, monkeypatch):
