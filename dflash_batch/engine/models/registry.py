@@ -33,7 +33,7 @@ DRAFTERS.update({
     "gpt-oss-120b": ("z-lab/gpt-oss-120b-DFlash", None),
     "qwen3-coder-30b-a3b": ("z-lab/Qwen3-Coder-30B-A3B-DFlash", None),
     "llama-3.1-8b-instruct": ("z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat", None),
-    "meta-llama-3.1-8b": ("z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat", None),  # mlx-community: Meta-Llama-3.1-8B-Instruct-*
+    "meta-llama-3.1-8b": ("z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat", None),  # mlx-community's Meta-Llama-3.1-8B-Instruct
     "laguna-xs-2.1": ("poolside/Laguna-XS-2.1-DFlash", None),
 })
 

@@ -119,7 +119,7 @@ def _block_attention(
                                            sinks=sinks)
 
 
-def _route_sinks(q: mx.array, k: mx.array, v: mx.array, sinks: Optional[mx.array], min_rows: int = 2) -> Optional[str]:
+def _route_sinks(q: mx.array, k: mx.array, v: mx.array, sinks: Optional[mx.array], min_rows: int = 2):
     """``_route``, where attention sinks (gpt-oss) go to the reference only: the kernels take none,
     and stock SDPA handles them on every backend."""
     impl = _route(q, k, v, min_rows)
@@ -130,9 +130,9 @@ def target_sdpa(queries, keys, values, cache, scale: float, mask, sinks=None) ->
     """Drop-in for ``mlx_lm.models.base.scaled_dot_product_attention``.
 
     Routed: mask "causal" (rows causal inside the block, all earlier keys visible) or None
-    (every row sees every key), plain (unquantized) caches, attention sinks in "reference" mode only; and the passes of
-    a ragged batch (``RaggedKVCache`` rows of their own lengths: row b's keys end at
-    ``lengths[b] + rows``), plain decoding steps included. A sliding-window layer's cache
+    (every row sees every key), plain (unquantized) caches, attention sinks in "reference" mode
+    only; and the passes of a ragged batch (``RaggedKVCache`` rows of their own lengths: row b's
+    keys end at ``lengths[b] + rows``), plain decoding steps included. A sliding-window layer's cache
     (``RaggedKVCache.window``) routes with its window, the one its mask carries. A draft tree's
     mask goes to stock SDPA.
     """
@@ -141,8 +141,8 @@ def target_sdpa(queries, keys, values, cache, scale: float, mask, sinks=None) ->
         impl = _route_sinks(queries, keys, values, sinks, min_rows=1)
         if impl is not None:
             kv_len = cache.lengths.device + queries.shape[2]
-            return _block_attention(impl, queries, keys, values, scale, causal=True, window=cache.window, kv_len=kv_len,
-                                    sinks=sinks)
+            return _block_attention(impl, queries, keys, values, scale, causal=True, window=cache.window,
+                                    kv_len=kv_len, sinks=sinks)
     if ours and cache.window and cache.lengths.uniform:  # keys end at the last query, as the window counts
         impl = _route_sinks(queries, keys, values, sinks)
         if impl is not None:
@@ -151,7 +151,8 @@ def target_sdpa(queries, keys, values, cache, scale: float, mask, sinks=None) ->
     if plain_mask and not hasattr(cache, "bits"):
         impl = _route_sinks(queries, keys, values, sinks)
         if impl is not None:
-            return _block_attention(impl, queries, keys, values, scale, causal=mask is not None, window=None, sinks=sinks)
+            return _block_attention(impl, queries, keys, values, scale, causal=mask is not None, window=None,
+                                    sinks=sinks)
     _counts["stock"] += 1
     if isinstance(cache, RaggedKVCache) and sinks is None and cpu.active():
         return cpu.sdpa(queries, keys, values, scale, mask)
