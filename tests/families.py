@@ -39,6 +39,11 @@ def gemma4_text() -> dict:
                 tie_word_embeddings=True)  # fmt: skip
 
 
+def gemma4_ple() -> dict:
+    """Gemma-4's small models (E2B / E4B): per-layer input embeddings beside the token's, dense MLPs."""
+    return dict(gemma4_text(), hidden_size_per_layer_input=16, enable_moe_block=False, attention_k_eq_v=False)
+
+
 def gemma4() -> dict:
     """What the published Gemma-4 checkpoints are: ``gemma4``, the text model inside a wrapper
     (``model.language_model``) with the vision and audio towers left out."""
@@ -64,7 +69,7 @@ def laguna() -> dict:
                 moe_intermediate_size=32, shared_expert_intermediate_size=32)  # fmt: skip
 
 
-CONFIGS = {f.__name__: f for f in (qwen3_moe, llama, gemma4_text, gemma4, gpt_oss, laguna)}
+CONFIGS = {f.__name__: f for f in (qwen3_moe, llama, gemma4_text, gemma4_ple, gemma4, gpt_oss, laguna)}
 
 
 def random_sinks(model) -> None:
