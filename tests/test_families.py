@@ -32,7 +32,8 @@ def pair(tmp_path_factory):
         if family not in built:
             root = tmp_path_factory.mktemp(family)
             cfg = families.CONFIGS[family]()
-            target = synthetic.save_target(root / "target", cfg, seed=families.SEEDS.get(family, 3), adjust=families.ADJUST.get(family))
+            seed, adjust = families.SEEDS.get(family, 3), families.ADJUST.get(family)
+            target = synthetic.save_target(root / "target", cfg, seed=seed, adjust=adjust)
             draft_cfg = synthetic.drafter_config(families.text_config(cfg), block_size=8)
             draft = synthetic.save_drafter(root / "draft", draft_cfg, seed=4)
             built[family] = (target, draft)
@@ -42,7 +43,7 @@ def pair(tmp_path_factory):
 
 
 def _windowed_calls(monkeypatch):
-    """Record the window of every routed attention call."""
+    """Record (window, with sinks) of every routed attention call."""
     seen = []
     block_attention = attention._block_attention
 
