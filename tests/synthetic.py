@@ -96,11 +96,13 @@ def save_target(
     zero_head: bool = False,
     dtype: mx.Dtype = mx.float32,
     with_tokenizer: bool = True,
+    adjust=None,
 ) -> Path:
     """Build an mlx-lm model from ``config`` with seeded random weights and save it.
 
     ``zero_head`` zeroes the (tied) embedding's output projection so every logit is equal and
-    the greedy next token is always id 0: a target whose choice is known in advance.
+    the greedy next token is always id 0: a target whose choice is known in advance. ``adjust``
+    (model -> None) changes the model before it is saved (weights that are not matrices).
     """
     from mlx_lm.utils import _get_classes, save_config, save_model
 
@@ -110,6 +112,8 @@ def save_target(
     model = model_class(args_class.from_dict(config))
     model.set_dtype(dtype)
     _randomize(model, seed, scale)
+    if adjust is not None:
+        adjust(model)
     if zero_head:
         head = getattr(model, "lm_head", None) or getattr(getattr(model, "language_model", None), "lm_head", None)
         if head is not None:

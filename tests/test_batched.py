@@ -308,9 +308,9 @@ def test_both_ragged_routes_are_lossless(qwen3_target, qwen3_b8, monkeypatch, ro
         ragged = []  # calls of the block attention with per-row key lengths
         block_attention = attention._block_attention
 
-        def counted(impl, q, k, v, scale, causal, window, kv_len=None):
+        def counted(impl, q, k, v, scale, causal, window, kv_len=None, sinks=None):
             ragged.append(kv_len is not None)
-            return block_attention(impl, q, k, v, scale, causal, window, kv_len)
+            return block_attention(impl, q, k, v, scale, causal, window, kv_len, sinks)
 
         monkeypatch.setattr(attention, "_block_attention", counted)
         assert [c.token_ids for c in engine.generate_batch(ids, max_tokens=30, batch_size=3)] == refs

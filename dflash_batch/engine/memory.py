@@ -109,8 +109,10 @@ def row_bytes(engine, tokens: int) -> int:
 
 
 def _kv_bytes(attn: nn.Module) -> int:
-    """K and V bytes of one position: k_proj's and v_proj's output features."""
-    k, v = attn.k_proj, attn.v_proj
+    """K and V bytes of one position: k_proj's and v_proj's output features (gemma4_text's
+    full-attention layers with K = V have no v_proj: the keys serve as values, stored twice)."""
+    k = attn.k_proj
+    v = getattr(attn, "v_proj", k)
     return (_out_features(k) + _out_features(v)) * _itemsize(k)
 
 

@@ -24,6 +24,18 @@ DRAFTERS = {
     # The embedded default's drafter, trained by this project (dflash_batch/assets/drafters).
     "smollm2-135m-instruct": ("embedded", None),
 }
+# Other target families (docs/models.md, "Target families"): z-lab's drafters for Gemma-4, gpt-oss,
+# Qwen3-Coder and LLaMA-3.1 (named z-lab/<Target>-DFlash but for LLaMA's), poolside's for Laguna.
+DRAFTERS.update({
+    "gemma-4-26b-a4b-it": ("z-lab/gemma-4-26B-A4B-it-DFlash", None),
+    "gemma-4-31b-it": ("z-lab/gemma-4-31B-it-DFlash", None),
+    "gpt-oss-20b": ("z-lab/gpt-oss-20b-DFlash", None),
+    "gpt-oss-120b": ("z-lab/gpt-oss-120b-DFlash", None),
+    "qwen3-coder-30b-a3b": ("z-lab/Qwen3-Coder-30B-A3B-DFlash", None),
+    "llama-3.1-8b-instruct": ("z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat", None),
+    "meta-llama-3.1-8b": ("z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat", None),  # mlx-community's Meta-Llama-3.1-8B-Instruct
+    "laguna-xs-2.1": ("poolside/Laguna-XS-2.1-DFlash", None),
+})
 
 
 def _base_name(target: str) -> str:

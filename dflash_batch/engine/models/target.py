@@ -2,8 +2,10 @@
 
 Capture wraps the tapped layers in place, so the model runs its own forward and the logits
 are the ones ``model(...)`` gives, bit for bit. Works for models built as
-``model.model.layers`` (llama, qwen2, qwen3, ...) and ``model.language_model.model.layers``
-(qwen3_5).
+``model.model.layers`` (llama, qwen2, qwen3, qwen3_moe, gemma4_text, gpt_oss, laguna, ...) and
+``model.language_model.model.layers`` (qwen3_5).
+
+The families and what each needs are in docs/models.md, "Target families".
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from ..ops import compiled, matmul, rope
 from ..ops.batch_cache import Lengths, RaggedKVCache
@@ -39,13 +41,18 @@ class _Tap(nn.Module):
 
     def __call__(self, *args, **kwargs):
         out = self.layer(*args, **kwargs)
-        self._store[self._slot] = out
+        # gemma4_text layers return (hidden, shared K/V, offset): the hidden state is the tap
+        self._store[self._slot] = out[0] if isinstance(out, tuple) else out
         return out
 
 
 # mlx-lm model files whose logits are the LM head (or the tied embedding) applied to the backbone's
 # output, nothing else (no logit scaling or soft-capping); others run their own forward whole.
-HEAD_AFTER_BACKBONE = {f"mlx_lm.models.{name}" for name in ("qwen3", "qwen2", "llama", "qwen3_5")}
+HEAD_AFTER_BACKBONE = {f"mlx_lm.models.{name}" for name in
+                       ("qwen3", "qwen2", "llama", "qwen3_5", "qwen3_moe", "gpt_oss", "laguna")}
+# gemma4_text is not one: its logits are soft-capped (tanh) after the head. Its layers also turn the
+# cache's offset into an array themselves, which a draft tree's per-token positions cannot pass.
+NO_TREES = {"mlx_lm.models.gemma4_text"}
 
 
 def _inner_model(model: nn.Module) -> Tuple[nn.Module, nn.Module]:
@@ -79,8 +86,11 @@ class Target:
         self._store: List[Optional[mx.array]] = []
         self.tap_ids: List[int] = []
         self.passes = compiled.CompiledPasses(self)
-        # draft trees need one RoPE position per token (engine/ops/rope.py); recurrent layers cannot branch
-        self.trees = not self.hybrid and rope.wrap_ropes(self.layers)
+        self._windows: Optional[List[Optional[int]]] = None
+        # draft trees need one RoPE position per token (engine/ops/rope.py); recurrent layers cannot
+        # branch; a tree's mask has no sliding window
+        self.trees = (not self.hybrid and type(self._outer).__module__ not in NO_TREES
+                      and self._full_attention() and rope.wrap_ropes(self.layers))
         if tap_ids:
             self.set_taps(tap_ids)
 
@@ -123,14 +133,32 @@ class Target:
         for i, c in enumerate(caches):
             if type(c) is KVCache:
                 out.append(RaggedKVCache(lengths, capacity))
+            elif type(c) is RotatingKVCache and c.keep == 0:  # a sliding window: every key kept, masked
+                out.append(RaggedKVCache(lengths, capacity, window=c.max_size))
             elif isinstance(c, hybrid.TapeCache):
                 out.append(c)
             else:
                 raise TypeError(
                     f"layer {i} uses {type(c).__name__}; this engine decodes targets whose layers use "
-                    "full attention (KVCache) or GatedDeltaNet (qwen3_5), not sliding-window or quantized caches"
+                    "full attention (KVCache), a sliding window (RotatingKVCache without kept "
+                    "positions) or GatedDeltaNet (qwen3_5), not quantized or other caches"
                 )
         return out
+
+    def _full_attention(self) -> bool:
+        """Whether every layer attends to all earlier keys (False too for caches ``check_cache``
+        refuses: that error comes when the engine loads)."""
+        try:
+            return not any(self.windows())
+        except TypeError:
+            return False
+
+    def windows(self) -> List[Optional[int]]:
+        """Each cache layer's sliding window (None: full attention or recurrent), as ``make_cache``
+        gives them."""
+        if self._windows is None:
+            self._windows = [getattr(c, "window", None) for c in self.make_cache(Lengths([0]))]
+        return self._windows
 
     def check_cache(self) -> None:
         """Refuse, before any decoding, a target whose caches this engine cannot batch or roll back."""
@@ -150,7 +178,11 @@ class Target:
             c.reorder(order)
 
     def embed(self, tokens: mx.array) -> mx.array:
-        return self.embed_tokens(tokens)
+        """The token embeddings the first layer sees (the drafter's input): gemma4_text scales
+        them inside its forward, where Hugging Face's scaled embedding module does it."""
+        h = self.embed_tokens(tokens)
+        scale = getattr(self._inner, "embed_scale", None)
+        return h if scale is None else h * scale
 
     def lm_head(self, h: mx.array) -> mx.array:
         head = getattr(self._outer, "lm_head", None)

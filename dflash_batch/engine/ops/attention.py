@@ -24,7 +24,8 @@ times both at warm-up (``engine/warmup.py``) and keeps the faster; the default i
 The target's attention layers reach the op through ``install``: mlx-lm model files call
 ``scaled_dot_product_attention`` imported by name from ``mlx_lm.models.base``; ``install``
 points that name, in the model's own modules, at ``target_sdpa``, which falls back to the
-original for everything it does not route (one row, array masks, quantized caches, sinks).
+original for everything it does not route (one row, array masks, quantized caches; attention
+sinks unless the mode is "reference").
 The drafter calls ``drafter_attention`` directly.
 
 On a Linux CPU what is not routed runs MLX's own composed attention with the softmax of
@@ -108,33 +109,50 @@ def _route(q: mx.array, k: mx.array, v: mx.array, min_rows: int = 2) -> Optional
 
 
 def _block_attention(
-    impl: str, q, k, v, scale: float, causal: bool, window: Optional[int], kv_len: Optional[mx.array] = None
+    impl: str, q, k, v, scale: float, causal: bool, window: Optional[int], kv_len: Optional[mx.array] = None,
+    sinks: Optional[mx.array] = None,
 ) -> mx.array:
     _counts["routed"] += 1
     if impl == "kernel" and block.kernel_verified(q, causal=causal, window=window, kv_start=None, kv_len=kv_len):
         return block.block_attention_kernel(q, k, v, scale=scale, causal=causal, window=window, kv_len=kv_len, checked=True)
-    return block.block_attention_reference(q, k, v, scale=scale, causal=causal, window=window, kv_len=kv_len)
+    return block.block_attention_reference(q, k, v, scale=scale, causal=causal, window=window, kv_len=kv_len,
+                                           sinks=sinks)
+
+
+def _route_sinks(q: mx.array, k: mx.array, v: mx.array, sinks: Optional[mx.array], min_rows: int = 2):
+    """``_route``, where attention sinks (gpt-oss) go to the reference only: the kernels take none,
+    and stock SDPA handles them on every backend."""
+    impl = _route(q, k, v, min_rows)
+    return impl if sinks is None or impl == "reference" else None
 
 
 def target_sdpa(queries, keys, values, cache, scale: float, mask, sinks=None) -> mx.array:
     """Drop-in for ``mlx_lm.models.base.scaled_dot_product_attention``.
 
     Routed: mask "causal" (rows causal inside the block, all earlier keys visible) or None
-    (every row sees every key), plain (unquantized) caches, no attention sinks; and the passes of
-    a ragged batch (``RaggedKVCache`` rows of their own lengths: row b's keys end at
-    ``lengths[b] + rows``), plain decoding steps included. A draft tree's mask goes to stock SDPA.
+    (every row sees every key), plain (unquantized) caches, attention sinks in "reference" mode
+    only; and the passes of a ragged batch (``RaggedKVCache`` rows of their own lengths: row b's
+    keys end at ``lengths[b] + rows``), plain decoding steps included. A sliding-window layer's cache
+    (``RaggedKVCache.window``) routes with its window, the one its mask carries. A draft tree's
+    mask goes to stock SDPA.
     """
-    if (isinstance(cache, RaggedKVCache) and not cache.lengths.uniform and cache.lengths.tree is None and sinks is None
-            and _ragged_route == "block"):  # a draft tree's pass (engine/tree.py) attends by its mask
-        impl = _route(queries, keys, values, min_rows=1)
+    ours = isinstance(cache, RaggedKVCache) and cache.lengths.tree is None
+    if ours and not cache.lengths.uniform and _ragged_route == "block":  # a tree's pass attends by its mask
+        impl = _route_sinks(queries, keys, values, sinks, min_rows=1)
         if impl is not None:
             kv_len = cache.lengths.device + queries.shape[2]
-            return _block_attention(impl, queries, keys, values, scale, causal=True, window=None, kv_len=kv_len)
-    plain_mask = mask is None or (isinstance(mask, str) and mask == "causal")
-    if plain_mask and sinks is None and not hasattr(cache, "bits"):
-        impl = _route(queries, keys, values)
+            return _block_attention(impl, queries, keys, values, scale, causal=True, window=cache.window,
+                                    kv_len=kv_len, sinks=sinks)
+    if ours and cache.window and cache.lengths.uniform:  # keys end at the last query, as the window counts
+        impl = _route_sinks(queries, keys, values, sinks)
         if impl is not None:
-            return _block_attention(impl, queries, keys, values, scale, causal=mask is not None, window=None)
+            return _block_attention(impl, queries, keys, values, scale, causal=True, window=cache.window, sinks=sinks)
+    plain_mask = mask is None or (isinstance(mask, str) and mask == "causal")
+    if plain_mask and not hasattr(cache, "bits"):
+        impl = _route_sinks(queries, keys, values, sinks)
+        if impl is not None:
+            return _block_attention(impl, queries, keys, values, scale, causal=mask is not None, window=None,
+                                    sinks=sinks)
     _counts["stock"] += 1
     if isinstance(cache, RaggedKVCache) and sinks is None and cpu.active():
         return cpu.sdpa(queries, keys, values, scale, mask)

@@ -13,6 +13,15 @@ a layer's cache only reads it. When all rows have one length (always at batch 1)
 behaves exactly as mlx-lm's ``KVCache``: slice writes, keys cut to the exact length, mask
 "causal" or None; the routed verify attention then sees the same shapes as before.
 
+Sliding-window layers (mlx-lm's ``RotatingKVCache``, a ring buffer that cannot be cut back
+per row) get a ``RaggedKVCache`` with a ``window``: every key stays, so rollback is the same
+length bookkeeping, and the mask hides what the ring would have dropped:
+
+    attend (window w):  query i of row b sees key j  iff  lengths[b] + i - w < j <= lengths[b] + i
+
+which is the mask mlx-lm's own decoding applies through its ring buffer. The cost: such a layer's
+memory grows with the context like a full-attention layer's, not capped at w positions.
+
 GatedDeltaNet layers keep their state per row already (no length axis); their per-row rollback
 is ``hybrid.TapeCache.trim_rows``.
 """
@@ -22,6 +31,7 @@ from __future__ import annotations
 from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
+from mlx_lm.models.base import create_causal_mask
 
 from .rope import TokenPositions
 
@@ -68,9 +78,10 @@ class RaggedKVCache:
     rows agree, else one per row), ``update_and_fetch`` and ``make_mask``.
     """
 
-    def __init__(self, lengths: Lengths, capacity: int = 0):
+    def __init__(self, lengths: Lengths, capacity: int = 0, window: Optional[int] = None):
         self.lengths = lengths
         self.capacity = capacity  # key positions to allocate at once (the job's longest row): no growth copies
+        self.window = window  # a sliding-window layer's: each query sees its last ``window`` keys
         self.keys: Optional[mx.array] = None
         self.values: Optional[mx.array] = None
 
@@ -104,15 +115,19 @@ class RaggedKVCache:
         return self.keys[..., :width, :], self.values[..., :width, :]
 
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
-        if window_size is not None:
-            raise ValueError("batched decoding supports full-attention layers only (no sliding window)")
+        window = window_size or self.window
         if self.lengths.tree is not None:
+            if window:
+                raise ValueError("draft trees are verified on full-attention layers only (no sliding window)")
             width = self.lengths.max + N if self.lengths.uniform else round_up(self.lengths.max + N)
             return tree_visible(self.lengths.device, self.lengths.tree[1], width)
         if not self.lengths.uniform:  # bucketed key width (few distinct shapes), masked per row
-            return visible(self.lengths.device, N, round_up(self.lengths.max + N))
+            return visible(self.lengths.device, N, round_up(self.lengths.max + N), window=window)
+        n = self.lengths.max
+        if window and n + N > window:  # the window hides some key from the last query
+            return create_causal_mask(N, n, window_size=window)
         if return_array:
-            return _causal(N, self.lengths.max)
+            return _causal(N, n)
         return None if N == 1 else "causal"
 
     # -- capacity and rows ----------------------------------------------------------------------
@@ -212,10 +227,13 @@ class RaggedKVCache:
         return self.keys is None
 
 
-def visible(lengths: mx.array, N: int, width: int, extra: int = 0) -> mx.array:
-    """Bool mask [B, 1, N, width]: query i of row b sees key j iff j <= lengths[b] + extra + i."""
+def visible(lengths: mx.array, N: int, width: int, extra: int = 0, window: Optional[int] = None) -> mx.array:
+    """Bool mask [B, 1, N, width]: query i of row b sees key j iff j <= lengths[b] + extra + i
+    (and, with a window, j > lengths[b] + extra + i - window)."""
     last = lengths[:, None, None, None] + extra + mx.arange(N, dtype=mx.int32)[None, None, :, None]
-    return mx.arange(width, dtype=mx.int32)[None, None, None, :] <= last
+    key = mx.arange(width, dtype=mx.int32)[None, None, None, :]
+    ok = key <= last
+    return ok & (key > last - window) if window else ok
 
 
 def tree_visible(lengths: mx.array, ancestors: mx.array, width: int) -> mx.array:

@@ -104,8 +104,8 @@ class _Lengths:
 class _FixedWidthView(RaggedKVCache):
     """One attention layer's K/V inside a compiled pass: the whole buffer, written by scatter."""
 
-    def __init__(self, lengths: _Lengths, keys: mx.array, values: mx.array):
-        super().__init__(lengths)
+    def __init__(self, lengths: _Lengths, keys: mx.array, values: mx.array, window: Optional[int] = None):
+        super().__init__(lengths, window=window)
         self.keys, self.values = keys, values
 
     @property
@@ -126,11 +126,12 @@ class _FixedWidthView(RaggedKVCache):
         return self.keys, self.values
 
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
-        if window_size is not None:
-            raise ValueError("batched decoding supports full-attention layers only (no sliding window)")
+        window = window_size or self.window
         if self.lengths.tree is not None:
+            if window:
+                raise ValueError("draft trees are verified on full-attention layers only (no sliding window)")
             return tree_visible(self.lengths.device, self.lengths.tree[1], self.keys.shape[2])
-        return visible(self.lengths.device, N, self.keys.shape[2])
+        return visible(self.lengths.device, N, self.keys.shape[2], window=window)
 
 
 def _fixed_width(cache: list, reach: int) -> bool:
@@ -196,7 +197,8 @@ class CompiledPasses(_Traces):
               depth: Optional[mx.array] = None, ancestors: Optional[mx.array] = None):
         self.traced += 1
         view = _Lengths(lengths, None if depth is None else (depth, ancestors))
-        cache = [_FixedWidthView(view, k, v) for k, v in zip(keys, values)]
+        windows = self.target.windows()
+        cache = [_FixedWidthView(view, k, v, w) for k, v, w in zip(keys, values, windows)]
         logits, hidden = self.target(tokens, cache)
         return logits, ([] if hidden is None else [hidden]), [c.keys for c in cache], [c.values for c in cache]
 

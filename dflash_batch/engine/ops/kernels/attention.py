@@ -103,9 +103,12 @@ def block_attention_reference(
     kv_start: Optional[mx.array] = None,
     kv_len: Optional[mx.array] = None,
     chunk: int = REFERENCE_CHUNK,
+    sinks: Optional[mx.array] = None,
 ) -> mx.array:
     """The two-pass block attention in MLX ops, fp32 inside; returns q's dtype, shape [B, H, Lq, D].
-    ``kv_len`` (int [B]): row b as if its keys were k[b, :, :kv_len[b]] (0: all of k's length)."""
+    ``kv_len`` (int [B]): row b as if its keys were k[b, :, :kv_len[b]] (0: all of k's length).
+    ``sinks`` [H] (gpt-oss): per-head logits of a key with no value, one more term of each
+    softmax's sum, as in ``mx.fast.scaled_dot_product_attention``; the kernels take none."""
     B, H, Lq, D = q.shape
     Hk, Lk = k.shape[1], k.shape[2]
     G = H // Hk
@@ -128,8 +131,13 @@ def block_attention_reference(
     o = p.transpose(0, 1, 3, 2, 4) @ vf.reshape(B, Hk, n_chunks, chunk, D)  # [B, Hk, C, R, D]
     # pass 2: M = max_c m_c, w_c = e^(m_c - M), out = sum w_c o_c / sum w_c l_c
     M = m.max(axis=-1, keepdims=True)
+    if sinks is not None:  # head h = kv head * G + g, its rows g * Lq + i
+        sink = mx.repeat(sinks.astype(mx.float32).reshape(1, Hk, G, 1), Lq, axis=3).reshape(1, Hk, G * Lq, 1)
+        M = mx.maximum(M, sink)
     w = mx.where(m == -mx.inf, 0.0, mx.exp(m - mx.where(M == -mx.inf, 0.0, M)))
     L = (l * w).sum(axis=-1)
+    if sinks is not None:
+        L = L + mx.exp(sink - M)[..., 0]
     out = (o * w.transpose(0, 1, 3, 2)[..., None]).sum(axis=2)
     out = mx.where(L[..., None] > 0, out / mx.where(L > 0, L, 1.0)[..., None], 0.0)
     return out.reshape(B, H, Lq, D).astype(q.dtype)
