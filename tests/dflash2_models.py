@@ -143,7 +143,7 @@ def _conv(v, base, dynamic, group):
     return out
 
 
-def _attention(u, ctx, W, p, cfg, n_before, window):
+def _attention(u, ctx, W, p, cfg, window):
     """Block rows u [L, H] attend over [context (positions 0..S-1) ; block (S..S+L-1)], no mask
     but the window on context keys: query S+i sees context key j iff S+i-j < window."""
     nH, nKV, hd, eps = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"], cfg["rms_norm_eps"]
@@ -187,7 +187,7 @@ def reference_hidden(W, cfg, context, block_embeddings):
             base = W[p + conv + ".base_kernel"]
             u = _conv(z, base[0], dyn[:, 0], GS)
             if sub == "attn":
-                y = _attention(u, ctx, W, p + "self_attn.", cfg, 0, window if kind == "sliding_attention" else None)
+                y = _attention(u, ctx, W, p + "self_attn.", cfg, window if kind == "sliding_attention" else None)
             else:
                 gate, up = u @ W[p + "mlp.gate_proj.weight"].T, u @ W[p + "mlp.up_proj.weight"].T
                 y = (gate / (1 + np.exp(-gate)) * up) @ W[p + "mlp.down_proj.weight"].T
@@ -217,7 +217,7 @@ def reference_select(W, cfg, h, logits, first: int, pairwise: bool = True) -> Li
 
 def bigram_selector(drafter, target, successor: np.ndarray, strength: float = 100.0) -> None:
     """Make a loaded DFlash 2 drafter propose ``successor[prev]`` after every token prev (where it
-    is among the top-k; top-k is widened to the whole vocabulary): its sublayers' outputs zeroed,
+    it is: the unary scores are zeroed and top-k is widened to the whole vocabulary): its sublayers' outputs zeroed,
     the mask rows' output h0 is one vector, the projection maps it to ones, and the codebooks hold
     the bigram table (predecessor = identity, successor[c, prev] = 1 iff c == successor[prev])."""
     import mlx.core as mx
@@ -236,4 +236,5 @@ def bigram_selector(drafter, target, successor: np.ndarray, strength: float = 10
     table[np.asarray(successor), np.arange(V)] = 1.0
     sel.successor_codebook = mx.array(table)
     sel.top_k = V
+    drafter.args.output_multiplier = 0.0  # no unary scores: the table alone decides
     mx.eval(drafter.parameters())

@@ -235,7 +235,7 @@ def test_eos_and_budget_cut_inside_a_block(request, fixture):
     target, draft, _ = request.getfixturevalue(fixture)
     engine = load_engine(target, draft, adaptive_block=False, block_size=8, prefill_chunk=256)
     ids = [engine.encode(p) for p in PROMPTS[:3]]
-    refs = [greedy_reference(target, i, 40, engine.tokenizer.eos_token_ids) for i in ids]
+    refs = [greedy_reference(target, i, 40) for i in ids]  # no EOS: the one below is chosen from them
     d2.bigram_selector(engine.drafter, engine.target, _bigram(engine, refs, ids))
     k = next(i for i in range(9, len(refs[1])) if refs[1][i] not in refs[1][:i])
     engine.tokenizer.eos_token_ids = {refs[1][k]}
@@ -263,11 +263,12 @@ def test_cycles_verify_chains_with_a_selecting_drafter(q3, monkeypatch):
 
 # -- sampling -------------------------------------------------------------------------------
 
-def test_sampling_through_a_dflash2_drafter_keeps_the_target_distribution(q3, monkeypatch):
+def test_sampling_through_a_dflash2_drafter_keeps_the_target_distribution(q3, tmp_path, monkeypatch):
     """The chi-square test of tests/test_sampling.py with the drafts proposed by the DFlash 2
     drafter itself (its selector holding the Markov chain's most likely successor of each
-    token), and its negative control: a decoder that keeps every draft fails it."""
-    target, draft, _ = q3
+    token; whole blocks of 8), and its negative control: a decoder that keeps every draft fails it."""
+    target, _, cfg = q3
+    draft = d2.save_dflash2(tmp_path / "d", d2.dflash2_config(cfg, block_size=8, runtime_block_size=8), seed=13)
     engine, probs = markov_engine(target, draft)
     d2.bigram_selector(engine.drafter, engine.target, probs.argmax(axis=1))
     pairs, accepted = transitions(engine)
