@@ -677,15 +677,21 @@ def cmd_drafters(args) -> int:
         return EXIT_OK
     print("--draft auto takes the drafter of the longest name below that the target's name starts "
           "with (case and org ignored):")  # fmt: skip
-    rows = [("TARGET NAME", "BLOCK", "DRAFTER")]
-    for p in listed:
-        default = " (the embedded default pair)" if p["default"] else ""
-        rows.append((p["target"], _fmt(p["block_size"], "d"), p["drafter"] + default))
-    widths = [max(len(r[i]) for r in rows) for i in range(2)]
-    for target, block, drafter in rows:
-        print(f"  {target:<{widths[0]}}  {block:<{widths[1]}}  {drafter}")
-    print("BLOCK -: read from the drafter's config when it loads. A local target folder may "
-          "name its own drafter in dflash_drafter.json; any other drafter: --draft FOLDER|REPO.")
+    head = ("TARGET NAME", "BLOCK", "GENERATION", "DRAFTER")
+    rows = [(p["target"], _fmt(p["block_size"], "d"), p["generation"],
+             p["drafter"] + (" (the embedded default pair)" if p["default"] else "")
+             + (f"  [{p['note']}]" if p["note"] and not p["default"] else "")) for p in listed]  # fmt: skip
+    widths = [max(len(r[i]) for r in rows + [head]) for i in range(3)]
+    auto = [r for r, p in zip(rows, listed) if p["auto"]]
+    others = [r for r, p in zip(rows, listed) if not p["auto"]]
+    for i, row in enumerate([head] + auto + ([("", "", "", "")] if others else []) + others):
+        if others and i == len(auto) + 1:
+            print("Also published (give one with --draft REPO):")
+            continue
+        print("  " + "  ".join(f"{c:<{w}}" for c, w in zip(row[:3], widths)) + "  " + row[3])
+    print("BLOCK: the recommended verify block; -: read from the drafter's config when it loads. "
+          "A local target folder may name its own drafter in dflash_drafter.json; any other drafter: "
+          "--draft FOLDER|REPO.")  # fmt: skip
     return EXIT_OK
 
 
