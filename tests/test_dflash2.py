@@ -280,3 +280,30 @@ def test_sampling_through_a_dflash2_drafter_keeps_the_target_distribution(q3, tm
     biased, _ = transitions(engine)
     stat_biased, dof_biased = chi_square(biased, probs)
     assert stat_biased > 3 * chi_square_critical(dof_biased), (stat_biased, dof_biased)
+
+
+def test_compiled_draft_passes_equal_eager_ones(q35, monkeypatch):
+    """The drafter's pass replayed from a trace (engine/ops/compiled.py, the default on CUDA),
+    convolutions and bidirectional sliding layers included: every cycle's drafts and the output
+    are the eager pass's, rows joining and leaving."""
+    from dflash_batch.engine import routing
+
+    target, draft, _ = q35
+    engine = load_engine(target, draft, prefill_chunk=64, adaptive_block=False)
+    budgets = [20, 33, 9, 40, 27]
+    real, drafted = decode.draft_block, []
+
+    def spy(*args, **kwargs):
+        out = real(*args, **kwargs)
+        drafted.append(out.tolist())
+        return out
+
+    monkeypatch.setattr(decode, "draft_block", spy)
+    runs = {}
+    for passes in ("eager", "compiled"):
+        drafted.clear()
+        with routing.modes(passes=passes):
+            tokens = [c.token_ids for c in engine.generate_batch(PROMPTS, max_tokens=budgets, batch_size=3)]
+        runs[passes] = tokens, list(drafted)
+    assert runs["compiled"] == runs["eager"] and len(runs["eager"][1]) > 10
+    assert engine.drafter.passes.calls["compiled"] > engine.drafter.passes.traced
