@@ -307,3 +307,16 @@ def test_compiled_draft_passes_equal_eager_ones(q35, monkeypatch):
         runs[passes] = tokens, list(drafted)
     assert runs["compiled"] == runs["eager"] and len(runs["eager"][1]) > 10
     assert engine.drafter.passes.calls["compiled"] > engine.drafter.passes.traced
+
+
+def test_the_pass_benchmark_runs_its_smoke_mode(tmp_path, capsys):
+    """benchmarks/dflash2_pass.py (the GPU command is in its doc) end to end on tiny shapes; no
+    figure is checked, only that each batch size has both drafters' passes."""
+    from benchmarks import dflash2_pass
+
+    out = tmp_path / "pass.json"
+    assert dflash2_pass.main(["--smoke", "--reps", "2", "--batch", "1,2", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [r["batch"] for r in result["passes"]] == [1, 2]
+    assert all(r["v1_ms"] > 0 and r["v2_ms"] > 0 for r in result["passes"])
+    assert result["command"].startswith("python -m benchmarks.dflash2_pass --smoke")
