@@ -98,6 +98,15 @@ def test_runtime_block_size_is_the_engines_default_block(q3, tmp_path):
     assert load_engine(target, draft, block_size=16).block_size == 8
 
 
+def test_a_selector_over_another_vocabulary_is_refused(q3, tmp_path):
+    from dflash_batch.errors import ModelMismatchError
+
+    target, _, cfg = q3
+    draft = d2.save_dflash2(tmp_path / "d", d2.dflash2_config(dict(cfg, vocab_size=1024)), seed=3)
+    with pytest.raises(ModelMismatchError, match="selector covers 1024 tokens"):
+        load_engine(target, draft)
+
+
 # -- the forward pass against an independent reference ------------------------------------------
 
 def _context(engine, ids):
@@ -320,3 +329,19 @@ def test_the_pass_benchmark_runs_its_smoke_mode(tmp_path, capsys):
     assert [r["batch"] for r in result["passes"]] == [1, 2]
     assert all(r["v1_ms"] > 0 and r["v2_ms"] > 0 for r in result["passes"])
     assert result["command"].startswith("python -m benchmarks.dflash2_pass --smoke")
+
+
+def test_warm_up_times_dflash2_passes(q3, monkeypatch):
+    """No cost model given: the engine's warm-up runs the DFlash 2 drafter's passes (as a cycle
+    runs them: the selector's walk included) before the job; the output does not depend on what
+    it measured."""
+    target, draft, _ = q3
+    engine = load_engine(target, draft)
+    walks = []
+    real = dflash2.CandidateSelector.__call__
+    monkeypatch.setattr(dflash2.CandidateSelector, "__call__", lambda *a: walks.append(1) or real(*a))
+    engine.warm_up(2)
+    assert walks  # the drafter's passes were timed with their selector
+    ids = [engine.encode(p) for p in PROMPTS[:2]]
+    refs = [greedy_reference(target, i, 24, engine.tokenizer.eos_token_ids) for i in ids]
+    assert [c.token_ids for c in engine.generate_batch(ids, max_tokens=24, batch_size=2)] == refs
