@@ -6,7 +6,7 @@ sliding-window drafter at a 27B-class target's width, bf16): the v1 body, and th
 DFlash 2's convolutions around every sublayer and its candidate selector. Each pass is a cycle's
 drafter pass as the engine runs it (``decode.draft_block``: the block, the target's head over the
 draft rows, then the argmax for v1 or the selector's walk for v2), after ``--context`` rows of
-context. Reported per batch size: the median milliseconds of ``--reps`` alternating passes of
+context (compiled where the engine compiles them: engine/ops/compiled.py). Reported per batch size: the median milliseconds of ``--reps`` alternating passes of
 each drafter (``v1_ms``, ``v2_ms``), and their ratio. ``--smoke``: tiny shapes, for the CPU and
 the tests.
 
@@ -29,6 +29,7 @@ from mlx.utils import tree_flatten
 
 from dflash_batch.engine import decode
 from dflash_batch.engine.models import dflash2, drafter as v1
+from dflash_batch.engine.ops import compiled
 from dflash_batch.engine.ops.batch_cache import Lengths
 
 from .default_pair import command_line, write_result
@@ -83,7 +84,7 @@ def pass_ms(drafter, target, batch: int, context: int, reps: int, s: dict) -> li
     """Milliseconds of ``reps`` draft passes over a cache of ``context`` rows (each pass from the
     same context: the cache's length is not advanced)."""
     lengths = Lengths([0] * batch)
-    cache = drafter.make_cache(lengths, context + 2 * s["block"])
+    cache = drafter.make_cache(lengths, compiled.capacity(batch, context + 2 * s["block"]))  # as a job allocates it
     width = s["taps"] * s["hidden"]
     dtype = drafter.fc.weight.dtype
     drafter.add_context(mx.random.normal((batch, context, width)).astype(dtype), cache)
@@ -122,7 +123,7 @@ def main(argv=None) -> int:
         rows.append(row)
         print(row, file=sys.stderr)
     write_result({"command": command_line("dflash2_pass", argv), "device": str(mx.default_device()),
-                  "mlx": mx.__version__, "shapes": shapes, "dtype": str(dtype), "passes": rows}, args.out)  # fmt: skip
+                  "mlx": mx.__version__, "passes": compiled.mode(), "shapes": shapes, "dtype": str(dtype), "rows": rows}, args.out)  # fmt: skip
     return 0
 
 

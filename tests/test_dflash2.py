@@ -326,8 +326,8 @@ def test_the_pass_benchmark_runs_its_smoke_mode(tmp_path, capsys):
     out = tmp_path / "pass.json"
     assert dflash2_pass.main(["--smoke", "--reps", "2", "--batch", "1,2", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
-    assert [r["batch"] for r in result["passes"]] == [1, 2]
-    assert all(r["v1_ms"] > 0 and r["v2_ms"] > 0 for r in result["passes"])
+    assert [r["batch"] for r in result["rows"]] == [1, 2]
+    assert all(r["v1_ms"] > 0 and r["v2_ms"] > 0 for r in result["rows"])
     assert result["command"].startswith("python -m benchmarks.dflash2_pass --smoke")
 
 
