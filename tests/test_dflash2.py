@@ -246,10 +246,11 @@ def test_eos_and_budget_cut_inside_a_block(request, fixture):
     ids = [engine.encode(p) for p in PROMPTS[:3]]
     refs = [greedy_reference(target, i, 40) for i in ids]  # no EOS: the one below is chosen from them
     d2.bigram_selector(engine.drafter, engine.target, _bigram(engine, refs, ids))
-    k = next(i for i in range(9, len(refs[1])) if refs[1][i] not in refs[1][:i])
+    budgets = [13, 40, 29]  # not multiples of the block: the budget ends inside one
+    # an EOS that row 1 meets first at position k >= 9, and row 0 not before its budget ends
+    k = next(i for i in range(9, len(refs[1])) if refs[1][i] not in refs[1][:i] + refs[0][: budgets[0]])
     engine.tokenizer.eos_token_ids = {refs[1][k]}
     cut = [r[: r.index(refs[1][k])] if refs[1][k] in r else r for r in refs]
-    budgets = [13, 40, 29]  # not multiples of the block: the budget ends inside one
     want = [c[:m] for c, m in zip(cut, budgets)]
     batched = engine.generate_batch(ids, max_tokens=budgets, batch_size=3)
     alone = [engine.generate(i, max_tokens=m) for i, m in zip(ids, budgets)]
