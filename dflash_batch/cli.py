@@ -216,8 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=["parquet", "jsonl", "openai"], default="parquet")
     p.add_argument("--out", help="file to write (default: parquet prints the output dir, others go to stdout)")
 
-    p = sub.add_parser("drafters", help="list the registered target/drafter pairs (--draft auto)",
-                       description="The DFlash drafters registered for target names (no model is "
+    p = sub.add_parser("drafters", help="list the registered target/drafter pairs (--draft auto) and the published ones",
+                       description="The DFlash drafters registered for target names, then the other "
+                       "published pairings, with generation and recommended block (no model is "
                        "loaded or downloaded). A target without one decodes plainly under "
                        "--draft auto.")  # fmt: skip
     p.add_argument("--json", action="store_true")
