@@ -225,8 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
     shown.add_argument("--text", action="store_true", help="print each row's id and output, in input order")
     shown.add_argument("--columns", metavar="A,B", help="print these columns as JSON lines, in input order")
 
-    p = sub.add_parser("drafters", help="list the registered target/drafter pairs (--draft auto)",
-                       description="The DFlash drafters registered for target names (no model is "
+    p = sub.add_parser("drafters", help="list the registered target/drafter pairs (--draft auto) and the published ones",
+                       description="The DFlash drafters registered for target names, then the other "
+                       "published pairings, with generation and recommended block (no model is "
                        "loaded or downloaded). A target without one decodes plainly under "
                        "--draft auto.")  # fmt: skip
     p.add_argument("--json", action="store_true")
@@ -734,15 +735,21 @@ def cmd_drafters(args) -> int:
         return EXIT_OK
     print("--draft auto takes the drafter of the longest name below that the target's name starts "
           "with (case and org ignored):")  # fmt: skip
-    rows = [("TARGET NAME", "BLOCK", "DRAFTER")]
-    for p in listed:
-        default = " (the embedded default pair)" if p["default"] else ""
-        rows.append((p["target"], _fmt(p["block_size"], "d"), p["drafter"] + default))
-    widths = [max(len(r[i]) for r in rows) for i in range(2)]
-    for target, block, drafter in rows:
-        print(f"  {target:<{widths[0]}}  {block:<{widths[1]}}  {drafter}")
-    print("BLOCK -: read from the drafter's config when it loads. A local target folder may "
-          "name its own drafter in dflash_drafter.json; any other drafter: --draft FOLDER|REPO.")
+    head = ("TARGET NAME", "BLOCK", "GENERATION", "DRAFTER")
+    rows = [(p["target"], _fmt(p["block_size"], "d"), p["generation"],
+             p["drafter"] + (" (the embedded default pair)" if p["default"] else "")
+             + (f"  [{p['note']}]" if p["note"] and not p["default"] else "")) for p in listed]  # fmt: skip
+    widths = [max(len(r[i]) for r in rows + [head]) for i in range(3)]
+    auto = [r for r, p in zip(rows, listed) if p["auto"]]
+    others = [r for r, p in zip(rows, listed) if not p["auto"]]
+    for i, row in enumerate([head] + auto + ([("", "", "", "")] if others else []) + others):
+        if others and i == len(auto) + 1:
+            print("Also published (give one with --draft REPO):")
+            continue
+        print("  " + "  ".join(f"{c:<{w}}" for c, w in zip(row[:3], widths)) + "  " + row[3])
+    print("BLOCK: the recommended verify block; -: read from the drafter's config when it loads. "
+          "A local target folder may name its own drafter in dflash_drafter.json; any other drafter: "
+          "--draft FOLDER|REPO.")  # fmt: skip
     return EXIT_OK
 
 

@@ -130,7 +130,12 @@ class Engine:
         matmul.install(drafter)
         # drafts from the draft vocabulary, if the drafter has one (decode.DraftHead)
         self.draft_head = decode.DraftHead(self.target, vocab) if vocab is not None and len(vocab) < self.target.vocab_size else None
-        self.block_size = min(block_size or args.block_size, args.block_size)
+        if drafter.selects and args.vocab_size != self.target.vocab_size:
+            raise ModelMismatchError(
+                f"drafter's selector covers {args.vocab_size} tokens, the target vocabulary has {self.target.vocab_size}"
+            )
+        # the drafter's runtime block size (DFlash 2's config names one) unless one is asked, at most its block
+        self.block_size = min(block_size or args.runtime_block_size or args.block_size, args.block_size)
         if self.block_size < 2:
             raise ValueError(f"block_size must be at least 2, got {self.block_size}")
 
@@ -429,7 +434,7 @@ def _drafts(drafter, target) -> Optional[str]:
     None without a drafter."""
     if drafter is None:
         return None
-    return tree.mode() if target.trees else "chain"
+    return tree.mode() if target.trees and not drafter.selects else "chain"
 
 
 def _typical_context(requests: Sequence[EncodedRequest]) -> int:

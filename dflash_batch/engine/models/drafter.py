@@ -63,6 +63,7 @@ class ModelArgs:
     vocab_size: Optional[int] = None
     attention_bias: bool = False
     draft_vocab: Optional[List[int]] = None  # target ids the drafter proposes (None: all of them)
+    runtime_block_size: Optional[int] = None  # the engine's default block size (None: block_size)
 
     @classmethod
     def from_config(cls, config: Dict[str, Any]) -> "ModelArgs":
@@ -133,6 +134,7 @@ class Attention(nn.Module):
         self.k_norm = nn.RMSNorm(hd, eps=args.rms_norm_eps)
         self.rope = initialize_rope(hd, args.rope_theta, False, args.rope_scaling, args.max_position_embeddings)
         self.window = args.sliding_window if sliding else None
+        self.causal = sliding  # a sliding layer's block is causal (DFlash 2's is not: engine/models/dflash2.py)
 
     def _heads(self, x: mx.array, n: int) -> mx.array:
         B, L, _ = x.shape
@@ -159,7 +161,7 @@ class Attention(nn.Module):
         # Full layers: every query sees all context and the whole block (bidirectional).
         # Sliding layers: causal inside the block, context limited to the window.
         # (stock SDPA with that mask, or the two-pass block attention on GPU: engine/ops/attention.py)
-        out = drafter_attention(q, keys, values, scale=self.scale, window=self.window)
+        out = drafter_attention(q, keys, values, scale=self.scale, window=self.window, causal=self.causal)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
     def _ragged(self, x: mx.array, ctx: mx.array, cache: RaggedKVCache, counts: mx.array) -> mx.array:
@@ -184,7 +186,7 @@ class Attention(nn.Module):
         ctx_cols = mx.where(j < counts[:, None], start[:, None] + j, start[:, None] + L + j)
         blk_cols = first[:, None] + mx.arange(L, dtype=mx.int32)[None]
         keys, values = cache.write_columns(mx.concatenate([ctx_cols, blk_cols], axis=1), k, v, S + L)
-        out = drafter_attention(q, keys, values, scale=self.scale, window=self.window, kv_len=first + L)
+        out = drafter_attention(q, keys, values, scale=self.scale, window=self.window, kv_len=first + L, causal=self.causal)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
     def context_kv(self, ctx: mx.array, start) -> tuple:
@@ -221,6 +223,9 @@ class DecoderLayer(nn.Module):
 class Model(nn.Module):
     """Drafter body. ``__call__(block_embeddings, context_hidden, cache) -> hidden [B, L, H]``."""
 
+    layer_class = DecoderLayer
+    selects = False  # drafts are the head's argmax per position (DFlash 2 selects a path: engine/models/dflash2.py)
+
     def __init__(self, args: ModelArgs, target_hidden_size: Optional[int] = None):
         super().__init__()
         self.args = args
@@ -228,7 +233,7 @@ class Model(nn.Module):
         self.target_hidden_size = th
         self.fc = nn.Linear(len(args.target_layer_ids) * th, args.hidden_size, bias=False)
         self.hidden_norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.layers = [DecoderLayer(args, t == "sliding_attention") for t in args.layer_types]
+        self.layers = [self.layer_class(args, t == "sliding_attention") for t in args.layer_types]
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.passes = compiled.CompiledDraft(self)  # a plain attribute: not in the parameter tree
 

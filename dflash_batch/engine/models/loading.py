@@ -10,6 +10,7 @@ from typing import Optional, Sequence, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
+from . import dflash2
 from . import drafter as drafter_model
 
 MODEL_PATTERNS = ("*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken", "*.py")
@@ -61,23 +62,44 @@ def quantize_like(model: nn.Module, weights: dict, quant: Optional[dict]) -> Non
     )
 
 
+V1_ARCHITECTURE = "DFlashDraftModel"
+
+
+def drafter_format(config: dict, where: str = "config.json"):
+    """The module of the drafter a config.json describes, told by the config alone:
+    engine/models/dflash2.py for DFlash 2, engine/models/drafter.py for DFlash v1 (its
+    architecture, or none named)."""
+    if dflash2.is_dflash2(config):
+        return dflash2
+    architectures = config.get("architectures") or []
+    if not architectures or V1_ARCHITECTURE in architectures:
+        return drafter_model
+    raise ValueError(
+        f"{where}: architectures {architectures} is not a drafter format this engine loads: "
+        f"{V1_ARCHITECTURE!r} (DFlash v1) or {dflash2.ARCHITECTURE!r} (DFlash 2, whose dflash_config "
+        f"names {', '.join(dflash2.REQUIRED_KEYS)})"
+    )
+
+
 def load_drafter(
     name_or_path: str | Path, revision: Optional[str] = None, dtype: Optional[mx.Dtype] = None
 ) -> drafter_model.Model:
-    """Load a DFlash drafter (``config.json`` + ``*.safetensors``, z-lab format)."""
+    """Load a DFlash v1 or DFlash 2 drafter (``config.json`` + ``*.safetensors``, as published)."""
     folder = resolve_model_path(name_or_path, revision, DRAFTER_PATTERNS)
     config_file = folder / "config.json"
     if not config_file.exists():
         raise FileNotFoundError(f"drafter folder {folder} has no config.json")
     config = json.loads(config_file.read_text())
-    args = drafter_model.ModelArgs.from_config(config)
-    args.draft_vocab = read_draft_vocab(folder, config.get("vocab_size"))
+    kind = drafter_format(config, str(config_file))
+    args = kind.ModelArgs.from_config(config)
+    if kind is drafter_model:  # a draft vocabulary cuts v1's head; DFlash 2 selects over the whole one
+        args.draft_vocab = read_draft_vocab(folder, config.get("vocab_size"))
     weights = load_safetensors(folder)
     fc = weights.get("fc.weight")
     if fc is None:
         raise KeyError(f"drafter weights in {folder} have no fc.weight: not a DFlash drafter")
     fc_in = fc.shape[1] if "fc.scales" not in weights else fc.shape[1] * 32 // config["quantization"]["bits"]
-    model = drafter_model.Model(args, target_hidden_size=fc_in // len(args.target_layer_ids))
+    model = kind.Model(args, target_hidden_size=fc_in // len(args.target_layer_ids))
     quantize_like(model, weights, config.get("quantization"))
     model.load_weights(list(weights.items()), strict=True)
     if dtype is not None:

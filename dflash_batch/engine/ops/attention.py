@@ -174,11 +174,13 @@ def drafter_attention(
     scale: float,
     window: Optional[int],
     kv_len: Optional[mx.array] = None,
+    causal: Optional[bool] = None,
 ) -> mx.array:
     """Draft-block attention over [context, block] keys: bidirectional (full layers), or causal
     within a sliding window (sliding layers); the block's rows are the last ``L`` key positions,
-    or, in a ragged batch, the last of row b's first ``kv_len[b]`` keys."""
-    causal = window is not None
+    or, in a ragged batch, the last of row b's first ``kv_len[b]`` keys. ``causal=False`` keeps a
+    sliding layer's block bidirectional (DFlash 2: only the context is windowed)."""
+    causal = window is not None if causal is None else causal
     if kv_len is not None:
         impl = _route(q, keys, values) if _ragged_route == "block" else None
         if impl is not None:
@@ -188,12 +190,14 @@ def drafter_attention(
         return _sdpa(q, keys, values, scale, mask)
     impl = _route(q, keys, values)
     if impl is not None:
-        return _block_attention(impl, q, keys, values, scale, causal=window is not None, window=window)
+        return _block_attention(impl, q, keys, values, scale, causal=causal, window=window)
     _counts["stock"] += 1
     mask = None
-    if window is not None:
-        L = q.shape[2]
+    L = q.shape[2]
+    if window is not None and causal:
         mask = create_causal_mask(L, offset=keys.shape[2] - L, window_size=window)
+    elif window is not None:
+        mask = _ragged_mask(mx.array([keys.shape[2]], dtype=mx.int32), L, keys.shape[2], False, window)
     return _sdpa(q, keys, values, scale, mask)
 
 
