@@ -14,6 +14,7 @@ exact in any float type.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import mlx.core as mx
@@ -22,7 +23,10 @@ import pytest
 from mlx_lm import load as mlx_load
 from mlx_lm import stream_generate
 
-from dflash_batch.engine import load_engine
+from dflash_batch.engine import load_engine, warmup
+from dflash_batch.engine.ops import matmul
+from dflash_batch.engine.ops.kernels import matmul as km
+from dflash_batch.engine.scheduler import CostModel
 from tests import synthetic
 from tests.helpers import PROMPTS_B, fixed_costs
 from tests.scripting import ScriptedDrafts
@@ -33,6 +37,7 @@ FAMILIES = {
     "qwen3_5": lambda: synthetic.tiny_qwen3_5_config(hidden=128),
     "qwen3_5_moe": lambda: synthetic.tiny_qwen3_5_config(hidden=128, moe=True),
 }
+CONFIGS = dict(FAMILIES, qwen3_untied=lambda: dict(synthetic.tiny_qwen3_config(), tie_word_embeddings=False))
 # (mode, group size, bits): mlx-lm's affine recipes and the other modes mx.quantize has
 QUANTS = {
     "affine4-g32": ("affine", 32, 4),
@@ -49,23 +54,26 @@ BLOCK = 8
 PROMPTS = PROMPTS_B[:4]  # 2 to about 100 tokens, one of them chat messages
 BUDGETS = [13, 30, 21, 37]  # 13 = the prefill's token, a block of 8, then 4 of the next
 P_WRONG = [0.0, 0.15, 0.4, 0.8]  # whole blocks in one row, short ones in another
+VOCAB = list(range(0, 512, 3)) + [7, 11]  # a draft vocabulary: 173 of the 512 tokens
 
 
 @pytest.fixture(scope="session")
 def quantized(tmp_path_factory):
-    """(family, quant) -> (quantized target folder, drafter folder); built once per session."""
+    """(family, quant) -> (quantized target folder, drafter folder), built once per session;
+    quant None: the unquantized source."""
     root = tmp_path_factory.mktemp("quantized")
     built = {}
 
     def get(family: str, quant: str):
         if (family, quant) not in built:
-            config = FAMILIES[family]()
+            config = CONFIGS[family]()
             source = root / family
             if not source.exists():
                 synthetic.save_target(source, config, seed=3)
                 synthetic.save_drafter(root / f"{family}-draft", synthetic.drafter_config(config, block_size=BLOCK), seed=5)
-            mode, group, bits = QUANTS[quant]
-            target = synthetic.save_quantized(source, root / f"{family}-{quant}", mode, group, bits)
+            target = source
+            if quant is not None:
+                target = synthetic.save_quantized(source, root / f"{family}-{quant}", *QUANTS[quant])
             built[family, quant] = target, root / f"{family}-draft"
         return built[family, quant]
 
@@ -144,10 +152,8 @@ def test_the_engine_loads_the_target_quantized_as_mlx_lm_saved_it(quantized, fam
     engine = load_engine(str(target), str(draft))
     model = engine.target.model
     assert unquantized_layers(model) == []
-    used = modes_used(model)
-    assert (mode, group, bits) in used
-    # qwen3_5_moe's routers stay affine 8-bit, as mlx-lm's own predicate wants
-    assert used - {(mode, group, bits)} == ({("affine", 64, 8)} if family == "qwen3_5_moe" else set())
+    routers = {("affine", 64, 8)} if family == "qwen3_5_moe" else set()  # mlx-lm's predicate keeps them 8-bit
+    assert modes_used(model) == {(mode, group, bits)} | routers
     assert isinstance(engine.target.embed_tokens, nn.QuantizedEmbedding)
     assert engine.target.hidden_size == config["hidden_size"]
 
@@ -184,7 +190,7 @@ def test_eos_and_budgets_cut_inside_a_block(quantized, monkeypatch, chain_drafts
     engine, script, ids, refs = scripted_engine(target, draft, monkeypatch, adaptive_block=False)
     row, k = eos_inside_a_block(refs)
     eos = refs[row][k]
-    engine.tokenizer.eos_token_ids = {eos}
+    engine.tokenizer.eos_token_ids = set(engine.tokenizer.eos_token_ids) | {eos}  # refs end at the first
     want = [ref[: ref.index(eos)] if eos in ref else ref for ref in refs]
     rescript(script, ids, refs, p_wrong=[0.0] * len(ids))
     alone = [engine.generate(i, max_tokens=n) for i, n in zip(ids, BUDGETS)]
@@ -193,7 +199,152 @@ def test_eos_and_budgets_cut_inside_a_block(quantized, monkeypatch, chain_drafts
     for run in (alone, batched):
         assert [c.token_ids for c in run] == want
         assert run[row].stop_reason == "eos" and len(run[row].token_ids) == k
-        assert all(c.stats.drafted_tokens > 0 and c.stats.accepted_tokens > 0 for c in run)
+        assert all(c.stats.accepted_tokens > 0 for c in run if len(c.token_ids) > BLOCK)
     for c, ref, n in zip(batched, want, BUDGETS):
         if len(ref) == n:  # stopped by its budget
             assert c.finish_reason == "length"
+
+
+# -- the cut head a draft vocabulary uses --------------------------------------------------------
+
+
+@pytest.mark.parametrize("quant", QUANTS)
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_untied"])  # a tied embedding, a separate lm_head
+def test_cut_head_equals_the_quantized_heads_columns(quantized, family, quant):
+    """``Target.head_rows`` copies the head's rows quantized (scales, and biases where the mode
+    has them): its logits are the whole head's at those rows, bit for bit."""
+    engine = load_engine(str(quantized(family, quant)[0]), None)
+    target = engine.target
+    head = target.embed_tokens if family == "qwen3" else target.model.lm_head
+    assert isinstance(head, (nn.QuantizedEmbedding, nn.QuantizedLinear)) and head.mode == QUANTS[quant][0]
+    ids = mx.array(VOCAB, dtype=mx.int32)
+    h = mx.random.normal((2, 5, target.hidden_size), key=mx.random.key(3))
+    assert mx.array_equal(target.head_rows(ids)(h), target.lm_head(h)[..., ids]).item()
+
+
+@pytest.mark.parametrize("quant", ["affine4-g64", "mxfp4", "nvfp4"])
+def test_a_draft_vocabulary_over_a_quantized_head_drafts_from_it_and_is_lossless(quantized, tmp_path, quant):
+    """The real (random) drafter, its drafts picked from a vocabulary through the quantized head's
+    cut rows: every draft lies in the vocabulary and the output is the target's own greedy."""
+    target, draft = quantized("qwen3", quant)
+    vocab_draft = tmp_path / "draft"
+    shutil.copytree(draft, vocab_draft)
+    (vocab_draft / "draft_vocab.json").write_text(json.dumps({"token_ids": VOCAB}))
+    engine = load_engine(str(target), str(vocab_draft), cost_model=fixed_costs(), adaptive_block=False)
+    assert engine.draft_head is not None
+    ids = [engine.encode(p) for p in PROMPTS]
+    eos = engine.tokenizer.eos_token_ids
+    refs = [reference(target, i, n, eos) for i, n in zip(ids, BUDGETS)]
+    batched = engine.generate_batch(ids, max_tokens=BUDGETS, batch_size=len(ids))
+    assert [c.token_ids for c in batched] == refs
+    assert all(c.stats.drafted_tokens > 0 for c in batched)
+
+
+# -- the few-row matmul routing leaves quantized layers to MLX -----------------------------------
+
+
+def fake_kernel(monkeypatch):
+    """Routing forced on as on CUDA, the kernel replaced by MLX's product plus a record of the
+    weights it was given (the CPU has no CUDA)."""
+    calls = []
+
+    def kernel(x, w):
+        calls.append(w)
+        return km.matmul_reference(x, w)
+
+    monkeypatch.setattr(km, "matmul_kernel", kernel)
+    monkeypatch.setattr(km, "kernel_verified", lambda dtype, backend="cuda": True)
+    monkeypatch.setattr(matmul, "_routing", True)
+    return calls
+
+
+def verify_logits(engine, ids):
+    target = engine.target
+    cache = target.make_cache()
+    logits, _ = target.verify(mx.array([ids]), cache)
+    mx.eval(logits)
+    return logits
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_few_row_routing_leaves_quantized_layers_to_mlx(quantized, monkeypatch, family):
+    """Fully quantized: no layer is re-classed and no product reaches the kernel. Partly
+    quantized (mlx-lm's converter told to leave the MLPs alone): only the plain layers' products
+    do, and the logits are those of routing off."""
+    engine = load_engine(str(quantized(family, "affine4-g64")[0]), None)
+    assert not [m for _, m in engine.target.model.named_modules() if isinstance(m, matmul.RoutedLinear)]
+    ids = list(range(5, 13))
+    stock = verify_logits(engine, ids)
+    calls = fake_kernel(monkeypatch)
+    assert mx.array_equal(verify_logits(engine, ids), stock).item() and calls == []
+
+    monkeypatch.setattr(matmul, "_routing", False)
+    source = quantized(family, None)[0]
+    partly = synthetic.save_quantized(source, source.parent / f"{family}-attention-only", "affine", 64, 4,
+                                      quant_predicate=lambda path, module: ".mlp" not in path)
+    engine = load_engine(str(partly), None)
+    routed = [m for _, m in engine.target.model.named_modules() if isinstance(m, matmul.RoutedLinear)]
+    assert routed and engine.target.quantized
+    stock = verify_logits(engine, ids)
+    calls = fake_kernel(monkeypatch)
+    assert mx.array_equal(verify_logits(engine, ids), stock).item()
+    assert calls and all(w.dtype == mx.float32 for w in calls)  # plain weights only, never packed ones
+    assert {id(w) for w in calls} <= {id(m.weight) for m in routed}
+
+
+# -- the cost model learns what widths cost on a quantized target --------------------------------
+
+# A quantized verify pass whose product switches to the slower path above 3 rows, with costs at
+# 1, 4 and 8 rows on a line: the line alone would price 2 and 3 rows at 1.17 and 1.33.
+STEP = {1: 1.0, 2: 1.02, 3: 1.04, 4: 1.5, 6: 1.75, 8: 2.0}
+
+
+def test_the_warm_up_times_every_width_on_a_quantized_target(quantized, monkeypatch):
+    """On a GPU the warm-up times three widths, and every width only where the middle one is off
+    the line; on a quantized target always, so a qmv -> qmm step between timed widths is seen.
+    The same costs on the unquantized model time three (the control)."""
+    monkeypatch.setattr(warmup, "_quick", lambda: False)
+    asked = []
+
+    class Timed:
+        def __init__(self, engine, B, n):
+            self.B = B
+
+        def target(self, T):
+            asked.append((self.B, T))
+            return STEP[T] * self.B
+
+        def draft(self):
+            return 0.5
+
+    monkeypatch.setattr(warmup, "_Passes", Timed)
+    for quant, timed in (("affine4-g64", sorted(STEP)), (None, [1, 4, 8])):
+        engine = load_engine(*map(str, quantized("qwen3_5", quant)))
+        asked.clear()
+        cost = warmup.measure_costs(engine, 4, 128)
+        assert engine.target.quantized == (quant is not None)
+        assert sorted(cost.timed) == timed, quant
+        assert sorted(T for B, T in asked if B == 4) == timed
+        if quant is not None:
+            assert cost.target(4, 2) == pytest.approx(STEP[2] * 4)
+
+
+# Dearer still: a verify pass of 4 rows or more costs three times one of 3.
+DEAR = {1: 1.0, 2: 1.02, 3: 1.04, 4: 3.0, 6: 3.5, 8: 4.0}
+
+
+@pytest.mark.parametrize("costs,widest", [(DEAR, 3), ({T: 1.0 for T in STEP}, BLOCK)])
+def test_the_scheduler_verifies_below_the_step_its_costs_show(quantized, monkeypatch, chain_drafts, costs, widest):
+    """Given a cost model that prices the widths as measured on a quantized target (wide
+    verify passes dear above 3 rows), a drafter right every time is verified at 3 rows or fewer;
+    given flat costs, at the whole block (the control). Output stays the target's own greedy."""
+    target, draft = quantized("qwen3_5", "affine4-g64")
+    cost = CostModel(t0=1.0, d0=0.1, window=0, rows=1, timed=dict(costs))
+    engine = load_engine(str(target), str(draft), cost_model=cost)
+    script = ScriptedDrafts(monkeypatch)
+    ids = engine.encode(PROMPTS[1])
+    ref = reference(target, ids, 40, engine.tokenizer.eos_token_ids)
+    script(ids + ref + [0] * 2 * BLOCK, p_wrong=0.0)
+    assert engine.generate_batch([ids], max_tokens=40, batch_size=1)[0].token_ids == ref
+    drafting = [T for T in engine.decode_counts if T > 1]
+    assert drafting and max(drafting) == widest
