@@ -348,3 +348,29 @@ def test_the_scheduler_verifies_below_the_step_its_costs_show(quantized, monkeyp
     assert engine.generate_batch([ids], max_tokens=40, batch_size=1)[0].token_ids == ref
     drafting = [T for T in engine.decode_counts if T > 1]
     assert drafting and max(drafting) == widest
+
+
+# -- the GPU benchmark's smoke run --------------------------------------------------------------
+
+
+def test_the_quantized_benchmark_smoke_run_is_well_formed(tmp_path):
+    """``benchmarks/quantized.py --smoke``: every arm at both batch sizes, the verify widths of
+    each engine arm, the scripted arm's target choosing token 0 as its script assumes, and the
+    divergence count over its rows; JSON and the markdown table written."""
+    from benchmarks import quantized as bench
+
+    out = bench.main(["--smoke", "--out", str(tmp_path / "q.json")])
+    doc = json.loads(out.read_text())
+    assert doc["quantization"] == {"mode": "affine", "group_size": 64, "bits": 4}
+    arms = {(r["arm"], r["batch"]): r for r in doc["results"]}
+    assert {arm for arm, _ in arms} == {"mlx_lm.batch_generate", "dflash plain", "dflash tau=6.5", "dflash random"}
+    assert {b for _, b in arms} == {1, 2} and all(r["status"] == "ok" for r in arms.values())
+    for (arm, _), r in arms.items():
+        assert r["figures"]["tokens"] == 4 * 8
+        if arm.startswith("dflash"):
+            assert sum(c["cycles"] for c in r["figures"]["cycles"].values()) > 0
+    assert all(arms["dflash tau=6.5", b]["figures"]["all_token_0"] for b in (1, 2))
+    pairs = doc["divergence"]["pairs"]
+    assert len(pairs) == 3 and all(p["rows"] == 3 for p in pairs)
+    table = out.with_suffix(".md").read_text()
+    assert "| dflash tau=6.5 |" in table and "Verify widths chosen" in table and "of 3" in table
