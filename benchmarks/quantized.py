@@ -45,7 +45,7 @@ import dflash_batch.engine  # noqa: F401  (BLAS preload before mlx on Linux CPU)
 import mlx.core as mx
 
 from . import arms
-from .batched import cycle_summary, engine_arm, job_prompts, median_of, release, run_engine, run_mlx_lm
+from .batched import engine_arm, job_prompts, median_of, release, run_engine, run_mlx_lm
 from .divergence import compare
 from .shapes import Shape, build_drafter, build_tokenizer, dflash_drafter, qwen3_5, weight_bytes
 
@@ -219,7 +219,7 @@ def main(argv=None) -> Path:
         for acceptance in ["plain"] + args.acceptance.split(","):
             engine, zeroed = engine_arm(setup, engine_setup, acceptance)
             with zeroed:
-                record(f"dflash {acceptance}", B, lambda job, n: run_engine(engine, job, n, B))
+                record(f"dflash {acceptance}", B, lambda job, n, engine=engine: run_engine(engine, job, n, B))
             del engine
     if args.divergence_prompts and doc["divergence"] is None and not over_budget():
         release()

@@ -49,7 +49,15 @@ QUANTS = {
     "mxfp4": ("mxfp4", 32, 4),
     "mxfp8": ("mxfp8", 32, 8),
     "nvfp4": ("nvfp4", 16, 4),
+    # mlx-lm's mixed recipe: 3 bits, 6 for some layers (v_proj, down_proj of chosen layers)
+    "mixed_3_6": ("affine", 64, None, "mixed_3_6"),
 }
+# nvfp4 with one tensor scale per expert on the switch layers (mlx-lm's global_scale): MoE only
+MOE_ONLY = {"nvfp4-global": ("nvfp4", 16, 4, None, True)}
+CASES = [pytest.param(f, q, id=f"{f}-{q}") for f in FAMILIES for q in QUANTS]
+LOADED = CASES + [pytest.param("qwen3_5_moe", q, id=f"qwen3_5_moe-{q}") for q in MOE_ONLY]
+GPU_ONLY = pytest.mark.skipif(mx.default_device() == mx.cpu, reason="MLX 0.32.4 runs gather_qmm's global scale on a GPU only")
+DECODED = CASES + [pytest.param("qwen3_5_moe", q, id=f"qwen3_5_moe-{q}", marks=GPU_ONLY) for q in MOE_ONLY]
 BLOCK = 8
 PROMPTS = PROMPTS_B[:4]  # 2 to about 100 tokens, one of them chat messages
 BUDGETS = [13, 30, 21, 37]  # 13 = the prefill's token, a block of 8, then 4 of the next
@@ -73,7 +81,7 @@ def quantized(tmp_path_factory):
                 synthetic.save_drafter(root / f"{family}-draft", synthetic.drafter_config(config, block_size=BLOCK), seed=5)
             target = source
             if quant is not None:
-                target = synthetic.save_quantized(source, root / f"{family}-{quant}", *QUANTS[quant])
+                target = synthetic.save_quantized(source, root / f"{family}-{quant}", *{**QUANTS, **MOE_ONLY}[quant])
             built[family, quant] = target, root / f"{family}-draft"
         return built[family, quant]
 
@@ -142,18 +150,28 @@ def rescript(script, ids, refs, p_wrong=P_WRONG):
 # -- the models load quantized, as mlx-lm saved them -----------------------------------------------
 
 
-@pytest.mark.parametrize("quant", QUANTS)
-@pytest.mark.parametrize("family", FAMILIES)
+def expected_modes(family: str, quant: str) -> set:
+    """(mode, group size, bits) of the layers mlx-lm's quantizer makes for this case."""
+    mode, group, bits, *recipe = {**QUANTS, **MOE_ONLY}[quant]
+    if recipe and recipe[0] == "mixed_3_6":
+        return {(mode, group, 3), (mode, group, 6)}  # the recipe decides every layer, routers too
+    routers = {("affine", 64, 8)} if family == "qwen3_5_moe" else set()  # mlx-lm's predicate keeps them 8-bit
+    return {(mode, group, bits)} | routers
+
+
+@pytest.mark.parametrize("family,quant", LOADED)
 def test_the_engine_loads_the_target_quantized_as_mlx_lm_saved_it(quantized, family, quant):
     target, draft = quantized(family, quant)
     config = json.loads((target / "config.json").read_text())
-    mode, group, bits = QUANTS[quant]
-    assert (config["quantization"]["mode"], config["quantization"]["group_size"], config["quantization"]["bits"]) == (mode, group, bits)
+    mode, group = {**QUANTS, **MOE_ONLY}[quant][:2]
+    assert (config["quantization"]["mode"], config["quantization"]["group_size"]) == (mode, group)
     engine = load_engine(str(target), str(draft))
     model = engine.target.model
     assert unquantized_layers(model) == []
-    routers = {("affine", 64, 8)} if family == "qwen3_5_moe" else set()  # mlx-lm's predicate keeps them 8-bit
-    assert modes_used(model) == {(mode, group, bits)} | routers
+    assert modes_used(model) == expected_modes(family, quant)
+    if quant in MOE_ONLY:
+        scaled = [path for path, m in model.named_modules() if "global_scale" in m]
+        assert scaled and all(".switch_mlp." in path for path in scaled)
     assert isinstance(engine.target.embed_tokens, nn.QuantizedEmbedding)
     assert engine.target.hidden_size == config["hidden_size"]
 
@@ -161,8 +179,7 @@ def test_the_engine_loads_the_target_quantized_as_mlx_lm_saved_it(quantized, fam
 # -- greedy DFlash equals the quantized target's own greedy --------------------------------------
 
 
-@pytest.mark.parametrize("quant", QUANTS)
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family,quant", DECODED)
 def test_greedy_dflash_equals_the_quantized_targets_own_greedy(quantized, monkeypatch, family, quant):
     """Each prompt alone, then all four in one batch whose rows accept differently (whole blocks
     in one, short runs in another): every row equals mlx-lm's greedy decoding of the quantized
@@ -181,8 +198,7 @@ def test_greedy_dflash_equals_the_quantized_targets_own_greedy(quantized, monkey
     assert len(lengths) >= 3, lengths  # ragged: rows committed different lengths in the same cycles
 
 
-@pytest.mark.parametrize("quant", QUANTS)
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family,quant", DECODED)
 def test_eos_and_budgets_cut_inside_a_block(quantized, monkeypatch, chain_drafts, family, quant):
     """Every draft right, so each cycle commits a whole block of 8: an EOS inside a block of
     one row, and budgets of 13, 21 and 37 tokens, end rows mid-block, alone and batched."""
