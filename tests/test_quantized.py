@@ -90,7 +90,17 @@ def quantized(tmp_path_factory):
 
 def reference(folder: Path, ids, max_tokens: int, eos) -> list:
     """mlx-lm's own greedy decoding (``stream_generate``, argmax) of the model in ``folder``,
-    cut before the first of ``eos``."""
+    cut before the first of ``eos`` (kept: several tests ask for the same)."""
+    key = (folder, tuple(ids), max_tokens, frozenset(eos))
+    if key not in _REFERENCES:
+        _REFERENCES[key] = _reference(folder, ids, max_tokens, eos)
+    return list(_REFERENCES[key])
+
+
+_REFERENCES: dict = {}
+
+
+def _reference(folder: Path, ids, max_tokens: int, eos) -> list:
     model, tokenizer = _loaded(folder)
     out = []
     for r in stream_generate(model, tokenizer, mx.array(ids), max_tokens=max_tokens):
@@ -347,6 +357,32 @@ def test_the_warm_up_times_every_width_on_a_quantized_target(quantized, monkeypa
 
 # Dearer still: a verify pass of 4 rows or more costs three times one of 3.
 DEAR = {1: 1.0, 2: 1.02, 3: 1.04, 4: 3.0, 6: 3.5, 8: 4.0}
+
+
+def test_the_warm_up_times_passes_of_the_quantized_model_itself(quantized, monkeypatch):
+    """The timed verify passes are the quantized target's own (its quantized products run in
+    each) on a hybrid MoE target, at every width the cost model says it timed; nothing here reads
+    a time but to check that one was taken."""
+    engine = load_engine(*map(str, quantized("qwen3_5_moe", "affine4-g64")))
+    target, products, passes = engine.target, [], []
+    real_product, real_pass = nn.QuantizedLinear.__call__, target.decode_pass
+
+    def product(self, x):
+        products.append(x.size // x.shape[-1])
+        return real_product(self, x)
+
+    def verify(tokens, cache):
+        products.clear()
+        out = real_pass(tokens, cache)
+        passes.append((tokens.shape, set(products)))
+        return out
+
+    monkeypatch.setattr(nn.QuantizedLinear, "__call__", product)
+    monkeypatch.setattr(target, "decode_pass", verify)
+    cost = engine.warm_up(2, context=40)
+    assert cost.passes(2, 4) > 0 and cost.timed
+    for T in cost.timed:  # a pass of 2 rows x T tokens, through the quantized layers
+        assert any(shape == (2, T) and 2 * T in rows for shape, rows in passes), T
 
 
 @pytest.mark.parametrize("costs,widest", [(DEAR, 3), ({T: 1.0 for T in STEP}, BLOCK)])
