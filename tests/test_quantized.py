@@ -426,3 +426,17 @@ def test_the_quantized_benchmark_smoke_run_is_well_formed(tmp_path):
     assert len(pairs) == 3 and all(p["rows"] == 3 for p in pairs)
     table = out.with_suffix(".md").read_text()
     assert "| dflash tau=6.5 |" in table and "Verify widths chosen" in table and "of 3" in table
+
+
+@pytest.mark.parametrize("name,drafter", [
+    ("mlx-community/Qwen3.5-27B-4bit", "z-lab/Qwen3.5-27B-DFlash"),
+    ("mlx-community/Qwen3.5-35B-A3B-4bit", "z-lab/Qwen3.5-35B-A3B-DFlash"),
+    ("mlx-community/Qwen3-8B-8bit", "z-lab/Qwen3-8B-DFlash-b16"),
+    ("mlx-community/Qwen3.5-9B-MLX-mxfp4", "z-lab/Qwen3.5-9B-DFlash"),
+])
+def test_auto_finds_the_drafter_of_a_quantized_repo_name(name, drafter):
+    """``draft="auto"`` pairs repo names in mlx-community's form (the base name, then the
+    quantization) with their base model's drafter; names only: nothing is fetched."""
+    from dflash_batch.engine.models import registry
+
+    assert registry.registered_drafter(name)[0] == drafter
