@@ -224,7 +224,7 @@ def main(argv=None) -> Path:
     if args.divergence_prompts and doc["divergence"] is None and not over_budget():
         release()
         batch = max(int(b) for b in args.batches.split(","))
-        doc["divergence"] = divergence(setup, engine_copy(setup, quant), prompts[: args.divergence_prompts],
+        doc["divergence"] = divergence(setup, engine_setup, prompts[: args.divergence_prompts],
                                        args.max_tokens, batch)
     doc["wall_s"] = round(time.perf_counter() - started, 1)
     write(doc, out)
