@@ -1,7 +1,8 @@
 """Quantized targets: tiny seeded qwen3, qwen3_5 (hybrid) and qwen3_5_moe (hybrid MoE) models,
 quantized by mlx-lm's own converter in every mode MLX 0.32 loads (affine 4 and 8 bits in groups
-of 32, 64 and 128; mxfp4, mxfp8, nvfp4), saved in mlx-lm's format and loaded by the engine's
-loader. Greedy DFlash equals mlx-lm's own greedy decoding of the same quantized model
+of 32, 64 and 128, and mlx-lm's mixed 3/6-bit recipe; mxfp4, mxfp8, nvfp4; nvfp4 with a global
+scale on MoE experts, whose decoding MLX runs on a GPU only), saved in mlx-lm's format and loaded
+by the engine's loader. Greedy DFlash equals mlx-lm's own greedy decoding of the same quantized model
 (``stream_generate``) token for token, at batch 1 and batched with ragged acceptance, with EOS
 and budget cuts inside a block; the few-row matmul routing leaves quantized layers to MLX; the
 warm-up times every width on a quantized target and the scheduler chooses from those costs.
