@@ -89,9 +89,10 @@ def quantized(tmp_path_factory):
     return get
 
 
-def reference(folder: Path, ids, max_tokens: int, eos) -> list:
+def reference(folder: Path, ids, max_tokens: int, eos=()) -> list:
     """mlx-lm's own greedy decoding (``stream_generate``, argmax) of the model in ``folder``,
-    cut before the first of ``eos`` (kept: several tests ask for the same)."""
+    stopping at the first of ``eos`` (none: the whole budget); kept, as several tests ask for
+    the same."""
     key = (folder, tuple(ids), max_tokens, frozenset(eos))
     if key not in _REFERENCES:
         _REFERENCES[key] = _reference(folder, ids, max_tokens, eos)
@@ -103,12 +104,12 @@ _REFERENCES: dict = {}
 
 def _reference(folder: Path, ids, max_tokens: int, eos) -> list:
     model, tokenizer = _loaded(folder)
-    out = []
-    for r in stream_generate(model, tokenizer, mx.array(ids), max_tokens=max_tokens):
-        if r.token in eos:
-            break
-        out.append(int(r.token))
-    return out
+    own, tokenizer.eos_token_ids = tokenizer.eos_token_ids, set(eos)  # stream_generate stops at these
+    try:
+        out = [int(r.token) for r in stream_generate(model, tokenizer, mx.array(ids), max_tokens=max_tokens)]
+    finally:
+        tokenizer.eos_token_ids = own
+    return out[:-1] if out and out[-1] in eos else out
 
 
 _MODELS: dict = {}
@@ -130,13 +131,14 @@ def modes_used(model: nn.Module) -> set:
 
 
 def scripted_engine(target, draft, monkeypatch, **kw):
-    """An engine over the quantized target with given pass costs, the prompts' ids, the target's
-    own greedy outputs, and drafts scripted from them (row n wrong with probability P_WRONG[n])."""
+    """An engine over the quantized target with given pass costs and no EOS (every row runs to
+    its budget, whatever a random model writes), the prompts' ids, the target's own greedy
+    outputs, and the drafts scripted from them (``rescript``)."""
     engine = load_engine(str(target), str(draft), prefill_chunk=256, cost_model=fixed_costs(), **kw)
+    engine.tokenizer.eos_token_ids = set()
     script = ScriptedDrafts(monkeypatch)
     ids = [engine.encode(p) for p in PROMPTS]
-    eos = engine.tokenizer.eos_token_ids
-    refs = [reference(target, i, n, eos) for i, n in zip(ids, BUDGETS)]
+    refs = [reference(target, i, n) for i, n in zip(ids, BUDGETS)]
     return engine, script, ids, refs
 
 
@@ -217,8 +219,9 @@ def test_eos_and_budgets_cut_inside_a_block(quantized, monkeypatch, chain_drafts
     engine, script, ids, refs = scripted_engine(target, draft, monkeypatch, adaptive_block=False)
     row, k = eos_inside_a_block(refs)
     eos = refs[row][k]
-    engine.tokenizer.eos_token_ids = set(engine.tokenizer.eos_token_ids) | {eos}  # refs end at the first
-    want = [ref[: ref.index(eos)] if eos in ref else ref for ref in refs]
+    engine.tokenizer.eos_token_ids = {eos}
+    want = [reference(target, i, n, {eos}) for i, n in zip(ids, BUDGETS)]  # mlx-lm stopping at it
+    assert len(want[row]) == k
     rescript(script, ids, refs, p_wrong=[0.0] * len(ids))
     alone = [engine.generate(i, max_tokens=n) for i, n in zip(ids, BUDGETS)]
     rescript(script, ids, refs, p_wrong=[0.0] * len(ids))
@@ -259,9 +262,9 @@ def test_a_draft_vocabulary_over_a_quantized_head_drafts_from_it_and_is_lossless
     (vocab_draft / "draft_vocab.json").write_text(json.dumps({"token_ids": VOCAB}))
     engine = load_engine(str(target), str(vocab_draft), cost_model=fixed_costs(), adaptive_block=False)
     assert engine.draft_head is not None
+    engine.tokenizer.eos_token_ids = set()  # every row runs to its budget
     ids = [engine.encode(p) for p in PROMPTS]
-    eos = engine.tokenizer.eos_token_ids
-    refs = [reference(target, i, n, eos) for i, n in zip(ids, BUDGETS)]
+    refs = [reference(target, i, n) for i, n in zip(ids, BUDGETS)]
     batched = engine.generate_batch(ids, max_tokens=BUDGETS, batch_size=len(ids))
     assert [c.token_ids for c in batched] == refs
     assert all(c.stats.drafted_tokens > 0 for c in batched)
@@ -394,9 +397,10 @@ def test_the_scheduler_verifies_below_the_step_its_costs_show(quantized, monkeyp
     target, draft = quantized("qwen3_5", "affine4-g64")
     cost = CostModel(t0=1.0, d0=0.1, window=0, rows=1, timed=dict(costs))
     engine = load_engine(str(target), str(draft), cost_model=cost)
+    engine.tokenizer.eos_token_ids = set()  # the whole budget
     script = ScriptedDrafts(monkeypatch)
     ids = engine.encode(PROMPTS[1])
-    ref = reference(target, ids, 40, engine.tokenizer.eos_token_ids)
+    ref = reference(target, ids, 40)
     script(ids + ref + [0] * 2 * BLOCK, p_wrong=0.0)
     assert engine.generate_batch([ids], max_tokens=40, batch_size=1)[0].token_ids == ref
     drafting = [T for T in engine.decode_counts if T > 1]
