@@ -53,12 +53,13 @@ from .shapes import Shape, build_drafter, build_tokenizer, dflash_drafter, qwen3
 def qwen35_27b(layers: int = 64) -> Shape:
     """Qwen3.5-27B's text model (hidden 5120, 64 layers, MLP 17408, 24 query / 4 KV heads of 256,
     linear attention 16 key / 48 value heads of 128, vocab 248,320, untied; quoted alike by several
-    third-party configs, not fetched) and a drafter laid out like z-lab's Qwen3.5 drafters
-    (6 layers, 8 taps, window 4096: assumed, as for the 9B in benchmarks/shapes.py)."""
+    third-party configs, not fetched) and a drafter laid out like z-lab's Qwen3.5 drafters with
+    5 layers and 5 taps, the layout whose bf16 size is the 3.46 GB quoted for
+    z-lab/Qwen3.5-27B-DFlash (layers, taps, heads and window assumed)."""
     config = qwen3_5(5120, 17408, tied=False, layers=layers)
     config["text_config"].update(num_attention_heads=24, num_key_value_heads=4, linear_num_value_heads=48)
-    taps = _taps(layers, 8)
-    drafter = dflash_drafter(5120, 17408, 6, taps, layers, 248077, 248320, 1e7, window=4096)
+    taps = _taps(layers, 5)
+    drafter = dflash_drafter(5120, 17408, 5, taps, layers, 248077, 248320, 1e7, window=4096)
     return Shape(f"qwen3.5-27b-{layers}l", config, drafter, source="Qwen3.5-27B text shape (third-party configs)",
                  unverified=["target config quoted by third parties, not fetched", "drafter layout assumed"])
 
