@@ -166,10 +166,18 @@ class ScriptedDrafter:
 
 
 def head_rows_of(target_model) -> Callable[[mx.array], mx.array]:
-    """The LM head's weight rows of an mlx-lm model (the tied embedding when there is no lm_head)."""
+    """The LM head's weight rows of an mlx-lm model (the tied embedding when there is no lm_head),
+    dequantized where the head is quantized (a quantized row still scores highest against itself)."""
     outer = getattr(target_model, "language_model", target_model)
     head: Optional[Any] = getattr(outer, "lm_head", None)
-    table = head.weight if head is not None else outer.model.embed_tokens.weight
-    if table.dtype == mx.uint32:
-        raise TypeError("scripted acceptance needs an unquantized LM head")
-    return lambda ids: table[ids]
+    if head is None:
+        return outer.model.embed_tokens  # a lookup is the row, dequantized by a QuantizedEmbedding
+    if "scales" in head:
+        biases = head.get("biases")
+
+        def rows(ids: mx.array) -> mx.array:
+            return mx.dequantize(head["weight"][ids], head["scales"][ids], None if biases is None else biases[ids],
+                                 group_size=head.group_size, bits=head.bits, mode=head.mode)
+
+        return rows
+    return lambda ids: head.weight[ids]

@@ -130,6 +130,33 @@ def save_target(
     return folder
 
 
+def save_quantized(source: Path, folder: Path, mode: str = "affine", group_size: Optional[int] = None,
+                   bits: Optional[int] = None, quant_predicate=None, global_scale: bool = False) -> Path:
+    """Quantize a saved model with mlx-lm's own converter (``mlx_lm.convert``: its quantizer, its
+    per-model predicates such as qwen3_5_moe's 8-bit router, and its on-disk format, a config with
+    a ``quantization`` entry). ``quant_predicate``: a recipe name ("mixed_4_6") or a callable
+    (path, module) -> bool | dict, as the converter takes them. ``global_scale`` (nvfp4: one
+    tensor scale per expert on MoE switch layers), which the converter does not offer: its
+    quantizer and saver called as it calls them."""
+    import contextlib
+    import io
+
+    from mlx_lm.convert import convert
+    from mlx_lm.utils import load, quantize_model, save
+
+    folder = Path(folder)
+    with contextlib.redirect_stdout(io.StringIO()):  # their [INFO] lines
+        if not global_scale:
+            convert(str(source), str(folder), quantize=True, q_group_size=group_size, q_bits=bits, q_mode=mode,
+                    quant_predicate=quant_predicate)
+            return folder
+        model, tokenizer, config = load(str(source), return_config=True, lazy=True)
+        model, config = quantize_model(model, config, group_size, bits, mode=mode, global_scale=True,
+                                       quant_predicate=quant_predicate)
+        save(folder, source, model, tokenizer, config)
+    return folder
+
+
 def tiny_qwen3_config(vocab_size: int = 512, layers: int = 4, hidden: int = 128) -> dict:
     return {
         "model_type": "qwen3",
@@ -276,3 +303,4 @@ def assert_dflash_lossless(target: Path, drafter: Path, max_tokens: int = 40) ->
         got = spec.generate(prompt, max_tokens=max_tokens)
         assert got.token_ids == want, prompt
         assert got.stats.drafted_tokens > 0, prompt  # it really drafted
+

@@ -9,7 +9,10 @@ of three: other work on the machine only ever adds time):
     target(B, T)   verify passes of 1, block / 2 and block rows at the job's batch size (of 1
                    and block at batch 1 for a wider job); where the middle one is off the line
                    through the others by more than 10% (a GPU's attention works in tiles of
-                   query rows; at batch 1 its launches cost the same at every T > 1), every width the scheduler chooses among (1, 2, 3, 4, 6, 8, 12, 16)
+                   query rows; at batch 1 its launches cost the same at every T > 1), every width the scheduler chooses among (1, 2, 3, 4, 6, 8, 12, 16);
+                   on a quantized target every width always: Metal runs a quantized matmul's vector
+                   path (qmv) up to a row count that depends on the chip and the layer, and its
+                   general one (qmm) above, a step in T that three widths on a line can hide
     draft(B)       one drafter pass over a block of new context rows (those the widest timed
                    verify pass tapped), compiled where the job's are (engine/ops/compiled.py)
 
@@ -82,8 +85,11 @@ def measure_costs(engine, batch_size: int, context: Optional[int] = None) -> Cos
         for T in widths:
             if (B, T) not in targets:
                 targets[(B, T)] = passes.target(T)
-        if not quick and block // 2 in widths and not _straight([(T, targets[(B, T)]) for T in (1, block // 2, block)]):
-            # not linear in T (a GPU kernel's tiles of query rows): time every width chosen among
+        # a quantized matmul switches from its vector path to its general one at some row count:
+        # a step in T that three widths on a line can hide
+        stepped = engine.target.quantized
+        if not quick and block // 2 in widths and (stepped or not _straight([(T, targets[(B, T)]) for T in (1, block // 2, block)])):
+            # not linear in T (a GPU kernel's tiles of query rows, a quantized step): every width
             for T in Scheduler(block, CostModel()).widths(block):
                 if (B, T) not in targets:
                     targets[(B, T)] = passes.target(T)

@@ -110,6 +110,11 @@ class Target:
     def vocab_size(self) -> int:
         return self.embed_tokens.weight.shape[0]
 
+    @property
+    def quantized(self) -> bool:
+        """Whether any layer runs a quantized matmul (mlx-lm's ``quantization``: every mode)."""
+        return any(hasattr(m, "bits") for _, m in self.model.named_modules())
+
     def set_taps(self, tap_ids: Sequence[int]) -> None:
         bad = [i for i in tap_ids if not 0 <= i < self.num_layers]
         if bad:
