@@ -85,9 +85,11 @@ def test_every_published_pairing_is_listed_with_its_generation(capsys):
     assert cli.main(["drafters", "--json"]) == 0
     listed = json.loads(capsys.readouterr().out)
     by_drafter = {p["drafter"]: p for p in listed}
+    by_pair = {(p["target"], p["drafter"]): p for p in listed}  # a drafter may serve two target names
     for target, drafter, generation, block, _ in registry.PUBLISHED:
-        entry = by_drafter[drafter]
-        assert (entry["target"], entry["generation"], entry["block_size"]) == (target, generation, block)
+        entry = by_pair[target, drafter]
+        assert (entry["generation"], entry["block_size"]) == (generation, block)
+        assert sum((p["target"], p["drafter"]) == (target, drafter) for p in listed) == 1
     assert sum(p["drafter"] == "z-lab/Qwen3-4B-DFlash-b16" for p in listed) == 1
     assert by_drafter["z-lab/Qwen3.8-27B-DFlash2"]["auto"] and not by_drafter["incoai/Qwen3.8-27B-DFlash2"]["auto"]
     assert {p["generation"] for p in listed} == {registry.V1, registry.V2}
