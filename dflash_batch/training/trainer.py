@@ -92,6 +92,9 @@ class TrainConfig:
     draft_vocab: int = 16384  # export a draft vocabulary of this many tokens (0: the whole vocabulary)
     export_dtype: str = "bfloat16"
     extra: dict = field(default_factory=dict)
+    # a drafter config to train as it is (its shape, taps and rope), rather than one made from the
+    # fields above: training/adapt.py continues a job's drafter in its own format
+    drafter_config: Optional[dict] = None
 
 
 # -- target ----------------------------------------------------------------------------------
@@ -355,6 +358,8 @@ class Trainer:
         self.cfg, self.log = cfg, log
         self.out = Path(cfg.out)
         self.log_file = self.out / "train.log.jsonl"
+        self.clock: Callable[[], float] = time.perf_counter  # the time budget's clock (a test's own)
+        self.ready = False  # set up (``setup``): ``run`` does it only if not
 
     def record(self, entry: dict) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
@@ -376,7 +381,7 @@ class Trainer:
             raise ValueError(f"no training answers in {data_dir(cfg) / 'answers'} ({stored} stored): generate them first")
         n_layers = self.target_config["num_hidden_layers"]
         taps = cfg.taps or objective.tap_ids_for(n_layers, cfg.num_taps)
-        self.drafter_config = export.drafter_config(
+        self.drafter_config = cfg.drafter_config or export.drafter_config(
             self.target_config,
             layers=cfg.layers,
             block_size=cfg.block_size,
@@ -398,6 +403,7 @@ class Trainer:
         self.optimizer.init(self.drafter.trainable_parameters())
         self.step, self.total_steps, self.elapsed = 0, cfg.steps or None, 0.0
         self._grad = nn.value_and_grad(self.drafter, self._loss)
+        self.ready = True
 
     # Config keys that fix the drafter's shape and meaning; a warm start must match them all.
     SHAPE_KEYS = ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",
@@ -569,7 +575,8 @@ class Trainer:
     # -- the loop ---------------------------------------------------------------------------
     def run(self, resume: bool = True) -> Path:
         cfg = self.cfg
-        self.setup()
+        if not self.ready:
+            self.setup()
         latest = self.latest_checkpoint() if resume else None
         if latest is not None:
             self.resume(latest)
@@ -578,14 +585,14 @@ class Trainer:
         n_params = sum(p.size for _, p in tree_flatten(self.drafter.parameters()))
         self.log(f"drafter: {n_params / 1e6:.2f}M parameters, taps {self.drafter_config['dflash_config']['target_layer_ids']}")
         self.log(f"training on {len(self.train_samples)} sequences, evaluating on {len(self.eval_samples)}")
-        session_start = time.perf_counter()
+        session_start = self.clock()
         timed_from, timed_steps = None, 0
         losses: List[float] = []
         while self.total_steps is None or self.step < self.total_steps:
-            t0 = time.perf_counter()
+            t0 = self.clock()
             losses.append(self.train_step(self.step))
             self.step += 1
-            now = time.perf_counter()
+            now = self.clock()
             self.elapsed += now - t0
             # Calibrate the step count to the time budget once steps have a steady cost.
             if self.total_steps is None:
