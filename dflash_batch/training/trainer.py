@@ -583,7 +583,7 @@ class Trainer:
         if not cfg.steps and not cfg.time_budget:
             raise ValueError("give a step count (steps) or a time budget (time_budget)")
         n_params = sum(p.size for _, p in tree_flatten(self.drafter.parameters()))
-        self.log(f"drafter: {n_params / 1e6:.2f}M parameters, taps {self.drafter_config['dflash_config']['target_layer_ids']}")
+        self.log(f"drafter: {n_params / 1e6:.2f}M parameters, taps {self.target.tap_ids}")
         self.log(f"training on {len(self.train_samples)} sequences, evaluating on {len(self.eval_samples)}")
         session_start = self.clock()
         timed_from, timed_steps = None, 0
