@@ -117,7 +117,9 @@ def use_in_force(engine, record) -> Any:
     if not hasattr(engine, "use_drafter") or getattr(engine, "loaded_drafter", None) is None:
         return engine
     name, path = in_force(record)
-    while name != getattr(engine, "drafter_revision", None):
+    tried = set()  # each revision once: a refusal that could not be recorded never loops
+    while name != getattr(engine, "drafter_revision", None) and name not in tried:
+        tried.add(name)
         try:
             engine.use_drafter(path, name)
             log.info("job %s: drafting with %s", record.id, name or "its own drafter")
