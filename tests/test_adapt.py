@@ -17,7 +17,7 @@ from dflash_batch.runner.execution import run_job
 from dflash_batch.runner.jobs import create_job, load_job
 from dflash_batch.runner.spec import load_spec
 from tests.helpers import fixed_costs, greedy_reference
-from tests.runner_fixtures import REPO, home, tiny_models, write_jsonl  # noqa: F401
+from tests.runner_fixtures import REPO, cli, home, tiny_models, write_jsonl  # noqa: F401
 
 TOPICS = ["rivers", "stars", "bread", "trains", "owls", "salt", "glass", "tides", "moss", "kites", "clocks", "bees"]
 PROMPTS = [{"id": f"q{i:02d}", "prompt": f"Say something about {t} number {i}."} for i, t in
@@ -175,3 +175,19 @@ def test_kill9_during_adaptation_loses_no_row_and_resumes_with_the_drafter_in_fo
     entry = adapt(record)  # the next attempt starts clean, on every row
     assert entry["rows"] == 24 and entry["outcome"] in ("adopted", "rejected") and len(drafters.state(record)["history"]) == 1
     assert not (drafters.folder(record) / drafters.WORK).exists()
+
+
+def test_adapt_command_and_status(tmp_path, home, tiny_models, pair_engine):
+    """`dflash-batch adapt JOB`: refused (exit 2) while the job is too small, then run on the
+    job's rows; `status` shows the attempt."""
+    record = make_job(tmp_path, home, tiny_models)
+    run_chunks(record, pair_engine, [0])
+    small = cli("adapt", record.id, "--steps", "4", "--min-rows", "12", home=home)
+    assert small.returncode == 2 and "8 finished rows" in small.stderr and "at least 12" in small.stderr
+    run_chunks(record, pair_engine, [1])
+    done = cli("adapt", record.id, "--steps", "4", "--min-rows", "12", "--json", home=home, check=True)
+    entry = json.loads(done.stdout)
+    assert entry["rows"] == 16 and entry["steps"] == 4 and entry["outcome"] in ("adopted", "rejected")
+    assert drafters.state(record)["history"] == [entry]
+    shown = cli("status", record.id, home=home, check=True).stdout
+    assert f"drafter {entry['revision'] or '-'} {entry['outcome']}: held-out acceptance" in shown
