@@ -191,3 +191,17 @@ def test_adapt_command_and_status(tmp_path, home, tiny_models, pair_engine):
     assert drafters.state(record)["history"] == [entry]
     shown = cli("status", record.id, home=home, check=True).stdout
     assert f"drafter {entry['revision'] or '-'} {entry['outcome']}: held-out acceptance" in shown
+
+
+def test_benchmark_smoke(tmp_path, tiny_models):
+    """benchmarks/adapt.py --smoke on the tiny pair: the four phases run, and the later rows
+    drafted by the adapted drafter equal the same rows drafted by the job's own."""
+    out = tmp_path / "adapt.json"
+    done = subprocess.run([sys.executable, "-m", "benchmarks.adapt", "--smoke", "--target", tiny_models["target"],
+                           "--draft", tiny_models["draft"], "--out", str(out)], cwd=REPO, capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["later_rows_token_exact"] and result["prompts"] == 24 and result["adaptation"]["rows"] == 16
+    assert result["later_rows_adapted"]["rows"] == result["later_rows_shipped"]["rows"] == 8
+    assert set(result["times_s"]) == {"first_rows_s", "adapt_s", "later_rows_adapted_s", "later_rows_shipped_s"}
