@@ -205,3 +205,43 @@ def test_benchmark_smoke(tmp_path, tiny_models):
     assert result["later_rows_token_exact"] and result["prompts"] == 24 and result["adaptation"]["rows"] == 16
     assert result["later_rows_adapted"]["rows"] == result["later_rows_shipped"]["rows"] == 8
     assert set(result["times_s"]) == {"first_rows_s", "adapt_s", "later_rows_adapted_s", "later_rows_shipped_s"}
+
+
+def test_hybrid_target_adapts_and_rows_stay_exact(tmp_path, home):
+    """A tiny hybrid target (Qwen3.5 layout: gated delta-net layers and attention), correctness
+    only: the job adapts (a forced adoption is not asked for: kept or not), switches if kept, and
+    every row equals mlx-lm's greedy decoding of the target."""
+    from dflash_batch.engine import load_engine
+    from tests import synthetic
+
+    cfg = synthetic.tiny_qwen3_5_config(layers=4)
+    models = {"target": str(synthetic.save_target(tmp_path / "t", cfg, seed=0)),
+              "draft": str(synthetic.save_drafter(tmp_path / "d", synthetic.drafter_config(cfg, block_size=8), seed=5))}
+    engine = load_engine(models["target"], models["draft"], cost_model=fixed_costs(), adaptive_block=False)
+    record = make_job(tmp_path / "job", home, models)
+    run_chunks(record, engine, [0, 1])
+    entry = adapt(record, steps=4)
+    assert entry["rows"] == 16 and entry["outcome"] in ("adopted", "rejected")
+    run_chunks(record, engine, [2])
+    later = {r["drafter_revision"] for r in rows_of(record).values() if r["id"] >= "q16"}
+    assert later == {entry["revision"]}
+    assert_rows_exact(record, models, engine)
+
+
+def test_training_taps_of_a_hybrid_target_equal_its_own_forward(tmp_path):
+    """What the trainer learns from on a hybrid target (``tapped_hidden``: recurrent layers
+    unmasked, attention causal) is what the model's own forward pass taps."""
+    import mlx.core as mx
+    from mlx_lm import load as mlx_load
+
+    from dflash_batch.engine.models.target import Target
+    from dflash_batch.training.trainer import tapped_hidden
+    from tests import synthetic
+
+    folder = synthetic.save_target(tmp_path / "t", synthetic.tiny_qwen3_5_config(layers=4), seed=0)
+    target = Target(mlx_load(str(folder))[0], [1, 2])
+    tokens = mx.array([[5, 17, 99, 3, 42, 7, 250, 11, 64, 8]])
+    trained = tapped_hidden(target, tokens)
+    target.model(tokens)
+    forward = mx.concatenate(target._store, axis=-1)
+    assert mx.allclose(trained, forward, atol=1e-5).item()

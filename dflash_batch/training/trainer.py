@@ -146,7 +146,9 @@ def tapped_hidden(target: Target, tokens: mx.array, final: bool = False):
     h = target.embed(tokens)
     last = target.num_layers - 1 if final else max(target.tap_ids)
     for layer in target.layers[: last + 1]:
-        h = layer(h, "causal", cache=None)
+        # a hybrid's recurrent layers take no attention mask (sequences are padded on the right,
+        # which no earlier position sees)
+        h = layer(h, None if getattr(layer, "is_linear", False) else "causal", cache=None)
     hidden = mx.concatenate(target._store, axis=-1)
     target._store[:] = [None] * len(target.tap_ids)
     return (hidden, target._inner.norm(h)) if final else hidden
