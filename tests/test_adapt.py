@@ -239,7 +239,7 @@ def test_training_taps_of_a_hybrid_target_equal_its_own_forward(tmp_path):
     from tests import synthetic
 
     folder = synthetic.save_target(tmp_path / "t", synthetic.tiny_qwen3_5_config(layers=4), seed=0)
-    target = Target(mlx_load(str(folder))[0], [1, 2])
+    target = Target(mlx_load(str(folder))[0], [1, 3])  # a recurrent layer and the attention layer
     tokens = mx.array([[5, 17, 99, 3, 42, 7, 250, 11, 64, 8]])
     trained = tapped_hidden(target, tokens)
     target.model(tokens)
