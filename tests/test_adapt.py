@@ -245,3 +245,19 @@ def test_training_taps_of_a_hybrid_target_equal_its_own_forward(tmp_path):
     target.model(tokens)
     forward = mx.concatenate(target._store, axis=-1)
     assert mx.allclose(trained, forward, atol=1e-5).item()
+
+
+def test_a_foreground_run_drafts_with_its_own_job_drafter(tmp_path, home, tiny_models, pair_engine):
+    """`run` with an engine another job left on its adapted drafter: this job's rows are drafted
+    by this job's drafter (its own), as a worker's would be."""
+    import dflash_batch
+
+    record = make_job(tmp_path / "adapted", home, tiny_models)
+    run_chunks(record, pair_engine, [0, 1])
+    assert adapt(record)["outcome"] == "adopted"
+    run_chunks(record, pair_engine, [2])
+    assert pair_engine.drafter_revision == "rev-0001"
+    src = write_jsonl(tmp_path / "fg.jsonl", PROMPTS[:4])
+    job = dflash_batch.run(src, engine=pair_engine, max_tokens=MAX_TOKENS, output_dir=str(tmp_path / "fg-out"))
+    assert {r["drafter_revision"] for r in job.record.store().read().to_pylist()} == {None}
+    assert pair_engine.drafter_revision is None
