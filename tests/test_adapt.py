@@ -261,3 +261,17 @@ def test_a_foreground_run_drafts_with_its_own_job_drafter(tmp_path, home, tiny_m
     job = dflash_batch.run(src, engine=pair_engine, max_tokens=MAX_TOKENS, output_dir=str(tmp_path / "fg-out"))
     assert {r["drafter_revision"] for r in job.record.store().read().to_pylist()} == {None}
     assert pair_engine.drafter_revision is None
+
+
+def test_use_drafter_refuses_a_drafter_for_another_target_and_changes_nothing(tmp_path, pair_engine):
+    from dflash_batch.completion import ModelMismatchError
+    from tests import synthetic
+
+    other = synthetic.tiny_qwen3_config(hidden=64)
+    wrong = synthetic.save_drafter(tmp_path / "wrong", synthetic.drafter_config(other, block_size=8), seed=2)
+    pair_engine.use_drafter(None)
+    before = (pair_engine.drafter, pair_engine.block_size, pair_engine.target.tap_ids, dict(pair_engine.description))
+    with pytest.raises(ModelMismatchError, match="hidden size"):
+        pair_engine.use_drafter(wrong, "rev-0009")
+    after = (pair_engine.drafter, pair_engine.block_size, pair_engine.target.tap_ids, pair_engine.description)
+    assert after == before and pair_engine.drafter_revision is None
