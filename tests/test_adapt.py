@@ -17,7 +17,7 @@ from dflash_batch.runner.execution import run_job
 from dflash_batch.runner.jobs import create_job, load_job
 from dflash_batch.runner.spec import load_spec
 from tests.helpers import fixed_costs, greedy_reference
-from tests.runner_fixtures import REPO, cli, home, tiny_models, write_jsonl  # noqa: F401
+from tests.runner_fixtures import REPO, cli, home, tiny_models, workers, write_jsonl  # noqa: F401
 
 TOPICS = ["rivers", "stars", "bread", "trains", "owls", "salt", "glass", "tides", "moss", "kites", "clocks", "bees"]
 PROMPTS = [{"id": f"q{i:02d}", "prompt": f"Say something about {t} number {i}."} for i, t in
@@ -275,3 +275,24 @@ def test_use_drafter_refuses_a_drafter_for_another_target_and_changes_nothing(tm
         pair_engine.use_drafter(wrong, "rev-0009")
     after = (pair_engine.drafter, pair_engine.block_size, pair_engine.target.tap_ids, pair_engine.description)
     assert after == before and pair_engine.drafter_revision is None
+
+
+def test_a_queued_job_adapts_by_itself_in_a_worker(tmp_path, home, tiny_models, workers, pair_engine):
+    """`adapt:` in the spec, a real `dflash-batch worker`: its first task streams two chunks
+    (16 rows), it adapts between tasks, and the last chunk names the revision in force then;
+    every row equals the target's own greedy output."""
+    import dflash_batch
+
+    src = write_jsonl(tmp_path / "in.jsonl", PROMPTS)
+    job = dflash_batch.submit(src, target=tiny_models["target"], draft=tiny_models["draft"], max_tokens=MAX_TOKENS,
+                              chunk_size=8, batch_size=8, adapt={"after_rows": 16, "steps": 4, "min_rows": 8})  # fmt: skip
+    worker = workers("--target", tiny_models["target"], "--draft", tiny_models["draft"])
+    assert job.wait(timeout=600)["state"] == "completed", worker.log()[-3000:]
+    record = load_job(home, job.id)
+    history = drafters.state(record)["history"]
+    assert [(h["trigger"], h["rows"], h["steps"]) for h in history] == [("spec", 16, 4)], worker.log()[-3000:]
+    rows = rows_of(record)
+    assert {rows[f"q{i:02d}"]["drafter_revision"] for i in range(16)} == {None}
+    assert {rows[f"q{i:02d}"]["drafter_revision"] for i in range(16, 24)} == {history[0]["revision"]}
+    assert_rows_exact(record, tiny_models, pair_engine)
+    assert worker.stop() == 0
