@@ -26,6 +26,7 @@ import orjson
 from . import checks
 from .errors import JobFailed, SettingError
 from .files import write_atomic
+from .runner import drafters
 from .runner.execution import finish_job, run_job
 from .runner.jobs import JobRecord, check_output_folder, create_job, home_dir, load_job
 from .runner.lock import DirLock, Locked
@@ -204,7 +205,8 @@ def run(
         if not record.pending_chunks():
             finish_job(record)
         else:  # the whole job as one stream of requests through the engine
-            run_job(record, None, engines, on_row=bar.row if bar else None)
+            # the job's adapted drafter in force, if any (runner/drafters.py), as a worker does
+            run_job(record, None, lambda spec: drafters.use_in_force(engines(spec), record), on_row=bar.row if bar else None)
     except (Locked, checks.BadValue):  # refused before any work: no record is left of it
         if record.new:
             record.discard()

@@ -192,6 +192,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-q", "--quiet", action="store_true",
                    help="with --watch: no progress bar and no INFO logs, only the final status")
 
+    p = sub.add_parser("adapt", help="train a job's drafter on its finished rows; kept if it drafts better",
+                       description="Warm-start from the drafter the job drafts with now, train on the "
+                       "job's finished rows (a held-out share of its prompts aside) within a time budget, "
+                       "and keep the result as the job's next drafter revision only if its held-out "
+                       "acceptance beats the current one's. Workers draft with it from their next batch; "
+                       "the output does not change.")  # fmt: skip
+    p.add_argument("job", metavar="JOB")
+    p.add_argument("--time-budget", type=_seconds, default=300.0, help="seconds of training (default 300)")
+    p.add_argument("--steps", type=int, help="training steps (default: fill the time budget)")
+    p.add_argument("--min-rows", type=int, help="fewer finished rows are refused (default 64)")
+    p.add_argument("--min-gain", type=float, help="kept only above (1 + this) x the held-out acceptance now (default 0)")
+    p.add_argument("--json", action="store_true")
+
     p = sub.add_parser("cancel", help="stop a job between items")
     p.add_argument("job", metavar="JOB")
 
@@ -322,7 +335,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return _fail("interrupted (finished items are saved; rerun to resume)", EXIT_INTERRUPTED)
 
 
-WRITING_COMMANDS = ("submit", "run", "worker", "cancel", "retry", "unschedule", "serve")
+WRITING_COMMANDS = ("submit", "run", "worker", "cancel", "retry", "unschedule", "serve", "adapt")
 
 
 def _check_setup(args) -> None:
@@ -488,6 +501,7 @@ def cmd_worker(args) -> int:
         periodic=not args.no_periodic,
         shutdown_timeout=args.shutdown_timeout,
         device=None if args.device is None else str(args.device),
+        adapter=_adapt_job,
     )
     # Everything is committed by now. Skip interpreter teardown: MLX's C++ runtime can abort
     # ("terminate called without an active exception") destroying streams whose thread ended.
@@ -537,8 +551,12 @@ def cmd_status(args) -> int:
         return 0
     if not statuses:
         print(f"no jobs in {home}")
+    from .runner.drafters import summary_lines
+
     for s in statuses:
         print(_status_line(s))
+        for line in summary_lines(s["drafter"]):
+            print(line)
         for h in s["holders"]:
             print(f"  chunk {h['chunk']} held by {h['worker']} (lease {h['expires_in']:.0f} s left)")
     for w in now["workers"]:  # rates over the worker's last minute
@@ -753,6 +771,35 @@ def cmd_drafters(args) -> int:
     return EXIT_OK
 
 
+def _adapt_job(record, **options):
+    """The worker's adapter: training/adapt.py, imported (with MLX) only when a job adapts."""
+    from .training.adapt import adapt_job
+
+    return adapt_job(record, log=logging.getLogger("dflash_batch.adapt").info, **options)
+
+
+def cmd_adapt(args) -> int:
+    from .runner import drafters
+    from .runner.jobs import home_dir, load_job
+    from .training.adapt import AdaptRefused, adapt_job
+
+    record = load_job(home_dir(), args.job)
+    log = lambda msg: print(f"adapt {record.id}: {msg}", file=sys.stderr, flush=True)  # noqa: E731
+    try:
+        with drafters.adapt_lock(record):
+            entry = adapt_job(record, log=log, time_budget=args.time_budget, steps=args.steps,
+                              min_rows=args.min_rows, min_gain=args.min_gain)  # fmt: skip
+    except AdaptRefused as e:
+        return _fail(str(e), EXIT_REFUSED)
+    if args.json:
+        _print_json(entry)
+        return EXIT_OK
+    scores = f"held-out acceptance {entry['held_out_before']:.3f} -> {entry['held_out_after']:.3f}"
+    kept = f"{entry['revision']} in force" if entry["outcome"] == "adopted" else f"{entry['outcome']}: the drafter in force stays"
+    print(f"{record.id}: {entry['rows']} rows, {entry['steps']} steps in {entry['train_s']:.0f} s; {scores}; {kept}")
+    return EXIT_OK
+
+
 def cmd_serve(args) -> int:
     from .server.command import run
 
@@ -773,6 +820,7 @@ def _train_drafter(argv: List[str]) -> int:
 
 
 COMMANDS = {
+    "adapt": cmd_adapt,
     "submit": cmd_submit,
     "run": cmd_run,
     "worker": cmd_worker,

@@ -76,6 +76,8 @@ class Completion:
     # With logprobs asked: one entry per token id, {"token", "token_id", "logprob", "top_logprobs":
     # [{"token", "token_id", "logprob"}, ...]}, raw log-probabilities of the target (docs/sampling.md)
     logprobs: Optional[List[dict]] = None
+    # the prompt as the target read it (template applied): with token_ids, what training needs
+    prompt_token_ids: Optional[List[int]] = None
 
 
 @dataclass

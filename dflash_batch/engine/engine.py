@@ -61,6 +61,8 @@ class Engine:
         self.tokenizer = tokenizer
         _lift_length_limit(tokenizer)
         self.drafter = drafter
+        self.loaded_drafter = drafter  # the one ``use_drafter(None)`` goes back to
+        self.drafter_revision: Optional[str] = None  # a job's adapted drafter in use (use_drafter)
         self.target = Target(model)
         attention.install(model)  # verify passes: multi-row attention routed per backend
         matmul.install(model)  # and few-row products (engine/ops/matmul.py)
@@ -93,6 +95,7 @@ class Engine:
         self.description = dict(description or {}, block_size=self.block_size, adaptive_block=self.adaptive_block,
                                 draft_vocab=None if self.draft_head is None else len(self.draft_head),
                                 drafts=_drafts(self.drafter, self.target), cpu_ops=cpu.in_force())
+        self.loaded_draft = self.description.get("draft")
         self._grammars = None  # engine/grammar.py, built when a request first has a grammar
         # True: constrained rows pick their drafts under their grammar (Grammars.draft). Off by default:
         # on the default pair it raised tokens per cycle but cost more per cycle (docs/sampling.md).
@@ -138,6 +141,33 @@ class Engine:
         self.block_size = min(block_size or args.runtime_block_size or args.block_size, args.block_size)
         if self.block_size < 2:
             raise ValueError(f"block_size must be at least 2, got {self.block_size}")
+
+    def use_drafter(self, folder: Optional[Union[str, Path]], revision: Optional[str] = None) -> None:
+        """Draft with the drafter in ``folder`` (a job's adapted revision, named ``revision``)
+        from the next stream on, or again with the one the engine was loaded with (None). Call it
+        between streams only: a running ``BatchDecoder`` keeps the drafter it started with. The
+        new drafter is loaded and checked against the target before anything changes, so one that
+        fails to load or does not fit raises and leaves the engine drafting as before."""
+        if self.loaded_drafter is None:
+            raise ModelMismatchError("this engine decodes without a drafter: there is none to replace")
+        drafter = self.loaded_drafter
+        if folder is not None:
+            drafter = loading.load_drafter(folder, dtype=self.loaded_drafter.norm.weight.dtype)
+        old = self.drafter
+        try:
+            self._attach(drafter, self.settings.block_size)
+        except Exception:
+            self._attach(old, self.settings.block_size)
+            raise
+        self.drafter, self.drafter_revision = drafter, None if folder is None else revision
+        # what was learnt about the old drafter's acceptance, and the prefixes' drafter states, go
+        self.acceptance = pooled_acceptance(self.block_size)
+        self.node_calibration = NodeCalibration(max(self.block_size - 1, 0))
+        if self.prefixes is not None:
+            self.prefixes = prefill.PrefixCache(self.prefixes.limit, self.prefixes.granularity)
+        self.description.update(draft=str(folder) if folder is not None else self.loaded_draft,
+                                drafter_revision=self.drafter_revision, block_size=self.block_size,
+                                draft_vocab=None if self.draft_head is None else len(self.draft_head))  # fmt: skip
 
     # -- prompts -------------------------------------------------------------------------
     def encode(
@@ -307,6 +337,7 @@ class Engine:
         plan = memory.Plan(self, cap)  # rows in flight: the cap, or fewer once a long request comes
         refused: List[Tuple[Any, Exception]] = []
         owners: Dict[int, Tuple[Any, int]] = {}  # engine request index -> (runner's request, sample), in flight
+        prompt_ids: Dict[int, List[int]] = {}  # engine request index -> its prompt's ids, in flight
 
         def encoded() -> Iterator[Optional[List[EncodedRequest]]]:
             count = 0
@@ -321,6 +352,7 @@ class Engine:
                 samples = _samples(first, getattr(req.options, "n", 1), item=str(req.id))
                 for sample in samples:
                     owners[count] = (req, sample.sample)
+                    prompt_ids[count] = first.ids
                     sample.index, count = count, count + 1
                 yield samples  # pulled together: the first prefills, the others copy its state
 
@@ -336,8 +368,10 @@ class Engine:
             yield from _drain(refused)
             if index is not None:
                 req, sample = owners.pop(index)
+                ids = prompt_ids.pop(index)
                 if not isinstance(completion, Exception):  # a failed one is named by its request
                     completion.sample_index = sample
+                    completion.prompt_token_ids = list(ids)
                 yield req, completion
         yield from _drain(refused)
 

@@ -166,10 +166,12 @@ def _feed(record, chunks, engines, result: RunResult, should_stop, on_row, part_
                 commit(item_error_row(item, record.id, config_hash))
         if any(item.error is None for _, item, _k in todo):
             engine = engines(spec)
+            revision = getattr(engine, "drafter_revision", None)  # one drafter per stream (drafters.py)
             for request, outcome in engine.generate_requests(requests(), spec.batch_size):
                 if isinstance(outcome, Exception) and not isinstance(outcome, GenerationError):
                     log.error("item %s (%s) failed: %s: %s", request.id, request.where, type(outcome).__name__, outcome)
-                commit(outcome_row(request, outcome, handed.get(request.id, time.time()), record.id, config_hash))
+                row = outcome_row(request, outcome, handed.get(request.id, time.time()), record.id, config_hash)
+                commit(dict(row, drafter_revision=revision))
                 if any(left.values()) and should_stop():
                     result.stopped = True
                     break

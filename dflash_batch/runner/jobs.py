@@ -23,6 +23,7 @@ from .. import checks
 from ..errors import AmbiguousJob, JobActive, JobNotFound, OutputDirClaimed
 from ..files import write_atomic
 from ..paths import home_dir  # noqa: F401  (the name the front ends import from here)
+from . import drafters
 from .items import read_items
 from .lock import is_locked
 from .spec import JobSpec, SpecError, default_name
@@ -219,6 +220,7 @@ class JobRecord:
             "config_hash": self.data["config_hash"],
             "created_at": self.data["created_at"],
             "error": self.failure(),
+            "drafter": drafters.summary(self),  # adapted drafter revisions (drafters.py)
         }
 
 

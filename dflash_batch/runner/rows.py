@@ -77,5 +77,7 @@ def outcome_row(request: Request, outcome, started: float, job_id: str, config_h
         block_size=s.block_size,
         peak_memory_gb=s.peak_memory_gb,
         logprobs=getattr(outcome, "logprobs", None),
+        prompt_token_ids=getattr(outcome, "prompt_token_ids", None),
+        token_ids=outcome.token_ids,
     )
 

@@ -43,8 +43,11 @@ DEFAULT_TARGET_NAME = "SmolLM2-135M-Instruct"
 TOP_KEYS = (
     "name", "input", "input_format", "id_field", "prompt_field", "messages_field", "output_dir",
     "system_prompt", "prompt_template", "chat_template", "chat_template_kwargs", "model", "sampling",
-    "chunk_size", "batch_size", "schedule", "catch_up", "retries", "export_openai", "force",
+    "chunk_size", "batch_size", "schedule", "catch_up", "retries", "export_openai", "force", "adapt",
 )  # fmt: skip
+# ``adapt:``: train the job's drafter on its own finished rows once ``after_rows`` are done
+# (runner/drafters.py, training/adapt.py); changes the speed only, so it is not in the hash.
+ADAPT_KEYS = {"after_rows": 1, "time_budget": 1, "steps": 0, "min_rows": 1}  # key -> least value
 SPEC_FILE_BYTES = 4 * 2**20  # the most a YAML job spec may hold
 # The most nodes a spec may hold with its aliases expanded: far above any real spec, far below
 # what "billion laughs" (nested aliases, each repeating the one before) expands to.
@@ -94,6 +97,7 @@ class JobSpec(SamplingControls):
     retries: int = 0
     export_openai: bool = False  # also write _openai_output.jsonl when a job completes
     force: bool = False  # accept an output dir written with another config hash
+    adapt: Optional[Dict[str, Any]] = None  # {after_rows, time_budget, steps, min_rows}: see ADAPT_KEYS
 
     # -- derived ---------------------------------------------------------------------------
     @property
@@ -455,11 +459,26 @@ def validate(spec: JobSpec, where: str = "spec") -> None:
         if any(f not in OUTPUT_DIR_FIELDS or s or c for f, s, c in placeholders):
             bad("output_dir", "may use only the placeholders {home}, {name}, {date} and {time}, as they are "
                 f"({{{{ and }}}} for literal braces), got {checks.show(spec.output_dir)}")  # fmt: skip
+    _check_adapt(spec.adapt, bad)
     if spec.schedule is not None:
         try:
             cron_fields(spec.schedule)
         except ValueError as e:
             bad("schedule", str(e))
+
+
+def _check_adapt(plan, bad) -> None:
+    if plan is None:
+        return
+    if not isinstance(plan, dict) or "after_rows" not in plan:
+        bad("adapt", f"must be a mapping with after_rows (and time_budget, steps, min_rows), got {checks.show(plan)}")
+    for key, value in plan.items():
+        if key not in ADAPT_KEYS:
+            bad("adapt", f"has an unknown key {key!r}{_suggest(key, ADAPT_KEYS)}")
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not number or value < ADAPT_KEYS[key] or (key != "time_budget" and not isinstance(value, int)):
+            kind = "a number of seconds" if key == "time_budget" else "an integer"
+            bad("adapt", f"{key} must be {kind} >= {ADAPT_KEYS[key]}, got {checks.show(value)}")
 
 
 def cron_fields(expression) -> Dict[str, str]:

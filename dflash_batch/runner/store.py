@@ -63,7 +63,13 @@ RESULT_SCHEMA = pa.schema(
         pa.field("sample_index", pa.int64()),  # which of the row's n samples (null in parts from before n)
         # per output token, when asked: its raw logprob and the top alternatives' (docs/sampling.md)
         pa.field("logprobs", pa.list_(LOGPROB.with_type(pa.struct(list(LOGPROB.type) + [
-            pa.field("top_logprobs", pa.list_(LOGPROB.type))]))))
+            pa.field("top_logprobs", pa.list_(LOGPROB.type))])))),
+        # what training a drafter on the job needs (training/adapt.py): the prompt as the target
+        # read it and the completion, as token ids (the EOS that ended it not among them), and the
+        # drafter revision that drafted the row (null: the job's own drafter)
+        pa.field("prompt_token_ids", pa.list_(pa.int32())),
+        pa.field("token_ids", pa.list_(pa.int32())),
+        pa.field("drafter_revision", pa.string()),
     ],
     metadata={"schema_version": str(SCHEMA_VERSION), "producer": "dflash-batch"},
 )

@@ -17,6 +17,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional
 
 import orjson
 
+from . import drafters
 from .cron import Cron, schedule_files
 from .execution import ConfigChanged, run_job
 from .items import InputError
@@ -62,9 +63,13 @@ class Engines:
 class Worker:
     """One queue consumer with one thread and one resident engine."""
 
-    def __init__(self, queue: Queue, engine_factory: Callable[..., Any], device: Optional[str] = None):
+    def __init__(self, queue: Queue, engine_factory: Callable[..., Any], device: Optional[str] = None,
+                 adapter: Optional[Callable[..., Any]] = None):
         self.queue = queue
         self.engines = Engines(engine_factory)
+        # training/adapt.py's ``adapt_job`` (the runner imports no training code): runs a job
+        # spec's ``adapt:`` between its tasks; None: never
+        self.adapter = adapter
         self.cron = Cron(queue)
         self.stop_flag: Optional[threading.Event] = None
         queue.on_chunk = lambda job_id, chunk, task: self.run_chunk(job_id, chunk, task)  # late-bound: wrappable
@@ -102,6 +107,24 @@ class Worker:
             self._run_leased(record, chunk, task)
         finally:
             self._release()
+        self.adapt_if_due(record)
+
+    def adapt_if_due(self, record: JobRecord) -> None:
+        """A job spec's ``adapt:``, once its rows are in: between tasks, with no chunk held, so
+        rows are all committed and a kill -9 here loses none (drafters.py). A failure is
+        recorded in the job's drafter history and never fails the job."""
+        if self.adapter is None or self.stopping() or record.cancelled() or not drafters.adapt_due(record):
+            return
+        try:
+            with drafters.adapt_lock(record):
+                if drafters.adapt_due(record):  # another worker may have just done it
+                    self.adapter(record, trigger="spec", **record.spec.adapt)
+        except Locked:
+            log.info("job %s: another process adapts its drafter", record.id)
+        except Exception as e:
+            log.exception("job %s: adapting its drafter failed", record.id)
+            drafters.record_attempt(record, {"revision": None, "outcome": "failed", "trigger": "spec",
+                                             "note": f"{type(e).__name__}: {e}"})  # fmt: skip
 
     def _acquire(self, record: JobRecord, chunk: int) -> Optional[Lease]:
         return self.leases.acquire(scope_of(record.output_dir), chunk, worker=self.id, host=socket.gethostname(),
@@ -135,7 +158,8 @@ class Worker:
         job_id = record.id
         try:
             chunks = self.chunks_to_run(record, chunk)
-            result = run_job(record, chunks, self.engines, should_stop=lambda: self.stopping() or not self._holding(),
+            engines = lambda spec: drafters.use_in_force(self.engines(spec), record)  # noqa: E731
+            result = run_job(record, chunks, engines, should_stop=lambda: self.stopping() or not self._holding(),
                              on_row=self._on_row, lease=self._holding)  # fmt: skip
         except LeaseLost as e:  # hung past the lease: the chunks are another worker's now
             log.warning("%s; this worker leaves them", e)
@@ -259,9 +283,10 @@ def run_worker(
     shutdown_timeout: float = 30.0,
     poll_max_delay: float = 2.0,
     device: Optional[str] = None,
+    adapter: Optional[Callable[..., Any]] = None,
 ) -> None:
     """``dflash-batch worker``: a ``Worker`` on the home's queue with its schedules."""
-    worker = Worker(Queue(home), engine_factory, device=device)
+    worker = Worker(Queue(home), engine_factory, device=device, adapter=adapter)
     for path in schedule_files(worker.queue.home, schedules):
         worker.cron.add_schedule(path)
     if preload is not None:

@@ -92,6 +92,9 @@ class TrainConfig:
     draft_vocab: int = 16384  # export a draft vocabulary of this many tokens (0: the whole vocabulary)
     export_dtype: str = "bfloat16"
     extra: dict = field(default_factory=dict)
+    # a drafter config to train as it is (its shape, taps and rope), rather than one made from the
+    # fields above: training/adapt.py continues a job's drafter in its own format
+    drafter_config: Optional[dict] = None
 
 
 # -- target ----------------------------------------------------------------------------------
@@ -143,7 +146,9 @@ def tapped_hidden(target: Target, tokens: mx.array, final: bool = False):
     h = target.embed(tokens)
     last = target.num_layers - 1 if final else max(target.tap_ids)
     for layer in target.layers[: last + 1]:
-        h = layer(h, "causal", cache=None)
+        # a hybrid's recurrent layers take no attention mask (sequences are padded on the right,
+        # which no earlier position sees)
+        h = layer(h, None if getattr(layer, "is_linear", False) else "causal", cache=None)
     hidden = mx.concatenate(target._store, axis=-1)
     target._store[:] = [None] * len(target.tap_ids)
     return (hidden, target._inner.norm(h)) if final else hidden
@@ -355,6 +360,8 @@ class Trainer:
         self.cfg, self.log = cfg, log
         self.out = Path(cfg.out)
         self.log_file = self.out / "train.log.jsonl"
+        self.clock: Callable[[], float] = time.perf_counter  # the time budget's clock (a test's own)
+        self.ready = False  # set up (``setup``): ``run`` does it only if not
 
     def record(self, entry: dict) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
@@ -376,7 +383,7 @@ class Trainer:
             raise ValueError(f"no training answers in {data_dir(cfg) / 'answers'} ({stored} stored): generate them first")
         n_layers = self.target_config["num_hidden_layers"]
         taps = cfg.taps or objective.tap_ids_for(n_layers, cfg.num_taps)
-        self.drafter_config = export.drafter_config(
+        self.drafter_config = cfg.drafter_config or export.drafter_config(
             self.target_config,
             layers=cfg.layers,
             block_size=cfg.block_size,
@@ -398,6 +405,7 @@ class Trainer:
         self.optimizer.init(self.drafter.trainable_parameters())
         self.step, self.total_steps, self.elapsed = 0, cfg.steps or None, 0.0
         self._grad = nn.value_and_grad(self.drafter, self._loss)
+        self.ready = True
 
     # Config keys that fix the drafter's shape and meaning; a warm start must match them all.
     SHAPE_KEYS = ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",
@@ -570,23 +578,24 @@ class Trainer:
     # -- the loop ---------------------------------------------------------------------------
     def run(self, resume: bool = True) -> Path:
         cfg = self.cfg
-        self.setup()
+        if not self.ready:
+            self.setup()
         latest = self.latest_checkpoint() if resume else None
         if latest is not None:
             self.resume(latest)
         if not cfg.steps and not cfg.time_budget:
             raise ValueError("give a step count (steps) or a time budget (time_budget)")
         n_params = sum(p.size for _, p in tree_flatten(self.drafter.parameters()))
-        self.log(f"drafter: {n_params / 1e6:.2f}M parameters, taps {self.drafter_config['dflash_config']['target_layer_ids']}")
+        self.log(f"drafter: {n_params / 1e6:.2f}M parameters, taps {self.target.tap_ids}")
         self.log(f"training on {len(self.train_samples)} sequences, evaluating on {len(self.eval_samples)}")
-        session_start = time.perf_counter()
+        session_start = self.clock()
         timed_from, timed_steps = None, 0
         losses: List[float] = []
         while self.total_steps is None or self.step < self.total_steps:
-            t0 = time.perf_counter()
+            t0 = self.clock()
             losses.append(self.train_step(self.step))
             self.step += 1
-            now = time.perf_counter()
+            now = self.clock()
             self.elapsed += now - t0
             # Calibrate the step count to the time budget once steps have a steady cost.
             if self.total_steps is None:
