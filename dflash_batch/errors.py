@@ -44,6 +44,10 @@ class EmptyPromptError(GenerationError):
     pass
 
 
+class Cancelled(GenerationError):
+    """An interactive request whose client went away before it finished (dflash_batch/inbox.py)."""
+
+
 class PromptTooLongError(GenerationError):
     pass
 

@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 import numpy as np
 
 from ..completion import Piece
+from ..errors import Cancelled
 from ..request import SamplingControls
 from . import decode, memory, prefill, sampling, tree
 from .decode import Step
@@ -83,8 +84,13 @@ class BatchDecoder:
     the stream gave a refused request (``requests.refused``), so that the caller can report it."""
 
     def __init__(self, engine, requests: Union[Sequence[EncodedRequest], Waiting], slots: int,
-                 scheduler: Scheduler, plan=None, capacity: int = 0):
+                 scheduler: Scheduler, plan=None, capacity: int = 0,
+                 urgent: Optional[Callable[[], List[List[EncodedRequest]]]] = None,
+                 cancelled: Optional[Callable[[EncodedRequest], bool]] = None):
         self.engine, self.target, self.drafter = engine, engine.target, engine.drafter
+        # interactive requests (dflash_batch/inbox.py): ``urgent()`` hands over those arrived since
+        # the last step, which go ahead of the waiting ones; ``cancelled(request)`` drops a row
+        self.urgent, self.cancelled = urgent, cancelled
         # Joining prompts (engine/prefill.py): prefilled together, sharing the prefixes they have in common.
         self.prefixes = engine.prefixes
         if not isinstance(requests, Waiting):
@@ -125,7 +131,13 @@ class BatchDecoder:
         # freeing them, so they are freed before the job allocates its own.
         mx.clear_cache()
         mx.reset_peak_memory()
-        while self.waiting or self.group.joiners or any(self.rows):
+        while True:
+            if self.urgent is not None:
+                self.waiting.push_front(self.urgent())
+            if self.cancelled is not None:
+                yield from self._cancel()
+            if not (self.waiting or self.group.joiners or any(self.rows)):
+                return
             yield from self.admit()
             if self.waiting.refused:
                 self.waiting.refused = 0
@@ -477,6 +489,17 @@ class BatchDecoder:
             else:
                 finished.append(b)
 
+    def _cancel(self) -> Iterator[Tuple[int, Exception]]:
+        """Drop the cancelled requests: rows in flight free their slot, waiting ones leave the
+        queue (a prompt mid-prefill is dropped once it holds its row)."""
+        gone = [b for b, r in enumerate(self.rows) if r is not None and self.cancelled(r.request)]
+        for b in gone:
+            index, self.rows[b] = self.rows[b].request.index, None
+            yield index, Cancelled("the client went away")
+        self._free(gone)
+        for request in self.waiting.drop(self.cancelled):
+            yield request.index, Cancelled("the client went away before it started")
+
     def _free(self, slots: List[int]) -> None:
         """Freed slots hold nothing: length 0, no pending context (one device update for all)."""
         if not slots:
@@ -493,8 +516,9 @@ class BatchDecoder:
                 counts[b] = 0
 
     def shrink(self) -> None:
-        """With nothing left to come, drop idle rows from the batch once a quarter of it is idle."""
-        if self.waiting or self.group.joiners:
+        """With nothing left to come, drop idle rows from the batch once a quarter of it is idle
+        (interactive requests may come at any time: their slots are kept)."""
+        if self.waiting or self.group.joiners or self.urgent is not None:
             return
         live = [b for b, r in enumerate(self.rows) if r is not None]
         if not live or len(live) > 0.75 * self.slots:
