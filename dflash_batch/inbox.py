@@ -16,12 +16,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Deque, Dict, List, Optional
 
 from .completion import Piece
-from .errors import Cancelled, DflashBatchError
+from .errors import Cancelled, InboxFull
 from .request import Outcome, Request
-
-
-class InboxFull(DflashBatchError, RuntimeError):
-    """More interactive requests wait than the inbox holds."""
 
 
 @dataclass(eq=False)

@@ -132,3 +132,43 @@ def test_the_inbox_refuses_beyond_its_limit_and_wakes_a_waiter():
     with pytest.raises(InboxFull):
         inbox.put(_ticket())
     assert len(inbox.take()) == 1 and inbox.take() == []
+
+
+@pytest.mark.parametrize("drafted", [False, True], ids=["plain", "dflash"])
+def test_a_full_batch_gives_a_slot_up_and_the_row_restarts_exactly(tiny_pair, engine, monkeypatch, drafted):
+    """Both slots busy with long rows when the ticket comes: the least advanced row gives its slot
+    up (once), the ticket finishes before any batch row, and the row that started again still
+    equals its output alone."""
+    from dflash_batch.engine.batch import BatchDecoder
+
+    plain = engine if drafted else load_engine(str(tiny_pair[0]), None)
+    inbox, ticket = Inbox(), _ticket(max_tokens=6)
+    order, cycles, requeued = [], [0], []
+    ticket.on_done = lambda: order.append("ticket")
+    run, preempt = BatchDecoder.run, BatchDecoder._preempt
+
+    def spy_run(decoder, width):
+        cycles[0] += 1
+        if cycles[0] == 3:  # mid-decode, every slot busy
+            assert all(r is not None for r in decoder.rows)
+            inbox.put(ticket)
+        return run(decoder, width)
+
+    def spy_preempt(decoder):
+        for index, marker in preempt(decoder):
+            requeued.append(index)
+            yield index, marker
+
+    monkeypatch.setattr(BatchDecoder, "run", spy_run)
+    monkeypatch.setattr(BatchDecoder, "_preempt", spy_preempt)
+    batch = _batch([60, 60, 60])
+    results = {}
+    for request, outcome in plain.generate_requests(batch, batch_size=2, inbox=inbox):
+        results[request.id] = outcome.token_ids
+        order.append(request.id)
+    monkeypatch.undo()
+    assert order[0] == "ticket", order
+    assert len(requeued) == 1  # one slot was needed, one row gave it up, once
+    for request in batch:
+        assert results[request.id] == _alone(plain, request), request.id
+    assert ticket.outcomes[0].token_ids == _alone(plain, ticket.request)

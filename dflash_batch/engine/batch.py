@@ -28,7 +28,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..completion import Piece
-from ..errors import Cancelled
+from ..errors import Cancelled, Requeued
 from ..request import SamplingControls
 from . import decode, memory, prefill, sampling, tree
 from .decode import Step
@@ -50,6 +50,8 @@ class EncodedRequest:
     stop: Sequence[str] = ()
     index: int = 0  # the caller's position for it
     sample: int = 0  # which sample of its prompt (the same ids, its own seed)
+    urgent: bool = False  # interactive (dflash_batch/inbox.py): never gives its slot up
+    requeued: bool = False  # gave its slot up to an urgent one once, and keeps it from now on
     # the filters and penalties (engine/sampling.py), checked; off by default
     controls: SamplingControls = field(default_factory=SamplingControls)
     # from the controls (Engine.request): logprobs and top_logprobs, response_format
@@ -157,6 +159,8 @@ class BatchDecoder:
         per step, the joining prompts packed into shared passes (engine/prefill.py): decoding rows
         wait for about one chunk when one slot is free, and a batch that is mostly free (few rows
         to hold up, a pass mostly wasted) fills at once."""
+        if self.waiting.urgent:
+            yield from self._preempt()
         free = sum(r is None for r in self.rows)
         budget = self.engine.prefill_chunk * max(free, 1)
         while True:
@@ -164,6 +168,26 @@ class BatchDecoder:
             if not self.group.joiners or budget <= 0:
                 return
             budget -= yield from self._prefill_pass(self._pass_width())
+
+    def _preempt(self) -> Iterator[Tuple[int, Exception]]:
+        """Urgent requests wait and no slot is free: as many batch rows as they need give their
+        slots up, the least advanced first; each goes back to wait right behind them and starts
+        again from its prompt (its pieces so far are dropped: ``Requeued``). A row gives its slot
+        up once at most, so every row finishes."""
+        taken = {j.slot for j in self.group.joiners}
+        free = sum(r is None and b not in taken for b, r in enumerate(self.rows))
+        need = self.waiting.urgent - free
+        if need <= 0 or (self.plan is not None and self.slots > self.plan.rows):
+            return
+        movable = sorted((r.produced, b) for b, r in enumerate(self.rows)
+                         if r is not None and not r.request.urgent and not r.request.requeued)  # fmt: skip
+        gone = [b for _, b in movable[:need]]
+        for b in gone:
+            request, self.rows[b] = self.rows[b].request, None
+            request.requeued = True
+            self.waiting.push_front([[request]], urgent=False)
+            yield request.index, Requeued()
+        self._free(gone)
 
     def _pass_width(self) -> int:
         """Tokens per row in the next packed pass: a chunk, less when many rows would pass more than

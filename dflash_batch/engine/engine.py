@@ -20,7 +20,7 @@ from ..completion import (
     PromptTooLongError,
 )
 from .. import checks, constraints
-from ..errors import Cancelled
+from ..errors import Cancelled, Requeued
 from ..inbox import Ticket
 from ..request import CONTROLS, SamplingControls, sample_seed
 from . import decode, memory, prefill, tree, warmup
@@ -282,6 +282,9 @@ class Engine:
             if index is None:
                 yield None, None
                 continue
+            if isinstance(piece, Requeued):  # it starts again: what it committed is void
+                parts.pop(index, None)
+                continue
             if isinstance(piece, Exception):
                 parts.pop(index, None)
                 yield index, piece
@@ -342,6 +345,8 @@ class Engine:
                 except GenerationError as e:
                     ticket.fail(e)
                     continue
+                for s in samples:
+                    s.urgent = True
                 owners.update((s.index, (ticket, s.sample)) for s in samples)
                 groups.append(samples)
             return groups

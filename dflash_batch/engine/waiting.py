@@ -62,15 +62,17 @@ class Waiting:
         if new:
             self._arrange([r for r, _ in self.queue] + new)
 
-    def push_front(self, groups: Iterable[List[object]]) -> None:
+    def push_front(self, groups: Iterable[List[object]], urgent: bool = True) -> None:
         """Requests that go ahead of those waiting (interactive ones: dflash_batch/inbox.py), after
-        earlier ones pushed so; first come first served among them."""
+        earlier ones pushed so; first come first served among them. ``urgent=False``: behind the
+        urgent ones, ahead of the rest (a row that gave its slot up to one)."""
         new = [r for group in groups for r in group]
         if not new:
             return
         queued = [r for r, _ in self.queue]
         self._arrange(queued[: self.urgent] + new + queued[self.urgent:])
-        self.urgent += len(new)
+        if urgent:
+            self.urgent += len(new)
 
     def drop(self, unwanted) -> List[object]:
         """Remove and return the waiting requests for which ``unwanted(request)`` holds."""
