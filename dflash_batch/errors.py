@@ -44,6 +44,19 @@ class EmptyPromptError(GenerationError):
     pass
 
 
+class Cancelled(GenerationError):
+    """An interactive request whose client went away before it finished (dflash_batch/inbox.py)."""
+
+
+class Requeued(DflashBatchError, RuntimeError):
+    """Not a failure: a batch row gave its slot up to an interactive request and starts again
+    (engine/batch.py: ``_preempt``); its pieces so far are void."""
+
+
+class InboxFull(DflashBatchError, RuntimeError):
+    """More interactive requests wait than the server's inbox holds (dflash_batch/inbox.py)."""
+
+
 class PromptTooLongError(GenerationError):
     pass
 

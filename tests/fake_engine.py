@@ -25,7 +25,9 @@ import time
 from pathlib import Path
 from typing import Iterable, Iterator, List, Optional, Tuple
 
-from dflash_batch.completion import Completion, EmptyPromptError, GenerationStats, PromptTooLongError
+from dflash_batch.completion import Completion, EmptyPromptError, GenerationStats, Piece, PromptTooLongError
+from dflash_batch.errors import Cancelled
+from dflash_batch.inbox import Ticket
 from dflash_batch.request import Request
 
 BLOCK = 8
@@ -55,6 +57,7 @@ class FakeEngine:
         self.crash_after = crash_after
         self.calls: List[str] = []  # prompts in the order they were handed over
         self.requests: List[Request] = []
+        self.interactive: list = []  # prompts of interactive requests answered, in order
         self.batch_sizes: List[Optional[int]] = []
         self.description = description or {"fake": True}
 
@@ -85,7 +88,23 @@ class FakeEngine:
         )  # fmt: skip
         return Completion(text, list(range(n)), finish, stats, stop_reason)
 
-    def generate_requests(self, requests: Iterable[Request], batch_size: Optional[int] = None) -> Iterator[Tuple[Request, object]]:
+    def answer(self, ticket: Ticket) -> None:
+        """An interactive request (dflash_batch/inbox.py): its words streamed one piece each."""
+        self.interactive.append(ticket.request.prompt)
+        for k in range(ticket.samples):
+            done = self.complete(ticket.request)
+            if isinstance(done, Exception) or ticket.cancelled.is_set():
+                ticket.finish(k, done if isinstance(done, Exception) else Cancelled("the client went away"))
+                continue
+            words = done.text.split(" ")
+            for i, word in enumerate(words):
+                last = i == len(words) - 1
+                ticket.on_piece(k, Piece(word if i == 0 else " " + word, [i],
+                                         done.finish_reason if last else None, done.stats if last else None))
+            ticket.finish(k, done)
+
+    def generate_requests(self, requests: Iterable[Request], batch_size: Optional[int] = None,
+                          inbox=None) -> Iterator[Tuple[Request, object]]:
         self.batch_sizes.append(batch_size)
         size = batch_size or self.batch
         window: List[Request] = []
@@ -93,8 +112,10 @@ class FakeEngine:
 
         def flush():
             nonlocal yielded
+            for ticket in inbox.take() if inbox is not None else ():  # they join at the next step
+                self.answer(ticket)
             if window:  # a step of rows: one whose chunk is held
-                self._wait_while_held()
+                self._wait_while_held(inbox)
             if self.delay:
                 time.sleep(self.delay)
             for request in reversed(window):  # a batch finishes rows in its own order
@@ -113,12 +134,14 @@ class FakeEngine:
         yield from flush()
 
 
-    def _wait_while_held(self) -> None:
+    def _wait_while_held(self, inbox=None) -> None:
         if self.hold is None or not self.hold.exists():
             return
         held = self.hold.with_name(f"{self.hold.name}.{os.getpid()}")
         held.touch()
         while self.hold.exists():
+            for ticket in inbox.take() if inbox is not None else ():  # the batch's cycles go on
+                self.answer(ticket)
             time.sleep(0.01)
         held.unlink(missing_ok=True)
 

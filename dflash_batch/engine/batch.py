@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 import numpy as np
 
 from ..completion import Piece
+from ..errors import Cancelled, Requeued
 from ..request import SamplingControls
 from . import decode, memory, prefill, sampling, tree
 from .decode import Step
@@ -49,6 +50,8 @@ class EncodedRequest:
     stop: Sequence[str] = ()
     index: int = 0  # the caller's position for it
     sample: int = 0  # which sample of its prompt (the same ids, its own seed)
+    urgent: bool = False  # interactive (dflash_batch/inbox.py): never gives its slot up
+    requeued: bool = False  # gave its slot up to an urgent one once, and keeps it from now on
     # the filters and penalties (engine/sampling.py), checked; off by default
     controls: SamplingControls = field(default_factory=SamplingControls)
     # from the controls (Engine.request): logprobs and top_logprobs, response_format
@@ -83,8 +86,13 @@ class BatchDecoder:
     the stream gave a refused request (``requests.refused``), so that the caller can report it."""
 
     def __init__(self, engine, requests: Union[Sequence[EncodedRequest], Waiting], slots: int,
-                 scheduler: Scheduler, plan=None, capacity: int = 0):
+                 scheduler: Scheduler, plan=None, capacity: int = 0,
+                 urgent: Optional[Callable[[], List[List[EncodedRequest]]]] = None,
+                 cancelled: Optional[Callable[[EncodedRequest], bool]] = None):
         self.engine, self.target, self.drafter = engine, engine.target, engine.drafter
+        # interactive requests (dflash_batch/inbox.py): ``urgent()`` hands over those arrived since
+        # the last step, which go ahead of the waiting ones; ``cancelled(request)`` drops a row
+        self.urgent, self.cancelled = urgent, cancelled
         # Joining prompts (engine/prefill.py): prefilled together, sharing the prefixes they have in common.
         self.prefixes = engine.prefixes
         if not isinstance(requests, Waiting):
@@ -125,7 +133,13 @@ class BatchDecoder:
         # freeing them, so they are freed before the job allocates its own.
         mx.clear_cache()
         mx.reset_peak_memory()
-        while self.waiting or self.group.joiners or any(self.rows):
+        while True:
+            if self.urgent is not None:
+                self.waiting.push_front(self.urgent())
+            if self.cancelled is not None:
+                yield from self._cancel()
+            if not (self.waiting or self.group.joiners or any(self.rows)):
+                return
             yield from self.admit()
             if self.waiting.refused:
                 self.waiting.refused = 0
@@ -145,6 +159,8 @@ class BatchDecoder:
         per step, the joining prompts packed into shared passes (engine/prefill.py): decoding rows
         wait for about one chunk when one slot is free, and a batch that is mostly free (few rows
         to hold up, a pass mostly wasted) fills at once."""
+        if self.waiting.urgent:
+            yield from self._preempt()
         free = sum(r is None for r in self.rows)
         budget = self.engine.prefill_chunk * max(free, 1)
         while True:
@@ -152,6 +168,26 @@ class BatchDecoder:
             if not self.group.joiners or budget <= 0:
                 return
             budget -= yield from self._prefill_pass(self._pass_width())
+
+    def _preempt(self) -> Iterator[Tuple[int, Exception]]:
+        """Urgent requests wait and no slot is free: as many batch rows as they need give their
+        slots up, the least advanced first; each goes back to wait right behind them and starts
+        again from its prompt (its pieces so far are dropped: ``Requeued``). A row gives its slot
+        up once at most, so every row finishes."""
+        taken = {j.slot for j in self.group.joiners}
+        free = sum(r is None and b not in taken for b, r in enumerate(self.rows))
+        need = self.waiting.urgent - free
+        if need <= 0 or (self.plan is not None and self.slots > self.plan.rows):
+            return
+        movable = sorted((r.produced, b) for b, r in enumerate(self.rows)
+                         if r is not None and not r.request.urgent and not r.request.requeued)  # fmt: skip
+        gone = [b for _, b in movable[:need]]
+        for b in gone:
+            request, self.rows[b] = self.rows[b].request, None
+            request.requeued = True
+            self.waiting.push_front([[request]], urgent=False)
+            yield request.index, Requeued()
+        self._free(gone)
 
     def _pass_width(self) -> int:
         """Tokens per row in the next packed pass: a chunk, less when many rows would pass more than
@@ -477,6 +513,17 @@ class BatchDecoder:
             else:
                 finished.append(b)
 
+    def _cancel(self) -> Iterator[Tuple[int, Exception]]:
+        """Drop the cancelled requests: rows in flight free their slot, waiting ones leave the
+        queue (a prompt mid-prefill is dropped once it holds its row)."""
+        gone = [b for b, r in enumerate(self.rows) if r is not None and self.cancelled(r.request)]
+        for b in gone:
+            index, self.rows[b] = self.rows[b].request.index, None
+            yield index, Cancelled("the client went away")
+        self._free(gone)
+        for request in self.waiting.drop(self.cancelled):
+            yield request.index, Cancelled("the client went away before it started")
+
     def _free(self, slots: List[int]) -> None:
         """Freed slots hold nothing: length 0, no pending context (one device update for all)."""
         if not slots:
@@ -493,8 +540,9 @@ class BatchDecoder:
                 counts[b] = 0
 
     def shrink(self) -> None:
-        """With nothing left to come, drop idle rows from the batch once a quarter of it is idle."""
-        if self.waiting or self.group.joiners:
+        """With nothing left to come, drop idle rows from the batch once a quarter of it is idle
+        (interactive requests may come at any time: their slots are kept)."""
+        if self.waiting or self.group.joiners or self.urgent is not None:
             return
         live = [b for b, r in enumerate(self.rows) if r is not None]
         if not live or len(live) > 0.75 * self.slots:

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 
@@ -19,6 +20,8 @@ from ..completion import (
     PromptTooLongError,
 )
 from .. import checks, constraints
+from ..errors import Cancelled, Requeued
+from ..inbox import Ticket
 from ..request import CONTROLS, SamplingControls, sample_seed
 from . import decode, memory, prefill, tree, warmup
 from .batch import BatchDecoder, EncodedRequest
@@ -301,10 +304,12 @@ class Engine:
                 raise completion  # one request's failure ends a call that yields only completions
             yield index, completion
 
-    def _completions(self, decoder: BatchDecoder) -> Iterator[Tuple[Optional[int], Any]]:
+    def _completions(self, decoder: BatchDecoder,
+                     on_piece: Optional[Callable[[int, Piece], None]] = None) -> Iterator[Tuple[Optional[int], Any]]:
         """``(request index, Completion)`` as the decoder finishes each request, ``(request index,
         error)`` for one that failed alone, and the decoder's ``(None, None)`` marks (a stream
-        refused a request); its counts become the engine's."""
+        refused a request); its counts become the engine's. ``on_piece(index, piece)`` sees every
+        piece as it is committed."""
         self.prefill_counts = decoder.group.counts
         self.decode_counts = decoder.decode_counts
         parts: Dict[int, List[Piece]] = {}
@@ -312,17 +317,22 @@ class Engine:
             if index is None:
                 yield None, None
                 continue
+            if isinstance(piece, Requeued):  # it starts again: what it committed is void
+                parts.pop(index, None)
+                continue
             if isinstance(piece, Exception):
                 parts.pop(index, None)
                 yield index, piece
                 continue
+            if on_piece is not None:
+                on_piece(index, piece)
             parts.setdefault(index, []).append(piece)
             if piece.finish_reason is not None:
                 yield index, _completion(parts.pop(index))
 
     def generate_requests(
         self, requests: Iterable["request_type.Request"], batch_size: Optional[int] = None,
-        lookahead: Optional[int] = None,
+        lookahead: Optional[int] = None, inbox=None,
     ) -> Iterator[Tuple["request_type.Request", Union[Completion, Exception]]]:
         """The runner's interface (``dflash_batch.request.Generator``): one stream, decoded together
         (``batch_size`` rows at most) and yielded as each request finishes, a request of
@@ -332,47 +342,92 @@ class Engine:
         so the batch stays full until the input ends and a long job is never encoded up front. One
         the engine refuses (its ``GenerationError``: an empty or too long prompt, or one whose row
         alone does not fit in memory) is yielded as soon as the pull that met it is done; one that
-        fails while decoding (its grammar) is yielded with its error, and the others go on."""
+        fails while decoding (its grammar) is yielded with its error, and the others go on.
+
+        ``inbox`` (dflash_batch/inbox.py): interactive requests join at each step, ahead of the
+        waiting ones; they are answered through their tickets, never yielded, and the batch keeps
+        its slots for them until the call ends."""
         cap = self._batch_cap(batch_size)
         plan = memory.Plan(self, cap)  # rows in flight: the cap, or fewer once a long request comes
         refused: List[Tuple[Any, Exception]] = []
-        owners: Dict[int, Tuple[Any, int]] = {}  # engine request index -> (runner's request, sample), in flight
+        owners: Dict[int, Tuple[Any, int]] = {}  # engine request index -> (runner's request or ticket, sample)
         prompt_ids: Dict[int, List[int]] = {}  # engine request index -> its prompt's ids, in flight
+        count = itertools.count()
+
+        def encode(req) -> List[EncodedRequest]:
+            first = self.request(req.prompt, index=0, **req.options.as_kwargs())
+            plan.take(self._positions([first]))
+            samples = _samples(first, getattr(req.options, "n", 1), item=str(req.id))
+            for sample in samples:
+                sample.index = next(count)
+                prompt_ids[sample.index] = first.ids
+            return samples
 
         def encoded() -> Iterator[Optional[List[EncodedRequest]]]:
-            count = 0
             for req in requests:
                 try:
-                    first = self.request(req.prompt, index=count, **req.options.as_kwargs())
-                    plan.take(self._positions([first]))
+                    samples = encode(req)
                 except GenerationError as e:
                     refused.append((req, e))
                     yield None  # counted by the look-ahead: reported once the pull is done
                     continue
-                samples = _samples(first, getattr(req.options, "n", 1), item=str(req.id))
-                for sample in samples:
-                    owners[count] = (req, sample.sample)
-                    prompt_ids[count] = first.ids
-                    sample.index, count = count, count + 1
+                owners.update((s.index, (req, s.sample)) for s in samples)
                 yield samples  # pulled together: the first prefills, the others copy its state
+
+        def urgent() -> List[List[EncodedRequest]]:
+            groups = []
+            for ticket in inbox.take():
+                try:
+                    samples = encode(ticket.request)
+                except GenerationError as e:
+                    ticket.fail(e)
+                    continue
+                for s in samples:
+                    s.urgent = True
+                owners.update((s.index, (ticket, s.sample)) for s in samples)
+                groups.append(samples)
+            return groups
+
+        def cancelled(request: EncodedRequest) -> bool:
+            owner = owners.get(request.index, (None,))[0]
+            return isinstance(owner, Ticket) and owner.cancelled.is_set()
+
+        def on_piece(index: int, piece: Piece) -> None:
+            owner, sample = owners[index]
+            if isinstance(owner, Ticket):
+                owner.on_piece(sample, piece)
 
         waiting = Waiting(encoded(), lookahead or 2 * cap, self.prefixes.granularity if self.prefixes else None)
         while len(waiting) < waiting.ahead and not waiting.done:  # the first look-ahead plans the batch
             waiting.refill()
             yield from _drain(refused)
+        if inbox is not None:
+            waiting.push_front(urgent())
         if not waiting:
             return
-        slots = min(plan.rows, len(waiting)) if waiting.done else plan.rows
-        decoder = BatchDecoder(self, waiting, slots, self._scheduler(slots, waiting.peeked()), plan=plan, capacity=plan.longest)
-        for index, completion in self._completions(decoder):
-            yield from _drain(refused)
-            if index is not None:
-                req, sample = owners.pop(index)
+        slots = min(plan.rows, len(waiting)) if waiting.done and inbox is None else plan.rows
+        hooks = dict(urgent=urgent, cancelled=cancelled) if inbox is not None else {}
+        decoder = BatchDecoder(self, waiting, slots, self._scheduler(slots, waiting.peeked()), plan=plan,
+                               capacity=plan.longest, **hooks)
+        try:
+            for index, completion in self._completions(decoder, on_piece if inbox is not None else None):
+                yield from _drain(refused)
+                if index is None:
+                    continue
+                owner, sample = owners.pop(index)
                 ids = prompt_ids.pop(index)
                 if not isinstance(completion, Exception):  # a failed one is named by its request
                     completion.sample_index = sample
                     completion.prompt_token_ids = list(ids)
-                yield req, completion
+                if isinstance(owner, Ticket):
+                    owner.finish(sample, completion)
+                else:
+                    yield owner, completion
+        except BaseException as e:  # the call failed or its caller stopped it: no ticket waits forever
+            for owner, _ in list(owners.values()):
+                if isinstance(owner, Ticket):
+                    owner.fail(e if isinstance(e, Exception) else Cancelled("the batch stopped"))
+            raise
         yield from _drain(refused)
 
     def generate_batch(self, prompts: Sequence[Prompt], *args, n: int = 1, **kwargs) -> List[Completion]:

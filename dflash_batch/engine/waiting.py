@@ -35,6 +35,7 @@ class Waiting:
         self.queue: Deque[Tuple[object, List[int]]] = deque()
         self.done = False  # the source is exhausted
         self.refused = 0  # Nones taken since the caller last looked
+        self.urgent = 0  # the first requests of the queue came through ``push_front``
 
     def __bool__(self) -> bool:
         """Whether any request may still come: one waits, or the source may have more."""
@@ -59,9 +60,33 @@ class Waiting:
                 continue
             new += group
         if new:
-            requests = [r for r, _ in self.queue] + new
-            marks = share_marks([r.ids for r in requests], self.granularity) if self.granularity else None
-            self.queue = deque((r, marks[i] if marks else []) for i, r in enumerate(requests))
+            self._arrange([r for r, _ in self.queue] + new)
+
+    def push_front(self, groups: Iterable[List[object]], urgent: bool = True) -> None:
+        """Requests that go ahead of those waiting (interactive ones: dflash_batch/inbox.py), after
+        earlier ones pushed so; first come first served among them. ``urgent=False``: behind the
+        urgent ones, ahead of the rest (a row that gave its slot up to one)."""
+        new = [r for group in groups for r in group]
+        if not new:
+            return
+        queued = [r for r, _ in self.queue]
+        self._arrange(queued[: self.urgent] + new + queued[self.urgent:])
+        if urgent:
+            self.urgent += len(new)
+
+    def drop(self, unwanted) -> List[object]:
+        """Remove and return the waiting requests for which ``unwanted(request)`` holds."""
+        gone = [r for r, _ in self.queue if unwanted(r)]
+        if gone:
+            queued = [r for r, _ in self.queue]
+            self.urgent -= sum(unwanted(r) for r in queued[: self.urgent])
+            self._arrange([r for r in queued if not unwanted(r)])
+        return gone
+
+    def _arrange(self, requests: List[object]) -> None:
+        """The queue as ``requests``, each with its share marks among them."""
+        marks = share_marks([r.ids for r in requests], self.granularity) if self.granularity else None
+        self.queue = deque((r, marks[i] if marks else []) for i, r in enumerate(requests))
 
     def peek(self) -> Optional[Tuple[object, List[int]]]:
         """The next request and its marks (None: none yet); pulls more once half are taken."""
@@ -74,4 +99,5 @@ class Waiting:
         return [r for r, _ in self.queue]
 
     def pop(self) -> Tuple[object, List[int]]:
+        self.urgent = max(self.urgent - 1, 0)
         return self.queue.popleft()

@@ -22,11 +22,13 @@ from starlette.requests import Request
 from starlette.responses import FileResponse, HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
-from ..runner.spec import DEFAULT_TARGET_NAME
+from ..runner.spec import DEFAULT_TARGET_NAME, JobSpec
 from .batches import EXTENSION, Batches
 from .errors import ApiError, bad_request
 from .files import FileStore, Limits
+from .interactive import Interactive
 from .page import figures, html_page
+from .resident import Resident
 
 log = logging.getLogger("dflash_batch.serve")
 MAX_PAGE = 100  # the most a list request may ask for, as OpenAI's
@@ -37,13 +39,18 @@ FORM_SLACK = 2**16  # multipart framing around the file's own bytes
 def create_app(home: Path, *, submit: Callable[..., Any], api_key: Optional[str] = None,
                limits: Limits = Limits(),
                overrides: Optional[Dict[str, Any]] = None,
-               clock: Callable[[], float] = time.time) -> Starlette:
+               clock: Callable[[], float] = time.time,
+               resident: Optional[Resident] = None) -> Starlette:
     """The app over ``home``: batches become jobs queued by ``submit`` (``api.submit``, passed
     in: this package never imports the engine's side of api) with ``overrides`` (flat spec
-    names: target, draft, max_tokens, chunk_size...)."""
+    names: target, draft, max_tokens, chunk_size...). ``resident``: the engine that answers
+    ``/v1/chat/completions`` and ``/v1/completions`` (``serving``); without it they are 404."""
     files = FileStore(home, clock)
     batches = Batches(home, files, submit, overrides, clock)
     routes = Routes(home, files, batches, limits, dict(overrides or {}))
+    if resident is not None:
+        routes.interactive = Interactive(resident, served_spec(overrides or {}),
+                                         model_list(overrides or {})[0]["id"])  # fmt: skip
     app = Starlette(routes=routes.table(), exception_handlers={
         ApiError: _api_error, HTTPException: _http_error, Exception: _server_error})
     if api_key:
@@ -57,9 +64,15 @@ class Routes:
                  overrides: Dict[str, Any]):
         self.home, self.files, self.batches = home, files, batches
         self.limits, self.overrides = limits, overrides
+        self.interactive: Optional[Interactive] = None
 
     def table(self):
-        return [
+        answer = self.interactive
+        interactive = [
+            Route("/v1/chat/completions", answer.chat, methods=["POST"]),
+            Route("/v1/completions", answer.completions, methods=["POST"]),
+        ] if answer is not None else []
+        return interactive + [
             Route("/", self.page),
             Route("/status.json", self.status),
             Route("/v1/models", self.models),
@@ -77,7 +90,11 @@ class Routes:
     # -- the status page -------------------------------------------------------------------
     def _figures(self) -> Dict[str, Any]:
         by_job = {b[EXTENSION]["job_id"]: b for b in self.batches.refreshed()}
-        return figures(self.home, by_job)
+        out = figures(self.home, by_job)
+        if self.interactive is not None:
+            out["interactive"] = dict(self.interactive.counts,
+                                      waiting=len(self.interactive.resident.inbox))
+        return out
 
     def page(self, request: Request) -> Response:
         return HTMLResponse(html_page(self._figures()))
@@ -171,6 +188,13 @@ def _page(items, after: Optional[str], limit: int) -> Dict[str, Any]:
             "last_id": page[-1]["id"] if page else None}  # fmt: skip
 
 
+def served_spec(overrides: Dict[str, Any]) -> JobSpec:
+    """The job settings interactive requests are answered with: the served model and
+    ``--max-tokens``, else the defaults (a job of the same flags loads the same model)."""
+    return JobSpec(**{k: overrides[k] for k in ("target", "draft", "max_tokens", "max_tokens_cap")
+                      if k in overrides})  # fmt: skip
+
+
 def model_list(overrides: Dict[str, Any]) -> list:
     """The served target (and its drafter, where one is named), as OpenAI model objects."""
     target = overrides.get("target")
@@ -240,13 +264,15 @@ def bind(host: str, port: int) -> socket.socket:
 def serve(home: Path, *, submit: Callable[..., Any], sock: socket.socket,
           api_key: Optional[str] = None, limits: Limits = Limits(),
           overrides: Optional[Dict[str, Any]] = None,
-          worker: Optional[Callable[[], None]] = None) -> None:
+          worker: Optional[Callable[[], None]] = None,
+          resident: Optional[Resident] = None) -> None:
     """Serve on ``sock`` (from ``bind``) until stopped. ``worker``: a queue worker loop to run in
     this process's main thread (where its signal handling works), the server then running
-    beside it until it returns."""
+    beside it until it returns; ``resident``: the engine of interactive requests."""
     import uvicorn
 
-    app = create_app(home, submit=submit, api_key=api_key, limits=limits, overrides=overrides)
+    app = create_app(home, submit=submit, api_key=api_key, limits=limits, overrides=overrides,
+                     resident=resident)  # fmt: skip
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     host, port = sock.getsockname()[:2]
     log.info("serving the OpenAI Files and Batches API on http://%s:%d (home %s)",

@@ -107,8 +107,19 @@ def html_page(data: Dict[str, Any], title: str = "dflash-batch serve") -> str:
         "<table><thead><tr><th>job</th><th>batch</th><th>state</th><th>progress</th>"
         '<th class="num">output tok/s</th><th class="num">acceptance</th>'
         '<th class="num">tokens/cycle</th><th>acceptance length</th></tr></thead>'
-        f"<tbody>{rows}</tbody></table></body></html>"
+        f"<tbody>{rows}</tbody></table>{_interactive(data.get('interactive'))}</body></html>"
     )
+
+
+def _interactive(counts: Optional[Dict[str, Any]]) -> str:
+    """Interactive traffic beside the jobs: requests answered, streamed, cancelled, refused, waiting."""
+    if counts is None:
+        return ""
+    cells = "".join(f'<td class="num" data-name="{k}">{counts[k]}</td>'
+                    for k in ("requests", "streams", "cancelled", "refused", "waiting"))  # fmt: skip
+    return ('<h2>Interactive requests</h2><table id="interactive"><thead><tr><th>requests</th>'
+            "<th>streamed</th><th>cancelled</th><th>refused</th><th>waiting now</th></tr></thead>"
+            f"<tbody><tr>{cells}</tr></tbody></table>")
 
 
 def _row(job: Dict[str, Any]) -> str:
