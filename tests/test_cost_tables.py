@@ -113,3 +113,16 @@ def test_keep_costs_off_neither_reads_nor_writes(tiny_pair, timed):
     engine.warm_up(2)
     assert not _tables()
     assert len({run for run in timed}) < len(timed)  # every pass timed twice
+
+
+def test_mlx_keeps_its_compiled_kernels_in_the_model_cache(monkeypatch, tmp_path):
+    from dflash_batch.engine.ops import blas
+
+    monkeypatch.setattr("dflash_batch.paths.cache_dir", lambda: tmp_path / "cache")
+    monkeypatch.delenv(blas.PTX_ENV, raising=False)
+    blas.keep_compiled_kernels()
+    kept = blas.os.environ[blas.PTX_ENV]
+    assert kept.startswith(str(tmp_path / "cache" / "mlx-kernels"))
+    monkeypatch.setenv(blas.PTX_ENV, "/somewhere/else")  # the user's choice stands
+    blas.keep_compiled_kernels()
+    assert blas.os.environ[blas.PTX_ENV] == "/somewhere/else"
