@@ -126,3 +126,13 @@ def test_mlx_keeps_its_compiled_kernels_in_the_model_cache(monkeypatch, tmp_path
     monkeypatch.setenv(blas.PTX_ENV, "/somewhere/else")  # the user's choice stands
     blas.keep_compiled_kernels()
     assert blas.os.environ[blas.PTX_ENV] == "/somewhere/else"
+
+
+def test_prepare_warms_up_once_and_says_where_the_costs_came_from(tiny_pair, qwen3_target, timed):
+    first = _engine(tiny_pair).prepare(4, max_tokens=64)
+    assert first["batch_size"] == 4 and not first["read"] and timed
+    engine = _engine(tiny_pair)
+    again = engine.prepare(4, max_tokens=64)
+    assert again["read"] and engine.cost[4].context == again["context"]
+    assert engine.prepare(4, max_tokens=64) is None  # warm already
+    assert load_engine(str(qwen3_target), None).prepare(4) is None  # nothing to warm up without a drafter
