@@ -115,3 +115,29 @@ def test_a_plain_cycle_runs_no_drafter_pass_and_packs_nothing(failing_engine, mo
     plain = [c for w, c in per_cycle if w == 1]
     assert len(plain) > 30
     assert all(c == {"drafter": 0, "pack": 0, "target": 1} for c in plain), plain
+
+
+@pytest.mark.parametrize("route", ["block", "sdpa"])
+def test_plain_steps_attend_as_without_a_drafter_whatever_route_the_warm_up_chose(failing_engine, monkeypatch, route):
+    """The warm-up of an engine with a drafter picks the ragged route from drafting passes
+    (engine/ops/attention.py); an engine without one never sets it. A plain step (one query row
+    of a ragged batch) takes the block route on either, so it attends as without a drafter."""
+    from dflash_batch.engine.ops import attention
+
+    attention.set_mode("reference")  # the block route's pure-MLX form, on this CPU
+    attention.set_ragged_route(route)
+    calls = []
+    real = attention._block_attention
+
+    def counted(impl, q, k, v, scale, causal, window, kv_len=None):
+        calls.append((q.shape[2], kv_len is not None))
+        return real(impl, q, k, v, scale, causal, window, kv_len)
+
+    monkeypatch.setattr(attention, "_block_attention", counted)
+    try:
+        prompts = [failing_engine.encode(f"Row {i}: {'tell a story ' * (i + 1)}") for i in range(3)]  # ragged lengths
+        failing_engine.generate_batch(prompts, max_tokens=12, batch_size=3)
+    finally:
+        attention.set_mode(None)
+        attention.set_ragged_route("block")
+    assert (1, True) in calls  # one-row steps by block attention with per-row key lengths

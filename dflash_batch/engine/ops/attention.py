@@ -19,7 +19,8 @@ Ragged batches (rows of their own lengths: ``RaggedKVCache``) have a second choi
 per-row key lengths; "sdpa" to stock SDPA over the cache's bucketed key width (a multiple of 256,
 so few distinct shapes per job) with a per-row bool mask. Which is faster depends on the backend,
 the batch and the context (stock SDPA's fused multi-row path against our kernels), so the engine
-times both at warm-up (``engine/warmup.py``) and keeps the faster; the default is "block".
+times both at warm-up (``engine/warmup.py``) and keeps the faster for its passes of several rows;
+plain one-row steps stay on "block", the route of an engine without a drafter.
 
 The target's attention layers reach the op through ``install``: mlx-lm model files call
 ``scaled_dot_product_attention`` imported by name from ``mlx_lm.models.base``; ``install``
@@ -124,8 +125,11 @@ def target_sdpa(queries, keys, values, cache, scale: float, mask, sinks=None) ->
     a ragged batch (``RaggedKVCache`` rows of their own lengths: row b's keys end at
     ``lengths[b] + rows``), plain decoding steps included. A draft tree's mask goes to stock SDPA.
     """
+    # A plain step (one query row) takes the block route whatever the warm-up chose: the choice
+    # is timed on drafting passes, and a plain cycle with a drafter attached must run as it runs
+    # without one (where no warm-up ever sets the route).
     if (isinstance(cache, RaggedKVCache) and not cache.lengths.uniform and cache.lengths.tree is None and sinks is None
-            and _ragged_route == "block"):  # a draft tree's pass (engine/tree.py) attends by its mask
+            and (_ragged_route == "block" or queries.shape[2] == 1)):  # a draft tree's pass (engine/tree.py) attends by its mask
         impl = _route(queries, keys, values, min_rows=1)
         if impl is not None:
             kv_len = cache.lengths.device + queries.shape[2]
