@@ -16,8 +16,8 @@ Two parts:
                    ``--pair-batches``. Goal: >= 1.0x, and never slower than the better of the two.
 
 Each arm first runs a warm-up job at the batch size (compilation, its pass costs), then the two
-arms alternate for ``--reps`` timed runs of the whole job (wall time, prefill included): a load
-that comes and goes on the machine falls on both. Reported: the median tok/s of each arm, the
+arms alternate for ``--reps`` timed runs of the whole job (wall time, prefill included), in
+turns A B, B A, ...: a load that comes and goes on the machine falls on both. Reported: the median tok/s of each arm, the
 ratio, tokens per cycle, and the plain cycles' mean cost with and without the drafter
 (``Engine.decode_counts``). Written to ``--out`` as never-loses-<machine>-<date>.json and .md.
 """
@@ -65,12 +65,14 @@ def run_job(engine: Engine, prompts: list, max_tokens: int, B: int) -> Dict[str,
 
 def side_by_side(arms_: Dict[str, Engine], prompts: list, max_tokens: int, B: int, reps: int,
                  warm_prompts: int) -> Dict[str, Any]:
-    """Each arm warmed up at B, then the arms alternating for ``reps`` timed runs; medians."""
+    """Each arm warmed up at B, then the arms alternating for ``reps`` timed runs, in turns
+    A B, B A, A B, ... (neither arm always runs first); medians."""
     for engine in arms_.values():
         run_job(engine, prompts[:warm_prompts], min(batched.WARM_TOKENS, max_tokens), B)
     runs: Dict[str, list] = {name: [] for name in arms_}
-    for _ in range(reps):
-        for name, engine in arms_.items():
+    order = list(arms_.items())
+    for rep in range(reps):
+        for name, engine in order if rep % 2 == 0 else order[::-1]:
             runs[name].append(run_job(engine, prompts, max_tokens, B))
             batched.release()
     out: Dict[str, Any] = {}
