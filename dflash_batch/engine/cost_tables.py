@@ -4,7 +4,7 @@ timing passes again (engine/warmup.py).
 
 A table is kept per key, and a key names everything the costs depend on:
 
-    machine     host name, architecture, CPU count, the device MLX runs on
+    machine     architecture, CPU count, the device MLX runs on (its name and memory)
     mlx         MLX's version (its kernels change from release to release)
     model       a hash of the target's and the drafter's parameter names, shapes and dtypes
                 (quantized weights included), the verify block and the draft vocabulary
@@ -48,9 +48,10 @@ def folder() -> Path:
 
 
 def machine() -> Dict[str, Any]:
-    info = {"host": platform.node(), "arch": platform.machine(), "cpus": os.cpu_count(), "backend": device.backend()}
-    if device.gpu() is not None:
-        info["device"] = mx.device_info().get("device_name")
+    """The hardware, not the host name: a container's name changes with every start, and two
+    hosts of the same hardware pay the same for a pass."""
+    info = {"arch": platform.machine(), "cpus": os.cpu_count(), "backend": device.backend()}
+    info.update({k: v for k, v in mx.device_info().items() if isinstance(v, (str, int, float))})
     return info
 
 
