@@ -34,4 +34,9 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "dflash-batch"
 
 
-__all__ = ["CACHE_ENV", "HOME_ENV", "cache_dir", "home_dir"]
+def costs_dir() -> Path:
+    """The measured pass costs kept per machine and model (engine/cost_tables.py): in the model cache."""
+    return cache_dir() / "costs"
+
+
+__all__ = ["CACHE_ENV", "HOME_ENV", "cache_dir", "costs_dir", "home_dir"]

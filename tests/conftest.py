@@ -27,6 +27,15 @@ def pytest_collect_file(file_path, parent):
     return None
 
 
+@pytest.fixture(autouse=True)
+def _own_cost_tables(tmp_path, monkeypatch):
+    """Every test keeps measured pass costs in a folder of its own (engine/cost_tables.py): a
+    table an earlier run measured must not stand in for the warm-up a test counts."""
+    from dflash_batch import paths
+
+    monkeypatch.setattr(paths, "costs_dir", lambda: tmp_path / "pass-costs")
+
+
 REAL_ENGINE_FIXTURES = {"tiny_models", "real_engine"}  # tests/runner_fixtures.py: they load MLX
 
 

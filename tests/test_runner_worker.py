@@ -44,3 +44,26 @@ def test_with_another_job_waiting_a_task_runs_only_its_chunk(tmp_path, home, fak
     worker.run_chunk(first.id, 0)
     assert len(engine.requests) == 2 and load_job(home, first.id).pending_chunks() == [1, 2, 3]
     assert second.status()["done"] == 0
+
+
+def test_the_worker_warms_up_before_its_chunk_and_says_so(tmp_path, home, fake_models, caplog):
+    """The engine's warm-up (``prepare``) runs at the job's batch size and budget before the
+    chunk's first item, and the worker's log says what it cost and where the costs came from."""
+    job = submit(tmp_path, fake_models, "warm")
+    events = []
+
+    class Warming(FakeEngine):
+        def prepare(self, batch_size=None, max_tokens=0):
+            events.append(("prepare", batch_size, max_tokens))
+            return {"batch_size": batch_size, "context": 64 + max_tokens // 2, "seconds": 0.25, "read": True}
+
+        def generate_requests(self, requests, batch_size=None):
+            events.append(("generate", batch_size))
+            return super().generate_requests(requests, batch_size)
+
+    worker = Worker(Queue(home), lambda **model: Warming(batch=8))
+    with caplog.at_level("INFO", logger="dflash_batch.worker"):
+        worker.run_chunk(job.id, 0)
+    assert events[:2] == [("prepare", 8, 3), ("generate", 8)]
+    assert any("warmed up for batch size 8" in r.message and "read from the model cache" in r.message
+               for r in caplog.records)

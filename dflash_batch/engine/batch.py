@@ -540,14 +540,19 @@ class BatchDecoder:
                 counts[b] = 0
 
     def shrink(self) -> None:
-        """With nothing left to come, drop idle rows from the batch once a quarter of it is idle
-        (interactive requests may come at any time: their slots are kept)."""
+        """With nothing left to come, drop idle rows from the batch once its live rows fit a
+        smaller batch size of the ladder (``batch_rung``), keeping idle rows up to that size: a
+        job's tail then runs a handful of batch shapes, each compiled and costed once per
+        machine, not one shape per row that finishes. Interactive requests may come at any time
+        (``urgent``): their slots are kept."""
         if self.waiting or self.group.joiners or self.urgent is not None:
             return
         live = [b for b, r in enumerate(self.rows) if r is not None]
-        if not live or len(live) > 0.75 * self.slots:
+        rung = batch_rung(len(live))
+        if not live or rung >= self.slots:
             return
-        self._keep(live)
+        idle = [b for b, r in enumerate(self.rows) if r is None]
+        self._keep(sorted(live + idle[: rung - len(live)]))
 
     def narrow(self, rows: int) -> bool:
         """Cut the batch to ``rows`` slots (its live rows and idle ones) once no more than that
@@ -572,6 +577,16 @@ class BatchDecoder:
             self.draft_lengths.set([self.draft_lengths.host[b] for b in keep])
         self.pending = [(rows[index], [counts[b] for b in keep]) for rows, counts in self.pending]
         self.slots = len(keep)
+
+
+def batch_rung(rows: int) -> int:
+    """The batch size a batch of ``rows`` live rows shrinks to: the smallest of 1, 2, 3, 4, 6, 8,
+    12, 16, 24, ... (powers of two and one and a half times them) that holds them."""
+    power = 1
+    while power < rows:
+        power *= 2
+    between = 3 * power // 4  # one and a half times the power of two below
+    return between if power >= 4 and between >= rows else power
 
 
 def _logprobs(scores, b: int, count: int):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
@@ -23,7 +24,7 @@ from .. import checks, constraints
 from ..errors import Cancelled, Requeued
 from ..inbox import Ticket
 from ..request import CONTROLS, SamplingControls, sample_seed
-from . import decode, memory, prefill, tree, warmup
+from . import cost_tables, decode, memory, prefill, tree, warmup
 from .batch import BatchDecoder, EncodedRequest
 from .config import EngineConfig
 from .models import loading, registry
@@ -91,6 +92,8 @@ class Engine:
         self.batch_cap = settings.batch_size
         self.cost: Dict[int, CostModel] = {}  # batch size -> measured pass costs (warm_up)
         self.cost_model = settings.cost_model  # given pass costs: no warm-up, any batch size (load_engine)
+        self.measured_passes = 0  # warm-ups that timed passes (not read from the model cache)
+        self.keep_costs = True  # measured pass costs read from and kept in the model cache (engine/cost_tables.py)
         # the drafter's acceptance over every job's cycles: each job's prior (engine/scheduler.py)
         self.acceptance = pooled_acceptance(self.block_size)
         self.node_calibration = NodeCalibration(max(self.block_size - 1, 0))  # draft trees' nodes, likewise
@@ -504,14 +507,44 @@ class Engine:
             cost = self.warm_up(slots, context)
         return cost
 
-    def warm_up(self, batch_size: int = 1, context: Optional[int] = None) -> CostModel:
+    def prepare(self, batch_size: Optional[int] = None, max_tokens: int = 0) -> Optional[Dict[str, Any]]:
+        """Warm up ahead of a job of this batch size (None: the engine's cap) and budget, unless
+        nothing is to be warmed up (no drafter, a fixed width or given costs) or it is done
+        already. Returns what it did: ``{"batch_size", "context", "seconds", "read"}`` (``read``:
+        the costs came from the model cache), or None. The job's prompts are not known yet: its
+        context is taken as a short prompt and half the budget; a job whose prompts fall in
+        another bucket warms up again (from the cache, where it was measured before)."""
+        if self.drafter is None or not self.adaptive_block or self.cost_model is not None:
+            return None
+        rows = self._batch_cap(batch_size)
+        context = warmup.SHORT_CONTEXT + max_tokens // 2
+        done = self.cost.get(rows)
+        if done is not None and warmup.context_bucket(done.context or 0) == warmup.context_bucket(context):
+            return None
+        started = time.perf_counter()
+        measured = self.measured_passes
+        self.warm_up(rows, context)
+        return {"batch_size": rows, "context": context, "seconds": time.perf_counter() - started,
+                "read": self.measured_passes == measured}
+
+    def warm_up(self, batch_size: int = 1, context: Optional[int] = None, *, measure: bool = False) -> CostModel:
         """Compile and time the passes a job of this batch size runs: target passes of 1, half the
         block's and the block's rows, and drafter passes, at batch 1 and ``batch_size``, the rows
         holding about ``context`` tokens (a job's prompt and half its budget; default: a short
         context). On a GPU it also picks the faster attention for ragged batches. A job's first
         use of a batch size (and of a context of another power of two) does this by itself; call
-        it ahead to keep it out of a job's first items."""
-        cost, earlier = warmup.measure_costs(self, batch_size, context), self.cost.get(batch_size)
+        it ahead to keep it out of a job's first items. Costs an earlier process measured on this
+        machine for this model, batch size and context bucket are read from the model cache
+        instead (engine/cost_tables.py; ``keep_costs`` False: neither read nor kept), unless
+        ``measure``."""
+        table = cost_tables.key(self, batch_size, warmup.context_bucket(context or 0)) if self.keep_costs else None
+        cost = cost_tables.load(table) if table is not None and not measure else None
+        if cost is None:
+            cost = warmup.measure_costs(self, batch_size, context)
+            self.measured_passes += 1
+            if table is not None:
+                cost_tables.save(table, cost)
+        earlier = self.cost.get(batch_size)
         if earlier is not None:  # what widths cost beyond their model follows their shapes, not the context
             cost.width_excess = earlier.width_excess
         self.cost[batch_size] = cost

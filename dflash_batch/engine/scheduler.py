@@ -38,6 +38,12 @@ drafting cycle the scheduler chooses on its own, restores the share. A drafter t
 fails makes a job at most about 5% slower, and a long one under 1% (for a job whose rows end
 well before their budgets, the first probe can cost more than 5% of it).
 
+A plain cycle with a drafter attached must cost what it costs without one. The widths are not
+weighed again while a plain choice stands and nothing is learnt (no row joins or leaves, no
+cycle verifies a draft), for up to REPLAN cycles (what cycles cost beyond their passes drifts):
+in a plain cycle the estimates stay where they are and the budgets only fall, which never makes
+a wider cycle pay better, so the choice is the one the full weighing would make.
+
 A draft tree (engine/tree.py) is worth more per width than a chain, since its branches repair
 first misses: a tree cycle chooses its width again once the drafts are known, from the nodes'
 own scores corrected per depth by what tree cycles accepted (``Scheduler.tree_width``,
@@ -70,6 +76,7 @@ class Acceptance:
         self.decay, self.prior_weight = decay, prior_weight
         self.seen = [0.0] * positions  # seen[k - 1]: cycles that verified draft k
         self.kept = [0.0] * positions  # kept[k - 1]: ... and accepted it
+        self.updates = 0  # cycles that taught it something (verified a draft)
 
     def update(self, accepted: int, verified: int) -> None:
         if verified <= 1:
@@ -79,6 +86,7 @@ class Acceptance:
         kept = min(accepted, seen)  # drafts 1..a
         self.seen = [d * n + 1.0 for n in self.seen[:seen]] + [d * n for n in self.seen[seen:]]
         self.kept = [d * n + 1.0 for n in self.kept[:kept]] + [d * n for n in self.kept[kept:]]
+        self.updates += 1
 
     def probabilities(self, prior: Optional[Sequence[float]] = None) -> List[float]:
         """[p_1, ..., p_positions], p_k = P(draft k accepted | drafts 1..k-1 accepted). Position
@@ -141,6 +149,7 @@ class NodeCalibration:
 WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 TRUSTED = 3  # cycles of a kind before its learnt overhead is used
 PROBE_WIDTH = 4  # rows a probe verifies: a drafter of unknown worth is tried at this width
+REPLAN = 16  # plain cycles a plain choice stands while nothing is learnt, before it is weighed again
 
 
 @dataclass
@@ -291,6 +300,10 @@ class Scheduler:
         self.job = job if job is not None else pooled_acceptance(block)  # every row's cycles
         self.plain_seconds = 0.0  # spent in plain cycles since the last drafting cycle
         self.nodes = nodes if nodes is not None else NodeCalibration(max(block - 1, 0))  # draft trees' nodes
+        # what the last plain choice was made from (the job's and the rows' estimates), and the
+        # cycles it has stood: ``width`` does not weigh the widths again while nothing is learnt
+        self.plain_from: Optional[Tuple[int, Tuple[int, ...]]] = None
+        self.plain_cycles = 0
 
     def widths(self, longest: int) -> List[int]:
         """The widths worth choosing among: each distinct pass shape is compiled once per
@@ -315,16 +328,15 @@ class Scheduler:
         if self.fixed:
             return min(self.block, longest)
         B = len(budgets)
-        widths = self.widths(longest)
-        committed = _committed(estimates, budgets, self.job.probabilities(), widths)
-        best, best_rate = 1, -1.0
-        for T, tokens in zip(widths, committed):
-            rate = tokens / self.cost.cycle(B, T)
-            if rate > best_rate * (1 + 1e-9):
-                best, best_rate = T, rate
-        if best > 1:
-            self.plain_seconds, self.failed = 0.0, 0
-            return best
+        learnt = (self.job.updates, tuple(map(id, estimates)))  # a row joined or left, or a draft was verified
+        if learnt == self.plain_from and self.plain_cycles < REPLAN:
+            self.plain_cycles += 1  # still plain (module doc: what a plain cycle does not change)
+        else:
+            best = self._best_width(estimates, budgets, longest)
+            if best > 1:
+                self.plain_seconds, self.failed, self.plain_from = 0.0, 0, None
+                return best
+            self.plain_from, self.plain_cycles = learnt, 0
         # Plain decoding learns nothing about the drafts: probe once the plain cycles since the
         # last drafting cycle have cost 1 / probe_share times what a probe can lose (it commits
         # at least the bonus token, as the plain cycle it replaces does). Before the engine has
@@ -341,6 +353,18 @@ class Scheduler:
             self.failed += 1  # until a cycle drafts by choice (above)
             return probe
         return 1
+
+    def _best_width(self, estimates: Sequence[Acceptance], budgets: Sequence[int], longest: int) -> int:
+        """The width of most tokens per second by the cost model (1: plain decoding)."""
+        B = len(budgets)
+        widths = self.widths(longest)
+        committed = _committed(estimates, budgets, self.job.probabilities(), widths)
+        best, best_rate = 1, -1.0
+        for T, tokens in zip(widths, committed):
+            rate = tokens / self.cost.cycle(B, T)
+            if rate > best_rate * (1 + 1e-9):
+                best, best_rate = T, rate
+        return best
 
     def tree_width(self, trees: Sequence[Tuple[Sequence[int], Sequence[float]]], budgets: Sequence[int]) -> int:
         """The verify width of a tree cycle, chosen once the drafts are known: row b's trees are the

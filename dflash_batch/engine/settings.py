@@ -14,7 +14,7 @@ from ..errors import SettingError
 from ..paths import CACHE_ENV
 from . import memory, tree  # noqa: F401  (tree declares the drafts switch)
 from .ops import attention, compiled, matmul, switch  # noqa: F401  (each declares its switch)
-from .ops.blas import BLAS_ENV
+from .ops.blas import BLAS_ENV, PTX_ENV
 from .ops.kernels import cpu, selfcheck  # noqa: F401
 
 
@@ -52,7 +52,9 @@ def variables() -> Tuple[Variable, ...]:
             Variable(CACHE_ENV, "the platform's cache folder",
                      "where converted models and built ops live", _cache),
             Variable(BLAS_ENV, "a system OpenBLAS",
-                     "a CBLAS .so preloaded for MLX's CPU backend, or none", lambda: None))
+                     "a CBLAS .so preloaded for MLX's CPU backend, or none", lambda: None),
+            Variable(PTX_ENV, "the model cache's mlx-kernels folder",
+                     "MLX's own: where its CUDA backend keeps compiled kernels", lambda: None))
 
 
 def check() -> None:

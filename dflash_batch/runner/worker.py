@@ -154,9 +154,20 @@ class Worker:
     def _on_row(self, row: Dict[str, Any]) -> None:
         self.rate.add(row.get("completion_tokens") or 0)
 
+    def _warm_up(self, spec) -> None:
+        """Before a chunk's first item: the engine's warm-up for the job's batch size (compiling
+        passes, timing them or reading their costs from the model cache), logged, so that it is
+        not silently paid inside the first items. An engine without ``prepare`` has none."""
+        prepare = getattr(self.engines(spec), "prepare", None)
+        done = prepare(spec.batch_size, spec.max_tokens) if prepare is not None else None
+        if done:
+            log.info("warmed up for batch size %d (context %d) in %.1f s: pass costs %s", done["batch_size"],
+                     done["context"], done["seconds"], "read from the model cache" if done["read"] else "measured")
+
     def _run_leased(self, record: JobRecord, chunk: int, task=None) -> None:
         job_id = record.id
         try:
+            self._warm_up(record.spec)
             chunks = self.chunks_to_run(record, chunk)
             engines = lambda spec: drafters.use_in_force(self.engines(spec), record)  # noqa: E731
             result = run_job(record, chunks, engines, should_stop=lambda: self.stopping() or not self._holding(),

@@ -19,7 +19,8 @@ Ragged batches (rows of their own lengths: ``RaggedKVCache``) have a second choi
 per-row key lengths; "sdpa" to stock SDPA over the cache's bucketed key width (a multiple of 256,
 so few distinct shapes per job) with a per-row bool mask. Which is faster depends on the backend,
 the batch and the context (stock SDPA's fused multi-row path against our kernels), so the engine
-times both at warm-up (``engine/warmup.py``) and keeps the faster; the default is "block".
+times both at warm-up (``engine/warmup.py``) and keeps the faster for its passes of several rows;
+plain one-row steps stay on "block", the route of an engine without a drafter.
 
 The target's attention layers reach the op through ``install``: mlx-lm model files call
 ``scaled_dot_product_attention`` imported by name from ``mlx_lm.models.base``; ``install``
@@ -137,7 +138,10 @@ def target_sdpa(queries, keys, values, cache, scale: float, mask, sinks=None) ->
     mask goes to stock SDPA.
     """
     ours = isinstance(cache, RaggedKVCache) and cache.lengths.tree is None
-    if ours and not cache.lengths.uniform and _ragged_route == "block":  # a tree's pass attends by its mask
+    # A plain step (one query row) takes the block route whatever the warm-up chose: the choice
+    # is timed on drafting passes, and a plain cycle with a drafter attached must run as it runs
+    # without one (where no warm-up ever sets the route). A draft tree's pass attends by its mask.
+    if ours and not cache.lengths.uniform and (_ragged_route == "block" or queries.shape[2] == 1):
         impl = _route_sinks(queries, keys, values, sinks, min_rows=1)
         if impl is not None:
             kv_len = cache.lengths.device + queries.shape[2]

@@ -1,4 +1,5 @@
-"""Backend set-up that must happen before ``mlx.core`` is imported: a fast BLAS on Linux CPU.
+"""Backend set-up that must happen before ``mlx.core`` is imported: a fast BLAS on Linux CPU, and
+MLX's CUDA kernel cache kept in the model cache.
 
 The ``mlx[cpu]`` wheel links a reference BLAS (fp32 GEMM at 2-5 GFLOP/s). Loading an optimised
 CBLAS with RTLD_GLOBAL first makes MLX's ``cblas_sgemm`` resolve to it (35-80x faster).
@@ -63,3 +64,23 @@ def preload_blas() -> Optional[str]:
 
 def loaded_blas() -> Optional[str]:
     return _loaded
+
+
+PTX_ENV = "MLX_PTX_CACHE_DIR"  # MLX's own: where its CUDA backend keeps the kernels it compiles
+
+
+def keep_compiled_kernels() -> None:
+    """Point MLX's CUDA kernel cache at the model cache (``<cache>/mlx-kernels/<MLX version>``)
+    unless it is set: MLX's default lies under the temp folder, which a new machine or container
+    starts empty, so every fresh process compiled its kernels again. A value already set is kept."""
+    if os.environ.get(PTX_ENV):
+        return
+    from importlib import metadata
+
+    from ...paths import cache_dir
+
+    try:
+        version = metadata.version("mlx")
+    except metadata.PackageNotFoundError:
+        version = "unknown"
+    os.environ[PTX_ENV] = str(cache_dir() / "mlx-kernels" / version)

@@ -1,0 +1,138 @@
+"""Pass costs measured once per machine (engine/cost_tables.py): a warm-up keeps its table in the
+model cache, a new engine of the same model reads it instead of timing passes, and a table that
+is unreadable, stale or another model's is not used. No wall clock: the timed passes are fakes
+that count how often they run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dflash_batch import paths
+from dflash_batch.engine import cost_tables, load_engine, warmup
+
+
+@pytest.fixture
+def timed(monkeypatch):
+    """Fake timed passes: a verify pass of T rows at batch B 'takes' 0.01 (1 + B T) s, a drafter
+    pass 0.005 B s; returns the list of passes timed so far."""
+    runs = []
+
+    class Passes:
+        def __init__(self, engine, B, n):
+            self.B = B
+
+        def prime(self):
+            pass
+
+        def target(self, T):
+            runs.append(("target", self.B, T))
+            return 0.01 * (1 + self.B * T)
+
+        def draft(self):
+            runs.append(("draft", self.B))
+            return 0.005 * self.B
+
+    monkeypatch.setattr(warmup, "_Passes", Passes)
+    return runs
+
+
+def _engine(tiny_pair):
+    return load_engine(*map(str, tiny_pair))
+
+
+def _tables():
+    return sorted(paths.costs_dir().glob("*.json")) if paths.costs_dir().exists() else []
+
+
+def test_a_second_engine_reads_the_costs_the_first_measured(tiny_pair, timed):
+    first = _engine(tiny_pair)
+    cost = first.warm_up(4, context=300)
+    assert timed and len(_tables()) == 1
+    passes = len(timed)
+    second = _engine(tiny_pair)  # a new process's engine, as far as the costs go
+    prompts = [second.encode("Count: one two three " * 20)] * 4
+    # the job's typical context falls in the warm-up's bucket: its table is read, nothing timed
+    assert warmup.context_bucket(len(prompts[0]) + 4) == warmup.context_bucket(300)
+    second.generate_batch(prompts, max_tokens=8, batch_size=4)
+    assert len(timed) == passes
+    read = second.cost[4]
+    for name in cost_tables.FIELDS + ("timed",):
+        assert getattr(read, name) == pytest.approx(getattr(cost, name)), name
+
+
+def test_measure_times_again_and_replaces_the_table(tiny_pair, timed):
+    engine = _engine(tiny_pair)
+    engine.warm_up(2)
+    passes = len(timed)
+    engine.warm_up(2)
+    assert len(timed) == passes  # read back
+    engine.warm_up(2, measure=True)
+    assert len(timed) == 2 * passes and len(_tables()) == 1
+
+
+@pytest.mark.parametrize("damage", ["not json", "key", "field"])
+def test_an_unreadable_or_stale_table_is_ignored_with_a_warning(tiny_pair, timed, damage):
+    engine = _engine(tiny_pair)
+    engine.warm_up(2)
+    passes = len(timed)
+    (path,) = _tables()
+    stored = json.loads(path.read_text())
+    if damage == "not json":
+        path.write_text("{ torn")
+    elif damage == "key":
+        stored["key"]["mlx"] = "0.0.1"  # measured under another MLX
+        path.write_text(json.dumps(stored))
+    else:
+        stored["cost"]["t1"] = "fast"
+        path.write_text(json.dumps(stored))
+    again = _engine(tiny_pair)
+    with pytest.warns(UserWarning, match="ignoring the pass costs"):
+        again.warm_up(2)
+    assert len(timed) == 2 * passes  # timed again
+    assert json.loads(path.read_text())["key"] == cost_tables.key(again, 2, warmup.context_bucket(0))  # and replaced
+
+
+def test_another_model_or_batch_size_is_not_served_an_earlier_table(tiny_pair, llama_target, timed):
+    _engine(tiny_pair).warm_up(2)
+    passes = len(timed)
+    _engine(tiny_pair).warm_up(4)  # another batch size
+    assert len(timed) > passes
+    passes = len(timed)
+    plain_other = load_engine(str(llama_target), None)  # another model's shape
+    plain_other.warm_up(2)
+    assert len(timed) > passes
+    assert len(_tables()) == 3
+
+
+def test_keep_costs_off_neither_reads_nor_writes(tiny_pair, timed):
+    engine = _engine(tiny_pair)
+    engine.keep_costs = False
+    engine.warm_up(2)
+    engine.warm_up(2)
+    assert not _tables()
+    assert len({run for run in timed}) < len(timed)  # every pass timed twice
+
+
+def test_mlx_keeps_its_compiled_kernels_in_the_model_cache(monkeypatch, tmp_path):
+    from dflash_batch.engine.ops import blas
+
+    monkeypatch.setattr("dflash_batch.paths.cache_dir", lambda: tmp_path / "cache")
+    monkeypatch.delenv(blas.PTX_ENV, raising=False)
+    blas.keep_compiled_kernels()
+    kept = blas.os.environ[blas.PTX_ENV]
+    assert kept.startswith(str(tmp_path / "cache" / "mlx-kernels"))
+    monkeypatch.setenv(blas.PTX_ENV, "/somewhere/else")  # the user's choice stands
+    blas.keep_compiled_kernels()
+    assert blas.os.environ[blas.PTX_ENV] == "/somewhere/else"
+
+
+def test_prepare_warms_up_once_and_says_where_the_costs_came_from(tiny_pair, qwen3_target, timed):
+    first = _engine(tiny_pair).prepare(4, max_tokens=64)
+    assert first["batch_size"] == 4 and not first["read"] and timed
+    engine = _engine(tiny_pair)
+    again = engine.prepare(4, max_tokens=64)
+    assert again["read"] and engine.cost[4].context == again["context"]
+    assert engine.prepare(4, max_tokens=64) is None  # warm already
+    assert load_engine(str(qwen3_target), None).prepare(4) is None  # nothing to warm up without a drafter
