@@ -308,6 +308,7 @@ class Engine:
             for req in requests:
                 try:
                     first = self.request(req.prompt, index=count, **req.options.as_kwargs())
+                    first.control = req.control  # decoded plainly, as a check (docs/runner.md)
                     plan.take(self._positions([first]))
                 except GenerationError as e:
                     refused.append((req, e))
