@@ -146,3 +146,22 @@ def test_a_sampled_control_row_gives_the_seeded_output(tiny_pair):
         assert c.token_ids == drafted[r.id].token_ids
         assert (c.stats.drafted_tokens == 0) == r.control
     assert all(c.stats.drafted_tokens > 0 for c in drafted.values())
+
+
+@pytest.mark.parametrize("cut", ["eos", "budget"])
+def test_a_cut_inside_a_block_counts_only_the_tokens_used(qwen3_target, cut):
+    """A cycle commits 5 tokens; an EOS third (counted, as plain decoding would need its cycle)
+    or the budget after the third ends the row: 3 tokens at 0.25 s plain each, not 5."""
+    from dflash_batch.engine.decode import Step
+    from dflash_batch.engine.output import RowOutput
+
+    tokenizer = load_engine(str(qwen3_target), None).tokenizer
+    eos = min(tokenizer.eos_token_ids)
+    out = RowOutput(tokenizer, prompt_tokens=4, max_tokens=4 if cut == "budget" else 50, stops=(), block_size=8)
+    out.feed(Step([40]))  # the prefill's token
+    out.timed(2.0, 0.25)
+    third = eos if cut == "eos" else 42
+    piece = out.feed(Step([41, 43, third, 44, 45], from_draft=4, drafted=7, verify=True))
+    assert piece.finish_reason == ("stop" if cut == "eos" else "length")
+    assert piece.stats.plain_seconds_est == pytest.approx(0.75)
+    assert piece.stats.decode_share_s == pytest.approx(2.0)
