@@ -136,3 +136,14 @@ def test_parts_from_before_the_columns_still_read(tmp_path, home, engine):
     assert status["ok"] == 3 and status["speculation"]["speedup"] is None
     assert job.to_arrow().column("control").null_count == 3
     assert isinstance(job.to_arrow().schema.field("speedup_vs_plain").type, pa.DataType)
+
+
+def test_the_serve_status_page_shows_it(tmp_path, home, engine):
+    from dflash_batch.server import page
+
+    src = write_jsonl(tmp_path / "in.jsonl", ROWS[:3])
+    job = dflash_batch.run(src, engine=engine, max_tokens=11, output_dir=str(tmp_path / "out"))
+    data = page.figures(home, {})
+    [shown] = data["jobs"]
+    assert shown["id"] == job.id and shown["speedup_vs_plain"] == pytest.approx(1.5)
+    assert '<td class="num">1.50x</td>' in page.html_page(data)

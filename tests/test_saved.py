@@ -165,3 +165,18 @@ def test_a_cut_inside_a_block_counts_only_the_tokens_used(qwen3_target, cut):
     assert piece.finish_reason == ("stop" if cut == "eos" else "length")
     assert piece.stats.plain_seconds_est == pytest.approx(0.75)
     assert piece.stats.decode_share_s == pytest.approx(2.0)
+
+
+def test_the_benchmark_smoke_run(tmp_path):
+    """benchmarks/saved_estimate.py on a tiny random pair: both arms through the runner, the same
+    text, each figure of a round there, JSON and Markdown written."""
+    import json
+
+    from benchmarks import saved_estimate
+
+    result = saved_estimate.main(["--smoke", "--out", str(tmp_path / "saved.md")])
+    [r] = result["rounds"]
+    assert r["outputs_identical"] and r["control_rows"] > 0 and r["rows"] + r["control_rows"] == 4
+    assert r["estimate_s"] > 0 and r["real_plain_s"] > 0 and r["error"] == pytest.approx(r["estimate_s"] / r["real_plain_s"] - 1)
+    assert json.loads((tmp_path / "saved.json").read_text())["median"]["error"] == pytest.approx(r["error"])
+    assert "| median |" in (tmp_path / "saved.md").read_text()
