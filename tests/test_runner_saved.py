@@ -76,7 +76,7 @@ def test_the_run_summary_and_status_say_it(tmp_path, home, fake_models, capsys):
     # without control rows: the estimate alone
     assert main(["run", str(src), *flags, "-o", str(tmp_path / "plain")]) == 0
     said = capsys.readouterr().out
-    assert f"speculation: 1.50x plain decoding on this job (0.16 s of decoding against 0.24 s" in said
+    assert "speculation: 1.50x plain decoding on this job (0.16 s of decoding against 0.24 s" in said
     assert "control:" not in said
 
 

@@ -76,7 +76,7 @@ class Row:
         return self.request.max_tokens - self.produced
 
     @property
-    def reach(self) -> int:
+    def cycle_budget(self) -> int:
         """The most one cycle may commit for this row: its budget, or 1 for a control row (only
         the target's own token: decoded plainly whatever the width)."""
         return 1 if self.request.control else self.budget
@@ -141,7 +141,7 @@ class BatchDecoder:
             if not live:
                 continue
             width = self.scheduler.width(
-                [self.rows[b].acceptance for b in live], [self.rows[b].reach for b in live]
+                [self.rows[b].acceptance for b in live], [self.rows[b].cycle_budget for b in live]
             )
             yield from self.postprocess(self.run(width))
             self.shrink()
@@ -296,8 +296,8 @@ class BatchDecoder:
         prefixes = self._draft_tree(last, width) if self._tree_cycle(width) else None
         if prefixes is not None:  # the width, chosen again from the drafts themselves
             live = [(p, r) for p, r in zip(prefixes, rows) if r is not None]
-            width = self.scheduler.tree_width([(p.depths, p.scores) for p, _ in live], [r.reach for _, r in live])
-        limits = [min(width, r.reach) if r is not None else 1 for r in rows]  # L_b: what row b may commit
+            width = self.scheduler.tree_width([(p.depths, p.scores) for p, _ in live], [r.cycle_budget for _, r in live])
+        limits = [min(width, r.cycle_budget) if r is not None else 1 for r in rows]  # L_b: what row b may commit
         T = max(limits)
         # reach_b: the deepest draft position row b's pass could accept, plus one (the scheduler's
         # "verified": a chain's L_b; a tree's deepest node + 1, so that depths it never held do
@@ -393,12 +393,12 @@ class BatchDecoder:
         (engine/tree.py), as many as any width could verify (at most L_b - 1 deep): the scheduler
         chooses the cycle's width from them. A fixed width drafts only the positions it verifies."""
         block = self.engine.block_size
-        top = min(width if self.scheduler.fixed else block, max(r.reach for r in self.rows if r is not None))
+        top = min(width if self.scheduler.fixed else block, max(r.cycle_budget for r in self.rows if r is not None))
         P = min(top - 1, block - 1)
         ids, logprobs = self.draft(last, P, candidates=tree.CANDIDATES)
         mx.eval(ids, logprobs)  # the tree is grown on the host
         return tree.best_first([r.last if r is not None else 0 for r in self.rows], np.array(ids), np.array(logprobs),
-                               [min(top, r.reach) - 1 if r is not None else 0 for r in self.rows])
+                               [min(top, r.cycle_budget) - 1 if r is not None else 0 for r in self.rows])
 
     def _verify_tree(self, prefixes: List[tree.Prefixes], T: int, limits: List[int]):
         """A draft tree's cycle (engine/tree.py): each row's tree, its first L_b - 1 prefixes, in
