@@ -98,7 +98,20 @@ def run_arm(engine, src: Path, work: Path, name: str, args, control: float) -> D
     rows = {r["id"]: r for r in job.to_arrow().to_pylist()}
     if any(r["status"] != "ok" for r in rows.values()):
         raise SystemExit(f"{name}: error rows in {out}")
-    return {"rows": rows, "wall_s": wall, "speculation": job.speculation()}
+    return {"rows": rows, "wall_s": wall, "speculation": job.speculation(), "cycles": cycles(engine, args.batch)}
+
+
+def cycles(engine, batch: int) -> Dict[str, Any]:
+    """Where the figures come from: the job's cycles per verify width (count, seconds, rows in
+    flight summed, mean seconds a cycle) and the cost model's plain cycle at a few batch sizes."""
+    counts = {T: {"cycles": n, "seconds": round(s, 4), "rows": rows, "mean_s": round(s / n, 5)}
+              for T, (n, s, rows) in sorted(engine.decode_counts.items())}  # fmt: skip
+    cost = engine.cost.get(batch) or engine.cost_model
+    if engine.drafter is None or cost is None:
+        return {"by_width": counts}
+    model = {B: round(cost.cycle(B, 1), 5) for B in sorted({1, max(batch // 2, 1), batch})}
+    trusted = {f"{B}x{T}": len(v) for (B, T), v in cost.width_excess.items()}
+    return {"by_width": counts, "model_plain_cycle_s": model, "timed": cost.timed, "cycles_seen": trusted}
 
 
 def compare(drafted: Dict[str, Any], plain: Dict[str, Any]) -> Dict[str, Any]:
@@ -124,12 +137,15 @@ def compare(drafted: Dict[str, Any], plain: Dict[str, Any]) -> Dict[str, Any]:
         "plain_tokens_per_s_real": sum(max(r["completion_tokens"] - 1, 0) for r in mine) / real,
         "plain_tokens_per_s_est": drafted["speculation"]["plain_tokens_per_s_est"],
         "outputs_identical": same,
+        "cycles": {"drafted": drafted["cycles"], "plain": plain["cycles"]},
     }
 
 
 def medians(rounds: List[Dict[str, Any]]) -> Dict[str, Any]:
     out = {}
     for key, value in rounds[0].items():
+        if key == "cycles":
+            continue
         values = [r[key] for r in rounds if r[key] is not None]
         if isinstance(value, bool):
             out[key] = all(r[key] for r in rounds)
