@@ -9,9 +9,11 @@ within each batch (as a batch finishes rows), and failures on demand:
 * a prompt in ``fail`` fails alone (a ``RuntimeError`` outcome);
 * ``crash_after=n``: the call itself raises after n outcomes (a batch-level failure);
 * ``delay``: seconds per batch step, so worker tests can stop or kill it mid-job;
-* a request marked ``control`` is decoded as a control row: one token a cycle, none drafted;
 * ``hold``: a path; while that file exists, each batch step waits (and a file ``hold.PID`` says
   so), so a test can look at a job that cannot end meanwhile.
+
+A request marked ``control`` is decoded as a control row (one token a cycle, none drafted), and
+each row's share of the cycles and plain-decoding estimate follow from ``CYCLE_S`` and ``PLAIN_S``.
 
 A worker or ``dflash-batch run`` uses it when ``DFLASH_BATCH_ENGINE=tests.fake_engine:from_env``
 (the factory reads ``FAKE_ENGINE_DELAY``, ``FAKE_ENGINE_FAIL``, ``FAKE_ENGINE_BATCH``,
