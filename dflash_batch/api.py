@@ -107,6 +107,12 @@ class Job:
         (one per sample: an item with ``n: 2`` gives two)."""
         return self.record.status()
 
+    def speculation(self) -> Dict[str, Any]:
+        """What speculation saved on this job so far (``runner/saved.py``; docs/runner.md):
+        ``speedup`` (plain decoding's estimated time over the decode time, on the drafted rows),
+        ``decode_s``, ``plain_s_est``, the rates, and the control rows' measured rate."""
+        return self.status()["speculation"]
+
     def wait(self, timeout: Optional[float] = None, poll: float = 0.5) -> Dict[str, Any]:
         """Block until the job is completed, cancelled or failed; ``TimeoutError`` after ``timeout``
         s. Both the first poll (logged) and the timeout say so when no worker serves the queue."""

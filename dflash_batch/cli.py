@@ -92,6 +92,9 @@ def _overrides(p: argparse.ArgumentParser) -> None:
     g.add_argument("--chunk-size", type=int, help="rows per queue task and per committed part (default 64)")
     g.add_argument("--batch-size", type=int,
                    help="most rows decoded together (default: what memory allows, at most 16 on CPU, 32 on a GPU)")  # fmt: skip
+    g.add_argument("--control", type=_share, metavar="FRACTION",
+                   help="decode this share of rows plainly in the same batch, as a measured check of what "
+                   "speculation saved (0..1, default 0; docs/runner.md)")  # fmt: skip
     g.add_argument("--retries", type=int, help="task retries after a job-level failure")
     g.add_argument("--export-openai", action="store_const", const=True,
                    help="also write _openai_output.jsonl when the job completes")  # fmt: skip
@@ -103,7 +106,7 @@ OVERRIDE_KEYS = (
     "name", "output_dir", "input_format", "id_field", "prompt_field", "messages_field", "prompt_template",
     "system_prompt", "chat_template", "target", "target_revision", "draft", "draft_revision", "dtype",
     "block_size", "max_tokens", "max_tokens_cap", "temperature", "seed", "stop", "chunk_size", "batch_size", "retries",
-    "export_openai", "force", "n", "prefix_cache_mb",
+    "export_openai", "force", "n", "prefix_cache_mb", "control",
 ) + tuple(CONTROLS)  # fmt: skip
 
 
@@ -274,6 +277,14 @@ def _seconds(text: str) -> float:
         return checks.finite_number(float(text), 0)
     except (ValueError, checks.BadValue) as e:
         raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0, got {text!r}") from e
+
+
+def _share(text: str) -> float:
+    """An argparse type: a number (its range is the spec's to check, with the YAML's)."""
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number from 0 to 1, got {text!r}") from None
 
 
 def _age(text: str) -> float:
@@ -516,15 +527,18 @@ def _fmt(value, spec=".1f") -> str:
 
 
 def _status_line(s: Dict[str, Any]) -> str:
+    from .runner import saved
     from .runner.jobs import counts_text
     from .runner.progress import DECODE_RATE
 
+    speculation = saved.text(s["speculation"])
     return (
         f"{s['id']}  {s['state']:<11} {counts_text(s)}  "
         f"{DECODE_RATE} {_fmt(s['mean_decode_tps'])}  "
         f"acceptance {_fmt(s['mean_acceptance_drafted'], '.2f')} "
         f"(of drafted) {_fmt(s['mean_acceptance_generated'], '.2f')} (of generated)  "
         f"tau {_fmt(s['mean_tokens_per_cycle'], '.2f')}"
+        + ("".join(f"\n  {line}" for line in speculation.splitlines()) if speculation else "")
         + (f"\n  error: {s['error']}" if s.get("error") else "")
     )
 

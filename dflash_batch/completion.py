@@ -29,6 +29,13 @@ class GenerationStats:
     block_size: int = 0  # 0 means plain autoregressive decoding
     acceptance_histogram: List[int] = field(default_factory=list)
     peak_memory_gb: float = 0.0
+    # What speculation saved (docs/runner.md): the row's share of the decode cycles it rode in
+    # (each cycle's seconds divided among the rows in flight), and what its committed tokens
+    # would have taken with plain decoding at those batch sizes, from the measured plain-cycle
+    # cost (None where none was measured: a fixed verify width).
+    decode_share_s: float = 0.0
+    plain_seconds_est: Optional[float] = None
+    control: bool = False  # decoded plainly in a drafting batch, as a check (``--control``)
 
     # Rates are None where they are undefined (nothing to divide by), never a made-up 0.
 
@@ -58,9 +65,18 @@ class GenerationStats:
         """accepted / generated: the share of output tokens that came from the drafter."""
         return self.accepted_tokens / self.generated_tokens if self.generated_tokens else None
 
+    @property
+    def speedup_vs_plain(self) -> Optional[float]:
+        """plain_seconds_est / decode_share_s: how many times faster than plain decoding the
+        row's tokens were committed."""
+        if self.plain_seconds_est is None or self.decode_share_s <= 0:
+            return None
+        return self.plain_seconds_est / self.decode_share_s
+
     def to_dict(self) -> dict:
         d = asdict(self)
-        for name in ("prefill_tps", "decode_tps", "tokens_per_cycle", "acceptance_drafted", "acceptance_generated"):
+        for name in ("prefill_tps", "decode_tps", "tokens_per_cycle", "acceptance_drafted", "acceptance_generated",
+                     "speedup_vs_plain"):
             d[name] = getattr(self, name)
         return d
 

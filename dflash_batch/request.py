@@ -146,6 +146,7 @@ class Request:
     index: int = 0  # the row's 0-based position in the input
     where: str = ""  # "line 7" / "row 7": how messages name the row
     sample_index: int = 0  # which of the row's n samples (the runner gives each its own request)
+    control: bool = False  # decode it plainly in the batch (no draft verified), as a check (docs/runner.md)
 
 
 # What a generator yields per request: its completion, or why it has none (a GenerationError for
@@ -177,6 +178,16 @@ def sample_seed(seed: Optional[int], sample_index: int, item: str = "") -> Optio
         return seed
     digest = hashlib.blake2b(f"{seed}/{item}/{sample_index}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little")
+
+
+def control_row(share: float, item: str, sample_index: int = 0) -> bool:
+    """Whether a job's row (item, sample) is one of its control rows, decoded plainly (``--control
+    share``): 64 bits of a hash of the two, read as a fraction, below ``share``. About that share
+    of the rows, drawn at random but the same on every run, worker and chunking."""
+    if share <= 0:
+        return False
+    digest = hashlib.blake2b(f"control/{item}/{sample_index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") / 2**64 < share
 
 
 def control(name: str, value: Any) -> Any:

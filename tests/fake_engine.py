@@ -12,6 +12,9 @@ within each batch (as a batch finishes rows), and failures on demand:
 * ``hold``: a path; while that file exists, each batch step waits (and a file ``hold.PID`` says
   so), so a test can look at a job that cannot end meanwhile.
 
+A request marked ``control`` is decoded as a control row (one token a cycle, none drafted), and
+each row's share of the cycles and plain-decoding estimate follow from ``CYCLE_S`` and ``PLAIN_S``.
+
 A worker or ``dflash-batch run`` uses it when ``DFLASH_BATCH_ENGINE=tests.fake_engine:from_env``
 (the factory reads ``FAKE_ENGINE_DELAY``, ``FAKE_ENGINE_FAIL``, ``FAKE_ENGINE_BATCH``,
 ``FAKE_ENGINE_HOLD``).
@@ -31,6 +34,7 @@ from dflash_batch.inbox import Ticket
 from dflash_batch.request import Request
 
 BLOCK = 8
+CYCLE_S, PLAIN_S = 0.004, 0.003  # seconds per row of a (drafting) cycle and of a plain one
 
 
 def text_of(prompt) -> str:
@@ -78,13 +82,16 @@ class FakeEngine:
         n = len(text.split()) if finish == "stop" else opts.max_tokens
         n = max(n, 1)
         rest = n - 1  # the first token comes from prefill; cycles commit 2 (one accepted + bonus), the last maybe 1
-        cycles = rest // 2 + rest % 2
+        two = 0 if request.control else rest // 2  # a control row commits one token a cycle, drafting none
+        cycles = rest - two
         histogram = [0] * (BLOCK + 1)
-        histogram[2], histogram[1] = rest // 2, rest % 2
+        histogram[2], histogram[1] = two, rest - 2 * two
         stats = GenerationStats(
             prompt_tokens=len(prompt_words), generated_tokens=n, prefill_s=0.001, decode_s=0.001 * rest, cycles=cycles,
-            drafted_tokens=cycles * (BLOCK - 1), accepted_tokens=rest // 2, block_size=BLOCK,
+            drafted_tokens=0 if request.control else cycles * (BLOCK - 1), accepted_tokens=two, block_size=BLOCK,
             acceptance_histogram=histogram, peak_memory_gb=0.01,
+            # a cycle's share CYCLE_S, a plain one's PLAIN_S: what speculation saved, known in advance
+            decode_share_s=CYCLE_S * cycles, plain_seconds_est=PLAIN_S * rest, control=request.control,
         )  # fmt: skip
         return Completion(text, list(range(n)), finish, stats, stop_reason)
 

@@ -57,6 +57,7 @@ class EncodedRequest:
     # from the controls (Engine.request): logprobs and top_logprobs, response_format
     logprobs: Optional[int] = None  # None: none; k: the emitted token's and the k best alternatives'
     grammar: Optional[str] = None  # llguidance grammar (dflash_batch/constraints.py)
+    control: bool = False  # decoded plainly in the batch, drafts never verified: a check (docs/runner.md)
 
 
 @dataclass
@@ -76,6 +77,12 @@ class Row:
     @property
     def budget(self) -> int:
         return self.request.max_tokens - self.produced
+
+    @property
+    def cycle_budget(self) -> int:
+        """The most one cycle may commit for this row: its budget, or 1 for a control row (only
+        the target's own token: decoded plainly whatever the width)."""
+        return 1 if self.request.control else self.budget
 
 
 class BatchDecoder:
@@ -148,7 +155,7 @@ class BatchDecoder:
             if not live:
                 continue
             width = self.scheduler.width(
-                [self.rows[b].acceptance for b in live], [self.rows[b].budget for b in live]
+                [self.rows[b].acceptance for b in live], [self.rows[b].cycle_budget for b in live]
             )
             yield from self.postprocess(self.run(width))
             self.shrink()
@@ -232,7 +239,8 @@ class BatchDecoder:
 
     def _new_row(self, request: EncodedRequest) -> Row:
         engine = self.engine
-        output = RowOutput(engine.tokenizer, len(request.ids), request.max_tokens, request.stop, engine.block_size)
+        output = RowOutput(engine.tokenizer, len(request.ids), request.max_tokens, request.stop, engine.block_size,
+                           request.control)
         output.start()
         seed = request.seed if request.seed is not None else decode.new_seed()
         matcher = engine.grammars.matcher(request.grammar) if request.grammar is not None else None
@@ -324,8 +332,8 @@ class BatchDecoder:
         prefixes = self._draft_tree(last, width) if self._tree_cycle(width) else None
         if prefixes is not None:  # the width, chosen again from the drafts themselves
             live = [(p, r) for p, r in zip(prefixes, rows) if r is not None]
-            width = self.scheduler.tree_width([(p.depths, p.scores) for p, _ in live], [r.budget for _, r in live])
-        limits = [min(width, r.budget) if r is not None else 1 for r in rows]  # L_b: what row b may commit
+            width = self.scheduler.tree_width([(p.depths, p.scores) for p, _ in live], [r.cycle_budget for _, r in live])
+        limits = [min(width, r.cycle_budget) if r is not None else 1 for r in rows]  # L_b: what row b may commit
         T = max(limits)
         # reach_b: the deepest draft position row b's pass could accept, plus one (the scheduler's
         # "verified": a chain's L_b; a tree's deepest node + 1, so that depths it never held do
@@ -350,11 +358,13 @@ class BatchDecoder:
         counts[1] += seconds
         counts[2] += live
         self.engine.shapes_seen.add(shapes)
+        plain = self._plain_cycle(live, seconds)
         steps: List[Optional[Step]] = [None] * B
         for b, r in enumerate(rows):
             if r is None:
                 continue
             a = keep[b] - 1
+            r.output.timed(seconds / live, None if plain is None else plain / live)
             self.scheduler.accepted(r.acceptance, a, reach[b])
             r.last = committed[b][-1]
             r.produced += a + 1
@@ -362,6 +372,17 @@ class BatchDecoder:
             step = Step(committed[b], a, limits[b] - 1, True, logprobs)
             steps[b] = self._commit(r, committed[b]) or step
         return steps
+
+    def _plain_cycle(self, live: int, seconds: float) -> Optional[float]:
+        """What a plain cycle over ``live`` rows costs, for what speculation saved: without a
+        drafter, this cycle's own seconds (it was one); else the cost model's width-1 cycle at
+        this batch size (measured passes, and the excess its timed cycles showed); None for a
+        fixed width, whose cost model was never measured."""
+        if self.drafter is None:
+            return seconds
+        if self.scheduler.fixed:
+            return None
+        return self.scheduler.cost.cycle(live, 1)
 
     def _verify_chain(self, last: mx.array, T: int, limits: List[int]):
         """Draft T - 1 tokens per row, verify them in one pass, accept the longest agreeing prefix
@@ -408,12 +429,12 @@ class BatchDecoder:
         (engine/tree.py), as many as any width could verify (at most L_b - 1 deep): the scheduler
         chooses the cycle's width from them. A fixed width drafts only the positions it verifies."""
         block = self.engine.block_size
-        top = min(width if self.scheduler.fixed else block, max(r.budget for r in self.rows if r is not None))
+        top = min(width if self.scheduler.fixed else block, max(r.cycle_budget for r in self.rows if r is not None))
         P = min(top - 1, block - 1)
         ids, logprobs = self.draft(last, P, candidates=tree.CANDIDATES)
         mx.eval(ids, logprobs)  # the tree is grown on the host
         return tree.best_first([r.last if r is not None else 0 for r in self.rows], np.array(ids), np.array(logprobs),
-                               [min(top, r.budget) - 1 if r is not None else 0 for r in self.rows])
+                               [min(top, r.cycle_budget) - 1 if r is not None else 0 for r in self.rows])
 
     def _verify_tree(self, prefixes: List[tree.Prefixes], T: int, limits: List[int]):
         """A draft tree's cycle (engine/tree.py): each row's tree, its first L_b - 1 prefixes, in

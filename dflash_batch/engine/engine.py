@@ -359,6 +359,7 @@ class Engine:
 
         def encode(req) -> List[EncodedRequest]:
             first = self.request(req.prompt, index=0, **req.options.as_kwargs())
+            first.control = getattr(req, "control", False)  # decoded plainly, as a check (docs/runner.md)
             plan.take(self._positions([first]))
             samples = _samples(first, getattr(req.options, "n", 1), item=str(req.id))
             for sample in samples:

@@ -18,17 +18,26 @@ class RowOutput:
     """Feeds one row's Steps through EOS, stop strings and ``max_tokens``; ``feed`` returns the
     Piece to emit (``finish_reason`` set on the last one)."""
 
-    def __init__(self, tokenizer, prompt_tokens: int, max_tokens: int, stops: Sequence[str], block_size: int):
+    def __init__(self, tokenizer, prompt_tokens: int, max_tokens: int, stops: Sequence[str], block_size: int,
+                 control: bool = False):
         self.max_tokens = max_tokens
         self.tokenizer = tokenizer
         self.eos = frozenset(tokenizer.eos_token_ids)
         self.detok = tokenizer.detokenizer
         self.text = StopText(stops)
         self.stats = GenerationStats(
-            prompt_tokens=prompt_tokens, block_size=block_size, acceptance_histogram=[0] * (max(block_size, 1) + 1)
+            prompt_tokens=prompt_tokens, block_size=block_size, acceptance_histogram=[0] * (max(block_size, 1) + 1),
+            plain_seconds_est=0.0, control=control,
         )
         self.started = self.decode_started = time.perf_counter()
         self.done = False
+        self.cycle_share: float = 0.0  # the current cycle's seconds per row in flight (``timed``)
+        self.plain_token: Optional[float] = None  # and a plain cycle's, per row: one token's plain cost
+
+    def timed(self, share: float, plain_token: Optional[float]) -> None:
+        """The cycle whose step comes next took ``share`` seconds per row in flight; a plain cycle
+        at that batch size costs ``plain_token`` per row (None: not measured)."""
+        self.cycle_share, self.plain_token = share, plain_token
 
     def start(self) -> None:
         """The row's prefill begins now (it may have waited for a slot)."""
@@ -43,10 +52,13 @@ class RowOutput:
             stats.acceptance_histogram[len(step.tokens)] += 1
         else:
             stats.prefill_s, self.decode_started = now - self.started, now
+        before = stats.generated_tokens
         if not self.text.stops and step.logprobs is None:
             finish, stop_reason, ids, text, scores = self._feed_plain(step.tokens, step.from_draft)
         else:
             finish, stop_reason, ids, text, scores = self._feed_each(step)
+        if step.verify:
+            self._saved(stats.generated_tokens - before)
         if finish is None:
             return Piece(text=text, token_ids=ids, logprobs=scores)
         if stop_reason is None or stop_reason == "eos":
@@ -56,6 +68,17 @@ class RowOutput:
         stats.peak_memory_gb = mx.get_peak_memory() / 1e9
         self.done = True
         return Piece(text + self.text.flush(), ids, finish, stats, stop_reason, scores)
+
+    def _saved(self, used: int) -> None:
+        """Count a cycle's share, and what its ``used`` tokens (not those past an EOS or the
+        budget) cost plain: a plain cycle's share each. One cycle of no measured plain cost
+        leaves the row without an estimate."""
+        stats = self.stats
+        stats.decode_share_s += self.cycle_share
+        if self.plain_token is None or stats.plain_seconds_est is None:
+            stats.plain_seconds_est = None
+        else:
+            stats.plain_seconds_est += used * self.plain_token
 
     def _feed_plain(self, tokens: List[int], from_draft: int):
         """``_feed_each`` for a row without stop strings or logprobs, the text read once per step

@@ -23,7 +23,8 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional
 from ..completion import GenerationError
 from ..errors import ConfigChanged
 from ..files import write_atomic
-from ..request import Request, sample_seed
+from ..request import Request, control_row, sample_seed
+from . import saved
 from .jobs import JobRecord, counts_text
 from .lease import LeaseLost
 from .lock import DirLock
@@ -152,7 +153,8 @@ def _feed(record, chunks, engines, result: RunResult, should_stop, on_row, part_
                 handed[item.id] = time.time()
                 options = spec.options(item.options)
                 options = replace(options, n=1, seed=sample_seed(options.seed, k, item.id))
-                yield Request(item.id, item.prompt, options, item.metadata, item.index, item.where, sample_index=k)
+                yield Request(item.id, item.prompt, options, item.metadata, item.index, item.where, sample_index=k,
+                              control=control_row(spec.control, item.id, k))
 
     try:
         for c in chunks:
@@ -200,3 +202,6 @@ def finish_job(record: JobRecord) -> None:
     store.write_manifest(last_completed_job=record.id)
     status = record.status()
     log.info("job %s completed: %s", record.id, counts_text(status))
+    said = saved.text(status["speculation"])
+    if said:
+        log.info("job %s %s", record.id, said.replace("\n", "; "))

@@ -24,6 +24,7 @@ from ..errors import AmbiguousJob, JobActive, JobNotFound, OutputDirClaimed
 from ..files import write_atomic
 from ..paths import home_dir  # noqa: F401  (the name the front ends import from here)
 from . import drafters
+from . import saved
 from .items import read_items
 from .lock import is_locked
 from .spec import JobSpec, SpecError, default_name
@@ -176,8 +177,8 @@ class JobRecord:
         """Counts and means over this job's ids, as found in the output dir right now."""
         ids = set(self.ids())
         store = self.store()
-        table = store.read(["id", "sample_index", "status", "completion_tokens", "decode_tps", "acceptance_drafted",
-                            "acceptance_generated", "tokens_per_cycle"])  # fmt: skip
+        table = store.read(["id", "sample_index", "status", "decode_tps", "acceptance_drafted",
+                            "acceptance_generated", "tokens_per_cycle"] + saved.COLUMNS)  # fmt: skip
         rows = [r for r in table.to_pylist() if r["id"] in ids]
         seen = {key_of(r) for r in rows}
         rows += [r for r in store.journal_rows() if r["id"] in ids and key_of(r) not in seen]
@@ -201,6 +202,7 @@ class JobRecord:
             values = [r[key] for r in ok if r.get(key) is not None]
             return sum(values) / len(values) if values else None
 
+        speculation = saved.figures(rows)
         return {
             "id": self.id,
             "name": self.data["name"],
@@ -216,6 +218,8 @@ class JobRecord:
             "mean_acceptance_drafted": mean("acceptance_drafted"),
             "mean_acceptance_generated": mean("acceptance_generated"),
             "mean_tokens_per_cycle": mean("tokens_per_cycle"),
+            "speedup_vs_plain": speculation["speedup"],  # what speculation saved (runner/saved.py)
+            "speculation": speculation,
             "output_dir": str(self.output_dir),
             "config_hash": self.data["config_hash"],
             "created_at": self.data["created_at"],

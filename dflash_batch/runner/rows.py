@@ -76,6 +76,10 @@ def outcome_row(request: Request, outcome, started: float, job_id: str, config_h
         acceptance_histogram=list(s.acceptance_histogram),
         block_size=s.block_size,
         peak_memory_gb=s.peak_memory_gb,
+        decode_share_s=s.decode_share_s,  # what speculation saved (docs/runner.md)
+        plain_seconds_est=s.plain_seconds_est,
+        speedup_vs_plain=s.speedup_vs_plain,
+        control=s.control,
         logprobs=getattr(outcome, "logprobs", None),
         prompt_token_ids=getattr(outcome, "prompt_token_ids", None),
         token_ids=outcome.token_ids,

@@ -43,7 +43,7 @@ DEFAULT_TARGET_NAME = "SmolLM2-135M-Instruct"
 TOP_KEYS = (
     "name", "input", "input_format", "id_field", "prompt_field", "messages_field", "output_dir",
     "system_prompt", "prompt_template", "chat_template", "chat_template_kwargs", "model", "sampling",
-    "chunk_size", "batch_size", "schedule", "catch_up", "retries", "export_openai", "force", "adapt",
+    "chunk_size", "batch_size", "schedule", "catch_up", "retries", "export_openai", "force", "adapt", "control",
 )  # fmt: skip
 # ``adapt:``: train the job's drafter on its own finished rows once ``after_rows`` are done
 # (runner/drafters.py, training/adapt.py); changes the speed only, so it is not in the hash.
@@ -92,6 +92,9 @@ class JobSpec(SamplingControls):
     # running
     chunk_size: int = 64
     batch_size: Optional[int] = None  # rows decoded together; None: what memory allows (not in the hash)
+    # the share of rows decoded plainly in the drafting batch, as a check of what speculation saved
+    # (``request.control_row`` picks them; docs/runner.md); their output is the same: not in the hash
+    control: float = 0.0
     schedule: Optional[str] = None  # cron expression (UTC)
     catch_up: bool = True  # a run missed while no worker was up is submitted once at start-up
     retries: int = 0
@@ -395,6 +398,7 @@ def validate(spec: JobSpec, where: str = "spec") -> None:
     value = spec.prefix_cache_mb
     if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf")):
         bad("prefix_cache_mb", f"must be a number >= 0 (0: no prefix sharing; null: the default), got {checks.show(value)}")
+    _check_control(spec, bad)
     if isinstance(spec.n, bool) or not isinstance(spec.n, int) or not 1 <= spec.n <= MAX_SAMPLES:
         bad("n", f"must be an integer from 1 to {MAX_SAMPLES}, got {checks.show(spec.n)}")
     if spec.max_tokens_cap is not None:
@@ -479,6 +483,22 @@ def _check_adapt(plan, bad) -> None:
         if not number or value < ADAPT_KEYS[key] or (key != "time_budget" and not isinstance(value, int)):
             kind = "a number of seconds" if key == "time_budget" else "an integer"
             bad("adapt", f"{key} must be {kind} >= {ADAPT_KEYS[key]}, got {checks.show(value)}")
+
+
+def _check_control(spec: JobSpec, bad) -> None:
+    """``control``: a share of the rows from 0 to 1, and a drafter to decode the others with."""
+    if spec.control is None:
+        spec.control = 0.0
+    try:
+        share = checks.finite_number(spec.control)
+    except checks.BadValue:
+        share = -1.0
+    if not 0 <= share <= 1:
+        bad("control", "must be a number from 0 to 1 (the share of rows decoded plainly as a check of "
+            f"what speculation saved, e.g. 0.1), got {checks.show(spec.control)}")
+    if share > 0 and spec.draft is None:
+        bad("control", "needs a drafter: with no draft every row is decoded plainly already")
+    spec.control = share
 
 
 def cron_fields(expression) -> Dict[str, str]:

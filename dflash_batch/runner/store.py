@@ -54,6 +54,11 @@ RESULT_SCHEMA = pa.schema(
         pa.field("acceptance_histogram", pa.list_(pa.int64())),  # [k] = cycles that committed k tokens
         pa.field("block_size", pa.int64()),  # 0: plain autoregressive
         pa.field("peak_memory_gb", pa.float64()),
+        # what speculation saved (docs/runner.md); null in parts from before
+        pa.field("decode_share_s", pa.float64()),  # the row's share of the decode cycles it rode in
+        pa.field("plain_seconds_est", pa.float64()),  # its tokens at a measured plain cycle's share each
+        pa.field("speedup_vs_plain", pa.float64()),  # plain_seconds_est / decode_share_s
+        pa.field("control", pa.bool_()),  # decoded plainly in the batch, as a check (--control)
         pa.field("started_at", pa.timestamp("us", tz="UTC")),
         pa.field("finished_at", pa.timestamp("us", tz="UTC")),
         pa.field("input_index", pa.int64()),

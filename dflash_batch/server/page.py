@@ -1,6 +1,7 @@
 """The status page at ``/`` and its figures as JSON (``/status.json``): each recent job (a
-batch's or any other on the home) with its progress, whole-job output tok/s, acceptance and
-acceptance-length histogram, drawn as inline SVG. The page reloads itself while a job runs."""
+batch's or any other on the home) with its progress, whole-job output tok/s, acceptance, its
+speedup against plain decoding and the acceptance-length histogram, drawn as inline SVG. The
+page reloads itself while a job runs."""
 
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ def job_figures(record: JobRecord, batch: Optional[Dict[str, Any]]) -> Dict[str,
         "tokens_per_s": whole_job_rate(rows),
         "mean_acceptance_drafted": status["mean_acceptance_drafted"],
         "mean_tokens_per_cycle": status["mean_tokens_per_cycle"],
+        "speedup_vs_plain": status["speedup_vs_plain"],  # what speculation saved (runner/saved.py)
         "acceptance_histogram": histogram(rows),
     }
 
@@ -99,14 +101,14 @@ svg.hist rect { fill: #37a; } svg.hist text { font-size: 9px; text-anchor: middl
 
 def html_page(data: Dict[str, Any], title: str = "dflash-batch serve") -> str:
     refresh = f'<meta http-equiv="refresh" content="{REFRESH_S}">' if data["active"] else ""
-    rows = "".join(_row(j) for j in data["jobs"]) or '<tr><td colspan="8">no jobs yet</td></tr>'
+    rows = "".join(_row(j) for j in data["jobs"]) or '<tr><td colspan="9">no jobs yet</td></tr>'
     return (
         f'<!doctype html><html><head><meta charset="utf-8">{refresh}<title>{escape(title)}</title>'
         f"<style>{STYLE}</style></head><body><h1>{escape(title)}</h1>"
         '<p>Jobs and batches on this home, newest first (<a href="/status.json">as JSON</a>).</p>'
         "<table><thead><tr><th>job</th><th>batch</th><th>state</th><th>progress</th>"
         '<th class="num">output tok/s</th><th class="num">acceptance</th>'
-        '<th class="num">tokens/cycle</th><th>acceptance length</th></tr></thead>'
+        '<th class="num">tokens/cycle</th><th class="num">vs plain</th><th>acceptance length</th></tr></thead>'
         f"<tbody>{rows}</tbody></table>{_interactive(data.get('interactive'))}</body></html>"
     )
 
@@ -134,6 +136,7 @@ def _row(job: Dict[str, Any]) -> str:
         f'<td class="num">{_fmt(job["tokens_per_s"], ".1f")}</td>'
         f'<td class="num">{_fmt(job["mean_acceptance_drafted"], ".2f")}</td>'
         f'<td class="num">{_fmt(job["mean_tokens_per_cycle"], ".2f")}</td>'
+        f'<td class="num">{_fmt(job["speedup_vs_plain"], ".2f")}{"x" if job["speedup_vs_plain"] else ""}</td>'
         f"<td>{svg_histogram(job['acceptance_histogram'])}</td></tr>"
     )
 
