@@ -129,9 +129,9 @@ def test_plain_steps_attend_as_without_a_drafter_whatever_route_the_warm_up_chos
     calls = []
     real = attention._block_attention
 
-    def counted(impl, q, k, v, scale, causal, window, kv_len=None):
+    def counted(impl, q, k, v, scale, causal, window, kv_len=None, sinks=None):
         calls.append((q.shape[2], kv_len is not None))
-        return real(impl, q, k, v, scale, causal, window, kv_len)
+        return real(impl, q, k, v, scale, causal, window, kv_len, sinks)
 
     monkeypatch.setattr(attention, "_block_attention", counted)
     try:
