@@ -99,7 +99,7 @@ def timed(pieces) -> tuple:
 def run_mlx_lm(model, tokenizer, prompt, max_tokens):
     from mlx_lm import stream_generate
 
-    from dflash_batch.engine.routing import stock_ops
+    from dflash_batch.engine.ops.switch import stock_ops
 
     eos = set(tokenizer.eos_token_ids)
 

@@ -699,14 +699,13 @@ def test_kernel_with_row_lengths_matches_reference_on_gpu(case):
 
 
 @pytest.fixture
-def reference_routing():
-    routing.set_mode("reference")
-    yield
-    routing.set_mode(None)
+def reference_routing(monkeypatch):
+    """Attention's default mode "reference" in the test: engines made in it, and calls alone."""
+    monkeypatch.setenv(routing.ENV, "reference")
 
 
-def test_default_mode_on_cpu_is_stock():
-    routing.set_mode(None)
+def test_default_mode_on_cpu_is_stock(monkeypatch):
+    monkeypatch.delenv(routing.ENV, raising=False)
     assert routing.mode() == "stock"
 
 

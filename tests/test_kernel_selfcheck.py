@@ -240,9 +240,7 @@ def test_real_gated_delta_kernels_pass_their_self_check(dtype, state_dtype):
 def metal_routing(monkeypatch):
     """The routing in "kernel" mode, with this CPU device taken for a Metal backend."""
     monkeypatch.setitem(device._known, mx.default_device().type, "metal")
-    routing.set_mode("kernel")
-    yield
-    routing.set_mode(None)
+    monkeypatch.setenv(routing.ENV, "kernel")
 
 
 def attention_calls(window):

@@ -20,12 +20,12 @@ from ..completion import (
 )
 from .. import checks, constraints
 from ..request import CONTROLS, SamplingControls, sample_seed
-from . import decode, memory, prefill, tree, warmup
+from . import decode, memory, prefill, warmup
 from .batch import BatchDecoder, EncodedRequest
 from .config import EngineConfig
 from .models import loading, registry
 from .models.target import Target
-from .ops import activations, attention, device, matmul
+from .ops import activations, attention, device, matmul, switch
 from .ops.kernels import cpu
 from .scheduler import CostModel, NodeCalibration, Scheduler, pooled_acceptance
 from .waiting import Waiting
@@ -62,6 +62,8 @@ class Engine:
         _lift_length_limit(tokenizer)
         self.drafter = drafter
         self.target = Target(model)
+        # The one process-wide act: mlx-lm's model files call the routed attention and SwiGLU,
+        # which ask the routes in force (this engine's, while it steps: engine/ops/switch.py).
         attention.install(model)  # verify passes: multi-row attention routed per backend
         matmul.install(model)  # and few-row products (engine/ops/matmul.py)
         activations.install(model)  # SwiGLU by the CPU ops where they run (engine/ops/activations.py)
@@ -90,9 +92,11 @@ class Engine:
         self.acceptance = pooled_acceptance(self.block_size)
         self.node_calibration = NodeCalibration(max(self.block_size - 1, 0))  # draft trees' nodes, likewise
         self.shapes_seen: set = set()  # (rows, width, key bucket) of the cycles run so far
+        with switch.use(settings.routes()):
+            cpu_ops = cpu.in_force()
         self.description = dict(description or {}, block_size=self.block_size, adaptive_block=self.adaptive_block,
                                 draft_vocab=None if self.draft_head is None else len(self.draft_head),
-                                drafts=_drafts(self.drafter, self.target), cpu_ops=cpu.in_force())
+                                drafts=_drafts(self.drafter, self.target, settings.drafts), cpu_ops=cpu_ops)
         self._grammars = None  # engine/grammar.py, built when a request first has a grammar
         # True: constrained rows pick their drafts under their grammar (Grammars.draft). Off by default:
         # on the default pair it raised tokens per cycle but cost more per cycle (docs/sampling.md).
@@ -260,11 +264,24 @@ class Engine:
         if not requests:
             return
         slots = self.plan_batch(requests, batch_size)
-        decoder = BatchDecoder(self, requests, slots, self._scheduler(slots, requests), capacity=self._positions(requests))
+        decoder = self._decoder(requests, slots, self._scheduler(slots, requests), capacity=self._positions(requests))
         for index, completion in self._completions(decoder):
             if isinstance(completion, Exception):
                 raise completion  # one request's failure ends a call that yields only completions
             yield index, completion
+
+    def _decoder(self, requests, slots: int, scheduler: Scheduler, **kw) -> BatchDecoder:
+        """A decoder whose steps run under this engine's routes, with the ragged route its cost
+        model chose (engine/ops/switch.py): never another engine's, nor its consumer's."""
+        with switch.use(self._routes(scheduler)):
+            return BatchDecoder(self, requests, slots, scheduler, **kw)
+
+    def _steps(self, decoder: BatchDecoder) -> Iterator[Tuple[Optional[int], Any]]:
+        """The decoder's steps, each run under this engine's routes."""
+        return switch.stepping(self._routes(decoder.scheduler), decoder.steps())
+
+    def _routes(self, scheduler: Scheduler) -> switch.Routes:
+        return self.settings.routes(scheduler.cost.route)
 
     def _completions(self, decoder: BatchDecoder) -> Iterator[Tuple[Optional[int], Any]]:
         """``(request index, Completion)`` as the decoder finishes each request, ``(request index,
@@ -273,7 +290,7 @@ class Engine:
         self.prefill_counts = decoder.group.counts
         self.decode_counts = decoder.decode_counts
         parts: Dict[int, List[Piece]] = {}
-        for index, piece in decoder.steps():
+        for index, piece in self._steps(decoder):
             if index is None:
                 yield None, None
                 continue
@@ -326,7 +343,7 @@ class Engine:
         if not waiting:
             return
         slots = min(plan.rows, len(waiting)) if waiting.done else plan.rows
-        decoder = BatchDecoder(self, waiting, slots, self._scheduler(slots, waiting.peeked()), plan=plan, capacity=plan.longest)
+        decoder = self._decoder(waiting, slots, self._scheduler(slots, waiting.peeked()), plan=plan, capacity=plan.longest)
         for index, completion in self._completions(decoder):
             yield from _drain(refused)
             if index is not None:
@@ -354,8 +371,8 @@ class Engine:
     ) -> Iterator[Piece]:
         """Yield text as it is committed (one Piece per target pass); the last carries stats."""
         request = self.request(prompt, max_tokens, temperature, stop, seed, **prompt_options)
-        decoder = BatchDecoder(self, [request], 1, self._scheduler(1, [request]))
-        for _, piece in decoder.steps():
+        decoder = self._decoder([request], 1, self._scheduler(1, [request]))
+        for _, piece in self._steps(decoder):
             if isinstance(piece, Exception):
                 raise piece
             yield piece
@@ -397,8 +414,6 @@ class Engine:
         cost = self.cost_model
         if cost is None:
             cost = self._measured_cost(slots, requests)
-        if cost.route is not None:
-            attention.set_ragged_route(cost.route)
         return Scheduler(self.block_size, cost, job=self.acceptance, nodes=self.node_calibration)
 
     def _measured_cost(self, slots: int, requests: Sequence[EncodedRequest]) -> CostModel:
@@ -417,19 +432,21 @@ class Engine:
         context). On a GPU it also picks the faster attention for ragged batches. A job's first
         use of a batch size (and of a context of another power of two) does this by itself; call
         it ahead to keep it out of a job's first items."""
-        cost, earlier = warmup.measure_costs(self, batch_size, context), self.cost.get(batch_size)
+        with switch.use(self.settings.routes()):
+            cost = warmup.measure_costs(self, batch_size, context)
+        earlier = self.cost.get(batch_size)
         if earlier is not None:  # what widths cost beyond their model follows their shapes, not the context
             cost.width_excess = earlier.width_excess
         self.cost[batch_size] = cost
         return cost
 
 
-def _drafts(drafter, target) -> Optional[str]:
+def _drafts(drafter, target, mode: str) -> Optional[str]:
     """What a drafting cycle verifies, as the engine was loaded (engine/tree.py): "tree" or "chain",
     None without a drafter."""
     if drafter is None:
         return None
-    return tree.mode() if target.trees else "chain"
+    return mode if target.trees else "chain"
 
 
 def _typical_context(requests: Sequence[EncodedRequest]) -> int:

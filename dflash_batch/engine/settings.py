@@ -1,7 +1,7 @@
 """The engine's environment variables in one table (name, default, one line of doc, check),
 checked together: a bad value is refused before a job starts (``SettingError``, naming the
 variable) rather than failing the job when first read. Each variable supplies a default only;
-``EngineConfig`` and the routing modes set in code take precedence."""
+``EngineConfig``'s fields, set in code, take precedence."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from typing import Callable, Tuple
 
 from ..errors import SettingError
 from ..paths import CACHE_ENV
-from . import memory, tree  # noqa: F401  (tree declares the drafts switch)
-from .ops import attention, compiled, matmul, switch  # noqa: F401  (each declares its switch)
+from . import memory
+from .ops import switch
 from .ops.blas import BLAS_ENV
-from .ops.kernels import cpu, selfcheck  # noqa: F401
+from .ops.kernels import selfcheck
 
 
 @dataclass(frozen=True)
@@ -39,13 +39,13 @@ def _cache() -> None:
 
 def _routing(made: switch.Switch) -> Variable:
     default = f"{made.cuda} on CUDA, {made.elsewhere} elsewhere"
-    doc = f"the {made.name} route: one of {', '.join(made.modes)}"
+    doc = f"{made.doc}: one of {', '.join(made.modes)} (``EngineConfig.{made.field}``)"
     return Variable(made.env, default, doc, made.default)
 
 
 def variables() -> Tuple[Variable, ...]:
     """Every engine variable: the routing switches, then the rest."""
-    return (*map(_routing, switch.Switch.made),
+    return (*map(_routing, switch.SWITCHES),
             Variable(selfcheck.ENV, "1", "0 skips the GPU kernels' self-check", selfcheck.enabled),
             Variable(memory.ENV_LIMIT, "the device's memory", "gigabytes the engine may use",
                      _memory),

@@ -40,11 +40,7 @@ from .ops import switch
 
 CANDIDATES = 8  # top tokens per draft position a tree chooses among
 
-_switch = switch.Switch("draft", "DFLASH_BATCH_DRAFTS", ("chain", "tree"), cuda="chain",
-                        elsewhere="tree")
-default_mode = _switch.default  # DFLASH_BATCH_DRAFTS if set, else "chain" on CUDA (compiled chain passes) and "tree" elsewhere
-set_mode = _switch.set
-mode = _switch.mode
+default_mode = switch.BY_FIELD["drafts"].default  # DFLASH_BATCH_DRAFTS if set, else "chain" on CUDA (compiled chain passes) and "tree" elsewhere
 
 
 @dataclass

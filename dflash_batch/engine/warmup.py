@@ -37,7 +37,7 @@ import mlx.core as mx
 
 from . import decode
 from .models import hybrid
-from .ops import attention, compiled
+from .ops import attention, compiled, switch
 from .ops import device
 from .ops.batch_cache import Lengths, round_up
 from .scheduler import CostModel, PROBE_WIDTH, Scheduler
@@ -56,23 +56,36 @@ def context_bucket(context: int) -> int:
 
 
 def measure_costs(engine, batch_size: int, context: Optional[int] = None) -> CostModel:
-    """Time the passes (module doc) and fit the cost model; sets the ragged route on a GPU."""
+    """Time the passes (module doc) and fit the cost model, with the ragged route it chose on a GPU."""
     n = max(int(context or SHORT_CONTEXT), 4)
     block = max(engine.block_size, 2)
     targets: Dict[Tuple[int, int], float] = {}
     drafts: Dict[int, float] = {}
+    route = switch.current().ragged
     if batch_size > 1 and _routes_differ():
         timed = {}  # route -> (target(batch_size, block), draft(batch_size))
         for route in attention.RAGGED_ROUTES:
-            attention.set_ragged_route(route)
-            passes = _Passes(engine, batch_size, n)
-            timed[route] = (passes.target(block), passes.draft() if engine.drafter is not None else 0.0)
+            with switch.modes(ragged=route):
+                passes = _Passes(engine, batch_size, n)
+                timed[route] = (passes.target(block), passes.draft() if engine.drafter is not None else 0.0)
             del passes
         route = min(timed, key=lambda r: sum(timed[r]))
-        attention.set_ragged_route(route)
         targets[(batch_size, block)] = timed[route][0]  # timed already: not again below
         if engine.drafter is not None:
             drafts[batch_size] = timed[route][1]
+    with switch.modes(ragged=route):
+        _time_widths(engine, batch_size, n, block, targets, drafts)
+    mx.clear_cache()  # the timing batches' buffers: the job allocates its own (see batch.py: steps)
+    cost = CostModel.fit(targets, drafts)
+    cost.context = n
+    cost.route = route
+    cost.rows, cost.timed = batch_size, {T: s for (B, T), s in targets.items() if B == batch_size}
+    return cost
+
+
+def _time_widths(engine, batch_size: int, n: int, block: int, targets: Dict[Tuple[int, int], float],
+                 drafts: Dict[int, float]) -> None:
+    """Time target passes at the widths chosen among, and drafter passes, at batch 1 and ``batch_size``."""
     quick = _quick()
     for i, B in enumerate(sorted({1, batch_size}, reverse=quick)):
         passes = _Passes(engine, B, n)
@@ -90,12 +103,6 @@ def measure_costs(engine, batch_size: int, context: Optional[int] = None) -> Cos
         if engine.drafter is not None and B not in drafts:
             drafts[B] = passes.draft()
         del passes
-    mx.clear_cache()  # the timing batches' buffers: the job allocates its own (see batch.py: steps)
-    cost = CostModel.fit(targets, drafts)
-    cost.context = n
-    cost.route = attention.ragged_route()
-    cost.rows, cost.timed = batch_size, {T: s for (B, T), s in targets.items() if B == batch_size}
-    return cost
 
 
 def _quick() -> bool:

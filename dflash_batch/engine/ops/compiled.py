@@ -27,7 +27,7 @@ Measured on an H200 (default pair, batch 1; docs/batched.md, "Compiled passes"):
 rows 4.0-6.7 ms against 7.1-9.3 eager, the host's share 0.6-0.75 ms against 3.4-3.6; the
 adaptive engine 2.30x ``mlx_lm.stream_generate`` against 1.68x eager, in one process.
 
-Modes (``set_mode``, or the environment variable DFLASH_BATCH_PASSES):
+Modes (``Routes.passes``: ``EngineConfig(passes=...)``, else DFLASH_BATCH_PASSES):
     eager      the pass is built in Python every time (the default on the CPU and on Metal)
     compiled   traced once per key and shape (the default on CUDA)
 
@@ -61,22 +61,26 @@ from typing import Dict, List, Optional, Tuple
 
 import mlx.core as mx
 
-from . import attention, matmul, switch
+from . import switch
 from .batch_cache import RaggedKVCache, put_columns, tree_visible, visible
 from .rope import TokenPositions
 
-MODES = ("eager", "compiled")
-ENV = "DFLASH_BATCH_PASSES"
+ROUTE = switch.BY_FIELD["passes"]
+MODES = tuple(ROUTE.modes)
+ENV = ROUTE.env
 MAX_ROWS = 8  # wider batches are device-bound: building their graph is a small part of a pass
 MIN_WIDTH = 2  # a plain step (T = 1) stays eager: stock SDPA's one-row kernel over the live keys costs
                # the device less than the routed attention over the whole buffer (H200: about 3.1
                # against 4.3 ms a pass), more than the host would save
 LADDER = (512, 1024, 2048, 4096)  # buffer widths a compiling batch allocates; wider caches stay eager
 
-_switch = switch.Switch("pass", ENV, MODES, cuda="compiled", elsewhere="eager")
-default_mode = _switch.default  # DFLASH_BATCH_PASSES if set, else "compiled" on CUDA and "eager" elsewhere
-set_mode = _switch.set  # for the whole process; None returns to the default
-mode = _switch.mode
+default_mode = ROUTE.default  # DFLASH_BATCH_PASSES if set, else "compiled" on CUDA and "eager" elsewhere
+
+
+def mode() -> str:
+    """The mode in force (``switch.current``)."""
+    return switch.current().passes
+
 
 
 def capacity(rows: int, positions: int) -> int:
@@ -156,7 +160,8 @@ class _Traces:
         """The pass to call now: this routing's trace, or, the first time under a routing, the pass
         itself run eagerly, so that kernels check themselves outside a trace. ``kind`` keeps
         passes of other inputs apart (a draft tree's)."""
-        routing = (attention.mode(), attention.ragged_route(), matmul.mode(), kind)
+        routes = switch.current()
+        routing = (routes.attention, routes.ragged, routes.matmul, kind)
         run = self._compiled.get(routing)
         if run is None:
             self._compiled[routing] = mx.compile(self._pass)
@@ -246,4 +251,4 @@ def _reassign(cache: list, keys: List[mx.array], values: List[mx.array]) -> None
         c.keys, c.values = k, v
 
 
-__all__ = ["CompiledDraft", "CompiledPasses", "ENV", "LADDER", "MAX_ROWS", "MIN_WIDTH", "MODES", "capacity", "default_mode", "mode", "set_mode"]
+__all__ = ["CompiledDraft", "CompiledPasses", "ENV", "LADDER", "MAX_ROWS", "MIN_WIDTH", "MODES", "capacity", "default_mode", "mode"]

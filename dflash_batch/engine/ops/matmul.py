@@ -7,7 +7,7 @@ two or more to cuBLAS, which costs about twice as much per product at these size
 weight of at most MAX_OUTPUTS rows to ``kernels.matmul``; everything else (one row, prefill
 chunks, wide batches, LM heads, quantized layers) runs as before, through the layer's own code.
 
-Modes (``set_mode``, or the environment variable DFLASH_BATCH_MATMUL):
+Modes (``Routes.matmul``: ``EngineConfig(matmul=...)``, else DFLASH_BATCH_MATMUL):
     stock    MLX's matmul everywhere (the default on the CPU and on Metal)
     kernel   the CUDA kernel for few-row products (the default on CUDA), after its self-check
              (``kernels.matmul.kernel_verified``: once per process and dtype; a kernel that fails
@@ -35,8 +35,9 @@ from . import switch
 from . import device
 from .kernels import matmul as kernel
 
-MODES = ("stock", "kernel")
-ENV = "DFLASH_BATCH_MATMUL"
+ROUTE = switch.BY_FIELD["matmul"]
+MODES = tuple(ROUTE.modes)
+ENV = ROUTE.env
 # Where the kernel beats MLX's matmul on an H200 (benchmarks/small_matmul.py): 2 to 16 rows, and
 # outputs up to a layer's width; one row is MLX's gemv, and over an LM head's 49,152 outputs
 # cuBLAS is faster from 4 rows on (the kernel re-reads x for every pair of columns).
@@ -44,18 +45,13 @@ MIN_ROWS = 2
 MAX_ROWS = 16
 MAX_OUTPUTS = 8192
 
-_routing: Optional[bool] = None  # resolved: whether few-row products go to the kernel
 _counts: Dict[str, int] = {"routed": 0}
-_switch = switch.Switch("matmul", ENV, MODES, cuda="kernel", elsewhere="stock")
-default_mode = _switch.default  # DFLASH_BATCH_MATMUL if set, else "kernel" on CUDA and "stock" elsewhere
-mode = _switch.mode
+default_mode = ROUTE.default  # DFLASH_BATCH_MATMUL if set, else "kernel" on CUDA and "stock" elsewhere
 
 
-def set_mode(mode: Optional[str]) -> None:
-    """Choose the mode for the whole process; None returns to the default."""
-    global _routing
-    _switch.set(mode)
-    _routing = None
+def mode() -> str:
+    """The mode in force (``switch.current``)."""
+    return switch.current().matmul
 
 
 def counters() -> Dict[str, int]:
@@ -64,10 +60,7 @@ def counters() -> Dict[str, int]:
 
 
 def _routed(x: mx.array, w: mx.array) -> bool:
-    global _routing
-    if _routing is None:
-        _routing = mode() == "kernel" and device.backend() == "cuda"
-    if not _routing:
+    if switch.current().matmul != "kernel" or device.backend() != "cuda":
         return False
     rows = x.size // x.shape[-1] if x.ndim else 0
     return (MIN_ROWS <= rows <= MAX_ROWS and w.ndim == 2 and w.shape[0] <= MAX_OUTPUTS and x.dtype == w.dtype
@@ -102,4 +95,4 @@ def install(model: nn.Module) -> int:
 
 
 __all__ = ["ENV", "MAX_OUTPUTS", "MAX_ROWS", "MIN_ROWS", "MODES", "RoutedLinear", "counters", "default_mode", "install", "linear",
-           "mode", "set_mode"]
+           "mode"]
