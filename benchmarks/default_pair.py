@@ -30,7 +30,7 @@ import dflash_batch.engine  # noqa: F401  (preloads a fast CPU BLAS before mlx.c
 import mlx.core as mx
 
 from dflash_batch.engine import Engine, load_engine
-from dflash_batch.engine.engine import _pick_dtype
+from dflash_batch.engine import pick_dtype
 from dflash_batch.engine.models import loading
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -145,7 +145,7 @@ def main(argv=None) -> int:
         from dflash_batch.engine.models.default_model import ensure_default_pair
 
         target_folder = ensure_default_pair()[0]
-    ref_model, tokenizer, _ = loading.load_target(target_folder, None, _pick_dtype(args.dtype))
+    ref_model, tokenizer, _ = loading.load_target(target_folder, None, pick_dtype(args.dtype))
     load_s = time.perf_counter() - t_load
     if engine.drafter is None:
         print("no drafter: nothing to compare", file=sys.stderr)

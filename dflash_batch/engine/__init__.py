@@ -5,7 +5,7 @@ from .ops.blas import preload_blas
 
 preload_blas()  # before mlx.core is imported anywhere below
 
-from .engine import Engine, load_engine  # noqa: E402
+from .engine import Engine, load_engine, pick_dtype  # noqa: E402
 from .models.loading import load_drafter, load_target, resolve_model_path  # noqa: E402
 
-__all__ = ["Engine", "load_engine", "load_drafter", "load_target", "resolve_model_path", "preload_blas"]
+__all__ = ["Engine", "load_engine", "pick_dtype", "load_drafter", "load_target", "resolve_model_path", "preload_blas"]

@@ -493,7 +493,7 @@ def _completion(pieces: List[Piece]) -> Completion:
     )
 
 
-def _pick_dtype(dtype: Optional[str]) -> Optional[mx.Dtype]:
+def pick_dtype(dtype: Optional[str]) -> Optional[mx.Dtype]:
     """fp32 on CPU (bf16 and quantized matmuls are slow there); as stored on a GPU."""
     if dtype is None or dtype == "auto":
         return mx.float32 if device.on_cpu() else None
@@ -535,7 +535,7 @@ def load_engine(
             max_context, batch_size, cost_model), checked before any model is loaded.
     """
     settings = EngineConfig(**options)
-    mx_dtype = _pick_dtype(dtype)
+    mx_dtype = pick_dtype(dtype)
     if target is None:
         target, default_draft = registry.default_pair()
         if draft == AUTO:
