@@ -39,7 +39,8 @@ class EngineConfig:
         ragged attention route the engine's runs take (None: "block").
     attention, matmul, passes, drafts, cpu_ops: the routing modes (engine/ops/switch.py,
         ``SWITCHES``); None: the environment variable, else the backend's default. This
-        engine's steps run under them, whatever another engine in the process chose.
+        engine's steps run under them, whatever another engine in the process chose; they are
+        read at each run, so ``dataclasses.replace`` on ``Engine.settings`` switches them.
     """
 
     block_size: Optional[int] = None
