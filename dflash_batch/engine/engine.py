@@ -202,21 +202,28 @@ class Engine:
                     given[name] = SamplingControls.check(name, value)
                 except checks.BadValue as e:
                     raise GenerationError(f"{name} {e}") from None
-        controls = SamplingControls(**given)
-        ids = self.encode(prompt, **prompt_options)
-        if not ids:
-            raise EmptyPromptError("prompt encodes to no tokens")
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise GenerationError(f"max_tokens must be an integer of at least 1, got {max_tokens!r}")
         if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
             raise GenerationError(f"temperature must be a finite number >= 0, got {temperature!r}")
+        return self._encoded(prompt, max_tokens, float(temperature), stop, seed, index, SamplingControls(**given),
+                             **prompt_options)
+
+    def _encoded(self, prompt: Prompt, max_tokens: int, temperature: float, stop: Optional[Sequence[str]],
+                 seed: Optional[int], index: int, controls: SamplingControls, **prompt_options) -> EncodedRequest:
+        """Encode one prompt whose options are checked: by ``request``, or as the runner read its
+        row and job (``request.Options``: ``row_options``, ``runner.spec.validate``). Refuses only
+        what depends on the model: an empty prompt, one too long for its context."""
+        ids = self.encode(prompt, **prompt_options)
+        if not ids:
+            raise EmptyPromptError("prompt encodes to no tokens")
         if self.max_context and len(ids) >= self.max_context:
             raise PromptTooLongError(f"prompt has {len(ids)} tokens; the target's context is {self.max_context}")
         if self.max_context:
             max_tokens = min(max_tokens, self.max_context - len(ids))
         want_logprobs = controls.logprobs or controls.top_logprobs > 0
         return EncodedRequest(
-            ids, max_tokens, float(temperature), seed, tuple(stop or ()), index, controls=controls,
+            ids, max_tokens, temperature, seed, tuple(stop or ()), index, controls=controls,
             logprobs=controls.top_logprobs if want_logprobs else None, grammar=constraints.grammar(controls.response_format),
         )
 
@@ -324,7 +331,7 @@ class Engine:
             count = 0
             for req in requests:
                 try:
-                    first = self.request(req.prompt, index=count, **req.options.as_kwargs())
+                    first = self._checked(req, count)
                     plan.take(self._positions([first]))
                 except GenerationError as e:
                     refused.append((req, e))
@@ -352,6 +359,13 @@ class Engine:
                     completion.sample_index = sample
                 yield req, completion
         yield from _drain(refused)
+
+    def _checked(self, req: "request_type.Request", index: int) -> EncodedRequest:
+        """A runner's request encoded: its options were checked as its row and job were read."""
+        options = req.options
+        return self._encoded(req.prompt, options.max_tokens, float(options.temperature), options.stop, options.seed,
+                             index, options.controls(), system=options.system, chat_template=options.chat_template,
+                             chat_template_kwargs=options.chat_template_kwargs)
 
     def generate_batch(self, prompts: Sequence[Prompt], *args, n: int = 1, **kwargs) -> List[Completion]:
         """``stream_batch`` collected in input order: prompt i's samples at ``i * n .. i * n + n - 1``."""
