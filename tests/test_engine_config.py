@@ -109,3 +109,24 @@ def test_two_engines_in_one_process_keep_their_own_routes(tiny_pair):
     assert steps["a"] == {("reference", "sdpa", "chain")}
     assert steps["b"] == {("stock", "block", "tree")}
     assert outputs["a"] == outputs["b"]  # lossless both ways
+
+
+def test_the_configuration_reference_is_written_from_the_table():
+    """docs/configuration.md is ``settings.markdown()`` as it stands (regenerate:
+    ``python -m dflash_batch.engine.settings > docs/configuration.md``), one row per variable."""
+    text = (REPO / engine_settings.REFERENCE).read_text()
+    assert text == engine_settings.markdown(), "docs/configuration.md is stale: regenerate it"
+    for variable in engine_settings.variables():
+        assert f"| `{variable.name}` | {variable.default} |" in text
+
+
+def test_the_clis_help_lists_the_engine_variables(capsys):
+    from dflash_batch.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["--help"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert "dflash-batch submit" in out  # the examples still
+    for variable in engine_settings.variables():
+        assert f"{variable.name} (default: {variable.default})" in out

@@ -1,11 +1,13 @@
 """The engine's environment variables in one table (name, default, one line of doc, check),
 checked together: a bad value is refused before a job starts (``SettingError``, naming the
 variable) rather than failing the job when first read. Each variable supplies a default only;
-``EngineConfig``'s fields, set in code, take precedence."""
+``EngineConfig``'s fields, set in code, take precedence. The table also writes the configuration
+reference (``markdown``: docs/configuration.md) and the CLI's ``--help`` (``epilog``)."""
 
 from __future__ import annotations
 
 import os
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Tuple
@@ -39,7 +41,7 @@ def _cache() -> None:
 
 def _routing(made: switch.Switch) -> Variable:
     default = f"{made.cuda} on CUDA, {made.elsewhere} elsewhere"
-    doc = f"{made.doc}: one of {', '.join(made.modes)} (``EngineConfig.{made.field}``)"
+    doc = f"{made.doc}; one of {', '.join(made.modes)} (`EngineConfig.{made.field}` in code)"
     return Variable(made.env, default, doc, made.default)
 
 
@@ -59,3 +61,39 @@ def check() -> None:
     """Raise ``SettingError`` for the first engine variable whose value cannot be used."""
     for variable in variables():
         variable.check()
+
+
+REFERENCE = "docs/configuration.md"  # written by ``markdown``; tests/test_engine_config.py checks it is current
+
+
+def markdown() -> str:
+    """The configuration reference, docs/configuration.md: every variable, its default and its doc."""
+    lines = [
+        "# Configuration",
+        "",
+        "The engine's environment variables. Each supplies a default only: the same setting given in",
+        "code (`load_engine(...)`, `EngineConfig`) or on the command line takes precedence. A value the",
+        "engine cannot use is refused, naming the variable, before a job starts.",
+        "",
+        "Written from the one table in `dflash_batch/engine/settings.py`; regenerate with",
+        "`python -m dflash_batch.engine.settings > docs/configuration.md` (a test checks it is current).",
+        "",
+        "| Variable | Default | What it sets |",
+        "|---|---|---|",
+    ]
+    lines += [f"| `{v.name}` | {v.default} | {v.doc} |" for v in variables()]
+    return "\n".join(lines) + "\n"
+
+
+def epilog() -> str:
+    """The variables as the CLI's ``--help`` lists them."""
+    lines = ["engine environment variables (defaults only: settings given in code or as flags win;",
+             f"{REFERENCE}):"]
+    for v in variables():
+        lines.append(f"  {v.name} (default: {v.default})")
+        lines += textwrap.wrap(v.doc.replace("`", ""), 96, initial_indent="      ", subsequent_indent="      ")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(markdown(), end="")
