@@ -16,8 +16,10 @@ from tests.helpers import MAX_TOKENS, PROMPTS_B, engine_modes, make_drafter, scr
 
 @pytest.fixture
 def passes_compiled(monkeypatch):
-    """Passes compile by default in the test: in engines made in it, and for passes run alone."""
-    monkeypatch.setenv(compiled.ENV, "compiled")
+    """Passes compile in the test: in engines made in it (their default), and passes run alone."""
+    with switch.modes(passes="compiled"):  # first: the defaults resolve without the variable
+        monkeypatch.setenv(compiled.ENV, "compiled")
+        yield
 
 
 def test_capacity_follows_the_ladder_only_when_passes_compile():

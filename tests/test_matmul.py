@@ -236,21 +236,21 @@ def test_routing_sends_few_row_products_of_layer_widths_to_the_kernel(monkeypatc
     monkeypatch.setattr(km, "matmul_kernel", fake_kernel)
     monkeypatch.setattr(km, "kernel_verified", lambda dtype, backend="cuda": True)
     monkeypatch.setattr(routing.device, "backend", lambda: "cuda")
-    monkeypatch.setenv(routing.ENV, "kernel")
-    mx.random.seed(1)
-    model = Tiny()
-    routing.install(model)
-    for rows in (1, 2, 7, 16, 17):
+    with switch.modes(matmul="kernel"):
+        mx.random.seed(1)
+        model = Tiny()
+        routing.install(model)
+        for rows in (1, 2, 7, 16, 17):
+            calls.clear()
+            model(mx.zeros((1, rows), dtype=mx.int32))
+            routed = routing.MIN_ROWS <= rows <= routing.MAX_ROWS
+            assert calls == ([(rows, 24), (rows, 16)] if routed else []), rows
         calls.clear()
-        model(mx.zeros((1, rows), dtype=mx.int32))
-        routed = routing.MIN_ROWS <= rows <= routing.MAX_ROWS
-        assert calls == ([(rows, 24), (rows, 16)] if routed else []), rows
-    calls.clear()
-    out = routing.linear(mx.ones((2, 3, 16)), mx.ones((5, 16)), mx.ones((5,)))
-    assert calls == [(6, 5)] and mx.array_equal(out, mx.full((2, 3, 5), 17.0))
-    calls.clear()
-    routing.linear(mx.ones((1, 4, 16)), mx.ones((routing.MAX_OUTPUTS + 1, 16)))  # an LM head's width
-    assert calls == []
+        out = routing.linear(mx.ones((2, 3, 16)), mx.ones((5, 16)), mx.ones((5,)))
+        assert calls == [(6, 5)] and mx.array_equal(out, mx.full((2, 3, 5), 17.0))
+        calls.clear()
+        routing.linear(mx.ones((1, 4, 16)), mx.ones((routing.MAX_OUTPUTS + 1, 16)))  # an LM head's width
+        assert calls == []
 
 
 def test_mode_from_environment(monkeypatch):

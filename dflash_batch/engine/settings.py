@@ -63,11 +63,11 @@ def check() -> None:
         variable.check()
 
 
-REFERENCE = "docs/configuration.md"  # written by ``markdown``; tests/test_engine_config.py checks it is current
+REFERENCE = "docs/configuration.md"  # written by ``markdown``; a test checks it is current
 
 
 def markdown() -> str:
-    """The configuration reference, docs/configuration.md: every variable, its default and its doc."""
+    """The configuration reference (``REFERENCE``): every variable, its default and its doc."""
     lines = [
         "# Configuration",
         "",

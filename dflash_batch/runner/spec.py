@@ -223,12 +223,12 @@ class JobSpec(SamplingControls):
     system_prompt: Optional[str] = _option(None, _string)
     # string.Template over row fields: "Summarize:\n\n$text"
     prompt_template: Optional[str] = _option(None, _prompt_template)
-    chat_template: Optional[bool] = _option(None, _chat_template)  # None: the tokenizer's template when it has one
+    chat_template: Optional[bool] = _option(None, _chat_template)  # None: the tokenizer's, if it has one
     chat_template_kwargs: Dict[str, Any] = _option({}, _template_kwargs)
     # model
     target: Optional[str] = _option(None, _filled)  # None: the embedded default pair
     target_revision: Optional[str] = _option(None, _revision)
-    draft: Optional[str] = _option("auto", _string)  # "auto": the registered drafter; None: plain autoregressive
+    draft: Optional[str] = _option("auto", _string)  # "auto": the registered drafter; None: plain AR
     draft_revision: Optional[str] = _option(None, _revision)
     dtype: str = _option("auto", _dtype)
     block_size: Optional[int] = _option(None, _count)
@@ -237,7 +237,8 @@ class JobSpec(SamplingControls):
     prefix_cache_mb: Optional[float] = _option(None, _megabytes)
     # sampling
     max_tokens: int = _option(256, _integer(1))  # for rows without their own max_tokens
-    max_tokens_cap: Optional[int] = _option(None, _integer(1, "no cap"))  # no row generates more, whatever it asks for
+    # no row generates more, whatever it asks for
+    max_tokens_cap: Optional[int] = _option(None, _integer(1, "no cap"))
     temperature: float = _option(0.0, checks.temperature)
     seed: Optional[int] = _option(None, _count)
     stop: List[str] = _option([], _stop)
@@ -248,9 +249,9 @@ class JobSpec(SamplingControls):
     # rows decoded together; None: what memory allows (not in the hash)
     batch_size: Optional[int] = _option(None, _integer(1, "what memory allows"))
     schedule: Optional[str] = _option(None, _schedule)  # cron expression (UTC)
-    catch_up: bool = _option(True, _flag)  # a run missed while no worker was up is submitted once at start-up
+    catch_up: bool = _option(True, _flag)  # a run missed while no worker was up: submitted at start-up
     retries: int = _option(0, _integer(0))
-    export_openai: bool = _option(False, _flag)  # also write _openai_output.jsonl when a job completes
+    export_openai: bool = _option(False, _flag)  # also write _openai_output.jsonl as a job completes
     force: bool = _option(False, _flag)  # accept an output dir written with another config hash
 
     # -- derived ---------------------------------------------------------------------------

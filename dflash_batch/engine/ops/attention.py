@@ -1,10 +1,10 @@
 """Which attention a verify or draft pass runs: stock SDPA or the two-pass block attention.
 
 On MLX's CUDA backend, ``mx.fast.scaled_dot_product_attention`` with more than one query row
-costs 35-52 ms whenever the key length differs from the previous call (0.14 ms when it repeats).
-A DFlash cycle grows the KV cache every time, so every verify pass and every draft pass would
-pay it. Routing sends attention with 2..MAX_ROWS query rows to
-``kernels.attention.block_attention_*``, whose kernels are compiled once per dtype and head dim.
+costs tens of milliseconds whenever the key length differs from the previous call, a fraction
+of one when it repeats (docs/gpu-attention.md). A DFlash cycle grows the KV cache every time, so
+every verify pass and every draft pass would pay it. Routing sends attention with 2..MAX_ROWS
+query rows to ``kernels.attention.block_attention_*``, whose kernels are compiled once per dtype and head dim.
 Single-row decode steps and long prefill chunks keep stock SDPA.
 
 Modes (``Routes.attention``: ``EngineConfig(attention=...)``, else DFLASH_BATCH_ATTENTION):
@@ -15,8 +15,8 @@ Modes (``Routes.attention``: ``EngineConfig(attention=...)``, else DFLASH_BATCH_
     reference  the same two passes in MLX ops (any backend; used by the tests)
 
 Ragged batches (rows of their own lengths: ``RaggedKVCache``) have a second choice, the
-*ragged route* (``Routes.ragged``, a field of the engine's cost model): "block" sends them to the block attention above with
-per-row key lengths; "sdpa" to stock SDPA over the cache's bucketed key width (a multiple of 256,
+*ragged route* (``Routes.ragged``, a field of the engine's cost model): "block" sends them to
+the block attention above with per-row key lengths; "sdpa" to stock SDPA over the cache's bucketed key width (a multiple of 256,
 so few distinct shapes per job) with a per-row bool mask. Which is faster depends on the backend,
 the batch and the context (stock SDPA's fused multi-row path against our kernels), so the engine
 times both at warm-up (``engine/warmup.py``) and keeps the faster; the default is "block".
@@ -55,7 +55,7 @@ MAX_ROWS = 64  # more query rows than this (prefill chunks) stay on stock SDPA
 
 _stock_sdpa = mlx_lm_base.scaled_dot_product_attention
 _counts: Dict[str, int] = {"routed": 0, "stock": 0}
-default_mode = ROUTE.default  # DFLASH_BATCH_ATTENTION if set, else "kernel" on CUDA and "stock" elsewhere
+default_mode = ROUTE.default  # the variable if set, else "kernel" on CUDA and "stock" elsewhere
 
 
 def mode() -> str:
@@ -103,7 +103,7 @@ def target_sdpa(queries, keys, values, cache, scale: float, mask, sinks=None) ->
     ``lengths[b] + rows``), plain decoding steps included. A draft tree's mask goes to stock SDPA.
     """
     if (isinstance(cache, RaggedKVCache) and not cache.lengths.uniform and cache.lengths.tree is None and sinks is None
-            and switch.current().ragged == "block"):  # a draft tree's pass (engine/tree.py) attends by its mask
+            and switch.current().ragged == "block"):  # a draft tree's pass (engine/tree.py): its mask
         impl = _route(queries, keys, values, min_rows=1)
         if impl is not None:
             kv_len = cache.lengths.device + queries.shape[2]

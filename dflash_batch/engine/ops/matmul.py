@@ -13,12 +13,11 @@ Modes (``Routes.matmul``: ``EngineConfig(matmul=...)``, else DFLASH_BATCH_MATMUL
              (``kernels.matmul.kernel_verified``: once per process and dtype; a kernel that fails
              it warns once and MLX's matmul runs in its place)
 
-Measured on H200s (default pair; docs/batched.md, "A few-row matmul kernel"): the kernel takes a
-third to a half of cuBLAS's device time per product, but each call costs the host 4-7 us more,
-and a verify pass at batch 1 is as much host as device, so a pass timed alone costs about the
-same. In decoding, where the host builds the verify graph while the device drafts, the engine at
-batch 1 was faster with it in three A/B runs (adaptive width: +6%, +8% and +18%), and the
-README's job at batch 8 ran the same (the engine 1.85x ``batch_generate`` with it, 1.89x without).
+Why it is the default on CUDA (docs/batched.md, "A few-row matmul kernel", with the figures):
+the kernel takes less device time per product than cuBLAS but more host time per call, and a
+verify pass at batch 1 is as much host as device, so a pass timed alone costs about the same; in
+decoding, where the host builds the verify graph while the device drafts, the engine at batch 1
+was faster with it, and a batch of 8 ran the same.
 
 ``install`` re-classes, in place, the ``nn.Linear`` layers of a model as ``RoutedLinear``: the same
 parameters, the same module tree; only ``__call__`` asks the route first.
@@ -38,15 +37,15 @@ from .kernels import matmul as kernel
 ROUTE = switch.BY_FIELD["matmul"]
 MODES = tuple(ROUTE.modes)
 ENV = ROUTE.env
-# Where the kernel beats MLX's matmul on an H200 (benchmarks/small_matmul.py): 2 to 16 rows, and
-# outputs up to a layer's width; one row is MLX's gemv, and over an LM head's 49,152 outputs
-# cuBLAS is faster from 4 rows on (the kernel re-reads x for every pair of columns).
+# Where the kernel beats MLX's matmul (benchmarks/small_matmul.py): 2 to 16 rows, and outputs up
+# to a layer's width; one row is MLX's gemv, and over an LM head's width cuBLAS is faster from a
+# few rows on (the kernel re-reads x for every pair of columns).
 MIN_ROWS = 2
 MAX_ROWS = 16
 MAX_OUTPUTS = 8192
 
 _counts: Dict[str, int] = {"routed": 0}
-default_mode = ROUTE.default  # DFLASH_BATCH_MATMUL if set, else "kernel" on CUDA and "stock" elsewhere
+default_mode = ROUTE.default  # the variable if set, else "kernel" on CUDA and "stock" elsewhere
 
 
 def mode() -> str:
@@ -60,11 +59,11 @@ def counters() -> Dict[str, int]:
 
 
 def _routed(x: mx.array, w: mx.array) -> bool:
-    if switch.current().matmul != "kernel" or device.backend() != "cuda":
+    if switch.current().matmul != "kernel":
         return False
     rows = x.size // x.shape[-1] if x.ndim else 0
     return (MIN_ROWS <= rows <= MAX_ROWS and w.ndim == 2 and w.shape[0] <= MAX_OUTPUTS and x.dtype == w.dtype
-            and x.dtype in kernel.DTYPES and kernel.kernel_verified(x.dtype))
+            and x.dtype in kernel.DTYPES and device.backend() == "cuda" and kernel.kernel_verified(x.dtype))
 
 
 def linear(x: mx.array, w: mx.array, bias: Optional[mx.array] = None) -> mx.array:

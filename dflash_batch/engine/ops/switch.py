@@ -93,18 +93,19 @@ class Routes:
 
 
 _in_force: ContextVar[Optional[Routes]] = ContextVar("dflash_batch_routes", default=None)
-_defaults: dict = {}  # per default device type and variables' values: the routes where none are in force
+_defaults: List[Routes] = []  # the routes where none are in force, resolved at first use
 
 
 def current() -> Routes:
-    """The routes in force: the stepping engine's, a block's (``use``), else the defaults."""
+    """The routes in force: the stepping engine's, a block's (``use``), else the defaults (the
+    variables and the backend as they were at first use: asked on every routed call, so read
+    once; an engine reads them when it is made)."""
     routes = _in_force.get()
     if routes is not None:
         return routes
-    key = (device.backend(), *(os.environ.get(switch.env) for switch in SWITCHES))
-    if key not in _defaults:
-        _defaults[key] = Routes()
-    return _defaults[key]
+    if not _defaults:
+        _defaults.append(Routes())
+    return _defaults[0]
 
 
 @contextmanager

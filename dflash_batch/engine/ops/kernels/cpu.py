@@ -1,8 +1,9 @@
 """MLX's exp-based ops on the CPU, bit-identical and vectorised: ``kernels/cpu.cpp``, built here.
 
-On Linux, MLX's CPU backend computes exp one float at a time through libm calls (its softmax:
-about 10 ns an element on this project's CPU, ``benchmarks/cpu_ops``), so a 16-row verify pass of the default pair spends about
-a quarter of its time in softmax and SiLU, where one-row decoding spends almost none. The C++
+On Linux, MLX's CPU backend computes exp one float at a time through libm calls, so a 16-row
+verify pass of the default pair spends a large share of its time in softmax and SiLU, where
+one-row decoding spends almost none (``benchmarks/cpu_ops`` measures it; docs/batched.md, "CPU
+ops"). The C++
 file computes MLX's own exp, softmax, logsumexp and mlx-lm's swiglu with the same arithmetic in
 the same order, eight lanes at a time (AVX2 + FMA), so the outputs are MLX's, bit for bit.
 
