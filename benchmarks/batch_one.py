@@ -24,10 +24,8 @@ from contextlib import contextmanager
 import dflash_batch.engine  # noqa: F401  (preloads a fast CPU BLAS before mlx.core)
 import mlx.core as mx
 
-from dflash_batch.engine import load_engine
+from dflash_batch.engine import load_engine, load_target, pick_dtype
 from dflash_batch.engine.batch import BatchDecoder
-from dflash_batch.engine import pick_dtype
-from dflash_batch.engine.models import loading
 from dflash_batch.engine.ops import compiled, matmul
 from dflash_batch.engine.scheduler import CostModel
 
@@ -109,7 +107,7 @@ def main(argv=None) -> int:
         from dflash_batch.engine.models.default_model import ensure_default_pair
 
         folder = ensure_default_pair()[0]
-    ref, tokenizer, _ = loading.load_target(folder, None, pick_dtype("auto"))
+    ref, tokenizer, _ = load_target(folder, None, pick_dtype("auto"))
     prompts = held_out_prompts(tokenizer, args.prompts, args.samples)
     arms = {
         "mlx_lm": lambda p: run_mlx_lm(ref, tokenizer, p, args.max_tokens)[:2],

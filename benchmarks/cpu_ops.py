@@ -25,11 +25,9 @@ import time
 import dflash_batch.engine  # noqa: F401  (BLAS preload before mlx on Linux CPU)
 import mlx.core as mx
 from mlx_lm.models.activations import swiglu as mlx_lm_swiglu
-
-from dflash_batch.engine import decode, load_engine
+from dflash_batch.engine import decode, load_engine, load_target, pick_dtype
 from dflash_batch.engine.ops import switch
-from dflash_batch.engine import pick_dtype
-from dflash_batch.engine.models import loading
+
 from dflash_batch.engine.ops.batch_cache import Lengths
 from dflash_batch.engine.ops.kernels import cpu
 
@@ -108,7 +106,7 @@ def main(argv=None) -> dict:
             for mode in seconds:
                 engine.settings = dataclasses.replace(engine.settings, cpu_ops=mode)  # read at each run
                 seconds[mode].append(engine.generate(prompt, max_tokens=1).stats.prefill_s)
-        model, tokenizer, _ = loading.load_target(folder, None, pick_dtype("auto"))
+        model, tokenizer, _ = load_target(folder, None, pick_dtype("auto"))
         with switch.stock_ops():
             lm = [args.prefill / r.prompt_tps for _ in range(2) for r in stream_generate(model, tokenizer, prompt, max_tokens=1)]
         result["prefill"] = {"tokens": args.prefill, "chunk": engine.prefill_chunk, "native_s": round(min(seconds["native"]), 3),

@@ -7,5 +7,7 @@ preload_blas()  # before mlx.core is imported anywhere below
 
 from .engine import Engine, load_engine, pick_dtype  # noqa: E402
 from .models.loading import load_drafter, load_target, resolve_model_path  # noqa: E402
+from .ops.switch import stock_ops  # noqa: E402  (mlx-lm's own ops on a model an engine routes)
 
-__all__ = ["Engine", "load_engine", "pick_dtype", "load_drafter", "load_target", "resolve_model_path", "preload_blas"]
+__all__ = ["Engine", "load_engine", "pick_dtype", "load_drafter", "load_target", "resolve_model_path", "preload_blas",
+           "stock_ops"]
