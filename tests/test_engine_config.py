@@ -130,3 +130,23 @@ def test_the_clis_help_lists_the_engine_variables(capsys):
     assert "dflash-batch submit" in out  # the examples still
     for variable in engine_settings.variables():
         assert f"{variable.name} (default: {variable.default})" in out
+
+
+def test_steps_run_under_their_routes_to_the_end_even_when_stopped_early():
+    """``switch.stepping``: each step, and the closing of steps a consumer stops reading, under
+    the routes given; the consumer's code between steps under its own."""
+    seen = []
+
+    def steps():
+        try:
+            for i in range(3):
+                seen.append(("step", switch.current().attention))
+                yield i
+        finally:
+            seen.append(("closed", switch.current().attention))
+
+    routes = switch.Routes(attention="reference")
+    stepped = switch.stepping(routes, steps())
+    assert next(stepped) == 0 and switch.current().attention == "stock"
+    stepped.close()
+    assert seen == [("step", "reference"), ("closed", "reference")]

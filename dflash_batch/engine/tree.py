@@ -35,12 +35,7 @@ from typing import List, Sequence
 import mlx.core as mx
 import numpy as np
 
-from .ops import switch
-
 CANDIDATES = 8  # top tokens per draft position a tree chooses among
-
-# DFLASH_BATCH_DRAFTS if set, else "chain" on CUDA (compiled chain passes) and "tree" elsewhere
-default_mode = switch.BY_FIELD["drafts"].default
 
 
 @dataclass

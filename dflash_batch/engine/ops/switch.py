@@ -137,13 +137,19 @@ def stepping(routes: Routes, steps: Iterator[T]) -> Iterator[T]:
     """``steps`` advanced with ``routes`` in force, and only while it advances: the consumer, and
     another engine's steps between two of these, run under their own."""
     steps = iter(steps)
-    while True:
-        with use(routes):
-            try:
-                item = next(steps)
-            except StopIteration:
-                return
-        yield item
+    try:
+        while True:
+            with use(routes):
+                try:
+                    item = next(steps)
+                except StopIteration:
+                    return
+            yield item
+    finally:  # a consumer that stops early closes the steps now, as it would have closed them
+        close = getattr(steps, "close", None)
+        if close is not None:
+            with use(routes):
+                close()
 
 
 def repoint(model, name: str, stock: Callable, routed: Callable) -> List[str]:
