@@ -546,7 +546,8 @@ def load_engine(
         dtype: "auto" (fp32 on CPU, as stored on GPU), "float32", "bfloat16" or "float16".
         options: the engine's settings, ``EngineConfig``'s fields (block_size, adaptive_block,
             prefill_chunk, prefill_tokens, prefill_rows, prefix_cache_mb, prefix_granularity,
-            max_context, batch_size, cost_model), checked before any model is loaded.
+            max_context, batch_size, cost_model, and the routing modes attention, matmul,
+            passes, drafts, cpu_ops), checked before any model is loaded.
     """
     settings = EngineConfig(**options)
     mx_dtype = pick_dtype(dtype)
