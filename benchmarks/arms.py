@@ -93,9 +93,9 @@ class zeroed_final_norm:
 
 def stock_ops():
     """Context manager for the mlx-lm arms: MLX's own attention and matmul
-    (``dflash_batch.engine.routing``; a no-op for an engine tree without routing)."""
+    (``dflash_batch.engine.stock_ops``; a no-op for an engine tree without routing)."""
     try:
-        from dflash_batch.engine.routing import stock_ops as engine_stock_ops
+        from dflash_batch.engine import stock_ops as engine_stock_ops
     except ImportError:
         return contextlib.nullcontext()
     return engine_stock_ops()

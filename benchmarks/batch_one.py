@@ -24,10 +24,8 @@ from contextlib import contextmanager
 import dflash_batch.engine  # noqa: F401  (preloads a fast CPU BLAS before mlx.core)
 import mlx.core as mx
 
-from dflash_batch.engine import load_engine, routing
+from dflash_batch.engine import load_engine, load_target, pick_dtype
 from dflash_batch.engine.batch import BatchDecoder
-from dflash_batch.engine.engine import _pick_dtype
-from dflash_batch.engine.models import loading
 from dflash_batch.engine.ops import compiled, matmul
 from dflash_batch.engine.scheduler import CostModel
 
@@ -87,12 +85,6 @@ def summary(log: list) -> dict:
     return out
 
 
-def with_modes(modes: dict, run, *args):
-    """``run(*args)`` under routing ``modes`` (its warm-up too, on first use)."""
-    with routing.modes(**modes):
-        return run(*args)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     held_out_options(ap, prompts=6, max_tokens=256)
@@ -115,7 +107,7 @@ def main(argv=None) -> int:
         from dflash_batch.engine.models.default_model import ensure_default_pair
 
         folder = ensure_default_pair()[0]
-    ref, tokenizer, _ = loading.load_target(folder, None, _pick_dtype("auto"))
+    ref, tokenizer, _ = load_target(folder, None, pick_dtype("auto"))
     prompts = held_out_prompts(tokenizer, args.prompts, args.samples)
     arms = {
         "mlx_lm": lambda p: run_mlx_lm(ref, tokenizer, p, args.max_tokens)[:2],
@@ -129,12 +121,12 @@ def main(argv=None) -> int:
     if args.passes_ab:
         ab.append(("passes", "eager" if compiled.default_mode() == "compiled" else "compiled"))
     for kind, other in ab:
-        for name, engine in ((f"adaptive_{other}_{kind}", load_engine(args.target, args.draft or "auto")),
+        modes = {kind: other}
+        for name, engine in ((f"adaptive_{other}_{kind}", load_engine(args.target, args.draft or "auto", **modes)),
                              (f"whole_block_{other}_{kind}",
-                              load_engine(args.target, args.draft or "auto", adaptive_block=False)),
-                             (f"no_draft_{other}_{kind}", load_engine(args.target, None))):
-            arms[name] = lambda p, engine=engine, modes={kind: other}: with_modes(modes, run_engine, engine, p,
-                                                                                   args.max_tokens)[:2]
+                              load_engine(args.target, args.draft or "auto", adaptive_block=False, **modes)),
+                             (f"no_draft_{other}_{kind}", load_engine(args.target, None, **modes))):
+            arms[name] = lambda p, engine=engine: run_engine(engine, p, args.max_tokens)[:2]
     log: list = []
     rows = []
     for i, p in enumerate(prompts):

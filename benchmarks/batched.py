@@ -285,15 +285,14 @@ def profile(shape: str, batches: List[int], context: int, widths=(1, 4, 8, 16)) 
     each width and the drafter pass, at each batch size, through each ragged attention route
     (engine/ops/attention.py); then what the engine's own warm-up chose and fitted at each B."""
     from dflash_batch.engine import Engine, warmup
-    from dflash_batch.engine.ops import attention
+    from dflash_batch.engine.ops import attention, switch
 
     gpu = mx.default_device() == mx.gpu
     setup = arms.build_setup(shape, mx.bfloat16 if gpu else mx.float32, with_ar_draft=False)
     engine = Engine(setup.model, setup.tokenizer, setup.drafter, config=arms.text_config(setup.shape.target))
-    out: Dict[str, Any] = {"context": context, "attention_mode": attention.mode()}
-    try:
-        for route in attention.RAGGED_ROUTES:
-            attention.set_ragged_route(route)
+    out: Dict[str, Any] = {"context": context, "attention_mode": engine.settings.attention}
+    for route in attention.RAGGED_ROUTES:
+        with switch.use(engine.settings.routes(route)):  # the engine's routes, this ragged route
             for B in batches:
                 passes = warmup._Passes(engine, B, context)
                 for T in widths:
@@ -301,14 +300,12 @@ def profile(shape: str, batches: List[int], context: int, widths=(1, 4, 8, 16)) 
                 out[f"{route}_draft_B{B}"] = round(passes.draft() * 1e3, 3)
                 del passes
                 release()
-        for B in batches:
-            cost = engine.warm_up(B, context)
-            out[f"warmup_B{B}"] = {"route": cost.route, "t0_ms": cost.t0 * 1e3, "t1_us": cost.t1 * 1e6,
-                                   "t2_us": cost.t2 * 1e6, "d0_ms": cost.d0 * 1e3, "d1_us": cost.d1 * 1e6,
-                                   "predicted_ms": {T: round(cost.passes(B, T) * 1e3, 2) for T in widths}}
-            release()
-    finally:
-        attention.set_ragged_route("block")
+    for B in batches:
+        cost = engine.warm_up(B, context)
+        out[f"warmup_B{B}"] = {"route": cost.route, "t0_ms": cost.t0 * 1e3, "t1_us": cost.t1 * 1e6,
+                               "t2_us": cost.t2 * 1e6, "d0_ms": cost.d0 * 1e3, "d1_us": cost.d1 * 1e6,
+                               "predicted_ms": {T: round(cost.passes(B, T) * 1e3, 2) for T in widths}}
+        release()
     return out
 
 

@@ -18,16 +18,16 @@ and whether each pair of outputs is identical (the ops are MLX's, bit for bit).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 
 import dflash_batch.engine  # noqa: F401  (BLAS preload before mlx on Linux CPU)
 import mlx.core as mx
 from mlx_lm.models.activations import swiglu as mlx_lm_swiglu
+from dflash_batch.engine import decode, load_engine, load_target, pick_dtype
+from dflash_batch.engine.ops import switch
 
-from dflash_batch.engine import decode, load_engine, routing
-from dflash_batch.engine.engine import _pick_dtype
-from dflash_batch.engine.models import loading
 from dflash_batch.engine.ops.batch_cache import Lengths
 from dflash_batch.engine.ops.kernels import cpu
 
@@ -53,7 +53,7 @@ def arms(native, mlx, reps: int) -> dict:
 def in_mode(mode: str, fn):
     """``fn`` run with the CPU ops in ``mode``."""
     def run():
-        with routing.modes(cpu_ops=mode):
+        with switch.modes(cpu_ops=mode):
             return fn()
     return run
 
@@ -104,10 +104,10 @@ def main(argv=None) -> dict:
         seconds = {"native": [], "mlx": []}
         for _ in range(2):
             for mode in seconds:
-                with routing.modes(cpu_ops=mode):
-                    seconds[mode].append(engine.generate(prompt, max_tokens=1).stats.prefill_s)
-        model, tokenizer, _ = loading.load_target(folder, None, _pick_dtype("auto"))
-        with routing.stock_ops():
+                engine.settings = dataclasses.replace(engine.settings, cpu_ops=mode)  # read at each run
+                seconds[mode].append(engine.generate(prompt, max_tokens=1).stats.prefill_s)
+        model, tokenizer, _ = load_target(folder, None, pick_dtype("auto"))
+        with switch.stock_ops():
             lm = [args.prefill / r.prompt_tps for _ in range(2) for r in stream_generate(model, tokenizer, prompt, max_tokens=1)]
         result["prefill"] = {"tokens": args.prefill, "chunk": engine.prefill_chunk, "native_s": round(min(seconds["native"]), 3),
                              "mlx_s": round(min(seconds["mlx"]), 3), "mlx_lm_s": round(min(lm), 3)}

@@ -61,7 +61,7 @@ from typing import Callable, Dict, List
 import dflash_batch.engine  # noqa: F401  (BLAS preload before mlx on Linux CPU)
 import mlx.core as mx
 
-from dflash_batch.engine import Engine, batch, decode, output, scheduler, tree
+from dflash_batch.engine import Engine, batch, decode, output, scheduler
 from dflash_batch.engine.batch import BatchDecoder
 from dflash_batch.engine.models import target
 from dflash_batch.engine.ops import batch_cache
@@ -185,7 +185,10 @@ def build(shape: str, acceptance: str):
         script = AcceptanceScript.of_tokens_per_cycle(float(acceptance[4:]), drafter.args.block_size, seed=7)
         drafter = ScriptedDrafter(drafter, head_rows_of(model), script, setup.vocab_size)
         zeroed = arms.zeroed_final_norm(model)
-    engine = Engine(model, setup.tokenizer, drafter, config=config, adaptive_block=False, prefix_cache_mb=0)
+    # the cycle timed is a chain's: a zeroed drafter finds every token equally likely, over which
+    # a draft tree (engine/tree.py, the CPU's default) would branch at its first position
+    engine = Engine(model, setup.tokenizer, drafter, config=config, adaptive_block=False, prefix_cache_mb=0,
+                    drafts="chain")
     return engine, zeroed, setup.vocab_size
 
 
@@ -241,16 +244,6 @@ def whole_job(engine: Engine, rows: int, max_tokens: int, vocab: int, stop: List
 
 
 def main(argv=None) -> None:
-    # the cycle timed is a chain's: a zeroed drafter finds every token equally likely, over which
-    # a draft tree (engine/tree.py, the CPU's default) would branch at its first position
-    tree.set_mode("chain")
-    try:
-        _main(argv)
-    finally:
-        tree.set_mode(None)
-
-
-def _main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="qwen3-tiny")
     ap.add_argument("--batches", default="16,64")

@@ -35,10 +35,8 @@ from typing import Dict, List
 import dflash_batch.engine  # noqa: F401  (BLAS preload before mlx on Linux CPU)
 import mlx.core as mx
 
-from dflash_batch.engine import decode, load_engine
+from dflash_batch.engine import decode, load_engine, load_target, pick_dtype
 from dflash_batch.engine.batch import BatchDecoder
-from dflash_batch.engine.engine import _pick_dtype
-from dflash_batch.engine.models import loading
 from dflash_batch.engine.models import target as target_module
 
 from .cycle_host import patched
@@ -96,7 +94,7 @@ def main(argv=None) -> dict:
         from dflash_batch.engine.models.default_model import ensure_default_pair
 
         target_folder = ensure_default_pair()[0]
-    model, tokenizer, _ = loading.load_target(target_folder, None, _pick_dtype(args.dtype))
+    model, tokenizer, _ = load_target(target_folder, None, pick_dtype(args.dtype))
     prompts = [p["prompt"] for p in held_out_prompts(tokenizer, args.prompts, args.samples)]
     run_mlx_lm(model, tokenizer, prompts[0], 16)  # warm-up: both sides, the engine's costs timed
     run_engine(engine, prompts[0], 16)

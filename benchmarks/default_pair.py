@@ -29,9 +29,8 @@ from pathlib import Path
 import dflash_batch.engine  # noqa: F401  (preloads a fast CPU BLAS before mlx.core)
 import mlx.core as mx
 
-from dflash_batch.engine import Engine, load_engine
-from dflash_batch.engine.engine import _pick_dtype
-from dflash_batch.engine.models import loading
+from dflash_batch.engine import Engine, load_engine, load_target, pick_dtype
+
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -99,7 +98,7 @@ def timed(pieces) -> tuple:
 def run_mlx_lm(model, tokenizer, prompt, max_tokens):
     from mlx_lm import stream_generate
 
-    from dflash_batch.engine.routing import stock_ops
+    from dflash_batch.engine import stock_ops
 
     eos = set(tokenizer.eos_token_ids)
 
@@ -145,7 +144,7 @@ def main(argv=None) -> int:
         from dflash_batch.engine.models.default_model import ensure_default_pair
 
         target_folder = ensure_default_pair()[0]
-    ref_model, tokenizer, _ = loading.load_target(target_folder, None, _pick_dtype(args.dtype))
+    ref_model, tokenizer, _ = load_target(target_folder, None, pick_dtype(args.dtype))
     load_s = time.perf_counter() - t_load
     if engine.drafter is None:
         print("no drafter: nothing to compare", file=sys.stderr)

@@ -27,8 +27,7 @@ import mlx.core as mx
 
 from benchmarks.arms import stock_ops
 from benchmarks.default_pair import held_out_prompts
-from dflash_batch.engine import load_engine
-from dflash_batch.engine.models import loading
+from dflash_batch.engine import load_engine, load_target
 from dflash_batch.engine.models.default_model import ensure_default_pair
 
 
@@ -93,7 +92,7 @@ def one_dtype(dtype: str, prompts_wanted: int, max_tokens: int, batch: int) -> d
     # Whole blocks: the scheduler's verify width would make tau a choice, not a measure of drafts.
     engine = load_engine(None, "auto", dtype=dtype, adaptive_block=False)
     target_folder = ensure_default_pair(dtype)[0]
-    model, tokenizer, _ = loading.load_target(target_folder, None, getattr(mx, dtype))
+    model, tokenizer, _ = load_target(target_folder, None, getattr(mx, dtype))
     prompts = [p["prompt"] for p in held_out_prompts(tokenizer, prompts_wanted, None)]
     engine.generate(prompts[0], max_tokens=16)  # compile outside the comparison
     engine.warm_up(batch)

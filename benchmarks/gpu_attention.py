@@ -38,6 +38,7 @@ import mlx.core as mx
 
 from benchmarks.shapes import SHAPES, build_drafter, build_target
 from dflash_batch.engine.ops import attention as routing
+from dflash_batch.engine.ops import switch
 from dflash_batch.engine.ops.kernels import attention as ka
 
 TOL = {"bfloat16": 1.6e-2, "float16": 2e-3, "float32": 2e-5}  # as in tests/test_attention.py
@@ -205,12 +206,11 @@ VARIANTS = {
 def variant(name):
     mode, use_mma, mma_fused = VARIANTS[name]
     saved = ka.USE_MMA, ka.MMA_FUSED
-    routing.set_mode(mode)
     ka.USE_MMA, ka.MMA_FUSED = use_mma, mma_fused
     try:
-        yield
+        with switch.modes(attention=mode):
+            yield
     finally:
-        routing.set_mode(None)
         ka.USE_MMA, ka.MMA_FUSED = saved
 
 

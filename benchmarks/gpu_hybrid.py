@@ -195,44 +195,43 @@ def growing_cycles(target, cache, lengths, reset, one, block, iters):
     """Cycles as the DFlash loop runs them: verify 16, roll back to 4 kept rows, so the key length
     grows every call; one decode step per cycle at the same growing length for comparison. With the
     GPU attention issue's routing (engine/ops/attention.py) in each of its modes."""
-    from dflash_batch.engine.ops import attention
+    from dflash_batch.engine.ops import attention, switch
 
     attention.install(target.model)
     gdn = [c for c in cache if isinstance(c, hybrid.TapeCache)]
     out = {}
     for mode in ("kernel", "stock"):
-        attention.set_mode(mode)
-        before = attention.counters()
-        reset()
-        verify_ms, rollback_ms, decode_ms = [], [], []
-        n = iters if mode == "kernel" else max(4, iters // 3)
-        for i in range(n + 2):
-            t0 = time.perf_counter()
-            logits, h = target.verify(block, cache)
-            mx.eval(logits, h)
-            t1 = time.perf_counter()
-            target.rollback(cache, [4])
-            lengths.advance([4])
-            mx.eval([c[0] for c in gdn], [c[1] for c in gdn])
-            t2 = time.perf_counter()
-            logits, h = target(one, cache)
-            lengths.advance([1])
-            mx.eval(logits, h)
-            t3 = time.perf_counter()
-            if i >= 2:
-                verify_ms.append((t1 - t0) * 1e3)
-                rollback_ms.append((t2 - t1) * 1e3)
-                decode_ms.append((t3 - t2) * 1e3)
-        after = attention.counters()
-        med = {k: round(statistics.median(x), 4) for k, x in (("verify_16", verify_ms), ("rollback_keep_4", rollback_ms), ("decode_step", decode_ms))}
-        out[mode] = dict(
-            med,
-            iters=n,
-            verify16_over_decode_step=round(med["verify_16"] / med["decode_step"], 3),
-            rollback_over_verify=round(med["rollback_keep_4"] / med["verify_16"], 4),
-            attention_calls={k: after[k] - before[k] for k in after},
-        )
-    attention.set_mode(None)
+        with switch.modes(attention=mode):
+            before = attention.counters()
+            reset()
+            verify_ms, rollback_ms, decode_ms = [], [], []
+            n = iters if mode == "kernel" else max(4, iters // 3)
+            for i in range(n + 2):
+                t0 = time.perf_counter()
+                logits, h = target.verify(block, cache)
+                mx.eval(logits, h)
+                t1 = time.perf_counter()
+                target.rollback(cache, [4])
+                lengths.advance([4])
+                mx.eval([c[0] for c in gdn], [c[1] for c in gdn])
+                t2 = time.perf_counter()
+                logits, h = target(one, cache)
+                lengths.advance([1])
+                mx.eval(logits, h)
+                t3 = time.perf_counter()
+                if i >= 2:
+                    verify_ms.append((t1 - t0) * 1e3)
+                    rollback_ms.append((t2 - t1) * 1e3)
+                    decode_ms.append((t3 - t2) * 1e3)
+            after = attention.counters()
+            med = {k: round(statistics.median(x), 4) for k, x in (("verify_16", verify_ms), ("rollback_keep_4", rollback_ms), ("decode_step", decode_ms))}
+            out[mode] = dict(
+                med,
+                iters=n,
+                verify16_over_decode_step=round(med["verify_16"] / med["decode_step"], 3),
+                rollback_over_verify=round(med["rollback_keep_4"] / med["verify_16"], 4),
+                attention_calls={k: after[k] - before[k] for k in after},
+            )
     reset()
     return out
 

@@ -31,7 +31,6 @@ from typing import Any, Callable, Dict, List, Optional
 import dflash_batch.engine  # noqa: F401  (preloads a fast BLAS before mlx on Linux CPU)
 import mlx.core as mx
 
-from dflash_batch.engine import tree
 
 from . import arms
 from .scripted import AcceptanceScript
@@ -309,11 +308,7 @@ def main(argv: Optional[List[str]] = None, engine_options: Optional[Dict[str, An
     """``engine_options`` go to the drafting engine (a test pins its widths: ``cost_model``)."""
     # the arms script a chain's acceptance (scripted drafters, zeroed norms): their cycles verify
     # chains wherever they run (draft trees, engine/tree.py, are measured by default_pair.py)
-    tree.set_mode("chain")
-    try:
-        return _main(argv, engine_options)
-    finally:
-        tree.set_mode(None)
+    return _main(argv, dict(engine_options or {}, drafts="chain"))
 
 
 def _main(argv: Optional[List[str]], engine_options: Optional[Dict[str, Any]]) -> Path:

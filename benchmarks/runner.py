@@ -155,10 +155,10 @@ def main(argv=None) -> Dict[str, Any]:
     from dflash_batch.engine import load_engine
     from dflash_batch.engine.models import loading
     from dflash_batch.engine.models.default_model import ensure_default_pair
-    from dflash_batch.engine.engine import _pick_dtype
+    from dflash_batch.engine import pick_dtype
 
     engine = load_engine()  # the embedded default pair, fp32
-    model, tokenizer, _ = loading.load_target(ensure_default_pair()[0], None, _pick_dtype("auto"))
+    model, tokenizer, _ = loading.load_target(ensure_default_pair()[0], None, pick_dtype("auto"))
     prompts = file_prompts(args.prompts_file) if args.prompts_file else job_prompts(args.prompts)
     prompt_ids = [engine.request(p, max_tokens=args.max_tokens).ids for p in prompts]  # the engine's own encoding
     B, n = args.batch, args.max_tokens

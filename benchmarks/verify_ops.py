@@ -66,7 +66,7 @@ import dflash_batch.engine  # noqa: F401  (preloads a fast CPU BLAS before mlx.c
 import mlx.core as mx
 
 from dflash_batch.engine import load_engine, warmup
-from dflash_batch.engine.ops import attention, compiled, matmul
+from dflash_batch.engine.ops import attention, switch
 from dflash_batch.engine.ops.kernels import attention as block
 
 from .default_pair import command_line, write_result
@@ -122,46 +122,41 @@ def main(argv=None) -> int:
     # (a shared host, clocks) then favours none of them.
     for _ in range(args.rounds):
         for product, mode, passes_mode in combos:
-            matmul.set_mode(product)
-            compiled.set_mode(passes_mode)
-            attention.set_mode(mode)
-            key = (product, mode, passes_mode)
-            if key not in passes:  # its cache allocated as a batch in this pass mode allocates it
-                passes[key] = warmup._Passes(engine, args.batch, args.context)
-            for T in widths:
-                run = passes[key]._verify(T)
-                ms, build_ms = (t * 1e3 for t in timed(run))
-                row = rows.get(key + (T,))
-                if row is None:
-                    outputs = run()
-                    ops = graph_ops(outputs)
-                    logits = first.setdefault(T, outputs[0])
-                    row = rows[key + (T,)] = {
-                        "mode": mode, "matmul": product, "passes": passes_mode, "pass": "verify", "T": T,
-                        "ms": float("inf"),
-                        "ops": sum(ops.values()), "max_abs_diff": float(mx.abs(outputs[0] - logits).max()),
-                        "top_ops": dict(ops.most_common(12))}
-                if ms < row["ms"]:
-                    row.update(ms=round(ms, 3), build_ms=round(build_ms, 3))
-            if engine.drafter is not None:  # the drafter's pass, compiled in the compiled pass mode
-                run = passes[key]._draft()
-                ms, build_ms = (t * 1e3 for t in timed(run))
-                row = rows.get(key + ("draft",))
-                if row is None:
-                    ops = graph_ops([run()])
-                    row = rows[key + ("draft",)] = {
-                        "mode": mode, "matmul": product, "passes": passes_mode, "pass": "draft",
-                        "T": engine.block_size, "ms": float("inf"), "ops": sum(ops.values()),
-                        "top_ops": dict(ops.most_common(12))}
-                if ms < row["ms"]:
-                    row.update(ms=round(ms, 3), build_ms=round(build_ms, 3))
+            with switch.modes(matmul=product, passes=passes_mode, attention=mode):
+                key = (product, mode, passes_mode)
+                if key not in passes:  # its cache allocated as a batch in this pass mode allocates it
+                    passes[key] = warmup._Passes(engine, args.batch, args.context)
+                for T in widths:
+                    run = passes[key]._verify(T)
+                    ms, build_ms = (t * 1e3 for t in timed(run))
+                    row = rows.get(key + (T,))
+                    if row is None:
+                        outputs = run()
+                        ops = graph_ops(outputs)
+                        logits = first.setdefault(T, outputs[0])
+                        row = rows[key + (T,)] = {
+                            "mode": mode, "matmul": product, "passes": passes_mode, "pass": "verify", "T": T,
+                            "ms": float("inf"),
+                            "ops": sum(ops.values()), "max_abs_diff": float(mx.abs(outputs[0] - logits).max()),
+                            "top_ops": dict(ops.most_common(12))}
+                    if ms < row["ms"]:
+                        row.update(ms=round(ms, 3), build_ms=round(build_ms, 3))
+                if engine.drafter is not None:  # the drafter's pass, compiled in the compiled pass mode
+                    run = passes[key]._draft()
+                    ms, build_ms = (t * 1e3 for t in timed(run))
+                    row = rows.get(key + ("draft",))
+                    if row is None:
+                        ops = graph_ops([run()])
+                        row = rows[key + ("draft",)] = {
+                            "mode": mode, "matmul": product, "passes": passes_mode, "pass": "draft",
+                            "T": engine.block_size, "ms": float("inf"), "ops": sum(ops.values()),
+                            "top_ops": dict(ops.most_common(12))}
+                    if ms < row["ms"]:
+                        row.update(ms=round(ms, 3), build_ms=round(build_ms, 3))
     rows = list(rows.values())
     for row in rows:
         print({k: v for k, v in row.items() if k != "top_ops"}, file=sys.stderr)
     del passes
-    attention.set_mode(None)
-    matmul.set_mode(None)
-    compiled.set_mode(None)
     write_result({
         "command": command_line("verify_ops", argv),
         "device": str(mx.default_device()),

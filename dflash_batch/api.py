@@ -150,9 +150,7 @@ class Job:
 
 def _spec(source: Union[Source, JobSpec], overrides: Dict[str, Any]) -> JobSpec:
     if isinstance(source, JobSpec):
-        spec = JobSpec.from_dict(dict(source.to_dict(), **{k: v for k, v in overrides.items() if v is not None}))
-        validate(spec)
-        return spec
+        return validate(JobSpec.from_dict(dict(source.to_dict(), **{k: v for k, v in overrides.items() if v is not None})))
     return load_spec(source, **overrides)
 
 

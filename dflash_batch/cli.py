@@ -136,13 +136,33 @@ def _override_values(args) -> Dict[str, Any]:
     return {k: getattr(args, k, None) for k in OVERRIDE_KEYS}
 
 
+class _Help(argparse.Action):
+    """``--help``: the usage and examples, then the engine's environment variables from their one
+    table (``engine.settings``), loaded only here: the other commands import no MLX to parse."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        try:
+            from .engine import settings
+        except ImportError:  # a runner without MLX: no engine here to configure
+            pass
+        else:
+            parser.epilog = f"{parser.epilog}\n\n{settings.epilog()}"
+        parser.print_help()
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dflash-batch",
         description="Run large batches of prompts through an MLX model with DFlash speculative decoding.",
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        add_help=False,
     )
+    parser.add_argument("-h", "--help", action=_Help, help="show this help message and exit")
     _common(parser, None)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 

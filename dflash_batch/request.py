@@ -10,7 +10,7 @@ The options of a request are settled here, by one rule, in one place:
   default and its check) are checked as the row is read (``row_options``, ``control``; a bad one
   makes the row an error row naming the field);
 * they win over the job's values (the flag, else the YAML, else the default: the job spec, whose
-  values ``runner.spec.validate`` checks with the same ``checks``), and ``max_tokens_cap``
+  values ``runner.spec.validate`` checks with the same checks), and ``max_tokens_cap``
   bounds ``max_tokens`` whoever set it (``resolve_options``).
 """
 
@@ -63,6 +63,21 @@ def _response_format(value):
 
 def _control(default, check: Callable[[Any], Any]):
     return field(default=default, metadata={"check": check})
+
+
+def samples(value) -> int:
+    """``n``, samples of a prompt: an integer from 1 to ``MAX_SAMPLES`` (a row's and a job's)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_SAMPLES:
+        raise checks.BadValue(f"must be an integer from 1 to {MAX_SAMPLES}, got {checks.show(value)}")
+    return value
+
+
+def stops(value) -> List[str]:
+    """``stop``: a string or a list of non-empty strings, as a list (a row's and a job's)."""
+    listed = [value] if isinstance(value, str) else value
+    if not isinstance(listed, list) or not all(isinstance(s, str) and s for s in listed):
+        raise checks.BadValue(f"must be a string or a list of non-empty strings, got {value!r}")
+    return listed
 
 
 @dataclass
@@ -214,10 +229,10 @@ def row_options(row: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
             raise BadOption(f"'{prefix}temperature' {e}") from None
     value = row.get("stop")
     if value is not None:
-        stops = [value] if isinstance(value, str) else value
-        if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-            raise BadOption(f"'{prefix}stop' must be a string or a list of non-empty strings, got {value!r}")
-        out["stop"] = stops
+        try:
+            out["stop"] = stops(value)
+        except checks.BadValue as e:
+            raise BadOption(f"'{prefix}stop' {e}") from None
     value = row.get("system")
     if value is not None:
         if not isinstance(value, str):
@@ -225,9 +240,10 @@ def row_options(row: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
         out["system"] = value
     value = row.get("n")
     if value is not None:
-        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_SAMPLES:
-            raise BadOption(f"'{prefix}n' must be an integer from 1 to {MAX_SAMPLES}, got {value!r}")
-        out["n"] = value
+        try:
+            out["n"] = samples(value)
+        except checks.BadValue as e:
+            raise BadOption(f"'{prefix}n' {e}") from None
     for name in CONTROLS:
         if row.get(name) is not None:
             try:

@@ -92,24 +92,18 @@ def tiny_pair(qwen3_target, qwen3_drafter):
 
 
 @pytest.fixture
-def chain_drafts():
-    """Cycles verify chains, not draft trees (engine/tree.py; trees are the CPU's default): for
-    tests that count what a chain's cycles commit, or whose drafts come from a zeroed head or
-    norm (every token equally likely to the drafter: a tree over that branches at its first
-    position)."""
-    from dflash_batch.engine import routing
-
-    with routing.modes(drafts="chain"):
-        yield
+def chain_drafts(monkeypatch):
+    """Engines made in the test verify chains, not draft trees (engine/tree.py; trees are the
+    CPU's default), as the variable sets their default: for tests that count what a chain's
+    cycles commit, or whose drafts come from a zeroed head or norm (every token equally likely
+    to the drafter: a tree over that branches at its first position)."""
+    monkeypatch.setenv("DFLASH_BATCH_DRAFTS", "chain")
 
 
 @pytest.fixture
-def tree_drafts():
-    """Cycles verify draft trees whatever the backend's default (tests/test_tree.py)."""
-    from dflash_batch.engine import routing
-
-    with routing.modes(drafts="tree"):
-        yield
+def tree_drafts(monkeypatch):
+    """Engines made in the test verify draft trees whatever the backend's default (tests/test_tree.py)."""
+    monkeypatch.setenv("DFLASH_BATCH_DRAFTS", "tree")
 
 
 @pytest.fixture

@@ -3,6 +3,8 @@ module (huey's tests/base.py is the model)."""
 
 from __future__ import annotations
 
+import dataclasses
+from contextlib import contextmanager
 from pathlib import Path
 
 # MLX and the synthetic models are imported where used: the runner's tests import this module
@@ -149,3 +151,20 @@ def branchy_trees():
         [[-1, 0, 0, 1, 2, 3, 3], [-1, 0, 1, 2, 3, 4, 5]],
         [[0, 1, 1, 2, 2, 3, 3], [0, 1, 2, 3, 4, 5, 6]],
     )
+
+
+@contextmanager
+def engine_modes(engine, **modes):
+    """``engine`` with its routing modes (``EngineConfig``'s attention, matmul, passes, drafts,
+    cpu_ops) changed for the block: it runs as an engine made with them."""
+    made = engine.settings
+    engine.settings = dataclasses.replace(made, **modes)
+    try:
+        yield engine
+    finally:
+        engine.settings = made
+
+
+def set_modes(monkeypatch, engine, **modes) -> None:
+    """``engine_modes`` for the rest of the test."""
+    monkeypatch.setattr(engine, "settings", dataclasses.replace(engine.settings, **modes))

@@ -22,6 +22,7 @@ import pytest
 from mlx_lm.models.base import create_causal_mask
 
 from dflash_batch.engine.ops import attention as routing
+from dflash_batch.engine.ops import switch
 from dflash_batch.engine.ops.kernels import attention as ka
 from tests import emulator as emulator_build
 from tests.synthetic import assert_dflash_lossless
@@ -699,14 +700,15 @@ def test_kernel_with_row_lengths_matches_reference_on_gpu(case):
 
 
 @pytest.fixture
-def reference_routing():
-    routing.set_mode("reference")
-    yield
-    routing.set_mode(None)
+def reference_routing(monkeypatch):
+    """Attention in mode "reference" in the test: engines made in it (their default), calls alone."""
+    with switch.modes(attention="reference"):  # first: the defaults resolve without the variable
+        monkeypatch.setenv(routing.ENV, "reference")
+        yield
 
 
-def test_default_mode_on_cpu_is_stock():
-    routing.set_mode(None)
+def test_default_mode_on_cpu_is_stock(monkeypatch):
+    monkeypatch.delenv(routing.ENV, raising=False)
     assert routing.mode() == "stock"
 
 

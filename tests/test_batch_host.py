@@ -9,6 +9,7 @@ import pytest
 import dflash_batch.engine  # noqa: F401  (BLAS before mlx)
 from dflash_batch.engine import load_engine, sampling
 from dflash_batch.engine.batch import BatchDecoder
+from tests.helpers import set_modes
 
 
 @pytest.fixture(scope="module")
@@ -66,11 +67,12 @@ def test_a_pass_builds_its_write_columns_once_for_every_layer():
     assert lengths.columns(4).tolist() == [[4, 5, 6, 7], [3, 4, 5, 6], [5, 6, 7, 8]]
 
 
-def test_a_cycle_fetches_drafts_and_choices_in_one_sync(engine, monkeypatch, chain_drafts):
+def test_a_cycle_fetches_drafts_and_choices_in_one_sync(engine, monkeypatch):
     """Draft and verify passes are evaluated together: fetching the drafts alone first would
     wait for the draft pass before the verify pass is even queued (two host syncs a cycle)."""
     import mlx.core as mx
 
+    set_modes(monkeypatch, engine, drafts="chain")
     together, real = [], mx.eval
 
     def spy(*arrays):

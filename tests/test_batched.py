@@ -14,7 +14,7 @@ from dflash_batch.engine.models import hybrid
 from dflash_batch.engine.ops.batch_cache import Lengths, RaggedKVCache
 from dflash_batch.engine.ops.kernels import gated_delta as gd
 from tests import synthetic
-from tests.helpers import MAX_TOKENS, PROMPTS_B, P_WRONG, greedy_reference, scripted_batch
+from tests.helpers import MAX_TOKENS, PROMPTS_B, P_WRONG, fixed_costs, greedy_reference, scripted_batch
 from tests.scripting import ScriptedDrafts
 
 def _engine(target, draft, **kw):
@@ -284,37 +284,31 @@ def test_ragged_batch_through_the_block_attention_reference_is_lossless(qwen3_ta
     """The routed path (per-row key lengths), as the GPU kernels run it, in its pure-MLX form."""
     from dflash_batch.engine.ops import attention
 
-    attention.set_mode("reference")
-    try:
-        engine, _, ids, refs = scripted_batch(qwen3_target, qwen3_b8, monkeypatch)
-        before = attention.counters()["routed"]
-        assert [c.token_ids for c in engine.generate_batch(ids, max_tokens=30, batch_size=3)] == refs
-        assert attention.counters()["routed"] > before
-    finally:
-        attention.set_mode(None)
+    engine, _, ids, refs = scripted_batch(qwen3_target, qwen3_b8, monkeypatch, attention="reference")
+    before = attention.counters()["routed"]
+    assert [c.token_ids for c in engine.generate_batch(ids, max_tokens=30, batch_size=3)] == refs
+    assert attention.counters()["routed"] > before
 
 
 @pytest.mark.parametrize("route", ["block", "sdpa"])
 def test_both_ragged_routes_are_lossless(qwen3_target, qwen3_b8, monkeypatch, route):
     """The warm-up picks one of two routes for ragged batches (engine/ops/attention.py): block
     attention with per-row key lengths, or stock SDPA over the bucketed cache with a per-row mask.
-    Each must give every row its batch-1 greedy output."""
+    Each must give every row its batch-1 greedy output. The route is the cost model's."""
+    import dataclasses
+
     from dflash_batch.engine.ops import attention
 
-    attention.set_mode("reference")  # "block" then runs the kernels' pure-MLX form, not stock SDPA
-    attention.set_ragged_route(route)
-    try:
-        engine, _, ids, refs = scripted_batch(qwen3_target, qwen3_b8, monkeypatch)
-        ragged = []  # calls of the block attention with per-row key lengths
-        block_attention = attention._block_attention
+    # "reference": "block" then runs the kernels' pure-MLX form, not stock SDPA
+    engine, _, ids, refs = scripted_batch(qwen3_target, qwen3_b8, monkeypatch, attention="reference",
+                                          cost_model=dataclasses.replace(fixed_costs(), route=route))
+    ragged = []  # calls of the block attention with per-row key lengths
+    block_attention = attention._block_attention
 
-        def counted(impl, q, k, v, scale, causal, window, kv_len=None, sinks=None):
-            ragged.append(kv_len is not None and q.shape[2] > 1)  # plain one-row steps take "block" on either route
-            return block_attention(impl, q, k, v, scale, causal, window, kv_len, sinks)
+    def counted(impl, q, k, v, scale, causal, window, kv_len=None, sinks=None):
+        ragged.append(kv_len is not None and q.shape[2] > 1)  # plain one-row steps take "block" on either route
+        return block_attention(impl, q, k, v, scale, causal, window, kv_len, sinks)
 
-        monkeypatch.setattr(attention, "_block_attention", counted)
-        assert [c.token_ids for c in engine.generate_batch(ids, max_tokens=30, batch_size=3)] == refs
-        assert any(ragged) == (route == "block")
-    finally:
-        attention.set_mode(None)
-        attention.set_ragged_route("block")
+    monkeypatch.setattr(attention, "_block_attention", counted)
+    assert [c.token_ids for c in engine.generate_batch(ids, max_tokens=30, batch_size=3)] == refs
+    assert any(ragged) == (route == "block")

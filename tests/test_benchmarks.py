@@ -146,17 +146,12 @@ def test_the_engine_copy_of_the_target_has_the_same_weights():
 
 
 def test_mlx_lm_arms_run_with_stock_ops_and_restore_the_engine_routing():
-    from dflash_batch.engine.ops import attention, matmul
+    from dflash_batch.engine.ops import attention, matmul, switch
 
-    attention.set_mode("reference")
-    matmul.set_mode("kernel")
-    try:
+    with switch.modes(attention="reference", matmul="kernel"):
         with arms.stock_ops():
             assert attention.mode() == "stock" and matmul.mode() == "stock"
         assert attention.mode() == "reference" and matmul.mode() == "kernel"
-    finally:
-        attention.set_mode(None)
-        matmul.set_mode(None)
     with arms.stock_ops():
         pass
     assert attention.mode() == attention.default_mode() and matmul.mode() == matmul.default_mode()

@@ -7,27 +7,29 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from dflash_batch.engine import decode, load_engine, routing
-from dflash_batch.engine.ops import compiled
+from dflash_batch.engine import decode, load_engine
+from dflash_batch.engine.ops import compiled, switch
 from dflash_batch.engine.ops.batch_cache import Lengths
 from tests import synthetic
-from tests.helpers import MAX_TOKENS, PROMPTS_B, make_drafter, scripted_batch
+from tests.helpers import MAX_TOKENS, PROMPTS_B, engine_modes, make_drafter, scripted_batch
 
 
 @pytest.fixture
-def passes_compiled():
-    with routing.modes(passes="compiled"):
+def passes_compiled(monkeypatch):
+    """Passes compile in the test: in engines made in it (their default), and passes run alone."""
+    with switch.modes(passes="compiled"):  # first: the defaults resolve without the variable
+        monkeypatch.setenv(compiled.ENV, "compiled")
         yield
 
 
 def test_capacity_follows_the_ladder_only_when_passes_compile():
-    with routing.modes(passes="compiled"):
+    with switch.modes(passes="compiled"):
         assert compiled.capacity(1, 300) == 512
         assert compiled.capacity(4, 512) == 512
         assert compiled.capacity(2, 1500) == 2048
         assert compiled.capacity(1, 5000) == 5000  # beyond the ladder: eager, as allocated
         assert compiled.capacity(compiled.MAX_ROWS + 1, 300) == 300
-    with routing.modes(passes="eager"):
+    with switch.modes(passes="eager"):
         assert compiled.capacity(1, 300) == 300
 
 
@@ -45,10 +47,10 @@ def test_a_compiled_pass_equals_the_eager_pass_on_ragged_rows(tiny_pair):
                                 for k in (1, 2))
         return cache
 
-    with routing.modes(passes="eager"):
+    with switch.modes(passes="eager"):
         eager_cache = fresh()
         want_logits, want_hidden = target.decode_pass(tokens, eager_cache)
-    with routing.modes(passes="compiled"):
+    with switch.modes(passes="compiled"):
         runs = []
         for _ in range(3):  # the first eagerly through the view, then a trace, then a replay
             cache = fresh()
@@ -114,7 +116,7 @@ def test_a_change_of_routing_traces_again(tiny_pair, passes_compiled):
     # loaded machine may choose plain steps only, which stay eager)
     engine = load_engine(*map(str, tiny_pair), adaptive_block=False)
     want = [c.token_ids for c in engine.generate_batch(synthetic.LOSSLESS_PROMPTS, max_tokens=24, batch_size=1)]
-    with routing.modes(attention="reference"):
+    with engine_modes(engine, attention="reference"):
         got = [c.token_ids for c in engine.generate_batch(synthetic.LOSSLESS_PROMPTS, max_tokens=24, batch_size=1)]
     assert got == want
     # a routing per trace, for the chain passes and (trees being the CPU's default) the tree passes alike
@@ -165,7 +167,7 @@ def draft_differences(engine) -> list:
         cache = drafter.make_cache(Lengths(DRAFT_LENGTHS), width)
         for c in cache:  # rows of made-up context, as earlier cycles leave them
             c.keys, c.values = made_up
-        with routing.modes(passes=passes):
+        with switch.modes(passes=passes):
             ids, logits = decode.draft_block(drafter, target, last, context, counts, cache, L - 1, with_logits=True)
         return ids, logits, cache
 
@@ -227,7 +229,7 @@ def test_compiled_drafts_equal_eager_drafts_in_a_batch(tiny_pair, monkeypatch, c
     runs = {}
     for passes in ("eager", "compiled"):
         drafted.clear()
-        with routing.modes(passes=passes):
+        with engine_modes(engine, passes=passes):
             tokens = [c.token_ids for c in engine.generate_batch(prompts, max_tokens=budgets, batch_size=3)]
         runs[passes] = tokens, list(drafted)
     assert runs["compiled"] == runs["eager"]
@@ -255,5 +257,5 @@ def test_draft_passes_stay_eager_where_they_cannot_compile(tiny_pair, passes_com
     assert passes.applies(x, context, cache(512 - L - passes.rows, 512))
     assert not passes.applies(x, context, cache(512 - L - passes.rows + 1, 512))
     assert not passes.applies(x, context, cache(3, 768))
-    with routing.modes(passes="eager"):
+    with switch.modes(passes="eager"):
         assert not passes.applies(x, context, cache(3, 512))

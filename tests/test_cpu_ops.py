@@ -22,7 +22,8 @@ import numpy as np
 import pytest
 from mlx_lm.models.activations import swiglu as mlx_lm_swiglu
 
-from dflash_batch.engine import load_engine, routing
+from dflash_batch.engine import load_engine
+from dflash_batch.engine.ops import switch
 from dflash_batch.engine.ops.kernels import cpu, selfcheck
 
 pytestmark = [pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the CPU ops are built for Linux"),
@@ -125,7 +126,7 @@ def test_sdpa_equals_mlxs_on_the_cpu(B, H, Hk, L, N, mask):
     elif mask == "additive":
         m = mx.random.normal((L, N), key=key)
     want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=m)
-    with routing.modes(cpu_ops="native"):
+    with switch.modes(cpu_ops="native"):
         before = cpu.counters()["softmax"]
         got = cpu.sdpa(q, k, v, 0.125, m)
         assert cpu.counters()["softmax"] == before + 1
@@ -197,7 +198,7 @@ def _passes(engine, cpu_ops: str):
     from tests.helpers import TREE_PROMPT, branchy_trees, prefilled, tree_pass
 
     target, out = engine.target, []
-    with routing.modes(cpu_ops=cpu_ops):
+    with switch.modes(cpu_ops=cpu_ops):
         cache, lengths = prefilled(target, TREE_PROMPT)
         out += list(target.verify(mx.array([list(range(40, 56))]), cache))
         cache, lengths = prefilled(target, TREE_PROMPT, 2)
@@ -227,9 +228,9 @@ def test_the_engines_passes_are_the_same_with_and_without_the_ops(tiny_pair):
 
 
 def test_stock_ops_turn_the_ops_off():
-    with routing.modes(cpu_ops="native"):
+    with switch.modes(cpu_ops="native"):
         assert cpu.active() == (mx.default_device() == mx.cpu)
-        with routing.stock_ops():
+        with switch.stock_ops():
             assert not cpu.active()
         assert cpu.active() == (mx.default_device() == mx.cpu)
 
@@ -246,10 +247,10 @@ def test_the_models_swiglu_is_routed_only_while_the_ops_are_active(tiny_pair):
     owner = sys.modules[type(mlp).__module__]
     assert owner.swiglu is activations.routed_swiglu
     counts = cpu.counters()["swiglu"]
-    with routing.modes(cpu_ops="native"):
+    with switch.modes(cpu_ops="native"):
         a = mlp(x)
     assert cpu.counters()["swiglu"] == counts + 1
-    with routing.stock_ops():
+    with switch.stock_ops():
         b = mlp(x)
     assert cpu.counters()["swiglu"] == counts + 1
     assert identical(a, b) and isinstance(mlp, nn.Module)
@@ -275,8 +276,7 @@ def test_the_engine_says_which_ops_it_runs(tiny_pair):
     """Engine.description["cpu_ops"]: "native" on this Linux CPU (loaded with the engine), "mlx"
     when turned off, and why where they cannot be had."""
     assert load_engine(*map(str, tiny_pair)).description["cpu_ops"] == ("native" if mx.default_device() == mx.cpu else None)
-    with routing.modes(cpu_ops="mlx"):
-        assert load_engine(*map(str, tiny_pair)).description["cpu_ops"] == "mlx"
+    assert load_engine(*map(str, tiny_pair), cpu_ops="mlx").description["cpu_ops"] == "mlx"
 
 
 def test_an_engine_that_cannot_have_the_ops_says_why(tiny_pair, monkeypatch):

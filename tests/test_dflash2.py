@@ -261,14 +261,11 @@ def test_eos_and_budget_cut_inside_a_block(request, fixture):
 
 def test_cycles_verify_chains_with_a_selecting_drafter(q3, monkeypatch):
     """The selector proposes one path per row: no draft tree is grown from it, whatever the mode."""
-    from dflash_batch.engine import routing
-
     target, draft, _ = q3
-    engine = load_engine(target, draft, cost_model=fixed_costs())
+    engine = load_engine(target, draft, cost_model=fixed_costs(), drafts="tree")
     assert engine.description["drafts"] == "chain"
     monkeypatch.setattr(BatchDecoder, "_draft_tree", lambda *a, **k: pytest.fail("a tree cycle ran"))
-    with routing.modes(drafts="tree"):
-        assert engine.generate(PROMPTS[1], max_tokens=20).stats.drafted_tokens > 0
+    assert engine.generate(PROMPTS[1], max_tokens=20).stats.drafted_tokens > 0
 
 
 # -- sampling -------------------------------------------------------------------------------
@@ -296,7 +293,7 @@ def test_compiled_draft_passes_equal_eager_ones(q35, monkeypatch):
     """The drafter's pass replayed from a trace (engine/ops/compiled.py, the default on CUDA),
     convolutions and bidirectional sliding layers included: every cycle's drafts and the output
     are the eager pass's, rows joining and leaving."""
-    from dflash_batch.engine import routing
+    from tests.helpers import engine_modes
 
     target, draft, _ = q35
     engine = load_engine(target, draft, prefill_chunk=64, adaptive_block=False)
@@ -312,7 +309,7 @@ def test_compiled_draft_passes_equal_eager_ones(q35, monkeypatch):
     runs = {}
     for passes in ("eager", "compiled"):
         drafted.clear()
-        with routing.modes(passes=passes):
+        with engine_modes(engine, passes=passes):
             tokens = [c.token_ids for c in engine.generate_batch(PROMPTS, max_tokens=budgets, batch_size=3)]
         runs[passes] = tokens, list(drafted)
     assert runs["compiled"] == runs["eager"] and len(runs["eager"][1]) > 10

@@ -15,7 +15,7 @@ from dflash_batch.engine.models.drafter import ModelArgs, build_target_layer_ids
 from dflash_batch.engine.models.target import Target
 from dflash_batch.engine.ops.batch_cache import Lengths
 from tests import synthetic
-from tests.helpers import fixed_costs, make_drafter
+from tests.helpers import fixed_costs, make_drafter, set_modes
 from tests.helpers import greedy_reference
 from tests.scripting import ScriptedDrafts
 
@@ -30,7 +30,8 @@ def full_accept(zero_head_target, model_dir):
     return load_engine(str(zero_head_target), str(draft), adaptive_block=False)
 
 
-def test_full_block_acceptance_statistics(full_accept, chain_drafts):
+def test_full_block_acceptance_statistics(full_accept, monkeypatch):
+    set_modes(monkeypatch, full_accept, drafts="chain")
     c = full_accept.generate("Hello", max_tokens=50)
     s = c.stats
     assert c.token_ids == [0] * 50 and c.finish_reason == "length"

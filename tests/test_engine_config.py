@@ -12,6 +12,8 @@ from dflash_batch.engine import load_engine
 from dflash_batch.engine import settings as engine_settings
 from dflash_batch.engine.config import FIELDS, EngineConfig
 from dflash_batch.engine.engine import Engine
+from dflash_batch.engine.ops import attention, switch
+from tests.helpers import fixed_costs
 from tests.runner_fixtures import REPO
 
 
@@ -57,3 +59,94 @@ def test_every_engine_variable_is_in_the_one_table():
     table = {v.name: v for v in engine_settings.variables()}
     assert spelled <= set(table), spelled - set(table)
     assert all(v.default and v.doc for v in table.values())
+
+
+@pytest.mark.parametrize("field", [s.field for s in switch.SWITCHES])
+def test_a_routing_mode_is_a_checked_setting_defaulted_from_its_variable(monkeypatch, tmp_path, field):
+    route = switch.BY_FIELD[field]
+    other = next(m for m in route.modes if m != route.elsewhere)
+    monkeypatch.delenv(route.env, raising=False)
+    assert getattr(EngineConfig(), field) == route.elsewhere  # this CPU's default
+    monkeypatch.setenv(route.env, other)
+    assert getattr(EngineConfig(), field) == other
+    assert getattr(EngineConfig(**{field: route.elsewhere}), field) == route.elsewhere  # set in code: first
+    with pytest.raises(ValueError, match=field):
+        load_engine(str(tmp_path / "no-such-model"), None, **{field: "no-such-mode"})
+
+
+def test_two_engines_in_one_process_keep_their_own_routes(tiny_pair):
+    """Two engines of other routing modes and ragged routes, their steps interleaved: each step
+    runs under its own engine's routes, and none leaks to the code between the steps."""
+    a = load_engine(*map(str, tiny_pair), attention="reference", drafts="chain",
+                    cost_model=dataclasses.replace(fixed_costs(), route="sdpa"))
+    b = load_engine(*map(str, tiny_pair), attention="stock", drafts="tree", cost_model=fixed_costs())
+    seen = []
+    route = attention._route
+
+    def spy(q, k, v, min_rows=2):
+        routes = switch.current()
+        seen.append((routes.attention, routes.ragged, routes.drafts))
+        return route(q, k, v, min_rows)
+
+    prompts = ["one two three four five six seven eight", "nine"]  # rows of their own lengths
+    streams = {"a": a.stream_batch(prompts, max_tokens=24), "b": b.stream_batch(prompts, max_tokens=24)}
+    steps = {"a": set(), "b": set()}
+    outputs = {"a": {}, "b": {}}
+    ambient = switch.current()
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(attention, "_route", spy)
+        while streams:
+            for name in list(streams):
+                seen.clear()
+                try:
+                    index, completion = next(streams[name])
+                except StopIteration:
+                    del streams[name]
+                    continue
+                outputs[name][index] = completion.token_ids
+                steps[name] |= set(seen)
+                assert switch.current() == ambient  # nothing left in force between steps
+    assert steps["a"] == {("reference", "sdpa", "chain")}
+    assert steps["b"] == {("stock", "block", "tree")}
+    assert outputs["a"] == outputs["b"]  # lossless both ways
+
+
+def test_the_configuration_reference_is_written_from_the_table():
+    """docs/configuration.md is ``settings.markdown()`` as it stands (regenerate:
+    ``python -m dflash_batch.engine.settings > docs/configuration.md``), one row per variable."""
+    text = (REPO / engine_settings.REFERENCE).read_text()
+    assert text == engine_settings.markdown(), "docs/configuration.md is stale: regenerate it"
+    for variable in engine_settings.variables():
+        assert f"| `{variable.name}` | {variable.default} |" in text
+
+
+def test_the_clis_help_lists_the_engine_variables(capsys):
+    from dflash_batch.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["--help"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert "dflash-batch submit" in out  # the examples still
+    for variable in engine_settings.variables():
+        assert f"{variable.name} (default: {variable.default})" in out
+
+
+def test_steps_run_under_their_routes_to_the_end_even_when_stopped_early():
+    """``switch.stepping``: each step, and the closing of steps a consumer stops reading, under
+    the routes given; the consumer's code between steps under its own."""
+    seen = []
+
+    def steps():
+        try:
+            for i in range(3):
+                seen.append(("step", switch.current().attention))
+                yield i
+        finally:
+            seen.append(("closed", switch.current().attention))
+
+    routes = switch.Routes(attention="reference")
+    stepped = switch.stepping(routes, steps())
+    assert next(stepped) == 0 and switch.current().attention == "stock"
+    stepped.close()
+    assert seen == [("step", "reference"), ("closed", "reference")]

@@ -117,3 +117,20 @@ def test_a_late_long_request_narrows_the_batch_and_one_that_fits_no_row_is_refus
             assert by_id[r.id].token_ids == _alone(engine, r), r.id
     slots = [s for _, s, *_ in watch.cycles]
     assert slots[0] == 3 and 1 in slots and max(slots[slots.index(1):]) == 1, slots  # narrowed, never widened
+
+
+def test_a_runners_request_is_trusted_as_checked_and_a_callers_is_checked(engine, monkeypatch):
+    """The runner's requests were checked as their rows and job were read (``request.Options``):
+    the engine encodes them without checking their options again; ``Engine.request``, the
+    caller's entry, checks them."""
+    from dflash_batch.request import SamplingControls
+
+    def refuse(name, value):
+        raise AssertionError(f"{name} checked again")
+
+    monkeypatch.setattr(SamplingControls, "check", staticmethod(refuse))
+    requests = _requests([4, 6], top_k=3)
+    done = {r.id: c for r, c in engine.generate_requests(iter(requests), 2)}
+    assert all(len(done[r.id].token_ids) == r.options.max_tokens for r in requests)
+    with pytest.raises(AssertionError, match="top_k checked again"):
+        engine.request("Say seven.", max_tokens=4, top_k=3)

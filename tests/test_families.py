@@ -10,9 +10,9 @@ import pytest
 from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 
-from dflash_batch.engine import load_engine, routing
+from dflash_batch.engine import load_engine
 from dflash_batch.engine.models.target import Target
-from dflash_batch.engine.ops import attention, device
+from dflash_batch.engine.ops import attention, device, switch
 from dflash_batch.engine.ops.batch_cache import Lengths, RaggedKVCache
 from tests import families, synthetic
 from tests.helpers import PROMPTS_B, P_WRONG, greedy_reference, scripted_batch
@@ -65,16 +65,15 @@ def test_greedy_dflash_equals_mlx_lm_alone_and_batched(pair, monkeypatch, family
     the verify attention (per-row key lengths, the sliding window) as the GPU kernels run it, and
     "kernel" runs the kernels themselves (sinks: stock SDPA)."""
     target, draft = pair(family)
-    with routing.modes(attention=mode, drafts="chain"):  # trees: the test below
-        engine, script, ids, refs = scripted_batch(target, draft, monkeypatch, PROMPTS, BUDGETS, adaptive_block=False)
-        assert max(map(len, ids)) > 5 * families.WINDOW
-        windows = _windowed_calls(monkeypatch)
-        batched = engine.generate_batch(ids, max_tokens=BUDGETS, batch_size=3)
-        assert [c.token_ids for c in batched] == refs
-        script.references.clear()  # the same corruptions alone as in the batch
-        for n, (i, ref) in enumerate(zip(ids, refs)):
-            script(i + ref + [0] * 16, p_wrong=P_WRONG[n], seed=n)
-        alone = [engine.generate(i, max_tokens=m) for i, m in zip(ids, BUDGETS)]
+    engine, script, ids, refs = scripted_batch(target, draft, monkeypatch, PROMPTS, BUDGETS, adaptive_block=False, attention=mode, drafts="chain")
+    assert max(map(len, ids)) > 5 * families.WINDOW
+    windows = _windowed_calls(monkeypatch)
+    batched = engine.generate_batch(ids, max_tokens=BUDGETS, batch_size=3)
+    assert [c.token_ids for c in batched] == refs
+    script.references.clear()  # the same corruptions alone as in the batch
+    for n, (i, ref) in enumerate(zip(ids, refs)):
+        script(i + ref + [0] * 16, p_wrong=P_WRONG[n], seed=n)
+    alone = [engine.generate(i, max_tokens=m) for i, m in zip(ids, BUDGETS)]
     assert [c.token_ids for c in alone] == refs
     hist = [sum(h) for h in zip(*(c.stats.acceptance_histogram for c in batched))]
     assert hist[1] and sum(map(bool, hist[2:])) >= 4, hist  # drafts rejected, and accepted at many lengths
@@ -90,12 +89,11 @@ def test_moe_target_verifies_draft_trees(pair, monkeypatch):
     from dflash_batch.engine import tree
 
     target, draft = pair("qwen3_moe")
-    with routing.modes(drafts="tree"):
-        engine, _, ids, refs = scripted_batch(target, draft, monkeypatch, PROMPTS, BUDGETS, adaptive_block=False)
-        walked = []
-        real_walk = tree.walk
-        monkeypatch.setattr(tree, "walk", lambda trees, chosen: walked.append(real_walk(trees, chosen)) or walked[-1])
-        batched = engine.generate_batch(ids, max_tokens=BUDGETS, batch_size=3)
+    engine, _, ids, refs = scripted_batch(target, draft, monkeypatch, PROMPTS, BUDGETS, adaptive_block=False, drafts="tree")
+    walked = []
+    real_walk = tree.walk
+    monkeypatch.setattr(tree, "walk", lambda trees, chosen: walked.append(real_walk(trees, chosen)) or walked[-1])
+    batched = engine.generate_batch(ids, max_tokens=BUDGETS, batch_size=3)
     assert [c.token_ids for c in batched] == refs
     assert sum(any(p != list(range(len(p))) for p in paths) for paths in walked) > 3  # branches taken
 
@@ -123,9 +121,8 @@ def test_eos_inside_a_block_per_row(pair, monkeypatch, family):
 def test_compiled_passes_with_sliding_windows(pair, monkeypatch, family):
     """Compiled passes see the whole buffer, so the window lives in their mask and routed call."""
     target, draft = pair(family)
-    with routing.modes(passes="compiled", attention="reference"):
-        engine, _, ids, refs = scripted_batch(target, draft, monkeypatch, PROMPTS, BUDGETS, adaptive_block=False)
-        batched = engine.generate_batch(ids, max_tokens=BUDGETS, batch_size=3)
+    engine, _, ids, refs = scripted_batch(target, draft, monkeypatch, PROMPTS, BUDGETS, adaptive_block=False, passes="compiled", attention="reference")
+    batched = engine.generate_batch(ids, max_tokens=BUDGETS, batch_size=3)
     assert [c.token_ids for c in batched] == refs
     assert engine.target.passes.calls["compiled"] > 0
 
@@ -154,7 +151,7 @@ def test_window_attends_as_mlx_lm_ring_buffer_per_row(route, sinks):
     sink = mx.random.normal((4,)) * 2.0 if sinks else None
     lengths = Lengths([0, 0])
     ours = RaggedKVCache(lengths, window=w)
-    with routing.modes(attention=route):
+    with switch.modes(attention=route):
         before = attention.counters()["routed"]
         for t, T in enumerate(passes):
             at = lengths.host

@@ -19,6 +19,7 @@ import mlx.core as mx
 import pytest
 
 from dflash_batch.engine.ops import attention as routing
+from dflash_batch.engine.ops import switch
 from dflash_batch.engine.ops import device
 from dflash_batch.engine.ops.kernels import attention as ka
 from dflash_batch.engine.ops.kernels import gated_delta as gd
@@ -240,9 +241,8 @@ def test_real_gated_delta_kernels_pass_their_self_check(dtype, state_dtype):
 def metal_routing(monkeypatch):
     """The routing in "kernel" mode, with this CPU device taken for a Metal backend."""
     monkeypatch.setitem(device._known, mx.default_device().type, "metal")
-    routing.set_mode("kernel")
-    yield
-    routing.set_mode(None)
+    with switch.modes(attention="kernel"):
+        yield
 
 
 def attention_calls(window):

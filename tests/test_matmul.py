@@ -13,6 +13,8 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
+from dflash_batch.engine.config import EngineConfig
+from dflash_batch.engine.ops import switch
 from dflash_batch.engine.ops import matmul as routing
 from dflash_batch.engine.ops.kernels import attention as ka
 from dflash_batch.engine.ops.kernels import matmul as km
@@ -215,13 +217,10 @@ def test_install_re_classes_plain_linear_layers_only_and_keeps_parameters():
     assert after.keys() == before.keys() and all(after[k] is before[k] for k in before)
     assert routing.install(model) == 0  # already routed
     # stock mode (the default on the CPU): the layers' own code, bit for bit
-    routing.set_mode("stock")
-    try:
+    with switch.modes(matmul="stock"):
         routed = routing.counters()["routed"]
         assert mx.array_equal(model(ids), want)
         assert routing.counters()["routed"] == routed
-    finally:
-        routing.set_mode(None)
 
 
 def test_routing_sends_few_row_products_of_layer_widths_to_the_kernel(monkeypatch):
@@ -236,21 +235,22 @@ def test_routing_sends_few_row_products_of_layer_widths_to_the_kernel(monkeypatc
 
     monkeypatch.setattr(km, "matmul_kernel", fake_kernel)
     monkeypatch.setattr(km, "kernel_verified", lambda dtype, backend="cuda": True)
-    monkeypatch.setattr(routing, "_routing", True)
-    mx.random.seed(1)
-    model = Tiny()
-    routing.install(model)
-    for rows in (1, 2, 7, 16, 17):
+    monkeypatch.setattr(routing.device, "backend", lambda: "cuda")
+    with switch.modes(matmul="kernel"):
+        mx.random.seed(1)
+        model = Tiny()
+        routing.install(model)
+        for rows in (1, 2, 7, 16, 17):
+            calls.clear()
+            model(mx.zeros((1, rows), dtype=mx.int32))
+            routed = routing.MIN_ROWS <= rows <= routing.MAX_ROWS
+            assert calls == ([(rows, 24), (rows, 16)] if routed else []), rows
         calls.clear()
-        model(mx.zeros((1, rows), dtype=mx.int32))
-        routed = routing.MIN_ROWS <= rows <= routing.MAX_ROWS
-        assert calls == ([(rows, 24), (rows, 16)] if routed else []), rows
-    calls.clear()
-    out = routing.linear(mx.ones((2, 3, 16)), mx.ones((5, 16)), mx.ones((5,)))
-    assert calls == [(6, 5)] and mx.array_equal(out, mx.full((2, 3, 5), 17.0))
-    calls.clear()
-    routing.linear(mx.ones((1, 4, 16)), mx.ones((routing.MAX_OUTPUTS + 1, 16)))  # an LM head's width
-    assert calls == []
+        out = routing.linear(mx.ones((2, 3, 16)), mx.ones((5, 16)), mx.ones((5,)))
+        assert calls == [(6, 5)] and mx.array_equal(out, mx.full((2, 3, 5), 17.0))
+        calls.clear()
+        routing.linear(mx.ones((1, 4, 16)), mx.ones((routing.MAX_OUTPUTS + 1, 16)))  # an LM head's width
+        assert calls == []
 
 
 def test_mode_from_environment(monkeypatch):
@@ -260,7 +260,7 @@ def test_mode_from_environment(monkeypatch):
     with pytest.raises(ValueError, match="expected one of"):
         routing.default_mode()
     with pytest.raises(ValueError):
-        routing.set_mode("fast")
+        EngineConfig(matmul="fast")
 
 
 # --------------------------------------------------------------------------------------------
@@ -289,12 +289,9 @@ def test_cuda_kernel_matches_the_reference(dtype, shape):
 
 
 @cuda_only
-def test_dflash_is_lossless_with_the_kernel_routed(tiny_pair):
+def test_dflash_is_lossless_with_the_kernel_routed(tiny_pair, monkeypatch):
     """Greedy DFlash equals plain decoding with few-row products on the kernel (on CUDA)."""
-    routing.set_mode("kernel")
-    try:
-        before = routing.counters()["routed"]
-        assert_dflash_lossless(*tiny_pair)
-        assert routing.counters()["routed"] > before  # verify and draft passes went through the kernel
-    finally:
-        routing.set_mode(None)
+    monkeypatch.setenv(routing.ENV, "kernel")
+    before = routing.counters()["routed"]
+    assert_dflash_lossless(*tiny_pair)
+    assert routing.counters()["routed"] > before  # verify and draft passes went through the kernel

@@ -122,10 +122,13 @@ def test_plain_steps_attend_as_without_a_drafter_whatever_route_the_warm_up_chos
     """The warm-up of an engine with a drafter picks the ragged route from drafting passes
     (engine/ops/attention.py); an engine without one never sets it. A plain step (one query row
     of a ragged batch) takes the block route on either, so it attends as without a drafter."""
-    from dflash_batch.engine.ops import attention
+    import dataclasses
 
-    attention.set_mode("reference")  # the block route's pure-MLX form, on this CPU
-    attention.set_ragged_route(route)
+    from dflash_batch.engine.ops import attention
+    from tests.helpers import set_modes
+
+    set_modes(monkeypatch, failing_engine, attention="reference")  # the block route's pure-MLX form, on this CPU
+    monkeypatch.setattr(failing_engine, "cost_model", dataclasses.replace(failing_engine.cost_model, route=route))
     calls = []
     real = attention._block_attention
 
@@ -134,10 +137,6 @@ def test_plain_steps_attend_as_without_a_drafter_whatever_route_the_warm_up_chos
         return real(impl, q, k, v, scale, causal, window, kv_len, sinks)
 
     monkeypatch.setattr(attention, "_block_attention", counted)
-    try:
-        prompts = [failing_engine.encode(f"Row {i}: {'tell a story ' * (i + 1)}") for i in range(3)]  # ragged lengths
-        failing_engine.generate_batch(prompts, max_tokens=12, batch_size=3)
-    finally:
-        attention.set_mode(None)
-        attention.set_ragged_route("block")
+    prompts = [failing_engine.encode(f"Row {i}: {'tell a story ' * (i + 1)}") for i in range(3)]  # ragged lengths
+    failing_engine.generate_batch(prompts, max_tokens=12, batch_size=3)
     assert (1, True) in calls  # one-row steps by block attention with per-row key lengths

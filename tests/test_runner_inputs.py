@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -218,6 +219,24 @@ def test_bad_specs_name_the_key(tmp_path, text, message):
     with pytest.raises(SpecError, match=message) as info:
         load_spec(path)
     assert str(path) in str(info.value)
+
+
+def test_validate_checks_a_spec_without_changing_it(tmp_path):
+    """``validate`` returns the spec as the job keeps it (paths resolved, ``stop`` a list, a
+    control of None off, the temperature a float, a draft of "none" None) and leaves the one
+    it was given as it was; a bad value is refused naming its key."""
+    from dflash_batch.runner.spec import validate
+
+    spec = JobSpec(input="in.jsonl", stop="END", temperature=1, top_k=None, draft="none", chat_template_kwargs=None)
+    before = spec.to_dict()
+    checked = validate(spec)
+    assert spec.to_dict() == before
+    assert checked.input == str((Path.cwd() / "in.jsonl").resolve())
+    assert (checked.stop, checked.top_k, checked.draft, checked.chat_template_kwargs) == (["END"], 0, None, {})
+    assert checked.temperature == 1.0 and isinstance(checked.temperature, float)
+    assert validate(checked) == checked  # checking again changes nothing
+    with pytest.raises(SpecError, match=r"'retries' must be an integer >= 0"):
+        validate(JobSpec(input="in.jsonl", retries=-1))
 
 
 def test_missing_spec_file_and_unknown_override(tmp_path):

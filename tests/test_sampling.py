@@ -128,11 +128,8 @@ def _first_children(parents):
 
 @pytest.mark.parametrize("drafts", ["chain", "tree"])
 def test_sampling_keeps_the_target_distribution(tiny_pair, monkeypatch, drafts):
-    tree.set_mode(drafts)  # engine/tree.py: a tree's nodes sample as a chain's positions do
-    try:
-        _keeps_the_target_distribution(tiny_pair, monkeypatch)
-    finally:
-        tree.set_mode(None)
+    monkeypatch.setenv("DFLASH_BATCH_DRAFTS", drafts)  # engine/tree.py: a tree's nodes sample as a chain's positions do
+    _keeps_the_target_distribution(tiny_pair, monkeypatch)
 
 
 def _keeps_the_target_distribution(tiny_pair, monkeypatch):

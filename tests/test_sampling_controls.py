@@ -20,6 +20,7 @@ import pytest
 from dflash_batch.engine import load_engine, sampling
 from dflash_batch.engine.batch import BatchDecoder
 from tests.test_sampling import CLUSTER, chi_square_critical, markov_engine
+from tests.helpers import set_modes
 
 TEMPERATURE = 0.7
 SEEDS = range(80)
@@ -144,10 +145,11 @@ def chain(tiny_pair):
 
 
 @pytest.mark.parametrize("name", list(CONTROLS))
-def test_control_keeps_plain_sampling_distribution(chain, monkeypatch, chain_drafts, name):
-    # chain_drafts: rows with controls verify chains; negative control 1 switches the controls
+def test_control_keeps_plain_sampling_distribution(chain, monkeypatch, name):
+    # chains: rows with controls verify chains; negative control 1 switches the controls
     # off, which would make its rows verify trees, and the scripted drafts here are chains
     engine, logits = chain
+    set_modes(monkeypatch, engine, drafts="chain")
     controls = CONTROLS[name]
     propose_likeliest_path(monkeypatch, logits, controls)
 

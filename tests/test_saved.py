@@ -112,10 +112,8 @@ def _requests(n, budgets, control, **options):
 def test_control_rows_decode_plainly_and_exactly(tiny_pair, monkeypatch, drafts):
     """In a batch whose other rows draft (every draft right, drafting cheap), control rows verify
     no draft: one token a cycle, the target's own greedy output."""
-    from dflash_batch.engine import routing
-
     target, draft = map(str, tiny_pair)
-    engine = load_engine(target, draft, cost_model=CostModel(t0=1.0, t1=0.05, d0=0.5, window=0))
+    engine = load_engine(target, draft, cost_model=CostModel(t0=1.0, t1=0.05, d0=0.5, window=0), drafts=drafts)
     script = ScriptedDrafts(monkeypatch)
     budgets = [30, 24, 30, 17, 9]
     eos = engine.tokenizer.eos_token_ids
@@ -123,8 +121,7 @@ def test_control_rows_decode_plainly_and_exactly(tiny_pair, monkeypatch, drafts)
     for p, ref in zip(_prompts(5), refs):
         script(p + ref + [0] * 16, p_wrong=0.0)
     requests = _requests(5, budgets, control={1, 3})
-    with routing.modes(drafts=drafts):
-        done = {r.id: c for r, c in engine.generate_requests(requests, batch_size=5)}
+    done = {r.id: c for r, c in engine.generate_requests(requests, batch_size=5)}
     for req, ref in zip(requests, refs):
         s = done[req.id].stats
         assert done[req.id].token_ids == ref, req.id

@@ -188,3 +188,14 @@ def test_limits_queue_length_and_max_tokens_cap(tmp_path):
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["content"] == _expected(MESSAGES, 3)
     assert r.json()["usage"]["completion_tokens"] == 3
+
+
+def test_the_served_model_is_named_as_a_job_records_it(tmp_path):
+    """``serve --draft none`` serves plain decoding (no drafter named 'none' is looked for), and a
+    local target is its absolute path: the in-process worker's jobs of the same flags share the
+    engine."""
+    from dflash_batch.server.app import served_spec
+
+    assert served_spec({"draft": "none"}).model["draft"] is None
+    assert served_spec({"target": str(tmp_path)}).model["target"] == str(tmp_path.resolve())
+    assert served_spec({}).model["draft"] == "auto"

@@ -11,10 +11,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from dflash_batch.engine import load_engine, routing, tree
+from dflash_batch.engine import load_engine, tree
+from dflash_batch.engine.ops import switch
 from dflash_batch.engine.models.target import Target
 from dflash_batch.engine.scheduler import CostModel, Scheduler
 from tests.helpers import (
+    set_modes,
     MAX_TOKENS, PROMPTS_B, P_WRONG, TREE_PROMPT, branchy_trees, greedy_reference, prefilled,
     scripted_batch, tree_pass,
 )
@@ -169,7 +171,7 @@ def test_tree_runs_equal_the_targets_greedy_output(qwen3_target, qwen3_b8, monke
     assert branched > 10, branched  # the walk left the top chain many times
     assert len(moved) == branched < len(walked)  # the cache moves only then: the top chain is nodes 1..k
     tree_tokens = sum(c.stats.accepted_tokens for c in batched)
-    tree.set_mode("chain")
+    set_modes(monkeypatch, engine, drafts="chain")
     script.references.clear()
     for n, (i, ref) in enumerate(zip(ids, refs)):
         script(i + ref + [0] * 16, p_wrong=P_WRONG[n], seed=n)
@@ -281,7 +283,7 @@ def test_a_compiled_tree_pass_equals_the_eager_one(tiny_pair, rows):
     cache, lengths = prefilled(target, TREE_PROMPT, rows)
     want_logits, want_hidden = tree_pass(target, cache, lengths, trees)
     T = len(trees.tokens[0])
-    with routing.modes(passes="compiled"):
+    with switch.modes(passes="compiled"):
         for _ in range(3):  # the first eagerly through the view, then a trace, then a replay
             wide, wide_lengths = prefilled(target, TREE_PROMPT, rows)
             _on_the_ladder(wide)
@@ -299,21 +301,18 @@ def test_a_compiled_tree_pass_equals_the_eager_one(tiny_pair, rows):
 def test_tree_runs_with_compiled_passes_equal_the_targets_greedy_output(qwen3_target, qwen3_b8, monkeypatch, tree_drafts):
     """Scripted tree runs with compiled passes (engine/ops/compiled.py): mlx-lm's greedy output, batch
     1 and 3, and the tree passes were replayed, not rebuilt each cycle."""
-    with routing.modes(passes="compiled"):
-        engine, _, ids, refs = scripted_batch(qwen3_target, qwen3_b8, monkeypatch, PROMPTS_B, MAX_TOKENS,
-                                              adaptive_block=False)
-        traced = []
-        for batch_size in (1, 3):
-            batched = engine.generate_batch(ids, max_tokens=MAX_TOKENS, batch_size=batch_size)
-            assert [c.token_ids for c in batched] == refs
-        passes = engine.target.passes
-        assert any(key[-1] == "tree" for key in passes._compiled)
-        assert passes.calls["compiled"] > 3 * passes.traced, passes.calls
+    engine, _, ids, refs = scripted_batch(qwen3_target, qwen3_b8, monkeypatch, PROMPTS_B, MAX_TOKENS,
+                                          adaptive_block=False, passes="compiled")
+    for batch_size in (1, 3):
+        batched = engine.generate_batch(ids, max_tokens=MAX_TOKENS, batch_size=batch_size)
+        assert [c.token_ids for c in batched] == refs
+    passes = engine.target.passes
+    assert any(key[-1] == "tree" for key in passes._compiled)
+    assert passes.calls["compiled"] > 3 * passes.traced, passes.calls
 
 
 def test_the_engine_says_what_its_drafting_cycles_verify(tiny_pair, tree_drafts):
     target, draft = tiny_pair
     assert load_engine(str(target), str(draft)).description["drafts"] == "tree"
     assert load_engine(str(target), None).description["drafts"] is None  # no drafter: no drafting cycles
-    tree.set_mode("chain")
-    assert load_engine(str(target), str(draft)).description["drafts"] == "chain"
+    assert load_engine(str(target), str(draft), drafts="chain").description["drafts"] == "chain"

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from dflash_batch.engine import load_engine, warmup
-from dflash_batch.engine.ops import attention
+from dflash_batch.engine.ops import attention, switch
 
 
 @pytest.fixture
@@ -86,12 +86,10 @@ def test_the_faster_ragged_route_is_kept(engine, monkeypatch):
     for fast in attention.RAGGED_ROUTES:
         fake_passes(monkeypatch, lambda B, T, fast=fast: 1.0 if attention.ragged_route() == fast else 2.0)
         monkeypatch.setattr(warmup, "_routes_differ", lambda: True)
-        try:
-            attention.set_ragged_route("sdpa" if fast == "block" else "block")
+        with switch.modes(ragged="sdpa" if fast == "block" else "block"):
             cost = warmup.measure_costs(engine, 8, 256)
-            assert attention.ragged_route() == fast == cost.route
-        finally:
-            attention.set_ragged_route("block")
+        assert cost.route == fast
+        assert engine.settings.routes(cost.route).ragged == fast  # the job's steps run under it
 
 
 def test_every_width_is_timed_where_cost_is_not_linear_in_the_width(engine, monkeypatch):

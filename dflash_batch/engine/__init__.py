@@ -6,7 +6,9 @@ from .ops.blas import keep_compiled_kernels, preload_blas
 preload_blas()  # before mlx.core is imported anywhere below
 keep_compiled_kernels()  # before MLX's CUDA backend first compiles a kernel
 
-from .engine import Engine, load_engine  # noqa: E402
+from .engine import Engine, load_engine, pick_dtype  # noqa: E402
 from .models.loading import load_drafter, load_target, resolve_model_path  # noqa: E402
+from .ops.switch import stock_ops  # noqa: E402  (mlx-lm's own ops on a model an engine routes)
 
-__all__ = ["Engine", "load_engine", "load_drafter", "load_target", "resolve_model_path", "preload_blas"]
+__all__ = ["Engine", "load_engine", "pick_dtype", "load_drafter", "load_target", "resolve_model_path", "preload_blas",
+           "stock_ops"]

@@ -421,7 +421,8 @@ class BatchDecoder:
         An adaptive scheduler chooses a tree's width again from its drafts, so any drafting width
         starts one."""
         drafting = T > 2 or (T == 2 and not self.scheduler.fixed)
-        return (drafting and self.drafter is not None and not self.drafter.selects and self.target.trees and tree.mode() == "tree"
+        return (drafting and self.drafter is not None and not self.drafter.selects and self.target.trees
+                and self.engine.settings.drafts == "tree"
                 and all(r is None or (r.plain and r.request.logprobs is None) for r in self.rows))
 
     def _draft_tree(self, last: mx.array, width: int) -> List[tree.Prefixes]:

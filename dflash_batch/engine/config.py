@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Optional
 
+from .ops import switch
 from .scheduler import CostModel
 
 PREFIX_CACHE_MB = 1024  # memory for shared prompt prefixes, by default
@@ -34,7 +35,12 @@ class EngineConfig:
         memory holds fewer).
     cost_model: the pass costs the adaptive width is chosen from, in place of timing passes at
         warm-up (engine/scheduler.py); with ``window=0`` no timing steers the widths, so runs
-        choose the same widths on any machine under any load (tests).
+        choose the same widths on any machine under any load (tests). Its ``route`` is the
+        ragged attention route the engine's runs take (None: "block").
+    attention, matmul, passes, drafts, cpu_ops: the routing modes (engine/ops/switch.py,
+        ``SWITCHES``); None: the environment variable, else the backend's default. This
+        engine's steps run under them, whatever another engine in the process chose; they are
+        read at each run, so ``dataclasses.replace`` on ``Engine.settings`` switches them.
     """
 
     block_size: Optional[int] = None
@@ -47,8 +53,15 @@ class EngineConfig:
     max_context: Optional[int] = None
     batch_size: Optional[int] = None
     cost_model: Optional[CostModel] = None
+    attention: Optional[str] = None
+    matmul: Optional[str] = None
+    passes: Optional[str] = None
+    drafts: Optional[str] = None
+    cpu_ops: Optional[str] = None
 
     def __post_init__(self):
+        for route in switch.SWITCHES:
+            setattr(self, route.field, route.resolve(getattr(self, route.field)))
         if self.prefill_chunk is not None and self.prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be at least 1, got {self.prefill_chunk}")
         if self.prefill_tokens is not None and self.prefill_tokens < 1:
@@ -60,6 +73,13 @@ class EngineConfig:
     def prefix_mb(self) -> float:
         """Memory for shared prompt prefixes, the default resolved; 0: none kept."""
         return PREFIX_CACHE_MB if self.prefix_cache_mb is None else self.prefix_cache_mb
+
+    def routes(self, ragged: Optional[str] = None) -> switch.Routes:
+        """The routing modes, with ``ragged`` the ragged route (None: the cost model's, else
+        "block")."""
+        if ragged is None:
+            ragged = (self.cost_model.route if self.cost_model is not None else None) or "block"
+        return switch.Routes(**{route.field: getattr(self, route.field) for route in switch.SWITCHES}, ragged=ragged)
 
 
 FIELDS = tuple(f.name for f in fields(EngineConfig))

@@ -24,12 +24,12 @@ from .. import checks, constraints
 from ..errors import Cancelled, Requeued
 from ..inbox import Ticket
 from ..request import CONTROLS, SamplingControls, sample_seed
-from . import cost_tables, decode, memory, prefill, tree, warmup
+from . import cost_tables, decode, memory, prefill, warmup
 from .batch import BatchDecoder, EncodedRequest
 from .config import EngineConfig
 from .models import loading, registry
 from .models.target import Target
-from .ops import activations, attention, device, matmul
+from .ops import activations, attention, device, matmul, switch
 from .ops.kernels import cpu
 from .scheduler import CostModel, NodeCalibration, Scheduler, pooled_acceptance
 from .waiting import Waiting
@@ -68,6 +68,8 @@ class Engine:
         self.loaded_drafter = drafter  # the one ``use_drafter(None)`` goes back to
         self.drafter_revision: Optional[str] = None  # a job's adapted drafter in use (use_drafter)
         self.target = Target(model)
+        # The one process-wide act: mlx-lm's model files call the routed attention and SwiGLU,
+        # which ask the routes in force (this engine's, while it steps: engine/ops/switch.py).
         attention.install(model)  # verify passes: multi-row attention routed per backend
         matmul.install(model)  # and few-row products (engine/ops/matmul.py)
         activations.install(model)  # SwiGLU by the CPU ops where they run (engine/ops/activations.py)
@@ -98,9 +100,11 @@ class Engine:
         self.acceptance = pooled_acceptance(self.block_size)
         self.node_calibration = NodeCalibration(max(self.block_size - 1, 0))  # draft trees' nodes, likewise
         self.shapes_seen: set = set()  # (rows, width, key bucket) of the cycles run so far
+        with switch.use(settings.routes()):
+            cpu_ops = cpu.in_force()
         self.description = dict(description or {}, block_size=self.block_size, adaptive_block=self.adaptive_block,
                                 draft_vocab=None if self.draft_head is None else len(self.draft_head),
-                                drafts=_drafts(self.drafter, self.target), cpu_ops=cpu.in_force())
+                                drafts=_drafts(self.drafter, self.target, settings.drafts), cpu_ops=cpu_ops)
         self.loaded_draft = self.description.get("draft")
         self._grammars = None  # engine/grammar.py, built when a request first has a grammar
         # True: constrained rows pick their drafts under their grammar (Grammars.draft). Off by default:
@@ -239,21 +243,28 @@ class Engine:
                     given[name] = SamplingControls.check(name, value)
                 except checks.BadValue as e:
                     raise GenerationError(f"{name} {e}") from None
-        controls = SamplingControls(**given)
-        ids = self.encode(prompt, **prompt_options)
-        if not ids:
-            raise EmptyPromptError("prompt encodes to no tokens")
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise GenerationError(f"max_tokens must be an integer of at least 1, got {max_tokens!r}")
         if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
             raise GenerationError(f"temperature must be a finite number >= 0, got {temperature!r}")
+        return self._encoded(prompt, max_tokens, float(temperature), stop, seed, index, SamplingControls(**given),
+                             **prompt_options)
+
+    def _encoded(self, prompt: Prompt, max_tokens: int, temperature: float, stop: Optional[Sequence[str]],
+                 seed: Optional[int], index: int, controls: SamplingControls, **prompt_options) -> EncodedRequest:
+        """Encode one prompt whose options are checked: by ``request``, or as the runner read its
+        row and job (``request.Options``: ``row_options``, ``runner.spec.validate``). Refuses only
+        what depends on the model: an empty prompt, one too long for its context."""
+        ids = self.encode(prompt, **prompt_options)
+        if not ids:
+            raise EmptyPromptError("prompt encodes to no tokens")
         if self.max_context and len(ids) >= self.max_context:
             raise PromptTooLongError(f"prompt has {len(ids)} tokens; the target's context is {self.max_context}")
         if self.max_context:
             max_tokens = min(max_tokens, self.max_context - len(ids))
         want_logprobs = controls.logprobs or controls.top_logprobs > 0
         return EncodedRequest(
-            ids, max_tokens, float(temperature), seed, tuple(stop or ()), index, controls=controls,
+            ids, max_tokens, temperature, seed, tuple(stop or ()), index, controls=controls,
             logprobs=controls.top_logprobs if want_logprobs else None, grammar=constraints.grammar(controls.response_format),
         )
 
@@ -301,11 +312,24 @@ class Engine:
         if not requests:
             return
         slots = self.plan_batch(requests, batch_size)
-        decoder = BatchDecoder(self, requests, slots, self._scheduler(slots, requests), capacity=self._positions(requests))
+        decoder = self._decoder(requests, slots, self._scheduler(slots, requests), capacity=self._positions(requests))
         for index, completion in self._completions(decoder):
             if isinstance(completion, Exception):
                 raise completion  # one request's failure ends a call that yields only completions
             yield index, completion
+
+    def _decoder(self, requests, slots: int, scheduler: Scheduler, **kw) -> BatchDecoder:
+        """A decoder whose steps run under this engine's routes, with the ragged route its cost
+        model chose (engine/ops/switch.py): never another engine's, nor its consumer's."""
+        with switch.use(self._routes(scheduler)):
+            return BatchDecoder(self, requests, slots, scheduler, **kw)
+
+    def _steps(self, decoder: BatchDecoder) -> Iterator[Tuple[Optional[int], Any]]:
+        """The decoder's steps, each run under this engine's routes."""
+        return switch.stepping(self._routes(decoder.scheduler), decoder.steps())
+
+    def _routes(self, scheduler: Scheduler) -> switch.Routes:
+        return self.settings.routes(scheduler.cost.route)
 
     def _completions(self, decoder: BatchDecoder,
                      on_piece: Optional[Callable[[int, Piece], None]] = None) -> Iterator[Tuple[Optional[int], Any]]:
@@ -316,7 +340,7 @@ class Engine:
         self.prefill_counts = decoder.group.counts
         self.decode_counts = decoder.decode_counts
         parts: Dict[int, List[Piece]] = {}
-        for index, piece in decoder.steps():
+        for index, piece in self._steps(decoder):
             if index is None:
                 yield None, None
                 continue
@@ -358,7 +382,7 @@ class Engine:
         count = itertools.count()
 
         def encode(req) -> List[EncodedRequest]:
-            first = self.request(req.prompt, index=0, **req.options.as_kwargs())
+            first = self._checked(req, 0)
             first.control = getattr(req, "control", False)  # decoded plainly, as a check (docs/runner.md)
             plan.take(self._positions([first]))
             samples = _samples(first, getattr(req.options, "n", 1), item=str(req.id))
@@ -411,7 +435,7 @@ class Engine:
             return
         slots = min(plan.rows, len(waiting)) if waiting.done and inbox is None else plan.rows
         hooks = dict(urgent=urgent, cancelled=cancelled) if inbox is not None else {}
-        decoder = BatchDecoder(self, waiting, slots, self._scheduler(slots, waiting.peeked()), plan=plan,
+        decoder = self._decoder(waiting, slots, self._scheduler(slots, waiting.peeked()), plan=plan,
                                capacity=plan.longest, **hooks)
         try:
             for index, completion in self._completions(decoder, on_piece if inbox is not None else None):
@@ -434,6 +458,13 @@ class Engine:
             raise
         yield from _drain(refused)
 
+    def _checked(self, req: "request_type.Request", index: int) -> EncodedRequest:
+        """A runner's request encoded: its options were checked as its row and job were read."""
+        options = req.options
+        return self._encoded(req.prompt, options.max_tokens, float(options.temperature), options.stop, options.seed,
+                             index, options.controls(), system=options.system, chat_template=options.chat_template,
+                             chat_template_kwargs=options.chat_template_kwargs)
+
     def generate_batch(self, prompts: Sequence[Prompt], *args, n: int = 1, **kwargs) -> List[Completion]:
         """``stream_batch`` collected in input order: prompt i's samples at ``i * n .. i * n + n - 1``."""
         out: List[Optional[Completion]] = [None] * (len(prompts) * n)
@@ -452,8 +483,8 @@ class Engine:
     ) -> Iterator[Piece]:
         """Yield text as it is committed (one Piece per target pass); the last carries stats."""
         request = self.request(prompt, max_tokens, temperature, stop, seed, **prompt_options)
-        decoder = BatchDecoder(self, [request], 1, self._scheduler(1, [request]))
-        for _, piece in decoder.steps():
+        decoder = self._decoder([request], 1, self._scheduler(1, [request]))
+        for _, piece in self._steps(decoder):
             if isinstance(piece, Exception):
                 raise piece
             yield piece
@@ -495,8 +526,6 @@ class Engine:
         cost = self.cost_model
         if cost is None:
             cost = self._measured_cost(slots, requests)
-        if cost.route is not None:
-            attention.set_ragged_route(cost.route)
         return Scheduler(self.block_size, cost, job=self.acceptance, nodes=self.node_calibration)
 
     def _measured_cost(self, slots: int, requests: Sequence[EncodedRequest]) -> CostModel:
@@ -541,7 +570,8 @@ class Engine:
         table = cost_tables.key(self, batch_size, warmup.context_bucket(context or 0)) if self.keep_costs else None
         cost = cost_tables.load(table) if table is not None and not measure else None
         if cost is None:
-            cost = warmup.measure_costs(self, batch_size, context)
+            with switch.use(self.settings.routes()):
+                cost = warmup.measure_costs(self, batch_size, context)
             self.measured_passes += 1
             if table is not None:
                 cost_tables.save(table, cost)
@@ -552,12 +582,12 @@ class Engine:
         return cost
 
 
-def _drafts(drafter, target) -> Optional[str]:
+def _drafts(drafter, target, mode: str) -> Optional[str]:
     """What a drafting cycle verifies, as the engine was loaded (engine/tree.py): "tree" or "chain",
     None without a drafter."""
     if drafter is None:
         return None
-    return tree.mode() if target.trees and not drafter.selects else "chain"
+    return mode if target.trees and not drafter.selects else "chain"
 
 
 def _typical_context(requests: Sequence[EncodedRequest]) -> int:
@@ -604,7 +634,7 @@ def _completion(pieces: List[Piece]) -> Completion:
     )
 
 
-def _pick_dtype(dtype: Optional[str]) -> Optional[mx.Dtype]:
+def pick_dtype(dtype: Optional[str]) -> Optional[mx.Dtype]:
     """fp32 on CPU (bf16 and quantized matmuls are slow there); as stored on a GPU."""
     if dtype is None or dtype == "auto":
         return mx.float32 if device.on_cpu() else None
@@ -643,10 +673,11 @@ def load_engine(
         dtype: "auto" (fp32 on CPU, as stored on GPU), "float32", "bfloat16" or "float16".
         options: the engine's settings, ``EngineConfig``'s fields (block_size, adaptive_block,
             prefill_chunk, prefill_tokens, prefill_rows, prefix_cache_mb, prefix_granularity,
-            max_context, batch_size, cost_model), checked before any model is loaded.
+            max_context, batch_size, cost_model, and the routing modes attention, matmul,
+            passes, drafts, cpu_ops), checked before any model is loaded.
     """
     settings = EngineConfig(**options)
-    mx_dtype = _pick_dtype(dtype)
+    mx_dtype = pick_dtype(dtype)
     if target is None:
         target, default_draft = registry.default_pair()
         if draft == AUTO:

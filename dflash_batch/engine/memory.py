@@ -30,11 +30,10 @@ def default_batch_cap() -> int:
 
 def default_prefill() -> tuple:
     """(prompt tokens per prefill pass of one prompt, most tokens in one packed pass). On a CPU
-    a pass's attention scores (chunk x keys, per head) must stay in cache: the default pair
-    prefilled a 2,048-token prompt in 4.97 s in chunks of 512 and in 8.40 s in one
-    (``benchmarks/cpu_ops --prefill-chunk``, the 2-core VM, 2026-11-27). An ad-hoc sweep (not
-    kept) found chunks of 256 and 384 no faster and 768 slower, and 8 prompts of 500 tokens 7%
-    faster in packed passes of up to 4,096 tokens than of up to 8,192."""
+    a pass's attention scores (chunk x keys, per head) must stay in cache, so a long prompt
+    prefills faster in chunks of 512 than in one pass, and packed passes of a few prompts are
+    faster capped at 4,096 tokens than at 8,192 (the measurements, with their command:
+    docs/results/engine-floors.md)."""
     return (512, 4096) if device.on_cpu() else (2048, 8192)
 
 

@@ -21,8 +21,9 @@ first pass at a wide batch, run untimed) and costs a line in the rows it verifie
 pass of even a small pair costs tens of milliseconds: there the warm-up times each pass once (a
 pass under CHEAP_PASS, a tiny model's, as on a GPU), verify passes of 1 and PROBE_WIDTH rows
 only (the line through them gives the other widths; a job of one row times the block too, and
-reads the widths between from the three), and the drafter over that many new context rows. On the default pair at batch 8 that is 6 timed passes and 1 untimed, about 1 s on the
-2-core VM, where the GPU's way runs about 30 (4.1 s, a fifth of the README's job).
+reads the widths between from the three), and the drafter over that many new context rows. On
+the default pair at batch 8 that is 6 timed passes and 1 untimed, where the GPU's way runs about
+30 (what each costs: docs/results/engine-floors.md).
 
 On a GPU backend whose block attention is a kernel, the ragged route (engine/ops/attention.py) is
 chosen here too: the target and drafter passes at the job's batch size are timed with block
@@ -40,7 +41,7 @@ import mlx.core as mx
 
 from . import decode
 from .models import hybrid
-from .ops import attention, compiled
+from .ops import attention, compiled, switch
 from .ops import device
 from .ops.batch_cache import Lengths, round_up
 from .scheduler import CostModel, PROBE_WIDTH, Scheduler
@@ -59,23 +60,36 @@ def context_bucket(context: int) -> int:
 
 
 def measure_costs(engine, batch_size: int, context: Optional[int] = None) -> CostModel:
-    """Time the passes (module doc) and fit the cost model; sets the ragged route on a GPU."""
+    """Time the passes (module doc) and fit the cost model, with the ragged route chosen (a GPU's)."""
     n = max(int(context or SHORT_CONTEXT), 4)
     block = max(engine.block_size, 2)
     targets: Dict[Tuple[int, int], float] = {}
     drafts: Dict[int, float] = {}
+    route = switch.current().ragged
     if batch_size > 1 and _routes_differ():
         timed = {}  # route -> (target(batch_size, block), draft(batch_size))
         for route in attention.RAGGED_ROUTES:
-            attention.set_ragged_route(route)
-            passes = _Passes(engine, batch_size, n)
-            timed[route] = (passes.target(block), passes.draft() if engine.drafter is not None else 0.0)
+            with switch.modes(ragged=route):
+                passes = _Passes(engine, batch_size, n)
+                timed[route] = (passes.target(block), passes.draft() if engine.drafter is not None else 0.0)
             del passes
         route = min(timed, key=lambda r: sum(timed[r]))
-        attention.set_ragged_route(route)
         targets[(batch_size, block)] = timed[route][0]  # timed already: not again below
         if engine.drafter is not None:
             drafts[batch_size] = timed[route][1]
+    with switch.modes(ragged=route):
+        _time_widths(engine, batch_size, n, block, targets, drafts)
+    mx.clear_cache()  # the timing batches' buffers: the job allocates its own (see batch.py: steps)
+    cost = CostModel.fit(targets, drafts)
+    cost.context = n
+    cost.route = route
+    cost.rows, cost.timed = batch_size, {T: s for (B, T), s in targets.items() if B == batch_size}
+    return cost
+
+
+def _time_widths(engine, batch_size: int, n: int, block: int, targets: Dict[Tuple[int, int], float],
+                 drafts: Dict[int, float]) -> None:
+    """Time target passes at the widths chosen among, and drafter passes, at batch 1 and the job's."""
     quick = _quick()
     for i, B in enumerate(sorted({1, batch_size}, reverse=quick)):
         passes = _Passes(engine, B, n)
@@ -96,12 +110,6 @@ def measure_costs(engine, batch_size: int, context: Optional[int] = None) -> Cos
         if engine.drafter is not None and B not in drafts:
             drafts[B] = passes.draft()
         del passes
-    mx.clear_cache()  # the timing batches' buffers: the job allocates its own (see batch.py: steps)
-    cost = CostModel.fit(targets, drafts)
-    cost.context = n
-    cost.route = attention.ragged_route()
-    cost.rows, cost.timed = batch_size, {T: s for (B, T), s in targets.items() if B == batch_size}
-    return cost
 
 
 def _quick() -> bool:
@@ -113,12 +121,10 @@ def _first_widths(B: int, block: int, quick: bool, alone: bool = False) -> list:
     """The verify widths timed at batch size B before any linearity check. A GPU times three at
     the job's batch size, a job of one row (``alone``) included: at batch 1 a pass of a small
     target is mostly kernel launches, so T > 1 costs about the same at every width and the line
-    through T = 1 and the block overrates the widths between (the default pair on an H200: 3.7 ms
-    at T = 1, 7.2 at 16, and cycles of T = 4 and 16 within 1.4 ms of each other). On the CPU, a
-    job of one row also times the block: there a pass's fixed cost of reading the weights
-    shades into compute as T grows, so its cost is not a line in T (the default pair on the
-    2-core VM: T = 1, 4, 8, 16 cost 52, 71, 80, 100 ms, where the line through 1 and 4 says 152
-    at 16); at batch 8 it is one (94, 164, 298, 514 ms at T = 1, 4, 8, 16)."""
+    through T = 1 and the block overrates the widths between. On the CPU, a job of one row also
+    times the block: there a pass's fixed cost of reading the weights shades into compute as T
+    grows, so its cost is not a line in T at batch 1; at batch 8 it is one (the default pair's
+    figures: docs/results/engine-floors.md)."""
     if quick:
         return sorted({1, min(PROBE_WIDTH, block)} | ({block} if alone else set()))
     return sorted({1, block // 2, block} if B > 1 or alone else {1, block})
@@ -158,9 +164,9 @@ class _Passes:
         self.hidden = None
 
     def prime(self) -> None:
-        """One untimed pass: what a process pays once at its first pass of a batch this wide (70
-        to 300 ms at batch 8 on the 2-core VM, not the BLAS's start: a matmul first does not
-        take it) is the job's cost either way, not a pass's."""
+        """One untimed pass: what a process pays once at its first pass of a batch this wide (up to
+        several passes' worth on a CPU; not the BLAS's start: a matmul first does not take it)
+        is the job's cost either way, not a pass's."""
         mx.eval(self._verify(1)())
 
     def target(self, T: int) -> float:

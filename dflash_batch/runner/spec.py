@@ -25,13 +25,13 @@ import string
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Callable, Dict, List, Optional, Union
 
 import orjson
 
 from .. import checks
 from ..errors import SpecError
-from ..request import CONTROLS, MAX_SAMPLES, Options, SamplingControls, resolve_options
+from ..request import CONTROLS, Options, SamplingControls, resolve_options, samples, stops
 from .items import Fields, _template_keys
 
 MODEL_KEYS = ("target", "target_revision", "draft", "draft_revision", "dtype", "block_size", "max_context",
@@ -56,51 +56,239 @@ CRON_ALIASES = {"@hourly": "0 * * * *", "@daily": "0 0 * * *", "@midnight": "0 0
                 "@weekly": "0 0 * * 0", "@monthly": "0 0 1 * *"}  # fmt: skip
 
 
+# -- each field's check ----------------------------------------------------------------------
+# A check takes a field's value and returns it as the job keeps it, or raises ``checks.BadValue``
+# with a message that does not name the key (``validate`` names it).
+
+def _string(value):
+    if value is not None and not isinstance(value, str):
+        raise checks.BadValue(f"must be a string, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _filled(value):
+    """A string, not empty: "" would mean the current folder."""
+    if _string(value) is not None and not value.strip():
+        raise checks.BadValue("is empty")
+    return value
+
+
+def _input(value):
+    return str(Path(_filled(value)).expanduser().resolve())
+
+
+def _name(value):
+    return checks.plain_name(value) if _string(value) is not None else None
+
+
+def _revision(value):
+    return checks.revision(value) if _string(value) is not None else None
+
+
+def _one_of(*choices: str):
+    def check(value):
+        if value not in choices:
+            raise checks.BadValue(f"must be {', '.join(choices[:-1])} or {choices[-1]}, got {value!r}")
+        return value
+    return check
+
+
+def _dtype(value):
+    return _one_of("auto", "float32", "bfloat16", "float16")(_string(value))
+
+
+def _integer(low: int, null: Optional[str] = None):
+    """An integer >= ``low``; None too where ``null`` says what it means."""
+    def check(value):
+        if value is None and null is not None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            says = f" (or null: {null})" if null is not None else ""
+            raise checks.BadValue(f"must be an integer >= {low}{says}, got {checks.show(value)}")
+        return value
+    return check
+
+
+def _count(value):
+    """None, or an integer >= 0."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise checks.BadValue(f"must be a non-negative integer, got {checks.show(value)}")
+    return value
+
+
+def _megabytes(value):
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                              or not 0 <= value < float("inf")):
+        raise checks.BadValue(f"must be a number >= 0 (0: no prefix sharing; null: the default), got {checks.show(value)}")
+    return value
+
+
+def _stop(value):
+    return [] if value is None else stops(value)
+
+
+def _flag(value):
+    if not isinstance(value, bool):
+        raise checks.BadValue(f"must be true or false, got {value!r}")
+    return value
+
+
+def _chat_template(value):
+    if value not in (None, True, False):
+        raise checks.BadValue(f"must be true, false or null (auto), got {value!r}")
+    return value
+
+
+def _json(value):
+    """Values the job record can hold as JSON."""
+    try:
+        orjson.dumps(value)
+    except TypeError as e:
+        raise checks.BadValue(f"must hold only JSON values (mappings with string keys, lists, strings, "
+                              f"numbers, booleans, null): {e}") from None  # fmt: skip
+    return value
+
+
+def _template_kwargs(value):
+    value = {} if value is None else value
+    if not isinstance(value, dict):
+        raise checks.BadValue(f"must be a mapping, got {value!r}")
+    checks.nesting(value)  # before a deep copy or the hash walks it
+    return _json(value)
+
+
+def _prompt_template(value):
+    if _string(value) is None:
+        return None
+    try:
+        string.Template(value).substitute({k: "" for k in _template_keys(value)})
+    except (ValueError, KeyError) as e:
+        raise checks.BadValue(f"is malformed ({e}); use $field or ${{field}}, and $$ for a dollar sign") from None
+    if not _template_keys(value):
+        raise checks.BadValue("uses no $field: every row would get the same prompt")
+    return value
+
+
+def _output_dir(value):
+    if _filled(value) is None:
+        return None
+    try:
+        placeholders = [(f, s, c) for _, f, s, c in string.Formatter().parse(value) if f is not None]
+    except ValueError:  # an unmatched brace
+        placeholders = [(None, "", None)]
+    if any(f not in OUTPUT_DIR_FIELDS or s or c for f, s, c in placeholders):
+        raise checks.BadValue("may use only the placeholders {home}, {name}, {date} and {time}, as they are "
+                              f"({{{{ and }}}} for literal braces), got {checks.show(value)}")  # fmt: skip
+    return value
+
+
+def _schedule(value):
+    if value is not None:
+        try:
+            cron_fields(value)
+        except ValueError as e:
+            raise checks.BadValue(str(e)) from None
+    return value
+
+
+def _control(name: str):
+    """A sampling control of the job: None is the control's off value."""
+    off = CONTROLS[name]
+
+    def check(value):
+        value = off if value is None else SamplingControls.check(name, value)
+        return _json(value) if name == "response_format" else value
+    return check
+
+
+def _share(value):
+    """``control``: a share of the rows from 0 to 1."""
+    try:
+        share = 0.0 if value is None else checks.finite_number(value)
+    except checks.BadValue:
+        share = -1.0
+    if not 0 <= share <= 1:
+        raise checks.BadValue("must be a number from 0 to 1 (the share of rows decoded plainly as a check of "
+                              f"what speculation saved, e.g. 0.1), got {checks.show(value)}")
+    return share
+
+
+def _adapt(plan):
+    """``adapt:``: a mapping with ``after_rows`` and optionally the other ``ADAPT_KEYS``."""
+    if plan is None:
+        return None
+    if not isinstance(plan, dict) or "after_rows" not in plan:
+        raise checks.BadValue(f"must be a mapping with after_rows (and time_budget, steps, min_rows), "
+                              f"got {checks.show(plan)}")  # fmt: skip
+    for key, value in plan.items():
+        if key not in ADAPT_KEYS:
+            raise checks.BadValue(f"has an unknown key {key!r}{_suggest(key, ADAPT_KEYS)}")
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not number or value < ADAPT_KEYS[key] or (key != "time_budget" and not isinstance(value, int)):
+            kind = "a number of seconds" if key == "time_budget" else "an integer"
+            raise checks.BadValue(f"{key} must be {kind} >= {ADAPT_KEYS[key]}, got {checks.show(value)}")
+    return plan
+
+
+def _option(default, check: Callable[[Any], Any]):
+    """A field with its default and its check, side by side."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"check": check})
+    return field(default=default, metadata={"check": check})
+
+
 @dataclass
 class JobSpec(SamplingControls):
     """A fully resolved job: what to read, which model, how to sample, where to write. The
     sampling controls (``request.SamplingControls``: top_k ... response_format, for rows without
-    their own) are inherited fields, keys of the YAML ``sampling`` section."""
+    their own) are inherited fields, keys of the YAML ``sampling`` section. Each field is written
+    with its default and its check (``validate``)."""
 
-    input: Optional[str] = None
-    name: Optional[str] = None
-    input_format: str = "auto"  # auto | jsonl | openai | parquet
-    id_field: Optional[str] = None  # None: "id", then "custom_id", then derived
-    prompt_field: str = "prompt"
-    messages_field: str = "messages"
-    output_dir: Optional[str] = None  # default: {home}/results/{name}; may use {home} {name} {date} {time}
-    system_prompt: Optional[str] = None
-    prompt_template: Optional[str] = None  # string.Template over row fields: "Summarize:\n\n$text"
-    chat_template: Optional[bool] = None  # None: use the tokenizer's template when it has one
-    chat_template_kwargs: Dict[str, Any] = field(default_factory=dict)
+    input: Optional[str] = _option(None, _input)  # required: a JSONL or Parquet file
+    name: Optional[str] = _option(None, _name)
+    input_format: str = _option("auto", _one_of("auto", "jsonl", "openai", "parquet"))
+    id_field: Optional[str] = _option(None, _filled)  # None: "id", then "custom_id", then derived
+    prompt_field: str = _option("prompt", _filled)
+    messages_field: str = _option("messages", _filled)
+    # default: {home}/results/{name}; may use {home} {name} {date} {time}
+    output_dir: Optional[str] = _option(None, _output_dir)
+    system_prompt: Optional[str] = _option(None, _string)
+    # string.Template over row fields: "Summarize:\n\n$text"
+    prompt_template: Optional[str] = _option(None, _prompt_template)
+    chat_template: Optional[bool] = _option(None, _chat_template)  # None: the tokenizer's, if it has one
+    chat_template_kwargs: Dict[str, Any] = _option({}, _template_kwargs)
     # model
-    target: Optional[str] = None  # None: the embedded default pair
-    target_revision: Optional[str] = None
-    draft: Optional[str] = "auto"  # "auto": the registered drafter; None: plain autoregressive
-    draft_revision: Optional[str] = None
-    dtype: str = "auto"
-    block_size: Optional[int] = None
-    max_context: Optional[int] = None
-    prefix_cache_mb: Optional[float] = None  # shared prompt prefixes kept (None: the engine's default; 0: off; not in the hash)
+    target: Optional[str] = _option(None, _filled)  # None: the embedded default pair
+    target_revision: Optional[str] = _option(None, _revision)
+    draft: Optional[str] = _option("auto", _string)  # "auto": the registered drafter; None: plain AR
+    draft_revision: Optional[str] = _option(None, _revision)
+    dtype: str = _option("auto", _dtype)
+    block_size: Optional[int] = _option(None, _count)
+    max_context: Optional[int] = _option(None, _count)
+    # shared prompt prefixes kept (None: the engine's default; 0: off; not in the hash)
+    prefix_cache_mb: Optional[float] = _option(None, _megabytes)
     # sampling
-    max_tokens: int = 256  # for rows without their own max_tokens
-    max_tokens_cap: Optional[int] = None  # no row generates more, whatever it asks for
-    temperature: float = 0.0
-    seed: Optional[int] = None
-    stop: List[str] = field(default_factory=list)
-    n: int = 1  # samples per row (each its own result row, ``sample_index``), for rows without their own n
+    max_tokens: int = _option(256, _integer(1))  # for rows without their own max_tokens
+    # no row generates more, whatever it asks for
+    max_tokens_cap: Optional[int] = _option(None, _integer(1, "no cap"))
+    temperature: float = _option(0.0, checks.temperature)
+    seed: Optional[int] = _option(None, _count)
+    stop: List[str] = _option([], _stop)
+    # samples per row (each its own result row, ``sample_index``), for rows without their own n
+    n: int = _option(1, samples)
     # running
-    chunk_size: int = 64
-    batch_size: Optional[int] = None  # rows decoded together; None: what memory allows (not in the hash)
+    chunk_size: int = _option(64, _integer(1))
+    # rows decoded together; None: what memory allows (not in the hash)
+    batch_size: Optional[int] = _option(None, _integer(1, "what memory allows"))
     # the share of rows decoded plainly in the drafting batch, as a check of what speculation saved
     # (``request.control_row`` picks them; docs/runner.md); their output is the same: not in the hash
-    control: float = 0.0
-    schedule: Optional[str] = None  # cron expression (UTC)
-    catch_up: bool = True  # a run missed while no worker was up is submitted once at start-up
-    retries: int = 0
-    export_openai: bool = False  # also write _openai_output.jsonl when a job completes
-    force: bool = False  # accept an output dir written with another config hash
-    adapt: Optional[Dict[str, Any]] = None  # {after_rows, time_budget, steps, min_rows}: see ADAPT_KEYS
+    control: float = _option(0.0, _share)
+    schedule: Optional[str] = _option(None, _schedule)  # cron expression (UTC)
+    catch_up: bool = _option(True, _flag)  # a run missed while no worker was up: submitted at start-up
+    retries: int = _option(0, _integer(0))
+    export_openai: bool = _option(False, _flag)  # also write _openai_output.jsonl as a job completes
+    force: bool = _option(False, _flag)  # accept an output dir written with another config hash
+    adapt: Optional[Dict[str, Any]] = _option(None, _adapt)  # {after_rows, time_budget, steps, min_rows}: ADAPT_KEYS
 
     # -- derived ---------------------------------------------------------------------------
     @property
@@ -236,9 +424,7 @@ def load_spec(source: Union[str, Path, Dict[str, Any], None] = None, **overrides
             raise SpecError(f"unknown option {key!r}{_suggest(key, known)}")
         if value is not None:
             data[key] = value
-    spec = JobSpec(**data)
-    validate(spec, where)
-    return spec
+    return validate(JobSpec(**data), where)
 
 
 def _read_yaml(path: Path) -> Dict[str, Any]:
@@ -351,154 +537,33 @@ def _suggest(key, choices) -> str:
 
 
 # -- validation ------------------------------------------------------------------------------
-def validate(spec: JobSpec, where: str = "spec") -> None:
-    def bad(key, message):
-        raise SpecError(f"{where}: {key!r} {message}")
-
+def validate(spec: JobSpec, where: str = "spec") -> JobSpec:
+    """``spec`` checked, field by field (each field's check, written beside it), as the job
+    keeps it: a copy with paths resolved, the model named as jobs record it (``recorded_model``),
+    ``stop`` a list, controls of None off. ``spec`` itself is not changed. Raises ``SpecError``
+    naming the first bad key."""
     if spec.input is None:
-        bad("input", "is required (a JSONL or Parquet file)")
-    for key in ("input", "name", "id_field", "prompt_field", "messages_field", "output_dir", "system_prompt",
-                "prompt_template", "target", "target_revision", "draft", "draft_revision", "dtype"):  # fmt: skip
-        value = getattr(spec, key)
-        if value is not None and not isinstance(value, str):
-            bad(key, f"must be a string, got {type(value).__name__} {value!r}")
-    for key in ("input", "output_dir", "target", "id_field", "prompt_field", "messages_field"):
-        if getattr(spec, key) is not None and not getattr(spec, key).strip():  # "" would mean the current folder
-            bad(key, "is empty")
-    spec.input = str(Path(spec.input).expanduser().resolve())
-    if spec.name is not None:
-        try:
-            checks.plain_name(spec.name)
-        except checks.BadValue as e:
-            bad("name", str(e))
-    for key in ("target_revision", "draft_revision"):
-        if getattr(spec, key) is not None:
-            try:
-                checks.revision(getattr(spec, key))
-            except checks.BadValue as e:
-                bad(key, str(e))
-    for key, value in recorded_model(spec.model).items():
-        setattr(spec, key, value)
-    if spec.input_format not in ("auto", "jsonl", "openai", "parquet"):
-        bad("input_format", f"must be auto, jsonl, openai or parquet, got {spec.input_format!r}")
-    if spec.dtype not in ("auto", "float32", "bfloat16", "float16"):
-        bad("dtype", f"must be auto, float32, bfloat16 or float16, got {spec.dtype!r}")
-    for f in dataclasses.fields(spec):  # job records and hashes store integers in 64 bits
+        raise SpecError(f"{where}: 'input' is required (a JSONL or Parquet file)")
+    fields = dataclasses.fields(spec)
+    for f in fields:  # job records and hashes store integers in 64 bits
         value = getattr(spec, f.name)
         if isinstance(value, int) and not isinstance(value, bool) and abs(value) > checks.MAX_SEED:
-            bad(f.name, f"must be at most 2**64 - 1, got {checks.show(value)}")
-    for key, low in (("max_tokens", 1), ("chunk_size", 1), ("retries", 0)):
-        value = getattr(spec, key)
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            bad(key, f"must be an integer >= {low}, got {checks.show(value)}")
-    if spec.batch_size is not None:
-        value = spec.batch_size
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            bad("batch_size", f"must be an integer >= 1 (or null: what memory allows), got {checks.show(value)}")
-    value = spec.prefix_cache_mb
-    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf")):
-        bad("prefix_cache_mb", f"must be a number >= 0 (0: no prefix sharing; null: the default), got {checks.show(value)}")
-    _check_control(spec, bad)
-    if isinstance(spec.n, bool) or not isinstance(spec.n, int) or not 1 <= spec.n <= MAX_SAMPLES:
-        bad("n", f"must be an integer from 1 to {MAX_SAMPLES}, got {checks.show(spec.n)}")
-    if spec.max_tokens_cap is not None:
-        value = spec.max_tokens_cap
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            bad("max_tokens_cap", f"must be an integer >= 1 (or null: no cap), got {checks.show(value)}")
-    for key in ("block_size", "max_context", "seed"):
-        value = getattr(spec, key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-            bad(key, f"must be a non-negative integer, got {checks.show(value)}")
-    if spec.seed is not None and spec.seed > checks.MAX_SEED:
-        bad("seed", f"must be at most 2**64 - 1, got {spec.seed}")
-    try:
-        spec.temperature = checks.temperature(spec.temperature)
-    except checks.BadValue as e:
-        bad("temperature", str(e))
-    for key, off in CONTROLS.items():
-        if getattr(spec, key) is None:
-            setattr(spec, key, off)
-        else:
-            try:
-                setattr(spec, key, SamplingControls.check(key, getattr(spec, key)))
-            except checks.BadValue as e:
-                bad(key, str(e))
-    if isinstance(spec.stop, str):
-        spec.stop = [spec.stop]
-    if spec.stop is None:
-        spec.stop = []
-    if not isinstance(spec.stop, list) or not all(isinstance(s, str) and s for s in spec.stop):
-        bad("stop", f"must be a string or a list of non-empty strings, got {spec.stop!r}")
-    if spec.chat_template not in (None, True, False):
-        bad("chat_template", f"must be true, false or null (auto), got {spec.chat_template!r}")
-    if spec.chat_template_kwargs is None:
-        spec.chat_template_kwargs = {}
-    if not isinstance(spec.chat_template_kwargs, dict):
-        bad("chat_template_kwargs", f"must be a mapping, got {spec.chat_template_kwargs!r}")
-    try:
-        checks.nesting(spec.chat_template_kwargs)  # before a deep copy or the hash walks it
-    except checks.BadValue as e:
-        bad("chat_template_kwargs", str(e))
-    for key in ("chat_template_kwargs", "response_format"):  # the job record holds them as JSON
+            raise SpecError(f"{where}: {f.name!r} must be at most 2**64 - 1, got {checks.show(value)}")
+    checked = {}
+    for f in fields:
         try:
-            orjson.dumps(getattr(spec, key))
-        except TypeError as e:
-            bad(key, f"must hold only JSON values (mappings with string keys, lists, strings, "
-                f"numbers, booleans, null): {e}")  # fmt: skip
-    for key in ("export_openai", "force", "catch_up"):
-        if not isinstance(getattr(spec, key), bool):
-            bad(key, f"must be true or false, got {getattr(spec, key)!r}")
-    if spec.prompt_template is not None:
-        try:
-            string.Template(spec.prompt_template).substitute({k: "" for k in _template_keys(spec.prompt_template)})
-        except (ValueError, KeyError) as e:
-            bad("prompt_template", f"is malformed ({e}); use $field or ${{field}}, and $$ for a dollar sign")
-        if not _template_keys(spec.prompt_template):
-            bad("prompt_template", "uses no $field: every row would get the same prompt")
-    if spec.output_dir is not None:
-        try:
-            placeholders = [(f, s, c) for _, f, s, c in string.Formatter().parse(spec.output_dir) if f is not None]
-        except ValueError:  # an unmatched brace
-            placeholders = [(None, "", None)]
-        if any(f not in OUTPUT_DIR_FIELDS or s or c for f, s, c in placeholders):
-            bad("output_dir", "may use only the placeholders {home}, {name}, {date} and {time}, as they are "
-                f"({{{{ and }}}} for literal braces), got {checks.show(spec.output_dir)}")  # fmt: skip
-    _check_adapt(spec.adapt, bad)
-    if spec.schedule is not None:
-        try:
-            cron_fields(spec.schedule)
-        except ValueError as e:
-            bad("schedule", str(e))
+            checked[f.name] = _CHECKS[f.name](getattr(spec, f.name))
+        except checks.BadValue as e:
+            raise SpecError(f"{where}: {f.name!r} {e}") from None
+    checked.update(recorded_model({key: checked[key] for key in MODEL_KEYS}))
+    if checked["control"] > 0 and checked["draft"] is None:
+        raise SpecError(f"{where}: 'control' needs a drafter: with no draft every row is decoded plainly already")
+    return dataclasses.replace(spec, **checked)
 
 
-def _check_adapt(plan, bad) -> None:
-    if plan is None:
-        return
-    if not isinstance(plan, dict) or "after_rows" not in plan:
-        bad("adapt", f"must be a mapping with after_rows (and time_budget, steps, min_rows), got {checks.show(plan)}")
-    for key, value in plan.items():
-        if key not in ADAPT_KEYS:
-            bad("adapt", f"has an unknown key {key!r}{_suggest(key, ADAPT_KEYS)}")
-        number = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if not number or value < ADAPT_KEYS[key] or (key != "time_budget" and not isinstance(value, int)):
-            kind = "a number of seconds" if key == "time_budget" else "an integer"
-            bad("adapt", f"{key} must be {kind} >= {ADAPT_KEYS[key]}, got {checks.show(value)}")
-
-
-def _check_control(spec: JobSpec, bad) -> None:
-    """``control``: a share of the rows from 0 to 1, and a drafter to decode the others with."""
-    if spec.control is None:
-        spec.control = 0.0
-    try:
-        share = checks.finite_number(spec.control)
-    except checks.BadValue:
-        share = -1.0
-    if not 0 <= share <= 1:
-        bad("control", "must be a number from 0 to 1 (the share of rows decoded plainly as a check of "
-            f"what speculation saved, e.g. 0.1), got {checks.show(spec.control)}")
-    if share > 0 and spec.draft is None:
-        bad("control", "needs a drafter: with no draft every row is decoded plainly already")
-    spec.control = share
+_CHECKS: Dict[str, Callable[[Any], Any]] = {
+    **{f.name: f.metadata["check"] for f in dataclasses.fields(JobSpec)}, **{name: _control(name) for name in CONTROLS},
+}
 
 
 def cron_fields(expression) -> Dict[str, str]:

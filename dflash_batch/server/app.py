@@ -6,6 +6,7 @@ unchanged. An API key, when set, is required (``Authorization: Bearer KEY``) on 
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import logging
 import socket
@@ -22,7 +23,7 @@ from starlette.requests import Request
 from starlette.responses import FileResponse, HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
-from ..runner.spec import DEFAULT_TARGET_NAME, JobSpec
+from ..runner.spec import DEFAULT_TARGET_NAME, MODEL_KEYS, JobSpec, recorded_model
 from .batches import EXTENSION, Batches
 from .errors import ApiError, bad_request
 from .files import FileStore, Limits
@@ -191,8 +192,11 @@ def _page(items, after: Optional[str], limit: int) -> Dict[str, Any]:
 def served_spec(overrides: Dict[str, Any]) -> JobSpec:
     """The job settings interactive requests are answered with: the served model and
     ``--max-tokens``, else the defaults (a job of the same flags loads the same model)."""
-    return JobSpec(**{k: overrides[k] for k in ("target", "draft", "max_tokens", "max_tokens_cap")
-                      if k in overrides})  # fmt: skip
+    given = {k: overrides[k] for k in ("target", "draft", "max_tokens", "max_tokens_cap") if k in overrides}
+    spec = JobSpec(**given)
+    # the model named as a job of these flags records it (``--draft none``: no drafter), so the
+    # in-process worker's jobs of this model share its engine
+    return dataclasses.replace(spec, **recorded_model({k: getattr(spec, k) for k in MODEL_KEYS}))
 
 
 def model_list(overrides: Dict[str, Any]) -> list:

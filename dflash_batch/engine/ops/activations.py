@@ -4,7 +4,7 @@ values, a thirtieth of the time on a Linux CPU).
 mlx-lm model files (llama, qwen2, qwen3, ...) call ``swiglu`` imported by name from
 ``mlx_lm.models.activations``; ``install`` points that name, in the model's own modules, at
 ``routed_swiglu``, which runs mlx-lm's own wherever the CPU ops are not active (a GPU, macOS,
-``routing.stock_ops()``).
+``switch.stock_ops()``).
 """
 
 from __future__ import annotations

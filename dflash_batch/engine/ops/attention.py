@@ -1,13 +1,13 @@
 """Which attention a verify or draft pass runs: stock SDPA or the two-pass block attention.
 
 On MLX's CUDA backend, ``mx.fast.scaled_dot_product_attention`` with more than one query row
-costs 35-52 ms whenever the key length differs from the previous call (0.14 ms when it repeats).
-A DFlash cycle grows the KV cache every time, so every verify pass and every draft pass would
-pay it. Routing sends attention with 2..MAX_ROWS query rows to
-``kernels.attention.block_attention_*``, whose kernels are compiled once per dtype and head dim.
+costs tens of milliseconds whenever the key length differs from the previous call, a fraction
+of one when it repeats (docs/gpu-attention.md). A DFlash cycle grows the KV cache every time, so
+every verify pass and every draft pass would pay it. Routing sends attention with 2..MAX_ROWS
+query rows to ``kernels.attention.block_attention_*``, whose kernels are compiled once per dtype and head dim.
 Single-row decode steps and long prefill chunks keep stock SDPA.
 
-Modes (``set_mode``, or the environment variable DFLASH_BATCH_ATTENTION):
+Modes (``Routes.attention``: ``EngineConfig(attention=...)``, else DFLASH_BATCH_ATTENTION):
     stock      stock SDPA everywhere (default on CPU, and on Metal, where the kernels are untested)
     kernel     the CUDA / Metal kernels (default on CUDA), each after its self-check
                (``block.kernel_verified``: once per process and kind of call; a kernel that fails
@@ -15,8 +15,8 @@ Modes (``set_mode``, or the environment variable DFLASH_BATCH_ATTENTION):
     reference  the same two passes in MLX ops (any backend; used by the tests)
 
 Ragged batches (rows of their own lengths: ``RaggedKVCache``) have a second choice, the
-*ragged route* (``set_ragged_route``): "block" sends them to the block attention above with
-per-row key lengths; "sdpa" to stock SDPA over the cache's bucketed key width (a multiple of 256,
+*ragged route* (``Routes.ragged``, a field of the engine's cost model): "block" sends them to
+the block attention above with per-row key lengths; "sdpa" to stock SDPA over the cache's bucketed key width (a multiple of 256,
 so few distinct shapes per job) with a per-row bool mask. Which is faster depends on the backend,
 the batch and the context (stock SDPA's fused multi-row path against our kernels), so the engine
 times both at warm-up (``engine/warmup.py``) and keeps the faster for its passes of several rows;
@@ -49,47 +49,25 @@ from .batch_cache import RaggedKVCache
 from .kernels import attention as block
 from .kernels import cpu
 
-MODES = ("stock", "kernel", "reference")
-RAGGED_ROUTES = ("block", "sdpa")
-ENV = "DFLASH_BATCH_ATTENTION"
+ROUTE = switch.BY_FIELD["attention"]
+MODES = tuple(ROUTE.modes)
+RAGGED_ROUTES = switch.RAGGED_ROUTES
+ENV = ROUTE.env
 MAX_ROWS = 64  # more query rows than this (prefill chunks) stay on stock SDPA
 
 _stock_sdpa = mlx_lm_base.scaled_dot_product_attention
-_resolved: Optional[str] = None  # the mode in force, resolved once
 _counts: Dict[str, int] = {"routed": 0, "stock": 0}
-_ragged_route = "block"
-
-
-_switch = switch.Switch("attention", ENV, MODES, cuda="kernel", elsewhere="stock")
-default_mode = _switch.default  # DFLASH_BATCH_ATTENTION if set, else "kernel" on CUDA and "stock" elsewhere
-
-
-def set_mode(mode: Optional[str]) -> None:
-    """Choose the mode for the whole process; None returns to the default."""
-    global _resolved
-    _switch.set(mode)
-    _resolved = None
+default_mode = ROUTE.default  # the variable if set, else "kernel" on CUDA and "stock" elsewhere
 
 
 def mode() -> str:
-    """The mode in force (the default is resolved on first use and kept)."""
-    global _resolved
-    if _resolved is None:
-        _resolved = _switch.mode()
-    return _resolved
-
-
-def set_ragged_route(route: str) -> None:
-    """How ragged batches attend: "block" (block attention with per-row key lengths) or "sdpa"
-    (stock SDPA over the bucketed cache with a per-row mask). Both see exactly the same keys."""
-    if route not in RAGGED_ROUTES:
-        raise ValueError(f"ragged route must be one of {RAGGED_ROUTES}, got {route!r}")
-    global _ragged_route
-    _ragged_route = route
+    """The mode in force (``switch.current``)."""
+    return switch.current().attention
 
 
 def ragged_route() -> str:
-    return _ragged_route
+    """The ragged route in force (``switch.current``)."""
+    return switch.current().ragged
 
 
 def counters() -> Dict[str, int]:
@@ -99,7 +77,7 @@ def counters() -> Dict[str, int]:
 
 def _route(q: mx.array, k: mx.array, v: mx.array, min_rows: int = 2) -> Optional[str]:
     """The implementation to use for these arrays ("kernel" / "reference"), or None for stock."""
-    chosen = _resolved or mode()
+    chosen = switch.current().attention
     if chosen == "stock" or not min_rows <= q.shape[2] <= MAX_ROWS:
         return None
     if chosen == "kernel" and (device.gpu() is None or block.unsupported(q, k, v)):
@@ -141,7 +119,7 @@ def target_sdpa(queries, keys, values, cache, scale: float, mask, sinks=None) ->
     # A plain step (one query row) takes the block route whatever the warm-up chose: the choice
     # is timed on drafting passes, and a plain cycle with a drafter attached must run as it runs
     # without one (where no warm-up ever sets the route). A draft tree's pass attends by its mask.
-    if ours and not cache.lengths.uniform and (_ragged_route == "block" or queries.shape[2] == 1):
+    if ours and not cache.lengths.uniform and (switch.current().ragged == "block" or queries.shape[2] == 1):
         impl = _route_sinks(queries, keys, values, sinks, min_rows=1)
         if impl is not None:
             kv_len = cache.lengths.device + queries.shape[2]
@@ -186,7 +164,7 @@ def drafter_attention(
     sliding layer's block bidirectional (DFlash 2: only the context is windowed)."""
     causal = window is not None if causal is None else causal
     if kv_len is not None:
-        impl = _route(q, keys, values) if _ragged_route == "block" else None
+        impl = _route(q, keys, values) if switch.current().ragged == "block" else None
         if impl is not None:
             return _block_attention(impl, q, keys, values, scale, causal=causal, window=window, kv_len=kv_len)
         _counts["stock"] += 1

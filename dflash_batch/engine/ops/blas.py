@@ -1,8 +1,9 @@
 """Backend set-up that must happen before ``mlx.core`` is imported: a fast BLAS on Linux CPU, and
 MLX's CUDA kernel cache kept in the model cache.
 
-The ``mlx[cpu]`` wheel links a reference BLAS (fp32 GEMM at 2-5 GFLOP/s). Loading an optimised
-CBLAS with RTLD_GLOBAL first makes MLX's ``cblas_sgemm`` resolve to it (35-80x faster).
+The ``mlx[cpu]`` wheel links a reference BLAS, an order of magnitude and more slower at fp32 GEMM
+than an optimised one (README, "Linux CPU"). Loading an optimised CBLAS with RTLD_GLOBAL first
+makes MLX's ``cblas_sgemm`` resolve to it.
 """
 
 from __future__ import annotations

@@ -2,9 +2,9 @@
 and the drafter's pass.
 
 At batch 1 on a GPU a verify pass is as much host as device: every cycle the host builds, in
-Python, a graph of 850-1,500 operations, 1.3-4.5 ms of a 4-10 ms pass on H200s (docs/results/batched.md,
-"A few-row matmul kernel"). A compiled pass is traced once per shape; later calls replay MLX's
-own record of it, with its elementwise chains fused, and the custom kernels' calls are built once.
+Python, a graph of some thousand operations, a large share of the pass (docs/results/batched.md, "A
+few-row matmul kernel", with its measurements). A compiled pass is traced once per shape; later
+calls replay MLX's own record of it, with its elementwise chains fused, and the custom kernels' calls are built once.
 
 Its shapes must not change from cycle to cycle, so the pass sees the batch's K/V buffers whole,
 at a fixed width, with the rows' lengths n_b as a device array: the ragged batch's pass
@@ -23,11 +23,10 @@ A batch that compiles allocates its buffers on a ladder of widths (``capacity``:
 trace. Wider caches, more than MAX_ROWS rows, plain one-token steps, GatedDeltaNet targets (their
 tape) and prefill run eagerly, as before.
 
-Measured on an H200 (default pair, batch 1; docs/batched.md, "Compiled passes"): a pass of 2-16
-rows 4.0-6.7 ms against 7.1-9.3 eager, the host's share 0.6-0.75 ms against 3.4-3.6; the
-adaptive engine 2.30x ``mlx_lm.stream_generate`` against 1.68x eager, in one process.
+What it saves the host, and the engine's speed with and without it: docs/batched.md,
+"Compiled passes".
 
-Modes (``set_mode``, or the environment variable DFLASH_BATCH_PASSES):
+Modes (``Routes.passes``: ``EngineConfig(passes=...)``, else DFLASH_BATCH_PASSES):
     eager      the pass is built in Python every time (the default on the CPU and on Metal)
     compiled   traced once per key and shape (the default on CUDA)
 
@@ -36,8 +35,8 @@ in Python while tracing), so each combination has its own compiled function. The
 under a new combination runs eagerly through the same view: the kernels' self-checks evaluate
 arrays, which a trace cannot.
 
-The drafter's pass (``CompiledDraft``; about 2.1 ms at batch 1 on an H200, built eagerly every
-cycle before) compiles the same way, under the same mode, rows and ladder. Its shapes change
+The drafter's pass (``CompiledDraft``, mostly host time at batch 1 when built eagerly every
+cycle) compiles the same way, under the same mode, rows and ladder. Its shapes change
 from cycle to cycle twice over: the new context rows S (what the last cycle kept, more after
 plain cycles) and the draft cache's keys. Both are fixed here: the context is padded to P = the
 drafter's block size rows, with each row's count c_b on the device, and the cache is seen whole.
@@ -51,8 +50,8 @@ The pass is the drafter's ragged one (engine/models/drafter.py: ``Attention._rag
 so below each row's new length n_b + c_b it leaves exactly what the eager pass leaves; past it,
 scratch that the next pass overwrites before it reads it. The LM head stays outside (its rows
 follow the verify width). More than P new rows, a batch with no room for the P padding rows,
-and caches off the ladder take the eager pass. On an H200 at batch 1 it costs 1.95 ms against 2.52
-eager (docs/batched.md, "Compiled passes").
+and caches off the ladder take the eager pass (its cost against the eager pass: docs/batched.md,
+"Compiled passes").
 """
 
 from __future__ import annotations
@@ -61,22 +60,26 @@ from typing import Dict, List, Optional, Tuple
 
 import mlx.core as mx
 
-from . import attention, matmul, switch
+from . import switch
 from .batch_cache import RaggedKVCache, put_columns, tree_visible, visible
 from .rope import TokenPositions
 
-MODES = ("eager", "compiled")
-ENV = "DFLASH_BATCH_PASSES"
+ROUTE = switch.BY_FIELD["passes"]
+MODES = tuple(ROUTE.modes)
+ENV = ROUTE.env
 MAX_ROWS = 8  # wider batches are device-bound: building their graph is a small part of a pass
 MIN_WIDTH = 2  # a plain step (T = 1) stays eager: stock SDPA's one-row kernel over the live keys costs
-               # the device less than the routed attention over the whole buffer (H200: about 3.1
-               # against 4.3 ms a pass), more than the host would save
+               # the device less than the routed attention over the whole buffer, by more than
+               # the host would save (docs/batched.md, "Compiled passes")
 LADDER = (512, 1024, 2048, 4096)  # buffer widths a compiling batch allocates; wider caches stay eager
 
-_switch = switch.Switch("pass", ENV, MODES, cuda="compiled", elsewhere="eager")
-default_mode = _switch.default  # DFLASH_BATCH_PASSES if set, else "compiled" on CUDA and "eager" elsewhere
-set_mode = _switch.set  # for the whole process; None returns to the default
-mode = _switch.mode
+default_mode = ROUTE.default  # the variable if set, else "compiled" on CUDA and "eager" elsewhere
+
+
+def mode() -> str:
+    """The mode in force (``switch.current``)."""
+    return switch.current().passes
+
 
 
 def capacity(rows: int, positions: int) -> int:
@@ -157,7 +160,8 @@ class _Traces:
         """The pass to call now: this routing's trace, or, the first time under a routing, the pass
         itself run eagerly, so that kernels check themselves outside a trace. ``kind`` keeps
         passes of other inputs apart (a draft tree's)."""
-        routing = (attention.mode(), attention.ragged_route(), matmul.mode(), kind)
+        routes = switch.current()
+        routing = (routes.attention, routes.ragged, routes.matmul, kind)
         run = self._compiled.get(routing)
         if run is None:
             self._compiled[routing] = mx.compile(self._pass)
@@ -248,4 +252,5 @@ def _reassign(cache: list, keys: List[mx.array], values: List[mx.array]) -> None
         c.keys, c.values = k, v
 
 
-__all__ = ["CompiledDraft", "CompiledPasses", "ENV", "LADDER", "MAX_ROWS", "MIN_WIDTH", "MODES", "capacity", "default_mode", "mode", "set_mode"]
+__all__ = ["CompiledDraft", "CompiledPasses", "ENV", "LADDER", "MAX_ROWS", "MIN_WIDTH", "MODES", "capacity",
+           "default_mode", "mode"]

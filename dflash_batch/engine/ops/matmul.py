@@ -7,18 +7,17 @@ two or more to cuBLAS, which costs about twice as much per product at these size
 weight of at most MAX_OUTPUTS rows to ``kernels.matmul``; everything else (one row, prefill
 chunks, wide batches, LM heads, quantized layers) runs as before, through the layer's own code.
 
-Modes (``set_mode``, or the environment variable DFLASH_BATCH_MATMUL):
+Modes (``Routes.matmul``: ``EngineConfig(matmul=...)``, else DFLASH_BATCH_MATMUL):
     stock    MLX's matmul everywhere (the default on the CPU and on Metal)
     kernel   the CUDA kernel for few-row products (the default on CUDA), after its self-check
              (``kernels.matmul.kernel_verified``: once per process and dtype; a kernel that fails
              it warns once and MLX's matmul runs in its place)
 
-Measured on H200s (default pair; docs/results/batched.md, "A few-row matmul kernel"): the kernel takes a
-third to a half of cuBLAS's device time per product, but each call costs the host 4-7 us more,
-and a verify pass at batch 1 is as much host as device, so a pass timed alone costs about the
-same. In decoding, where the host builds the verify graph while the device drafts, the engine at
-batch 1 was faster with it in three A/B runs (adaptive width: +6%, +8% and +18%), and the
-README's job at batch 8 ran the same (the engine 1.85x ``batch_generate`` with it, 1.89x without).
+Why it is the default on CUDA (docs/results/batched.md, "A few-row matmul kernel", with the figures):
+the kernel takes less device time per product than cuBLAS but more host time per call, and a
+verify pass at batch 1 is as much host as device, so a pass timed alone costs about the same; in
+decoding, where the host builds the verify graph while the device drafts, the engine at batch 1
+was faster with it, and a batch of 8 ran the same.
 
 ``install`` re-classes, in place, the ``nn.Linear`` layers of a model as ``RoutedLinear``: the same
 parameters, the same module tree; only ``__call__`` asks the route first.
@@ -35,27 +34,23 @@ from . import switch
 from . import device
 from .kernels import matmul as kernel
 
-MODES = ("stock", "kernel")
-ENV = "DFLASH_BATCH_MATMUL"
-# Where the kernel beats MLX's matmul on an H200 (benchmarks/small_matmul.py): 2 to 16 rows, and
-# outputs up to a layer's width; one row is MLX's gemv, and over an LM head's 49,152 outputs
-# cuBLAS is faster from 4 rows on (the kernel re-reads x for every pair of columns).
+ROUTE = switch.BY_FIELD["matmul"]
+MODES = tuple(ROUTE.modes)
+ENV = ROUTE.env
+# Where the kernel beats MLX's matmul (benchmarks/small_matmul.py): 2 to 16 rows, and outputs up
+# to a layer's width; one row is MLX's gemv, and over an LM head's width cuBLAS is faster from a
+# few rows on (the kernel re-reads x for every pair of columns).
 MIN_ROWS = 2
 MAX_ROWS = 16
 MAX_OUTPUTS = 8192
 
-_routing: Optional[bool] = None  # resolved: whether few-row products go to the kernel
 _counts: Dict[str, int] = {"routed": 0}
-_switch = switch.Switch("matmul", ENV, MODES, cuda="kernel", elsewhere="stock")
-default_mode = _switch.default  # DFLASH_BATCH_MATMUL if set, else "kernel" on CUDA and "stock" elsewhere
-mode = _switch.mode
+default_mode = ROUTE.default  # the variable if set, else "kernel" on CUDA and "stock" elsewhere
 
 
-def set_mode(mode: Optional[str]) -> None:
-    """Choose the mode for the whole process; None returns to the default."""
-    global _routing
-    _switch.set(mode)
-    _routing = None
+def mode() -> str:
+    """The mode in force (``switch.current``)."""
+    return switch.current().matmul
 
 
 def counters() -> Dict[str, int]:
@@ -64,14 +59,11 @@ def counters() -> Dict[str, int]:
 
 
 def _routed(x: mx.array, w: mx.array) -> bool:
-    global _routing
-    if _routing is None:
-        _routing = mode() == "kernel" and device.backend() == "cuda"
-    if not _routing:
+    if switch.current().matmul != "kernel":
         return False
     rows = x.size // x.shape[-1] if x.ndim else 0
     return (MIN_ROWS <= rows <= MAX_ROWS and w.ndim == 2 and w.shape[0] <= MAX_OUTPUTS and x.dtype == w.dtype
-            and x.dtype in kernel.DTYPES and kernel.kernel_verified(x.dtype))
+            and x.dtype in kernel.DTYPES and device.backend() == "cuda" and kernel.kernel_verified(x.dtype))
 
 
 def linear(x: mx.array, w: mx.array, bias: Optional[mx.array] = None) -> mx.array:
@@ -102,4 +94,4 @@ def install(model: nn.Module) -> int:
 
 
 __all__ = ["ENV", "MAX_OUTPUTS", "MAX_ROWS", "MIN_ROWS", "MODES", "RoutedLinear", "counters", "default_mode", "install", "linear",
-           "mode", "set_mode"]
+           "mode"]

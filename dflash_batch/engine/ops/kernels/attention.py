@@ -21,7 +21,7 @@ Two passes, as a split-K decode step does for its one row:
 All partials are fp32. ``reference`` computes exactly this with MLX ops (any backend; the test
 oracle). ``kernel`` runs it as GPU kernels compiled once per (dtype, head dim): shapes, strides
 and mask parameters are run-time arguments, so a new KV length costs no compilation (stock
-SDPA's multi-row path on CUDA pays 35-50 ms for every new key length):
+SDPA's multi-row path on CUDA pays tens of milliseconds for every new key length):
 
     CUDA, bf16 / fp16   PASS1_MMA_BODY: pass 1 on tensor cores (mma.sync), pass 2 fused in: one launch
     CUDA fp32, Metal    PASS1_BODY on CUDA cores / SIMD lanes, then PASS2_BODY: two launches
@@ -52,7 +52,7 @@ HEAD_DIMS = (64, 128, 256)
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 TILE = 32  # keys per tile: one per lane of a 32-wide warp / simdgroup
 REFERENCE_CHUNK = 128  # keys per chunk in the reference's first pass
-TARGET_BLOCKS = 264  # pass-1 blocks to aim for (about two per SM on an H100/H200)
+TARGET_BLOCKS = 264  # pass-1 blocks to aim for (about two per SM of a 132-SM GPU)
 
 
 # --------------------------------------------------------------------------------------------
@@ -171,7 +171,7 @@ USE_MMA = True
 MMA_FUSED = True
 MMA_WARPS = 8
 MMA_TILES_PER_WARP = 8  # per chunk, at least
-MMA_TARGET_BLOCKS = 132  # one 8-warp block per SM of an H100 / H200
+MMA_TARGET_BLOCKS = 132  # one 8-warp block per SM of a 132-SM GPU
 MMA_MAX_SPLITS = 64
 
 

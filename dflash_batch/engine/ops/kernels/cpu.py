@@ -1,8 +1,9 @@
 """MLX's exp-based ops on the CPU, bit-identical and vectorised: ``kernels/cpu.cpp``, built here.
 
-On Linux, MLX's CPU backend computes exp one float at a time through libm calls (its softmax:
-about 10 ns an element on this project's CPU, ``benchmarks/cpu_ops``), so a 16-row verify pass of the default pair spends about
-a quarter of its time in softmax and SiLU, where one-row decoding spends almost none. The C++
+On Linux, MLX's CPU backend computes exp one float at a time through libm calls, so a 16-row
+verify pass of the default pair spends a large share of its time in softmax and SiLU, where
+one-row decoding spends almost none (``benchmarks/cpu_ops`` measures it; docs/batched.md, "CPU
+ops"). The C++
 file computes MLX's own exp, softmax, logsumexp and mlx-lm's swiglu with the same arithmetic in
 the same order, eight lanes at a time (AVX2 + FMA), so the outputs are MLX's, bit for bit.
 
@@ -14,7 +15,7 @@ equal bit for bit). Where anything fails (no compiler, no Python headers, a nano
 match MLX's, a mismatch), one RuntimeWarning says why and MLX's own ops run: the results are the
 same either way, only slower.
 
-Modes (``set_mode``, or the environment variable DFLASH_BATCH_CPU_OPS):
+Modes (``Routes.cpu_ops``: ``EngineConfig(cpu_ops=...)``, else DFLASH_BATCH_CPU_OPS):
     native   these ops where the engine runs on the CPU (the default off CUDA)
     mlx      MLX's own ops
 ``active()`` is true in "native" mode when the default device is the CPU on Linux (MLX's CPU
@@ -46,35 +47,33 @@ from . import selfcheck
 
 SOURCE = Path(__file__).with_name("cpu.cpp")
 MODULE = "_cpu_ops"
-ENV = "DFLASH_BATCH_CPU_OPS"
-MODES = ("native", "mlx")
+ROUTE = switch.BY_FIELD["cpu_ops"]
+ENV = ROUTE.env
+MODES = tuple(ROUTE.modes)
 
-_switch = switch.Switch("cpu ops", ENV, MODES, cuda="mlx", elsewhere="native")
-default_mode = _switch.default
-mode = _switch.mode
-_active: Dict[object, bool] = {}  # per default device type, for the mode in force
+default_mode = ROUTE.default
+_applying: Dict[object, bool] = {}  # per default device type: whether these ops apply to it
 _module = None  # the built extension, once loaded
 _failure: Optional[str] = None  # why it could not be built or loaded
 
 
-def set_mode(chosen: Optional[str]) -> None:
-    """Choose the mode for the whole process; None returns to the default."""
-    _switch.set(chosen)
-    _active.clear()
+def mode() -> str:
+    """The mode in force (``switch.current``)."""
+    return switch.current().cpu_ops
 
 
 def _applies() -> bool:
-    """Whether these ops apply to the default device: the CPU, on Linux."""
-    return device.on_cpu() and sys.platform.startswith("linux")
+    """Whether these ops apply to the default device: the CPU, on Linux (resolved once per device
+    type: asked on every op of a pass)."""
+    kind = mx.default_device().type
+    if kind not in _applying:
+        _applying[kind] = device.on_cpu() and sys.platform.startswith("linux")
+    return _applying[kind]
 
 
 def active() -> bool:
-    """Whether the engine's passes use these ops: "native" mode where they apply (resolved once
-    per mode and device type: asked on every op of a pass)."""
-    kind = mx.default_device().type
-    if kind not in _active:
-        _active[kind] = mode() == "native" and _applies()
-    return _active[kind]
+    """Whether the engine's passes use these ops: "native" mode where they apply."""
+    return switch.current().cpu_ops == "native" and _applies()
 
 
 def in_force() -> Optional[str]:
@@ -288,4 +287,4 @@ def sdpa(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=None) -> mx.a
 
 
 __all__ = ["ENV", "MODES", "active", "build", "counters", "default_mode", "failure", "in_force", "load", "logsumexp", "mode",
-           "reference_swiglu", "sdpa", "set_mode", "softmax", "swiglu"]
+           "reference_swiglu", "sdpa", "softmax", "swiglu"]

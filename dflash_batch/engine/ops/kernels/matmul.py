@@ -1,10 +1,11 @@
 """Products of a few rows with a weight matrix: ``y = x @ W.T`` for x [M, K], W [N, K], M of 2..32.
 
 At batch 1 a verify pass runs every linear layer on T = 2..16 rows (the block), and the drafter
-on its 16. On MLX's CUDA backend one row goes to a gemv kernel (5-8 us a product at the default
-pair's shapes) and two or more to cuBLAS (15-26 us, TF32 for fp32): over a verify pass's 211
-products that is about 2 ms more than one-row gemvs would take (``benchmarks/small_matmul.py``). The product is tiny and
-bound by reading W once, so one kernel does it as a gemv does, for every row at once:
+on its 16. On MLX's CUDA backend one row goes to a gemv kernel and two or more to cuBLAS (TF32 for
+fp32), which at these shapes costs several times a gemv per product: over a verify pass's couple
+of hundred products, a cost one-row gemvs would not pay (``benchmarks/small_matmul.py`` measures
+it). The product is tiny and bound by reading W once, so one kernel does it as a gemv does, for
+every row at once:
 
     warp w of block b owns columns n = (b * WARPS + w) * COLS + c, c < COLS
     lane l reads W[n, k:k+V] and x[m, k:k+V] for k = l*V, l*V + 32V, ...   (V: 16 bytes of dtype)
