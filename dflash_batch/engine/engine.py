@@ -567,14 +567,14 @@ class Engine:
         machine for this model, batch size and context bucket are read from the model cache
         instead (engine/cost_tables.py; ``keep_costs`` False: neither read nor kept), unless
         ``measure``."""
-        table = cost_tables.key(self, batch_size, warmup.context_bucket(context or 0)) if self.keep_costs else None
-        cost = cost_tables.load(table) if table is not None and not measure else None
-        if cost is None:
-            with switch.use(self.settings.routes()):
+        with switch.use(self.settings.routes()):  # the key names this engine's routes
+            table = cost_tables.key(self, batch_size, warmup.context_bucket(context or 0)) if self.keep_costs else None
+            cost = cost_tables.load(table) if table is not None and not measure else None
+            if cost is None:
                 cost = warmup.measure_costs(self, batch_size, context)
-            self.measured_passes += 1
-            if table is not None:
-                cost_tables.save(table, cost)
+                self.measured_passes += 1
+                if table is not None:
+                    cost_tables.save(table, cost)
         earlier = self.cost.get(batch_size)
         if earlier is not None:  # what widths cost beyond their model follows their shapes, not the context
             cost.width_excess = earlier.width_excess
