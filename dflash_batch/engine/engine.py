@@ -435,7 +435,7 @@ class Engine:
             return
         slots = min(plan.rows, len(waiting)) if waiting.done and inbox is None else plan.rows
         hooks = dict(urgent=urgent, cancelled=cancelled) if inbox is not None else {}
-        decoder = self._decoder(waiting, slots, self._scheduler(slots, waiting.peeked()), plan=plan,
+        decoder = self._decoder(waiting, slots, self._scheduler(slots, waiting.peeked(), inbox is not None), plan=plan,
                                capacity=plan.longest, **hooks)
         try:
             for index, completion in self._completions(decoder, on_piece if inbox is not None else None):
@@ -520,18 +520,22 @@ class Engine:
             raise ValueError(f"batch_size must be at least 1, got {cap}")
         return cap
 
-    def _scheduler(self, slots: int, requests: Sequence[EncodedRequest] = ()) -> Scheduler:
+    def _scheduler(self, slots: int, requests: Sequence[EncodedRequest] = (), waits: bool = False) -> Scheduler:
         if not self.adaptive_block or self.drafter is None:
             return Scheduler(self.block_size, CostModel(), fixed=True)
         cost = self.cost_model
         if cost is None:
-            cost = self._measured_cost(slots, requests)
+            cost = self._measured_cost(slots, requests, waits)
         return Scheduler(self.block_size, cost, job=self.acceptance, nodes=self.node_calibration)
 
-    def _measured_cost(self, slots: int, requests: Sequence[EncodedRequest]) -> CostModel:
-        """The pass costs timed for this batch size at these requests' context (warm_up)."""
+    def _measured_cost(self, slots: int, requests: Sequence[EncodedRequest], waits: bool = False) -> CostModel:
+        """The pass costs timed for this batch size at these requests' context (warm_up). ``waits``:
+        someone waits for the first token (an interactive request): costs timed at another
+        context serve rather than a warm-up on its path."""
         context = _typical_context(requests)
         cost = self.cost.get(slots)
+        if cost is not None and waits:
+            return cost
         if cost is None or (cost.context is not None and context and
                             warmup.context_bucket(cost.context) != warmup.context_bucket(context)):
             cost = self.warm_up(slots, context)
