@@ -53,6 +53,10 @@ class Requeued(DflashBatchError, RuntimeError):
     (engine/batch.py: ``_preempt``); its pieces so far are void."""
 
 
+class AdaptRefused(DflashBatchError):
+    """A job that cannot be adapted: too few finished rows, no drafter to start from."""
+
+
 class InboxFull(DflashBatchError, RuntimeError):
     """More interactive requests wait than the server's inbox holds (dflash_batch/inbox.py)."""
 

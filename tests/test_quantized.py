@@ -25,7 +25,7 @@ from mlx_lm import load as mlx_load
 from mlx_lm import stream_generate
 
 from dflash_batch.engine import load_engine, warmup
-from dflash_batch.engine.ops import matmul
+from dflash_batch.engine.ops import matmul, switch
 from dflash_batch.engine.ops.kernels import matmul as km
 from dflash_batch.engine.scheduler import CostModel
 from tests import synthetic
@@ -284,15 +284,21 @@ def fake_kernel(monkeypatch):
 
     monkeypatch.setattr(km, "matmul_kernel", kernel)
     monkeypatch.setattr(km, "kernel_verified", lambda dtype, backend="cuda": True)
-    monkeypatch.setattr(matmul, "_routing", True)
+    monkeypatch.setattr(matmul.device, "backend", lambda: "cuda")
     return calls
 
 
-def verify_logits(engine, ids):
+def routed_logits(engine, ids):
+    """``verify_logits`` with the few-row products routed to the kernel, as on CUDA."""
+    return verify_logits(engine, ids, "kernel")
+
+
+def verify_logits(engine, ids, matmul_mode="stock"):
     target = engine.target
     cache = target.make_cache()
-    logits, _ = target.verify(mx.array([ids]), cache)
-    mx.eval(logits)
+    with switch.modes(matmul=matmul_mode):
+        logits, _ = target.verify(mx.array([ids]), cache)
+        mx.eval(logits)
     return logits
 
 
@@ -306,9 +312,8 @@ def test_few_row_routing_leaves_quantized_layers_to_mlx(quantized, monkeypatch, 
     ids = list(range(5, 13))
     stock = verify_logits(engine, ids)
     calls = fake_kernel(monkeypatch)
-    assert mx.array_equal(verify_logits(engine, ids), stock).item() and calls == []
+    assert mx.array_equal(routed_logits(engine, ids), stock).item() and calls == []
 
-    monkeypatch.setattr(matmul, "_routing", False)
     source = quantized(family, None)[0]
     partly = synthetic.save_quantized(source, source.parent / f"{family}-attention-only", "affine", 64, 4,
                                       quant_predicate=lambda path, module: ".mlp" not in path)
@@ -317,7 +322,7 @@ def test_few_row_routing_leaves_quantized_layers_to_mlx(quantized, monkeypatch, 
     assert routed and engine.target.quantized
     stock = verify_logits(engine, ids)
     calls = fake_kernel(monkeypatch)
-    assert mx.array_equal(verify_logits(engine, ids), stock).item()
+    assert mx.array_equal(routed_logits(engine, ids), stock).item()
     assert calls and all(w.dtype == mx.float32 for w in calls)  # plain weights only, never packed ones
     assert {id(w) for w in calls} <= {id(m.weight) for m in routed}
 

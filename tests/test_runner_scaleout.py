@@ -327,3 +327,39 @@ def test_a_second_home_on_one_redis_is_refused(tmp_path, home, fast, redis_serve
     assert refused.returncode == 2 and "mount that shared folder" in refused.stderr
     worker = cli("worker", home=other, timeout=60)
     assert worker.returncode == 2 and "shared-home" in worker.stderr
+
+
+def test_a_process_that_finds_the_queue_bound_waits_for_the_binders_manifest(tmp_path):
+    """The first process on a Redis db binds the queue, then writes the home's manifest; a second
+    process of the same home that looks in between (a worker started a moment before a submit)
+    waits for the manifest instead of refusing the home as unmounted; with no manifest coming, it
+    refuses."""
+    import threading
+
+    import orjson
+    from huey.constants import EmptyData
+
+    from dflash_batch.errors import SetupError
+    from dflash_batch.runner import scaleout
+
+    class Storage:
+        def __init__(self):
+            self.data = {}
+
+        def peek_data(self, key):
+            return self.data.get(key, EmptyData)
+
+        def put_if_empty(self, key, value):
+            return self.data.setdefault(key, value) is value
+
+    storage, home = Storage(), tmp_path / "home"
+    home.mkdir()
+    record = {"id": "abc", "path": str(home), "host": "vm", "at": 0}
+    storage.data[scaleout.HOME_KEY] = orjson.dumps(record)  # bound; its manifest not written yet
+    late = threading.Timer(0.3, lambda: (home / scaleout.HOME_MANIFEST).write_bytes(orjson.dumps(record)))
+    late.start()
+    assert scaleout.claim_home(storage, home) == "abc"
+    late.join()
+    (home / scaleout.HOME_MANIFEST).unlink()
+    with pytest.raises(SetupError, match="does not exist"):
+        scaleout.claim_home(storage, home)

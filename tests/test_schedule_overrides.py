@@ -53,6 +53,7 @@ FLAGS = [
     (["--response-format", '{"type": "json_object"}'], "response_format", {"type": "json_object"}),
     (["--chunk-size", "4"], "chunk_size", 4),
     (["--batch-size", "2"], "batch_size", 2),
+    (["--control", "0.25"], "control", 0.25),
     (["--retries", "5"], "retries", 5),
     (["--export-openai"], "export_openai", True),
     (["--force"], "force", True),

@@ -131,6 +131,8 @@ def claim_home(storage, home: os.PathLike) -> str:
         storage.put_if_empty(HOME_KEY, manifest.read_bytes())
         return mine
     theirs = orjson.loads(stored)
+    if mine is None:  # the process that bound the queue writes the manifest just after: give it a moment
+        mine = _await_manifest(manifest)
     if mine is None:
         raise SetupError(
             f"this Redis queue serves the home {theirs['path']} (first used from {theirs['host']}), but "
@@ -144,6 +146,16 @@ def claim_home(storage, home: os.PathLike) -> str:
             f"(redis://host:6379/<n>)"
         )
     return mine
+
+
+def _await_manifest(manifest: Path, tries: int = 20, pause: float = 0.1) -> Optional[str]:
+    """The manifest's id once it appears, within ``tries`` looks; None if it never does."""
+    for _ in range(tries):
+        time.sleep(pause)
+        found = _read_id(manifest)
+        if found is not None:
+            return found
+    return None
 
 
 def _read_id(manifest: Path) -> Optional[str]:

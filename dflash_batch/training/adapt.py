@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from ..errors import DflashBatchError
+from ..errors import AdaptRefused
 from ..files import write_folder_atomic
 from ..runner import drafters
 from ..runner.store import key_of
@@ -33,10 +33,6 @@ from .store import AnswerStore, prompt_key
 
 ROW_COLUMNS = ["id", "sample_index", "status", "prompt_token_ids", "token_ids", "stop_reason"]
 EXPORT_DTYPES = ("float32", "bfloat16", "float16")
-
-
-class AdaptRefused(DflashBatchError):
-    """A job that cannot be adapted: too few finished rows, no drafter to start from."""
 
 
 @dataclass
