@@ -172,3 +172,27 @@ def test_a_full_batch_gives_a_slot_up_and_the_row_restarts_exactly(tiny_pair, en
     for request in batch:
         assert results[request.id] == _alone(plain, request), request.id
     assert ticket.outcomes[0].token_ids == _alone(plain, ticket.request)
+
+
+def test_a_ticket_joins_a_loop_of_tickets_alone_before_the_first_finishes(engine, monkeypatch):
+    """The server's own loop (no job: an empty stream and the inbox) starts with one ticket and
+    keeps its other slots: a ticket arriving two cycles later joins at once, not after the first."""
+    from dflash_batch.engine.batch import BatchDecoder
+
+    inbox, first, second = Inbox(), _ticket("A long first question.", 40), _ticket("A short second one.", 4)
+    order, cycles = [], [0]
+    first.on_done, second.on_done = (lambda: order.append("first")), (lambda: order.append("second"))
+    run = BatchDecoder.run
+
+    def spy_run(decoder, width):
+        cycles[0] += 1
+        if cycles[0] == 2:
+            inbox.put(second)
+        return run(decoder, width)
+
+    monkeypatch.setattr(BatchDecoder, "run", spy_run)
+    inbox.put(first)
+    assert list(engine.generate_requests([], batch_size=4, inbox=inbox)) == []
+    assert order == ["second", "first"]
+    assert second.outcomes[0].token_ids == _alone(engine, second.request)
+    assert first.outcomes[0].token_ids == _alone(engine, first.request)

@@ -107,7 +107,9 @@ class BatchDecoder:
             requests.refill()
         self.waiting = requests
         self.plan = plan  # memory.Plan of a stream: its ``rows`` caps the rows in flight
-        self.slots = max(1, min(slots, len(requests)) if requests.done else slots)
+        # a batch whose requests are all known is as wide as they are; one that interactive
+        # requests may join (``urgent``) keeps every slot
+        self.slots = max(1, min(slots, len(requests)) if requests.done and urgent is None else slots)
         self.scheduler = scheduler
         self.rows: List[Optional[Row]] = [None] * self.slots
         self.group = prefill.JoinGroup(self.target, self.drafter, self.prefixes)
