@@ -356,7 +356,12 @@ def test_a_process_that_finds_the_queue_bound_waits_for_the_binders_manifest(tmp
     home.mkdir()
     record = {"id": "abc", "path": str(home), "host": "vm", "at": 0}
     storage.data[scaleout.HOME_KEY] = orjson.dumps(record)  # bound; its manifest not written yet
-    late = threading.Timer(0.3, lambda: (home / scaleout.HOME_MANIFEST).write_bytes(orjson.dumps(record)))
+    def write_manifest():  # as the binder does: whole or not at all (a rename)
+        part = home / "manifest.part"
+        part.write_bytes(orjson.dumps(record))
+        part.replace(home / scaleout.HOME_MANIFEST)
+
+    late = threading.Timer(0.3, write_manifest)
     late.start()
     assert scaleout.claim_home(storage, home) == "abc"
     late.join()
