@@ -1,0 +1,101 @@
+"""Plain probes (engine/scheduler.py, module doc): while the scheduler drafts, a plain cycle now
+and then keeps the width-1 cost learnt from real cycles. No timing: a job's cycles are charged
+the seconds of a scripted "real" machine and fed to the cost model's ``observe`` as the engine
+feeds its timed cycles; each row accepts each draft with probability p until its first
+rejection."""
+
+import random
+
+from dflash_batch.engine.scheduler import CostModel, Scheduler
+
+BLOCK = 16
+ROWS = 8
+
+
+def cpu_target(B, T):
+    """A CPU's verify pass: a line in the rows verified (the default pair's shape, in seconds)."""
+    return 0.02 + 0.009 * B * T
+
+
+def cpu_draft(B):
+    return 0.02 + 0.004 * B
+
+
+def gpu_target(B, T):
+    """A GPU's: extra rows nearly free."""
+    return 1.0 + 0.002 * B * T
+
+
+def gpu_draft(B):
+    return 0.15 + 0.002 * B
+
+
+def warmed_up(target, draft, spike: float = 1.0) -> CostModel:
+    """The cost model the CPU's warm-up fits (engine/warmup.py: widths 1 and 4 at batch 1 and at
+    the job's batch size), its width-1 pass at the job's batch size timed ``spike`` times dear."""
+    timed = {(B, T): target(B, T) * (spike if (B, T) == (ROWS, 1) else 1.0) for B in (1, ROWS) for T in (1, 4)}
+    cost = CostModel.fit(timed, {B: draft(B) for B in (1, ROWS)})
+    cost.rows, cost.timed = ROWS, {T: s for (B, T), s in timed.items() if B == ROWS}
+    return cost
+
+
+def run(cost: CostModel, target, draft, p: float, cycles: int, seed: int = 0):
+    """``cycles`` cycles over ROWS rows that never run out of budget, each charged the real
+    machine's seconds and observed: (the widths chosen, the seconds spent)."""
+    rng = random.Random(seed)
+    scheduler = Scheduler(BLOCK, cost)
+    rows = [scheduler.new_row() for _ in range(ROWS)]
+    widths, spent = [], 0.0
+    for _ in range(cycles):
+        T = scheduler.width(rows, [10**6] * ROWS)
+        seconds = target(ROWS, T) + (draft(ROWS) if T > 1 else 0.0)
+        cost.observe(ROWS, T, seconds)
+        widths.append(T)
+        spent += seconds
+        for row in rows:
+            a = 0
+            while a < T - 1 and rng.random() < p:
+                a += 1
+            scheduler.accepted(row, a, T)
+    return widths, spent
+
+
+def test_a_width_one_pass_timed_in_a_spike_is_corrected_by_plain_probes():
+    """Drafts accepted 30% of the time: on this machine plain decoding commits 87 tokens a second
+    and the best drafting width 48 (T = 2). A warm-up whose width-1 pass at the job's batch size
+    was timed in a load spike (5x) prices plain decoding at 17 a second: the scheduler drafts,
+    and without plain cycles nothing corrects that. The plain probes do: within 80 cycles it
+    decodes plainly, and stays there but for its drafting probes (here from cycle 20)."""
+    widths, _ = run(warmed_up(cpu_target, cpu_draft, spike=5.0), cpu_target, cpu_draft, p=0.3, cycles=400)
+    assert widths[0] > 1  # the spike's doing: plain decoding priced too dear
+    settled = next((i for i in range(len(widths)) if sum(T == 1 for T in widths[i:i + 40]) >= 36), len(widths))
+    assert settled <= 80, settled
+    tail = widths[settled:]
+    assert sum(T == 1 for T in tail) >= 0.9 * len(tail)
+
+
+def test_plain_probes_cost_at_most_their_share_where_drafting_pays():
+    """Every draft accepted on a GPU's costs: the scheduler drafts the whole block every cycle,
+    and a plain probe commits 8 tokens where a drafting cycle commits 128. Over 300 drafting
+    cycles the probes run 5 times (the first 3 at the 5% share, then at a share halved per probe
+    that left it drafting: a fixed share would probe 15 times), and lose 1.1% of the time the job
+    would take drafting throughout (a fixed share: 3.4%), never more than the 5% share."""
+    cost = warmed_up(gpu_target, gpu_draft)
+    widths, spent = run(cost, gpu_target, gpu_draft, p=1.0, cycles=300)
+    probes = [i for i, T in enumerate(widths) if T == 1]
+    assert all(T == BLOCK for T in widths[3:] if T != 1)  # the first cycles learn p from the neutral 0.5
+    assert 1 <= len(probes) <= 6, probes
+    # a probe's loss: its seconds, less what its tokens take in the block's cycles
+    block = gpu_target(ROWS, BLOCK) + gpu_draft(ROWS)
+    lost = len(probes) * (gpu_target(ROWS, 1) - block / BLOCK)
+    share = lost / (spent - lost)  # of the same job drafting throughout
+    assert 0 < share <= 0.02, share
+    assert share <= Scheduler(BLOCK, cost).probe_share
+
+
+def test_a_cost_model_that_learns_nothing_is_not_probed():
+    """``window`` 0: cycles teach the cost model nothing, so a plain probe would only lose."""
+    cost = warmed_up(gpu_target, gpu_draft)
+    cost.window = 0
+    widths, _ = run(cost, gpu_target, gpu_draft, p=1.0, cycles=300)
+    assert 1 not in widths and widths[3:] == [BLOCK] * 297
