@@ -211,11 +211,12 @@ def test_a_cpu_job_of_one_row_reads_its_costs_from_three_timed_widths(engine, mo
 
 
 def test_a_load_spike_in_a_cpu_timing_does_not_move_the_kept_figure(engine, monkeypatch):
-    """A pass the CPU's warm-up times, slowed 5x in one of its runs (other work on the machine):
-    the kept figure is the pass's own, whichever run the spike hit, the first timed pass (the
-    width-1 pass at the job's batch size: the one the scheduler and the saved-time estimate price
-    plain decoding from) included. One run a pass kept the spike. A clock the passes advance by
-    the rows they verify: nothing here hangs on the VM's load."""
+    """A pass the CPU's warm-up times, slowed in one of its runs by other work on the machine, or
+    in its first two by different amounts (a third run where two differ): the kept figure is the
+    pass's own whichever runs the spike hit, the first timed pass (the width-1 pass at the job's
+    batch size, the one the scheduler and the saved-time estimate price plain decoding from)
+    included. One run a pass kept the spike, two without a third the last case's. A clock the
+    passes advance by the rows they verify: nothing here hangs on the VM's load."""
     if warmup.mx.default_device() != warmup.mx.cpu:
         pytest.skip("the CPU's warm-up")
     clock, calls = [0.0], [0]
@@ -223,20 +224,21 @@ def test_a_load_spike_in_a_cpu_timing_does_not_move_the_kept_figure(engine, monk
     monkeypatch.setattr(warmup, "CHEAP_PASS", 0.0)
     verify = type(engine.target).verify
 
-    def slowed(spiked):
+    def slowed(spikes):
         def spy(target, tokens, cache, *args, **kwargs):
             calls[0] += 1
             B, T = tokens.shape
-            clock[0] += 0.01 * (1 + B * T) * (5.0 if calls[0] in spiked else 1.0)
+            clock[0] += 0.01 * (1 + B * T) * spikes.get(calls[0], 1.0)
             return verify(target, tokens, cache, *args, **kwargs)
         return spy
 
-    monkeypatch.setattr(type(engine.target), "verify", slowed(()))
+    monkeypatch.setattr(type(engine.target), "verify", slowed({}))
     calm = warmup.measure_costs(engine, 8, 128)
     assert calm.timed == pytest.approx({1: 0.09, 4: 0.33})
-    for spiked in ((2,), (3,), (2, 4)):  # call 1 is the untimed first pass; 2 and 3 time width 1 at batch 8
+    # call 1 is the untimed first pass; 2 and 3 time width 1 at batch 8, and 4 where they differ
+    for spikes in ({2: 5.0}, {3: 5.0}, {2: 5.0, 4: 5.0}, {2: 5.0, 3: 2.0}):
         calls[0] = 0
-        monkeypatch.setattr(type(engine.target), "verify", slowed(spiked))
+        monkeypatch.setattr(type(engine.target), "verify", slowed(spikes))
         cost = warmup.measure_costs(engine, 8, 128)
-        assert cost.timed == pytest.approx(calm.timed), spiked
+        assert cost.timed == pytest.approx(calm.timed), spikes
         assert cost.cycle(8, 1) == pytest.approx(calm.cycle(8, 1))

@@ -241,7 +241,9 @@ def _fastest_of_few(run: Callable, first: float) -> float:
     dear, and the table it went into serves every later process on the machine
     (engine/cost_tables.py). The fastest, not the median: other work on the machine only ever
     adds time to a pass (a median of three keeps a spike that hit two of them), and the load
-    that lasts through a job is learnt from the job's own cycles (the cost model's excess)."""
+    that lasts through a job is learnt from the job's own cycles (the cost model's excess, and
+    the scheduler's plain probes for the width-1 cost): two runs slowed alike are taken as the
+    machine's speed."""
     times = [first, _run_once(run)]
     if max(times) > (1 + AGREE) * min(times):
         times.append(_run_once(run))
