@@ -6,6 +6,8 @@ rejection."""
 
 import random
 
+import pytest
+
 from dflash_batch.engine.scheduler import CostModel, Scheduler
 
 BLOCK = 16
@@ -99,3 +101,47 @@ def test_a_cost_model_that_learns_nothing_is_not_probed():
     cost.window = 0
     widths, _ = run(cost, gpu_target, gpu_draft, p=1.0, cycles=300)
     assert 1 not in widths and widths[3:] == [BLOCK] * 297
+
+
+class _Clock:
+    """``time`` for engine/batch.py: each reading one second after the one before, so each cycle
+    (timed from its start to its end) takes exactly one second, whatever its width."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        self.now += 1.0
+        return self.now
+
+
+def test_the_per_row_plain_estimate_follows_the_width_one_cost_as_relearnt(tiny_pair, monkeypatch):
+    """The engine end to end (runner/saved.py's ``plain_seconds_est``): a warm-up priced a plain
+    cycle at 5 s where every cycle really takes 1 s (a scripted clock), and each draft is right
+    30% of the time: at 1 s a cycle of any width, the scheduler drafts throughout. Its plain probes re-learn the width-1 cost, and the
+    row's later tokens are priced at it: the figure each cycle hands the row is the cost model's
+    at that cycle, not a copy taken at the start (which would price every token at 5 s)."""
+    from dflash_batch.engine import batch, load_engine
+    from dflash_batch.engine.output import RowOutput
+    from tests.helpers import greedy_reference
+    from tests.scripting import ScriptedDrafts
+
+    monkeypatch.setattr(batch, "time", _Clock())
+    target, draft = map(str, tiny_pair)
+    engine = load_engine(target, draft, cost_model=CostModel(t0=5.0, window=16), drafts="chain")
+    prompt = [(7 * i) % 90 + 4 for i in range(8)]
+    reference = greedy_reference(target, prompt, 160, engine.tokenizer.eos_token_ids)
+    ScriptedDrafts(monkeypatch)(prompt + reference + [0] * 16, p_wrong=0.7)
+    figures = []
+    timed = RowOutput.timed
+
+    def spy(self, share, plain_token):
+        figures.append(plain_token)
+        timed(self, share, plain_token)
+
+    monkeypatch.setattr(RowOutput, "timed", spy)
+    (done,) = engine.generate_batch([prompt], max_tokens=160, batch_size=1)
+    n = done.stats.generated_tokens
+    assert n == len(reference) and n > 100, n
+    assert figures[0] == pytest.approx(5.0) and figures[-1] == pytest.approx(1.0)
+    assert n - 1 <= done.stats.plain_seconds_est <= 0.8 * 5.0 * (n - 1), done.stats.plain_seconds_est
