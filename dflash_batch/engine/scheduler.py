@@ -55,8 +55,9 @@ honest, not from the width-1 cost under suspicion. The first TRUSTED plain probe
 whole share (a kind's learnt excess counts from its TRUSTED-th cycle); each later one that leaves
 the scheduler drafting halves the share, to 1/8 of it at most, and a plain cycle the scheduler
 chooses on its own restores it. Over any run of drafting the plain probes lose at most
-probe_share of the drafting cycles' cost (5%), and a long run where drafting pays well under
-1%. A cost model that learns nothing from cycles (``window`` 0) is not probed.
+probe_share of the drafting cycles' cost (5%), and over a long one little more than 1/8 of that
+(tests/test_plain_probes.py counts them). A cost model that learns nothing from cycles
+(``window`` 0) is not probed.
 
 A plain cycle with a drafter attached must cost what it costs without one. The widths are not
 weighed again while a plain choice stands and nothing is learnt (no row joins or leaves, no
