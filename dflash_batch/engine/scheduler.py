@@ -321,7 +321,7 @@ class Scheduler:
         self.job = job if job is not None else pooled_acceptance(block)  # every row's cycles
         self.plain_seconds = 0.0  # spent in plain cycles since the last drafting cycle
         self.drafting_seconds = 0.0  # spent in drafting cycles since the last plain cycle
-        self.plain_failed = 0  # plain probes since the scheduler last chose a plain cycle on its own
+        self.plain_failed = 0  # plain probes since the scheduler last chose a plain cycle itself
         self.nodes = nodes if nodes is not None else NodeCalibration(max(block - 1, 0))  # draft trees' nodes
         # what the last plain choice was made from (the job's and the rows' estimates), and the
         # cycles it has stood: ``width`` does not weigh the widths again while nothing is learnt
@@ -378,7 +378,8 @@ class Scheduler:
             return probe
         return 1
 
-    def _best_width(self, estimates: Sequence[Acceptance], budgets: Sequence[int], longest: int) -> Tuple[int, float]:
+    def _best_width(self, estimates: Sequence[Acceptance], budgets: Sequence[int],
+                    longest: int) -> Tuple[int, float]:
         """The width of most tokens per second by the cost model (1: plain decoding), and the
         tokens it commits on average."""
         B = len(budgets)
