@@ -10,7 +10,7 @@ import pytest
 
 from dflash_batch.engine import batch, load_engine
 from dflash_batch.engine.output import RowOutput
-from dflash_batch.engine.scheduler import CostModel, Scheduler
+from dflash_batch.engine.scheduler import CostModel, PlainProbes, Scheduler, pooled_acceptance
 from tests.helpers import greedy_reference
 from tests.scripting import ScriptedDrafts
 
@@ -102,6 +102,53 @@ def test_plain_probes_cost_at_most_their_share_where_drafting_pays():
     assert share <= Scheduler(BLOCK, cost).probe_share
 
 
+def jobs(cost: CostModel, target, draft, p: float, count: int, tokens: int, plain=None):
+    """``count`` jobs of ROWS rows one after another on one engine, each row ending at an EOS
+    after about ``tokens`` tokens, well before its budget (so no cycle is plain for want of
+    budget): each job a new scheduler given the engine's pooled acceptance and, if ``plain``,
+    its plain probes' spending (``Engine._scheduler``), else each job's own. The widths each
+    job chose."""
+    rng = random.Random(0)
+    pooled = pooled_acceptance(BLOCK)
+    out = []
+    for _ in range(count):
+        own = plain if plain is not None else PlainProbes()
+        scheduler = Scheduler(BLOCK, cost, job=pooled, plain=own)
+        live, widths = [(scheduler.new_row(), tokens) for _ in range(ROWS)], []
+        while live:
+            T = scheduler.width([e for e, _ in live], [10**6] * len(live))
+            cost.observe(len(live), T, target(len(live), T) + (draft(len(live)) if T > 1 else 0.0))
+            widths.append(T)
+            left = []
+            for row, n in live:
+                a = 0
+                while a < T - 1 and rng.random() < p:
+                    a += 1
+                scheduler.accepted(row, a, T)
+                if n > a + 1:
+                    left.append((row, n - a - 1))
+            live = left
+        out.append(widths)
+    return out
+
+
+def test_short_jobs_still_probe_and_within_their_share():
+    """Jobs of 3 cycles, every draft right, on a GPU's costs: no job drafts long enough for a
+    probe of its own, so the width-1 cost would never be measured again. The engine's
+    ``PlainProbes`` counts the drafting of every job: over 100 jobs the probes run as in one
+    long job (5 in 300 cycles), within their share."""
+    cost = warmed_up(gpu_target, gpu_draft)
+    shared = sum(jobs(cost, gpu_target, gpu_draft, 1.0, 100, 48, plain=PlainProbes()), [])
+    probes = shared.count(1)
+    assert 1 <= probes <= 6, probes
+    block = gpu_target(ROWS, BLOCK) + gpu_draft(ROWS)
+    lost = probes * (gpu_target(ROWS, 1) - block / BLOCK)
+    spent = sum(gpu_target(ROWS, T) + (gpu_draft(ROWS) if T > 1 else 0.0) for T in shared)
+    assert lost / (spent - lost) <= 0.02
+    alone = sum(jobs(warmed_up(gpu_target, gpu_draft), gpu_target, gpu_draft, 1.0, 100, 48), [])
+    assert alone.count(1) == 0
+
+
 def test_a_cost_model_that_learns_nothing_is_not_probed():
     """``window`` 0: cycles teach the cost model nothing, so a plain probe would only lose."""
     cost = warmed_up(gpu_target, gpu_draft)
@@ -147,5 +194,6 @@ def test_the_per_row_plain_estimate_follows_the_width_one_cost_as_relearnt(tiny_
     n = done.stats.generated_tokens
     assert n == len(reference) and n > 100, n
     assert figures[0] == pytest.approx(5.0) and figures[-1] == pytest.approx(1.0)
+    assert engine.plain_probes.failed > 0  # the engine's share was spent, kept for its next job
     estimate = done.stats.plain_seconds_est
-    assert n - 1 <= estimate <= 0.8 * 5.0 * (n - 1), estimate  # a copy taken at the start: 5 (n - 1)
+    assert n - 1 <= estimate <= 0.8 * 5.0 * (n - 1), estimate  # a copy from the start: 5 (n - 1)

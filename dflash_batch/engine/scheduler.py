@@ -54,10 +54,12 @@ than a drafting one), a bound read from the drafting widths' costs, which their 
 honest, not from the width-1 cost under suspicion. The first TRUSTED plain probes run at the
 whole share (a kind's learnt excess counts from its TRUSTED-th cycle); each later one that leaves
 the scheduler drafting halves the share, to 1/8 of it at most, and a plain cycle the scheduler
-chooses on its own restores it. Over any run of drafting the plain probes lose at most
-probe_share of the drafting cycles' cost (5%), and over a long one little more than 1/8 of that
-(tests/test_plain_probes.py counts them). A cost model that learns nothing from cycles
-(``window`` 0) is not probed.
+chooses on its own restores it. What the probes spent is the engine's, kept from job to job
+(``PlainProbes``): a job too short for a probe of its own adds its drafting to the next one's,
+so the width-1 cost is measured again however short the jobs. Over any run of drafting the
+plain probes lose at most probe_share of the drafting cycles' cost (5%), and over a long one
+little more than 1/8 of that (tests/test_plain_probes.py counts them). A cost model that learns
+nothing from cycles (``window`` 0) is not probed.
 
 A plain cycle with a drafter attached must cost what it costs without one. The widths are not
 weighed again while a plain choice stands and nothing is learnt (no row joins or leaves, no
@@ -165,6 +167,16 @@ class NodeCalibration:
     def scales(self) -> List[float]:
         w = self.prior_weight
         return [(a + w) / (p + w) for a, p in zip(self.accepted, self.predicted)]
+
+
+@dataclass
+class PlainProbes:
+    """What the plain probes have spent (module doc). The engine keeps one from job to job, as
+    it keeps the pooled acceptance: at batch 1 every request is a job of its own, and one that
+    began at the whole share every time would pay it on every request."""
+
+    drafting: float = 0.0  # seconds of drafting cycles since the last plain cycle
+    failed: int = 0  # plain probes since the scheduler last chose a plain cycle itself
 
 
 WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
@@ -313,15 +325,15 @@ class Scheduler:
     """
 
     def __init__(self, block: int, cost: CostModel, fixed: bool = False, probe_share: float = 0.05, probe_width: int = PROBE_WIDTH,
-                 backoff: int = 8, job: Optional[Acceptance] = None, nodes: Optional[NodeCalibration] = None):
+                 backoff: int = 8, job: Optional[Acceptance] = None, nodes: Optional[NodeCalibration] = None,
+                 plain: Optional[PlainProbes] = None):
         self.block, self.cost, self.fixed = block, cost, fixed
         self.probe_share, self.probe_width = probe_share, min(probe_width, block)
         self.backoff = backoff  # the most a run of failed probes divides the probe share by
         self.failed = 0  # probes since the scheduler last chose to draft on its own
         self.job = job if job is not None else pooled_acceptance(block)  # every row's cycles
         self.plain_seconds = 0.0  # spent in plain cycles since the last drafting cycle
-        self.drafting_seconds = 0.0  # spent in drafting cycles since the last plain cycle
-        self.plain_failed = 0  # plain probes since the scheduler last chose a plain cycle itself
+        self.plain = plain if plain is not None else PlainProbes()  # the engine's, from job to job
         self.nodes = nodes if nodes is not None else NodeCalibration(max(block - 1, 0))  # draft trees' nodes
         # what the last plain choice was made from (the job's and the rows' estimates), and the
         # cycles it has stood: ``width`` does not weigh the widths again while nothing is learnt
@@ -360,7 +372,7 @@ class Scheduler:
                 self.plain_seconds, self.failed, self.plain_from = 0.0, 0, None
                 return 1 if self._plain_probe(B, best, tokens) else best
             self.plain_from, self.plain_cycles = learnt, 0
-            self.drafting_seconds, self.plain_failed = 0.0, 0
+            self.plain.drafting, self.plain.failed = 0.0, 0
         # Plain decoding learns nothing about the drafts: probe once the plain cycles since the
         # last drafting cycle have cost 1 / probe_share times what a probe can lose (it commits
         # at least the bonus token, as the plain cycle it replaces does). Before the engine has
@@ -406,14 +418,14 @@ class Scheduler:
         cost model that learns nothing from cycles (``window`` 0) is not probed."""
         if not self.cost.window:
             return False
-        drafting = self.cost.cycle(B, T)
+        spent, drafting = self.plain, self.cost.cycle(B, T)
         loss = drafting * max(tokens - B, 0.0) / tokens
-        share = self.probe_share / min(2 ** max(self.plain_failed - TRUSTED + 1, 0), self.backoff)
-        if self.drafting_seconds > 0 and self.drafting_seconds * share >= loss:
-            self.drafting_seconds = 0.0
-            self.plain_failed += 1  # until the scheduler chooses a plain cycle on its own
+        share = self.probe_share / min(2 ** max(spent.failed - TRUSTED + 1, 0), self.backoff)
+        if spent.drafting > 0 and spent.drafting * share >= loss:
+            spent.drafting = 0.0
+            spent.failed += 1  # until the scheduler chooses a plain cycle on its own
             return True
-        self.drafting_seconds += drafting
+        spent.drafting += drafting
         return False
 
     def tree_width(self, trees: Sequence[Tuple[Sequence[int], Sequence[float]]], budgets: Sequence[int]) -> int:
