@@ -359,6 +359,7 @@ class Scheduler:
         """The verify width for the next cycle over rows with these estimates and token budgets."""
         longest = max(budgets)
         if self.block < 2 or longest < 2:
+            self.plain.drafting = 0.0  # a plain cycle runs, as a plain probe would
             return 1
         if self.fixed:
             return min(self.block, longest)
