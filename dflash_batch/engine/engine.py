@@ -31,7 +31,7 @@ from .models import loading, registry
 from .models.target import Target
 from .ops import activations, attention, device, matmul, switch
 from .ops.kernels import cpu
-from .scheduler import CostModel, NodeCalibration, Scheduler, pooled_acceptance
+from .scheduler import CostModel, NodeCalibration, PlainProbes, Scheduler, pooled_acceptance
 from .waiting import Waiting
 
 if TYPE_CHECKING:
@@ -99,6 +99,7 @@ class Engine:
         # the drafter's acceptance over every job's cycles: each job's prior (engine/scheduler.py)
         self.acceptance = pooled_acceptance(self.block_size)
         self.node_calibration = NodeCalibration(max(self.block_size - 1, 0))  # draft trees' nodes, likewise
+        self.plain_probes = PlainProbes()  # and what the plain probes spent
         self.shapes_seen: set = set()  # (rows, width, key bucket) of the cycles run so far
         with switch.use(settings.routes()):
             cpu_ops = cpu.in_force()
@@ -526,7 +527,8 @@ class Engine:
         cost = self.cost_model
         if cost is None:
             cost = self._measured_cost(slots, requests, waits)
-        return Scheduler(self.block_size, cost, job=self.acceptance, nodes=self.node_calibration)
+        return Scheduler(self.block_size, cost, job=self.acceptance, nodes=self.node_calibration,
+                         plain=self.plain_probes)
 
     def _measured_cost(self, slots: int, requests: Sequence[EncodedRequest], waits: bool = False) -> CostModel:
         """The pass costs timed for this batch size at these requests' context (warm_up). ``waits``:

@@ -38,6 +38,29 @@ drafting cycle the scheduler chooses on its own, restores the share. A drafter t
 fails makes a job at most about 5% slower, and a long one under 1% (for a job whose rows end
 well before their budgets, the first probe can cost more than 5% of it).
 
+Drafting learns nothing about plain cycles either, and the width-1 cost is learnt only from
+plain cycles that run: a width-1 pass timed in a load spike at warm-up (a CPU's timings) would
+price plain decoding too dear, the scheduler would draft on every cycle, and nothing would
+correct it. So, symmetrically, a drafting cycle of width T chosen over B rows, committing
+E = sum_b E_b(min(T, budget_b)) on average, is replaced by a plain probe once the drafting
+cycles since the last plain cycle have cost 1 / probe_share times what the probe can lose. A
+plain probe commits B tokens (the bonus of each row) where the drafting cycle commits E; taking
+the E - B it does not commit at the drafting cycle's price per token, it loses at most
+
+    cost(B, T) * (E - B) / E
+
+(exactly cost(B, 1) - cost(B, T) * B / E, no more than that where a plain cycle costs no more
+than a drafting one), a bound read from the drafting widths' costs, which their own cycles keep
+honest, not from the width-1 cost under suspicion. The first TRUSTED plain probes run at the
+whole share (a kind's learnt excess counts from its TRUSTED-th cycle); each later one that leaves
+the scheduler drafting halves the share, to 1/8 of it at most, and a plain cycle the scheduler
+chooses on its own restores it. What the probes spent is the engine's, kept from job to job
+(``PlainProbes``): a job too short for a probe of its own adds its drafting to the next one's,
+so the width-1 cost is measured again however short the jobs. Over any run of drafting the
+plain probes lose at most probe_share of the drafting cycles' cost (5%), and over a long one
+little more than 1/8 of that (tests/test_plain_probes.py counts them). A cost model that learns
+nothing from cycles (``window`` 0) is not probed.
+
 A plain cycle with a drafter attached must cost what it costs without one. The widths are not
 weighed again while a plain choice stands and nothing is learnt (no row joins or leaves, no
 cycle verifies a draft), for up to REPLAN cycles (what cycles cost beyond their passes drifts):
@@ -144,6 +167,16 @@ class NodeCalibration:
     def scales(self) -> List[float]:
         w = self.prior_weight
         return [(a + w) / (p + w) for a, p in zip(self.accepted, self.predicted)]
+
+
+@dataclass
+class PlainProbes:
+    """What the plain probes have spent (module doc). The engine keeps one from job to job, as
+    it keeps the pooled acceptance: at batch 1 every request is a job of its own, and one that
+    began at the whole share every time would pay it on every request."""
+
+    drafting: float = 0.0  # seconds of drafting cycles since the last plain cycle
+    failed: int = 0  # plain probes since the scheduler last chose a plain cycle itself
 
 
 WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
@@ -292,13 +325,15 @@ class Scheduler:
     """
 
     def __init__(self, block: int, cost: CostModel, fixed: bool = False, probe_share: float = 0.05, probe_width: int = PROBE_WIDTH,
-                 backoff: int = 8, job: Optional[Acceptance] = None, nodes: Optional[NodeCalibration] = None):
+                 backoff: int = 8, job: Optional[Acceptance] = None, nodes: Optional[NodeCalibration] = None,
+                 plain: Optional[PlainProbes] = None):
         self.block, self.cost, self.fixed = block, cost, fixed
         self.probe_share, self.probe_width = probe_share, min(probe_width, block)
         self.backoff = backoff  # the most a run of failed probes divides the probe share by
         self.failed = 0  # probes since the scheduler last chose to draft on its own
         self.job = job if job is not None else pooled_acceptance(block)  # every row's cycles
         self.plain_seconds = 0.0  # spent in plain cycles since the last drafting cycle
+        self.plain = plain if plain is not None else PlainProbes()  # the engine's, from job to job
         self.nodes = nodes if nodes is not None else NodeCalibration(max(block - 1, 0))  # draft trees' nodes
         # what the last plain choice was made from (the job's and the rows' estimates), and the
         # cycles it has stood: ``width`` does not weigh the widths again while nothing is learnt
@@ -324,6 +359,7 @@ class Scheduler:
         """The verify width for the next cycle over rows with these estimates and token budgets."""
         longest = max(budgets)
         if self.block < 2 or longest < 2:
+            self.plain.drafting = 0.0  # a plain cycle runs, as a plain probe would
             return 1
         if self.fixed:
             return min(self.block, longest)
@@ -332,11 +368,12 @@ class Scheduler:
         if learnt == self.plain_from and self.plain_cycles < REPLAN:
             self.plain_cycles += 1  # still plain (module doc: what a plain cycle does not change)
         else:
-            best = self._best_width(estimates, budgets, longest)
+            best, tokens = self._best_width(estimates, budgets, longest)
             if best > 1:
                 self.plain_seconds, self.failed, self.plain_from = 0.0, 0, None
-                return best
+                return 1 if self._plain_probe(B, best, tokens) else best
             self.plain_from, self.plain_cycles = learnt, 0
+            self.plain.drafting, self.plain.failed = 0.0, 0
         # Plain decoding learns nothing about the drafts: probe once the plain cycles since the
         # last drafting cycle have cost 1 / probe_share times what a probe can lose (it commits
         # at least the bonus token, as the plain cycle it replaces does). Before the engine has
@@ -354,17 +391,43 @@ class Scheduler:
             return probe
         return 1
 
-    def _best_width(self, estimates: Sequence[Acceptance], budgets: Sequence[int], longest: int) -> int:
-        """The width of most tokens per second by the cost model (1: plain decoding)."""
+    def _best_width(self, estimates: Sequence[Acceptance], budgets: Sequence[int],
+                    longest: int) -> Tuple[int, float]:
+        """The width of most tokens per second by the cost model (1: plain decoding), and the
+        tokens it commits on average."""
         B = len(budgets)
         widths = self.widths(longest)
         committed = _committed(estimates, budgets, self.job.probabilities(), widths)
-        best, best_rate = 1, -1.0
+        best, best_tokens, best_rate = 1, float(B), -1.0
         for T, tokens in zip(widths, committed):
             rate = tokens / self.cost.cycle(B, T)
             if rate > best_rate * (1 + 1e-9):
-                best, best_rate = T, rate
-        return best
+                best, best_tokens, best_rate = T, tokens, rate
+        return best, best_tokens
+
+    def _plain_probe(self, B: int, T: int, tokens: float) -> bool:
+        """Whether to run a plain cycle in place of the drafting cycle of width T chosen, which
+        commits ``tokens`` on average: the width-1 cost is learnt only from plain cycles that run,
+        and one priced too dear (a warm-up pass timed in a load spike) would otherwise keep the
+        scheduler drafting for good. A plain probe commits one token per row where the drafting
+        cycle commits ``tokens``; at the drafting cycle's price per token it loses at most the
+        extra tokens' worth (module doc), a figure from the drafting cycles' costs, not from the
+        width-1 cost under suspicion. It runs once the drafting cycles since the last plain one
+        have cost 1 / probe_share times that, the share halved per probe that left the scheduler
+        drafting, as for the drafting probes, once the first TRUSTED have run at the whole share
+        (the cost model trusts a kind's cycles from its TRUSTED-th on), to 1 / backoff of it. A
+        cost model that learns nothing from cycles (``window`` 0) is not probed."""
+        if not self.cost.window:
+            return False
+        spent, drafting = self.plain, self.cost.cycle(B, T)
+        loss = drafting * max(tokens - B, 0.0) / tokens
+        share = self.probe_share / min(2 ** max(spent.failed - TRUSTED + 1, 0), self.backoff)
+        if spent.drafting > 0 and spent.drafting * share >= loss:
+            spent.drafting = 0.0
+            spent.failed += 1  # until the scheduler chooses a plain cycle on its own
+            return True
+        spent.drafting += drafting
+        return False
 
     def tree_width(self, trees: Sequence[Tuple[Sequence[int], Sequence[float]]], budgets: Sequence[int]) -> int:
         """The verify width of a tree cycle, chosen once the drafts are known: row b's trees are the
