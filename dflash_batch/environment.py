@@ -2,8 +2,8 @@
 where it applies, one line of doc, a check), and the one module that touches ``os.environ``.
 
 Library code asks ``get(name)``: the value, checked (``SettingError`` naming the variable), or
-None where unset or empty. No other module reads the environment (a test greps the package for
-it). A variable supplies a default only: the same setting given in code (``load_engine(...)``,
+where unset or empty the row's default when that is a value (else None). No other module reads
+the environment (a test greps the package for it). A variable supplies a default only: the same setting given in code (``load_engine(...)``,
 ``EngineConfig``) or as a flag takes precedence. ``check`` refuses a value that cannot be used
 before a job starts rather than when it is first read.
 
@@ -85,6 +85,7 @@ class Variable:
     default: str  # what holds where it is unset, as the reference shows it
     doc: str
     read: Read = _text
+    literal: bool = False  # ``default`` is a value: ``get`` reads it where the variable is unset
     choices: Tuple[str, ...] = ()  # a routing mode's choices ...
     by_backend: Tuple[str, ...] = ()  # ... and its default (on CUDA, elsewhere)
 
@@ -98,23 +99,22 @@ GROUPS = {
 
 
 def _route(name: str, field: str, choices: Tuple[str, ...], cuda: str, elsewhere: str,
-           doc: str) -> Variable:
+           doc: str, applies: str = "all backends") -> Variable:
     """A routing mode's variable (engine/ops/switch.py declares the mode from it)."""
-    return Variable(name, "engine", "all backends", f"{cuda} on CUDA, {elsewhere} elsewhere",
+    return Variable(name, "engine", applies, f"{cuda} on CUDA, {elsewhere} elsewhere",
                     f"{doc}; one of {', '.join(choices)} (`EngineConfig.{field}` in code)",
-                    _one_of(*choices), choices, (cuda, elsewhere))
+                    _one_of(*choices), choices=choices, by_backend=(cuda, elsewhere))
 
 
 _TABLE = (
     Variable("DFLASH_BATCH_HOME", "runner", "every command",
-             "the user's data folder (~/.local/share/dflash-batch; macOS: "
-             "~/Library/Application Support/dflash-batch)",
+             "$XDG_DATA_HOME/dflash-batch (macOS: ~/Library/Application Support/dflash-batch)",
              "the job home: job records, the queue and results (`--home`)", _path),
     Variable("DFLASH_BATCH_REDIS_URL", "runner", "the queue", "none: a SQLite queue in the home",
              "a Redis queue, for workers on several machines sharing one home (`--redis`)"),
     Variable("DFLASH_BATCH_LEASE_S", "runner", "workers", "30",
              "seconds a worker's lease on a chunk lasts without renewal, 1 to 86400",
-             _seconds),
+             _seconds, literal=True),
     Variable("DFLASH_BATCH_ENGINE", "runner", "workers, `run`", "dflash_batch.engine:load_engine",
              "`module:callable`: another engine factory, called with the model keywords (the "
              "tests' fake engine)"),
@@ -129,13 +129,14 @@ _TABLE = (
     _route("DFLASH_BATCH_DRAFTS", "drafts", ("chain", "tree"), "chain", "tree",
            "what a drafting cycle verifies: a chain of drafts or a draft tree"),
     _route("DFLASH_BATCH_CPU_OPS", "cpu_ops", ("native", "mlx"), "mlx", "native",
-           "softmax, SiLU and exp on a Linux CPU: the built native ops or MLX's own"),
+           "softmax, SiLU and exp on a Linux CPU: the built native ops or MLX's own", "Linux CPU"),
     Variable("DFLASH_BATCH_KERNEL_CHECK", "engine", "all backends", "1",
-             "0 skips the kernels' self-check (the GPU kernels, the native CPU ops)", _one_of("0", "1")),
+             "0 skips the kernels' self-check (the GPU kernels, the native CPU ops)", _one_of("0", "1"),
+             literal=True),
     Variable("DFLASH_BATCH_MEMORY_GB", "engine", "all backends", "the device's memory",
              "gigabytes the engine may use", _gigabytes),
     Variable("DFLASH_BATCH_CACHE", "engine", "all backends",
-             "the platform's cache folder (~/.cache/dflash-batch; macOS: ~/Library/Caches/dflash-batch)",
+             "$XDG_CACHE_HOME/dflash-batch (macOS: ~/Library/Caches/dflash-batch)",
              "where converted models, measured pass costs and built ops live", _folder),
     Variable("DFLASH_BATCH_BLAS", "engine", "Linux CPU", "a system OpenBLAS",
              "a CBLAS .so preloaded for MLX's CPU backend, or none"),
@@ -159,10 +160,11 @@ VARIABLES: Dict[str, Variable] = {v.name: v for v in _TABLE}
 
 
 def get(name: str) -> Any:
-    """The value of ``name`` checked by its row, or None where unset or empty. The one read of
-    the environment; ``name`` must be in the table (KeyError otherwise)."""
+    """The value of ``name`` checked by its row; where unset or empty, its default if that is a
+    value, else None. The one read of the environment; ``name`` must be in the table (KeyError
+    otherwise)."""
     variable = VARIABLES[name]
-    text = os.environ.get(name)
+    text = os.environ.get(name) or (variable.default if variable.literal else "")
     return variable.read(name, text) if text else None
 
 

@@ -35,15 +35,15 @@ from ..errors import LeaseLost
 
 log = logging.getLogger("dflash_batch.worker")
 LEASE_ENV = "DFLASH_BATCH_LEASE_S"
-DEFAULT_TTL_S = 30.0
 PREFIX = "dflash-batch:"
 WORKER_PREFIX = PREFIX + "worker:"
 LEASE_PREFIX = PREFIX + "lease:"
 
 
 def lease_ttl() -> float:
-    """Seconds a lease lasts without renewal: ``$DFLASH_BATCH_LEASE_S`` (default 30)."""
-    return environment.get(LEASE_ENV) or DEFAULT_TTL_S
+    """Seconds a lease lasts without renewal: ``$DFLASH_BATCH_LEASE_S``, else its default in
+    the table (dflash_batch/environment.py)."""
+    return environment.get(LEASE_ENV)
 
 
 def scope_of(output_dir: os.PathLike) -> str:

@@ -86,4 +86,4 @@ def keep_compiled_kernels() -> None:
         version = metadata.version("mlx")
     except metadata.PackageNotFoundError:
         version = "unknown"
-    environment.export(**{PTX_ENV: str(cache_dir() / "mlx-kernels" / version)})
+    environment.export(MLX_PTX_CACHE_DIR=str(cache_dir() / "mlx-kernels" / version))
