@@ -16,14 +16,13 @@ Keyword overrides use the flat spec names (``target``, ``draft``, ``max_tokens``
 from __future__ import annotations
 
 import logging
-import os
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Union
 
 import orjson
 
-from . import checks
+from . import checks, environment
 from .errors import JobFailed, SettingError
 from .files import write_atomic
 from .runner import drafters
@@ -55,7 +54,7 @@ def load_model(**model):
 
 def _named_factory() -> Optional[Callable[..., Any]]:
     """The factory $DFLASH_BATCH_ENGINE names, if set."""
-    name = os.environ.get(ENGINE_ENV)
+    name = environment.get(ENGINE_ENV)
     if not name:
         return None
     import importlib
@@ -75,9 +74,7 @@ def check_engine_settings() -> None:
     before a job starts; when $DFLASH_BATCH_ENGINE names another engine, that it names one."""
     if _named_factory() is not None:
         return
-    from .engine import settings
-
-    settings.check()
+    environment.check(environment.group("engine"))
 
 
 class Job:
@@ -390,7 +387,7 @@ def activity(home: Optional[Union[str, Path]] = None, redis_url: Optional[str] =
     from .runner.queue import REDIS_ENV, Queue
 
     home = Path(home) if home else home_dir()
-    if not (redis_url or os.environ.get(REDIS_ENV)) and not (home / "queue.db").exists():
+    if not (redis_url or environment.get(REDIS_ENV)) and not (home / "queue.db").exists():
         return {"workers": [], "leases": []}
     leases = Leases(Queue(home, redis_url=redis_url).huey.storage)
     now = time.time()
@@ -405,7 +402,7 @@ def live_workers(home: Optional[Union[str, Path]] = None, redis_url: Optional[st
     from .runner.queue import REDIS_ENV, Queue
 
     home = Path(home) if home else home_dir()
-    if not (redis_url or os.environ.get(REDIS_ENV)) and not (home / "queue.db").exists():
+    if not (redis_url or environment.get(REDIS_ENV)) and not (home / "queue.db").exists():
         return []
     return Leases(Queue(home, redis_url=redis_url).huey.storage, clock=clock).workers()
 

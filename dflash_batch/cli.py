@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from . import environment
 from .errors import CliError
 from .request import CONTROLS
 
@@ -136,33 +137,13 @@ def _override_values(args) -> Dict[str, Any]:
     return {k: getattr(args, k, None) for k in OVERRIDE_KEYS}
 
 
-class _Help(argparse.Action):
-    """``--help``: the usage and examples, then the engine's environment variables from their one
-    table (``engine.settings``), loaded only here: the other commands import no MLX to parse."""
-
-    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
-        super().__init__(option_strings, dest, default=default, nargs=0, help=help)
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        try:
-            from .engine import settings
-        except ImportError:  # a runner without MLX: no engine here to configure
-            pass
-        else:
-            parser.epilog = f"{parser.epilog}\n\n{settings.epilog()}"
-        parser.print_help()
-        parser.exit()
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dflash-batch",
         description="Run large batches of prompts through an MLX model with DFlash speculative decoding.",
-        epilog=EXAMPLES,
+        epilog=f"{EXAMPLES}\n\n{environment.epilog()}",  # the variables from their one table
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        add_help=False,
     )
-    parser.add_argument("-h", "--help", action=_Help, help="show this help message and exit")
     _common(parser, None)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
@@ -328,9 +309,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         parser.print_help()
         return EXIT_REFUSED
     if args.home:
-        os.environ["DFLASH_BATCH_HOME"] = str(Path(args.home).expanduser().resolve())
+        environment.export(DFLASH_BATCH_HOME=str(Path(args.home).expanduser().resolve()))
     if args.redis:
-        os.environ["DFLASH_BATCH_REDIS_URL"] = args.redis
+        environment.export(DFLASH_BATCH_REDIS_URL=args.redis)
     quiet = getattr(args, "quiet", False)  # -q: warnings and errors only, no bar, no INFO lines
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.WARNING if quiet else logging.INFO,
@@ -377,7 +358,7 @@ def _check_setup(args) -> None:
     from .runner.spec import SpecError
 
     where = "--home" if args.home else "home"
-    if not args.home and os.environ.get("DFLASH_BATCH_HOME"):
+    if not args.home and environment.get("DFLASH_BATCH_HOME"):
         where = "$DFLASH_BATCH_HOME"
     try:
         check_home(home_dir(), write=args.command in WRITING_COMMANDS and not getattr(args, "dry_run", False))
@@ -506,7 +487,7 @@ def cmd_worker(args) -> int:
     if args.device is not None:  # before anything loads the backend
         from .runner.scaleout import device_env
 
-        os.environ.update(device_env(args.device))
+        environment.export(**device_env(args.device))
     from .api import load_model
     from .runner.jobs import home_dir
     from .runner.spec import recorded_model

@@ -39,6 +39,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Optional, Tuple
 
+from . import environment
 from .checks import BadValue, json_type, nesting, show
 from .extras import install_hint
 
@@ -185,12 +186,12 @@ def _signal(number: int) -> str:
 def _start_helper() -> subprocess.Popen:
     # the helper imports this package from where this process found it
     root = str(Path(__file__).resolve().parents[1])
-    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    path = os.pathsep.join(p for p in (root, environment.get("PYTHONPATH")) if p)
     # its own session: a Ctrl-C meant for this process does not stop it mid-check
     return subprocess.Popen(
         [sys.executable, "-m", "dflash_batch.constraints", str(_check_stack())],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-        env=dict(os.environ, PYTHONPATH=path), start_new_session=True,
+        env=environment.child(PYTHONPATH=path), start_new_session=True,
     )  # fmt: skip
 
 

@@ -1,12 +1,13 @@
 """Where files live: the job home (job records, queue, results) and the model cache (converted
-models, built CPU ops). Standard library only, so the runner and the engine's lowest floor can
-both ask it without importing anything above them."""
+models, built CPU ops). Standard library only (and the environment's table), so the runner and the
+engine's lowest floor can both ask it without importing anything above them."""
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
+
+from . import environment
 
 HOME_ENV = "DFLASH_BATCH_HOME"
 CACHE_ENV = "DFLASH_BATCH_CACHE"
@@ -15,23 +16,24 @@ CACHE_ENV = "DFLASH_BATCH_CACHE"
 def home_dir() -> Path:
     """``$DFLASH_BATCH_HOME``, else the user's data dir (XDG on Linux, Application Support on
     macOS)."""
-    env = os.environ.get(HOME_ENV)
-    if env:
-        return Path(env).expanduser().resolve()
+    home = environment.get(HOME_ENV)
+    if home:
+        return home.resolve()
     if sys.platform == "darwin":
         return Path.home() / "Library" / "Application Support" / "dflash-batch"
-    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
-    return Path(base).expanduser().resolve() / "dflash-batch"
+    base = environment.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
+    return base.resolve() / "dflash-batch"
 
 
 def cache_dir() -> Path:
     """The model cache: ``$DFLASH_BATCH_CACHE``, else ``$XDG_CACHE_HOME/dflash-batch``
     (default ``~/.cache/dflash-batch``) on Linux, ``~/Library/Caches/dflash-batch`` on macOS."""
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV]).expanduser()
+    cache = environment.get(CACHE_ENV)
+    if cache:
+        return cache
     if sys.platform == "darwin":
         return Path("~/Library/Caches/dflash-batch").expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "dflash-batch"
+    return (environment.get("XDG_CACHE_HOME") or Path("~/.cache").expanduser()) / "dflash-batch"
 
 
 def costs_dir() -> Path:

@@ -23,6 +23,7 @@ def write(root, files):
 def test_the_metrics_find_circles_upward_arrows_reads_kernels_and_long_lines(tmp_path):
     write(tmp_path, {
         "dflash_batch/__init__.py": "",
+        "dflash_batch/environment.py": "import os\nos.environ.get('A')\nos.environ['A'] = 'b'\n",
         "dflash_batch/engine/__init__.py": "",
         "dflash_batch/engine/loop.py": "from . import other\nfrom .ops import add\n",
         "dflash_batch/engine/other.py": "from . import loop\nimport os\nx = os.environ.get('A')  # 3.2 ms on an H200\n",
@@ -40,6 +41,7 @@ def test_the_metrics_find_circles_upward_arrows_reads_kernels_and_long_lines(tmp
     assert got["upward_arrows"] == ["dflash_batch.engine.models.target -> dflash_batch.engine.loop",
                                     "dflash_batch.engine.ops.add -> dflash_batch.engine.models.target"]
     assert got["environment_reads"] == 1 and got["environment_read_files"] == {"dflash_batch/engine/other.py": 1}
+    assert got["environment_table_lines"] == 2  # the one accessor's own, counted apart
     assert got["kernel_source_lines_in_py"] == 5
     assert got["lines_over_100"] == 1 and got["figure_lines"] == 1
     assert got["benchmark_engine_internal_imports"] == 1
@@ -49,3 +51,4 @@ def test_the_metrics_find_circles_upward_arrows_reads_kernels_and_long_lines(tmp
 def test_the_metrics_run_on_this_checkout():
     got = layout_metrics.measure(layout_metrics.ROOT)
     assert got["engine_modules"] > 20 and got["import_circles"] == [] and got["upward_arrows"] == []
+    assert got["environment_reads"] == 0 and got["environment_table_lines"] > 0

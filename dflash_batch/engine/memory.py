@@ -15,8 +15,8 @@ import os
 import mlx.core as mx
 import mlx.nn as nn
 
+from .. import environment
 from ..completion import GenerationError
-from ..errors import SettingError
 from .ops import device
 from .ops.batch_cache import Lengths, RaggedKVCache, round_up
 
@@ -37,22 +37,12 @@ def default_prefill() -> tuple:
     return (512, 4096) if device.on_cpu() else (2048, 8192)
 
 
-def limit_bytes(text: str) -> int:
-    """$DFLASH_BATCH_MEMORY_GB's value in bytes: a finite number of gigabytes > 0."""
-    try:
-        gigabytes = float(text)
-    except ValueError:
-        gigabytes = float("nan")
-    if not 0 < gigabytes < float("inf"):  # NaN fails both comparisons
-        raise SettingError(f"{ENV_LIMIT}={text!r}: expected a number of gigabytes > 0")
-    return int(gigabytes * 1e9)
-
-
 def total_bytes() -> int:
     """The memory MLX may use: $DFLASH_BATCH_MEMORY_GB, else the device's figure (the
     recommended working set on Metal), else the machine's RAM."""
-    if os.environ.get(ENV_LIMIT):
-        return limit_bytes(os.environ[ENV_LIMIT])
+    gigabytes = environment.get(ENV_LIMIT)
+    if gigabytes:
+        return int(gigabytes * 1e9)
     info = mx.device_info() if not device.on_cpu() else {}
     for key in ("max_recommended_working_set_size", "memory_size", "total_memory"):
         if info.get(key):

@@ -30,28 +30,20 @@ from typing import Any, Callable, Dict, List, Optional
 
 import orjson
 
-from ..errors import LeaseLost, SettingError
+from .. import environment
+from ..errors import LeaseLost
 
 log = logging.getLogger("dflash_batch.worker")
 LEASE_ENV = "DFLASH_BATCH_LEASE_S"
-DEFAULT_TTL_S = 30.0
 PREFIX = "dflash-batch:"
 WORKER_PREFIX = PREFIX + "worker:"
 LEASE_PREFIX = PREFIX + "lease:"
 
 
 def lease_ttl() -> float:
-    """Seconds a lease lasts without renewal: ``$DFLASH_BATCH_LEASE_S`` (default 30)."""
-    text = os.environ.get(LEASE_ENV)
-    if not text:
-        return DEFAULT_TTL_S
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not 1.0 <= value <= 86400:  # NaN fails both comparisons
-        raise SettingError(f"${LEASE_ENV} must be a number of seconds in [1, 86400], got {text!r}")
-    return value
+    """Seconds a lease lasts without renewal: ``$DFLASH_BATCH_LEASE_S``, else its default in
+    the table (dflash_batch/environment.py)."""
+    return environment.get(LEASE_ENV)
 
 
 def scope_of(output_dir: os.PathLike) -> str:

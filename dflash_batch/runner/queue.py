@@ -11,10 +11,10 @@ it runs is set by the worker (``Queue.on_chunk``), so a producer never needs an 
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
+from .. import environment
 from ..extras import install_hint
 from ..errors import SetupError
 from .jobs import JobRecord, list_jobs
@@ -90,7 +90,7 @@ class Queue:
     def __init__(self, home: Path, redis_url: Optional[str] = None):
         self.home = Path(home).resolve()
         self.home.mkdir(parents=True, exist_ok=True)
-        redis_url = redis_url or os.environ.get(REDIS_ENV) or None
+        redis_url = redis_url or environment.get(REDIS_ENV)
         if redis_url:
             self.huey = redis_huey(redis_url)
             self.broker = redis_url

@@ -17,6 +17,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional
 
 import orjson
 
+from .. import environment
 from . import drafters
 from .cron import Cron, schedule_files
 from .execution import ConfigChanged, run_job
@@ -74,7 +75,7 @@ class Worker:
         self.stop_flag: Optional[threading.Event] = None
         queue.on_chunk = lambda job_id, chunk, task: self.run_chunk(job_id, chunk, task)  # late-bound: wrappable
         self.id = new_worker_id()
-        self.device = device if device is not None else os.environ.get("CUDA_VISIBLE_DEVICES")
+        self.device = device if device is not None else environment.get("CUDA_VISIBLE_DEVICES")
         self.leases = Leases(queue.huey.storage)
         self.rate = Rate()
         self.held: List[Lease] = []  # the leases of the chunks this worker runs now

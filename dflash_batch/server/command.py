@@ -7,6 +7,7 @@ import ipaddress
 import os
 from typing import Any, Dict
 
+from .. import environment
 from ..errors import CliError
 from .files import Limits
 
@@ -71,7 +72,7 @@ def is_loopback(host: str) -> bool:
 def run(args) -> int:
     from ..runner.jobs import home_dir
 
-    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    api_key = args.api_key or environment.get(API_KEY_ENV)
     if not is_loopback(args.host) and not api_key:
         raise CliError(f"--host {args.host} is not a loopback address: give --api-key (or set "
                        f"${API_KEY_ENV}) so that only clients with the key are served",

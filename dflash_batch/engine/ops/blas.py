@@ -15,6 +15,8 @@ import sys
 import warnings
 from typing import Optional
 
+from ... import environment
+
 BLAS_ENV = "DFLASH_BATCH_BLAS"  # a path to a CBLAS .so, or "none" to keep MLX's bundled one
 _CANDIDATES = (
     "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0",
@@ -29,7 +31,7 @@ _loaded: Optional[str] = None
 
 
 def _find_blas() -> Optional[str]:
-    choice = os.environ.get(BLAS_ENV)
+    choice = environment.get(BLAS_ENV)
     if choice:
         return None if choice.lower() == "none" else choice
     for path in _CANDIDATES:
@@ -74,7 +76,7 @@ def keep_compiled_kernels() -> None:
     """Point MLX's CUDA kernel cache at the model cache (``<cache>/mlx-kernels/<MLX version>``)
     unless it is set: MLX's default lies under the temp folder, which a new machine or container
     starts empty, so every fresh process compiled its kernels again. A value already set is kept."""
-    if os.environ.get(PTX_ENV):
+    if environment.get(PTX_ENV):
         return
     from importlib import metadata
 
@@ -84,4 +86,4 @@ def keep_compiled_kernels() -> None:
         version = metadata.version("mlx")
     except metadata.PackageNotFoundError:
         version = "unknown"
-    os.environ[PTX_ENV] = str(cache_dir() / "mlx-kernels" / version)
+    environment.export(MLX_PTX_CACHE_DIR=str(cache_dir() / "mlx-kernels" / version))

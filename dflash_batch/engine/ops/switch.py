@@ -1,6 +1,7 @@
 """The routing modes: how each pass computes (attention, few-row products, compiled passes, draft
 shape, CPU ops) and how ragged batches attend. Each mode is declared once here (``SWITCHES``: its
-environment variable, choices and default by backend); ``Routes`` holds one choice of each.
+field and environment variable, whose row in dflash_batch/environment.py holds its choices and
+default by backend); ``Routes`` holds one choice of each.
 
 An engine holds its own ``Routes`` (``EngineConfig``) and puts them in force for each of its
 steps (``use``, ``stepping``), so two engines in one process each run their own. The routed ops
@@ -13,14 +14,13 @@ files import by name."""
 from __future__ import annotations
 
 import dataclasses
-import os
 import sys
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Callable, Iterator, List, Optional, Sequence, TypeVar
 
-from ...errors import SettingError
+from ... import environment
 from . import device
 
 RAGGED_ROUTES = ("block", "sdpa")
@@ -28,22 +28,29 @@ RAGGED_ROUTES = ("block", "sdpa")
 
 @dataclass(frozen=True)
 class Switch:
-    """One routing mode's declaration: its ``Routes`` field, environment variable and choices."""
+    """One routing mode's declaration: its ``Routes`` field and its environment variable, whose
+    row in the package's table (dflash_batch/environment.py) gives the choices and the default
+    on each backend."""
 
     field: str
     name: str
     env: str
-    modes: Sequence[str]
-    cuda: str  # the default on CUDA
-    elsewhere: str  # the default on the CPU and Metal
-    doc: str
+
+    @property
+    def modes(self) -> Sequence[str]:
+        return environment.VARIABLES[self.env].choices
+
+    @property
+    def cuda(self) -> str:  # the default on CUDA
+        return environment.VARIABLES[self.env].by_backend[0]
+
+    @property
+    def elsewhere(self) -> str:  # the default on the CPU and Metal
+        return environment.VARIABLES[self.env].by_backend[1]
 
     def default(self) -> str:
         """The environment variable if set, else the backend's default."""
-        env = os.environ.get(self.env)
-        if env and env not in self.modes:
-            raise SettingError(f"{self.env}={env!r}: expected one of {tuple(self.modes)}")
-        return env or (self.cuda if device.backend() == "cuda" else self.elsewhere)
+        return environment.get(self.env) or (self.cuda if device.backend() == "cuda" else self.elsewhere)
 
     def resolve(self, mode: Optional[str]) -> str:
         """``mode`` checked, or the default for None."""
@@ -55,16 +62,11 @@ class Switch:
 
 
 SWITCHES = (
-    Switch("attention", "attention", "DFLASH_BATCH_ATTENTION", ("stock", "kernel", "reference"), "kernel", "stock",
-           "multi-row attention: stock SDPA, the block-attention kernels, or their MLX reference"),
-    Switch("matmul", "matmul", "DFLASH_BATCH_MATMUL", ("stock", "kernel"), "kernel", "stock",
-           "few-row products of linear layers: MLX's matmul or the few-row kernel"),
-    Switch("passes", "pass", "DFLASH_BATCH_PASSES", ("eager", "compiled"), "compiled", "eager",
-           "decoding passes run eagerly or replayed from a compiled trace"),
-    Switch("drafts", "draft", "DFLASH_BATCH_DRAFTS", ("chain", "tree"), "chain", "tree",
-           "what a drafting cycle verifies: a chain of drafts or a draft tree"),
-    Switch("cpu_ops", "cpu ops", "DFLASH_BATCH_CPU_OPS", ("native", "mlx"), "mlx", "native",
-           "softmax, SiLU and exp on a Linux CPU: the built native ops or MLX's own"),
+    Switch("attention", "attention", "DFLASH_BATCH_ATTENTION"),
+    Switch("matmul", "matmul", "DFLASH_BATCH_MATMUL"),
+    Switch("passes", "pass", "DFLASH_BATCH_PASSES"),
+    Switch("drafts", "draft", "DFLASH_BATCH_DRAFTS"),
+    Switch("cpu_ops", "cpu ops", "DFLASH_BATCH_CPU_OPS"),
 )
 BY_FIELD = {switch.field: switch for switch in SWITCHES}
 

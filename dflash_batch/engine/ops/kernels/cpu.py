@@ -27,7 +27,6 @@ from __future__ import annotations
 import hashlib
 import importlib.machinery
 import importlib.util
-import os
 import platform
 import shutil
 import subprocess
@@ -39,7 +38,7 @@ from typing import Dict, Optional, Sequence
 
 import mlx.core as mx
 
-from .... import files
+from .... import environment, files
 from ....paths import cache_dir
 from .. import switch
 from .. import device
@@ -90,7 +89,7 @@ def in_force() -> Optional[str]:
 # -- build -----------------------------------------------------------------------------------------
 
 def _compiler() -> Optional[str]:
-    for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
+    for name in (environment.get("CXX"), "g++", "c++", "clang++"):
         if name and shutil.which(name):
             return shutil.which(name)
     return None
