@@ -20,8 +20,9 @@ arms alternate for ``--reps`` timed runs of the whole job (wall time, prefill in
 turns A B, B A, ...: a load that comes and goes on the machine falls on both. Reported: the median tok/s of each arm, the
 ratio, tokens per cycle, the plain cycles' mean cost with and without the drafter
 (``Engine.decode_counts``), and the cycles of a shape (rows, verify width, key bucket:
-``Engine.shapes_seen``) the engine had not run before, in the warm-up job and in the timed runs
-(a GPU compiles a new width or batch size, at many times a pass's cost). Written to ``--out`` as never-loses-<machine>-<date>.json and .md.
+``Engine.shapes_seen``) the engine had not run before, and of a (rows, width) it had not run at
+any key bucket, in the warm-up job and in the timed runs (a GPU compiles a new width or batch
+size, at many times a pass's cost). Written to ``--out`` as never-loses-<machine>-<date>.json and .md.
 """
 
 from __future__ import annotations
@@ -64,9 +65,11 @@ def run_job(engine: Engine, prompts: list, max_tokens: int, B: int) -> Dict[str,
     out = batched.run_engine(engine, prompts, max_tokens, B)
     out["plain_cycle_ms"] = plain_cycle_ms(engine.decode_counts)
     # cycles of a shape (rows, verify width, key bucket) no earlier cycle of this engine ran (each
-    # shape is new to one cycle only): where a GPU compiles a new width or batch size
+    # shape is new to one cycle only), and of those, the cycles of a (rows, width) new at every key
+    # bucket: a compiled pass sees its buffer whole, so only these trace anew
     new = sorted(engine.shapes_seen - seen)
     out["new_shape_cycles"], out["new_shapes"] = len(new), [list(shape) for shape in new]
+    out["new_width_cycles"] = len({s[:2] for s in new} - {s[:2] for s in seen})
     return out
 
 
@@ -88,8 +91,9 @@ def side_by_side(arms_: Dict[str, Engine], prompts: list, max_tokens: int, B: in
         for key in ("tok_s", "wall_s", "prefill_s"):
             first[key] = statistics.median(r[key] for r in done)
         first["tok_s_runs"] = [round(r["tok_s"], 2) for r in done]
-        first["new_shape_cycles_runs"] = [r["new_shape_cycles"] for r in done]
-        first["warm_up_new_shape_cycles"] = warm[name]["new_shape_cycles"]
+        for key in ("new_shape_cycles", "new_width_cycles"):
+            first[key + "_runs"] = [r[key] for r in done]
+            first["warm_up_" + key] = warm[name][key]
         out[name] = first
     return out
 
@@ -137,19 +141,22 @@ def markdown(doc: Dict[str, Any]) -> str:
         title = f"{doc['shape']}, random drafter" if part == "random_drafter" else "default pair, chat prompts"
         lines += [f"## {title}", "",
                   "| B | plain tok/s | with drafter tok/s | ratio | tokens/cycle | plain cycle ms (no drafter / drafter) "
-                  "| cycles of new shapes, timed runs (no drafter / drafter) |",
+                  "| cycles of new shapes, of new (rows, width), timed runs (no drafter / drafter) |",
                   "| --- | --- | --- | --- | --- | --- | --- |"]
         for B, f in doc[part].items():
             p, d = f["plain"], f[arm]
             lines.append(f"| {B} | {p['tok_s']:.1f} | {d['tok_s']:.1f} | {f['ratio']:.3f}x | "
                          f"{d['tokens_per_cycle'] or 0:.2f} | {p['plain_cycle_ms']} / {d['plain_cycle_ms']} | "
-                         f"{_total(p.get('new_shape_cycles_runs'))} / {_total(d.get('new_shape_cycles_runs'))} |")
+                         f"{_new(p)} / {_new(d)} |")
         lines.append("")
     return "\n".join(lines)
 
 
-def _total(counts) -> Any:
-    return sum(counts) if counts is not None else "-"
+def _new(figures: Dict[str, Any]) -> str:
+    """'shapes, widths': the timed runs' cycles of new shapes and of new (rows, width) pairs."""
+    if "new_shape_cycles_runs" not in figures:
+        return "-"
+    return f"{sum(figures['new_shape_cycles_runs'])}, {sum(figures['new_width_cycles_runs'])}"
 
 
 def _ints(text: str) -> List[int]:
