@@ -9,6 +9,7 @@ import pytest
 
 from dflash_batch.engine import load_engine, warmup
 from dflash_batch.engine.ops import attention, switch
+from dflash_batch.engine.scheduler import buckets
 
 
 @pytest.fixture
@@ -208,3 +209,22 @@ def test_a_cpu_job_of_one_row_reads_its_costs_from_three_timed_widths(engine, mo
     asked.clear()
     cost = warmup.measure_costs(engine, 8, 128)  # batch 8: a line, two widths at each batch size
     assert sorted(asked) == [(1, 1), (1, 4), (8, 1), (8, 4)]
+
+
+@pytest.mark.parametrize("block", [10, 16])
+@pytest.mark.parametrize("line", [True, False])
+def test_a_gpu_warm_up_times_bucket_widths_only(engine, monkeypatch, block, line):
+    """A pass runs at a bucket width only (engine/scheduler.py: ``buckets``), so the warm-up times
+    (and so compiles) those: its middle width too, for a block whose half is not one."""
+    monkeypatch.setattr(warmup, "_quick", lambda: False)
+    monkeypatch.setattr(engine, "block_size", block)
+    asked = set()
+
+    def target(B, T):
+        asked.add(T)
+        return (1.0 + 0.1 * T if line else 1.0 + (T > 1)) * B
+
+    fake_passes(monkeypatch, target)
+    warmup.measure_costs(engine, 4, 128)
+    assert asked <= set(buckets(block)) and block in asked
+    assert asked == set(buckets(block)) or (line and len(asked) == 3)

@@ -168,7 +168,7 @@ REPLAN = 16  # plain cycles a plain choice stands while nothing is learnt, befor
 
 def buckets(block: int) -> List[int]:
     """The verify widths a pass ever runs at (module doc): WIDTHS below the block, and the block.
-    The warm-up times and compiles these (engine/warmup.py)."""
+    The widths the warm-up times (and so compiles) are among them (engine/warmup.py)."""
     return sorted({w for w in WIDTHS if w < block} | {max(block, 1)})
 
 

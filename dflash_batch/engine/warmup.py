@@ -6,7 +6,7 @@ lengths as in a job. The cache is allocated for that context without a prefill: 
 hold does not change what a pass costs. Timed on a GPU (each once to compile, then the fastest
 of three: other work on the machine only ever adds time):
 
-    target(B, T)   verify passes of 1, block / 2 and block rows at the job's batch size (of 1
+    target(B, T)   verify passes of 1, block / 2 (a bucket: up) and block rows at the job's batch size (of 1
                    and block at batch 1 for a wider job); where the middle one is off the line
                    through the others by more than 10% (a GPU's attention works in tiles of
                    query rows; at batch 1 its launches cost the same at every T > 1), every bucket width a pass
@@ -45,7 +45,7 @@ from .models import hybrid
 from .ops import attention, compiled, switch
 from .ops import device
 from .ops.batch_cache import Lengths, round_up
-from .scheduler import CostModel, PROBE_WIDTH, buckets
+from .scheduler import CostModel, PROBE_WIDTH, bucket, buckets
 
 SHORT_CONTEXT = 64  # tokens per row when the job's context is not known
 CHEAP_PASS = 0.02  # seconds: a CPU pass this quick is timed as on a GPU (repeating it costs nothing)
@@ -103,7 +103,8 @@ def _time_widths(engine, batch_size: int, n: int, block: int, targets: Dict[Tupl
         # a quantized matmul switches from its vector path to its general one at some row count:
         # a step in T that three widths on a line can hide
         stepped = engine.target.quantized
-        if not quick and block // 2 in widths and (stepped or not _straight([(T, targets[(B, T)]) for T in (1, block // 2, block)])):
+        middle = bucket(block // 2, block)
+        if not quick and middle in widths and (stepped or not _straight([(T, targets[(B, T)]) for T in (1, middle, block)])):
             # not linear in T (a GPU kernel's tiles of query rows, a quantized step): every width
             for T in buckets(block):
                 if (B, T) not in targets:
@@ -128,7 +129,7 @@ def _first_widths(B: int, block: int, quick: bool, alone: bool = False) -> list:
     figures: docs/results/engine-floors.md)."""
     if quick:
         return sorted({1, min(PROBE_WIDTH, block)} | ({block} if alone else set()))
-    return sorted({1, block // 2, block} if B > 1 or alone else {1, block})
+    return sorted({1, bucket(block // 2, block), block} if B > 1 or alone else {1, block})
 
 
 def _straight(points, tolerance: float = 0.1) -> bool:
