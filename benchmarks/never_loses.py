@@ -18,8 +18,11 @@ Two parts:
 Each arm first runs a warm-up job at the batch size (compilation, its pass costs), then the two
 arms alternate for ``--reps`` timed runs of the whole job (wall time, prefill included), in
 turns A B, B A, ...: a load that comes and goes on the machine falls on both. Reported: the median tok/s of each arm, the
-ratio, tokens per cycle, and the plain cycles' mean cost with and without the drafter
-(``Engine.decode_counts``). Written to ``--out`` as never-loses-<machine>-<date>.json and .md.
+ratio, tokens per cycle, the plain cycles' mean cost with and without the drafter
+(``Engine.decode_counts``), and the cycles of a shape (rows, verify width, key bucket:
+``Engine.shapes_seen``) the engine had not run before, and of a (rows, width) it had not run at
+any key bucket, in the warm-up job and in the timed runs (a GPU compiles a new width or batch
+size, at many times a pass's cost). Written to ``--out`` as never-loses-<machine>-<date>.json and .md.
 """
 
 from __future__ import annotations
@@ -58,8 +61,15 @@ def plain_cycle_ms(counts: Dict[int, list]) -> Any:
 
 
 def run_job(engine: Engine, prompts: list, max_tokens: int, B: int) -> Dict[str, Any]:
+    seen = set(engine.shapes_seen)
     out = batched.run_engine(engine, prompts, max_tokens, B)
     out["plain_cycle_ms"] = plain_cycle_ms(engine.decode_counts)
+    # cycles of a shape (rows, verify width, key bucket) no earlier cycle of this engine ran (each
+    # shape is new to one cycle only), and of those, the cycles of a (rows, width) new at every key
+    # bucket: a compiled pass sees its buffer whole, so only these trace anew
+    new = sorted(engine.shapes_seen - seen)
+    out["new_shape_cycles"], out["new_shapes"] = len(new), [list(shape) for shape in new]
+    out["new_width_cycles"] = len({s[:2] for s in new} - {s[:2] for s in seen})
     return out
 
 
@@ -67,8 +77,8 @@ def side_by_side(arms_: Dict[str, Engine], prompts: list, max_tokens: int, B: in
                  warm_prompts: int) -> Dict[str, Any]:
     """Each arm warmed up at B, then the arms alternating for ``reps`` timed runs, in turns
     A B, B A, A B, ... (neither arm always runs first); medians."""
-    for engine in arms_.values():
-        run_job(engine, prompts[:warm_prompts], min(batched.WARM_TOKENS, max_tokens), B)
+    warm = {name: run_job(engine, prompts[:warm_prompts], min(batched.WARM_TOKENS, max_tokens), B)
+            for name, engine in arms_.items()}
     runs: Dict[str, list] = {name: [] for name in arms_}
     order = list(arms_.items())
     for rep in range(reps):
@@ -81,6 +91,9 @@ def side_by_side(arms_: Dict[str, Engine], prompts: list, max_tokens: int, B: in
         for key in ("tok_s", "wall_s", "prefill_s"):
             first[key] = statistics.median(r[key] for r in done)
         first["tok_s_runs"] = [round(r["tok_s"], 2) for r in done]
+        for key in ("new_shape_cycles", "new_width_cycles"):
+            first[key + "_runs"] = [r[key] for r in done]
+            first["warm_up_" + key] = warm[name][key]
         out[name] = first
     return out
 
@@ -127,14 +140,23 @@ def markdown(doc: Dict[str, Any]) -> str:
             continue
         title = f"{doc['shape']}, random drafter" if part == "random_drafter" else "default pair, chat prompts"
         lines += [f"## {title}", "",
-                  "| B | plain tok/s | with drafter tok/s | ratio | tokens/cycle | plain cycle ms (no drafter / drafter) |",
-                  "| --- | --- | --- | --- | --- | --- |"]
+                  "| B | plain tok/s | with drafter tok/s | ratio | tokens/cycle | plain cycle ms (no drafter / drafter) "
+                  "| cycles of new shapes, of new (rows, width), timed runs (no drafter / drafter) |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
         for B, f in doc[part].items():
             p, d = f["plain"], f[arm]
             lines.append(f"| {B} | {p['tok_s']:.1f} | {d['tok_s']:.1f} | {f['ratio']:.3f}x | "
-                         f"{d['tokens_per_cycle'] or 0:.2f} | {p['plain_cycle_ms']} / {d['plain_cycle_ms']} |")
+                         f"{d['tokens_per_cycle'] or 0:.2f} | {p['plain_cycle_ms']} / {d['plain_cycle_ms']} | "
+                         f"{_new(p)} / {_new(d)} |")
         lines.append("")
     return "\n".join(lines)
+
+
+def _new(figures: Dict[str, Any]) -> str:
+    """'shapes, widths': the timed runs' cycles of new shapes and of new (rows, width) pairs."""
+    if "new_shape_cycles_runs" not in figures:
+        return "-"
+    return f"{sum(figures['new_shape_cycles_runs'])}, {sum(figures['new_width_cycles_runs'])}"
 
 
 def _ints(text: str) -> List[int]:

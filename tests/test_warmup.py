@@ -9,6 +9,7 @@ import pytest
 
 from dflash_batch.engine import load_engine, warmup
 from dflash_batch.engine.ops import attention, switch
+from dflash_batch.engine.scheduler import buckets
 
 
 @pytest.fixture
@@ -242,3 +243,22 @@ def test_a_load_spike_in_a_cpu_timing_does_not_move_the_kept_figure(engine, monk
         cost = warmup.measure_costs(engine, 8, 128)
         assert cost.timed == pytest.approx(calm.timed), spikes
         assert cost.cycle(8, 1) == pytest.approx(calm.cycle(8, 1))
+
+
+@pytest.mark.parametrize("block", [10, 16])
+@pytest.mark.parametrize("line", [True, False])
+def test_a_gpu_warm_up_times_bucket_widths_only(engine, monkeypatch, block, line):
+    """A pass runs at a bucket width only (engine/scheduler.py: ``buckets``), so the warm-up times
+    (and so compiles) those: its middle width too, for a block whose half is not one."""
+    monkeypatch.setattr(warmup, "_quick", lambda: False)
+    monkeypatch.setattr(engine, "block_size", block)
+    asked = set()
+
+    def target(B, T):
+        asked.add(T)
+        return (1.0 + 0.1 * T if line else 1.0 + (T > 1)) * B
+
+    fake_passes(monkeypatch, target)
+    warmup.measure_costs(engine, 4, 128)
+    assert asked <= set(buckets(block)) and block in asked
+    assert asked == set(buckets(block)) or (line and len(asked) == 3)

@@ -35,7 +35,7 @@ from .decode import Step
 from .ops import compiled
 from .ops.batch_cache import Lengths, round_up
 from .output import RowOutput
-from .scheduler import Acceptance, Scheduler
+from .scheduler import Acceptance, Scheduler, bucket
 from .waiting import Waiting
 
 
@@ -336,7 +336,10 @@ class BatchDecoder:
             live = [(p, r) for p, r in zip(prefixes, rows) if r is not None]
             width = self.scheduler.tree_width([(p.depths, p.scores) for p, _ in live], [r.cycle_budget for _, r in live])
         limits = [min(width, r.cycle_budget) if r is not None else 1 for r in rows]  # L_b: what row b may commit
-        T = max(limits)
+        # the pass runs at a bucket width (engine/scheduler.py: ``buckets``), compiled once: near
+        # the end of their budgets the rows' limits would make any width; a row's positions past
+        # its L_b are verified and discarded, as a short-budget row's beside a long one's are
+        T = bucket(max(limits), self.scheduler.block)
         # reach_b: the deepest draft position row b's pass could accept, plus one (the scheduler's
         # "verified": a chain's L_b; a tree's deepest node + 1, so that depths it never held do
         # not count as rejected)
@@ -432,7 +435,8 @@ class BatchDecoder:
         (engine/tree.py), as many as any width could verify (at most L_b - 1 deep): the scheduler
         chooses the cycle's width from them. A fixed width drafts only the positions it verifies."""
         block = self.engine.block_size
-        top = min(width if self.scheduler.fixed else block, max(r.cycle_budget for r in self.rows if r is not None))
+        longest = max(r.cycle_budget for r in self.rows if r is not None)
+        top = bucket(min(width if self.scheduler.fixed else block, longest), block)  # the drafter's head rows too
         P = min(top - 1, block - 1)
         ids, logprobs = self.draft(last, P, candidates=tree.CANDIDATES)
         mx.eval(ids, logprobs)  # the tree is grown on the host

@@ -19,12 +19,26 @@ kernels work in tiles of query rows: at B = 64 on an H100, T = 1, 4, 8, 16 cost 
 target(B, T) is read from them: interpolated in T between timed widths and in B between that
 batch size and the fitted line at B = 1 (a job of one row reads its own timed widths).
 
-The scheduler picks T in 1..block maximising  sum_b E_b(min(T, budget_b)) / cost(B, T).  T = 1 is
-plain batched decoding (no draft pass). An engine's first job starts from a neutral p_1 = 0.5,
-so from the width the cost model justifies for a drafter of unknown worth (on a CPU: plain
+The scheduler picks T among the bucket widths (below) maximising
+
+    sum_b E_b(min(T, budget_b)) / cost(B, T)
+
+T = 1 is plain batched decoding (no draft pass). An engine's first job starts from a neutral
+p_1 = 0.5, so from the width the cost model justifies for a drafter of unknown worth (on a CPU: plain
 decoding); later jobs start from the estimates pooled over the jobs before them, and each row
 from the pooled estimates. A position never verified takes the estimate of the
 one before it, so blocks widen as runs of accepted drafts show that wider ones pay.
+
+Which widths. On a GPU a pass of a shape not run before compiles (its trace, its kernels) at
+many times a pass's cost, so a job must run few shapes, the same ones job after job, and the
+warm-up times (and so compiles) widths of this set (engine/warmup.py). Every verify pass runs at
+a bucket width (``buckets``): WIDTHS below the block, and the block. Near the end of the rows'
+budgets their limits min(T, budget_b) would make a pass of any width; instead the scheduler
+offers the buckets below the longest budget and the smallest bucket that holds it (never above
+the block), each costed as its own pass, cost(B, T), and committing sum_b E_b(min(T, budget_b))
+as above: a row never commits past its budget, and its pass positions past its limit are
+verified and discarded, as a short-budget row's beside a long one's always were. The decoder
+runs the pass at the bucket that holds the rows' limits (engine/batch.py: ``run``).
 
 Rows in plain decoding learn nothing about their drafts, so they are probed at a small width
 once the plain cycles since the last drafting cycle have cost 20 times what a probe can lose (a
@@ -185,6 +199,17 @@ PROBE_WIDTH = 4  # rows a probe verifies: a drafter of unknown worth is tried at
 REPLAN = 16  # plain cycles a plain choice stands while nothing is learnt, before it is weighed again
 
 
+def buckets(block: int) -> List[int]:
+    """The verify widths a pass ever runs at (module doc): WIDTHS below the block, and the block.
+    The widths the warm-up times (and so compiles) are among them (engine/warmup.py)."""
+    return sorted({w for w in WIDTHS if w < block} | {max(block, 1)})
+
+
+def bucket(width: int, block: int) -> int:
+    """The smallest bucket width that holds ``width`` rows (``width`` itself past the block)."""
+    return next((w for w in buckets(block) if w >= width), width)
+
+
 @dataclass
 class CostModel:
     """Seconds per cycle: target(B, T) = t0 + t1 * B * T + t2 * B, draft(B) = d0 + d1 * B
@@ -341,10 +366,10 @@ class Scheduler:
         self.plain_cycles = 0
 
     def widths(self, longest: int) -> List[int]:
-        """The widths worth choosing among: each distinct pass shape is compiled once per
-        process (and per 256 keys), so a handful of widths, the block and the budget cap."""
-        top = min(self.block, longest)
-        return sorted({w for w in WIDTHS if w < top} | {top})
+        """The widths worth choosing among (module doc): the buckets below ``longest`` and the
+        smallest one that holds it (the pass a cycle for the longest budget runs at)."""
+        top = bucket(min(self.block, longest), self.block)
+        return [w for w in buckets(self.block) if w <= top]
 
     def new_row(self) -> Acceptance:
         return Acceptance(max(self.block - 1, 0))
@@ -362,7 +387,7 @@ class Scheduler:
             self.plain.drafting = 0.0  # a plain cycle runs, as a plain probe would
             return 1
         if self.fixed:
-            return min(self.block, longest)
+            return bucket(min(self.block, longest), self.block)
         B = len(budgets)
         learnt = (self.job.updates, tuple(map(id, estimates)))  # a row joined or left, or a draft was verified
         if learnt == self.plain_from and self.plain_cycles < REPLAN:
@@ -382,7 +407,7 @@ class Scheduler:
         # that did not lead to drafting halves the share (module doc).
         plain = self.cost.cycle(B, 1)
         self.plain_seconds += plain
-        probe = min(self.probe_width, longest)
+        probe = bucket(min(self.probe_width, longest), self.block)
         ahead = (longest - 1) * plain if self.job.seen[0] == 0 else 0.0
         share = self.probe_share / min(2 ** max(self.failed - 1, 0), self.backoff)  # halved per failed probe after the first
         if (self.plain_seconds + ahead) * share >= self.cost.cycle(B, probe) - plain:
@@ -440,7 +465,7 @@ class Scheduler:
         paid already)."""
         longest = max(budgets)
         if self.fixed or self.block < 2 or longest < 2:
-            return min(self.block, longest)
+            return bucket(min(self.block, longest), self.block)
         c = self.nodes.scales()
         widths = [T for T in self.widths(longest) if T > 1]
         totals = [0.0] * len(widths)

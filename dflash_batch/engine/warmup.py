@@ -6,10 +6,11 @@ lengths as in a job. The cache is allocated for that context without a prefill: 
 hold does not change what a pass costs. Timed on a GPU (each once to compile, then the fastest
 of three: other work on the machine only ever adds time):
 
-    target(B, T)   verify passes of 1, block / 2 and block rows at the job's batch size (of 1
+    target(B, T)   verify passes of 1, block / 2 (a bucket: up) and block rows at the job's batch size (of 1
                    and block at batch 1 for a wider job); where the middle one is off the line
                    through the others by more than 10% (a GPU's attention works in tiles of
-                   query rows; at batch 1 its launches cost the same at every T > 1), every width the scheduler chooses among (1, 2, 3, 4, 6, 8, 12, 16);
+                   query rows; at batch 1 its launches cost the same at every T > 1), every bucket width a pass
+                   runs at (engine/scheduler.py: ``buckets``: 1, 2, 3, 4, 6, 8, 12, 16 for a block of 16);
                    on a quantized target every width always: Metal runs a quantized matmul's vector
                    path (qmv) up to a row count that depends on the chip and the layer, and its
                    general one (qmm) above, a step in T that three widths on a line can hide
@@ -47,7 +48,7 @@ from .models import hybrid
 from .ops import attention, compiled, switch
 from .ops import device
 from .ops.batch_cache import Lengths, round_up
-from .scheduler import CostModel, PROBE_WIDTH, Scheduler
+from .scheduler import CostModel, PROBE_WIDTH, bucket, buckets
 
 SHORT_CONTEXT = 64  # tokens per row when the job's context is not known
 CHEAP_PASS = 0.02  # seconds: a CPU pass this quick is timed as on a GPU (repeating it costs nothing)
@@ -106,9 +107,10 @@ def _time_widths(engine, batch_size: int, n: int, block: int, targets: Dict[Tupl
         # a quantized matmul switches from its vector path to its general one at some row count:
         # a step in T that three widths on a line can hide
         stepped = engine.target.quantized
-        if not quick and block // 2 in widths and (stepped or not _straight([(T, targets[(B, T)]) for T in (1, block // 2, block)])):
+        middle = bucket(block // 2, block)
+        if not quick and middle in widths and (stepped or not _straight([(T, targets[(B, T)]) for T in (1, middle, block)])):
             # not linear in T (a GPU kernel's tiles of query rows, a quantized step): every width
-            for T in Scheduler(block, CostModel()).widths(block):
+            for T in buckets(block):
                 if (B, T) not in targets:
                     targets[(B, T)] = passes.target(T)
         if engine.drafter is not None and B not in drafts:
@@ -131,7 +133,7 @@ def _first_widths(B: int, block: int, quick: bool, alone: bool = False) -> list:
     figures: docs/results/engine-floors.md)."""
     if quick:
         return sorted({1, min(PROBE_WIDTH, block)} | ({block} if alone else set()))
-    return sorted({1, block // 2, block} if B > 1 or alone else {1, block})
+    return sorted({1, bucket(block // 2, block), block} if B > 1 or alone else {1, block})
 
 
 def _straight(points, tolerance: float = 0.1) -> bool:
