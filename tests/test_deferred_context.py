@@ -127,13 +127,22 @@ def test_the_first_drafting_cycle_writes_each_prompt_once(pair, monkeypatch):
     assert [c.token_ids for c in out] == [greedy_reference(pair[0], p, 40, eos) for p in prompts]
 
 
-def test_late_drafting_context_equals_a_fresh_pass(pair, monkeypatch):
+# (plain cycles, budgets, batch size): rows joining while others draft; and a batch that shrinks
+# (two rows finish) while the other rows' prompts still wait to be written
+CASES = {"joining": (3, [9, 30, 14, 6, 25, 11], 3), "shrinking": (10, [3, 2, 30, 25, 0, 0], 4)}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_late_drafting_context_equals_a_fresh_pass(pair, monkeypatch, case):
     """At every drafting cycle, each row's drafter cache holds the context a fresh target pass over
     its prompt and committed tokens gives, at its own positions: the prompt's rows first (written
     late, from a shared prefix or not), then every cycle's kept rows (a prompt written after the
     cycles' rows, or twice, or at another slot after the batch shrank, fails this)."""
+    plain, budgets, batch_size = CASES[case]
+    prompts = [p for p, n in zip(_prompts(), budgets) if n]
+    budgets = [n for n in budgets if n]
     engine = _engine(pair)
-    _late(engine, monkeypatch, plain=3, width=4)
+    _late(engine, monkeypatch, plain=plain, width=4)
     target, drafter = engine.target, engine.drafter
     checked = []
     real = batch.BatchDecoder.draft
@@ -158,12 +167,15 @@ def test_late_drafting_context_equals_a_fresh_pass(pair, monkeypatch):
         return out
 
     monkeypatch.setattr(batch.BatchDecoder, "draft", draft)
-    prompts = _prompts()
-    out = engine.generate_batch(prompts, max_tokens=[9, 30, 14, 6, 25, 11], batch_size=3)
-    assert len(checked) >= len(prompts)
+    shrunk = []
+    keep = batch.BatchDecoder._keep
+    monkeypatch.setattr(batch.BatchDecoder, "_keep", lambda decoder, slots: shrunk.append(len(decoder.prompts)) or keep(decoder, slots))
+    out = engine.generate_batch(prompts, max_tokens=budgets, batch_size=batch_size)
+    assert len(checked) >= len(prompts) - 2
+    if case == "shrinking":
+        assert shrunk and shrunk[0] >= 2  # rows whose prompts still waited moved to other slots
     eos = engine.tokenizer.eos_token_ids
-    want = [greedy_reference(pair[0], p, n, eos) for p, n in zip(prompts, [9, 30, 14, 6, 25, 11])]
-    assert [c.token_ids for c in out] == want
+    assert [c.token_ids for c in out] == [greedy_reference(pair[0], p, n, eos) for p, n in zip(prompts, budgets)]
 
 
 @pytest.mark.parametrize("batch_size", [1, 3])
