@@ -340,13 +340,12 @@ class BatchDecoder:
     def run(self, width: int) -> List[Union[Step, Exception, None]]:
         """One cycle of verify width T over every slot; returns each live row's Step (or the
         error that ended it alone)."""
+        if self.drafter is not None:  # before the cycle's clock starts: prefill work, not the cycle's
+            self._write_pending(width)
         started = time.perf_counter()
         rows = self.rows
         B = self.slots
         last = mx.array([[r.last if r is not None else 0] for r in rows], dtype=mx.int32)
-        written = self.context_counts["seconds"]
-        if self.drafter is not None and sum(self.pending_counts) > PENDING_PASSES * self.engine.prefill_tokens:
-            self._write_pending(last)
         prefixes = self._draft_tree(last, width) if self._tree_cycle(width) else None
         if prefixes is not None:  # the width, chosen again from the drafts themselves
             live = [(p, r) for p, r in zip(prefixes, rows) if r is not None]
@@ -369,8 +368,8 @@ class BatchDecoder:
         live = sum(r is not None for r in rows)
         shapes = (B, T, round_up(self.lengths.max))  # a cycle of shapes not run before includes compiling them
         seconds = time.perf_counter() - started
-        if shapes in self.engine.shapes_seen:  # the prompts' context written is no part of a cycle's cost
-            self.scheduler.cost.observe(live, T, seconds - (self.context_counts["seconds"] - written))
+        if shapes in self.engine.shapes_seen:
+            self.scheduler.cost.observe(live, T, seconds)
         counts = self.decode_counts.setdefault(T, [0, 0.0, 0])
         counts[0] += 1
         counts[1] += seconds
@@ -533,13 +532,17 @@ class BatchDecoder:
             for big, small in zip(self.draft_cache, cache):
                 big.put_row(b, (small.keys[i : i + 1, :, :n], small.values[i : i + 1, :, :n]), self.slots)
 
-    def _write_pending(self, last: mx.array) -> None:
-        """Pending context past its bound (``PENDING_PASSES``): the prompts' rows go into the
-        drafter's cache, and if the cycles' pieces alone are still past it, one drafting pass
-        (its drafts unused) takes them."""
-        self.write_prompts()
-        if sum(self.pending_counts) > PENDING_PASSES * self.engine.prefill_tokens:
+    def _write_pending(self, width: int) -> None:
+        """Before a cycle of verify width ``width``: a drafting one (wider than 1) first writes the
+        prompts' rows into the drafter's cache; so does any cycle once pending context is past its
+        bound (``PENDING_PASSES``), and if the cycles' pieces alone are still past it, one
+        drafting pass (its drafts unused) takes them."""
+        bound = PENDING_PASSES * self.engine.prefill_tokens
+        if width > 1 or sum(self.pending_counts) > bound:
+            self.write_prompts()
+        if sum(self.pending_counts) > bound:
             started = time.perf_counter()
+            last = mx.array([[r.last if r is not None else 0] for r in self.rows], dtype=mx.int32)
             mx.eval(self.draft(last, 1))
             self.context_counts["writes"] += 1
             self.context_counts["seconds"] += time.perf_counter() - started
@@ -547,7 +550,7 @@ class BatchDecoder:
     def draft(self, last: mx.array, rows: int, candidates: int = 0):
         """The drafter takes every row's pending context and proposes ``rows`` tokens per row; with
         ``candidates``, that many per position and their log-probabilities instead (a draft tree's)."""
-        self.write_prompts()
+        self.write_prompts()  # written before the cycle began (``run``), unless called on its own
         context, counts = decode.pack_context(self.pending)
         counts = counts or [0] * self.slots
         uniform = len(set(counts)) == 1 and self.draft_lengths.uniform
