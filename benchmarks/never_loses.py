@@ -60,6 +60,8 @@ def plain_cycle_ms(counts: Dict[int, list]) -> Any:
 def run_job(engine: Engine, prompts: list, max_tokens: int, B: int) -> Dict[str, Any]:
     out = batched.run_engine(engine, prompts, max_tokens, B)
     out["plain_cycle_ms"] = plain_cycle_ms(engine.decode_counts)
+    # the drafter's prompt context, written by the first drafting cycle (none in a job decoded plainly)
+    out["drafter_context"] = dict(getattr(engine, "context_counts", {}))
     return out
 
 

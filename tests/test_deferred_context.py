@@ -223,3 +223,18 @@ def test_pending_context_is_bounded(pair, monkeypatch):
     assert max(most) <= 100 + 3  # the bound, and the cycle's own rows
     eos = engine.tokenizer.eos_token_ids
     assert [c.token_ids for c in out] == [greedy_reference(pair[0], p, 60, eos) for p in prompts]
+
+
+def test_drafter_prefill_benchmark_smoke(tmp_path):
+    """``benchmarks.drafter_prefill --smoke``: the engine that never drafts writes no prompt
+    context; the one that drafts every cycle writes every prompt's, once."""
+    import json
+
+    from benchmarks import drafter_prefill
+
+    path = drafter_prefill.main(["--smoke", "--out", str(tmp_path), "--machine", "test"])
+    doc = json.loads(path.with_suffix(".json").read_text())
+    engines = doc["engines"]
+    assert engines["never"]["context_rows"] == engines["plain"]["context_rows"] == 0
+    assert engines["drafting"]["context_rows"] == doc["prompts"] * doc["context"]
+    assert set(engines["never"]["cycles"]) == {"1"} and max(map(int, engines["drafting"]["cycles"])) > 1
