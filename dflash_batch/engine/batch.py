@@ -538,14 +538,19 @@ class BatchDecoder:
         bound (``PENDING_PASSES``), and if the cycles' pieces alone are still past it, one
         drafting pass (its drafts unused) takes them."""
         bound = PENDING_PASSES * self.engine.prefill_tokens
-        if width > 1 or sum(self.pending_counts) > bound:
+        if width > 1 or self._held() > bound:
             self.write_prompts()
-        if sum(self.pending_counts) > bound:
+        if self._held() > bound:
             started = time.perf_counter()
             last = mx.array([[r.last if r is not None else 0] for r in self.rows], dtype=mx.int32)
             mx.eval(self.draft(last, 1))
             self.context_counts["writes"] += 1
             self.context_counts["seconds"] += time.perf_counter() - started
+
+    def _held(self) -> int:
+        """Context rows pending context holds in memory: the prompts', and every piece's whole
+        [B, T] (rows that left still take their place until the piece is packed)."""
+        return sum(h.shape[1] for h in self.prompts.values()) + sum(r.shape[0] * r.shape[1] for r, _ in self.pending)
 
     def draft(self, last: mx.array, rows: int, candidates: int = 0):
         """The drafter takes every row's pending context and proposes ``rows`` tokens per row; with
@@ -634,6 +639,7 @@ class BatchDecoder:
         for _, counts in self.pending:
             for b in slots:
                 counts[b] = 0
+        self.pending = [(rows, counts) for rows, counts in self.pending if any(counts)]
         for b in slots:
             self.prompts.pop(b, None)
 
