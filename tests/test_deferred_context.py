@@ -74,7 +74,8 @@ def _engine(pair, **kw):
 
 
 def _spy_context(engine, monkeypatch):
-    """Context rows the drafter is given outside its drafting passes, per call."""
+    """The drafter's context writes outside its drafting passes: (rows, width) per call. Rows of
+    one call are padded to its width; a ``prefill_tokens`` below two prompts makes one row a call."""
     rows = []
     real = engine.drafter.add_context
 
@@ -107,7 +108,7 @@ def test_the_first_drafting_cycle_writes_each_prompt_once(pair, monkeypatch):
     which writes the prompts of the rows in flight; the rows that join later are written by the
     next drafting cycle; every prompt once (its whole length, or the rest of a shared prefix
     copied with it: both its tapped rows)."""
-    engine = _engine(pair, prefill_tokens=64)
+    engine = _engine(pair, prefill_tokens=64)  # one prompt per context write
     _late(engine, monkeypatch, plain=4)
     written = _spy_context(engine, monkeypatch)
     cycles = []
@@ -122,7 +123,7 @@ def test_the_first_drafting_cycle_writes_each_prompt_once(pair, monkeypatch):
     out = engine.generate_batch(prompts, max_tokens=40, batch_size=3)
     assert [n for width, n in cycles[:5]] == [0] * 5  # nothing before the first drafting cycle had run
     assert cycles[4][0] > 1 and cycles[5][1] > 0
-    assert sum(n for _, n in written) == sum(len(p) for p in prompts)
+    assert {rows for rows, _ in written} == {1} and sorted(n for _, n in written) == sorted(len(p) for p in prompts)
     eos = engine.tokenizer.eos_token_ids
     assert [c.token_ids for c in out] == [greedy_reference(pair[0], p, 40, eos) for p in prompts]
 
@@ -176,6 +177,23 @@ def test_late_drafting_context_equals_a_fresh_pass(pair, monkeypatch, case):
         assert shrunk and shrunk[0] >= 2  # rows whose prompts still waited moved to other slots
     eos = engine.tokenizer.eos_token_ids
     assert [c.token_ids for c in out] == [greedy_reference(pair[0], p, n, eos) for p, n in zip(prompts, budgets)]
+
+
+def test_a_control_rows_prompt_is_never_written(pair, monkeypatch):
+    """Control rows (decoded plainly in a drafting batch: their drafts are never verified) never
+    have their prompt's context written; the other rows' are, once each."""
+    from dflash_batch.request import Options, Request
+
+    engine = _engine(pair, prefix_cache_mb=0, prefill_tokens=64)  # one prompt per context write
+    _late(engine, monkeypatch, plain=2)
+    written = _spy_context(engine, monkeypatch)
+    prompts = _prompts()[:4]
+    requests = [Request(f"r{i}", p, Options(max_tokens=20), control=i in (1, 2)) for i, p in enumerate(prompts)]
+    done = {r.id: c for r, c in engine.generate_requests(requests, batch_size=4)}
+    assert sorted(written) == sorted([(1, len(prompts[0])), (1, len(prompts[3]))])
+    eos = engine.tokenizer.eos_token_ids
+    for r, p in zip(requests, prompts):
+        assert done[r.id].token_ids == greedy_reference(pair[0], p, 20, eos), r.id
 
 
 @pytest.mark.parametrize("batch_size", [1, 3])
