@@ -235,8 +235,8 @@ class JoinGroup:
         n = self.lengths.host[b]
         j = self.joiners[b]
         hidden = None
-        if j.hidden:  # one array from here on: the pieces would keep whole passes' rows alive
-            hidden = j.hidden[0] if len(j.hidden) == 1 else mx.concatenate(j.hidden, axis=1)
+        if j.hidden:  # one array of its own from here on: a piece (a slice) keeps its whole pass's rows alive
+            hidden = mx.contiguous(j.hidden[0]) if len(j.hidden) == 1 else mx.concatenate(j.hidden, axis=1)
             j.hidden = [hidden]
         state = Prefix(n, [c.row_state(b, n) for c in self.cache], hidden, logits, context)
         mx.eval(state.arrays())
