@@ -279,12 +279,11 @@ class BatchDecoder:
             lengths[b] = state.length
             self.rows[b] = row
         self._drop_pending([b for b, _, _ in placed])
-        for b, row, state in placed:
-            if self.drafter is not None:
-                self.context_shape = state.context  # width and dtype of tapped context rows
-                draft_lengths[b] = 0  # the prompt's context waits in ``prompts``
-                if state.hidden is not None and not row.request.control:  # a control row's drafts are never verified
-                    self.prompts[b] = state.hidden
+        for b, row, state in placed if self.drafter is not None else ():
+            self.context_shape = state.context  # width and dtype of tapped context rows
+            draft_lengths[b] = 0  # the prompt's context waits in ``prompts`` until the drafter runs
+            if state.hidden is not None and not row.request.control:  # a control row's drafts are never verified
+                self.prompts[b] = state.hidden
         self.lengths.set(lengths)
         if self.drafter is not None:
             self.draft_lengths.set(draft_lengths)

@@ -25,8 +25,8 @@ The first row to reach such a mark leaves its state there in the ``PrefixCache``
 token ids, least recently used dropped beyond a byte bound): attention keys 0..P-1, recurrent
 states, the tapped rows that are the drafter's context, and the logits after the P-th token. A
 later prompt starting with those ids copies that state and prefills only the rest; a whole
-prompt found there needs no pass at all. The state after P tokens is the state the prompt alone reaches after them, so the
-results are those of prefilling each prompt alone.
+prompt found there needs no pass at all. The state after P tokens is the state the prompt alone
+reaches after them, so the results are those of prefilling each prompt alone.
 """
 
 from __future__ import annotations
