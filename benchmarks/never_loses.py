@@ -70,6 +70,8 @@ def run_job(engine: Engine, prompts: list, max_tokens: int, B: int) -> Dict[str,
     new = sorted(engine.shapes_seen - seen)
     out["new_shape_cycles"], out["new_shapes"] = len(new), [list(shape) for shape in new]
     out["new_width_cycles"] = len({s[:2] for s in new} - {s[:2] for s in seen})
+    # the drafter's prompt context, written by the first drafting cycle (none in a job decoded plainly)
+    out["drafter_context"] = dict(getattr(engine, "context_counts", {}))
     return out
 
 

@@ -69,8 +69,8 @@ def _close(a, b):
 
 def test_packed_prefill_state_equals_each_prompt_alone(pair):
     """Four prompts of 3 to 333 tokens prefilled together: every layer's state of every row (keys
-    and values, conv and recurrent states, the drafter's context) and its last logits equal that
-    prompt prefilled alone. Padding absorbed by a recurrent row, or written where a row reads it,
+    and values, conv and recurrent states, the tapped rows that are the drafter's context) and its
+    last logits equal that prompt prefilled alone. Padding absorbed by a recurrent row, or written where a row reads it,
     fails this."""
     engine = _engine(pair)
     prompts = [_ids(n, seed=n) for n in LENGTHS]
@@ -82,7 +82,7 @@ def test_packed_prefill_state_equals_each_prompt_alone(pair):
         alone = alone[0]
         assert packed.length == alone.length == len(ids)
         assert mx.allclose(packed.logits, alone.logits, rtol=1e-4, atol=1e-4).item(), n
-        for layer, (p, a) in enumerate(zip(packed.target + packed.draft, alone.target + alone.draft)):
+        for layer, (p, a) in enumerate(zip(packed.target + [(packed.hidden,)], alone.target + [(alone.hidden,)])):
             assert _close(p, a), (n, layer)
 
 
@@ -97,7 +97,7 @@ def test_one_token_disturbed_is_not_close(pair):
     other[-2] = (other[-2] + 1) % 200 + 1
     (want,), _ = _group_states(engine, [ids], 64)
     (got,), _ = _group_states(engine, [other], 64)
-    layers = [(p, a) for p, a in zip(got.target + got.draft, want.target + want.draft) if a is not None]
+    layers = [(p, a) for p, a in zip(got.target + [(got.hidden,)], want.target + [(want.hidden,)]) if a is not None]
     assert layers and not any(_close([x], [y]) for p, a in layers for x, y in zip(p, a))
 
 

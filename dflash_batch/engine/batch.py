@@ -38,6 +38,11 @@ from .output import RowOutput
 from .scheduler import Acceptance, Scheduler, bucket
 from .waiting import Waiting
 
+# Pending drafter context (prompts' tapped rows and plain cycles' pieces) is bounded: beyond this
+# many packed prefill passes' worth of rows (``prefill_tokens`` each) it is written into the
+# drafter's cache, drafting or not.
+PENDING_PASSES = 16
+
 
 @dataclass
 class EncodedRequest:
@@ -125,6 +130,11 @@ class BatchDecoder:
         # new context rows the drafter has not seen: each cycle's tapped rows [B, T, H] and the rows
         # each row kept, packed once when the drafter runs (decode.pack_context)
         self.pending: List[Tuple[mx.array, List[int]]] = []
+        # per slot, its prompt's tapped rows [1, n, H] (engine/prefill.py), written into the drafter's
+        # cache by the first cycle that drafts: a job decoded plainly never runs the drafter on them
+        self.prompts: Dict[int, mx.array] = {}
+        # the drafter's context writes outside its drafting passes: calls, rows, seconds
+        self.context_counts = {"writes": 0, "rows": 0, "seconds": 0.0}
         # Decoding cycles, plain data: per verify width T, [cycles, seconds, rows in flight summed]
         self.decode_counts: Dict[int, List[float]] = {}
 
@@ -264,18 +274,20 @@ class BatchDecoder:
             return
         lengths, draft_lengths = list(self.lengths.host), list(self.draft_lengths.host) if self.drafter else None
         for b, row, state in placed:
-            for big, small in zip(self.cache + (self.draft_cache or []), state.target + (state.draft or [])):
+            for big, small in zip(self.cache, state.target):
                 big.put_row(b, small, self.slots)
             lengths[b] = state.length
-            if self.drafter is not None:
-                self.context_shape = state.context  # width and dtype of tapped context rows
-                draft_lengths[b] = state.length
             self.rows[b] = row
         self._drop_pending([b for b, _, _ in placed])
+        for b, row, state in placed if self.drafter is not None else ():
+            self.context_shape = state.context  # width and dtype of tapped context rows
+            draft_lengths[b] = 0  # the prompt's context waits in ``prompts`` until the drafter runs
+            if state.hidden is not None and not row.request.control:  # a control row's drafts are never verified
+                self.prompts[b] = state.hidden
         self.lengths.set(lengths)
         if self.drafter is not None:
             self.draft_lengths.set(draft_lengths)
-        mx.eval([c.arrays() for c in self.cache + (self.draft_cache or [])])
+        mx.eval([c.arrays() for c in self.cache])
         logits = mx.concatenate([state.logits for _, _, state in placed], axis=0)  # [rows, 1, V]
         rows = [row for _, row, _ in placed]
         chosen, scores = self.choose(logits, rows, mx.array([state.length for _, _, state in placed]))
@@ -327,6 +339,8 @@ class BatchDecoder:
     def run(self, width: int) -> List[Union[Step, Exception, None]]:
         """One cycle of verify width T over every slot; returns each live row's Step (or the
         error that ended it alone)."""
+        if self.drafter is not None:  # before the cycle's clock starts: prefill work, not the cycle's
+            self._write_pending(width)
         started = time.perf_counter()
         rows = self.rows
         B = self.slots
@@ -477,12 +491,74 @@ class BatchDecoder:
 
     @property
     def pending_counts(self) -> List[int]:
-        """Per row, the pending context rows the drafter has not seen (summed over the pieces)."""
-        return [sum(c) for c in zip(*(c for _, c in self.pending))] or [0] * self.slots
+        """Per row, the pending context rows the drafter has not seen (its prompt's, and the
+        cycles' summed over the pieces)."""
+        counts = [sum(c) for c in zip(*(c for _, c in self.pending))] or [0] * self.slots
+        for b, hidden in self.prompts.items():
+            counts[b] += hidden.shape[1]
+        return counts
+
+    def write_prompts(self) -> None:
+        """Write the prompts' context rows waiting in ``prompts`` into the drafter's cache (the
+        first cycle that drafts after they joined pays for them, once): rows of similar length
+        together, about a packed prefill pass's worth of rows at a time, each pack one context
+        pass of the drafter (all from position 0) and each row then copied into its slot."""
+        if not self.prompts:
+            return
+        started = time.perf_counter()
+        lengths = list(self.draft_lengths.host)
+        for pack in _packs(sorted(self.prompts, key=lambda b: self.prompts[b].shape[1]),
+                           lambda b: self.prompts[b].shape[1], self.engine.prefill_tokens):
+            self._write_pack(pack)
+            for b in pack:
+                lengths[b] = self.prompts[b].shape[1]
+        self.draft_lengths.set(lengths)
+        mx.eval([c.arrays() for c in self.draft_cache])
+        self.context_counts["writes"] += 1
+        self.context_counts["rows"] += sum(h.shape[1] for h in self.prompts.values())
+        self.context_counts["seconds"] += time.perf_counter() - started
+        self.prompts = {}
+
+    def _write_pack(self, pack: List[int]) -> None:
+        """The drafter's context K/V of these slots' prompts (padded to the longest: a padding
+        row's keys come after every valid one and are never copied), placed at columns 0..n_b - 1
+        of each slot b (whose drafter context is empty until then)."""
+        counts = [self.prompts[b].shape[1] for b in pack]
+        width = max(counts)
+        rows = [self.prompts[b] if n == width else mx.pad(self.prompts[b], [(0, 0), (0, width - n), (0, 0)])
+                for b, n in zip(pack, counts)]
+        lengths = Lengths([])
+        cache = self.drafter.make_cache(lengths)  # empty at first, as the joining group's (engine/prefill.py)
+        lengths.set([0] * len(pack))
+        self.drafter.add_context(mx.concatenate(rows, axis=0) if len(rows) > 1 else rows[0], cache)
+        for i, (b, n) in enumerate(zip(pack, counts)):
+            for big, small in zip(self.draft_cache, cache):
+                big.put_row(b, (small.keys[i : i + 1, :, :n], small.values[i : i + 1, :, :n]), self.slots)
+
+    def _write_pending(self, width: int) -> None:
+        """Before a cycle of verify width ``width``: a drafting one (wider than 1) first writes the
+        prompts' rows into the drafter's cache; so does any cycle once pending context is past its
+        bound (``PENDING_PASSES``), and if the cycles' pieces alone are still past it, one
+        drafting pass (its drafts unused) takes them."""
+        bound = PENDING_PASSES * self.engine.prefill_tokens
+        if width > 1 or self._held() > bound:
+            self.write_prompts()
+        if self._held() > bound:
+            started = time.perf_counter()
+            last = mx.array([[r.last if r is not None else 0] for r in self.rows], dtype=mx.int32)
+            mx.eval(self.draft(last, 1))
+            self.context_counts["writes"] += 1
+            self.context_counts["seconds"] += time.perf_counter() - started
+
+    def _held(self) -> int:
+        """Context rows pending context holds in memory: the prompts', and every piece's whole
+        [B, T] (rows that left still take their place until the piece is packed)."""
+        return sum(h.shape[1] for h in self.prompts.values()) + sum(r.shape[0] * r.shape[1] for r, _ in self.pending)
 
     def draft(self, last: mx.array, rows: int, candidates: int = 0):
         """The drafter takes every row's pending context and proposes ``rows`` tokens per row; with
         ``candidates``, that many per position and their log-probabilities instead (a draft tree's)."""
+        self.write_prompts()  # written before the cycle began (``run``), unless called on its own
         context, counts = decode.pack_context(self.pending)
         counts = counts or [0] * self.slots
         uniform = len(set(counts)) == 1 and self.draft_lengths.uniform
@@ -566,6 +642,9 @@ class BatchDecoder:
         for _, counts in self.pending:
             for b in slots:
                 counts[b] = 0
+        self.pending = [(rows, counts) for rows, counts in self.pending if any(counts)]
+        for b in slots:
+            self.prompts.pop(b, None)
 
     def shrink(self) -> None:
         """With nothing left to come, drop idle rows from the batch once its live rows fit a
@@ -604,6 +683,7 @@ class BatchDecoder:
         if self.drafter is not None:
             self.draft_lengths.set([self.draft_lengths.host[b] for b in keep])
         self.pending = [(rows[index], [counts[b] for b in keep]) for rows, counts in self.pending]
+        self.prompts = {i: self.prompts[b] for i, b in enumerate(keep) if b in self.prompts}
         self.slots = len(keep)
 
 
@@ -615,6 +695,19 @@ def batch_rung(rows: int) -> int:
         power *= 2
     between = 3 * power // 4  # one and a half times the power of two below
     return between if power >= 4 and between >= rows else power
+
+
+def _packs(items: List[int], size: Callable[[int], int], tokens: int) -> Iterator[List[int]]:
+    """``items`` (in order) in runs whose count times their largest ``size`` stays within
+    ``tokens`` (a run holds one item at least)."""
+    pack: List[int] = []
+    for item in items:
+        if pack and (len(pack) + 1) * max(size(item), max(size(i) for i in pack)) > tokens:
+            yield pack
+            pack = []
+        pack.append(item)
+    if pack:
+        yield pack
 
 
 def _logprobs(scores, b: int, count: int):

@@ -309,7 +309,9 @@ class Engine:
         """Decode checked requests (see ``request``); yield ``(request.index, Completion)`` as each
         finishes. ``prefill_counts`` then holds the run's prefill passes, prompt tokens run through
         them and padding tokens; ``decode_counts`` its cycles per verify width T:
-        ``{T: [cycles, seconds, rows in flight summed]}``."""
+        ``{T: [cycles, seconds, rows in flight summed]}``; ``context_counts`` the drafter's writes
+        of prompt context outside its drafting passes (engine/batch.py: ``write_prompts``):
+        ``{"writes", "rows", "seconds"}``."""
         if not requests:
             return
         slots = self.plan_batch(requests, batch_size)
@@ -340,6 +342,7 @@ class Engine:
         piece as it is committed."""
         self.prefill_counts = decoder.group.counts
         self.decode_counts = decoder.decode_counts
+        self.context_counts = decoder.context_counts  # the drafter's prompt context, written when it first drafts
         parts: Dict[int, List[Piece]] = {}
         for index, piece in self._steps(decoder):
             if index is None:

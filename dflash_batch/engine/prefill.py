@@ -11,8 +11,9 @@ less left pads less than a quarter of the width:
                 its valid queries and lies past n_j + c_j, where its next pass overwrites it
     recurrent:  when the c_j differ the pass records its tape and row j keeps its first c_j steps
                 (``TapeCache.trim_rows``, as after a verify pass): no row absorbs padding
-    drafter:    row j's tapped hidden rows are written at its own context length
-    lengths:    n_j += c_j (target and drafter)
+    drafter:    row j keeps its first c_j tapped hidden rows (the drafter's context, not yet
+                written: the batch writes it when it first drafts for the row)
+    lengths:    n_j += c_j
 
 A row whose prompt is complete leaves the group with its state (``Prefix``) and its logits at
 c_j - 1, from which the batch copies it into its slot and chooses its first token.
@@ -22,10 +23,10 @@ longest common prefix with a neighbour in sorted order, cut to a multiple of ``g
 tokens; the whole prompt where two prompts are the same, as the n samples of one prompt are).
 The first row to reach such a mark leaves its state there in the ``PrefixCache`` (keyed by the
 token ids, least recently used dropped beyond a byte bound): attention keys 0..P-1, recurrent
-states, the drafter's context, and the logits after the P-th token. A later prompt starting with
-those ids copies that state and prefills only the rest; a whole prompt found there needs no pass
-at all. The state after P tokens is the state the prompt alone reaches after them, so the
-results are those of prefilling each prompt alone.
+states, the tapped rows that are the drafter's context, and the logits after the P-th token. A
+later prompt starting with those ids copies that state and prefills only the rest; a whole
+prompt found there needs no pass at all. The state after P tokens is the state the prompt alone
+reaches after them, so the results are those of prefilling each prompt alone.
 """
 
 from __future__ import annotations
@@ -46,13 +47,16 @@ class Prefix:
 
     length: int
     target: list
-    draft: Optional[list]
+    # [1, length, taps*H]: the tapped rows of those tokens, the drafter's context, kept rather
+    # than written into its cache: a row the batch never drafts for never pays for them (None:
+    # no drafter)
+    hidden: Optional[mx.array]
     logits: mx.array  # [1, 1, V] after token ``length``: the next token's distribution
     context: Optional[mx.array]  # [1, 0, taps*H]: width and dtype of tapped context rows
 
     def arrays(self) -> List[mx.array]:
-        out = [self.logits]
-        for state in self.target + (self.draft or []):
+        out = [self.logits] + ([] if self.hidden is None else [self.hidden])
+        for state in self.target:
             out += [] if state is None else list(state)
         return out
 
@@ -139,6 +143,7 @@ class Joiner:
     ids: List[int]
     done: int  # prompt tokens in the group's cache
     marks: List[int] = field(default_factory=list)  # prefix lengths still to keep (ascending)
+    hidden: List[mx.array] = field(default_factory=list)  # tapped rows of those tokens, in pieces [1, c, taps*H]
 
     def piece_end(self, width: int) -> int:
         """Where this row's next piece ends: ``width`` tokens on, cut at its next mark."""
@@ -147,15 +152,14 @@ class Joiner:
 
 
 class JoinGroup:
-    """The joining prompts' rows: their own caches and lengths, prefilled one packed pass at a time."""
+    """The joining prompts' rows: their own caches and lengths, prefilled one packed pass at a
+    time. The drafter runs no pass here: each row keeps its tapped rows (``Joiner.hidden``)."""
 
     def __init__(self, target, drafter, prefixes: Optional[PrefixCache]):
         self.target, self.drafter, self.prefixes = target, drafter, prefixes
         self.joiners: List[Joiner] = []
         self.lengths = Lengths([])
         self.cache = target.make_cache(self.lengths)
-        self.draft_lengths = Lengths([]) if drafter is not None else None
-        self.draft_cache = drafter.make_cache(self.draft_lengths) if drafter is not None else None
         self.producing: Dict[Tuple[int, ...], Joiner] = {}  # prefix ids -> the row that will keep them
         # passes run, prompt tokens and pad tokens in them, seconds they took (plain-data stats)
         self.counts = {"passes": 0, "tokens": 0, "padding": 0, "seconds": 0.0}
@@ -167,10 +171,7 @@ class JoinGroup:
         for c, s in zip(self.cache, start.target if start else [None] * len(self.cache)):
             c.add_rows([s], have)
         self.lengths.set(self.lengths.host + [n])
-        if self.drafter is not None:
-            for c, s in zip(self.draft_cache, start.draft if start else [None] * len(self.draft_cache)):
-                c.add_rows([s], have)
-            self.draft_lengths.set(self.draft_lengths.host + [n])
+        joiner.hidden = [start.hidden] if start is not None and start.hidden is not None else []
         joiner.done = n
         joiner.marks = [m for m in joiner.marks if m > n]
         for m in joiner.marks:
@@ -206,10 +207,11 @@ class JoinGroup:
         else:
             last, hidden = self.target(tokens, self.cache, at)
         self.lengths.advance(counts)
-        if self.drafter is not None:
-            self.drafter.add_context(hidden, self.draft_cache)
-            self.draft_lengths.advance(counts)
-        mx.eval(last, [c.arrays() for c in self.cache + (self.draft_cache or [])])
+        keep = self.drafter is not None and hidden is not None
+        if keep:
+            for b, (j, c) in enumerate(zip(js, counts)):
+                j.hidden.append(hidden[b : b + 1, :c])
+        mx.eval(last, [c.arrays() for c in self.cache], hidden if keep else [])
         self.counts["passes"] += 1
         self.counts["tokens"] += sum(counts)
         self.counts["padding"] += C * len(counts) - sum(counts)
@@ -231,8 +233,12 @@ class JoinGroup:
     def state(self, b: int, logits: mx.array, context: Optional[mx.array]) -> Prefix:
         """Row b's state as it stands (a copy)."""
         n = self.lengths.host[b]
-        draft = None if self.drafter is None else [c.row_state(b, n) for c in self.draft_cache]
-        state = Prefix(n, [c.row_state(b, n) for c in self.cache], draft, logits, context)
+        j = self.joiners[b]
+        hidden = None
+        if j.hidden:  # one array of its own from here on: a piece (a slice) keeps its whole pass's rows alive
+            hidden = mx.contiguous(j.hidden[0]) if len(j.hidden) == 1 else mx.concatenate(j.hidden, axis=1)
+            j.hidden = [hidden]
+        state = Prefix(n, [c.row_state(b, n) for c in self.cache], hidden, logits, context)
         mx.eval(state.arrays())
         return state
 
@@ -255,13 +261,8 @@ class JoinGroup:
         if not keep:  # an empty group starts afresh (and lets go of its buffers)
             self.lengths.set([])
             self.cache = self.target.make_cache(self.lengths)
-            if self.drafter is not None:
-                self.draft_lengths.set([])
-                self.draft_cache = self.drafter.make_cache(self.draft_lengths)
             return
         index = mx.array(keep, dtype=mx.int32)
-        for c in self.cache + (self.draft_cache or []):
+        for c in self.cache:
             c.take_rows(index)
         self.lengths.set([self.lengths.host[b] for b in keep])
-        if self.drafter is not None:
-            self.draft_lengths.set([self.draft_lengths.host[b] for b in keep])
