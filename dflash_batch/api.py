@@ -7,7 +7,7 @@
 
     job = dflash_batch.run("jobs/dataset.yaml", engine=my_engine)  # in this process, no queue
 
-An engine is any ``dflash_batch.request.Generator`` (``Engine`` from ``dflash_batch.engine`` is one).
+An engine is any ``dflash_batch.request.CompletionEngine`` (``Engine`` from ``dflash_batch.engine`` is one).
 
 Keyword overrides use the flat spec names (``target``, ``draft``, ``max_tokens``, ``temperature``,
 ``seed``, ``stop``, ``system_prompt``, ``output_dir``, ``chunk_size``...; see ``JobSpec``).
@@ -43,7 +43,7 @@ def load_model(**model):
     """The default engine factory: ``dflash_batch.engine.load_engine`` (MLX is imported here,
     lazily, and only by whoever calls it). ``$DFLASH_BATCH_ENGINE=module:callable`` names
     another factory (called with the same model keywords; it must return a
-    ``request.Generator``): for another engine, or the tests' fake one."""
+    ``request.CompletionEngine``): for another engine, or the tests' fake one."""
     factory = _named_factory()
     if factory is not None:
         return factory(**model)

@@ -7,7 +7,7 @@ a chunk's journal becomes a Parquet part when the chunk is complete (or every ``
 or on stop or error), and the chunk is then marked done. A process killed at any point leaves
 journals that ``store.recover`` commits under the next holder of the lock: every id exactly once.
 
-The engine comes from ``engines(spec)``, any ``request.Generator``: the caller decides how models
+The engine comes from ``engines(spec)``, any ``request.CompletionEngine``: the caller decides how models
 are loaded and kept (the worker keeps one resident; the foreground run loads one). Nothing here
 imports MLX.
 """
@@ -32,7 +32,7 @@ from .rows import item_error_row, outcome_row
 from .store import Journal, key_of, row_key
 
 log = logging.getLogger("dflash_batch.runner")
-EngineSource = Callable[[Any], Any]  # JobSpec -> request.Generator
+EngineSource = Callable[[Any], Any]  # JobSpec -> request.CompletionEngine
 
 
 @dataclass
