@@ -7,7 +7,8 @@
 
     job = dflash_batch.run("jobs/dataset.yaml", engine=my_engine)  # in this process, no queue
 
-An engine is any ``dflash_batch.request.CompletionEngine`` (``Engine`` from ``dflash_batch.engine`` is one).
+An engine is any ``dflash_batch.request.CompletionEngine`` (``Engine`` from ``dflash_batch.engine``
+is one).
 
 Keyword overrides use the flat spec names (``target``, ``draft``, ``max_tokens``, ``temperature``,
 ``seed``, ``stop``, ``system_prompt``, ``output_dir``, ``chunk_size``...; see ``JobSpec``).

@@ -164,8 +164,9 @@ class Request:
     control: bool = False  # decode it plainly in the batch (no draft verified), as a check (docs/runner.md)
 
 
-# What a completion engine yields per request: its completion, or why it has none (a GenerationError for
-# a prompt the engine refuses; another exception for a failure of that one request).
+# What a completion engine yields per request: its completion, or why it has none (a
+# GenerationError for a prompt the engine refuses; another exception for a failure of that one
+# request).
 Outcome = Union[Completion, Exception]
 
 

@@ -365,8 +365,8 @@ class Engine:
         self, requests: Iterable["request_type.Request"], batch_size: Optional[int] = None,
         lookahead: Optional[int] = None, inbox=None,
     ) -> Iterator[Tuple["request_type.Request", Union[Completion, Exception]]]:
-        """The runner's interface (``dflash_batch.request.CompletionEngine``): one stream, decoded together
-        (``batch_size`` rows at most) and yielded as each request finishes, a request of
+        """The runner's interface (``dflash_batch.request.CompletionEngine``): one stream, decoded
+        together (``batch_size`` rows at most) and yielded as each request finishes, a request of
         ``options.n`` samples once per sample (``sample_index``; seeds from the request's seed, its
         id and the sample index). Requests are pulled and encoded (``request``) as slots free up,
         at most ``lookahead`` encoded ones waiting (default twice the batch size; engine/waiting.py),
