@@ -35,7 +35,7 @@ import dflash_batch.engine  # noqa: F401  (BLAS preload before mlx on Linux CPU)
 import mlx.core as mx
 
 from dflash_batch.engine import Engine
-from dflash_batch.engine.scheduler import CostModel
+from dflash_batch.engine.widths import CostModel
 
 from . import arms, batched
 

@@ -25,7 +25,7 @@ def fixed_costs():
     """Pass costs as if measured that no timing changes (``window=0``): an adaptive engine given
     them (``load_engine(cost_model=...)``) chooses the same widths on a busy machine as on an
     idle one."""
-    from dflash_batch.engine.scheduler import CostModel
+    from dflash_batch.engine.widths import CostModel
 
     return CostModel(t0=1.0, t1=0.05, d0=0.5, window=0)
 

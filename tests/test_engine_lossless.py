@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dflash_batch.engine import load_engine
-from dflash_batch.engine.scheduler import CostModel
+from dflash_batch.engine.widths import CostModel
 from tests import synthetic
 from tests.helpers import PROMPTS, fixed_costs, greedy_reference, make_drafter
 from tests.scripting import ScriptedDrafts

@@ -27,7 +27,7 @@ from mlx_lm import stream_generate
 from dflash_batch.engine import load_engine, warmup
 from dflash_batch.engine.ops import matmul, switch
 from dflash_batch.engine.ops.kernels import matmul as km
-from dflash_batch.engine.scheduler import CostModel
+from dflash_batch.engine.widths import CostModel
 from tests import synthetic
 from tests.helpers import PROMPTS_B, fixed_costs
 from tests.scripting import ScriptedDrafts

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from dflash_batch.engine import batch, load_engine
-from dflash_batch.engine.scheduler import CostModel
+from dflash_batch.engine.widths import CostModel
 from dflash_batch.request import Options, Request
 from tests.helpers import greedy_reference
 from tests.scripting import ScriptedDrafts

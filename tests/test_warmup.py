@@ -9,7 +9,7 @@ import pytest
 
 from dflash_batch.engine import load_engine, warmup
 from dflash_batch.engine.ops import attention, switch
-from dflash_batch.engine.scheduler import buckets
+from dflash_batch.engine.widths import buckets
 
 
 @pytest.fixture
@@ -248,7 +248,7 @@ def test_a_load_spike_in_a_cpu_timing_does_not_move_the_kept_figure(engine, monk
 @pytest.mark.parametrize("block", [10, 16])
 @pytest.mark.parametrize("line", [True, False])
 def test_a_gpu_warm_up_times_bucket_widths_only(engine, monkeypatch, block, line):
-    """A pass runs at a bucket width only (engine/scheduler.py: ``buckets``), so the warm-up times
+    """A pass runs at a bucket width only (engine/widths.py: ``buckets``), so the warm-up times
     (and so compiles) those: its middle width too, for a block whose half is not one."""
     monkeypatch.setattr(warmup, "_quick", lambda: False)
     monkeypatch.setattr(engine, "block_size", block)

@@ -10,7 +10,7 @@ of three: other work on the machine only ever adds time):
                    and block at batch 1 for a wider job); where the middle one is off the line
                    through the others by more than 10% (a GPU's attention works in tiles of
                    query rows; at batch 1 its launches cost the same at every T > 1), every bucket width a pass
-                   runs at (engine/scheduler.py: ``buckets``: 1, 2, 3, 4, 6, 8, 12, 16 for a block of 16);
+                   runs at (engine/widths.py: ``buckets``: 1, 2, 3, 4, 6, 8, 12, 16 for a block of 16);
                    on a quantized target every width always: Metal runs a quantized matmul's vector
                    path (qmv) up to a row count that depends on the chip and the layer, and its
                    general one (qmm) above, a step in T that three widths on a line can hide
@@ -48,7 +48,7 @@ from .models import hybrid
 from .ops import attention, compiled, switch
 from .ops import device
 from .ops.batch_cache import Lengths, round_up
-from .scheduler import CostModel, PROBE_WIDTH, bucket, buckets
+from .widths import CostModel, PROBE_WIDTH, bucket, buckets
 
 SHORT_CONTEXT = 64  # tokens per row when the job's context is not known
 CHEAP_PASS = 0.02  # seconds: a CPU pass this quick is timed as on a GPU (repeating it costs nothing)

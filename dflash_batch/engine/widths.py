@@ -83,7 +83,7 @@ a wider cycle pay better, so the choice is the one the full weighing would make.
 
 A draft tree (engine/tree.py) is worth more per width than a chain, since its branches repair
 first misses: a tree cycle chooses its width again once the drafts are known, from the nodes'
-own scores corrected per depth by what tree cycles accepted (``Scheduler.tree_width``,
+own scores corrected per depth by what tree cycles accepted (``WidthPolicy.tree_width``,
 ``NodeCalibration``). Whether to draft at all stays the chain model's choice above.
 
 The pass costs come from timing real passes at warm-up, at the job's batch size and typical
@@ -337,7 +337,7 @@ def _solve(points, used: List[int]) -> Optional[List[float]]:
     return [a[i][k] / a[i][i] for i in range(k)]
 
 
-class Scheduler:
+class WidthPolicy:
     """Chooses each cycle's verify width (see module doc). ``fixed`` verifies the whole block
     every cycle (the cost model is not consulted).
 
