@@ -7,7 +7,7 @@ exclusive of the timed pieces it calls, so the pieces add up to the cycle:
   device            the wait at the cycle's sync (``mx.eval`` of the chosen tokens), wall time: the
                     passes computing. Everything else is Python on the host (MLX only builds
                     graphs), timed in the thread's CPU time
-  width_policy.width (adaptive, on the side)  the adaptive scheduler's width choice over the live rows (timed on the side:
+  width_policy.width (adaptive, on the side)  the adaptive width policy's width choice over the live rows (timed on the side:
                     the job itself verifies the whole block every cycle, so that every cycle has
                     the same shape)
   draft / verify / choose   building the drafter, target and sampling graphs
@@ -21,7 +21,7 @@ exclusive of the timed pieces it calls, so the pieces add up to the cycle:
 whole block committed per row per cycle), ``random`` (the random drafter: about one token per
 cycle) or ``tau=X`` (scripted: X tokens per cycle on average, benchmarks/scripted.py). Prints
 one JSON line per batch size: ms per cycle per piece, the device wait, and host = the rest.
-``--whole``: whole jobs instead, nothing wrapped, the adaptive scheduler choosing the widths:
+``--whole``: whole jobs instead, nothing wrapped, the adaptive width policy choosing the widths:
 the engine's decode tokens per second.
 On a shared CPU only ratios mean anything; on a GPU the host share is GPU idle time.
 
@@ -233,7 +233,7 @@ def measure(engine: Engine, rows: int, max_tokens: int, vocab: int, stop: List[s
 
 
 def whole_job(engine: Engine, rows: int, max_tokens: int, vocab: int, stop: List[str]) -> Dict:
-    """A job through ``Engine.run`` with nothing wrapped and the adaptive scheduler: decode tokens
+    """A job through ``Engine.run`` with nothing wrapped and the adaptive width policy: decode tokens
     per second (prefill passes' seconds left out, as benchmarks/batched.py)."""
     requests = job(engine, rows, max_tokens, vocab, stop)
     started = time.perf_counter()
@@ -256,7 +256,7 @@ def main(argv=None) -> None:
     engine, zeroed, vocab = build(args.shape, args.acceptance)
     engine.adaptive_block = args.whole
     stop = [s for s in args.stop.split(",") if s]
-    # the side scheduler's cost model: passes of a GPU's proportions (only the choice's host time matters)
+    # the side width policy's cost model: passes of a GPU's proportions (only the choice's host time matters)
     side_cost = widths.CostModel(t0=0.02, t1=2e-5, d0=0.005, d1=1e-5)
     with zeroed:
         for rows in [int(b) for b in args.batches.split(",")]:

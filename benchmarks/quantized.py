@@ -16,7 +16,7 @@ every batch size B of ``--batches``:
                           it always chooses token 0, the same compute)
   dflash random           the random drafter itself (about one token a cycle)
 
-Each engine arm reports the verify widths its scheduler chose (``Engine.decode_counts``: cycles
+Each engine arm reports the verify widths its width policy chose (``Engine.decode_counts``: cycles
 and mean milliseconds per width), which on a quantized target should stay below the width where
 the quantized matmul leaves its vector path (docs/models.md, "Quantized targets").
 

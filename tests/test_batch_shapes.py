@@ -47,7 +47,7 @@ def test_the_buckets_are_the_widths_below_the_block_and_the_block():
 
 
 @pytest.mark.parametrize("longest", range(1, 40))
-def test_the_scheduler_offers_the_buckets_up_to_the_one_that_holds_the_longest_budget(longest):
+def test_the_width_policy_offers_the_buckets_up_to_the_one_that_holds_the_longest_budget(longest):
     widths = WidthPolicy(16, CostModel()).widths(longest)
     top = bucket(min(longest, 16), 16)
     assert widths == [w for w in buckets(16) if w <= top]

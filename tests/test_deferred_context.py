@@ -88,7 +88,7 @@ def _spy_context(engine, monkeypatch):
 
 
 def test_a_job_decoded_plainly_never_runs_the_drafter(pair, monkeypatch):
-    """Where drafting never pays, the scheduler decodes plainly: no drafter pass, not even over the
+    """Where drafting never pays, the width policy decodes plainly: no drafter pass, not even over the
     prompts (before, every prefill pass wrote its rows' context into the drafter's cache)."""
     engine = _engine(pair, cost_model=NEVER_DRAFTS)
     written = _spy_context(engine, monkeypatch)

@@ -23,7 +23,7 @@ from tests.scripting import ScriptedDrafts
 @pytest.fixture(scope="module")
 def full_accept(zero_head_target, model_dir):
     """Zeroed head: target and drafter both always pick token 0, so every block is accepted.
-    Every cycle verifies the whole block (no scheduler), so the cycle structure is known. (Tests
+    Every cycle verifies the whole block (no width policy), so the cycle structure is known. (Tests
     that use it verify chains: a tree over a drafter that finds every token equally likely
     branches at its first position.)"""
     draft = make_drafter(model_dir, "draft-b8", synthetic.tiny_qwen3_config(), block_size=8)
@@ -55,7 +55,7 @@ def test_block_size_option_caps_verify_rows(zero_head_target, model_dir, chain_d
 
 
 def test_the_drafters_acceptance_carries_from_job_to_job(zero_head_target, model_dir, chain_drafts):
-    """Every job's scheduler pools its rows' cycles into the engine's estimates, and the next job
+    """Every job's width policy pools its rows' cycles into the engine's estimates, and the next job
     starts from them (at batch 1 each request is a job of its own). Chains: a zeroed head's drafts
     are all accepted only as a chain drafts them (its argmax, token 0); a tree's candidates over
     equal logits need not hold token 0."""

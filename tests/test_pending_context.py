@@ -51,7 +51,7 @@ def test_no_pieces_or_no_rows_pack_to_nothing():
 
 
 class _Widths(WidthPolicy):
-    """A scheduler that verifies the widths it is given, in turn (then 1)."""
+    """A width policy that verifies the widths it is given, in turn (then 1)."""
 
     def __init__(self, block, widths):
         super().__init__(block, CostModel())

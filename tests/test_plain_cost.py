@@ -1,5 +1,5 @@
 """A plain cycle costs the same with a drafter attached as without one (issue 36): counted, never
-timed. The scheduler does not weigh the widths again while a plain choice stands and nothing is
+timed. The width policy does not weigh the widths again while a plain choice stands and nothing is
 learnt (engine/widths.py), and a plain cycle runs no drafter pass and packs no context."""
 
 from __future__ import annotations

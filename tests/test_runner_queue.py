@@ -43,7 +43,7 @@ def test_submit_worker_pandas_and_resident_engine(tmp_path, home, tiny_models, w
     df = pd.read_parquet(first.output_dir)
     assert sorted(df["id"]) == [f"item-{i:03d}" for i in range(5)] and (df["status"] == "ok").all()
     assert df["decode_tps"].gt(0).all() and df["verify_cycles"].gt(0).all()
-    # a rate where the row's cycles drafted, null where the scheduler decoded it plainly
+    # a rate where the row's cycles drafted, null where the width policy decoded it plainly
     assert (df["acceptance_drafted"].notna() == df["drafted_tokens"].gt(0)).all()
     status = cli("status", first.id, "--json", home=home, check=True).stdout
     assert '"state": "completed"' in status and '"mean_decode_tps"' in status

@@ -221,7 +221,7 @@ def test_sampled_tree_runs_equal_plain_sampled_decoding(qwen3_target, qwen3_b8, 
 
 
 def test_tree_runs_equal_the_targets_greedy_output_at_any_width_chosen(qwen3_target, qwen3_b8, monkeypatch, tree_drafts):
-    """The adaptive scheduler chooses a tree cycle's width after the drafts (WidthPolicy.tree_width,
+    """The adaptive width policy chooses a tree cycle's width after the drafts (WidthPolicy.tree_width,
     each row's tree its first L_b - 1 prefixes): output stays the target's own whatever width it
     picks, here a random one each cycle."""
     engine, script, ids, refs = scripted_batch(qwen3_target, qwen3_b8, monkeypatch, PROMPTS_B, MAX_TOKENS,
@@ -245,7 +245,7 @@ def test_adaptive_trees_learn_the_drafters_calibration(tiny_pair, monkeypatch, t
     """The adaptive engine's tree cycles feed its node calibration (engine/widths.py): the
     script's drafts are half wrong with the truth second (log q -0.2 and -1: 1.19 of probability
     at depth 1 for one node accepted), so c_1 falls below 1; where trees pay (a CPU-like cost
-    model) they go wider than a chain's scheduler verifies for the same drafts
+    model) they go wider than a chain's width policy verifies for the same drafts
     (tests/test_engine_lossless.py: short chains); output unchanged."""
     target, draft = tiny_pair
     engine = load_engine(str(target), str(draft), adaptive_block=True)

@@ -1,4 +1,4 @@
-"""The policy alone (engine/widths.py): fixed pass costs, scripted acceptance, no timing.
+"""The width policy alone (engine/widths.py): fixed pass costs, scripted acceptance, no timing.
 
 Issue 13's rule: a job is never more than 10% slower than plain batched decoding at the same
 batch size. A simulated job charges each cycle the cost model's seconds for the width chosen;

@@ -354,7 +354,7 @@ class BatchDecoder:
         # the end of their budgets the rows' limits would make any width; a row's positions past
         # its L_b are verified and discarded, as a short-budget row's beside a long one's are
         T = bucket(max(limits), self.width_policy.block)
-        # reach_b: the deepest draft position row b's pass could accept, plus one (the scheduler's
+        # reach_b: the deepest draft position row b's pass could accept, plus one (the width policy's
         # "verified": a chain's L_b; a tree's deepest node + 1, so that depths it never held do
         # not count as rejected)
         if prefixes is not None:
@@ -437,7 +437,7 @@ class BatchDecoder:
         """Whether this cycle verifies draft trees (engine/tree.py): where the mode and the target
         allow, wider than one draft, and every row choosing from the target's logits as they are,
         with no logprobs asked (its tokens depend on nothing but the node's prefix and position).
-        An adaptive scheduler chooses a tree's width again from its drafts, so any drafting width
+        An adaptive width policy chooses a tree's width again from its drafts, so any drafting width
         starts one."""
         drafting = T > 2 or (T == 2 and not self.width_policy.fixed)
         return (drafting and self.drafter is not None and not self.drafter.selects and self.target.trees
@@ -446,7 +446,7 @@ class BatchDecoder:
 
     def _draft_tree(self, last: mx.array, width: int) -> List[tree.Prefixes]:
         """The drafter's candidates per position, and each row's best-first prefixes over them
-        (engine/tree.py), as many as any width could verify (at most L_b - 1 deep): the scheduler
+        (engine/tree.py), as many as any width could verify (at most L_b - 1 deep): the width policy
         chooses the cycle's width from them. A fixed width drafts only the positions it verifies."""
         block = self.engine.block_size
         longest = max(r.cycle_budget for r in self.rows if r is not None)

@@ -1,7 +1,7 @@
 """The DFlash cycle for a batch of sequences, one short function per step.
 
 Per cycle, for every row b of the batch, with ``last_b`` its newest committed token (not yet in the
-target cache), n_b the tokens the cache holds, and T the cycle's verify width (the scheduler's):
+target cache), n_b the tokens the cache holds, and T the cycle's verify width (the width policy's):
 
     draft:    d_b1..d_b(T-1) = argmax lm_head(drafter([last_b, MASK x (B-1)], new context rows of b))
     verify:   t_b0..t_b(T-1) = choose_b(target([last_b, d_b1..d_b(T-1)]))   (positions n_b.., one pass)
