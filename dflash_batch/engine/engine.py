@@ -7,7 +7,7 @@ import itertools
 import math
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 
@@ -23,7 +23,7 @@ from ..completion import (
 from .. import checks, constraints
 from ..errors import Cancelled, Requeued
 from ..inbox import Ticket
-from ..request import CONTROLS, SamplingControls, sample_seed
+from ..request import CONTROLS, Request, SamplingControls, sample_seed
 from . import cost_tables, decode, memory, prefill, warmup
 from .batch import BatchDecoder, EncodedRequest
 from .config import EngineConfig
@@ -33,9 +33,6 @@ from .ops import activations, attention, device, matmul, switch
 from .ops.kernels import cpu
 from .widths import CostModel, NodeCalibration, PlainProbes, WidthPolicy, pooled_acceptance
 from .waiting import Waiting
-
-if TYPE_CHECKING:
-    from .. import request as request_type
 
 Prompt = Union[str, List[Dict[str, Any]], List[int]]
 NO_LENGTH_LIMIT = int(1e30)  # what transformers itself sets for a tokenizer without a limit
@@ -362,9 +359,9 @@ class Engine:
                 yield index, _completion(parts.pop(index))
 
     def generate_requests(
-        self, requests: Iterable["request_type.Request"], batch_size: Optional[int] = None,
+        self, requests: Iterable[Request], batch_size: Optional[int] = None,
         lookahead: Optional[int] = None, inbox=None,
-    ) -> Iterator[Tuple["request_type.Request", Union[Completion, Exception]]]:
+    ) -> Iterator[Tuple[Request, Union[Completion, Exception]]]:
         """The runner's interface (``dflash_batch.request.CompletionEngine``): one stream, decoded
         together (``batch_size`` rows at most) and yielded as each request finishes, a request of
         ``options.n`` samples once per sample (``sample_index``; seeds from the request's seed, its
@@ -462,7 +459,7 @@ class Engine:
             raise
         yield from _drain(refused)
 
-    def _checked(self, req: "request_type.Request", index: int) -> EncodedRequest:
+    def _checked(self, req: Request, index: int) -> EncodedRequest:
         """A runner's request encoded: its options were checked as its row and job were read."""
         options = req.options
         return self._encoded(req.prompt, options.max_tokens, float(options.temperature), options.stop, options.seed,
