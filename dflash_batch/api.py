@@ -185,7 +185,7 @@ def run(
     use as it is; else ``engine_factory(**spec.model)`` (default: ``load_model``). A rerun with
     the same output dir skips the items already done. Raises ``lock.Locked`` when another process
     is working on the output dir, and ``JobFailed`` (the job marked failed) for a job-level error."""
-    from .runner.worker import Engines
+    from .runner.worker import EngineSlot
 
     home = Path(home) if home else home_dir()
     spec = _spec(input, overrides)
@@ -196,7 +196,7 @@ def run(
     with DirLock(output_dir):  # a busy dir refuses before anything is written
         pass
     record = create_job(spec, home, foreground=True)
-    engines = (lambda spec: engine) if engine is not None else Engines(engine_factory or load_model)
+    engines = (lambda spec: engine) if engine is not None else EngineSlot(engine_factory or load_model)
     bar = None
     if progress:
         from .runner.progress import Progress
