@@ -45,9 +45,6 @@ class RunResult:
     chunks_done: List[int] = field(default_factory=list)
 
 
-ChunkResult = RunResult  # the name the worker's log and older callers use
-
-
 def run_job(
     record: JobRecord,
     chunks: Optional[Iterable[int]] = None,
