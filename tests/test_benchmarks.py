@@ -54,7 +54,7 @@ def _verify_steps(engine, prompt, max_tokens):
         m.setattr(RowOutput, "feed", spy)
         for _ in BatchDecoder(engine, [request], 1, engine._width_policy(1)).steps():
             pass
-    return [t for s in steps for t in s.tokens], [s for s in steps if s.verify]
+    return [t for s in steps for t in s.tokens], [s for s in steps if s.decoded]
 
 
 def _check_cycles_follow_script(cycles, drawn):
