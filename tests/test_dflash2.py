@@ -20,8 +20,7 @@ from dflash_batch.engine.ops.batch_cache import Lengths
 from dflash_batch.engine.batch import BatchDecoder
 from tests import dflash2_models as d2
 from tests import synthetic
-from tests.helpers import fixed_costs, greedy_reference
-from tests.test_sampling import chi_square, chi_square_critical, markov_engine, transitions
+from tests.helpers import chi_square, chi_square_critical, fixed_costs, greedy_reference, markov_engine, transitions
 
 PROMPTS = ["Hi", "Write a haiku about the sea.", "How are you today? " * 6,
            "def add(a, b):\n    return a + b\n# now multiply", "12 * 7 = ? Explain step by step."]

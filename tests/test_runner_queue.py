@@ -262,39 +262,6 @@ def test_worker_start_catches_up_a_missed_run(tmp_path, home, tiny_models, worke
     assert w.stop() == 0
 
 
-@pytest.fixture
-def redis_url(tmp_path):
-    """A throwaway redis-server on a free local port (skipped where none is installed)."""
-    import shutil
-    import socket
-    import subprocess
-
-    server = shutil.which("redis-server")
-    if server is None:
-        pytest.skip("redis-server is not installed")
-    redis = pytest.importorskip("redis")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             "--dir", str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"redis://127.0.0.1:{port}/0"
-    client = redis.Redis.from_url(url)
-
-    def up():
-        try:
-            return client.ping()
-        except redis.exceptions.ConnectionError:
-            return False
-
-    try:
-        wait_for(up, timeout=30, what="redis-server")
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-
-
 def test_redis_queue_submit_and_worker(tmp_path, home, tiny_models, workers, redis_url, monkeypatch):
     monkeypatch.setenv("DFLASH_BATCH_REDIS_URL", redis_url)  # for the CLI processes started below
     job = dflash_batch.submit(write_jsonl(tmp_path / "in.jsonl", prompts(6)), **model(tiny_models, max_tokens=6, chunk_size=2))
