@@ -176,6 +176,29 @@ def set_modes(monkeypatch, engine, **modes) -> None:
     monkeypatch.setattr(engine, "settings", dataclasses.replace(engine.settings, **modes))
 
 
+def eager_and_compiled_drafts(engine, monkeypatch, prompts, budgets, batch_size: int = 3) -> dict:
+    """One batch decoded with eager draft passes, then with compiled ones (``EngineConfig.passes``):
+    ``{passes: (each prompt's token ids, every cycle's drafts)}``, the drafts as
+    ``decode.draft_block`` returned them (spied on for the rest of the test)."""
+    from dflash_batch.engine import decode
+
+    real, drafted = decode.draft_block, []
+
+    def spy(*args, **kwargs):
+        out = real(*args, **kwargs)
+        drafted.append(out.tolist())
+        return out
+
+    monkeypatch.setattr(decode, "draft_block", spy)
+    runs = {}
+    for passes in ("eager", "compiled"):
+        drafted.clear()
+        with engine_modes(engine, passes=passes):
+            tokens = [c.token_ids for c in engine.generate_batch(prompts, max_tokens=budgets, batch_size=batch_size)]
+        runs[passes] = tokens, list(drafted)
+    return runs
+
+
 # The README as the tests read it: its set-up commands, its bash blocks, its command lines
 # (tests/test_readme*.py).
 README = (REPO / "README.md").read_text()
