@@ -89,7 +89,8 @@ def without(ids, eos) -> list:
 
 def one_dtype(dtype: str, prompts_wanted: int, max_tokens: int, batch: int) -> dict:
     started = time.perf_counter()
-    # Whole blocks: the width policy's verify width would make tau a choice, not a measure of drafts.
+    # Whole blocks: the width policy's verify width would make tau a choice, not a measure of
+    # drafts.
     engine = load_engine(None, "auto", dtype=dtype, adaptive_block=False)
     target_folder = ensure_default_pair(dtype)[0]
     model, tokenizer, _ = load_target(target_folder, None, getattr(mx, dtype))

@@ -221,9 +221,9 @@ def test_sampled_tree_runs_equal_plain_sampled_decoding(qwen3_target, qwen3_b8, 
 
 
 def test_tree_runs_equal_the_targets_greedy_output_at_any_width_chosen(qwen3_target, qwen3_b8, monkeypatch, tree_drafts):
-    """The adaptive width policy chooses a tree cycle's width after the drafts (WidthPolicy.tree_width,
-    each row's tree its first L_b - 1 prefixes): output stays the target's own whatever width it
-    picks, here a random one each cycle."""
+    """The adaptive width policy chooses a tree cycle's width after the drafts
+    (WidthPolicy.tree_width, each row's tree its first L_b - 1 prefixes): output stays the
+    target's own whatever width it picks, here a random one each cycle."""
     engine, script, ids, refs = scripted_batch(qwen3_target, qwen3_b8, monkeypatch, PROMPTS_B, MAX_TOKENS,
                                                adaptive_block=True)
     rng = random.Random(5)

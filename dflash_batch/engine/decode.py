@@ -37,7 +37,7 @@ class Step:
     tokens: List[int]
     from_draft: int = 0  # leading tokens that were the drafter's proposals
     drafted: int = 0  # draft tokens put up for verification in this pass
-    decoded: bool = False  # committed by a decoding cycle (a verify or a plain step), not the prefill
+    decoded: bool = False  # by a decoding cycle (a verify or a plain step), not the prefill
     logprobs: Optional[List[tuple]] = None  # per token: (logprob, [(id, logprob), ...]) when asked
 
 
