@@ -11,10 +11,13 @@ tokenizer has no EOS). Figures are timed the same way for every arm:
 from __future__ import annotations
 
 import contextlib
+import gc
+import json
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -335,3 +338,46 @@ def measure(run, reps: int, warmup: int = 1) -> Dict[str, Any]:
             median[key] = value
     median["decode_tps_runs"] = [r["decode_tps"] for r in runs]
     return median
+
+
+def release() -> None:
+    """Free what the last arm left behind (its engine's caches, MLX's buffer cache) before the next:
+    an arm must neither run short of memory nor pay for another arm's allocations."""
+    gc.collect()
+    mx.clear_cache()
+
+
+WARM_TOKENS = 32  # new tokens per prompt of an arm's warm-up job
+
+
+def median_of(run: Callable[[list, int], Dict[str, Any]], prompts: list, warmup: int, reps: int,
+              max_tokens: int) -> Dict[str, Any]:
+    """A warm-up job of the first ``warmup`` prompts, WARM_TOKENS new tokens each (compilation,
+    the engine's cost model at this batch size and context: the job's typical context falls in
+    the same power of two), then ``reps`` timed runs of the whole job."""
+    run(prompts[:warmup], min(WARM_TOKENS, max_tokens))
+    runs = [run(prompts, max_tokens) for _ in range(reps)]
+    out = dict(runs[0])
+    for key, value in runs[0].items():
+        if isinstance(value, float):
+            out[key] = statistics.median(r[key] for r in runs)
+    out["tok_s_runs"] = [round(r["tok_s"], 1) for r in runs]
+    return out
+
+
+def record(doc: Dict[str, Any], save: Callable[[Dict[str, Any]], None], arm: str, B: int,
+           run: Callable[[list, int], Dict[str, Any]], prompts: list, reps: int, max_tokens: int) -> None:
+    """One arm of a whole-job benchmark at batch size ``B`` (``median_of`` its runs, after the last
+    arm's memory is released): its figures and peak memory, or its error (the other arms still
+    run), appended to ``doc["results"]``; then ``save(doc)`` and the row printed."""
+    try:
+        release()
+        mx.reset_peak_memory()
+        figures = median_of(run, prompts, min(B, len(prompts)), reps, max_tokens)
+        figures["peak_memory_gb"] = round(mx.get_peak_memory() / 1e9, 2)
+        status = "ok"
+    except Exception as e:  # reported; the other arms still run
+        figures, status = {"error": f"{type(e).__name__}: {e}"}, "error"
+    doc["results"].append({"arm": arm, "batch": B, "status": status, "figures": figures})
+    save(doc)
+    print(json.dumps(doc["results"][-1]), flush=True)

@@ -27,7 +27,7 @@ import mlx.core as mx
 from dflash_batch.engine import load_engine, load_target, pick_dtype
 from dflash_batch.engine.batch import BatchDecoder
 from dflash_batch.engine.ops import compiled, matmul
-from dflash_batch.engine.scheduler import CostModel
+from dflash_batch.engine.widths import CostModel
 
 from .default_pair import command_line, held_out_options, held_out_prompts, run_engine, run_mlx_lm, write_result
 
@@ -44,7 +44,7 @@ def cycle_log(log: list):
 
     def run(self, width):
         pending = sum(self.pending_counts)
-        cost = self.scheduler.cost
+        cost = self.width_policy.cost
         live = sum(r is not None for r in self.rows)
         predicted = cost.cycle(live, width)
         before = observed[0]

@@ -25,10 +25,8 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import gc
 import json
 import platform
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -80,31 +78,6 @@ def cycle_summary(counts: Dict[int, list]) -> Dict[str, Any]:
     """Per verify width T: cycles, mean ms per cycle and mean rows in flight (Engine.decode_counts)."""
     return {str(T): {"cycles": n, "ms": round(1e3 * s / n, 2), "rows": round(rows / n, 1)}
             for T, (n, s, rows) in sorted(counts.items())}
-
-
-def release() -> None:
-    """Free what the last arm left behind (its engine's caches, MLX's buffer cache) before the next:
-    an arm must neither run short of memory nor pay for another arm's allocations."""
-    gc.collect()
-    mx.clear_cache()
-
-
-WARM_TOKENS = 32  # new tokens per prompt of an arm's warm-up job
-
-
-def median_of(run: Callable[[list, int], Dict[str, Any]], prompts: list, warmup: int, reps: int,
-              max_tokens: int) -> Dict[str, Any]:
-    """A warm-up job of the first ``warmup`` prompts, WARM_TOKENS new tokens each (compilation,
-    the engine's cost model at this batch size and context: the job's typical context falls in
-    the same power of two), then ``reps`` timed runs of the whole job."""
-    run(prompts[:warmup], min(WARM_TOKENS, max_tokens))
-    runs = [run(prompts, max_tokens) for _ in range(reps)]
-    out = dict(runs[0])
-    for key, value in runs[0].items():
-        if isinstance(value, float):
-            out[key] = statistics.median(r[key] for r in runs)
-    out["tok_s_runs"] = [round(r["tok_s"], 1) for r in runs]
-    return out
 
 
 def engine_arm(setup, engine_setup, acceptance: str, prefill: str = "packed"):
@@ -194,17 +167,8 @@ def main(argv=None) -> Path:
     def record(arm: str, B: int, run: Callable[[list, int], Dict[str, Any]]) -> None:
         if (arm, B) in done or (args.budget_s and time.perf_counter() - started > args.budget_s):
             return
-        try:
-            release()
-            mx.reset_peak_memory()
-            figures = median_of(run, prompts, min(B, len(prompts)), args.reps, args.max_tokens)
-            figures["peak_memory_gb"] = round(mx.get_peak_memory() / 1e9, 2)
-            status = "ok"
-        except Exception as e:  # reported, the other arms still run
-            figures, status = {"error": f"{type(e).__name__}: {e}"}, "error"
-        doc["results"].append({"arm": arm, "batch": B, "status": status, "figures": figures})
-        path.write_text(json.dumps(doc, indent=1))
-        print(json.dumps(doc["results"][-1]), flush=True)
+        arms.record(doc, lambda d: path.write_text(json.dumps(d, indent=1)), arm, B, run, prompts, args.reps,
+                    args.max_tokens)  # fmt: skip
 
     for B in batches:
         if not args.skip_baseline:
@@ -299,13 +263,13 @@ def profile(shape: str, batches: List[int], context: int, widths=(1, 4, 8, 16)) 
                     out[f"{route}_target_B{B}_T{T}"] = round(passes.target(T) * 1e3, 3)
                 out[f"{route}_draft_B{B}"] = round(passes.draft() * 1e3, 3)
                 del passes
-                release()
+                arms.release()
     for B in batches:
         cost = engine.warm_up(B, context)
         out[f"warmup_B{B}"] = {"route": cost.route, "t0_ms": cost.t0 * 1e3, "t1_us": cost.t1 * 1e6,
                                "t2_us": cost.t2 * 1e6, "d0_ms": cost.d0 * 1e3, "d1_us": cost.d1 * 1e6,
                                "predicted_ms": {T: round(cost.passes(B, T) * 1e3, 2) for T in widths}}
-        release()
+        arms.release()
     return out
 
 

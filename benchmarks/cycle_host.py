@@ -7,11 +7,11 @@ exclusive of the timed pieces it calls, so the pieces add up to the cycle:
   device            the wait at the cycle's sync (``mx.eval`` of the chosen tokens), wall time: the
                     passes computing. Everything else is Python on the host (MLX only builds
                     graphs), timed in the thread's CPU time
-  scheduler.width (adaptive, on the side)  the adaptive scheduler's width choice over the live rows (timed on the side:
+  width_policy.width (adaptive, on the side)  the adaptive width policy's width choice over the live rows (timed on the side:
                     the job itself verifies the whole block every cycle, so that every cycle has
                     the same shape)
   draft / verify / choose   building the drafter, target and sampling graphs
-  accept_lengths, rollback, lengths, pack_context, accepted (scheduler), commit
+  accept_lengths, rollback, lengths, pack_context, accepted (width policy), commit
   run: rest         the rest of ``run``: limits, the last-token array, per-row Steps
   feed              ``RowOutput.feed``: EOS, detokenising, stop strings, statistics
   postprocess: rest ``_emit`` and the loop around ``feed``
@@ -21,7 +21,7 @@ exclusive of the timed pieces it calls, so the pieces add up to the cycle:
 whole block committed per row per cycle), ``random`` (the random drafter: about one token per
 cycle) or ``tau=X`` (scripted: X tokens per cycle on average, benchmarks/scripted.py). Prints
 one JSON line per batch size: ms per cycle per piece, the device wait, and host = the rest.
-``--whole``: whole jobs instead, nothing wrapped, the adaptive scheduler choosing the widths:
+``--whole``: whole jobs instead, nothing wrapped, the adaptive width policy choosing the widths:
 the engine's decode tokens per second.
 On a shared CPU only ratios mean anything; on a GPU the host share is GPU idle time.
 
@@ -35,8 +35,8 @@ host ms per cycle, before -> after:
   draft graph            0.90 -> 0.75  0.79 -> 0.84   (model code: about the same)
   verify graph           0.85 -> 0.63  0.56 -> 0.60
   run: rest              0.30 -> 0.25  0.62 -> 0.58
-  accepted (scheduler)   0.16 -> 0.14  0.54 -> 0.49
-  scheduler.width        0.18 -> 0.10  0.45 -> 0.30
+  accepted (width policy)   0.16 -> 0.14  0.54 -> 0.49
+  width_policy.width        0.18 -> 0.10  0.45 -> 0.30
   postprocess: rest      0.09 -> 0.08  0.30 -> 0.25
   lengths                0.10 -> 0.09  0.20 -> 0.10
   choose                 0.05 -> 0.02  0.10 -> 0.03
@@ -61,7 +61,7 @@ from typing import Callable, Dict, List
 import dflash_batch.engine  # noqa: F401  (BLAS preload before mlx on Linux CPU)
 import mlx.core as mx
 
-from dflash_batch.engine import Engine, batch, decode, output, scheduler
+from dflash_batch.engine import Engine, batch, decode, output, widths
 from dflash_batch.engine.batch import BatchDecoder
 from dflash_batch.engine.models import target
 from dflash_batch.engine.ops import batch_cache
@@ -132,14 +132,14 @@ def patched(owner, name: str, replacement):
         setattr(owner, name, saved)
 
 
-def instrument(pieces: Pieces, side: scheduler.Scheduler, cycles: List[int]) -> ExitStack:
+def instrument(pieces: Pieces, side: widths.WidthPolicy, cycles: List[int]) -> ExitStack:
     """Wrap the cycle's pieces (whichever exist in this version of the engine) in timers."""
     stack = ExitStack()
     plain = [
         (target.Target, "verify", "verify"), (BatchDecoder, "draft", "draft"), (BatchDecoder, "choose", "choose"),
         (decode, "accept_lengths", "accept_lengths"), (decode, "pack_context", "pack_context"),
         (target.Target, "rollback", "rollback"), (batch_cache.Lengths, "set", "lengths"),
-        (batch_cache.Lengths, "advance", "lengths"), (scheduler.Scheduler, "accepted", "accepted (scheduler)"),
+        (batch_cache.Lengths, "advance", "lengths"), (widths.WidthPolicy, "accepted", "accepted (width policy)"),
         (BatchDecoder, "_commit", "commit"), (output.RowOutput, "feed", "feed"),
     ]
     for owner, attr, name in plain:
@@ -154,7 +154,7 @@ def instrument(pieces: Pieces, side: scheduler.Scheduler, cycles: List[int]) -> 
     def timed_run(self, width):
         self.in_cycle = True
         live = [r for r in self.rows if r is not None]  # the adaptive choice over these rows, on the side
-        pieces.time("scheduler.width (adaptive, on the side)", lambda: side.width([r.acceptance for r in live], [r.budget for r in live]))
+        pieces.time("width_policy.width (adaptive, on the side)", lambda: side.width([r.acceptance for r in live], [r.budget for r in live]))
         cycles.append(len(live))
         try:
             return pieces.time("run: rest", lambda: run(self, width))
@@ -201,9 +201,9 @@ def job(engine: Engine, rows: int, max_tokens: int, vocab: int,
 def measure(engine: Engine, rows: int, max_tokens: int, vocab: int, stop: List[str], side_cost) -> Dict:
     """One job: per-piece ms per cycle over its cycles (every cycle counted, the first included)."""
     decoder = BatchDecoder(engine, job(engine, rows, max_tokens, vocab, stop), rows,
-                           engine._scheduler(rows), capacity=64 + max_tokens + engine.block_size)  # fmt: skip
+                           engine._width_policy(rows), capacity=64 + max_tokens + engine.block_size)  # fmt: skip
     pieces, cycles = Pieces(), []
-    side = scheduler.Scheduler(engine.block_size, side_cost)
+    side = widths.WidthPolicy(engine.block_size, side_cost)
     collecting = []  # Python's garbage collections during the job: [start, seconds]
 
     def on_gc(phase, info):
@@ -233,7 +233,7 @@ def measure(engine: Engine, rows: int, max_tokens: int, vocab: int, stop: List[s
 
 
 def whole_job(engine: Engine, rows: int, max_tokens: int, vocab: int, stop: List[str]) -> Dict:
-    """A job through ``Engine.run`` with nothing wrapped and the adaptive scheduler: decode tokens
+    """A job through ``Engine.run`` with nothing wrapped and the adaptive width policy: decode tokens
     per second (prefill passes' seconds left out, as benchmarks/batched.py)."""
     requests = job(engine, rows, max_tokens, vocab, stop)
     started = time.perf_counter()
@@ -256,8 +256,8 @@ def main(argv=None) -> None:
     engine, zeroed, vocab = build(args.shape, args.acceptance)
     engine.adaptive_block = args.whole
     stop = [s for s in args.stop.split(",") if s]
-    # the side scheduler's cost model: passes of a GPU's proportions (only the choice's host time matters)
-    side_cost = scheduler.CostModel(t0=0.02, t1=2e-5, d0=0.005, d1=1e-5)
+    # the side width policy's cost model: passes of a GPU's proportions (only the choice's host time matters)
+    side_cost = widths.CostModel(t0=0.02, t1=2e-5, d0=0.005, d1=1e-5)
     with zeroed:
         for rows in [int(b) for b in args.batches.split(",")]:
             if args.whole:

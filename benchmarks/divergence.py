@@ -5,7 +5,7 @@ On the embedded default pair, held-out prompts, greedy, in each dtype asked for:
   * mlx_lm greedy at batch 1 (``stream_generate``) and batched (``batch_generate``, batch B).
 It counts the rows whose tokens are identical between each pair of arms, where the first
 difference falls, and tau (tokens per verify cycle) at batch 1 and at batch B over the same prompts,
-verifying whole blocks (``adaptive_block=False``) so tau measures the drafts, not the scheduler.
+verifying whole blocks (``adaptive_block=False``) so tau measures the drafts, not the width policy.
 
 In fp32 every pair should agree (the CPU tests hold fp32 to token equality); in bf16 a verify pass
 of 16 positions and B rows reduces in another order than one of 1 position and 1 row, so near-tied
@@ -89,7 +89,8 @@ def without(ids, eos) -> list:
 
 def one_dtype(dtype: str, prompts_wanted: int, max_tokens: int, batch: int) -> dict:
     started = time.perf_counter()
-    # Whole blocks: the scheduler's verify width would make tau a choice, not a measure of drafts.
+    # Whole blocks: the width policy's verify width would make tau a choice, not a measure of
+    # drafts.
     engine = load_engine(None, "auto", dtype=dtype, adaptive_block=False)
     target_folder = ensure_default_pair(dtype)[0]
     model, tokenizer, _ = load_target(target_folder, None, getattr(mx, dtype))

@@ -35,7 +35,7 @@ import dflash_batch.engine  # noqa: F401  (BLAS preload before mlx on Linux CPU)
 import mlx.core as mx
 
 from dflash_batch.engine import Engine
-from dflash_batch.engine.scheduler import CostModel
+from dflash_batch.engine.widths import CostModel
 
 from . import arms, batched
 
@@ -58,10 +58,10 @@ def engines(args) -> Tuple[Dict[str, Engine], int]:
 
 
 def measure(engine: Engine, prompts: list, args) -> Dict[str, Any]:
-    batched.run_engine(engine, prompts[: args.batch], min(batched.WARM_TOKENS, args.max_tokens), args.batch)
+    batched.run_engine(engine, prompts[: args.batch], min(arms.WARM_TOKENS, args.max_tokens), args.batch)
     out = batched.run_engine(engine, prompts, args.max_tokens, args.batch)
     context = dict(getattr(engine, "context_counts", {}))
-    batched.release()
+    arms.release()
     return {"prefill_s": round(out["prefill_s"], 4), "context_s": round(context.get("seconds", 0.0), 4),
             "context_rows": context.get("rows", 0), "wall_s": round(out["wall_s"], 4), "cycles": out["cycles"]}
 

@@ -79,14 +79,14 @@ def side_by_side(arms_: Dict[str, Engine], prompts: list, max_tokens: int, B: in
                  warm_prompts: int) -> Dict[str, Any]:
     """Each arm warmed up at B, then the arms alternating for ``reps`` timed runs, in turns
     A B, B A, A B, ... (neither arm always runs first); medians."""
-    warm = {name: run_job(engine, prompts[:warm_prompts], min(batched.WARM_TOKENS, max_tokens), B)
+    warm = {name: run_job(engine, prompts[:warm_prompts], min(arms.WARM_TOKENS, max_tokens), B)
             for name, engine in arms_.items()}
     runs: Dict[str, list] = {name: [] for name in arms_}
     order = list(arms_.items())
     for rep in range(reps):
         for name, engine in order if rep % 2 == 0 else order[::-1]:
             runs[name].append(run_job(engine, prompts, max_tokens, B))
-            batched.release()
+            arms.release()
     out: Dict[str, Any] = {}
     for name, done in runs.items():
         first = dict(done[0])

@@ -16,7 +16,7 @@ every batch size B of ``--batches``:
                           it always chooses token 0, the same compute)
   dflash random           the random drafter itself (about one token a cycle)
 
-Each engine arm reports the verify widths its scheduler chose (``Engine.decode_counts``: cycles
+Each engine arm reports the verify widths its width policy chose (``Engine.decode_counts``: cycles
 and mean milliseconds per width), which on a quantized target should stay below the width where
 the quantized matmul leaves its vector path (docs/models.md, "Quantized targets").
 
@@ -45,7 +45,7 @@ import dflash_batch.engine  # noqa: F401  (BLAS preload before mlx on Linux CPU)
 import mlx.core as mx
 
 from . import arms
-from .batched import engine_arm, job_prompts, median_of, release, run_engine, run_mlx_lm
+from .batched import engine_arm, job_prompts, run_engine, run_mlx_lm
 from .divergence import compare
 from .shapes import Shape, build_drafter, build_tokenizer, dflash_drafter, qwen3_5, weight_bytes
 
@@ -201,17 +201,7 @@ def main(argv=None) -> Path:
     def record(arm: str, B: int, run: Callable[[list, int], Dict[str, Any]]) -> None:
         if (arm, B) in done or over_budget():
             return
-        try:
-            release()
-            mx.reset_peak_memory()
-            figures = median_of(run, prompts, min(B, len(prompts)), args.reps, args.max_tokens)
-            figures["peak_memory_gb"] = round(mx.get_peak_memory() / 1e9, 2)
-            status = "ok"
-        except Exception as e:  # reported; the other arms still run
-            figures, status = {"error": f"{type(e).__name__}: {e}"}, "error"
-        doc["results"].append({"arm": arm, "batch": B, "status": status, "figures": figures})
-        write(doc, out)
-        print(json.dumps(doc["results"][-1]), flush=True)
+        arms.record(doc, lambda d: write(d, out), arm, B, run, prompts, args.reps, args.max_tokens)
 
     for B in [int(b) for b in args.batches.split(",")]:
         if not args.skip_baseline:
@@ -223,7 +213,7 @@ def main(argv=None) -> Path:
                 record(f"dflash {acceptance}", B, lambda job, n, engine=engine: run_engine(engine, job, n, B))
             del engine
     if args.divergence_prompts and doc["divergence"] is None and not over_budget():
-        release()
+        arms.release()
         batch = max(int(b) for b in args.batches.split(","))
         doc["divergence"] = divergence(setup, engine_setup, prompts[: args.divergence_prompts],
                                        args.max_tokens, batch)

@@ -7,7 +7,8 @@
 
     job = dflash_batch.run("jobs/dataset.yaml", engine=my_engine)  # in this process, no queue
 
-An engine is any ``dflash_batch.request.Generator`` (``Engine`` from ``dflash_batch.engine`` is one).
+An engine is any ``dflash_batch.request.CompletionEngine`` (``Engine`` from ``dflash_batch.engine``
+is one).
 
 Keyword overrides use the flat spec names (``target``, ``draft``, ``max_tokens``, ``temperature``,
 ``seed``, ``stop``, ``system_prompt``, ``output_dir``, ``chunk_size``...; see ``JobSpec``).
@@ -43,7 +44,7 @@ def load_model(**model):
     """The default engine factory: ``dflash_batch.engine.load_engine`` (MLX is imported here,
     lazily, and only by whoever calls it). ``$DFLASH_BATCH_ENGINE=module:callable`` names
     another factory (called with the same model keywords; it must return a
-    ``request.Generator``): for another engine, or the tests' fake one."""
+    ``request.CompletionEngine``): for another engine, or the tests' fake one."""
     factory = _named_factory()
     if factory is not None:
         return factory(**model)
@@ -184,7 +185,7 @@ def run(
     use as it is; else ``engine_factory(**spec.model)`` (default: ``load_model``). A rerun with
     the same output dir skips the items already done. Raises ``lock.Locked`` when another process
     is working on the output dir, and ``JobFailed`` (the job marked failed) for a job-level error."""
-    from .runner.worker import Engines
+    from .runner.worker import EngineSlot
 
     home = Path(home) if home else home_dir()
     spec = _spec(input, overrides)
@@ -195,7 +196,7 @@ def run(
     with DirLock(output_dir):  # a busy dir refuses before anything is written
         pass
     record = create_job(spec, home, foreground=True)
-    engines = (lambda spec: engine) if engine is not None else Engines(engine_factory or load_model)
+    engines = (lambda spec: engine) if engine is not None else EngineSlot(engine_factory or load_model)
     bar = None
     if progress:
         from .runner.progress import Progress

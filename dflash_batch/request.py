@@ -164,13 +164,14 @@ class Request:
     control: bool = False  # decode it plainly in the batch (no draft verified), as a check (docs/runner.md)
 
 
-# What a generator yields per request: its completion, or why it has none (a GenerationError for
-# a prompt the engine refuses; another exception for a failure of that one request).
+# What a completion engine yields per request: its completion, or why it has none (a
+# GenerationError for a prompt the engine refuses; another exception for a failure of that one
+# request).
 Outcome = Union[Completion, Exception]
 
 
 @runtime_checkable
-class Generator(Protocol):
+class CompletionEngine(Protocol):
     """The engine as the runner sees it.
 
     ``generate_requests`` takes requests (any iterable) and yields ``(request, outcome)`` once per

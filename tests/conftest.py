@@ -120,3 +120,38 @@ def fresh_verdicts(monkeypatch):
 @pytest.fixture(scope="session")
 def qwen3_b8(model_dir):
     return make_drafter(model_dir, "d-qwen3-8", synthetic.tiny_qwen3_config(), block_size=8)
+
+
+@pytest.fixture
+def redis_url(tmp_path):
+    """A throwaway redis-server on a free local port (skipped where none is installed)."""
+    import shutil
+    import socket
+    import subprocess
+
+    from tests.runner_fixtures import wait_for
+
+    server = shutil.which("redis-server")
+    if server is None:
+        pytest.skip("redis-server is not installed")
+    redis = pytest.importorskip("redis")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                             "--dir", str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"redis://127.0.0.1:{port}/0"
+    client = redis.Redis.from_url(url)
+
+    def up():
+        try:
+            return client.ping()
+        except redis.exceptions.ConnectionError:
+            return False
+
+    try:
+        wait_for(up, timeout=30, what="redis-server")
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

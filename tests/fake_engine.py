@@ -1,4 +1,5 @@
-"""A fake engine for the runner's tests: implements ``dflash_batch.request.Generator`` without MLX.
+"""A fake engine for the runner's tests: implements ``dflash_batch.request.CompletionEngine``
+without MLX.
 
 Deterministic text from each prompt, statistics that obey the same identities as the real
 engine's (tokens per cycle x cycles = committed tokens...), outcomes yielded out of input order

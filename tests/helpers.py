@@ -4,8 +4,14 @@ module (huey's tests/base.py is the model)."""
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
+import subprocess
+import sys
 from contextlib import contextmanager
 from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
 
 # MLX and the synthetic models are imported where used: the runner's tests import this module
 # through conftest and run without MLX (tests/test_layering.py).
@@ -25,7 +31,7 @@ def fixed_costs():
     """Pass costs as if measured that no timing changes (``window=0``): an adaptive engine given
     them (``load_engine(cost_model=...)``) chooses the same widths on a busy machine as on an
     idle one."""
-    from dflash_batch.engine.scheduler import CostModel
+    from dflash_batch.engine.widths import CostModel
 
     return CostModel(t0=1.0, t1=0.05, d0=0.5, window=0)
 
@@ -168,3 +174,141 @@ def engine_modes(engine, **modes):
 def set_modes(monkeypatch, engine, **modes) -> None:
     """``engine_modes`` for the rest of the test."""
     monkeypatch.setattr(engine, "settings", dataclasses.replace(engine.settings, **modes))
+
+
+def eager_and_compiled_drafts(engine, monkeypatch, prompts, budgets, batch_size: int = 3) -> dict:
+    """One batch decoded with eager draft passes, then with compiled ones (``EngineConfig.passes``):
+    ``{passes: (each prompt's token ids, every cycle's drafts)}``, the drafts as
+    ``decode.draft_block`` returned them (spied on for the rest of the test)."""
+    from dflash_batch.engine import decode
+
+    real, drafted = decode.draft_block, []
+
+    def spy(*args, **kwargs):
+        out = real(*args, **kwargs)
+        drafted.append(out.tolist())
+        return out
+
+    monkeypatch.setattr(decode, "draft_block", spy)
+    runs = {}
+    for passes in ("eager", "compiled"):
+        drafted.clear()
+        with engine_modes(engine, passes=passes):
+            tokens = [c.token_ids for c in engine.generate_batch(prompts, max_tokens=budgets, batch_size=batch_size)]
+        runs[passes] = tokens, list(drafted)
+    return runs
+
+
+# The README as the tests read it: its set-up commands, its bash blocks, its command lines
+# (tests/test_readme*.py).
+README = (REPO / "README.md").read_text()
+SET_UP = ("bash .ci/install && .venv/bin/dflash-batch run examples/prompts.jsonl", "bash .ci/install && .venv/bin/python -m pytest -q")
+# A program the install puts in .venv/bin, named where a command starts (not as part of a path).
+BARE = re.compile(r"(?<![\w./-])(?<!-m )(dflash-batch|python3?|pytest|pip3?|honcho)(?=\s|$)")
+
+
+def shell_blocks(text: str):
+    return re.findall(r"```bash\n(.*?)```", text, flags=re.S)
+
+
+def command_lines(text: str):
+    """Lines of the bash blocks and inline code spans that are commands, without comments."""
+    lines = [line.split(" # ")[0].strip() for block in shell_blocks(text) for line in block.splitlines()]
+    spans = re.findall(r"`([^`\n]+)`", re.sub(r"```.*?```", "", text, flags=re.S))
+    lines += [s for s in spans if BARE.match(s) or s.startswith((".venv/bin/", "bash "))]
+    return [line for line in lines if line and not line.startswith("#")]
+
+
+def shim(tmp_path):
+    """A folder standing in for .venv/bin: this interpreter, this checkout."""
+    folder = tmp_path / "venv-bin"
+    folder.mkdir()
+    for name, command in (("python", ""), ("dflash-batch", " -m dflash_batch.cli")):
+        (folder / name).write_text(f'#!/bin/sh\nexec {sys.executable}{command} "$@"\n')
+        (folder / name).chmod(0o755)
+    return folder
+
+
+def sh(line: str, bin_dir, env, timeout: float = 300) -> subprocess.CompletedProcess:
+    """One README line in bash from the repository root, with .venv/bin/ as the shim."""
+    line = line.replace(".venv/bin/", f"{bin_dir}/")
+    return subprocess.run(["bash", "-c", line], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=timeout)  # fmt: skip
+
+
+# A Markov-chain target for the sampling tests (tests/test_sampling.py's docstring), the
+# transitions sampled decoding emits on it, and a chi-square test of them.
+MARKOV_TEMPERATURE = 0.5
+CLUSTER, NOISE = 8, 0.1  # tokens a cluster; the spread of its tokens' embeddings around its center
+MARKOV_SEEDS = range(12)  # run n starts in cluster n % 4
+MARKOV_TOKENS = 200  # per run
+
+
+def markov_engine(target_dir, drafter_dir):
+    """An engine whose target is a Markov chain over clusters of tokens (tests/test_sampling.py
+    says how), and the chain's exact next-token probabilities at ``MARKOV_TEMPERATURE``."""
+    import mlx.core as mx
+    import numpy as np
+
+    from dflash_batch.engine import load_engine
+
+    engine = load_engine(target_dir, draft=drafter_dir, adaptive_block=False)  # whole blocks: many drafts checked
+    engine.tokenizer.eos_token_ids = set()  # runs of a fixed length
+    for layer in engine.target.model.model.layers:
+        layer.self_attn.o_proj.weight = mx.zeros_like(layer.self_attn.o_proj.weight)
+        layer.mlp.down_proj.weight = mx.zeros_like(layer.mlp.down_proj.weight)
+    model = engine.target.model
+    vocab, hidden = model.args.vocab_size, model.args.hidden_size
+    rng = np.random.default_rng(0)
+    centers = rng.normal(size=(vocab // CLUSTER, hidden))
+    embed = centers[np.arange(vocab) // CLUSTER] + NOISE * rng.normal(size=(vocab, hidden))
+    model.model.embed_tokens.weight = mx.array(embed, dtype=model.model.embed_tokens.weight.dtype)
+    logits = model(mx.arange(vocab)[:, None])[:, 0, :].astype(mx.float32)  # row a: next-token logits after a
+    probs = np.array(mx.softmax(logits / MARKOV_TEMPERATURE, axis=-1))
+    return engine, probs
+
+
+def transitions(engine):
+    """(from, to) pairs of every emitted token, and how many tokens came from drafts."""
+    pairs, drafted = [], 0
+    for seed in MARKOV_SEEDS:
+        prompt = [1, 2, 3, CLUSTER * (seed % 4) + 3]
+        c = engine.generate(prompt, max_tokens=MARKOV_TOKENS, temperature=MARKOV_TEMPERATURE, seed=seed)
+        seq = [prompt[-1]] + c.token_ids
+        drafted += c.stats.accepted_tokens
+        pairs += list(zip(seq[:-1], seq[1:]))
+    return pairs, drafted
+
+
+def chi_square(pairs, probs, min_visits=30):
+    """Sum over source tokens with at least min_visits of the chi-square statistic of the next
+    token's counts against probs[source] (bins with expected count < 5 pooled); its dof."""
+    import numpy as np
+
+    counts = {}
+    for a, b in pairs:
+        counts.setdefault(a, {}).setdefault(b, 0)
+        counts[a][b] += 1
+    stat, dof = 0.0, 0
+    for a, row in counts.items():
+        n = sum(row.values())
+        if n < min_visits:
+            continue
+        expected = n * probs[a]
+        big = expected >= 5
+        observed = np.zeros_like(expected)
+        for b, c in row.items():
+            observed[b] = c
+        obs = list(observed[big]) + [observed[~big].sum()]
+        exp = list(expected[big]) + [expected[~big].sum()]
+        for o, e in zip(obs, exp):
+            if e > 0:
+                stat += (o - e) ** 2 / e
+        dof += len(obs) - 1
+    return stat, dof
+
+
+def chi_square_critical(dof: int, z: float = 3.09) -> float:
+    """Wilson-Hilferty approximation of the chi-square quantile (z = 3.09: p = 0.001)."""
+    k = float(dof)
+    return k * (1 - 2 / (9 * k) + z * math.sqrt(2 / (9 * k))) ** 3

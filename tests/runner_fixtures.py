@@ -13,8 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.fake_engine import FakeEngine
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.helpers import REPO
 
 
 @pytest.fixture(scope="session")

@@ -39,7 +39,7 @@ def test_plain_rows_skip_logits_processing_and_controlled_rows_do_not(engine, mo
 def test_rows_finishing_together_free_their_slots_in_one_update(engine, monkeypatch):
     frees = _spy(monkeypatch, BatchDecoder, "_free")
     requests = [engine.request(p, max_tokens=5, index=i) for i, p in enumerate(["a b", "c d", "e f", "g h"])]
-    decoder = BatchDecoder(engine, requests, 4, engine._scheduler(4))
+    decoder = BatchDecoder(engine, requests, 4, engine._width_policy(4))
     done = [piece for _, piece in decoder.steps() if piece.finish_reason is not None]
     assert len(done) == 4
     assert [sorted(args[1]) for args in frees if args[1]] == [[0, 1, 2, 3]]  # one call, every row

@@ -1,7 +1,7 @@
 """A job runs a handful of pass shapes, each compiled once: as rows finish, the batch shrinks to
 sizes of a short ladder (engine/batch.py: ``shrink``, ``batch_rung``), keeping idle rows up to the
 rung, not to one batch size per row that finished; and every verify pass runs at one of a few
-bucket widths (engine/scheduler.py: ``buckets``), whatever the rows' budgets leave them. Shapes
+bucket widths (engine/widths.py: ``buckets``), whatever the rows' budgets leave them. Shapes
 are counted, nothing is timed."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 
 from dflash_batch.engine import load_engine
 from dflash_batch.engine.batch import BatchDecoder, batch_rung
-from dflash_batch.engine.scheduler import CostModel, Scheduler, bucket, buckets
+from dflash_batch.engine.widths import CostModel, WidthPolicy, bucket, buckets
 from tests.helpers import fixed_costs, greedy_reference, set_modes
 from tests.scripting import ScriptedDrafts
 
@@ -47,8 +47,8 @@ def test_the_buckets_are_the_widths_below_the_block_and_the_block():
 
 
 @pytest.mark.parametrize("longest", range(1, 40))
-def test_the_scheduler_offers_the_buckets_up_to_the_one_that_holds_the_longest_budget(longest):
-    widths = Scheduler(16, CostModel()).widths(longest)
+def test_the_width_policy_offers_the_buckets_up_to_the_one_that_holds_the_longest_budget(longest):
+    widths = WidthPolicy(16, CostModel()).widths(longest)
     top = bucket(min(longest, 16), 16)
     assert widths == [w for w in buckets(16) if w <= top]
 
@@ -78,7 +78,7 @@ def test_every_verify_pass_runs_at_a_bucket_width_and_output_stays_greedy(qwen3_
                                                                           batch_size, drafts, adaptive):
     """Budgets of 1 to 40 end inside blocks of 16, so a pass as wide as the rows' limits would run
     at nearly any width, each a shape compiled anew on a GPU: the pass runs at the bucket that
-    holds them instead (engine/scheduler.py: ``buckets``), and the rows commit what greedy
+    holds them instead (engine/widths.py: ``buckets``), and the rows commit what greedy
     decoding of the target writes, EOS and budget cuts inside a block included."""
     engine, ids, budgets, refs = _varied_job(qwen3_target, qwen3_drafter, monkeypatch, adaptive_block=adaptive)
     set_modes(monkeypatch, engine, drafts=drafts)

@@ -261,7 +261,7 @@ def test_a_long_joining_prompt_is_prefilled_in_chunks_between_cycles(tiny_pair):
     alone = [engine.generate(p, max_tokens=60).token_ids for p in (short, long_)]
     events = []
     requests = [engine.request(short, max_tokens=60, index=0), engine.request(long_, max_tokens=60, index=1)]
-    decoder = BatchDecoder(engine, requests, 2, engine._scheduler(2))
+    decoder = BatchDecoder(engine, requests, 2, engine._width_policy(2))
     chunks = []
     prefill_pass = decoder._prefill_pass
 

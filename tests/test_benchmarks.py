@@ -52,9 +52,9 @@ def _verify_steps(engine, prompt, max_tokens):
     request = engine.request(prompt, max_tokens=max_tokens)
     with pytest.MonkeyPatch.context() as m:
         m.setattr(RowOutput, "feed", spy)
-        for _ in BatchDecoder(engine, [request], 1, engine._scheduler(1)).steps():
+        for _ in BatchDecoder(engine, [request], 1, engine._width_policy(1)).steps():
             pass
-    return [t for s in steps for t in s.tokens], [s for s in steps if s.verify]
+    return [t for s in steps for t in s.tokens], [s for s in steps if s.decoded]
 
 
 def _check_cycles_follow_script(cycles, drawn):
@@ -225,13 +225,13 @@ def test_default_pair_acceptance_is_the_drafters_even_when_the_adaptive_width_st
     weak drafter's 1.08 tokens per cycle were mostly plain cycles): the acceptance figure must
     not change, and the adaptive engine's own tokens per cycle (1.0) are reported apart."""
     from benchmarks import default_pair
-    from dflash_batch.engine.scheduler import Scheduler
+    from dflash_batch.engine.widths import WidthPolicy
 
     draft, samples, tau = _zero_head_job(zero_head_target, model_dir, tmp_path, 2)
     assert tau > 4  # zeroed head: every draft accepted
 
-    plain_width = Scheduler.width
-    monkeypatch.setattr(Scheduler, "width", lambda self, e, b: plain_width(self, e, b) if self.fixed else 1)
+    plain_width = WidthPolicy.width
+    monkeypatch.setattr(WidthPolicy, "width", lambda self, e, b: plain_width(self, e, b) if self.fixed else 1)
     argv = ["--target", str(zero_head_target), "--draft", str(draft), "--samples", str(samples), "--prompts", "2",
             "--speed-prompts", "1", "--runs", "1", "--max-tokens", "30", "--machine", "t", "--out-dir", str(tmp_path)]  # fmt: skip
     assert default_pair.main(argv) == 0

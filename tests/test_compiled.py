@@ -11,7 +11,7 @@ from dflash_batch.engine import decode, load_engine
 from dflash_batch.engine.ops import compiled, switch
 from dflash_batch.engine.ops.batch_cache import Lengths
 from tests import synthetic
-from tests.helpers import MAX_TOKENS, PROMPTS_B, engine_modes, make_drafter, scripted_batch
+from tests.helpers import MAX_TOKENS, PROMPTS_B, eager_and_compiled_drafts, engine_modes, make_drafter, scripted_batch
 
 
 @pytest.fixture
@@ -218,20 +218,7 @@ def test_compiled_drafts_equal_eager_drafts_in_a_batch(tiny_pair, monkeypatch, c
     engine = load_engine(*map(str, tiny_pair), prefill_chunk=64, adaptive_block=False)  # widths fixed: cycles alike
     prompts = list(synthetic.LOSSLESS_PROMPTS) + ["x", "one two three four five six seven"]
     budgets = [20, 33, 9, 40, 27][: len(prompts)]  # rows leave at different cycles, others join
-    real, drafted = decode.draft_block, []
-
-    def spy(*args, **kwargs):
-        out = real(*args, **kwargs)
-        drafted.append(out.tolist())
-        return out
-
-    monkeypatch.setattr(decode, "draft_block", spy)
-    runs = {}
-    for passes in ("eager", "compiled"):
-        drafted.clear()
-        with engine_modes(engine, passes=passes):
-            tokens = [c.token_ids for c in engine.generate_batch(prompts, max_tokens=budgets, batch_size=3)]
-        runs[passes] = tokens, list(drafted)
+    runs = eager_and_compiled_drafts(engine, monkeypatch, prompts, budgets)
     assert runs["compiled"] == runs["eager"]
     assert len(runs["eager"][1]) > 10
     calls = engine.drafter.passes.calls

@@ -13,7 +13,7 @@ def test_cycle_host_times_every_piece_of_every_cycle(capsys):
     result = json.loads(line)
     pieces = result["ms_per_cycle"]
     assert result["rows"] == 2 and result["tokens"] == 80 and result["cycles"] == 3  # 1 + 16 + 16 + 7 per row
-    for name in ("device", "draft", "verify", "feed", "accepted (scheduler)", "scheduler.width (adaptive, on the side)"):
+    for name in ("device", "draft", "verify", "feed", "accepted (width policy)", "width_policy.width (adaptive, on the side)"):
         assert pieces[name] > 0, name
     host = sum(v for k, v in pieces.items() if k not in ("device", cycle_host.PREFILL))
     assert abs(host - result["host_ms_per_cycle"]) < 0.01 * len(pieces)

@@ -14,7 +14,7 @@ import pytest
 
 from dflash_batch.engine import batch, load_engine
 from dflash_batch.engine.ops.batch_cache import Lengths
-from dflash_batch.engine.scheduler import CostModel, Scheduler
+from dflash_batch.engine.widths import CostModel, WidthPolicy
 from tests import dflash2_models as d2
 from tests import synthetic
 from tests.helpers import greedy_reference
@@ -49,7 +49,7 @@ def _prompts():
     return [instruction + _ids(n, seed=n) for n in (5, 40, 1, 70)] + [_ids(9, seed=7), _ids(120, seed=8)]
 
 
-class _Late(Scheduler):
+class _Late(WidthPolicy):
     """Plain cycles first, then every cycle drafts at ``width`` (at most what a row may commit)."""
 
     def __init__(self, block: int, plain: int, width: int):
@@ -64,7 +64,7 @@ class _Late(Scheduler):
 def _late(engine, monkeypatch, plain: int, width: int = 0):
     """The engine's jobs decode ``plain`` cycles plainly, then draft at ``width`` (0: a block)."""
     width = min(width or engine.block_size, engine.block_size)
-    monkeypatch.setattr(engine, "_scheduler", lambda slots, requests=(), waits=False: _Late(engine.block_size, plain, width))
+    monkeypatch.setattr(engine, "_width_policy", lambda slots, requests=(), waits=False: _Late(engine.block_size, plain, width))
 
 
 def _engine(pair, **kw):
@@ -88,7 +88,7 @@ def _spy_context(engine, monkeypatch):
 
 
 def test_a_job_decoded_plainly_never_runs_the_drafter(pair, monkeypatch):
-    """Where drafting never pays, the scheduler decodes plainly: no drafter pass, not even over the
+    """Where drafting never pays, the width policy decodes plainly: no drafter pass, not even over the
     prompts (before, every prefill pass wrote its rows' context into the drafter's cache)."""
     engine = _engine(pair, cost_model=NEVER_DRAFTS)
     written = _spy_context(engine, monkeypatch)

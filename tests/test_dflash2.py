@@ -20,8 +20,8 @@ from dflash_batch.engine.ops.batch_cache import Lengths
 from dflash_batch.engine.batch import BatchDecoder
 from tests import dflash2_models as d2
 from tests import synthetic
-from tests.helpers import fixed_costs, greedy_reference
-from tests.test_sampling import chi_square, chi_square_critical, markov_engine, transitions
+from tests.helpers import (chi_square, chi_square_critical, eager_and_compiled_drafts, fixed_costs, greedy_reference,
+                           markov_engine, transitions)
 
 PROMPTS = ["Hi", "Write a haiku about the sea.", "How are you today? " * 6,
            "def add(a, b):\n    return a + b\n# now multiply", "12 * 7 = ? Explain step by step."]
@@ -293,25 +293,10 @@ def test_compiled_draft_passes_equal_eager_ones(q35, monkeypatch):
     """The drafter's pass replayed from a trace (engine/ops/compiled.py, the default on CUDA),
     convolutions and bidirectional sliding layers included: every cycle's drafts and the output
     are the eager pass's, rows joining and leaving."""
-    from tests.helpers import engine_modes
-
     target, draft, _ = q35
     engine = load_engine(target, draft, prefill_chunk=64, adaptive_block=False)
     budgets = [20, 33, 9, 40, 27]
-    real, drafted = decode.draft_block, []
-
-    def spy(*args, **kwargs):
-        out = real(*args, **kwargs)
-        drafted.append(out.tolist())
-        return out
-
-    monkeypatch.setattr(decode, "draft_block", spy)
-    runs = {}
-    for passes in ("eager", "compiled"):
-        drafted.clear()
-        with engine_modes(engine, passes=passes):
-            tokens = [c.token_ids for c in engine.generate_batch(PROMPTS, max_tokens=budgets, batch_size=3)]
-        runs[passes] = tokens, list(drafted)
+    runs = eager_and_compiled_drafts(engine, monkeypatch, PROMPTS, budgets)
     assert runs["compiled"] == runs["eager"] and len(runs["eager"][1]) > 10
     assert engine.drafter.passes.calls["compiled"] > engine.drafter.passes.traced
 

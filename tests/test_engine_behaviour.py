@@ -23,7 +23,7 @@ from tests.scripting import ScriptedDrafts
 @pytest.fixture(scope="module")
 def full_accept(zero_head_target, model_dir):
     """Zeroed head: target and drafter both always pick token 0, so every block is accepted.
-    Every cycle verifies the whole block (no scheduler), so the cycle structure is known. (Tests
+    Every cycle verifies the whole block (no width policy), so the cycle structure is known. (Tests
     that use it verify chains: a tree over a drafter that finds every token equally likely
     branches at its first position.)"""
     draft = make_drafter(model_dir, "draft-b8", synthetic.tiny_qwen3_config(), block_size=8)
@@ -55,18 +55,18 @@ def test_block_size_option_caps_verify_rows(zero_head_target, model_dir, chain_d
 
 
 def test_the_drafters_acceptance_carries_from_job_to_job(zero_head_target, model_dir, chain_drafts):
-    """Every job's scheduler pools its rows' cycles into the engine's estimates, and the next job
+    """Every job's width policy pools its rows' cycles into the engine's estimates, and the next job
     starts from them (at batch 1 each request is a job of its own). Chains: a zeroed head's drafts
     are all accepted only as a chain drafts them (its argmax, token 0); a tree's candidates over
     equal logits need not hold token 0."""
     draft = make_drafter(model_dir, "draft-b8", synthetic.tiny_qwen3_config(), block_size=8)
     # given costs: it drafts on a busy CPU too
     engine = load_engine(str(zero_head_target), str(draft), cost_model=fixed_costs())
-    first = engine._scheduler(1)
+    first = engine._width_policy(1)
     assert first.job is engine.acceptance and engine.acceptance.seen[0] == 0
     engine.generate([5, 6, 7, 8], max_tokens=60)
     assert engine.acceptance.seen[0] > 0 and engine.acceptance.probabilities()[0] > 0.9  # every draft accepted
-    assert engine._scheduler(1).job is engine.acceptance
+    assert engine._width_policy(1).job is engine.acceptance
 
 
 def test_what_widths_cost_carries_across_warm_ups(zero_head_target, model_dir):
@@ -75,10 +75,10 @@ def test_what_widths_cost_carries_across_warm_ups(zero_head_target, model_dir):
     keeps it."""
     draft = make_drafter(model_dir, "draft-b8", synthetic.tiny_qwen3_config(), block_size=8)
     engine = load_engine(str(zero_head_target), str(draft))
-    short = engine._scheduler(1, [engine.request([5, 6, 7, 8], max_tokens=8)]).cost
+    short = engine._width_policy(1, [engine.request([5, 6, 7, 8], max_tokens=8)]).cost
     for _ in range(3):
         short.observe(1, 6, short.passes(1, 6) + 1.0)
-    long = engine._scheduler(1, [engine.request([5 + i % 500 for i in range(600)], max_tokens=400)]).cost
+    long = engine._width_policy(1, [engine.request([5 + i % 500 for i in range(600)], max_tokens=400)]).cost
     assert long is not short and long.context != short.context  # warmed up again
     assert long.cycle(1, 6) == pytest.approx(long.passes(1, 6) + 1.0)
 

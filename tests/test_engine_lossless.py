@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dflash_batch.engine import load_engine
-from dflash_batch.engine.scheduler import CostModel
+from dflash_batch.engine.widths import CostModel
 from tests import synthetic
 from tests.helpers import PROMPTS, fixed_costs, greedy_reference, make_drafter
 from tests.scripting import ScriptedDrafts
@@ -73,7 +73,7 @@ def _first_diff(a, b):
 
 def test_adaptive_verify_length_is_lossless_and_drafts_less(tiny_pair, scripted, chain_drafts):
     """Where each verified row costs (a CPU-like cost model: 5% of a pass per row, a draft half a
-    pass) and about half the drafts fail, the scheduler verifies short chains; output unchanged.
+    pass) and about half the drafts fail, the width policy verifies short chains; output unchanged.
     (A draft tree holds the script's true token as its second candidate, so there wide trees pay:
     tests/test_tree.py.)"""
     target, draft = tiny_pair

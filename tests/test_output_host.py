@@ -32,7 +32,7 @@ def _pieces(tokenizer, steps, max_tokens):
     out = _output(tokenizer, max_tokens)
     pieces = []
     for k, (tokens, from_draft) in enumerate(steps):
-        piece = out.feed(Step(tokens=tokens, from_draft=from_draft, drafted=len(tokens) - 1, verify=k > 0))
+        piece = out.feed(Step(tokens=tokens, from_draft=from_draft, drafted=len(tokens) - 1, decoded=k > 0))
         pieces.append(piece)
         if piece.finish_reason is not None:
             break
@@ -74,7 +74,7 @@ def test_plain_rows_check_stop_text_once_per_step(tokenizer, monkeypatch):
     monkeypatch.setattr(stopping.StopText, "feed", lambda self, segment: calls.append(1) or feed(self, segment))
     out = _output(tokenizer, 1000)
     for _ in range(5):
-        out.feed(Step(tokens=list(range(97, 113)), from_draft=15, drafted=15, verify=True))
+        out.feed(Step(tokens=list(range(97, 113)), from_draft=15, drafted=15, decoded=True))
     assert len(calls) == 5
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from dflash_batch.engine import decode, load_engine
 from dflash_batch.engine.batch import BatchDecoder
-from dflash_batch.engine.scheduler import CostModel, Scheduler
+from dflash_batch.engine.widths import CostModel, WidthPolicy
 
 
 def _reference(pieces):
@@ -50,8 +50,8 @@ def test_no_pieces_or_no_rows_pack_to_nothing():
     assert packed is None and counts == [0, 0]
 
 
-class _Widths(Scheduler):
-    """A scheduler that verifies the widths it is given, in turn (then 1)."""
+class _Widths(WidthPolicy):
+    """A width policy that verifies the widths it is given, in turn (then 1)."""
 
     def __init__(self, block, widths):
         super().__init__(block, CostModel())

@@ -1,6 +1,6 @@
 """A plain cycle costs the same with a drafter attached as without one (issue 36): counted, never
-timed. The scheduler does not weigh the widths again while a plain choice stands and nothing is
-learnt (engine/scheduler.py), and a plain cycle runs no drafter pass and packs no context."""
+timed. The width policy does not weigh the widths again while a plain choice stands and nothing is
+learnt (engine/widths.py), and a plain cycle runs no drafter pass and packs no context."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import random
 
 import pytest
 
-from dflash_batch.engine import decode, load_engine, scheduler
+from dflash_batch.engine import decode, load_engine, widths
 from dflash_batch.engine.batch import BatchDecoder
-from dflash_batch.engine.scheduler import CostModel, Scheduler
+from dflash_batch.engine.widths import CostModel, WidthPolicy
 
-CPU = dict(t0=1.0, t1=0.05, d0=0.3, d1=0.2, window=0)  # tests/test_scheduler.py's CPU costs
+CPU = dict(t0=1.0, t1=0.05, d0=0.3, d1=0.2, window=0)  # tests/test_widths.py's CPU costs
 
 
 def _job(rows: int, tokens: int, p: float, seed: int = 0):
@@ -20,20 +20,20 @@ def _job(rows: int, tokens: int, p: float, seed: int = 0):
     the widths chosen, and how often the widths were weighed (``_committed``)."""
     rng = random.Random(seed)
     weighed = []
-    real = scheduler._committed
+    real = widths._committed
 
     def counted(*args):
         weighed.append(1)
         return real(*args)
 
-    s = Scheduler(16, CostModel(**CPU))
+    s = WidthPolicy(16, CostModel(**CPU))
     live = [(s.new_row(), tokens) for _ in range(rows)]
-    widths = []
-    scheduler._committed = counted
+    chosen = []
+    widths._committed = counted
     try:
         while live:
             T = s.width([e for e, _ in live], [n for _, n in live])
-            widths.append(T)
+            chosen.append(T)
             left = []
             for estimate, n in live:
                 L, a = min(T, n), 0
@@ -44,21 +44,21 @@ def _job(rows: int, tokens: int, p: float, seed: int = 0):
                     left.append((estimate, n - a - 1))
             live = left
     finally:
-        scheduler._committed = real
-    return widths, len(weighed)
+        widths._committed = real
+    return chosen, len(weighed)
 
 
 @pytest.mark.parametrize("p", [0.0, 0.3])
 def test_a_plain_choice_stands_while_nothing_is_learnt(p, monkeypatch):
     """The same widths as weighing every cycle, from a fraction of the weighings."""
-    replan = scheduler.REPLAN
-    widths, weighed = _job(8, 300, p)
-    monkeypatch.setattr(scheduler, "REPLAN", 0)  # weigh every cycle
+    replan = widths.REPLAN
+    chosen, weighed = _job(8, 300, p)
+    monkeypatch.setattr(widths, "REPLAN", 0)  # weigh every cycle
     every, weighed_every = _job(8, 300, p)
-    assert widths == every
-    assert weighed_every >= len(widths) - 1  # all but the last (one token left: plain, unweighed)
-    plain = sum(T == 1 for T in widths)
-    drafting = len(widths) - plain
+    assert chosen == every
+    assert weighed_every >= len(chosen) - 1  # all but the last (one token left: plain, unweighed)
+    plain = sum(T == 1 for T in chosen)
+    drafting = len(chosen) - plain
     assert plain > 200
     # once per REPLAN plain cycles, after each cycle that verified a draft and as rows leave
     assert weighed <= plain // replan + 2 * drafting + 8 + 1, (weighed, plain, drafting)
@@ -67,7 +67,7 @@ def test_a_plain_choice_stands_while_nothing_is_learnt(p, monkeypatch):
 def test_a_row_joining_is_weighed_at_once():
     """A new row's estimate (the job's) may make drafting pay where the failing rows' did not:
     the next cycle weighs the widths again."""
-    s = Scheduler(16, CostModel(**CPU))
+    s = WidthPolicy(16, CostModel(**CPU))
     for _ in range(20):
         s.job.update(15, 16)  # the job's drafts were all right so far
     bad = [s.new_row() for _ in range(4)]

@@ -1,4 +1,4 @@
-"""Plain probes (engine/scheduler.py, module doc): while the scheduler drafts, a plain cycle now
+"""Plain probes (engine/widths.py, module doc): while the width policy drafts, a plain cycle now
 and then keeps the width-1 cost learnt from real cycles. No timing: a job's cycles are charged
 the seconds of a scripted "real" machine and fed to the cost model's ``observe`` as the engine
 feeds its timed cycles; each row accepts each draft with probability p until its first
@@ -10,7 +10,7 @@ import pytest
 
 from dflash_batch.engine import batch, load_engine
 from dflash_batch.engine.output import RowOutput
-from dflash_batch.engine.scheduler import CostModel, PlainProbes, Scheduler, pooled_acceptance
+from dflash_batch.engine.widths import CostModel, PlainProbes, WidthPolicy, pooled_acceptance
 from tests.helpers import greedy_reference
 from tests.scripting import ScriptedDrafts
 
@@ -50,11 +50,11 @@ def run(cost: CostModel, target, draft, p: float, cycles: int, seed: int = 0):
     """``cycles`` cycles over ROWS rows that never run out of budget, each charged the real
     machine's seconds and observed: (the widths chosen, the seconds spent)."""
     rng = random.Random(seed)
-    scheduler = Scheduler(BLOCK, cost)
-    rows = [scheduler.new_row() for _ in range(ROWS)]
+    policy = WidthPolicy(BLOCK, cost)
+    rows = [policy.new_row() for _ in range(ROWS)]
     widths, spent = [], 0.0
     for _ in range(cycles):
-        T = scheduler.width(rows, [10**6] * ROWS)
+        T = policy.width(rows, [10**6] * ROWS)
         seconds = target(ROWS, T) + (draft(ROWS) if T > 1 else 0.0)
         cost.observe(ROWS, T, seconds)
         widths.append(T)
@@ -63,14 +63,14 @@ def run(cost: CostModel, target, draft, p: float, cycles: int, seed: int = 0):
             a = 0
             while a < T - 1 and rng.random() < p:
                 a += 1
-            scheduler.accepted(row, a, T)
+            policy.accepted(row, a, T)
     return widths, spent
 
 
 def test_a_width_one_pass_timed_in_a_spike_is_corrected_by_plain_probes():
     """Drafts accepted 30% of the time: on this machine plain decoding commits 87 tokens a second
     and the best drafting width 48 (T = 2). A warm-up whose width-1 pass at the job's batch size
-    was timed in a load spike (5x) prices plain decoding at 17 a second: the scheduler drafts,
+    was timed in a load spike (5x) prices plain decoding at 17 a second: the width policy drafts,
     and without plain cycles nothing corrects that. The plain probes do: within 80 cycles it
     decodes plainly, and stays there but for its drafting probes (here from cycle 20)."""
     cost = warmed_up(cpu_target, cpu_draft, spike=5.0)
@@ -84,7 +84,7 @@ def test_a_width_one_pass_timed_in_a_spike_is_corrected_by_plain_probes():
 
 
 def test_plain_probes_cost_at_most_their_share_where_drafting_pays():
-    """Every draft accepted on a GPU's costs: the scheduler drafts the whole block every cycle,
+    """Every draft accepted on a GPU's costs: the width policy drafts the whole block every cycle,
     and a plain probe commits 8 tokens where a drafting cycle commits 128. Over 300 drafting
     cycles the probes run 5 times (the first 3 at the 5% share, then at a share halved per probe
     that left it drafting: a fixed share would probe 15 times), and lose 1.1% of the time the job
@@ -99,24 +99,24 @@ def test_plain_probes_cost_at_most_their_share_where_drafting_pays():
     lost = len(probes) * (gpu_target(ROWS, 1) - block / BLOCK)
     share = lost / (spent - lost)  # of the same job drafting throughout
     assert 0 < share <= 0.02, share
-    assert share <= Scheduler(BLOCK, cost).probe_share
+    assert share <= WidthPolicy(BLOCK, cost).probe_share
 
 
 def jobs(cost: CostModel, target, draft, p: float, count: int, tokens: int, plain=None):
     """``count`` jobs of ROWS rows one after another on one engine, each row ending at an EOS
     after about ``tokens`` tokens, well before its budget (so no cycle is plain for want of
-    budget): each job a new scheduler given the engine's pooled acceptance and, if ``plain``,
-    its plain probes' spending (``Engine._scheduler``), else each job's own. The widths each
+    budget): each job a new width policy given the engine's pooled acceptance and, if ``plain``,
+    its plain probes' spending (``Engine._width_policy``), else each job's own. The widths each
     job chose."""
     rng = random.Random(0)
     pooled = pooled_acceptance(BLOCK)
     out = []
     for _ in range(count):
         own = plain if plain is not None else PlainProbes()
-        scheduler = Scheduler(BLOCK, cost, job=pooled, plain=own)
-        live, widths = [(scheduler.new_row(), tokens) for _ in range(ROWS)], []
+        policy = WidthPolicy(BLOCK, cost, job=pooled, plain=own)
+        live, widths = [(policy.new_row(), tokens) for _ in range(ROWS)], []
         while live:
-            T = scheduler.width([e for e, _ in live], [10**6] * len(live))
+            T = policy.width([e for e, _ in live], [10**6] * len(live))
             cost.observe(len(live), T, target(len(live), T) + (draft(len(live)) if T > 1 else 0.0))
             widths.append(T)
             left = []
@@ -124,7 +124,7 @@ def jobs(cost: CostModel, target, draft, p: float, count: int, tokens: int, plai
                 a = 0
                 while a < T - 1 and rng.random() < p:
                     a += 1
-                scheduler.accepted(row, a, T)
+                policy.accepted(row, a, T)
                 if n > a + 1:
                     left.append((row, n - a - 1))
             live = left
@@ -172,7 +172,7 @@ class _Clock:
 def test_the_per_row_plain_estimate_follows_the_width_one_cost_as_relearnt(tiny_pair, monkeypatch):
     """The engine end to end (runner/saved.py's ``plain_seconds_est``): a warm-up priced a plain
     cycle at 5 s where every cycle really takes 1 s (a scripted clock), and each draft is right
-    30% of the time: at 1 s a cycle of any width, the scheduler drafts but for its plain probes.
+    30% of the time: at 1 s a cycle of any width, the width policy drafts but for its plain probes.
     These re-learn the width-1 cost, and the row's later tokens are priced at it: the figure each
     cycle hands the row is the cost model's at that cycle, not a copy taken at the start (which
     would price every token at 5 s), nor the warm-up's (no plain probes)."""

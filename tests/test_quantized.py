@@ -5,7 +5,7 @@ scale on MoE experts, whose decoding MLX runs on a GPU only), saved in mlx-lm's 
 by the engine's loader. Greedy DFlash equals mlx-lm's own greedy decoding of the same quantized model
 (``stream_generate``) token for token, at batch 1 and batched with ragged acceptance, with EOS
 and budget cuts inside a block; the few-row matmul routing leaves quantized layers to MLX; the
-warm-up times every width on a quantized target and the scheduler chooses from those costs.
+warm-up times every width on a quantized target and the width policy chooses from those costs.
 
 Activations are fp32: the source models are fp32, so affine scales are too; the mx/nv modes'
 scales are 8-bit floats whose dequantized values (a few significant bits times a scale) are
@@ -27,7 +27,7 @@ from mlx_lm import stream_generate
 from dflash_batch.engine import load_engine, warmup
 from dflash_batch.engine.ops import matmul, switch
 from dflash_batch.engine.ops.kernels import matmul as km
-from dflash_batch.engine.scheduler import CostModel
+from dflash_batch.engine.widths import CostModel
 from tests import synthetic
 from tests.helpers import PROMPTS_B, fixed_costs
 from tests.scripting import ScriptedDrafts
@@ -395,7 +395,7 @@ def test_the_warm_up_times_passes_of_the_quantized_model_itself(quantized, monke
 
 
 @pytest.mark.parametrize("costs,widest", [(DEAR, 3), ({T: 1.0 for T in STEP}, BLOCK)])
-def test_the_scheduler_verifies_below_the_step_its_costs_show(quantized, monkeypatch, chain_drafts, costs, widest):
+def test_the_width_policy_verifies_below_the_step_its_costs_show(quantized, monkeypatch, chain_drafts, costs, widest):
     """Given a cost model that prices the widths as measured on a quantized target (wide
     verify passes dear above 3 rows), a drafter right every time is verified at 3 rows or fewer;
     given flat costs, at the whole block (the control). Output stays the target's own greedy."""

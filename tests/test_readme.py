@@ -6,25 +6,7 @@ from __future__ import annotations
 import json
 import re
 
-from tests.runner_fixtures import REPO
-
-README = (REPO / "README.md").read_text()
-SET_UP = ("bash .ci/install && .venv/bin/dflash-batch run examples/prompts.jsonl", "bash .ci/install && .venv/bin/python -m pytest -q")
-# A program the install puts in .venv/bin, named where a command starts (not as part of a path).
-BARE = re.compile(r"(?<![\w./-])(?<!-m )(dflash-batch|python3?|pytest|pip3?|honcho)(?=\s|$)")
-
-
-def shell_blocks(text: str):
-    return re.findall(r"```bash\n(.*?)```", text, flags=re.S)
-
-
-def command_lines(text: str):
-    """Lines of the bash blocks and inline code spans that are commands, without comments."""
-    lines = [line.split(" # ")[0].strip() for block in shell_blocks(text) for line in block.splitlines()]
-    spans = re.findall(r"`([^`\n]+)`", re.sub(r"```.*?```", "", text, flags=re.S))
-    lines += [s for s in spans if BARE.match(s) or s.startswith((".venv/bin/", "bash "))]
-    return [line for line in lines if line and not line.startswith("#")]
-
+from tests.helpers import BARE, README, REPO, SET_UP, command_lines
 
 def test_readme_commands_name_the_programs_of_the_venv():
     for command in SET_UP:  # the two fresh-machine commands stay as they are

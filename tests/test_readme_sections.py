@@ -20,9 +20,7 @@ import pytest
 
 from dflash_batch import api
 from tests.runner_fixtures import fake_models, home, wait_for  # noqa: F401  (fixtures)
-from tests.test_readme import README, SET_UP, command_lines, shell_blocks
-from tests.test_readme_sequence import sh, shim
-from tests.test_runner_queue import redis_url  # noqa: F401  (fixture)
+from tests.helpers import README, SET_UP, command_lines, sh, shell_blocks, shim
 
 RUN_ELSEWHERE = ("Set up", "Queue and workers")  # tests/test_readme_sequence.py
 BACKGROUND = re.compile(r" (worker|serve --worker)$")  # "another terminal", "on each machine"

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 
@@ -16,14 +14,13 @@ import dflash_batch
 from dflash_batch import api, cli
 from dflash_batch.errors import SpecError
 from tests.runner_fixtures import (  # noqa: F401  (fixtures)
-    REPO,
     Worker,
     engine,
     fake_models,
     home,
     write_jsonl,
 )
-from tests.test_readme import README, SET_UP, shell_blocks
+from tests.helpers import README, SET_UP, sh, shell_blocks, shim
 
 ASSIGN = re.compile(r"^(\w+)=\$\((.*)\)$")  # VAR=$(command)
 
@@ -32,23 +29,6 @@ def batch_jobs_block() -> list:
     """The command lines of the README's batch-jobs block, comments dropped."""
     [block] = [b for b in shell_blocks(README) if "dflash-batch submit examples/prompts.jsonl --name queued-example" in b]
     return [line.split(" # ")[0].strip() for line in block.splitlines() if line.strip()]
-
-
-def shim(tmp_path):
-    """A folder standing in for .venv/bin: this interpreter, this checkout."""
-    folder = tmp_path / "venv-bin"
-    folder.mkdir()
-    for name, command in (("python", ""), ("dflash-batch", " -m dflash_batch.cli")):
-        (folder / name).write_text(f'#!/bin/sh\nexec {sys.executable}{command} "$@"\n')
-        (folder / name).chmod(0o755)
-    return folder
-
-
-def sh(line: str, bin_dir, env, timeout: float = 300) -> subprocess.CompletedProcess:
-    """One README line in bash from the repository root, with .venv/bin/ as the shim."""
-    line = line.replace(".venv/bin/", f"{bin_dir}/")
-    return subprocess.run(["bash", "-c", line], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=timeout)  # fmt: skip
 
 
 def test_the_readme_sequence_runs_as_written(tmp_path, home, fake_models):  # noqa: F811

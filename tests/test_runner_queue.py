@@ -43,7 +43,7 @@ def test_submit_worker_pandas_and_resident_engine(tmp_path, home, tiny_models, w
     df = pd.read_parquet(first.output_dir)
     assert sorted(df["id"]) == [f"item-{i:03d}" for i in range(5)] and (df["status"] == "ok").all()
     assert df["decode_tps"].gt(0).all() and df["verify_cycles"].gt(0).all()
-    # a rate where the row's cycles drafted, null where the scheduler decoded it plainly
+    # a rate where the row's cycles drafted, null where the width policy decoded it plainly
     assert (df["acceptance_drafted"].notna() == df["drafted_tokens"].gt(0)).all()
     status = cli("status", first.id, "--json", home=home, check=True).stdout
     assert '"state": "completed"' in status and '"mean_decode_tps"' in status
@@ -260,39 +260,6 @@ def test_worker_start_catches_up_a_missed_run(tmp_path, home, tiny_models, worke
     time.sleep(1)
     assert len(api.jobs(home)) == 1
     assert w.stop() == 0
-
-
-@pytest.fixture
-def redis_url(tmp_path):
-    """A throwaway redis-server on a free local port (skipped where none is installed)."""
-    import shutil
-    import socket
-    import subprocess
-
-    server = shutil.which("redis-server")
-    if server is None:
-        pytest.skip("redis-server is not installed")
-    redis = pytest.importorskip("redis")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             "--dir", str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"redis://127.0.0.1:{port}/0"
-    client = redis.Redis.from_url(url)
-
-    def up():
-        try:
-            return client.ping()
-        except redis.exceptions.ConnectionError:
-            return False
-
-    try:
-        wait_for(up, timeout=30, what="redis-server")
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 def test_redis_queue_submit_and_worker(tmp_path, home, tiny_models, workers, redis_url, monkeypatch):

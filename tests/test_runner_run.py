@@ -52,7 +52,7 @@ def test_acceptance_columns_with_an_agreeing_pair(tmp_path, home, tiny_models, c
     """With a drafter that always agrees, every drafted token is accepted. The engine verifies the
     whole block every cycle here: the default adaptive width may decode a job this short plainly
     (a drafter of unknown worth is probed only where a probe costs at most 5% of the job;
-    engine/scheduler.py), and then there is no acceptance to report (the columns are null, below)."""
+    engine/widths.py), and then there is no acceptance to report (the columns are null, below)."""
     from dflash_batch.engine import load_engine
 
     src = write_jsonl(tmp_path / "in.jsonl", PROMPTS[:2])

@@ -14,36 +14,13 @@ decoder that accepts every draft shows that the test can fail.
 
 from __future__ import annotations
 
-import math
-
 import mlx.core as mx
 import numpy as np
 import pytest
 
 from dflash_batch.engine import decode, load_engine, tree
 from dflash_batch.engine.batch import BatchDecoder
-
-TEMPERATURE = 0.5
-CLUSTER, NOISE = 8, 0.1
-SEEDS = range(12)  # run n starts in cluster n % 4
-TOKENS_PER_RUN = 200
-
-
-def markov_engine(target_dir, drafter_dir):
-    engine = load_engine(target_dir, draft=drafter_dir, adaptive_block=False)  # whole blocks: many drafts checked
-    engine.tokenizer.eos_token_ids = set()  # runs of a fixed length
-    for layer in engine.target.model.model.layers:
-        layer.self_attn.o_proj.weight = mx.zeros_like(layer.self_attn.o_proj.weight)
-        layer.mlp.down_proj.weight = mx.zeros_like(layer.mlp.down_proj.weight)
-    model = engine.target.model
-    vocab, hidden = model.args.vocab_size, model.args.hidden_size
-    rng = np.random.default_rng(0)
-    centers = rng.normal(size=(vocab // CLUSTER, hidden))
-    embed = centers[np.arange(vocab) // CLUSTER] + NOISE * rng.normal(size=(vocab, hidden))
-    model.model.embed_tokens.weight = mx.array(embed, dtype=model.model.embed_tokens.weight.dtype)
-    logits = model(mx.arange(vocab)[:, None])[:, 0, :].astype(mx.float32)  # row a: next-token logits after a
-    probs = np.array(mx.softmax(logits / TEMPERATURE, axis=-1))
-    return engine, probs
+from tests.helpers import chi_square, chi_square_critical, markov_engine, transitions
 
 
 def propose_argmax_path(monkeypatch, probs):
@@ -72,50 +49,6 @@ def propose_argmax_path(monkeypatch, probs):
         return mx.array(top, dtype=mx.int32), mx.array(logprobs.astype(np.float32))
 
     monkeypatch.setattr(BatchDecoder, "draft", draft)
-
-
-def transitions(engine):
-    """(from, to) pairs of every emitted token, and how many tokens came from drafts."""
-    pairs, drafted = [], 0
-    for seed in SEEDS:
-        prompt = [1, 2, 3, CLUSTER * (seed % 4) + 3]
-        c = engine.generate(prompt, max_tokens=TOKENS_PER_RUN, temperature=TEMPERATURE, seed=seed)
-        seq = [prompt[-1]] + c.token_ids
-        drafted += c.stats.accepted_tokens
-        pairs += list(zip(seq[:-1], seq[1:]))
-    return pairs, drafted
-
-
-def chi_square(pairs, probs, min_visits=30):
-    """Sum over source tokens with at least min_visits of the chi-square statistic of the next
-    token's counts against probs[source] (bins with expected count < 5 pooled); its dof."""
-    counts = {}
-    for a, b in pairs:
-        counts.setdefault(a, {}).setdefault(b, 0)
-        counts[a][b] += 1
-    stat, dof = 0.0, 0
-    for a, row in counts.items():
-        n = sum(row.values())
-        if n < min_visits:
-            continue
-        expected = n * probs[a]
-        big = expected >= 5
-        observed = np.zeros_like(expected)
-        for b, c in row.items():
-            observed[b] = c
-        obs = list(observed[big]) + [observed[~big].sum()]
-        exp = list(expected[big]) + [expected[~big].sum()]
-        for o, e in zip(obs, exp):
-            if e > 0:
-                stat += (o - e) ** 2 / e
-        dof += len(obs) - 1
-    return stat, dof
-
-
-def chi_square_critical(dof: int, z: float = 3.09) -> float:
-    """Wilson-Hilferty approximation of the chi-square quantile (z = 3.09: p = 0.001)."""
-    k = float(dof)
-    return k * (1 - 2 / (9 * k) + z * math.sqrt(2 / (9 * k))) ** 3
 
 
 def _first_children(parents):

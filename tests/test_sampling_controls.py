@@ -19,7 +19,7 @@ import pytest
 
 from dflash_batch.engine import load_engine, sampling
 from dflash_batch.engine.batch import BatchDecoder
-from tests.test_sampling import CLUSTER, chi_square_critical, markov_engine
+from tests.helpers import CLUSTER, chi_square_critical, markov_engine
 from tests.helpers import set_modes
 
 TEMPERATURE = 0.7

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from dflash_batch.engine import batch, load_engine
-from dflash_batch.engine.scheduler import CostModel
+from dflash_batch.engine.widths import CostModel
 from dflash_batch.request import Options, Request
 from tests.helpers import greedy_reference
 from tests.scripting import ScriptedDrafts
@@ -158,7 +158,7 @@ def test_a_cut_inside_a_block_counts_only_the_tokens_used(qwen3_target, cut):
     out.feed(Step([40]))  # the prefill's token
     out.timed(2.0, 0.25)
     third = eos if cut == "eos" else 42
-    piece = out.feed(Step([41, 43, third, 44, 45], from_draft=4, drafted=7, verify=True))
+    piece = out.feed(Step([41, 43, third, 44, 45], from_draft=4, drafted=7, decoded=True))
     assert piece.finish_reason == ("stop" if cut == "eos" else "length")
     assert piece.stats.plain_seconds_est == pytest.approx(0.75)
     assert piece.stats.decode_share_s == pytest.approx(2.0)

@@ -162,7 +162,8 @@ def test_tiny_pair_answers_equal_the_engines_own_output(tiny_pair, home, tmp_pat
         streamed = "".join(c.choices[0].text for c in client.completions.create(
             model="m", prompt="The sea is", max_tokens=12, stream=True) if c.choices)
         assert streamed == want
-        # the drafter is attached (whether it drafts is the timed scheduler's choice: not asserted)
+        # the drafter is attached (whether it drafts is the timed width policy's choice: not
+        # asserted)
         assert whole.model_extra["dflash"][0]["block_size"] > 1
     finally:
         server.close()

@@ -17,14 +17,14 @@ def test_an_engine_given_its_costs_times_no_pass(tiny_pair, monkeypatch):
     prompts = [engine.encode("Count: one two three"), engine.encode("Tell me about seven. " * 20)]
     engine.generate_batch(prompts, max_tokens=12, batch_size=2)
     engine.generate(prompts[0], max_tokens=12)
-    assert engine._scheduler(2).cost is costs and engine._scheduler(1).cost is costs
+    assert engine._width_policy(2).cost is costs and engine._width_policy(1).cost is costs
     assert engine.cost == {}  # nothing measured
 
 
 def test_the_given_costs_choose_the_widths(tiny_pair):
     """Costs under which drafting never pays keep the engine plain; costs under which it does
     make it draft: the widths follow the model given, not timings."""
-    from dflash_batch.engine.scheduler import CostModel
+    from dflash_batch.engine.widths import CostModel
 
     prompt = [5, 6, 7, 8]
     dear = load_engine(*map(str, tiny_pair), cost_model=CostModel(t0=1.0, d0=1000.0, window=0))

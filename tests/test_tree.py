@@ -14,7 +14,7 @@ import pytest
 from dflash_batch.engine import load_engine, tree
 from dflash_batch.engine.ops import switch
 from dflash_batch.engine.models.target import Target
-from dflash_batch.engine.scheduler import CostModel, Scheduler
+from dflash_batch.engine.widths import CostModel, WidthPolicy
 from tests.helpers import (
     set_modes,
     MAX_TOKENS, PROMPTS_B, P_WRONG, TREE_PROMPT, branchy_trees, greedy_reference, prefilled,
@@ -221,9 +221,9 @@ def test_sampled_tree_runs_equal_plain_sampled_decoding(qwen3_target, qwen3_b8, 
 
 
 def test_tree_runs_equal_the_targets_greedy_output_at_any_width_chosen(qwen3_target, qwen3_b8, monkeypatch, tree_drafts):
-    """The adaptive scheduler chooses a tree cycle's width after the drafts (Scheduler.tree_width,
-    each row's tree its first L_b - 1 prefixes): output stays the target's own whatever width it
-    picks, here a random one each cycle."""
+    """The adaptive width policy chooses a tree cycle's width after the drafts
+    (WidthPolicy.tree_width, each row's tree its first L_b - 1 prefixes): output stays the
+    target's own whatever width it picks, here a random one each cycle."""
     engine, script, ids, refs = scripted_batch(qwen3_target, qwen3_b8, monkeypatch, PROMPTS_B, MAX_TOKENS,
                                                adaptive_block=True)
     rng = random.Random(5)
@@ -234,18 +234,18 @@ def test_tree_runs_equal_the_targets_greedy_output_at_any_width_chosen(qwen3_tar
         picked.append(rng.choice([T for T in self.widths(max(budgets)) if T > 1]))
         return picked[-1]
 
-    monkeypatch.setattr(Scheduler, "width", lambda self, estimates, budgets: 4)  # every cycle drafts
-    monkeypatch.setattr(Scheduler, "tree_width", any_width)
+    monkeypatch.setattr(WidthPolicy, "width", lambda self, estimates, budgets: 4)  # every cycle drafts
+    monkeypatch.setattr(WidthPolicy, "tree_width", any_width)
     batched = engine.generate_batch(ids, max_tokens=MAX_TOKENS, batch_size=3)
     assert [c.token_ids for c in batched] == refs
     assert len(set(picked)) >= 4, picked
 
 
 def test_adaptive_trees_learn_the_drafters_calibration(tiny_pair, monkeypatch, tree_drafts):
-    """The adaptive engine's tree cycles feed its node calibration (engine/scheduler.py): the
+    """The adaptive engine's tree cycles feed its node calibration (engine/widths.py): the
     script's drafts are half wrong with the truth second (log q -0.2 and -1: 1.19 of probability
     at depth 1 for one node accepted), so c_1 falls below 1; where trees pay (a CPU-like cost
-    model) they go wider than a chain's scheduler verifies for the same drafts
+    model) they go wider than a chain's width policy verifies for the same drafts
     (tests/test_engine_lossless.py: short chains); output unchanged."""
     target, draft = tiny_pair
     engine = load_engine(str(target), str(draft), adaptive_block=True)
@@ -254,8 +254,8 @@ def test_adaptive_trees_learn_the_drafters_calibration(tiny_pair, monkeypatch, t
     ref = greedy_reference(target, ids, 80, engine.tokenizer.eos_token_ids)
     ScriptedDrafts(monkeypatch)(ids + ref + [0] * 16, p_wrong=0.5, seed=5)
     widths = []
-    real = Scheduler.tree_width
-    monkeypatch.setattr(Scheduler, "tree_width", lambda self, *a: widths.append(real(self, *a)) or widths[-1])
+    real = WidthPolicy.tree_width
+    monkeypatch.setattr(WidthPolicy, "tree_width", lambda self, *a: widths.append(real(self, *a)) or widths[-1])
     out = engine.generate(ids, max_tokens=80)
     assert out.token_ids == ref
     assert engine.node_calibration.predicted[0] > 0 and engine.node_calibration.scales()[0] < 0.95

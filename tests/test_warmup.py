@@ -9,7 +9,7 @@ import pytest
 
 from dflash_batch.engine import load_engine, warmup
 from dflash_batch.engine.ops import attention, switch
-from dflash_batch.engine.scheduler import buckets
+from dflash_batch.engine.widths import buckets
 
 
 @pytest.fixture
@@ -95,7 +95,7 @@ def test_the_faster_ragged_route_is_kept(engine, monkeypatch):
 
 def test_every_width_is_timed_where_cost_is_not_linear_in_the_width(engine, monkeypatch):
     """Three widths first; where the middle one is off the line through the others, every width
-    the scheduler chooses among, so it reads real costs rather than the line. (A GPU's check:
+    the width policy chooses among, so it reads real costs rather than the line. (A GPU's check:
     the CPU's costs are a line in the rows verified, timed at two widths, below.)"""
     monkeypatch.setattr(warmup, "_quick", lambda: False)
     for costs, timed in (({1: 1.0, 8: 1.1, 16: 3.0}, 8), ({1: 1.0, 8: 2.0, 16: 3.0}, 3)):
@@ -109,7 +109,7 @@ def test_a_gpu_job_of_one_row_times_every_width_where_launches_dominate(engine, 
     """At batch 1 on a GPU a small target's pass is mostly launches: T > 1 costs about the same at
     every width (the default pair on an H200: 3.7 ms at T = 1, 7.2 at 16). The warm-up times the
     middle width too and, off the line, every width: the line through T = 1 and 16 would put
-    T = 4 at 4.4 ms and keep the scheduler at narrow widths that cost as much as the block."""
+    T = 4 at 4.4 ms and keep the width policy at narrow widths that cost as much as the block."""
     monkeypatch.setattr(warmup, "_quick", lambda: False)
     costs = {1: 0.0037, 2: 0.0068, 3: 0.0069, 4: 0.0069, 6: 0.0070, 8: 0.0070, 12: 0.0071, 16: 0.0072}
     asked = []
@@ -191,7 +191,7 @@ def test_a_cpu_job_of_one_row_reads_its_costs_from_three_timed_widths(engine, mo
     """At batch 1 a CPU pass's cost is not a line in T (the default pair on the 2-core VM: 52, 71,
     100 ms at T = 1, 4, 16): the warm-up times the block too, and the widths between are read
     from the three, not from the line through T = 1 and 4 (152 ms at 16), which would keep the
-    scheduler from verifying wide blocks that pay."""
+    width policy from verifying wide blocks that pay."""
     costs = {1: 0.052, 4: 0.071, 16: 0.100}
     asked = []
 
@@ -215,7 +215,7 @@ def test_a_load_spike_in_a_cpu_timing_does_not_move_the_kept_figure(engine, monk
     """A pass the CPU's warm-up times, slowed in one of its runs by other work on the machine, or
     in its first two by different amounts (a third run where two differ): the kept figure is the
     pass's own whichever runs the spike hit, the first timed pass (the width-1 pass at the job's
-    batch size, the one the scheduler and the saved-time estimate price plain decoding from)
+    batch size, the one the width policy and the saved-time estimate price plain decoding from)
     included. One run a pass kept the spike, two without a third the last case's. A clock the
     passes advance by the rows they verify: nothing here hangs on the VM's load."""
     if warmup.mx.default_device() != warmup.mx.cpu:
@@ -248,7 +248,7 @@ def test_a_load_spike_in_a_cpu_timing_does_not_move_the_kept_figure(engine, monk
 @pytest.mark.parametrize("block", [10, 16])
 @pytest.mark.parametrize("line", [True, False])
 def test_a_gpu_warm_up_times_bucket_widths_only(engine, monkeypatch, block, line):
-    """A pass runs at a bucket width only (engine/scheduler.py: ``buckets``), so the warm-up times
+    """A pass runs at a bucket width only (engine/widths.py: ``buckets``), so the warm-up times
     (and so compiles) those: its middle width too, for a block whose half is not one."""
     monkeypatch.setattr(warmup, "_quick", lambda: False)
     monkeypatch.setattr(engine, "block_size", block)

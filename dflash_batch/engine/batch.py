@@ -4,7 +4,7 @@
 
     schedule:    admit waiting requests into free rows (chunked prefill, the joining prompts packed
                  into shared passes and shared prefixes reused: engine/prefill.py; per step, about
-                 one chunk per free slot), then choose the cycle's verify width (engine/scheduler.py)
+                 one chunk per free slot), then choose the cycle's verify width (engine/widths.py)
     run:         one cycle over all rows: draft, verify, accept, roll back (engine/decode.py)
     postprocess: feed each row's committed tokens to its output (EOS, stop strings, budget);
                  finished rows free their slot at once
@@ -35,7 +35,7 @@ from .decode import Step
 from .ops import compiled
 from .ops.batch_cache import Lengths, round_up
 from .output import RowOutput
-from .scheduler import Acceptance, Scheduler, bucket
+from .widths import Acceptance, WidthPolicy, bucket
 from .waiting import Waiting
 
 # Pending drafter context (prompts' tapped rows and plain cycles' pieces) is bounded: beyond this
@@ -98,7 +98,7 @@ class BatchDecoder:
     the stream gave a refused request (``requests.refused``), so that the caller can report it."""
 
     def __init__(self, engine, requests: Union[Sequence[EncodedRequest], Waiting], slots: int,
-                 scheduler: Scheduler, plan=None, capacity: int = 0,
+                 width_policy: WidthPolicy, plan=None, capacity: int = 0,
                  urgent: Optional[Callable[[], List[List[EncodedRequest]]]] = None,
                  cancelled: Optional[Callable[[EncodedRequest], bool]] = None):
         self.engine, self.target, self.drafter = engine, engine.target, engine.drafter
@@ -115,7 +115,7 @@ class BatchDecoder:
         # a batch whose requests are all known is as wide as they are; one that interactive
         # requests may join (``urgent``) keeps every slot
         self.slots = max(1, min(slots, len(requests)) if requests.done and urgent is None else slots)
-        self.scheduler = scheduler
+        self.width_policy = width_policy
         self.rows: List[Optional[Row]] = [None] * self.slots
         self.group = prefill.JoinGroup(self.target, self.drafter, self.prefixes)
         # Device state of the batch: target cache rows, drafter context rows, pending context.
@@ -166,7 +166,7 @@ class BatchDecoder:
             live = [b for b, r in enumerate(self.rows) if r is not None]
             if not live:
                 continue
-            width = self.scheduler.width(
+            width = self.width_policy.width(
                 [self.rows[b].acceptance for b in live], [self.rows[b].cycle_budget for b in live]
             )
             yield from self.postprocess(self.run(width))
@@ -257,7 +257,7 @@ class BatchDecoder:
         seed = request.seed if request.seed is not None else decode.new_seed()
         matcher = engine.grammars.matcher(request.grammar) if request.grammar is not None else None
         plain = matcher is None and not (sampling.penalized(request) or sampling.filtered(request))
-        return Row(request, output, seed, acceptance=self.scheduler.new_row(), matcher=matcher, plain=plain)
+        return Row(request, output, seed, acceptance=self.width_policy.new_row(), matcher=matcher, plain=plain)
 
     def _prefill_pass(self, width: int):
         """One packed pass over the joining rows (returns the prompt tokens it prefilled); the rows
@@ -348,13 +348,13 @@ class BatchDecoder:
         prefixes = self._draft_tree(last, width) if self._tree_cycle(width) else None
         if prefixes is not None:  # the width, chosen again from the drafts themselves
             live = [(p, r) for p, r in zip(prefixes, rows) if r is not None]
-            width = self.scheduler.tree_width([(p.depths, p.scores) for p, _ in live], [r.cycle_budget for _, r in live])
+            width = self.width_policy.tree_width([(p.depths, p.scores) for p, _ in live], [r.cycle_budget for _, r in live])
         limits = [min(width, r.cycle_budget) if r is not None else 1 for r in rows]  # L_b: what row b may commit
-        # the pass runs at a bucket width (engine/scheduler.py: ``buckets``), compiled once: near
+        # the pass runs at a bucket width (engine/widths.py: ``buckets``), compiled once: near
         # the end of their budgets the rows' limits would make any width; a row's positions past
         # its L_b are verified and discarded, as a short-budget row's beside a long one's are
-        T = bucket(max(limits), self.scheduler.block)
-        # reach_b: the deepest draft position row b's pass could accept, plus one (the scheduler's
+        T = bucket(max(limits), self.width_policy.block)
+        # reach_b: the deepest draft position row b's pass could accept, plus one (the width policy's
         # "verified": a chain's L_b; a tree's deepest node + 1, so that depths it never held do
         # not count as rejected)
         if prefixes is not None:
@@ -371,7 +371,7 @@ class BatchDecoder:
         shapes = (B, T, round_up(self.lengths.max))  # a cycle of shapes not run before includes compiling them
         seconds = time.perf_counter() - started
         if shapes in self.engine.shapes_seen:
-            self.scheduler.cost.observe(live, T, seconds)
+            self.width_policy.cost.observe(live, T, seconds)
         counts = self.decode_counts.setdefault(T, [0, 0.0, 0])
         counts[0] += 1
         counts[1] += seconds
@@ -384,7 +384,7 @@ class BatchDecoder:
                 continue
             a = keep[b] - 1
             r.output.timed(seconds / live, None if plain is None else plain / live)
-            self.scheduler.accepted(r.acceptance, a, reach[b])
+            self.width_policy.accepted(r.acceptance, a, reach[b])
             r.last = committed[b][-1]
             r.produced += a + 1
             logprobs = _logprobs(scores, b, a + 1) if scores is not None else None
@@ -399,9 +399,9 @@ class BatchDecoder:
         fixed width, whose cost model was never measured."""
         if self.drafter is None:
             return seconds
-        if self.scheduler.fixed:
+        if self.width_policy.fixed:
             return None
-        return self.scheduler.cost.cycle(live, 1)
+        return self.width_policy.cost.cycle(live, 1)
 
     def _verify_chain(self, last: mx.array, T: int, limits: List[int]):
         """Draft T - 1 tokens per row, verify them in one pass, accept the longest agreeing prefix
@@ -437,20 +437,20 @@ class BatchDecoder:
         """Whether this cycle verifies draft trees (engine/tree.py): where the mode and the target
         allow, wider than one draft, and every row choosing from the target's logits as they are,
         with no logprobs asked (its tokens depend on nothing but the node's prefix and position).
-        An adaptive scheduler chooses a tree's width again from its drafts, so any drafting width
+        An adaptive width policy chooses a tree's width again from its drafts, so any drafting width
         starts one."""
-        drafting = T > 2 or (T == 2 and not self.scheduler.fixed)
+        drafting = T > 2 or (T == 2 and not self.width_policy.fixed)
         return (drafting and self.drafter is not None and not self.drafter.selects and self.target.trees
                 and self.engine.settings.drafts == "tree"
                 and all(r is None or (r.plain and r.request.logprobs is None) for r in self.rows))
 
     def _draft_tree(self, last: mx.array, width: int) -> List[tree.Prefixes]:
         """The drafter's candidates per position, and each row's best-first prefixes over them
-        (engine/tree.py), as many as any width could verify (at most L_b - 1 deep): the scheduler
+        (engine/tree.py), as many as any width could verify (at most L_b - 1 deep): the width policy
         chooses the cycle's width from them. A fixed width drafts only the positions it verifies."""
         block = self.engine.block_size
         longest = max(r.cycle_budget for r in self.rows if r is not None)
-        top = bucket(min(width if self.scheduler.fixed else block, longest), block)  # the drafter's head rows too
+        top = bucket(min(width if self.width_policy.fixed else block, longest), block)  # the drafter's head rows too
         P = min(top - 1, block - 1)
         ids, logprobs = self.draft(last, P, candidates=tree.CANDIDATES)
         mx.eval(ids, logprobs)  # the tree is grown on the host
@@ -485,7 +485,7 @@ class BatchDecoder:
         for p, r, L, path in zip(prefixes, rows, limits, paths):
             if r is not None:
                 n = p.verified(L)
-                self.scheduler.tree_accepted(p.depths[:n], p.scores[:n], len(path) - 1)
+                self.width_policy.tree_accepted(p.depths[:n], p.scores[:n], len(path) - 1)
         committed = [[trees.tokens[b][i] for i in p[1:]] + [t[b][p[-1]]] for b, p in enumerate(paths)]
         return committed, hidden, None, [max(d) + 1 for d in trees.depths]
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, fields
 from typing import Optional
 
 from .ops import switch
-from .scheduler import CostModel
+from .widths import CostModel
 
 PREFIX_CACHE_MB = 1024  # memory for shared prompt prefixes, by default
 
@@ -34,7 +34,7 @@ class EngineConfig:
     batch_size: most sequences decoded together (default: 32 on a GPU, 16 on CPU; fewer when
         memory holds fewer).
     cost_model: the pass costs the adaptive width is chosen from, in place of timing passes at
-        warm-up (engine/scheduler.py); with ``window=0`` no timing steers the widths, so runs
+        warm-up (engine/widths.py); with ``window=0`` no timing steers the widths, so runs
         choose the same widths on any machine under any load (tests). Its ``route`` is the
         ragged attention route the engine's runs take (None: "block").
     attention, matmul, passes, drafts, cpu_ops: the routing modes (engine/ops/switch.py,

@@ -14,7 +14,7 @@ A table is kept per key, and a key names everything the costs depend on:
 The file is ``<model cache>/costs/<hash of the key>.json`` and holds the key itself: a file whose
 key does not match what was asked (a collision, a hand edit, an older format) is ignored with a
 warning, as is one that cannot be read; the passes are then timed again and the file replaced.
-What a cycle costs beyond its passes is learnt afresh by every process (engine/scheduler.py)."""
+What a cycle costs beyond its passes is learnt afresh by every process (engine/widths.py)."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ from .. import paths
 from ..files import write_atomic
 from .ops import attention, compiled, device, matmul
 from .ops.kernels import cpu
-from .scheduler import CostModel
+from .widths import CostModel
 
 FORMAT = 1  # bump when the stored fields change: older files no longer match any key
 FIELDS = ("t0", "t1", "d0", "d1", "t2", "context", "route", "rows")  # a CostModel's measured part, with ``timed``

@@ -1,7 +1,7 @@
 """The DFlash cycle for a batch of sequences, one short function per step.
 
 Per cycle, for every row b of the batch, with ``last_b`` its newest committed token (not yet in the
-target cache), n_b the tokens the cache holds, and T the cycle's verify width (the scheduler's):
+target cache), n_b the tokens the cache holds, and T the cycle's verify width (the width policy's):
 
     draft:    d_b1..d_b(T-1) = argmax lm_head(drafter([last_b, MASK x (B-1)], new context rows of b))
     verify:   t_b0..t_b(T-1) = choose_b(target([last_b, d_b1..d_b(T-1)]))   (positions n_b.., one pass)
@@ -37,7 +37,7 @@ class Step:
     tokens: List[int]
     from_draft: int = 0  # leading tokens that were the drafter's proposals
     drafted: int = 0  # draft tokens put up for verification in this pass
-    verify: bool = False  # a verify cycle (or a plain step), not the prefill
+    decoded: bool = False  # by a decoding cycle (a verify or a plain step), not the prefill
     logprobs: Optional[List[tuple]] = None  # per token: (logprob, [(id, logprob), ...]) when asked
 
 

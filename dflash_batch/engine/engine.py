@@ -7,7 +7,7 @@ import itertools
 import math
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 
@@ -23,7 +23,7 @@ from ..completion import (
 from .. import checks, constraints
 from ..errors import Cancelled, Requeued
 from ..inbox import Ticket
-from ..request import CONTROLS, SamplingControls, sample_seed
+from ..request import CONTROLS, Request, SamplingControls, sample_seed
 from . import cost_tables, decode, memory, prefill, warmup
 from .batch import BatchDecoder, EncodedRequest
 from .config import EngineConfig
@@ -31,11 +31,8 @@ from .models import loading, registry
 from .models.target import Target
 from .ops import activations, attention, device, matmul, switch
 from .ops.kernels import cpu
-from .scheduler import CostModel, NodeCalibration, PlainProbes, Scheduler, pooled_acceptance
+from .widths import CostModel, NodeCalibration, PlainProbes, WidthPolicy, pooled_acceptance
 from .waiting import Waiting
-
-if TYPE_CHECKING:
-    from .. import request as request_type
 
 Prompt = Union[str, List[Dict[str, Any]], List[int]]
 NO_LENGTH_LIMIT = int(1e30)  # what transformers itself sets for a tokenizer without a limit
@@ -89,14 +86,14 @@ class Engine:
         if drafter is not None:
             self._attach(drafter, settings.block_size)
         # The verify width per cycle from a cost model of the passes and each row's acceptance
-        # (engine/scheduler.py); False: the whole block every cycle.
+        # (engine/widths.py); False: the whole block every cycle.
         self.adaptive_block = True if settings.adaptive_block is None else settings.adaptive_block
         self.batch_cap = settings.batch_size
         self.cost: Dict[int, CostModel] = {}  # batch size -> measured pass costs (warm_up)
         self.cost_model = settings.cost_model  # given pass costs: no warm-up, any batch size (load_engine)
         self.measured_passes = 0  # warm-ups that timed passes (not read from the model cache)
         self.keep_costs = True  # measured pass costs read from and kept in the model cache (engine/cost_tables.py)
-        # the drafter's acceptance over every job's cycles: each job's prior (engine/scheduler.py)
+        # the drafter's acceptance over every job's cycles: each job's prior (engine/widths.py)
         self.acceptance = pooled_acceptance(self.block_size)
         self.node_calibration = NodeCalibration(max(self.block_size - 1, 0))  # draft trees' nodes, likewise
         self.plain_probes = PlainProbes()  # and what the plain probes spent
@@ -315,24 +312,24 @@ class Engine:
         if not requests:
             return
         slots = self.plan_batch(requests, batch_size)
-        decoder = self._decoder(requests, slots, self._scheduler(slots, requests), capacity=self._positions(requests))
+        decoder = self._decoder(requests, slots, self._width_policy(slots, requests), capacity=self._positions(requests))
         for index, completion in self._completions(decoder):
             if isinstance(completion, Exception):
                 raise completion  # one request's failure ends a call that yields only completions
             yield index, completion
 
-    def _decoder(self, requests, slots: int, scheduler: Scheduler, **kw) -> BatchDecoder:
+    def _decoder(self, requests, slots: int, width_policy: WidthPolicy, **kw) -> BatchDecoder:
         """A decoder whose steps run under this engine's routes, with the ragged route its cost
         model chose (engine/ops/switch.py): never another engine's, nor its consumer's."""
-        with switch.use(self._routes(scheduler)):
-            return BatchDecoder(self, requests, slots, scheduler, **kw)
+        with switch.use(self._routes(width_policy)):
+            return BatchDecoder(self, requests, slots, width_policy, **kw)
 
     def _steps(self, decoder: BatchDecoder) -> Iterator[Tuple[Optional[int], Any]]:
         """The decoder's steps, each run under this engine's routes."""
-        return switch.stepping(self._routes(decoder.scheduler), decoder.steps())
+        return switch.stepping(self._routes(decoder.width_policy), decoder.steps())
 
-    def _routes(self, scheduler: Scheduler) -> switch.Routes:
-        return self.settings.routes(scheduler.cost.route)
+    def _routes(self, width_policy: WidthPolicy) -> switch.Routes:
+        return self.settings.routes(width_policy.cost.route)
 
     def _completions(self, decoder: BatchDecoder,
                      on_piece: Optional[Callable[[int, Piece], None]] = None) -> Iterator[Tuple[Optional[int], Any]]:
@@ -362,11 +359,11 @@ class Engine:
                 yield index, _completion(parts.pop(index))
 
     def generate_requests(
-        self, requests: Iterable["request_type.Request"], batch_size: Optional[int] = None,
+        self, requests: Iterable[Request], batch_size: Optional[int] = None,
         lookahead: Optional[int] = None, inbox=None,
-    ) -> Iterator[Tuple["request_type.Request", Union[Completion, Exception]]]:
-        """The runner's interface (``dflash_batch.request.Generator``): one stream, decoded together
-        (``batch_size`` rows at most) and yielded as each request finishes, a request of
+    ) -> Iterator[Tuple[Request, Union[Completion, Exception]]]:
+        """The runner's interface (``dflash_batch.request.CompletionEngine``): one stream, decoded
+        together (``batch_size`` rows at most) and yielded as each request finishes, a request of
         ``options.n`` samples once per sample (``sample_index``; seeds from the request's seed, its
         id and the sample index). Requests are pulled and encoded (``request``) as slots free up,
         at most ``lookahead`` encoded ones waiting (default twice the batch size; engine/waiting.py),
@@ -439,7 +436,7 @@ class Engine:
             return
         slots = min(plan.rows, len(waiting)) if waiting.done and inbox is None else plan.rows
         hooks = dict(urgent=urgent, cancelled=cancelled) if inbox is not None else {}
-        decoder = self._decoder(waiting, slots, self._scheduler(slots, waiting.peeked(), inbox is not None), plan=plan,
+        decoder = self._decoder(waiting, slots, self._width_policy(slots, waiting.peeked(), inbox is not None), plan=plan,
                                capacity=plan.longest, **hooks)
         try:
             for index, completion in self._completions(decoder, on_piece if inbox is not None else None):
@@ -462,7 +459,7 @@ class Engine:
             raise
         yield from _drain(refused)
 
-    def _checked(self, req: "request_type.Request", index: int) -> EncodedRequest:
+    def _checked(self, req: Request, index: int) -> EncodedRequest:
         """A runner's request encoded: its options were checked as its row and job were read."""
         options = req.options
         return self._encoded(req.prompt, options.max_tokens, float(options.temperature), options.stop, options.seed,
@@ -487,7 +484,7 @@ class Engine:
     ) -> Iterator[Piece]:
         """Yield text as it is committed (one Piece per target pass); the last carries stats."""
         request = self.request(prompt, max_tokens, temperature, stop, seed, **prompt_options)
-        decoder = self._decoder([request], 1, self._scheduler(1, [request]))
+        decoder = self._decoder([request], 1, self._width_policy(1, [request]))
         for _, piece in self._steps(decoder):
             if isinstance(piece, Exception):
                 raise piece
@@ -524,13 +521,13 @@ class Engine:
             raise ValueError(f"batch_size must be at least 1, got {cap}")
         return cap
 
-    def _scheduler(self, slots: int, requests: Sequence[EncodedRequest] = (), waits: bool = False) -> Scheduler:
+    def _width_policy(self, slots: int, requests: Sequence[EncodedRequest] = (), waits: bool = False) -> WidthPolicy:
         if not self.adaptive_block or self.drafter is None:
-            return Scheduler(self.block_size, CostModel(), fixed=True)
+            return WidthPolicy(self.block_size, CostModel(), fixed=True)
         cost = self.cost_model
         if cost is None:
             cost = self._measured_cost(slots, requests, waits)
-        return Scheduler(self.block_size, cost, job=self.acceptance, nodes=self.node_calibration,
+        return WidthPolicy(self.block_size, cost, job=self.acceptance, nodes=self.node_calibration,
                          plain=self.plain_probes)
 
     def _measured_cost(self, slots: int, requests: Sequence[EncodedRequest], waits: bool = False) -> CostModel:

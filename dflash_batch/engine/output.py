@@ -46,7 +46,7 @@ class RowOutput:
     def feed(self, step: Step) -> Piece:
         stats = self.stats
         now = time.perf_counter()
-        if step.verify:
+        if step.decoded:
             stats.cycles += 1
             stats.drafted_tokens += step.drafted
             stats.acceptance_histogram[len(step.tokens)] += 1
@@ -57,7 +57,7 @@ class RowOutput:
             finish, stop_reason, ids, text, scores = self._feed_plain(step.tokens, step.from_draft)
         else:
             finish, stop_reason, ids, text, scores = self._feed_each(step)
-        if step.verify:
+        if step.decoded:
             self._saved(stats.generated_tokens - before)
         if finish is None:
             return Piece(text=text, token_ids=ids, logprobs=scores)

@@ -11,8 +11,8 @@ a tree of the same width verifies the continuations the drafter finds most likel
 
 which the best-first tree maximises where the drafter's marginals are calibrated. Node 0 is the
 row's last committed token (depth 0); node i > 0 holds c_d at depth d, after its parent; the
-chain of best children takes nodes 1..k (``fit``). An adaptive scheduler picks N once the
-prefixes are known (engine/scheduler.py: ``Scheduler.tree_width``).
+chain of best children takes nodes 1..k (``fit``). An adaptive width policy picks N once the
+prefixes are known (engine/widths.py: ``WidthPolicy.tree_width``).
 
 The verify pass runs the T = N + 1 nodes of row b at positions n_b + depth (RoPE: ``TokenRoPE``),
 each node seeing the row's committed keys, its ancestors and itself (``batch_cache.tree_visible``), and picks

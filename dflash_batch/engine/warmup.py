@@ -1,4 +1,4 @@
-"""Warm-up: compile the passes a job runs and time them, for the scheduler's cost model.
+"""Warm-up: compile the passes a job runs and time them, for the width policy's cost model.
 
 Passes are timed where the job will run them: at batch 1 and at the job's batch size, with the
 rows holding about the job's typical context (prompt and half its budget), of slightly different
@@ -10,7 +10,7 @@ of three: other work on the machine only ever adds time):
                    and block at batch 1 for a wider job); where the middle one is off the line
                    through the others by more than 10% (a GPU's attention works in tiles of
                    query rows; at batch 1 its launches cost the same at every T > 1), every bucket width a pass
-                   runs at (engine/scheduler.py: ``buckets``: 1, 2, 3, 4, 6, 8, 12, 16 for a block of 16);
+                   runs at (engine/widths.py: ``buckets``: 1, 2, 3, 4, 6, 8, 12, 16 for a block of 16);
                    on a quantized target every width always: Metal runs a quantized matmul's vector
                    path (qmv) up to a row count that depends on the chip and the layer, and its
                    general one (qmm) above, a step in T that three widths on a line can hide
@@ -32,7 +32,7 @@ for every later process.
 On a GPU backend whose block attention is a kernel, the ragged route (engine/ops/attention.py) is
 chosen here too: the target and drafter passes at the job's batch size are timed with block
 attention and with stock SDPA over the bucketed cache, and the faster is kept for the job. The
-first job of a process no longer pays for compilation inside its first items, and the scheduler
+first job of a process no longer pays for compilation inside its first items, and the width policy
 gets costs measured on this machine, for this model, in this dtype, at this context.
 """
 
@@ -48,7 +48,7 @@ from .models import hybrid
 from .ops import attention, compiled, switch
 from .ops import device
 from .ops.batch_cache import Lengths, round_up
-from .scheduler import CostModel, PROBE_WIDTH, bucket, buckets
+from .widths import CostModel, PROBE_WIDTH, bucket, buckets
 
 SHORT_CONTEXT = 64  # tokens per row when the job's context is not known
 CHEAP_PASS = 0.02  # seconds: a CPU pass this quick is timed as on a GPU (repeating it costs nothing)
@@ -244,7 +244,7 @@ def _fastest_of_few(run: Callable, first: float) -> float:
     (engine/cost_tables.py). The fastest, not the median: other work on the machine only ever
     adds time to a pass (a median of three keeps a spike that hit two of them), and the load
     that lasts through a job is learnt from the job's own cycles (the cost model's excess, and
-    the scheduler's plain probes for the width-1 cost): two runs slowed alike are taken as the
+    the width policy's plain probes for the width-1 cost): two runs slowed alike are taken as the
     machine's speed."""
     times = [first, _run_once(run)]
     if max(times) > (1 + AGREE) * min(times):

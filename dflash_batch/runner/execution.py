@@ -7,9 +7,9 @@ a chunk's journal becomes a Parquet part when the chunk is complete (or every ``
 or on stop or error), and the chunk is then marked done. A process killed at any point leaves
 journals that ``store.recover`` commits under the next holder of the lock: every id exactly once.
 
-The engine comes from ``engines(spec)``, any ``request.Generator``: the caller decides how models
-are loaded and kept (the worker keeps one resident; the foreground run loads one). Nothing here
-imports MLX.
+The engine comes from ``engines(spec)``, any ``request.CompletionEngine``: the caller decides how
+models are loaded and kept (the worker keeps one resident; the foreground run loads one).
+Nothing here imports MLX.
 """
 
 from __future__ import annotations
@@ -23,16 +23,17 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional
 from ..completion import GenerationError
 from ..errors import ConfigChanged
 from ..files import write_atomic
-from ..request import Request, control_row, sample_seed
+from ..request import CompletionEngine, Request, control_row, sample_seed
 from . import saved
 from .jobs import JobRecord, counts_text
 from .lease import LeaseLost
 from .lock import DirLock
 from .rows import item_error_row, outcome_row
+from .spec import JobSpec
 from .store import Journal, key_of, row_key
 
 log = logging.getLogger("dflash_batch.runner")
-EngineSource = Callable[[Any], Any]  # JobSpec -> request.Generator
+EngineSource = Callable[[JobSpec], CompletionEngine]
 
 
 @dataclass
@@ -44,13 +45,10 @@ class RunResult:
     chunks_done: List[int] = field(default_factory=list)
 
 
-ChunkResult = RunResult  # the name the worker's log and older callers use
-
-
 def run_job(
     record: JobRecord,
     chunks: Optional[Iterable[int]] = None,
-    engines: EngineSource = None,
+    engines: Optional[EngineSource] = None,
     should_stop: Callable[[], bool] = lambda: False,
     on_row: Optional[Callable[[Dict[str, Any]], None]] = None,
     part_rows: Optional[int] = None,

@@ -35,7 +35,7 @@ STREAM_BATCHES = 8  # a task runs chunks of its job up to this many batches of r
 STREAM_BATCH_DEFAULT = 32  # the batch assumed for that when the job leaves batch_size to memory
 
 
-class Engines:
+class EngineSlot:
     """The worker's resident engine: loaded on first use in the calling (worker) thread, kept
     across jobs, replaced only when a job names a different model."""
 
@@ -67,7 +67,7 @@ class Worker:
     def __init__(self, queue: Queue, engine_factory: Callable[..., Any], device: Optional[str] = None,
                  adapter: Optional[Callable[..., Any]] = None):
         self.queue = queue
-        self.engines = Engines(engine_factory)
+        self.engine_slot = EngineSlot(engine_factory)
         # training/adapt.py's ``adapt_job`` (the runner imports no training code): runs a job
         # spec's ``adapt:`` between its tasks; None: never
         self.adapter = adapter
@@ -159,7 +159,7 @@ class Worker:
         """Before a chunk's first item: the engine's warm-up for the job's batch size (compiling
         passes, timing them or reading their costs from the model cache), logged, so that it is
         not silently paid inside the first items. An engine without ``prepare`` has none."""
-        prepare = getattr(self.engines(spec), "prepare", None)
+        prepare = getattr(self.engine_slot(spec), "prepare", None)
         done = prepare(spec.batch_size, spec.max_tokens) if prepare is not None else None
         if done:
             log.info("warmed up for batch size %d (context %d) in %.1f s: pass costs %s", done["batch_size"],
@@ -170,7 +170,7 @@ class Worker:
         try:
             self._warm_up(record.spec)
             chunks = self.chunks_to_run(record, chunk)
-            engines = lambda spec: drafters.use_in_force(self.engines(spec), record)  # noqa: E731
+            engines = lambda spec: drafters.use_in_force(self.engine_slot(spec), record)  # noqa: E731
             result = run_job(record, chunks, engines, should_stop=lambda: self.stopping() or not self._holding(),
                              on_row=self._on_row, lease=self._holding)  # fmt: skip
         except LeaseLost as e:  # hung past the lease: the chunks are another worker's now
@@ -238,7 +238,7 @@ class Worker:
 
         @self.queue.huey.on_startup(name="dflash_batch.load_engine")
         def load_engine_in_worker_thread():
-            self.engines.get(model)
+            self.engine_slot.get(model)
 
     def run(self, *, periodic: bool = True, shutdown_timeout: float = 30.0, poll_max_delay: float = 2.0) -> None:
         """The worker loop: requeue lost chunks, catch up missed cron runs, then consume tasks

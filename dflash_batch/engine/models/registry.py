@@ -26,10 +26,9 @@ DRAFTERS = {
     "qwen3.8-27b": ("z-lab/Qwen3.8-27B-DFlash2", None),  # DFlash 2 (engine/models/dflash2.py)
     # The embedded default's drafter, trained by this project (dflash_batch/assets/drafters).
     "smollm2-135m-instruct": ("embedded", None),
-}
-# Other target families (docs/models.md, "Target families"): z-lab's drafters for Gemma-4, gpt-oss,
-# Qwen3-Coder and LLaMA-3.1 (named z-lab/<Target>-DFlash but for LLaMA's), poolside's for Laguna.
-DRAFTERS.update({
+    # Other target families (docs/models.md, "Target families"): z-lab's drafters for Gemma-4,
+    # gpt-oss, Qwen3-Coder and LLaMA-3.1 (named z-lab/<Target>-DFlash but for LLaMA's), poolside's
+    # for Laguna.
     "gemma-4-26b-a4b-it": ("z-lab/gemma-4-26B-A4B-it-DFlash", None),
     "gemma-4-31b-it": ("z-lab/gemma-4-31B-it-DFlash", None),
     "gpt-oss-20b": ("z-lab/gpt-oss-20b-DFlash", None),
@@ -38,7 +37,7 @@ DRAFTERS.update({
     "llama-3.1-8b-instruct": ("z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat", None),
     "meta-llama-3.1-8b": ("z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat", None),  # mlx-community's Meta-Llama-3.1-8B-Instruct
     "laguna-xs-2.1": ("poolside/Laguna-XS-2.1-DFlash", None),
-})
+}
 
 
 V1, V2 = "DFlash v1", "DFlash 2"

@@ -15,11 +15,11 @@ and a cycle of width T over B rows costs
 (t1: per token verified; t2: per row, whatever its width: reading the row's keys, which grows
 with the context the costs were measured at). A GPU's verify cost is not linear in T (attention
 kernels work in tiles of query rows: at B = 64 on an H100, T = 1, 4, 8, 16 cost 21, 23, 33,
-55 ms), so the widths the scheduler chooses among are also timed at the job's batch size, and
+55 ms), so the widths the width policy chooses among are also timed at the job's batch size, and
 target(B, T) is read from them: interpolated in T between timed widths and in B between that
 batch size and the fitted line at B = 1 (a job of one row reads its own timed widths).
 
-The scheduler picks T among the bucket widths (below) maximising
+The width policy picks T among the bucket widths (below) maximising
 
     sum_b E_b(min(T, budget_b)) / cost(B, T)
 
@@ -33,7 +33,7 @@ Which widths. On a GPU a pass of a shape not run before compiles (its trace, its
 many times a pass's cost, so a job must run few shapes, the same ones job after job, and the
 warm-up times (and so compiles) widths of this set (engine/warmup.py). Every verify pass runs at
 a bucket width (``buckets``): WIDTHS below the block, and the block. Near the end of the rows'
-budgets their limits min(T, budget_b) would make a pass of any width; instead the scheduler
+budgets their limits min(T, budget_b) would make a pass of any width; instead the width policy
 offers the buckets below the longest budget and the smallest bucket that holds it (never above
 the block), each costed as its own pass, cost(B, T), and committing sum_b E_b(min(T, budget_b))
 as above: a row never commits past its budget, and its pass positions past its limit are
@@ -45,16 +45,16 @@ once the plain cycles since the last drafting cycle have cost 20 times what a pr
 probe commits at least the bonus token, as a plain cycle does, so it loses at most
 cost(B, probe) - cost(B, 1)); before the engine has drafted at all, the plain cycles the job's
 longest budget still allows count as spent, so a long first job probes at its start. Each probe after the
-first that leaves the scheduler still not drafting halves that share (to 1/8 of it at most): a
+first that leaves the width policy still not drafting halves that share (to 1/8 of it at most): a
 drafter that keeps failing is tried ever more rarely (the README's job on a 2-core CPU, whose
 drafts are accepted about 15% of the time, is such a case), and a row accepting every draft of a
-drafting cycle the scheduler chooses on its own, restores the share. A drafter that always
+drafting cycle the width policy chooses on its own, restores the share. A drafter that always
 fails makes a job at most about 5% slower, and a long one under 1% (for a job whose rows end
 well before their budgets, the first probe can cost more than 5% of it).
 
 Drafting learns nothing about plain cycles either, and the width-1 cost is learnt only from
 plain cycles that run: a width-1 pass timed in a load spike at warm-up (a CPU's timings) would
-price plain decoding too dear, the scheduler would draft on every cycle, and nothing would
+price plain decoding too dear, the width policy would draft on every cycle, and nothing would
 correct it. So, symmetrically, a drafting cycle of width T chosen over B rows, committing
 E = sum_b E_b(min(T, budget_b)) on average, is replaced by a plain probe once the drafting
 cycles since the last plain cycle have cost 1 / probe_share times what the probe can lose. A
@@ -67,7 +67,7 @@ the E - B it does not commit at the drafting cycle's price per token, it loses a
 than a drafting one), a bound read from the drafting widths' costs, which their own cycles keep
 honest, not from the width-1 cost under suspicion. The first TRUSTED plain probes run at the
 whole share (a kind's learnt excess counts from its TRUSTED-th cycle); each later one that leaves
-the scheduler drafting halves the share, to 1/8 of it at most, and a plain cycle the scheduler
+the width policy drafting halves the share, to 1/8 of it at most, and a plain cycle the width policy
 chooses on its own restores it. What the probes spent is the engine's, kept from job to job
 (``PlainProbes``): a job too short for a probe of its own adds its drafting to the next one's,
 so the width-1 cost is measured again however short the jobs. Over any run of drafting the
@@ -83,7 +83,7 @@ a wider cycle pay better, so the choice is the one the full weighing would make.
 
 A draft tree (engine/tree.py) is worth more per width than a chain, since its branches repair
 first misses: a tree cycle chooses its width again once the drafts are known, from the nodes'
-own scores corrected per depth by what tree cycles accepted (``Scheduler.tree_width``,
+own scores corrected per depth by what tree cycles accepted (``WidthPolicy.tree_width``,
 ``NodeCalibration``). Whether to draft at all stays the chain model's choice above.
 
 The pass costs come from timing real passes at warm-up, at the job's batch size and typical
@@ -190,7 +190,7 @@ class PlainProbes:
     began at the whole share every time would pay it on every request."""
 
     drafting: float = 0.0  # seconds of drafting cycles since the last plain cycle
-    failed: int = 0  # plain probes since the scheduler last chose a plain cycle itself
+    failed: int = 0  # plain probes since the width policy last chose a plain cycle itself
 
 
 WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
@@ -219,7 +219,7 @@ class CostModel:
     the rest; and, once a width has run TRUSTED cycles at a batch size, the median excess of
     that width's own. Widths read between timed ones can be far off: on a 2-core CPU (OpenBLAS)
     the default pair's pass at T = 12 cost more than at T = 16, where the line through the timed
-    T = 4 and 16 put it below, so the scheduler kept choosing 12. A width that costs more than
+    T = 4 and 16 put it below, so the width policy kept choosing 12. A width that costs more than
     modelled is chosen, runs and is then costed as it ran. Its cycles do not count in its kind's
     excess (where widths have been timed, only theirs do): that would make the widths not yet
     run look dear, and they would never run to show otherwise. A warm-up at another context
@@ -337,7 +337,7 @@ def _solve(points, used: List[int]) -> Optional[List[float]]:
     return [a[i][k] / a[i][i] for i in range(k)]
 
 
-class Scheduler:
+class WidthPolicy:
     """Chooses each cycle's verify width (see module doc). ``fixed`` verifies the whole block
     every cycle (the cost model is not consulted).
 
@@ -355,7 +355,7 @@ class Scheduler:
         self.block, self.cost, self.fixed = block, cost, fixed
         self.probe_share, self.probe_width = probe_share, min(probe_width, block)
         self.backoff = backoff  # the most a run of failed probes divides the probe share by
-        self.failed = 0  # probes since the scheduler last chose to draft on its own
+        self.failed = 0  # probes since the width policy last chose to draft on its own
         self.job = job if job is not None else pooled_acceptance(block)  # every row's cycles
         self.plain_seconds = 0.0  # spent in plain cycles since the last drafting cycle
         self.plain = plain if plain is not None else PlainProbes()  # the engine's, from job to job
@@ -434,11 +434,11 @@ class Scheduler:
         """Whether to run a plain cycle in place of the drafting cycle of width T chosen, which
         commits ``tokens`` on average: the width-1 cost is learnt only from plain cycles that run,
         and one priced too dear (a warm-up pass timed in a load spike) would otherwise keep the
-        scheduler drafting for good. A plain probe commits one token per row where the drafting
+        width policy drafting for good. A plain probe commits one token per row where the drafting
         cycle commits ``tokens``; at the drafting cycle's price per token it loses at most the
         extra tokens' worth (module doc), a figure from the drafting cycles' costs, not from the
         width-1 cost under suspicion. It runs once the drafting cycles since the last plain one
-        have cost 1 / probe_share times that, the share halved per probe that left the scheduler
+        have cost 1 / probe_share times that, the share halved per probe that left the width policy
         drafting, as for the drafting probes, once the first TRUSTED have run at the whole share
         (the cost model trusts a kind's cycles from its TRUSTED-th on), to 1 / backoff of it. A
         cost model that learns nothing from cycles (``window`` 0) is not probed."""
@@ -449,7 +449,7 @@ class Scheduler:
         share = self.probe_share / min(2 ** max(spent.failed - TRUSTED + 1, 0), self.backoff)
         if spent.drafting > 0 and spent.drafting * share >= loss:
             spent.drafting = 0.0
-            spent.failed += 1  # until the scheduler chooses a plain cycle on its own
+            spent.failed += 1  # until the width policy chooses a plain cycle on its own
             return True
         spent.drafting += drafting
         return False

@@ -1,4 +1,4 @@
-"""The scheduler alone (engine/scheduler.py): fixed pass costs, scripted acceptance, no timing.
+"""The width policy alone (engine/widths.py): fixed pass costs, scripted acceptance, no timing.
 
 Issue 13's rule: a job is never more than 10% slower than plain batched decoding at the same
 batch size. A simulated job charges each cycle the cost model's seconds for the width chosen;
@@ -10,7 +10,7 @@ import statistics
 
 import pytest
 
-from dflash_batch.engine.scheduler import (TRUSTED, Acceptance, CostModel, NodeCalibration, Scheduler, expected_committed,
+from dflash_batch.engine.widths import (TRUSTED, Acceptance, CostModel, NodeCalibration, WidthPolicy, expected_committed,
                                            pooled_acceptance)
 
 # Pass costs in units of a plain pass at batch 1 (t0 = 1). CPU: the target's cost grows with
@@ -26,11 +26,11 @@ def simulate(costs: dict, p: float, rows: int, tokens: int, seed: int):
     the widths chosen)."""
     rng = random.Random(seed)
     cost = CostModel(**costs)
-    scheduler = Scheduler(BLOCK, cost)
-    live = [(scheduler.new_row(), tokens) for _ in range(rows)]
+    policy = WidthPolicy(BLOCK, cost)
+    live = [(policy.new_row(), tokens) for _ in range(rows)]
     spent, widths = 0.0, []
     while live:
-        T = scheduler.width([e for e, _ in live], [n for _, n in live])
+        T = policy.width([e for e, _ in live], [n for _, n in live])
         widths.append(T)
         spent += cost.cycle(len(live), T)
         left = []
@@ -39,7 +39,7 @@ def simulate(costs: dict, p: float, rows: int, tokens: int, seed: int):
             a = 0
             while a < L - 1 and rng.random() < p:  # drafts 1..a accepted, a + 1 rejected
                 a += 1
-            scheduler.accepted(estimate, a, L)
+            policy.accepted(estimate, a, L)
             if n > a + 1:
                 left.append((estimate, n - a - 1))
         live = left
@@ -95,7 +95,7 @@ def test_acceptance_per_position():
 
 
 def test_one_slow_drafting_cycle_does_not_stop_drafting():
-    """The first drafting cycle of a process can take several passes' time (the old scheduler's
+    """The first drafting cycle of a process can take several passes' time (the old policy's
     learnt overhead then kept a batch-1 job plain for 60 cycles): a kind's overhead counts once it
     has 3 cycles; before that drafting cycles take the plain cycles' overhead."""
     cost = CostModel(t0=1.0, t1=0.05, d0=0.5)
@@ -103,11 +103,11 @@ def test_one_slow_drafting_cycle_does_not_stop_drafting():
         cost.observe(1, 1, cost.passes(1, 1) + 0.1)  # plain cycles: 0.1 beyond their pass
     cost.observe(1, 4, 6.0)  # one slow drafting cycle
     assert cost.overhead(True) == pytest.approx(0.1)
-    scheduler = Scheduler(BLOCK, cost)
-    row = scheduler.new_row()
+    policy = WidthPolicy(BLOCK, cost)
+    row = policy.new_row()
     for _ in range(3):
-        scheduler.accepted(row, 3, 4)  # the drafts are good
-    assert scheduler.width([row], [100]) > 1
+        policy.accepted(row, 3, 4)  # the drafts are good
+    assert policy.width([row], [100]) > 1
     cost.observe(1, 4, 1.8)
     cost.observe(1, 4, 1.9)
     assert cost.overhead(True) == pytest.approx(1.9 - cost.passes(1, 4))
@@ -119,20 +119,20 @@ def test_a_width_dearer_than_modelled_is_costed_as_it_ran():
     TRUSTED cycles at a batch size, its own cycles' excess costs it; before that, its kind's."""
     cost = CostModel(t0=1.0, window=16)
     cost.rows, cost.timed = 1, {1: 1.0, 4: 1.2, 16: 1.6}  # T = 12 read as 1.467 s
-    scheduler = Scheduler(BLOCK, cost)
-    row = scheduler.new_row()
-    for acceptance in (row, scheduler.job):  # p_k about 0.8 at every position
+    policy = WidthPolicy(BLOCK, cost)
+    row = policy.new_row()
+    for acceptance in (row, policy.job):  # p_k about 0.8 at every position
         acceptance.seen, acceptance.kept = [1000.0] * (BLOCK - 1), [800.0] * (BLOCK - 1)
-    assert scheduler.width([row], [100]) == 12
+    assert policy.width([row], [100]) == 12
     for _ in range(TRUSTED - 1):
         cost.observe(1, 12, 2.5)
-    assert scheduler.width([row], [100]) == 12  # not yet trusted: the drafting kind's median excess
+    assert policy.width([row], [100]) == 12  # not yet trusted: the drafting kind's median excess
     assert cost.cycle(1, 12) == pytest.approx(cost.passes(1, 12) + cost.overhead(True))
     cost.observe(1, 12, 2.5)
     assert cost.cycle(1, 12) == pytest.approx(2.5)
     assert cost.overhead(True) == 0.0  # a width read off the line does not make the others look dear
     assert cost.cycle(1, 16) == pytest.approx(cost.passes(1, 16))
-    assert scheduler.width([row], [100]) != 12
+    assert policy.width([row], [100]) != 12
     for _ in range(TRUSTED):
         cost.observe(1, 16, 1.7)  # a timed width's cycles: its kind's excess
     assert cost.overhead(True) == pytest.approx(0.1)
@@ -147,11 +147,11 @@ def test_a_job_starts_from_what_the_jobs_before_it_learnt():
     plainly."""
     cost = CostModel(t0=1.0, t1=0.2, d0=0.6, window=0)
     pooled = pooled_acceptance(BLOCK)
-    earlier = Scheduler(BLOCK, cost, job=pooled)
+    earlier = WidthPolicy(BLOCK, cost, job=pooled)
     for _ in range(20):
         earlier.accepted(earlier.new_row(), BLOCK - 1, BLOCK)
-    assert Scheduler(BLOCK, cost).width([Acceptance(BLOCK - 1)], [12]) == 1  # too short to probe
-    later = Scheduler(BLOCK, cost, job=pooled)
+    assert WidthPolicy(BLOCK, cost).width([Acceptance(BLOCK - 1)], [12]) == 1  # too short to probe
+    later = WidthPolicy(BLOCK, cost, job=pooled)
     assert later.width([later.new_row()], [12]) == 12  # the whole budget
 
 
@@ -186,7 +186,7 @@ def test_cost_fit_never_goes_negative():
 
 def test_timed_widths_override_the_line_at_the_timed_batch_size():
     """Verify cost on a GPU jumps where the attention kernel needs another tile of query rows; the
-    scheduler reads the timed widths at the job's batch size (and interpolates between them)."""
+    policy reads the timed widths at the job's batch size (and interpolates between them)."""
     cost = CostModel(t0=0.010, t1=0.0, t2=0.0, rows=64, timed={1: 0.021, 4: 0.023, 8: 0.033, 16: 0.055})
     assert cost.target(64, 8) == pytest.approx(0.033)
     assert cost.target(64, 12) == pytest.approx(0.044)  # halfway between 8 and 16
@@ -197,21 +197,21 @@ def test_timed_widths_override_the_line_at_the_timed_batch_size():
     est = Acceptance(15)
     for k in range(30):
         est.update(4 if k % 2 else 12, 16)
-    assert Scheduler(16, CostModel(t0=0.055, t1=0.0)).width([est] * 64, [200] * 64) == 16
-    assert Scheduler(16, cost).width([est] * 64, [200] * 64) < 16
+    assert WidthPolicy(16, CostModel(t0=0.055, t1=0.0)).width([est] * 64, [200] * 64) == 16
+    assert WidthPolicy(16, cost).width([est] * 64, [200] * 64) < 16
 
 
 def test_width_tables_for_all_rows_at_once_equal_each_rows_own():
     """The width choice's tokens per width, computed for every row in one array pass
-    (``scheduler._committed``), equal each row's own ``expected_committed`` summed, and an update
+    (``widths._committed``), equal each row's own ``expected_committed`` summed, and an update
     written as two list passes keeps exactly the counts of the update as defined."""
-    from dflash_batch.engine.scheduler import _committed
+    from dflash_batch.engine.widths import _committed
 
     rng = random.Random(5)
     for _ in range(200):
         block = rng.choice([2, 3, 4, 8, 16])
-        scheduler = Scheduler(block, CostModel(**GPU))
-        rows = [scheduler.new_row() for _ in range(rng.randint(1, 40))]
+        policy = WidthPolicy(block, CostModel(**GPU))
+        rows = [policy.new_row() for _ in range(rng.randint(1, 40))]
         for row in rows:
             for _ in range(rng.randint(0, 20)):
                 verified = rng.randint(1, block)
@@ -220,11 +220,11 @@ def test_width_tables_for_all_rows_at_once_equal_each_rows_own():
                 for k in range(min(accepted + 1, verified - 1, len(seen))) if verified > 1 else ():
                     seen[k] += 1.0
                     kept[k] += k < accepted
-                scheduler.accepted(row, accepted, verified)
+                policy.accepted(row, accepted, verified)
                 if verified > 1:
                     assert (row.seen, row.kept) == (seen, kept)
         budgets = [rng.randint(1, 3 * block) for _ in rows]
-        widths, job = scheduler.widths(max(budgets)), scheduler.job.probabilities()
+        widths, job = policy.widths(max(budgets)), policy.job.probabilities()
         tables = [expected_committed(r.probabilities(job), min(widths[-1], n)) for r, n in zip(rows, budgets)]
         expected = [sum(t[min(T, len(t) - 1)] for t in tables) for T in widths]
         assert _committed(rows, budgets, job, widths) == pytest.approx(expected, rel=1e-12)
@@ -235,17 +235,17 @@ def _probes_of_a_drafter_that_turns(good_after: int, tokens: int, p_good: float 
     ``good_after`` tokens and accepted with p_good after: (cost / plain decoding's, widths)."""
     rng = random.Random(0)
     cost = CostModel(**CPU)
-    scheduler = Scheduler(BLOCK, cost)
-    row, left, spent, widths = scheduler.new_row(), tokens, 0.0, []
+    policy = WidthPolicy(BLOCK, cost)
+    row, left, spent, widths = policy.new_row(), tokens, 0.0, []
     while left > 0:
-        T = scheduler.width([row], [left])
+        T = policy.width([row], [left])
         widths.append(T)
         spent += cost.cycle(1, T)
         p = 0.0 if tokens - left < good_after else p_good
         a = 0
         while a < min(T, left) - 1 and rng.random() < p:
             a += 1
-        scheduler.accepted(row, a, min(T, left))
+        policy.accepted(row, a, min(T, left))
         left -= a + 1
     return spent / (tokens * cost.cycle(1, 1)), widths
 
@@ -290,27 +290,27 @@ def test_a_trees_width_maximises_what_its_nodes_are_expected_to_commit(costs, su
     """E_b(T) = 1 + the first min(T, budget_b) - 1 nodes' c_d * exp(score), rated against the
     cost model at each width, recomputed here by brute force."""
     rng = random.Random(7)
-    scheduler = Scheduler(BLOCK, CostModel(**costs))
-    for k in range(len(scheduler.nodes.predicted)):  # a calibration learnt: c_d = 0.5 .. 1.2
-        scheduler.nodes.predicted[k], scheduler.nodes.accepted[k] = 10.0, 10.0 * (0.5 + 0.05 * k) - 1.0
-    c = scheduler.nodes.scales()
+    policy = WidthPolicy(BLOCK, CostModel(**costs))
+    for k in range(len(policy.nodes.predicted)):  # a calibration learnt: c_d = 0.5 .. 1.2
+        policy.nodes.predicted[k], policy.nodes.accepted[k] = 10.0, 10.0 * (0.5 + 0.05 * k) - 1.0
+    c = policy.nodes.scales()
     trees, budgets = _tree_rows(rng, 5, BLOCK - 1, sure), [16, 9, 3, 16, 1]
 
     def rate(T):
         tokens = sum(1 + sum(c[d[i] - 1] * math.exp(s[i]) for i in range(1, min(T, n, len(d))))
                      for (d, s), n in zip(trees, budgets))
-        return tokens / scheduler.cost.cycle(len(budgets), T)
+        return tokens / policy.cost.cycle(len(budgets), T)
 
-    chosen = scheduler.tree_width(trees, budgets)
-    assert rate(chosen) == pytest.approx(max(rate(T) for T in scheduler.widths(16) if T > 1))
+    chosen = policy.tree_width(trees, budgets)
+    assert rate(chosen) == pytest.approx(max(rate(T) for T in policy.widths(16) if T > 1))
 
 
 def test_sure_drafts_get_wide_trees_and_unsure_ones_narrow():
     rng = random.Random(0)
-    scheduler = Scheduler(BLOCK, CostModel(**CPU))
-    assert scheduler.tree_width(_tree_rows(rng, 1, BLOCK - 1, 0.95), [200]) == BLOCK
-    assert scheduler.tree_width(_tree_rows(rng, 1, BLOCK - 1, 0.05), [200]) == 2
-    assert Scheduler(BLOCK, CostModel(**CPU), fixed=True).tree_width(_tree_rows(rng, 1, 15, 0.05), [200]) == BLOCK
+    policy = WidthPolicy(BLOCK, CostModel(**CPU))
+    assert policy.tree_width(_tree_rows(rng, 1, BLOCK - 1, 0.95), [200]) == BLOCK
+    assert policy.tree_width(_tree_rows(rng, 1, BLOCK - 1, 0.05), [200]) == 2
+    assert WidthPolicy(BLOCK, CostModel(**CPU), fixed=True).tree_width(_tree_rows(rng, 1, 15, 0.05), [200]) == BLOCK
 
 
 def test_node_calibration_learns_how_far_the_drafter_is_right():
@@ -318,14 +318,14 @@ def test_node_calibration_learns_how_far_the_drafter_is_right():
     probability 0.3 * 0.8^d, it says 0.8^d): c_d comes to 0.3, and its trees narrow (counts decayed
     slowly here, so that the estimate is not noisy)."""
     rng = random.Random(3)
-    scheduler = Scheduler(BLOCK, CostModel(**CPU), nodes=NodeCalibration(BLOCK - 1, decay=0.999))
+    policy = WidthPolicy(BLOCK, CostModel(**CPU), nodes=NodeCalibration(BLOCK - 1, decay=0.999))
     depths = list(range(BLOCK))
     scores = [d * math.log(0.8) for d in depths]
-    trusting = scheduler.tree_width([(depths, scores)], [200])
+    trusting = policy.tree_width([(depths, scores)], [200])
     for _ in range(3000):
         u = rng.random()
         accepted = sum(1 for d in depths[1:] if u < 0.3 * 0.8 ** d)
-        scheduler.tree_accepted(depths, scores, accepted)
-    for c in scheduler.nodes.scales()[:8]:
+        policy.tree_accepted(depths, scores, accepted)
+    for c in policy.nodes.scales()[:8]:
         assert c == pytest.approx(0.3, abs=0.06)
-    assert scheduler.tree_width([(depths, scores)], [200]) < trusting
+    assert policy.tree_width([(depths, scores)], [200]) < trusting
