@@ -57,7 +57,8 @@ MISORDERED = """import sys
 import os
 
 from dflash_batch import errors
-import numpy
+import mlx.core as mx
+import dflash_batch.engine
 """
 # 100 characters: one line at this project's length (100), two at black's (88)
 FITS = 'value = ("' + "x" * 40 + '", "' + "y" * 44 + '")\n'
@@ -74,6 +75,12 @@ def test_the_checks_catch_an_unformatted_file_and_misordered_imports(tmp_path):
     assert ruff(*fmt, "fits.py", cwd=tmp_path).returncode == 0
     assert ruff(*order, "order.py", cwd=tmp_path).returncode == 1
     assert ruff(*order, "--fix", "order.py", cwd=tmp_path).returncode == 0
-    # dflash_batch is first party: its own block, after the third-party one
+    # the engine before mlx (importing it preloads the BLAS), the rest of the package after
     fixed = (tmp_path / "order.py").read_text()
-    assert fixed == "import os\nimport sys\n\nimport numpy\n\nfrom dflash_batch import errors\n"
+    blocks = [
+        "import os\nimport sys",
+        "import dflash_batch.engine",
+        "import mlx.core as mx",
+        "from dflash_batch import errors",
+    ]
+    assert fixed == "\n\n".join(blocks) + "\n"
