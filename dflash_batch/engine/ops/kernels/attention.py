@@ -247,7 +247,7 @@ def mma_config(head_dim: int, warps: int = 0, fused: Optional[bool] = None, tile
 
 
 def gpu_backend() -> Optional[str]:
-    """"cuda" or "metal" when that backend is present and the default device is the GPU."""
+    """The GPU backend, "cuda" or "metal", when it is present and the default device is the GPU."""
     return device.gpu()
 
 
