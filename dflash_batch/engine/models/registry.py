@@ -29,6 +29,7 @@ DRAFTERS = {
 }
 # Other target families (docs/models.md, "Target families"): z-lab's drafters for Gemma-4, gpt-oss,
 # Qwen3-Coder and LLaMA-3.1 (named z-lab/<Target>-DFlash but for LLaMA's), poolside's for Laguna.
+# fmt: off
 DRAFTERS.update({
     "gemma-4-26b-a4b-it": ("z-lab/gemma-4-26B-A4B-it-DFlash", None),
     "gemma-4-31b-it": ("z-lab/gemma-4-31B-it-DFlash", None),
@@ -66,6 +67,7 @@ PUBLISHED = [
     ("ornith-1.5-9b", "resolvo-cloud/Ornith-1.5-9B-DFlash2", V2, None, "third party; target family not checked here"),
     ("ornith-1.5-35b-a3b", "jzinno/Ornith-1.5-35B-A3B-DFlash2", V2, None, "third party; target family not checked here"),
 ]
+# fmt: on
 
 
 def _base_name(target: str) -> str:

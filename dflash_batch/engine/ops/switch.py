@@ -54,6 +54,7 @@ class Switch:
         return mode
 
 
+# fmt: off
 SWITCHES = (
     Switch("attention", "attention", "DFLASH_BATCH_ATTENTION", ("stock", "kernel", "reference"), "kernel", "stock",
            "multi-row attention: stock SDPA, the block-attention kernels, or their MLX reference"),
@@ -66,6 +67,7 @@ SWITCHES = (
     Switch("cpu_ops", "cpu ops", "DFLASH_BATCH_CPU_OPS", ("native", "mlx"), "mlx", "native",
            "softmax, SiLU and exp on a Linux CPU: the built native ops or MLX's own"),
 )
+# fmt: on
 BY_FIELD = {switch.field: switch for switch in SWITCHES}
 
 

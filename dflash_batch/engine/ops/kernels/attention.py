@@ -253,6 +253,7 @@ def gpu_backend() -> Optional[str]:
 
 # One row per kernel: (body, header, inputs, outputs, inputs made row-contiguous, shared memory
 # in bytes from the config on CUDA, None where the body declares its own).
+# fmt: off
 KERNELS = {
     ("cuda", "mma"): (CUDA_MMA, CUDA_HEADER, PASS1_INPUTS, PASS1_OUTPUTS + ["out"], False,
                       lambda cfg: cfg.smem_bytes),
@@ -262,6 +263,7 @@ KERNELS = {
     ("metal", "pass1"): (METAL_PASS1, METAL_HEADER, PASS1_INPUTS, PASS1_OUTPUTS, False, None),
     ("metal", "pass2"): (METAL_PASS2, METAL_HEADER, PASS2_INPUTS, ["out"], True, None),
 }
+# fmt: on
 _kernels: Dict[tuple, object] = {}
 _consts: Dict[tuple, mx.array] = {}
 
