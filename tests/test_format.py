@@ -18,8 +18,9 @@ APPLY = (
 CONFIG = REPO / "pyproject.toml"
 
 
-def ruff(*args: str, cwd=REPO) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "ruff", *args]
+def ruff(subcommand: str, *args: str, cwd=REPO) -> subprocess.CompletedProcess:
+    """The venv's ruff, leaving no cache in the checkout."""
+    command = [sys.executable, "-m", "ruff", subcommand, "--no-cache", *args]
     return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=300)
 
 
