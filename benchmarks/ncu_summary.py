@@ -1,5 +1,7 @@
 """Summarise Nsight Compute's CSV (``ncu --csv --page details``): a few metrics per kernel launch.
 
+Run on the CSV that ncu wrote:
+
     python benchmarks/ncu_summary.py ncu.csv
 """
 

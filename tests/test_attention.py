@@ -410,6 +410,7 @@ def emulator(tmp_path_factory):
 
 
 # (backend, B, H, Hk, Lq, Lk, cap, D, causal, window, kv_start, splits)
+# fmt: off
 EMU_CASES = [
     ("cuda", 1, 8, 2, 16, 200, 230, 128, True, None, None, None),  # 2 row groups, 4 splits
     ("cuda", 1, 4, 4, 16, 16, 16, 64, True, None, None, None),  # keys == rows
@@ -421,6 +422,7 @@ EMU_CASES = [
     ("metal", 2, 8, 8, 16, 70, 75, 64, False, None, [5, 0], 3),  # MHA: rows past R in the block
     ("cuda", 1, 16, 2, 16, 64, 64, 256, True, None, None, 1),  # 128 rows: 4 row groups
 ]
+# fmt: on
 
 
 @pytest.mark.parametrize("case", EMU_CASES, ids=lambda c: f"{c[0]}-D{c[7]}-Lq{c[4]}-Lk{c[5]}")
@@ -451,6 +453,7 @@ def ragged_buffers(k, v, cap, lengths):
 
 
 # Per-row key lengths (kv_len): (backend, B, H, Hk, Lq, Lk, cap, D, causal, window, kv_start, kv_len, splits)
+# fmt: off
 EMU_RAGGED_CASES = [
     ("cuda", 3, 8, 2, 16, 200, 230, 128, True, None, None, [200, 61, 17], 4),  # 7 / 2 / 1 tiles over 4 splits
     ("cuda", 2, 8, 2, 1, 130, 160, 64, True, None, [0, 5], [0, 40], 3),  # decoding step (Lq 1), 0 = all
@@ -460,6 +463,7 @@ EMU_RAGGED_CASES = [
     ("metal", 3, 4, 2, 3, 90, 96, 256, True, 7, [3, 0, 0], [90, 50, 4], None),
     ("metal", 2, 8, 8, 16, 70, 75, 64, False, None, [5, 0], [64, 16], 3),  # rows past R, empty splits
 ]
+# fmt: on
 
 
 @pytest.mark.parametrize("case", EMU_RAGGED_CASES, ids=lambda c: f"{c[0]}-D{c[7]}-Lq{c[4]}-len{'-'.join(map(str, c[11]))}")
@@ -592,6 +596,7 @@ def mma_emulator(tmp_path_factory):
 
 
 # (config index, B, H, Hk, Lq, Lk, cap, causal, window, kv_start, splits)
+# fmt: off
 EMU_MMA_CASES = [
     (1, 1, 8, 2, 16, 200, 230, True, None, None, 3),  # 4 row groups, 3 chunks, 8 warps (some idle), fused
     (1, 1, 4, 4, 16, 16, 16, True, None, None, 1),  # keys == rows, one chunk: output written directly
@@ -602,6 +607,7 @@ EMU_MMA_CASES = [
     (4, 1, 8, 2, 16, 500, 500, True, None, None, 2),  # one warp, 4 stages, 16 tiles per chunk
     (0, 1, 9, 3, 5, 64, 64, True, None, None, 2),  # SmolLM2-like: 3 query heads per KV head, 5 rows
 ]
+# fmt: on
 
 
 @pytest.mark.parametrize("case", EMU_MMA_CASES, ids=lambda c: f"cfg{c[0]}-Lq{c[4]}-Lk{c[5]}-s{c[10]}")
@@ -622,6 +628,7 @@ def test_tensor_core_body_on_emulated_gpu_matches_reference(mma_emulator, case):
 
 
 # Per-row key lengths (kv_len): (config index, B, H, Hk, Lq, Lk, cap, causal, window, kv_start, kv_len, splits)
+# fmt: off
 EMU_MMA_RAGGED_CASES = [
     (1, 3, 8, 2, 16, 200, 230, True, None, None, [200, 61, 17], 3),  # 13 / 4 / 2 tiles over 3 chunks, fused
     (0, 2, 8, 2, 1, 130, 160, True, None, [0, 5], [0, 40], 4),  # decoding step: 4 rows of 16, 0 = all
@@ -630,6 +637,7 @@ EMU_MMA_RAGGED_CASES = [
     (0, 2, 9, 3, 3, 64, 80, False, None, None, [64, 3], 2),  # Lq 3, bidirectional, 3 query heads per KV head
     (2, 2, 8, 2, 3, 150, 150, True, 20, [0, 10], [150, 90], 2),  # D=256, window: key_begin per row
 ]
+# fmt: on
 
 
 @pytest.mark.parametrize("case", EMU_MMA_RAGGED_CASES, ids=lambda c: f"cfg{c[0]}-Lq{c[4]}-len{'-'.join(map(str, c[10]))}")

@@ -22,6 +22,7 @@ SCHEMA = {
     "additionalProperties": False,
 }
 JSON_FORMAT = {"type": "json_schema", "json_schema": {"name": "rec", "schema": SCHEMA}}
+# fmt: off
 ROWS = [
     {"id": "plain", "prompt": "Tell me a story."},
     {"id": "controls", "prompt": "Name a colour.", "top_k": 3, "repetition_penalty": 1.4, "temperature": 0.9},
@@ -30,6 +31,7 @@ ROWS = [
     {"custom_id": "bad", "body": {"messages": [{"role": "user", "content": "Hi"}],
                                   "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "frob"}}}}},
 ]
+# fmt: on
 
 
 def test_rows_get_their_controls_logprobs_and_constraints(tmp_path, home, real_engine):

@@ -11,6 +11,7 @@ import hashlib
 import random
 from typing import Dict, List, Tuple
 
+# fmt: off
 TOPICS = [
     "photosynthesis", "the water cycle", "black holes", "the French Revolution", "machine learning",
     "volcanoes", "the immune system", "climate change", "the printing press", "renewable energy",
@@ -55,6 +56,7 @@ CODE_TASKS = [
     "reads a file and prints each line", "flattens a nested list", "capitalizes every word in a sentence",
     "checks whether a year is a leap year", "returns the squares of the numbers from 1 to n",
 ]
+# fmt: on
 SNIPPETS = [
     "def f(xs):\n    return [x * 2 for x in xs if x > 0]",
     "def g(s):\n    return s[::-1] == s",

@@ -165,7 +165,9 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
     def _ragged(self, x: mx.array, ctx: mx.array, cache: RaggedKVCache, counts: mx.array) -> mx.array:
-        """Rows with their own context lengths n_b and new-context counts c_b:
+        """Rows with their own context lengths n_b and new-context counts c_b.
+
+        Where each row sits, and what each query sees:
 
             context row j of row b -> position n_b + j      (j < c_b; padding rows go past the block)
             block row i            -> position n_b + c_b + i (queries too)

@@ -14,6 +14,7 @@ log = logging.getLogger(__name__)
 
 # Target base name (lower case, org stripped) -> (drafter repo, revision). Published z-lab drafters.
 # Revisions are None: z-lab retrains drafters in place; pin one with draft_revision=... in production.
+# fmt: off
 DRAFTERS = {
     "qwen3-4b": ("z-lab/Qwen3-4B-DFlash-b16", None),
     "qwen3-8b": ("z-lab/Qwen3-8B-DFlash-b16", None),
@@ -65,6 +66,7 @@ PUBLISHED = [
     ("ornith-1.5-9b", "resolvo-cloud/Ornith-1.5-9B-DFlash2", V2, None, "third party; target family not checked here"),
     ("ornith-1.5-35b-a3b", "jzinno/Ornith-1.5-35B-A3B-DFlash2", V2, None, "third party; target family not checked here"),
 ]
+# fmt: on
 
 
 def _base_name(target: str) -> str:

@@ -12,7 +12,7 @@ _known: Dict[object, str] = {}  # per default device type: asked on every routed
 
 
 def backend() -> str:
-    """"cuda" or "metal" where the default device is a GPU of that backend, else "cpu"."""
+    """The default device's backend: "cuda" or "metal" where it is a GPU, else "cpu"."""
     device = mx.default_device().type  # mx.Device objects hash by identity: key by type
     if device not in _known:
         _known[device] = _detect(device)
@@ -20,7 +20,7 @@ def backend() -> str:
 
 
 def gpu() -> Optional[str]:
-    """"cuda" or "metal" on a GPU backend, None on the CPU."""
+    """The GPU backend, "cuda" or "metal"; None on the CPU."""
     found = backend()
     return None if found == "cpu" else found
 

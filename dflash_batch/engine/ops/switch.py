@@ -61,6 +61,7 @@ class Switch:
         return mode
 
 
+# fmt: off
 SWITCHES = (
     Switch("attention", "attention", "DFLASH_BATCH_ATTENTION"),
     Switch("matmul", "matmul", "DFLASH_BATCH_MATMUL"),
@@ -68,6 +69,7 @@ SWITCHES = (
     Switch("drafts", "draft", "DFLASH_BATCH_DRAFTS"),
     Switch("cpu_ops", "cpu ops", "DFLASH_BATCH_CPU_OPS"),
 )
+# fmt: on
 BY_FIELD = {switch.field: switch for switch in SWITCHES}
 
 

@@ -247,12 +247,13 @@ def mma_config(head_dim: int, warps: int = 0, fused: Optional[bool] = None, tile
 
 
 def gpu_backend() -> Optional[str]:
-    """"cuda" or "metal" when that backend is present and the default device is the GPU."""
+    """The GPU backend, "cuda" or "metal", when it is present and the default device is the GPU."""
     return device.gpu()
 
 
 # One row per kernel: (body, header, inputs, outputs, inputs made row-contiguous, shared memory
 # in bytes from the config on CUDA, None where the body declares its own).
+# fmt: off
 KERNELS = {
     ("cuda", "mma"): (CUDA_MMA, CUDA_HEADER, PASS1_INPUTS, PASS1_OUTPUTS + ["out"], False,
                       lambda cfg: cfg.smem_bytes),
@@ -262,6 +263,7 @@ KERNELS = {
     ("metal", "pass1"): (METAL_PASS1, METAL_HEADER, PASS1_INPUTS, PASS1_OUTPUTS, False, None),
     ("metal", "pass2"): (METAL_PASS2, METAL_HEADER, PASS2_INPUTS, ["out"], True, None),
 }
+# fmt: on
 _kernels: Dict[tuple, object] = {}
 _consts: Dict[tuple, mx.array] = {}
 

@@ -211,11 +211,13 @@ def reference_swiglu(gate: mx.array, x: mx.array) -> mx.array:
 
 
 # name -> (the extension's op, MLX's own, the check case's arguments)
+# fmt: off
 _OPS = {
     "softmax": (lambda ext: ext.softmax, lambda x: mx.softmax(x, axis=-1, precise=True), lambda: (_case((5, 67)),)),
     "logsumexp": (lambda ext: ext.logsumexp, lambda x: mx.logsumexp(x, axis=-1, keepdims=True), lambda: (_case((5, 67)),)),
     "swiglu": (lambda ext: ext.swiglu, reference_swiglu, lambda: (_case((3, 37)), _case((3, 37), 2.0))),
 }
+# fmt: on
 _KEY = (("dtype", "float32"),)
 _counts: Dict[str, int] = {name: 0 for name in _OPS}
 
