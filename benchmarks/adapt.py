@@ -28,10 +28,11 @@ import time
 from pathlib import Path
 
 import dflash_batch.engine  # noqa: F401  (BLAS preload before mlx)
+from dflash_batch.engine import load_engine
+
 import mlx.core as mx
 
 from benchmarks.default_pair import command_line, write_result
-from dflash_batch.engine import load_engine
 from dflash_batch.runner import drafters
 from dflash_batch.runner.execution import run_job
 from dflash_batch.runner.jobs import create_job
@@ -42,7 +43,17 @@ PRODUCTS = ["walnut cutting board", "linen apron", "brass desk lamp", "wool thro
             "bamboo laundry basket", "cast iron skillet", "felt slippers", "glass spice jars", "canvas tote bag",
             "copper watering can", "leather card holder", "stoneware planter", "oak wall shelf", "cotton bath robe",
             "steel lunch box", "rattan pendant shade", "cork yoga block", "silk pillowcase", "pine bird feeder"]  # fmt: skip
-FINISHES = ["matte black", "sage green", "natural", "terracotta", "ivory", "charcoal", "mustard", "navy", "rose"]
+FINISHES = [
+    "matte black",
+    "sage green",
+    "natural",
+    "terracotta",
+    "ivory",
+    "charcoal",
+    "mustard",
+    "navy",
+    "rose",
+]
 BUYERS = ["a first apartment", "a busy parent", "a student on a budget", "a keen gardener", "a small café",
           "a wedding gift", "someone who travels often", "a home office", "a child's room", "a weekend cabin"]  # fmt: skip
 TASKS = [
@@ -65,7 +76,9 @@ def catalogue_prompts(n: int, seed: int = 0) -> list:
     seen, out = set(), []
     while len(out) < n:
         finish, other = rng.sample(FINISHES, 2)
-        text = rng.choice(TASKS).format(product=rng.choice(PRODUCTS), finish=finish, other=other, buyer=rng.choice(BUYERS))
+        text = rng.choice(TASKS).format(
+            product=rng.choice(PRODUCTS), finish=finish, other=other, buyer=rng.choice(BUYERS)
+        )
         if text not in seen:
             seen.add(text)
             out.append({"id": f"c{len(out):05d}", "prompt": text})
@@ -109,12 +122,20 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, default=2048)
     ap.add_argument("--adapt-after", type=int, default=512, help="rows finished before adapting")
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--batch", type=int, default=64, help="rows decoded at once (and the chunk size)")
-    ap.add_argument("--time-budget", type=float, default=300.0, help="seconds of adaptation training")
-    ap.add_argument("--steps", type=int, default=0, help="adaptation steps (0: fill the time budget)")
+    ap.add_argument(
+        "--batch", type=int, default=64, help="rows decoded at once (and the chunk size)"
+    )
+    ap.add_argument(
+        "--time-budget", type=float, default=300.0, help="seconds of adaptation training"
+    )
+    ap.add_argument(
+        "--steps", type=int, default=0, help="adaptation steps (0: fill the time budget)"
+    )
     ap.add_argument("--adaptive", action="store_true", help="let the engine pick verify widths")
     ap.add_argument("--home", help="job home (default: a temporary folder)")
-    ap.add_argument("--smoke", action="store_true", help="a tiny run: 24 prompts, 12 tokens, 4 steps")
+    ap.add_argument(
+        "--smoke", action="store_true", help="a tiny run: 24 prompts, 12 tokens, 4 steps"
+    )
     ap.add_argument("--out", help="also write the result JSON here")
     args = ap.parse_args(argv)
     if args.smoke:
@@ -131,12 +152,20 @@ def run(args, home: Path, argv) -> int:
         print("no drafter: nothing to adapt", file=sys.stderr)
         return 2
     prompts = catalogue_prompts(args.prompts)
-    later = prompts[args.adapt_after:]
+    later = prompts[args.adapt_after :]
     home.mkdir(parents=True, exist_ok=True)
     common = dict(target=args.target, draft=args.draft, max_tokens=args.max_tokens, chunk_size=args.batch,
                   batch_size=args.batch)  # fmt: skip
-    job = create_job(load_spec(write_jsonl(home / "job.jsonl", prompts), output_dir=str(home / "job"), **common), home)
-    shipped = create_job(load_spec(write_jsonl(home / "later.jsonl", later), output_dir=str(home / "later"), **common), home)
+    job = create_job(
+        load_spec(write_jsonl(home / "job.jsonl", prompts), output_dir=str(home / "job"), **common),
+        home,
+    )
+    shipped = create_job(
+        load_spec(
+            write_jsonl(home / "later.jsonl", later), output_dir=str(home / "later"), **common
+        ),
+        home,
+    )
     first = args.adapt_after // args.batch
     times = {"first_rows_s": timed_run(job, engine, list(range(first)))}
     start = time.perf_counter()
@@ -147,7 +176,9 @@ def run(args, home: Path, argv) -> int:
     times["later_rows_adapted_s"] = timed_run(job, engine, list(range(first, job.chunks)))
     times["later_rows_shipped_s"] = timed_run(shipped, engine, list(range(shipped.chunks)))
     rows, base = rows_by_id(job), rows_by_id(shipped)
-    mismatched = [p["id"] for p in later if rows[p["id"]]["token_ids"] != base[p["id"]]["token_ids"]]
+    mismatched = [
+        p["id"] for p in later if rows[p["id"]]["token_ids"] != base[p["id"]]["token_ids"]
+    ]
     adapted = pooled([rows[p["id"]] for p in later])
     plain = pooled([base[p["id"]] for p in later])
     with_adapt = times["first_rows_s"] + times["adapt_s"] + times["later_rows_adapted_s"]

@@ -24,11 +24,12 @@ import argparse
 import sys
 
 import dflash_batch.engine  # noqa: F401  (BLAS preload before mlx)
+from dflash_batch.engine import load_engine
+
 import mlx.core as mx
 import numpy as np
 
 from benchmarks.default_pair import command_line, held_out_options, held_out_prompts, write_result
-from dflash_batch.engine import load_engine
 from dflash_batch.training import objective
 from dflash_batch.training.trainer import tapped_hidden
 
@@ -39,13 +40,21 @@ def accepted_at_every_anchor(engine, seq: list, start: int) -> dict:
     drafter, target = engine.drafter, engine.target
     B = drafter.args.block_size
     anchors = np.arange(start, len(seq) - 1)[None]
-    host = objective.blocks_at(np.array([seq], np.int32), np.array([len(seq)]), anchors, B, drafter.args.mask_token_id, 1.0)
+    host = objective.blocks_at(
+        np.array([seq], np.int32), np.array([len(seq)]), anchors, B, drafter.args.mask_token_id, 1.0
+    )
     context = tapped_hidden(target, mx.array(host["tokens"])).astype(mx.float32)
     emb = target.embed(mx.array(host["block"].reshape(1, -1))).astype(mx.float32)
     h = objective.packed_forward(drafter, emb, context, mx.array(host["anchors"]))
     h = h.reshape(1, anchors.shape[1], B, -1)[:, :, 1:, :]
-    drafts = engine.draft_head(h) if engine.draft_head is not None else mx.argmax(target.lm_head(h), axis=-1)
-    accepted = objective.leading_matches(drafts, mx.array(host["labels"]), mx.array(host["weights"]))
+    drafts = (
+        engine.draft_head(h)
+        if engine.draft_head is not None
+        else mx.argmax(target.lm_head(h), axis=-1)
+    )
+    accepted = objective.leading_matches(
+        drafts, mx.array(host["labels"]), mx.array(host["weights"])
+    )
     return dict(zip(anchors[0].tolist(), accepted[0].tolist()))
 
 
@@ -60,13 +69,22 @@ def main(argv=None) -> int:
         return 2
     B = engine.block_size
     eos = sorted(engine.tokenizer.eos_token_ids)
-    totals = dict(real_tokens=0, real_cycles=0, chained_tokens=0, chained_cycles=0, uniform_sum=0, uniform_anchors=0)
+    totals = dict(
+        real_tokens=0,
+        real_cycles=0,
+        chained_tokens=0,
+        chained_cycles=0,
+        uniform_sum=0,
+        uniform_anchors=0,
+    )
     for p in held_out_prompts(engine.tokenizer, args.prompts, args.samples):
         done = engine.generate(p["prompt"], max_tokens=args.max_tokens)
         out = list(done.token_ids)
         if done.finish_reason == "stop" and len(eos) == 1:
             out.append(eos[0])  # committed by the last cycle, not part of the text
-        committed = sum(k * n for k, n in enumerate(done.stats.acceptance_histogram))  # by the cycles
+        committed = sum(
+            k * n for k, n in enumerate(done.stats.acceptance_histogram)
+        )  # by the cycles
         if committed < 1:
             continue
         seq, start = p["prompt"] + out, len(p["prompt"])
@@ -88,8 +106,12 @@ def main(argv=None) -> int:
         "prompts": args.prompts,
         "max_tokens": args.max_tokens,
         "real_tokens_per_cycle": round(totals["real_tokens"] / max(totals["real_cycles"], 1), 3),
-        "chained_tokens_per_cycle": round(totals["chained_tokens"] / max(totals["chained_cycles"], 1), 3),
-        "uniform_anchor_tokens_per_cycle": round(totals["uniform_sum"] / max(totals["uniform_anchors"], 1), 3),
+        "chained_tokens_per_cycle": round(
+            totals["chained_tokens"] / max(totals["chained_cycles"], 1), 3
+        ),
+        "uniform_anchor_tokens_per_cycle": round(
+            totals["uniform_sum"] / max(totals["uniform_anchors"], 1), 3
+        ),
         **totals,
         "command": command_line("anchor_bias", argv),
     }

@@ -13,9 +13,15 @@ import tempfile
 import time
 from pathlib import Path
 
-from dflash_batch.training import data, generate as gen
+from dflash_batch.training import data
+from dflash_batch.training import generate as gen
 from dflash_batch.training.store import AnswerStore
-from dflash_batch.training.trainer import TrainConfig, all_prompts, generation_engine, load_target_model
+from dflash_batch.training.trainer import (
+    TrainConfig,
+    all_prompts,
+    generation_engine,
+    load_target_model,
+)
 
 
 def main() -> None:
@@ -39,11 +45,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         store = AnswerStore(tmp, meta["vocab_size"])
         start = time.perf_counter()
-        got = gen.generate_to_store(engine, prompts, store, [0], max_tokens=args.max_tokens, batch_size=args.batch)
+        got = gen.generate_to_store(
+            engine, prompts, store, [0], max_tokens=args.max_tokens, batch_size=args.batch
+        )
         new_s = time.perf_counter() - start
         answers = store.answers()
     eos = set(meta["eos_token_ids"])
-    same = sum([t for t in s["answer"] if t not in eos] == answers[(p["key"], 0)].tokens for s, p in zip(old, prompts))
+    same = sum(
+        [t for t in s["answer"] if t not in eos] == answers[(p["key"], 0)].tokens
+        for s, p in zip(old, prompts)
+    )
     print(json.dumps({
         "data": args.data, "prompts": len(prompts), "max_tokens": args.max_tokens, "batch": args.batch,
         "batchgenerator_s": round(old_s, 2), "engine_store_s": round(new_s, 2), "ratio_engine_over_batchgenerator": round(new_s / old_s, 3),

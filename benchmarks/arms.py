@@ -23,7 +23,16 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .scripted import AcceptanceScript, ScriptedDrafter, head_rows_of
-from .shapes import SHAPES, Shape, build_drafter, build_target, build_tokenizer, final_norm, text_config, weight_bytes
+from .shapes import (
+    SHAPES,
+    Shape,
+    build_drafter,
+    build_target,
+    build_tokenizer,
+    final_norm,
+    text_config,
+    weight_bytes,
+)
 
 
 class Unsupported(Exception):
@@ -72,7 +81,16 @@ def engine_setup(setup: Setup) -> Setup:
     """The same shape with a second copy of the target (same seed, same weights) for the engine,
     which wraps layers of the model it is given; the drafter is shared."""
     model = build_target(setup.shape.target, setup.dtype, seed=0)
-    return Setup(setup.shape, model, setup.tokenizer, setup.drafter, None, setup.dtype, setup.target_bytes, setup.drafter_bytes)
+    return Setup(
+        setup.shape,
+        model,
+        setup.tokenizer,
+        setup.drafter,
+        None,
+        setup.dtype,
+        setup.target_bytes,
+        setup.drafter_bytes,
+    )
 
 
 class zeroed_final_norm:
@@ -141,16 +159,24 @@ def _figures(prompt_tokens, generated, prefill_s, decode_s, **extra) -> Dict[str
 # -- mlx-lm arms ---------------------------------------------------------------------------------
 
 
-def stream_generate(setup: Setup, prompt: List[int], max_tokens: int, draft_model=None, num_draft_tokens: int = 4):
+def stream_generate(
+    setup: Setup, prompt: List[int], max_tokens: int, draft_model=None, num_draft_tokens: int = 4
+):
     """``mlx_lm.stream_generate``: plain, or speculative with a small AR draft model."""
     from mlx_lm import stream_generate as mlx_stream
 
-    kwargs = {"draft_model": draft_model, "num_draft_tokens": num_draft_tokens} if draft_model is not None else {}
+    kwargs = (
+        {"draft_model": draft_model, "num_draft_tokens": num_draft_tokens}
+        if draft_model is not None
+        else {}
+    )
     with stock_ops():
         _peak_reset()
         start = time.perf_counter()
         first, last, from_draft = None, None, 0
-        for r in mlx_stream(setup.model, setup.tokenizer, mx.array(prompt), max_tokens=max_tokens, **kwargs):
+        for r in mlx_stream(
+            setup.model, setup.tokenizer, mx.array(prompt), max_tokens=max_tokens, **kwargs
+        ):
             if first is None:
                 first = time.perf_counter()
             last = r
@@ -180,7 +206,9 @@ def batch_generate(setup: Setup, prompt: List[int], max_tokens: int, batch: int)
     with stock_ops():
         _peak_reset()
         start = time.perf_counter()
-        resp = mlx_batch(setup.model, setup.tokenizer, [list(prompt)] * batch, max_tokens=max_tokens)
+        resp = mlx_batch(
+            setup.model, setup.tokenizer, [list(prompt)] * batch, max_tokens=max_tokens
+        )
         wall = time.perf_counter() - start
     s = resp.stats
     per_seq = s.generation_tokens // batch
@@ -206,10 +234,14 @@ def make_engine(setup: Setup, drafter=None, **options):
     """The engine as a user gets it (its defaults), on the setup's model; ``options`` go to Engine."""
     from dflash_batch.engine import Engine
 
-    return Engine(setup.model, setup.tokenizer, drafter, config=text_config(setup.shape.target), **options)
+    return Engine(
+        setup.model, setup.tokenizer, drafter, config=text_config(setup.shape.target), **options
+    )
 
 
-def engine_generate(engine, prompt: List[int], max_tokens: int, scripted: Optional[ScriptedDrafter] = None):
+def engine_generate(
+    engine, prompt: List[int], max_tokens: int, scripted: Optional[ScriptedDrafter] = None
+):
     """dflash-batch ``Engine.generate``; figures from its own GenerationStats."""
     _peak_reset()
     c = engine.generate(list(prompt), max_tokens=max_tokens)
@@ -240,8 +272,8 @@ def cycle_breakdown(engine, prompt: List[int], keep: int, cycles: int = 12) -> D
     """Median milliseconds of one DFlash cycle's parts, each synchronised on its own:
     draft (embed + drafter + LM head + argmax), verify (target pass over B rows), rollback
     (keep ``keep`` of the B rows, so the KV length grows like in a real loop)."""
-    from dflash_batch.engine.ops.batch_cache import Lengths
     from dflash_batch.engine.decode import draft_block, prefill
+    from dflash_batch.engine.ops.batch_cache import Lengths
 
     target, drafter, B = engine.target, engine.drafter, engine.block_size
     lengths, draft_lengths = Lengths([0]), Lengths([0])
@@ -278,19 +310,31 @@ def runner_end_to_end(engine, context: int, max_tokens: int, items: int = 4) -> 
     import tempfile
 
     try:
-        import dflash_batch
         import pyarrow  # noqa: F401
+
+        import dflash_batch
     except ImportError as e:
         raise Unsupported(f"runner dependencies missing here: {e}")
     rng = _random.Random(context)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "job.jsonl"
-        lines = [{"id": f"p{i}", "prompt": "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(context))} for i in range(items)]
+        lines = [
+            {
+                "id": f"p{i}",
+                "prompt": "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(context)),
+            }
+            for i in range(items)
+        ]
         path.write_text("".join(_json.dumps(l) + "\n" for l in lines))
         _peak_reset()
         start = time.perf_counter()
-        job = dflash_batch.run(str(path), engine=engine, home=Path(tmp) / "home", max_tokens=max_tokens,
-                               output_dir=str(Path(tmp) / "out"))
+        job = dflash_batch.run(
+            str(path),
+            engine=engine,
+            home=Path(tmp) / "home",
+            max_tokens=max_tokens,
+            output_dir=str(Path(tmp) / "out"),
+        )
         wall = time.perf_counter() - start
         table = job.to_arrow()
         status = job.status()
@@ -332,8 +376,14 @@ def measure(run, reps: int, warmup: int = 1) -> Dict[str, Any]:
     median: Dict[str, Any] = {}
     for key, value in runs[0].items():
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            vals = sorted(r[key] for r in runs if r[key] is not None)  # None: a rate undefined in that run
-            median[key] = vals[len(vals) // 2] if len(vals) % 2 else (vals[len(vals) // 2 - 1] + vals[len(vals) // 2]) / 2
+            vals = sorted(
+                r[key] for r in runs if r[key] is not None
+            )  # None: a rate undefined in that run
+            median[key] = (
+                vals[len(vals) // 2]
+                if len(vals) % 2
+                else (vals[len(vals) // 2 - 1] + vals[len(vals) // 2]) / 2
+            )
         else:
             median[key] = value
     median["decode_tps_runs"] = [r["decode_tps"] for r in runs]
@@ -350,8 +400,13 @@ def release() -> None:
 WARM_TOKENS = 32  # new tokens per prompt of an arm's warm-up job
 
 
-def median_of(run: Callable[[list, int], Dict[str, Any]], prompts: list, warmup: int, reps: int,
-              max_tokens: int) -> Dict[str, Any]:
+def median_of(
+    run: Callable[[list, int], Dict[str, Any]],
+    prompts: list,
+    warmup: int,
+    reps: int,
+    max_tokens: int,
+) -> Dict[str, Any]:
     """A warm-up job of the first ``warmup`` prompts, WARM_TOKENS new tokens each (compilation,
     the engine's cost model at this batch size and context: the job's typical context falls in
     the same power of two), then ``reps`` timed runs of the whole job."""
@@ -365,8 +420,16 @@ def median_of(run: Callable[[list, int], Dict[str, Any]], prompts: list, warmup:
     return out
 
 
-def record(doc: Dict[str, Any], save: Callable[[Dict[str, Any]], None], arm: str, B: int,
-           run: Callable[[list, int], Dict[str, Any]], prompts: list, reps: int, max_tokens: int) -> None:
+def record(
+    doc: Dict[str, Any],
+    save: Callable[[Dict[str, Any]], None],
+    arm: str,
+    B: int,
+    run: Callable[[list, int], Dict[str, Any]],
+    prompts: list,
+    reps: int,
+    max_tokens: int,
+) -> None:
     """One arm of a whole-job benchmark at batch size ``B`` (``median_of`` its runs, after the last
     arm's memory is released): its figures and peak memory, or its error (the other arms still
     run), appended to ``doc["results"]``; then ``save(doc)`` and the row printed."""

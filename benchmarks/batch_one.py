@@ -22,14 +22,21 @@ import time
 from contextlib import contextmanager
 
 import dflash_batch.engine  # noqa: F401  (preloads a fast CPU BLAS before mlx.core)
-import mlx.core as mx
-
 from dflash_batch.engine import load_engine, load_target, pick_dtype
 from dflash_batch.engine.batch import BatchDecoder
 from dflash_batch.engine.ops import compiled, matmul
 from dflash_batch.engine.widths import CostModel
 
-from .default_pair import command_line, held_out_options, held_out_prompts, run_engine, run_mlx_lm, write_result
+import mlx.core as mx
+
+from .default_pair import (
+    command_line,
+    held_out_options,
+    held_out_prompts,
+    run_engine,
+    run_mlx_lm,
+    write_result,
+)
 
 
 @contextmanager
@@ -51,14 +58,16 @@ def cycle_log(log: list):
         started = time.perf_counter()
         steps = original(self, width)
         seconds = time.perf_counter() - started
-        log.append({
-            "T": width,
-            "ms": round(seconds * 1e3, 3),
-            "predicted_ms": round(predicted * 1e3, 3),
-            "learnt": observed[0] > before,
-            "context_rows": pending,
-            "committed": sum(len(s.tokens) for s in steps if s is not None),
-        })
+        log.append(
+            {
+                "T": width,
+                "ms": round(seconds * 1e3, 3),
+                "predicted_ms": round(predicted * 1e3, 3),
+                "learnt": observed[0] > before,
+                "context_rows": pending,
+                "committed": sum(len(s.tokens) for s in steps if s is not None),
+            }
+        )
         return steps
 
     BatchDecoder.run, CostModel.observe = run, counted
@@ -89,14 +98,20 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     held_out_options(ap, prompts=6, max_tokens=256)
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--matmul-ab", action="store_true",
-                    help="also the adaptive engine and the whole block with few-row products the other way than "
-                         "the default (engine/ops/matmul.py: the kernel on CUDA, MLX's matmul elsewhere), each an "
-                         "engine of its own, named adaptive_<mode>_matmul, whole_block_<mode>_matmul and "
-                         "no_draft_<mode>_matmul")
-    ap.add_argument("--passes-ab", action="store_true",
-                    help="likewise with decoding passes the other way than the default (engine/ops/compiled.py: "
-                         "compiled on CUDA, eager elsewhere): adaptive_<mode>_passes, ...")
+    ap.add_argument(
+        "--matmul-ab",
+        action="store_true",
+        help="also the adaptive engine and the whole block with few-row products the other way than "
+        "the default (engine/ops/matmul.py: the kernel on CUDA, MLX's matmul elsewhere), each an "
+        "engine of its own, named adaptive_<mode>_matmul, whole_block_<mode>_matmul and "
+        "no_draft_<mode>_matmul",
+    )
+    ap.add_argument(
+        "--passes-ab",
+        action="store_true",
+        help="likewise with decoding passes the other way than the default (engine/ops/compiled.py: "
+        "compiled on CUDA, eager elsewhere): adaptive_<mode>_passes, ...",
+    )
     args = ap.parse_args(argv)
 
     adaptive = load_engine(args.target, args.draft or "auto")
@@ -122,10 +137,14 @@ def main(argv=None) -> int:
         ab.append(("passes", "eager" if compiled.default_mode() == "compiled" else "compiled"))
     for kind, other in ab:
         modes = {kind: other}
-        for name, engine in ((f"adaptive_{other}_{kind}", load_engine(args.target, args.draft or "auto", **modes)),
-                             (f"whole_block_{other}_{kind}",
-                              load_engine(args.target, args.draft or "auto", adaptive_block=False, **modes)),
-                             (f"no_draft_{other}_{kind}", load_engine(args.target, None, **modes))):
+        for name, engine in (
+            (f"adaptive_{other}_{kind}", load_engine(args.target, args.draft or "auto", **modes)),
+            (
+                f"whole_block_{other}_{kind}",
+                load_engine(args.target, args.draft or "auto", adaptive_block=False, **modes),
+            ),
+            (f"no_draft_{other}_{kind}", load_engine(args.target, None, **modes)),
+        ):
             arms[name] = lambda p, engine=engine: run_engine(engine, p, args.max_tokens)[:2]
     log: list = []
     rows = []
@@ -143,7 +162,9 @@ def main(argv=None) -> int:
                     ids, rate = arm(p["prompt"])
                 if run >= 0:
                     tps[name].append(rate)
-        row = {"id": p["id"], "tokens": len(ids)} | {name: round(statistics.median(v), 2) for name, v in tps.items()}
+        row = {"id": p["id"], "tokens": len(ids)} | {
+            name: round(statistics.median(v), 2) for name, v in tps.items()
+        }
         rows.append(row)
         print(row, file=sys.stderr)
 
@@ -160,11 +181,16 @@ def main(argv=None) -> int:
         "prompts": rows,
         "median_speedup": {name: ratio(name) for name in arms if name != "mlx_lm"},
         "adaptive_widths": summary([c for c in log if c["run"] >= 0]),
-        "cost_model": None if cost is None else {
+        "cost_model": None
+        if cost is None
+        else {
             "target_ms": {"t0": cost.t0 * 1e3, "t1": cost.t1 * 1e3, "t2": cost.t2 * 1e3},
             "draft_ms": {"d0": cost.d0 * 1e3, "d1": cost.d1 * 1e3},
             "timed_ms": {T: s * 1e3 for T, s in cost.timed.items()},
-            "excess_ms": {("drafting" if k else "plain"): [round(x * 1e3, 3) for x in v] for k, v in cost.excess.items()},
+            "excess_ms": {
+                ("drafting" if k else "plain"): [round(x * 1e3, 3) for x in v]
+                for k, v in cost.excess.items()
+            },
         },
         "cycles": log,
     }

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List
 
 import dflash_batch.engine  # noqa: F401  (BLAS preload before mlx on Linux CPU)
+
 import mlx.core as mx
 
 from . import arms
@@ -49,12 +50,23 @@ def run_mlx_lm(setup, prompts, max_tokens: int, B: int) -> Dict[str, Any]:
     with arms.stock_ops():
         mx.synchronize()
         start = time.perf_counter()
-        resp = batch_generate(setup.model, setup.tokenizer, prompts, max_tokens=max_tokens,
-                              completion_batch_size=B, prefill_batch_size=min(B, 8))
+        resp = batch_generate(
+            setup.model,
+            setup.tokenizer,
+            prompts,
+            max_tokens=max_tokens,
+            completion_batch_size=B,
+            prefill_batch_size=min(B, 8),
+        )
         wall = time.perf_counter() - start
     s = resp.stats
-    return {"tokens": s.generation_tokens, "wall_s": wall, "tok_s": s.generation_tokens / wall,
-            "generation_tok_s": s.generation_tps, "prefill_tok_s": s.prompt_tps}
+    return {
+        "tokens": s.generation_tokens,
+        "wall_s": wall,
+        "tok_s": s.generation_tokens / wall,
+        "generation_tok_s": s.generation_tps,
+        "prefill_tok_s": s.prompt_tps,
+    }
 
 
 def run_engine(engine, prompts, max_tokens: int, B: int) -> Dict[str, Any]:
@@ -66,18 +78,26 @@ def run_engine(engine, prompts, max_tokens: int, B: int) -> Dict[str, Any]:
     cycles = sum(c.stats.cycles for c in done)
     committed = sum(k * n for c in done for k, n in enumerate(c.stats.acceptance_histogram))
     prefill = engine.prefill_counts["seconds"]  # the prefill passes (packed, or one prompt each)
-    return {"tokens": tokens, "wall_s": wall, "tok_s": tokens / wall, "prefill_s": prefill,
-            "cycles": cycle_summary(engine.decode_counts),
-            "prefill_passes": engine.prefill_counts["passes"], "prefill_padding": engine.prefill_counts["padding"],
-            "decode_tok_s": tokens / (wall - prefill) if wall > prefill else None,
-            "tokens_per_cycle": committed / cycles if cycles else None,
-            "all_token_0": all(t == 0 for c in done for t in c.token_ids)}
+    return {
+        "tokens": tokens,
+        "wall_s": wall,
+        "tok_s": tokens / wall,
+        "prefill_s": prefill,
+        "cycles": cycle_summary(engine.decode_counts),
+        "prefill_passes": engine.prefill_counts["passes"],
+        "prefill_padding": engine.prefill_counts["padding"],
+        "decode_tok_s": tokens / (wall - prefill) if wall > prefill else None,
+        "tokens_per_cycle": committed / cycles if cycles else None,
+        "all_token_0": all(t == 0 for c in done for t in c.token_ids),
+    }
 
 
 def cycle_summary(counts: Dict[int, list]) -> Dict[str, Any]:
     """Per verify width T: cycles, mean ms per cycle and mean rows in flight (Engine.decode_counts)."""
-    return {str(T): {"cycles": n, "ms": round(1e3 * s / n, 2), "rows": round(rows / n, 1)}
-            for T, (n, s, rows) in sorted(counts.items())}
+    return {
+        str(T): {"cycles": n, "ms": round(1e3 * s / n, 2), "rows": round(rows / n, 1)}
+        for T, (n, s, rows) in sorted(counts.items())
+    }
 
 
 def engine_arm(setup, engine_setup, acceptance: str, prefill: str = "packed"):
@@ -91,12 +111,20 @@ def engine_arm(setup, engine_setup, acceptance: str, prefill: str = "packed"):
     Engine = partial(engine_class, prefill_rows=1 if prefill == "one" else None, prefix_cache_mb=0)
     config = arms.text_config(setup.shape.target)
     if acceptance == "plain":
-        return Engine(engine_setup.model, setup.tokenizer, None, config=config), arms.zeroed_final_norm()
+        return Engine(
+            engine_setup.model, setup.tokenizer, None, config=config
+        ), arms.zeroed_final_norm()
     drafter = engine_setup.drafter
     if acceptance.startswith("tau="):
-        script = AcceptanceScript.of_tokens_per_cycle(float(acceptance[4:]), drafter.args.block_size, seed=7)
-        drafter = ScriptedDrafter(drafter, head_rows_of(engine_setup.model), script, setup.vocab_size)
-        return Engine(engine_setup.model, setup.tokenizer, drafter, config=config), arms.zeroed_final_norm(engine_setup.model)
+        script = AcceptanceScript.of_tokens_per_cycle(
+            float(acceptance[4:]), drafter.args.block_size, seed=7
+        )
+        drafter = ScriptedDrafter(
+            drafter, head_rows_of(engine_setup.model), script, setup.vocab_size
+        )
+        return Engine(
+            engine_setup.model, setup.tokenizer, drafter, config=config
+        ), arms.zeroed_final_norm(engine_setup.model)
     engine = Engine(engine_setup.model, setup.tokenizer, drafter, config=config)
     if acceptance == "full":
         return engine, arms.zeroed_final_norm(engine_setup.model, drafter)
@@ -104,25 +132,42 @@ def engine_arm(setup, engine_setup, acceptance: str, prefill: str = "packed"):
 
 
 def main(argv=None) -> Path:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--shape", default="qwen3-4b")
     ap.add_argument("--prompts", type=int, default=256)
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--batches", default="8,16,32,64")
     ap.add_argument("--acceptance", default="tau=6.5,random,full", help="engine arms besides plain")
-    ap.add_argument("--prefill", default="packed", help="packed, one (one prompt per prefill pass) or both: packed,one")
+    ap.add_argument(
+        "--prefill",
+        default="packed",
+        help="packed, one (one prompt per prefill pass) or both: packed,one",
+    )
     ap.add_argument("--reps", type=int, default=1)
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on a GPU, float32 on CPU")
-    ap.add_argument("--budget-s", type=float, default=0, help="start no new measurement after this long")
+    ap.add_argument(
+        "--budget-s", type=float, default=0, help="start no new measurement after this long"
+    )
     ap.add_argument("--out", default="docs/results")
     ap.add_argument("--tag", default="")
-    ap.add_argument("--skip-baseline", action="store_true", help="no mlx_lm.batch_generate arm (e.g. where it runs out of memory)")
-    ap.add_argument("--resume", action="store_true",
-                    help="keep the measurements of an earlier run of this command (same shape and tag, in --out) "
-                    "and run only the rest: one table from one command over several sessions")
+    ap.add_argument(
+        "--skip-baseline",
+        action="store_true",
+        help="no mlx_lm.batch_generate arm (e.g. where it runs out of memory)",
+    )
+    ap.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the measurements of an earlier run of this command (same shape and tag, in --out) "
+        "and run only the rest: one table from one command over several sessions",
+    )
     ap.add_argument("--plot", help="draw a results JSON file as PNG (no run)")
-    ap.add_argument("--profile", help="time the passes of one cycle at these batch sizes, e.g. 16,64 (no job)")
+    ap.add_argument(
+        "--profile", help="time the passes of one cycle at these batch sizes, e.g. 16,64 (no job)"
+    )
     args = ap.parse_args(argv)
     if args.plot:
         return plot(Path(args.plot))
@@ -143,13 +188,22 @@ def main(argv=None) -> Path:
     batches = [int(b) for b in args.batches.split(",")]
     started = time.perf_counter()
     doc = {
-        "command": "python -m benchmarks.batched " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "machine": {"device": str(mx.default_device()), "platform": platform.platform(),
-                    "device_info": {k: str(v) for k, v in (mx.device_info() if gpu else {}).items()},
-                    "mlx": mx.__version__},
+        "command": "python -m benchmarks.batched "
+        + " ".join(argv if argv is not None else sys.argv[1:]),
+        "machine": {
+            "device": str(mx.default_device()),
+            "platform": platform.platform(),
+            "device_info": {k: str(v) for k, v in (mx.device_info() if gpu else {}).items()},
+            "mlx": mx.__version__,
+        },
         "started": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "shape": args.shape, "dtype": str(dtype), "prompts": args.prompts, "context": args.context,
-        "max_tokens": args.max_tokens, "reps": args.reps, "results": [],
+        "shape": args.shape,
+        "dtype": str(dtype),
+        "prompts": args.prompts,
+        "context": args.context,
+        "max_tokens": args.max_tokens,
+        "reps": args.reps,
+        "results": [],
     }
     suffix = f"-{args.shape}{'-' + args.tag if args.tag else ''}.json"
     path = Path(args.out) / f"batched-{'cuda' if gpu else 'cpu'}-{doc['started'][:10]}{suffix}"
@@ -161,7 +215,11 @@ def main(argv=None) -> Path:
             path = earlier[-1]
             old = json.loads(path.read_text())
             doc["results"] = [r for r in old["results"] if r["status"] == "ok"]
-            doc["started"], doc["resumed"] = old["started"], old.get("resumed", []) + [dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")]
+            doc["started"], doc["resumed"] = (
+                old["started"],
+                old.get("resumed", [])
+                + [dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")],
+            )
             done = {(r["arm"], r["batch"]) for r in doc["results"]}
 
     def record(arm: str, B: int, run: Callable[[list, int], Dict[str, Any]]) -> None:
@@ -178,7 +236,9 @@ def main(argv=None) -> Path:
             for mode in args.prefill.split(","):
                 # One engine at a time: an engine taps (wraps) its model's layers for its own drafter.
                 engine, zeroed = engine_arm(setup, engine_setup, acceptance, mode)
-                arm = f"dflash {acceptance}" + ("" if mode == "packed" else f" ({mode}-per-pass prefill)")
+                arm = f"dflash {acceptance}" + (
+                    "" if mode == "packed" else f" ({mode}-per-pass prefill)"
+                )
                 with zeroed:
                     record(arm, B, lambda job, n: run_engine(engine, job, n, B))
                 del engine  # its caches go before the next arm's (release)
@@ -196,7 +256,10 @@ def table(doc: dict) -> str:
             rows.setdefault(r["arm"], {})[r["batch"]] = r["figures"]
     batches = sorted({r["batch"] for r in doc["results"]})
     base = rows.get("mlx_lm.batch_generate", {})
-    lines = ["| arm | " + " | ".join(f"B={b}" for b in batches) + " |", "|---" * (len(batches) + 1) + "|"]
+    lines = [
+        "| arm | " + " | ".join(f"B={b}" for b in batches) + " |",
+        "|---" * (len(batches) + 1) + "|",
+    ]
     for arm, by_b in rows.items():
         cells = []
         for b in batches:
@@ -232,15 +295,18 @@ def plot(path: Path) -> Path:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("batch size (rows in flight)")
     ax.set_ylabel("whole-job tok/s (prefill included)")
-    ax.set_title(f"{doc['shape']}, {doc['prompts']} prompts x {doc['context']} + {doc['max_tokens']} tokens")
+    ax.set_title(
+        f"{doc['shape']}, {doc['prompts']} prompts x {doc['context']} + {doc['max_tokens']} tokens"
+    )
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     out = path.with_suffix(".png")
     fig.tight_layout()
     fig.savefig(out, dpi=110)
-    path.with_suffix(".md").write_text(f"`{doc['command']}` ({doc['machine']['device']})\n\n{table(doc)}\n")
+    path.with_suffix(".md").write_text(
+        f"`{doc['command']}` ({doc['machine']['device']})\n\n{table(doc)}\n"
+    )
     return out
-
 
 
 def profile(shape: str, batches: List[int], context: int, widths=(1, 4, 8, 16)) -> Dict[str, Any]:
@@ -253,7 +319,9 @@ def profile(shape: str, batches: List[int], context: int, widths=(1, 4, 8, 16)) 
 
     gpu = mx.default_device() == mx.gpu
     setup = arms.build_setup(shape, mx.bfloat16 if gpu else mx.float32, with_ar_draft=False)
-    engine = Engine(setup.model, setup.tokenizer, setup.drafter, config=arms.text_config(setup.shape.target))
+    engine = Engine(
+        setup.model, setup.tokenizer, setup.drafter, config=arms.text_config(setup.shape.target)
+    )
     out: Dict[str, Any] = {"context": context, "attention_mode": engine.settings.attention}
     for route in attention.RAGGED_ROUTES:
         with switch.use(engine.settings.routes(route)):  # the engine's routes, this ragged route
@@ -266,9 +334,15 @@ def profile(shape: str, batches: List[int], context: int, widths=(1, 4, 8, 16)) 
                 arms.release()
     for B in batches:
         cost = engine.warm_up(B, context)
-        out[f"warmup_B{B}"] = {"route": cost.route, "t0_ms": cost.t0 * 1e3, "t1_us": cost.t1 * 1e6,
-                               "t2_us": cost.t2 * 1e6, "d0_ms": cost.d0 * 1e3, "d1_us": cost.d1 * 1e6,
-                               "predicted_ms": {T: round(cost.passes(B, T) * 1e3, 2) for T in widths}}
+        out[f"warmup_B{B}"] = {
+            "route": cost.route,
+            "t0_ms": cost.t0 * 1e3,
+            "t1_us": cost.t1 * 1e6,
+            "t2_us": cost.t2 * 1e6,
+            "d0_ms": cost.d0 * 1e3,
+            "d1_us": cost.d1 * 1e6,
+            "predicted_ms": {T: round(cost.passes(B, T) * 1e3, 2) for T in widths},
+        }
         arms.release()
     return out
 

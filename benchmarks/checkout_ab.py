@@ -54,8 +54,15 @@ def chat_prompts(count: int) -> List[str]:
 
 def run_checkout(tree: Path, prompts: List[str], max_tokens: int, batch: int) -> Dict[str, float]:
     env = dict(os.environ, PYTHONPATH=str(tree))
-    done = subprocess.run([sys.executable, "-c", CHILD], input=json.dumps([prompts, max_tokens, batch]),
-                          capture_output=True, text=True, env=env, cwd=tree, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", CHILD],
+        input=json.dumps([prompts, max_tokens, batch]),
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tree,
+        check=True,
+    )
     result = json.loads(done.stdout.strip().splitlines()[-1])
     if not result["module"].startswith(str(tree.resolve())):
         raise SystemExit(f"{tree}: imported {result['module']}, not this checkout")
@@ -63,9 +70,13 @@ def run_checkout(tree: Path, prompts: List[str], max_tokens: int, batch: int) ->
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--before", type=Path, required=True, help="the checkout before (a folder)")
-    parser.add_argument("--after", type=Path, default=ROOT, help="the checkout after (default: this one)")
+    parser.add_argument(
+        "--after", type=Path, default=ROOT, help="the checkout after (default: this one)"
+    )
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--prompts", type=int, default=12)
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -76,25 +87,48 @@ def main(argv=None) -> int:
     trees = {"before": args.before.resolve(), "after": args.after.resolve()}
     runs: Dict[str, List[Dict[str, float]]] = {"before": [], "after": []}
     for i in range(args.runs):
-        for name in (("before", "after") if i % 2 == 0 else ("after", "before")):
+        for name in ("before", "after") if i % 2 == 0 else ("after", "before"):
             runs[name].append(run_checkout(trees[name], prompts, args.max_tokens, len(prompts)))
-            print(name, {k: round(v, 1) for k, v in runs[name][-1].items() if k != "module"}, flush=True)
+            print(
+                name,
+                {k: round(v, 1) for k, v in runs[name][-1].items() if k != "module"},
+                flush=True,
+            )
     table = {}
     for job in ("batch-1", "batched"):
         med = {name: statistics.median(r[job] for r in runs[name]) for name in runs}
-        table[job] = {"before": med["before"], "after": med["after"], "ratio": med["after"] / med["before"],
-                      "before_runs": [round(r[job], 2) for r in runs["before"]],
-                      "after_runs": [round(r[job], 2) for r in runs["after"]]}
-    command = "python -m benchmarks.checkout_ab " + " ".join(argv if argv is not None else sys.argv[1:])
-    result = {"machine": args.machine, "date": dt.date.today().isoformat(), "platform": platform.platform(),
-              "command": command, "prompts": len(prompts), "max_tokens": args.max_tokens,
-              "trees": {k: str(v) for k, v in trees.items()}, "jobs": table}
-    lines = [f"`{command}` ({args.machine}, {result['date']}; {len(prompts)} chat prompts, "
-             f"{args.max_tokens} new tokens, median of {args.runs} runs, whole-job tok/s)", "",
-             "| job | before | after | after / before | runs before | runs after |", "| --- | --- | --- | --- | --- | --- |"]
+        table[job] = {
+            "before": med["before"],
+            "after": med["after"],
+            "ratio": med["after"] / med["before"],
+            "before_runs": [round(r[job], 2) for r in runs["before"]],
+            "after_runs": [round(r[job], 2) for r in runs["after"]],
+        }
+    command = "python -m benchmarks.checkout_ab " + " ".join(
+        argv if argv is not None else sys.argv[1:]
+    )
+    result = {
+        "machine": args.machine,
+        "date": dt.date.today().isoformat(),
+        "platform": platform.platform(),
+        "command": command,
+        "prompts": len(prompts),
+        "max_tokens": args.max_tokens,
+        "trees": {k: str(v) for k, v in trees.items()},
+        "jobs": table,
+    }
+    lines = [
+        f"`{command}` ({args.machine}, {result['date']}; {len(prompts)} chat prompts, "
+        f"{args.max_tokens} new tokens, median of {args.runs} runs, whole-job tok/s)",
+        "",
+        "| job | before | after | after / before | runs before | runs after |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     for job, row in table.items():
-        lines.append(f"| {job} | {row['before']:.1f} | {row['after']:.1f} | {row['ratio']:.3f}x | "
-                     f"{row['before_runs']} | {row['after_runs']} |")
+        lines.append(
+            f"| {job} | {row['before']:.1f} | {row['after']:.1f} | {row['ratio']:.3f}x | "
+            f"{row['before_runs']} | {row['after_runs']} |"
+        )
     print("\n".join(lines))
     if args.out is not None:
         stem = args.out / f"checkout-ab-{args.machine}-{result['date']}"

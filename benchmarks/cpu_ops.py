@@ -23,13 +23,13 @@ import statistics
 import time
 
 import dflash_batch.engine  # noqa: F401  (BLAS preload before mlx on Linux CPU)
-import mlx.core as mx
-from mlx_lm.models.activations import swiglu as mlx_lm_swiglu
 from dflash_batch.engine import decode, load_engine, load_target, pick_dtype
 from dflash_batch.engine.ops import switch
-
 from dflash_batch.engine.ops.batch_cache import Lengths
 from dflash_batch.engine.ops.kernels import cpu
+
+import mlx.core as mx
+from mlx_lm.models.activations import swiglu as mlx_lm_swiglu
 
 from .default_pair import command_line, write_result
 
@@ -45,16 +45,20 @@ def arms(native, mlx, reps: int) -> dict:
             mx.eval(outs[arm])
             if rep:  # the first round warms up
                 times[arm].append(time.perf_counter() - started)
-    return {"native_ms": round(1e3 * statistics.median(times["native"]), 2),
-            "mlx_ms": round(1e3 * statistics.median(times["mlx"]), 2),
-            "identical": mx.array_equal(outs["native"], outs["mlx"]).item()}
+    return {
+        "native_ms": round(1e3 * statistics.median(times["native"]), 2),
+        "mlx_ms": round(1e3 * statistics.median(times["mlx"]), 2),
+        "identical": mx.array_equal(outs["native"], outs["mlx"]).item(),
+    }
 
 
 def in_mode(mode: str, fn):
     """``fn`` run with the CPU ops in ``mode``."""
+
     def run():
         with switch.modes(cpu_ops=mode):
             return fn()
+
     return run
 
 
@@ -63,8 +67,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--target", help="target folder (default: the embedded default pair's)")
     ap.add_argument("--context", type=int, default=300, help="tokens the rows hold")
     ap.add_argument("--widths", default="1,4,8,16")
-    ap.add_argument("--prefill", type=int, default=2048, help="prompt tokens of the prefill measure (0: skip)")
-    ap.add_argument("--prefill-chunk", type=int, help="the engine's prefill chunk (default: its own, 512 on a CPU)")
+    ap.add_argument(
+        "--prefill", type=int, default=2048, help="prompt tokens of the prefill measure (0: skip)"
+    )
+    ap.add_argument(
+        "--prefill-chunk",
+        type=int,
+        help="the engine's prefill chunk (default: its own, 512 on a CPU)",
+    )
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", help="write the result here (JSON)")
     args = ap.parse_args(argv)
@@ -77,9 +87,19 @@ def main(argv=None) -> dict:
         "device": str(mx.default_device()),
         "mlx": mx.__version__,
         "ops": {
-            "softmax": arms(lambda: cpu.softmax(scores), lambda: mx.softmax(scores, axis=-1, precise=True), args.reps),
-            "logsumexp": arms(lambda: cpu.logsumexp(scores), lambda: mx.logsumexp(scores, axis=-1, keepdims=True), args.reps),
-            "swiglu": arms(lambda: cpu.swiglu(gate, up), lambda: mlx_lm_swiglu(gate, up), args.reps),
+            "softmax": arms(
+                lambda: cpu.softmax(scores),
+                lambda: mx.softmax(scores, axis=-1, precise=True),
+                args.reps,
+            ),
+            "logsumexp": arms(
+                lambda: cpu.logsumexp(scores),
+                lambda: mx.logsumexp(scores, axis=-1, keepdims=True),
+                args.reps,
+            ),
+            "swiglu": arms(
+                lambda: cpu.swiglu(gate, up), lambda: mlx_lm_swiglu(gate, up), args.reps
+            ),
         },
     }
     if args.target:
@@ -94,7 +114,13 @@ def main(argv=None) -> dict:
     cache = target.make_cache(lengths, args.context + 64)
     decode.prefill(target, [i % 5000 + 100 for i in range(args.context)], cache, lengths, 256)
     result["verify"] = {
-        f"T={T}": arms(*(in_mode(m, lambda T=T: target.verify(mx.array([[5] * T]), cache)[0]) for m in ("native", "mlx")), args.reps)
+        f"T={T}": arms(
+            *(
+                in_mode(m, lambda T=T: target.verify(mx.array([[5] * T]), cache)[0])
+                for m in ("native", "mlx")
+            ),
+            args.reps,
+        )
         for T in (int(w) for w in args.widths.split(","))
     }
     if args.prefill:
@@ -104,13 +130,24 @@ def main(argv=None) -> dict:
         seconds = {"native": [], "mlx": []}
         for _ in range(2):
             for mode in seconds:
-                engine.settings = dataclasses.replace(engine.settings, cpu_ops=mode)  # read at each run
+                engine.settings = dataclasses.replace(
+                    engine.settings, cpu_ops=mode
+                )  # read at each run
                 seconds[mode].append(engine.generate(prompt, max_tokens=1).stats.prefill_s)
         model, tokenizer, _ = load_target(folder, None, pick_dtype("auto"))
         with switch.stock_ops():
-            lm = [args.prefill / r.prompt_tps for _ in range(2) for r in stream_generate(model, tokenizer, prompt, max_tokens=1)]
-        result["prefill"] = {"tokens": args.prefill, "chunk": engine.prefill_chunk, "native_s": round(min(seconds["native"]), 3),
-                             "mlx_s": round(min(seconds["mlx"]), 3), "mlx_lm_s": round(min(lm), 3)}
+            lm = [
+                args.prefill / r.prompt_tps
+                for _ in range(2)
+                for r in stream_generate(model, tokenizer, prompt, max_tokens=1)
+            ]
+        result["prefill"] = {
+            "tokens": args.prefill,
+            "chunk": engine.prefill_chunk,
+            "native_s": round(min(seconds["native"]), 3),
+            "mlx_s": round(min(seconds["mlx"]), 3),
+            "mlx_lm_s": round(min(lm), 3),
+        }
     result["command"] = command_line("cpu_ops", argv)
     write_result(result, args.out)
     return result

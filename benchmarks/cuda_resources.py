@@ -17,9 +17,9 @@ import sys
 import tempfile
 
 import dflash_batch.engine  # noqa: F401  (preloads a fast BLAS before mlx on Linux CPU)
-import mlx.core as mx
-
 from dflash_batch.engine.ops.kernels import attention as ka
+
+import mlx.core as mx
 
 
 def captured_source(call) -> str:
@@ -41,9 +41,11 @@ def captured_source(call) -> str:
 
 def main():
     # MLX hands NVRTC its device headers from memory; for nvcc, a stub declares what the kernels use
-    stub = ("#pragma once\n#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n#include <cuda/std/array>\n"
-            "namespace mlx::core::cu {\nusing Shape = cuda::std::array<int32_t, 10>;\n"
-            "using Strides = cuda::std::array<int64_t, 10>;\n}\n")
+    stub = (
+        "#pragma once\n#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n#include <cuda/std/array>\n"
+        "namespace mlx::core::cu {\nusing Shape = cuda::std::array<int32_t, 10>;\n"
+        "using Strides = cuda::std::array<int64_t, 10>;\n}\n"
+    )
     for D in (64, 128, 256):
         for dtype in (mx.bfloat16, mx.float32):
             q = mx.zeros((1, 32, 16, D), dtype=dtype)
@@ -54,10 +56,24 @@ def main():
             n_out = 4 if plan.mma or plan.pass2 is None else 3
 
             def call():
-                o = plan.pass1(inputs=[q, k, k, plan.zeros, plan.zeros, plan.flags, plan.qscale, plan.counters],  # kv_start, kv_len
-                               output_shapes=(parts + [q.shape])[:n_out], output_dtypes=([mx.float32] * 3 + [dtype])[:n_out],
-                               grid=(splits * plan.threads, 8, plan.grid_yz[1]), threadgroup=(plan.threads, 1, 1),
-                               template=plan.template1, verbose=True)
+                o = plan.pass1(
+                    inputs=[
+                        q,
+                        k,
+                        k,
+                        plan.zeros,
+                        plan.zeros,
+                        plan.flags,
+                        plan.qscale,
+                        plan.counters,
+                    ],  # kv_start, kv_len
+                    output_shapes=(parts + [q.shape])[:n_out],
+                    output_dtypes=([mx.float32] * 3 + [dtype])[:n_out],
+                    grid=(splits * plan.threads, 8, plan.grid_yz[1]),
+                    threadgroup=(plan.threads, 1, 1),
+                    template=plan.template1,
+                    verbose=True,
+                )
                 mx.eval(o)
 
             src = captured_source(call)
@@ -68,10 +84,29 @@ def main():
                 path = os.path.join(tmp, "k.cu")
                 with open(path, "w") as f:
                     f.write(src)
-                cmd = ["nvcc", "-arch=sm_90a", "-std=c++17", "--resource-usage", "-c", path, "-o", os.path.join(tmp, "k.o"), f"-I{tmp}"]
+                cmd = [
+                    "nvcc",
+                    "-arch=sm_90a",
+                    "-std=c++17",
+                    "--resource-usage",
+                    "-c",
+                    path,
+                    "-o",
+                    os.path.join(tmp, "k.o"),
+                    f"-I{tmp}",
+                ]
                 done = subprocess.run(cmd, capture_output=True, text=True)
-            lines = [ln for ln in (done.stdout + done.stderr).splitlines() if "registers" in ln.lower() or "spill" in ln or "error" in ln]
-            print(f"D={D} {dtype} {'mma' if plan.mma else 'cuda-core'}:", *lines[-6:], sep="\n  ", flush=True)
+            lines = [
+                ln
+                for ln in (done.stdout + done.stderr).splitlines()
+                if "registers" in ln.lower() or "spill" in ln or "error" in ln
+            ]
+            print(
+                f"D={D} {dtype} {'mma' if plan.mma else 'cuda-core'}:",
+                *lines[-6:],
+                sep="\n  ",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

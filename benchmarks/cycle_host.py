@@ -59,16 +59,15 @@ from contextlib import ExitStack, contextmanager
 from typing import Callable, Dict, List
 
 import dflash_batch.engine  # noqa: F401  (BLAS preload before mlx on Linux CPU)
-import mlx.core as mx
-
 from dflash_batch.engine import Engine, batch, decode, output, widths
 from dflash_batch.engine.batch import BatchDecoder
 from dflash_batch.engine.models import target
 from dflash_batch.engine.ops import batch_cache
 
+import mlx.core as mx
+
 from . import arms
 from .scripted import AcceptanceScript, ScriptedDrafter, head_rows_of
-
 
 PREFILL = "prefill (joining rows, not per cycle)"
 
@@ -136,25 +135,45 @@ def instrument(pieces: Pieces, side: widths.WidthPolicy, cycles: List[int]) -> E
     """Wrap the cycle's pieces (whichever exist in this version of the engine) in timers."""
     stack = ExitStack()
     plain = [
-        (target.Target, "verify", "verify"), (BatchDecoder, "draft", "draft"), (BatchDecoder, "choose", "choose"),
-        (decode, "accept_lengths", "accept_lengths"), (decode, "pack_context", "pack_context"),
-        (target.Target, "rollback", "rollback"), (batch_cache.Lengths, "set", "lengths"),
-        (batch_cache.Lengths, "advance", "lengths"), (widths.WidthPolicy, "accepted", "accepted (width policy)"),
-        (BatchDecoder, "_commit", "commit"), (output.RowOutput, "feed", "feed"),
+        (target.Target, "verify", "verify"),
+        (BatchDecoder, "draft", "draft"),
+        (BatchDecoder, "choose", "choose"),
+        (decode, "accept_lengths", "accept_lengths"),
+        (decode, "pack_context", "pack_context"),
+        (target.Target, "rollback", "rollback"),
+        (batch_cache.Lengths, "set", "lengths"),
+        (batch_cache.Lengths, "advance", "lengths"),
+        (widths.WidthPolicy, "accepted", "accepted (width policy)"),
+        (BatchDecoder, "_commit", "commit"),
+        (output.RowOutput, "feed", "feed"),
     ]
     for owner, attr, name in plain:
         if attr in owner.__dict__:
             stack.enter_context(patched(owner, attr, pieces.wrap(name, owner.__dict__[attr])))
-    generators = (("postprocess", "postprocess: rest"), ("admit", "admit"), ("_fill", PREFILL), ("_prefill_pass", PREFILL))
+    generators = (
+        ("postprocess", "postprocess: rest"),
+        ("admit", "admit"),
+        ("_fill", PREFILL),
+        ("_prefill_pass", PREFILL),
+    )
     for attr, name in generators:
-        stack.enter_context(patched(BatchDecoder, attr, pieces.wrap_generator(name, BatchDecoder.__dict__[attr])))
-    stack.enter_context(patched(BatchDecoder, "shrink", pieces.wrap("shrink", BatchDecoder.__dict__["shrink"])))
+        stack.enter_context(
+            patched(BatchDecoder, attr, pieces.wrap_generator(name, BatchDecoder.__dict__[attr]))
+        )
+    stack.enter_context(
+        patched(BatchDecoder, "shrink", pieces.wrap("shrink", BatchDecoder.__dict__["shrink"]))
+    )
     run, choose = BatchDecoder.__dict__["run"], BatchDecoder.choose
 
     def timed_run(self, width):
         self.in_cycle = True
-        live = [r for r in self.rows if r is not None]  # the adaptive choice over these rows, on the side
-        pieces.time("width_policy.width (adaptive, on the side)", lambda: side.width([r.acceptance for r in live], [r.budget for r in live]))
+        live = [
+            r for r in self.rows if r is not None
+        ]  # the adaptive choice over these rows, on the side
+        pieces.time(
+            "width_policy.width (adaptive, on the side)",
+            lambda: side.width([r.acceptance for r in live], [r.budget for r in live]),
+        )
         cycles.append(len(live))
         try:
             return pieces.time("run: rest", lambda: run(self, width))
@@ -182,23 +201,35 @@ def build(shape: str, acceptance: str):
     if acceptance == "full":
         zeroed = arms.zeroed_final_norm(model, drafter)
     elif acceptance.startswith("tau="):
-        script = AcceptanceScript.of_tokens_per_cycle(float(acceptance[4:]), drafter.args.block_size, seed=7)
+        script = AcceptanceScript.of_tokens_per_cycle(
+            float(acceptance[4:]), drafter.args.block_size, seed=7
+        )
         drafter = ScriptedDrafter(drafter, head_rows_of(model), script, setup.vocab_size)
         zeroed = arms.zeroed_final_norm(model)
     # the cycle timed is a chain's: a zeroed drafter finds every token equally likely, over which
     # a draft tree (engine/tree.py, the CPU's default) would branch at its first position
-    engine = Engine(model, setup.tokenizer, drafter, config=config, adaptive_block=False, prefix_cache_mb=0,
-                    drafts="chain")
+    engine = Engine(
+        model,
+        setup.tokenizer,
+        drafter,
+        config=config,
+        adaptive_block=False,
+        prefix_cache_mb=0,
+        drafts="chain",
+    )
     return engine, zeroed, setup.vocab_size
 
 
-def job(engine: Engine, rows: int, max_tokens: int, vocab: int,
-        stop: List[str]) -> List[batch.EncodedRequest]:
+def job(
+    engine: Engine, rows: int, max_tokens: int, vocab: int, stop: List[str]
+) -> List[batch.EncodedRequest]:
     return [engine.request([(7 * i + j) % (vocab - 2) + 1 for j in range(16 + i % 8)], max_tokens=max_tokens,
                            stop=stop or None, index=i) for i in range(rows)]  # fmt: skip
 
 
-def measure(engine: Engine, rows: int, max_tokens: int, vocab: int, stop: List[str], side_cost) -> Dict:
+def measure(
+    engine: Engine, rows: int, max_tokens: int, vocab: int, stop: List[str], side_cost
+) -> Dict:
     """One job: per-piece ms per cycle over its cycles (every cycle counted, the first included)."""
     decoder = BatchDecoder(engine, job(engine, rows, max_tokens, vocab, stop), rows,
                            engine._width_policy(rows), capacity=64 + max_tokens + engine.block_size)  # fmt: skip
@@ -221,10 +252,14 @@ def measure(engine: Engine, rows: int, max_tokens: int, vocab: int, stop: List[s
     finally:
         gc.callbacks.remove(on_gc)
     seconds = dict(pieces.seconds)
-    prefill = decoder.group.counts["seconds"]  # the prefill passes, wall time (as benchmarks/batched.py)
+    prefill = decoder.group.counts[
+        "seconds"
+    ]  # the prefill passes, wall time (as benchmarks/batched.py)
     n = len(cycles)
     device = seconds["device"] = pieces.wall.get("device", 0.0)
-    per_cycle = {k: round(1e3 * v / n, 3) for k, v in sorted(seconds.items(), key=lambda kv: -kv[1])}
+    per_cycle = {
+        k: round(1e3 * v / n, 3) for k, v in sorted(seconds.items(), key=lambda kv: -kv[1])
+    }
     host = sum(v for k, v in seconds.items() if k not in ("device", PREFILL))
     return {"cycles": n, "rows": statistics.mean(cycles), "tokens": tokens, "ms_per_cycle": per_cycle,
             "host_ms_per_cycle": round(1e3 * host / n, 3), "device_ms_per_cycle": round(1e3 * device / n, 3),
@@ -240,7 +275,11 @@ def whole_job(engine: Engine, rows: int, max_tokens: int, vocab: int, stop: List
     tokens = sum(len(c.token_ids) for _, c in engine.run(requests, rows))
     wall = time.perf_counter() - started
     cycles = sum(c[0] for c in engine.decode_counts.values())
-    return {"tokens": tokens, "cycles": cycles, "decode_tok_s": round(tokens / (wall - engine.prefill_counts["seconds"]), 1)}
+    return {
+        "tokens": tokens,
+        "cycles": cycles,
+        "decode_tok_s": round(tokens / (wall - engine.prefill_counts["seconds"]), 1),
+    }
 
 
 def main(argv=None) -> None:
@@ -249,9 +288,17 @@ def main(argv=None) -> None:
     ap.add_argument("--batches", default="16,64")
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--acceptance", default="full", help="full, random or tau=X")
-    ap.add_argument("--stop", default="", help="comma-separated stop strings for every row (none by default)")
-    ap.add_argument("--reps", type=int, default=3, help="timed jobs per batch size (the median job's pieces)")
-    ap.add_argument("--whole", action="store_true", help="time whole jobs (adaptive widths, nothing wrapped) instead")
+    ap.add_argument(
+        "--stop", default="", help="comma-separated stop strings for every row (none by default)"
+    )
+    ap.add_argument(
+        "--reps", type=int, default=3, help="timed jobs per batch size (the median job's pieces)"
+    )
+    ap.add_argument(
+        "--whole",
+        action="store_true",
+        help="time whole jobs (adaptive widths, nothing wrapped) instead",
+    )
     args = ap.parse_args(argv)
     engine, zeroed, vocab = build(args.shape, args.acceptance)
     engine.adaptive_block = args.whole
@@ -261,14 +308,23 @@ def main(argv=None) -> None:
     with zeroed:
         for rows in [int(b) for b in args.batches.split(",")]:
             if args.whole:
-                whole_job(engine, rows, 2 * engine.block_size, vocab, stop)  # warm-up: the pass costs, compiling
-                runs = [whole_job(engine, rows, args.max_tokens, vocab, stop) for _ in range(args.reps)]
+                whole_job(
+                    engine, rows, 2 * engine.block_size, vocab, stop
+                )  # warm-up: the pass costs, compiling
+                runs = [
+                    whole_job(engine, rows, args.max_tokens, vocab, stop) for _ in range(args.reps)
+                ]
                 rates = sorted(r["decode_tok_s"] for r in runs)
                 print(json.dumps({"shape": args.shape, "acceptance": args.acceptance, "batch": rows, "stop": stop,
                                   "whole": True, "decode_tok_s_runs": rates, **runs[0], "decode_tok_s": rates[len(rates) // 2]}))  # fmt: skip
                 continue
-            measure(engine, rows, engine.block_size * 2, vocab, stop, side_cost)  # warm-up: compile the shapes
-            runs = [measure(engine, rows, args.max_tokens, vocab, stop, side_cost) for _ in range(args.reps)]
+            measure(
+                engine, rows, engine.block_size * 2, vocab, stop, side_cost
+            )  # warm-up: compile the shapes
+            runs = [
+                measure(engine, rows, args.max_tokens, vocab, stop, side_cost)
+                for _ in range(args.reps)
+            ]
             runs.sort(key=lambda r: r["host_ms_per_cycle"])
             best = runs[len(runs) // 2]
             print(json.dumps({"shape": args.shape, "acceptance": args.acceptance, "batch": rows, "stop": stop,

@@ -33,11 +33,11 @@ from contextlib import ExitStack
 from typing import Dict, List
 
 import dflash_batch.engine  # noqa: F401  (BLAS preload before mlx on Linux CPU)
-import mlx.core as mx
-
 from dflash_batch.engine import decode, load_engine, load_target, pick_dtype
 from dflash_batch.engine.batch import BatchDecoder
 from dflash_batch.engine.models import target as target_module
+
+import mlx.core as mx
 
 from .cycle_host import patched
 from .default_pair import command_line, held_out_prompts, run_engine, run_mlx_lm, write_result
@@ -62,7 +62,9 @@ def instrument(seconds: Dict[str, List[float]]) -> ExitStack:
             finally:
                 depth[0] -= label == "cycle"
             if counted:
-                seconds[label(args) if callable(label) else label].append(time.perf_counter() - started)
+                seconds[label(args) if callable(label) else label].append(
+                    time.perf_counter() - started
+                )
             return out
 
         stack.enter_context(patched(owner, name, wrapper))
@@ -70,8 +72,15 @@ def instrument(seconds: Dict[str, List[float]]) -> ExitStack:
     evaluated = lambda out, args: mx.eval(out)  # noqa: E731
     timed(decode, "draft_candidates", "draft", evaluated)
     timed(decode, "draft_block", "draft", evaluated)
-    timed(target_module.Target, "decode_pass", lambda args: f"verify T={args[1].shape[1]}", evaluated)
-    timed(target_module.Target, "reorder", "move", lambda out, args: mx.eval([c.arrays() for c in args[1]]))
+    timed(
+        target_module.Target, "decode_pass", lambda args: f"verify T={args[1].shape[1]}", evaluated
+    )
+    timed(
+        target_module.Target,
+        "reorder",
+        "move",
+        lambda out, args: mx.eval([c.arrays() for c in args[1]]),
+    )
     timed(BatchDecoder, "run", "cycle", lambda out, args: None)
     return stack
 
@@ -103,7 +112,10 @@ def main(argv=None) -> dict:
     for p in prompts:
         ids, tps, _ = run_mlx_lm(model, tokenizer, p, args.max_tokens)
         if len(ids) > 1:
-            step_tokens, step_seconds = step_tokens + len(ids) - 1, step_seconds + (len(ids) - 1) / tps
+            step_tokens, step_seconds = (
+                step_tokens + len(ids) - 1,
+                step_seconds + (len(ids) - 1) / tps,
+            )
     seconds: Dict[str, List[float]] = defaultdict(list)
     tokens = 0
     with instrument(seconds):
@@ -111,9 +123,15 @@ def main(argv=None) -> dict:
             tokens += len(run_engine(engine, p, args.max_tokens)[0])
     cycles = len(seconds["cycle"])
     per_cycle = lambda key: 1e3 * sum(seconds[key]) / max(cycles, 1)  # noqa: E731
-    verify = sorted((k for k in seconds if k.startswith("verify")), key=lambda k: int(k.split("=")[1]))
+    verify = sorted(
+        (k for k in seconds if k.startswith("verify")), key=lambda k: int(k.split("=")[1])
+    )
     cycle_ms = per_cycle("cycle")
-    pieces = {"draft": per_cycle("draft"), **{k: per_cycle(k) for k in verify}, "move": per_cycle("move")}
+    pieces = {
+        "draft": per_cycle("draft"),
+        **{k: per_cycle(k) for k in verify},
+        "move": per_cycle("move"),
+    }
     pieces["rest"] = cycle_ms - sum(pieces.values())
     step_ms = 1e3 * step_seconds / max(step_tokens, 1)
     result = {
@@ -126,7 +144,9 @@ def main(argv=None) -> dict:
         "tokens_per_cycle": round(tokens / max(cycles, 1), 3),
         "cycle_ms": round(cycle_ms, 2),
         "ms_per_cycle": {k: round(v, 2) for k, v in pieces.items()},
-        "verify_ms_per_pass": {k: [len(seconds[k]), round(1e3 * statistics.mean(seconds[k]), 2)] for k in verify},
+        "verify_ms_per_pass": {
+            k: [len(seconds[k]), round(1e3 * statistics.mean(seconds[k]), 2)] for k in verify
+        },
         "move_share_of_cycles": round(len(seconds["move"]) / max(cycles, 1), 3),
         "step_ms": round(step_ms, 2),
         "cycle_in_steps": round(cycle_ms / step_ms, 3) if step_tokens else None,

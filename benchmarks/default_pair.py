@@ -27,10 +27,9 @@ import time
 from pathlib import Path
 
 import dflash_batch.engine  # noqa: F401  (preloads a fast CPU BLAS before mlx.core)
-import mlx.core as mx
-
 from dflash_batch.engine import Engine, load_engine, load_target, pick_dtype
 
+import mlx.core as mx
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -96,9 +95,9 @@ def timed(pieces) -> tuple:
 
 
 def run_mlx_lm(model, tokenizer, prompt, max_tokens):
-    from mlx_lm import stream_generate
-
     from dflash_batch.engine import stock_ops
+
+    from mlx_lm import stream_generate
 
     eos = set(tokenizer.eos_token_ids)
 
@@ -124,14 +123,22 @@ def run_engine(engine: Engine, prompt, max_tokens):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--machine", default=platform.node() or "unknown", help="name used in the output files")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--machine", default=platform.node() or "unknown", help="name used in the output files"
+    )
     ap.add_argument("--target", help="target folder (default: the embedded default pair)")
     ap.add_argument("--draft", help="drafter folder (default: the target's registered drafter)")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--samples", help="eval.jsonl of a training run (pre-encoded held-out prompts)")
-    ap.add_argument("--prompts", type=int, default=16, help="held-out prompts for acceptance and exactness")
-    ap.add_argument("--speed-prompts", type=int, default=4, help="of those, prompts timed for speed")
+    ap.add_argument(
+        "--prompts", type=int, default=16, help="held-out prompts for acceptance and exactness"
+    )
+    ap.add_argument(
+        "--speed-prompts", type=int, default=4, help="of those, prompts timed for speed"
+    )
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--runs", type=int, default=3, help="timed runs per prompt (median)")
     ap.add_argument("--out-dir", default=str(ROOT / "docs" / "benchmarks"))
@@ -153,7 +160,10 @@ def main(argv=None) -> int:
     # engine's target capture wraps the model's layers, so two engines cannot share one.
     fixed = load_engine(args.target, args.draft or "auto", dtype=args.dtype, adaptive_block=False)
     prompts = held_out_prompts(tokenizer, args.prompts, args.samples)
-    print(f"{len(prompts)} held-out prompts, device {mx.default_device()}, loaded in {load_s:.1f}s", file=sys.stderr)
+    print(
+        f"{len(prompts)} held-out prompts, device {mx.default_device()}, loaded in {load_s:.1f}s",
+        file=sys.stderr,
+    )
 
     # -- acceptance and exactness (one run each) --------------------------------------------------
     hist = [0] * (engine.block_size + 1)
@@ -178,7 +188,9 @@ def main(argv=None) -> int:
                 "tokens": len(ids),
                 "cycles": stats.cycles,
                 "tokens_per_cycle": None if stats.cycles == 0 else round(stats.tokens_per_cycle, 3),
-                "adaptive_tokens_per_cycle": None if adaptive.cycles == 0 else round(adaptive.tokens_per_cycle, 3),
+                "adaptive_tokens_per_cycle": None
+                if adaptive.cycles == 0
+                else round(adaptive.tokens_per_cycle, 3),
                 "exact": ids == ref_ids == fixed_ids,
                 "mlx_lm_decode_tps": round(ref_tps, 2),
                 "dflash_decode_tps": round(tps, 2),
@@ -191,8 +203,12 @@ def main(argv=None) -> int:
     adaptive_tpc = sum(k * n for k, n in enumerate(adaptive_hist)) / max(sum(adaptive_hist), 1)
     # Every prompt, one run each: decode tokens over decode seconds, summed over the prompts.
     timed_rows = [r for r in rows if r["tokens"] > 1]
-    ar_rate = sum(r["tokens"] - 1 for r in timed_rows) / sum((r["tokens"] - 1) / r["mlx_lm_decode_tps"] for r in timed_rows)
-    df_rate = sum(r["tokens"] - 1 for r in timed_rows) / sum((r["tokens"] - 1) / r["dflash_decode_tps"] for r in timed_rows)
+    ar_rate = sum(r["tokens"] - 1 for r in timed_rows) / sum(
+        (r["tokens"] - 1) / r["mlx_lm_decode_tps"] for r in timed_rows
+    )
+    df_rate = sum(r["tokens"] - 1 for r in timed_rows) / sum(
+        (r["tokens"] - 1) / r["dflash_decode_tps"] for r in timed_rows
+    )
 
     # -- speed -------------------------------------------------------------------------------------
     speed = []
@@ -218,7 +234,9 @@ def main(argv=None) -> int:
     result = {
         "machine": args.machine,
         "device": str(mx.default_device()),
-        "device_info": {k: str(v) for k, v in mx.device_info().items()} if hasattr(mx, "device_info") else {},
+        "device_info": {k: str(v) for k, v in mx.device_info().items()}
+        if hasattr(mx, "device_info")
+        else {},
         "mlx": mx.__version__,
         "engine": engine.description,
         "max_tokens": args.max_tokens,
@@ -230,17 +248,30 @@ def main(argv=None) -> int:
         "adaptive_tokens_per_cycle": round(adaptive_tpc, 3),
         "adaptive_histogram": adaptive_hist,
         "exact_prompts": sum(r["exact"] for r in rows),
-        "mean_tokens_per_cycle_per_prompt": round(statistics.mean(r["tokens_per_cycle"] for r in rows if r["cycles"]), 3),
+        "mean_tokens_per_cycle_per_prompt": round(
+            statistics.mean(r["tokens_per_cycle"] for r in rows if r["cycles"]), 3
+        ),
         "all_prompts_mlx_lm_decode_tps": round(ar_rate, 2),
         "all_prompts_dflash_decode_tps": round(df_rate, 2),
         "all_prompts_speedup": round(df_rate / ar_rate, 3),
         "speed_runs": args.runs,
-        "speedup_median": round(statistics.median(s["speedup"] for s in speed), 3) if speed else None,
-        "mlx_lm_decode_tps_median": round(statistics.median(s["mlx_lm_decode_tps"] for s in speed), 2) if speed else None,
-        "dflash_decode_tps_median": round(statistics.median(s["dflash_decode_tps"] for s in speed), 2) if speed else None,
+        "speedup_median": round(statistics.median(s["speedup"] for s in speed), 3)
+        if speed
+        else None,
+        "mlx_lm_decode_tps_median": round(
+            statistics.median(s["mlx_lm_decode_tps"] for s in speed), 2
+        )
+        if speed
+        else None,
+        "dflash_decode_tps_median": round(
+            statistics.median(s["dflash_decode_tps"] for s in speed), 2
+        )
+        if speed
+        else None,
         "prompts": rows,
         "speed": speed,
-        "command": "python benchmarks/default_pair.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python benchmarks/default_pair.py "
+        + " ".join(argv if argv is not None else sys.argv[1:]),
     }
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -278,9 +309,14 @@ def markdown(r: dict) -> str:
         f"{p['mlx_lm_decode_tps']} | {p['dflash_decode_tps']} |"
         for p in r["prompts"]
     ]
-    lines += ["", "| prompt | tokens | mlx_lm tok/s | DFlash tok/s | speed-up |", "| --- | --- | --- | --- | --- |"]
     lines += [
-        f"| {s['id']} | {s['tokens']} | {s['mlx_lm_decode_tps']} | {s['dflash_decode_tps']} | {s['speedup']} |" for s in r["speed"]
+        "",
+        "| prompt | tokens | mlx_lm tok/s | DFlash tok/s | speed-up |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    lines += [
+        f"| {s['id']} | {s['tokens']} | {s['mlx_lm_decode_tps']} | {s['dflash_decode_tps']} | {s['speedup']} |"
+        for s in r["speed"]
     ]
     return "\n".join(lines) + "\n"
 

@@ -23,14 +23,15 @@ import sys
 import time
 
 import dflash_batch.engine  # noqa: F401  (preloads a fast CPU BLAS before mlx.core)
+from dflash_batch.engine import decode
+from dflash_batch.engine.models import dflash2
+from dflash_batch.engine.models import drafter as v1
+from dflash_batch.engine.ops import compiled
+from dflash_batch.engine.ops.batch_cache import Lengths
+
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
-
-from dflash_batch.engine import decode
-from dflash_batch.engine.models import dflash2, drafter as v1
-from dflash_batch.engine.ops import compiled
-from dflash_batch.engine.ops.batch_cache import Lengths
 
 from .default_pair import command_line, write_result
 
@@ -70,13 +71,23 @@ def build(s: dict, dtype):
     for model in (second, first):
         model.set_dtype(dtype)
     mx.random.seed(0)
-    weights = [(k, (mx.random.normal(v.shape) * 0.02).astype(dtype)) for k, v in tree_flatten(second.parameters())]
+    weights = [
+        (k, (mx.random.normal(v.shape) * 0.02).astype(dtype))
+        for k, v in tree_flatten(second.parameters())
+    ]
     second.load_weights(weights)
-    first.load_weights([(k, v) for k, v in weights if not ("conv" in k or "candidate_selector" in k)])
+    first.load_weights(
+        [(k, v) for k, v in weights if not ("conv" in k or "candidate_selector" in k)]
+    )
     target = HeadOnly(s["vocab"], s["hidden"])
     target.embed.set_dtype(dtype)
     target.lm_head.set_dtype(dtype)
-    mx.eval(first.parameters(), second.parameters(), target.embed.parameters(), target.lm_head.parameters())
+    mx.eval(
+        first.parameters(),
+        second.parameters(),
+        target.embed.parameters(),
+        target.lm_head.parameters(),
+    )
     return first, second, target
 
 
@@ -84,7 +95,9 @@ def pass_ms(drafter, target, batch: int, context: int, reps: int, s: dict) -> li
     """Milliseconds of ``reps`` draft passes over a cache of ``context`` rows (each pass from the
     same context: the cache's length is not advanced)."""
     lengths = Lengths([0] * batch)
-    cache = drafter.make_cache(lengths, compiled.capacity(batch, context + 2 * s["block"]))  # as a job allocates it
+    cache = drafter.make_cache(
+        lengths, compiled.capacity(batch, context + 2 * s["block"])
+    )  # as a job allocates it
     width = s["taps"] * s["hidden"]
     dtype = drafter.fc.weight.dtype
     drafter.add_context(mx.random.normal((batch, context, width)).astype(dtype), cache)

@@ -23,12 +23,13 @@ import time
 from pathlib import Path
 
 import dflash_batch.engine  # noqa: F401  (preloads a fast CPU BLAS before mlx.core)
+from dflash_batch.engine import load_engine, load_target
+from dflash_batch.engine.models.default_model import ensure_default_pair
+
 import mlx.core as mx
 
 from benchmarks.arms import stock_ops
 from benchmarks.default_pair import held_out_prompts
-from dflash_batch.engine import load_engine, load_target
-from dflash_batch.engine.models.default_model import ensure_default_pair
 
 
 def first_difference(a, b):
@@ -72,7 +73,13 @@ def mlx_lm_arms(model, tokenizer, prompts, max_tokens, batch):
             alone.append(ids)
         batched = []
         for i in range(0, len(prompts), batch):
-            resp = batch_generate(model, tokenizer, prompts[i : i + batch], max_tokens=max_tokens, return_token_ids=True)
+            resp = batch_generate(
+                model,
+                tokenizer,
+                prompts[i : i + batch],
+                max_tokens=max_tokens,
+                return_token_ids=True,
+            )
             batched.extend(resp.token_ids)
     return alone, [without(ids, eos) for ids in batched]
 
@@ -108,7 +115,9 @@ def one_dtype(dtype: str, prompts_wanted: int, max_tokens: int, batch: int) -> d
         f"mlx_lm_b{batch}": ar_batched,
     }
     names = list(ids)
-    pairs = [compare(f"{a} vs {b}", ids[a], ids[b]) for i, a in enumerate(names) for b in names[i + 1 :]]
+    pairs = [
+        compare(f"{a} vs {b}", ids[a], ids[b]) for i, a in enumerate(names) for b in names[i + 1 :]
+    ]
     return {
         "dtype": dtype,
         "prompts": len(prompts),
@@ -122,7 +131,9 @@ def one_dtype(dtype: str, prompts_wanted: int, max_tokens: int, batch: int) -> d
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--dtypes", default="bfloat16,float32")
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -130,11 +141,16 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="docs/results")
     ap.add_argument("--tag", default="")
     args = ap.parse_args(argv)
-    results = [one_dtype(d, args.prompts, args.max_tokens, args.batch) for d in args.dtypes.split(",")]
+    results = [
+        one_dtype(d, args.prompts, args.max_tokens, args.batch) for d in args.dtypes.split(",")
+    ]
     report = {
-        "command": "python -m benchmarks.divergence " + " ".join(argv or __import__("sys").argv[1:]),
+        "command": "python -m benchmarks.divergence "
+        + " ".join(argv or __import__("sys").argv[1:]),
         "device": str(mx.default_device()),
-        "device_info": {k: str(v) for k, v in mx.device_info().items()} if hasattr(mx, "device_info") else {},
+        "device_info": {k: str(v) for k, v in mx.device_info().items()}
+        if hasattr(mx, "device_info")
+        else {},
         "platform": platform.platform(),
         "results": results,
     }
@@ -142,7 +158,9 @@ def main(argv=None) -> int:
         b = r["batch"]
         print(f"{r['dtype']}: tau b1 {r['tau_b1']} b{b} {r[f'tau_b{b}']}")
         for p in r["pairs"]:
-            print(f"  {p['pair']}: {p['identical']}/{p['rows']} identical, median first difference {p['first_difference_median']}")
+            print(
+                f"  {p['pair']}: {p['identical']}/{p['rows']} identical, median first difference {p['first_difference_median']}"
+            )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = f"divergence-{platform.node() or 'machine'}{'-' + args.tag if args.tag else ''}.json"

@@ -28,18 +28,27 @@ import tempfile
 from pathlib import Path
 
 import dflash_batch.engine  # noqa: F401  (BLAS preload before mlx)
-import mlx.core as mx
-
-from benchmarks.default_pair import command_line, held_out_options, held_out_prompts, run_engine, write_result
 from dflash_batch.engine import load_engine
 from dflash_batch.engine.models import loading
 from dflash_batch.engine.models.default_model import ensure_default_pair
+
+import mlx.core as mx
+
+from benchmarks.default_pair import (
+    command_line,
+    held_out_options,
+    held_out_prompts,
+    run_engine,
+    write_result,
+)
 from dflash_batch.training import export
 from dflash_batch.training.sweep import decode_rows
 from dflash_batch.training.trainer import TrainConfig, answer_samples
 
 
-def drafter_with_vocab(src: Path, dst: Path, size: int, answers: list, vocab_size: int, eos: list) -> Path:
+def drafter_with_vocab(
+    src: Path, dst: Path, size: int, answers: list, vocab_size: int, eos: list
+) -> Path:
     shutil.copytree(src, dst)
     (dst / loading.DRAFT_VOCAB_FILE).unlink(missing_ok=True)
     if size:
@@ -58,7 +67,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     held_out_options(ap, prompts=32, max_tokens=128)
     ap.add_argument("--data", required=True, help="a train-drafter data folder with stored answers")
-    ap.add_argument("--self-prompts", type=int, default=0, help="as train-drafter's, for the data folder")
+    ap.add_argument(
+        "--self-prompts", type=int, default=0, help="as train-drafter's, for the data folder"
+    )
     ap.add_argument("--sizes", default="0,4096,8192,16384")
     ap.add_argument("--speed-prompts", type=int, default=12)
     ap.add_argument("--speed-max-tokens", type=int, default=96)
@@ -71,7 +82,9 @@ def main(argv=None) -> int:
     if target is None or draft is None:
         default_target, default_draft = ensure_default_pair()
         target, draft = target or default_target, draft or default_draft
-    cfg = TrainConfig(out=str(Path(args.data).parent), data=args.data, self_prompts=args.self_prompts)
+    cfg = TrainConfig(
+        out=str(Path(args.data).parent), data=args.data, self_prompts=args.self_prompts
+    )
     meta = json.loads((Path(args.data) / "meta.json").read_text())
     _, train, _ = answer_samples(cfg)
     answers = [s["answer"] for s in train]
@@ -88,7 +101,9 @@ def main(argv=None) -> int:
             base = base or r["outputs"]
             rows[k] = {
                 "size": k,
-                "coverage": None if not k else json.loads((folders[k] / loading.DRAFT_VOCAB_FILE).read_text())["coverage"],
+                "coverage": None
+                if not k
+                else json.loads((folders[k] / loading.DRAFT_VOCAB_FILE).read_text())["coverage"],
                 "tokens_per_cycle": round(r["committed"] / max(r["cycles"], 1), 3),
                 "same_output_prompts": sum(r["outputs"][i] == base[i] for i in range(len(prompts))),
             }
@@ -101,14 +116,16 @@ def main(argv=None) -> int:
         tokens = {k: 0 for k in sizes}
         seconds = {k: 0.0 for k in sizes}
         for i, p in enumerate(timed):
-            order = sizes[i % len(sizes):] + sizes[: i % len(sizes)]  # each size leads in turn
+            order = sizes[i % len(sizes) :] + sizes[: i % len(sizes)]  # each size leads in turn
             for k in order:
                 n, s = decode_time(engines[k], p["prompt"], args.speed_max_tokens)
                 tokens[k] += n
                 seconds[k] += s
         for k in sizes:
             rows[k]["decode_tps"] = round(tokens[k] / seconds[k], 2)
-            rows[k]["speed_vs_whole_vocabulary"] = round(rows[k]["decode_tps"] / (tokens[0] / seconds[0]), 3)
+            rows[k]["speed_vs_whole_vocabulary"] = round(
+                rows[k]["decode_tps"] / (tokens[0] / seconds[0]), 3
+            )
     result = {
         "device": str(mx.default_device()),
         "mlx": mx.__version__,

@@ -33,7 +33,10 @@ def child(args) -> Dict[str, Any]:
     """One process: the job twice with the drafter (and, if asked, twice without)."""
     import time
 
-    from dflash_batch.engine import Engine, load_engine  # first: the BLAS preload before mlx on Linux CPU
+    from dflash_batch.engine import (
+        Engine,
+        load_engine,
+    )  # first: the BLAS preload before mlx on Linux CPU
 
     import mlx.core as mx
 
@@ -45,12 +48,24 @@ def child(args) -> Dict[str, Any]:
         plain = load_engine(draft=None, prefix_cache_mb=0) if args.plain else None
         prompts = never_loses.chat_prompts(args.prompts)
     else:
-        setup = arms.build_setup(args.model, mx.bfloat16 if args.dtype == "bfloat16" else mx.float32,
-                                 with_ar_draft=False)
+        setup = arms.build_setup(
+            args.model, mx.bfloat16 if args.dtype == "bfloat16" else mx.float32, with_ar_draft=False
+        )
         config = arms.text_config(setup.shape.target)
-        drafting = Engine(setup.model, setup.tokenizer, setup.drafter, config=config, prefix_cache_mb=0)
-        plain = (Engine(arms.engine_setup(setup).model, setup.tokenizer, None, config=config, prefix_cache_mb=0)
-                 if args.plain else None)
+        drafting = Engine(
+            setup.model, setup.tokenizer, setup.drafter, config=config, prefix_cache_mb=0
+        )
+        plain = (
+            Engine(
+                arms.engine_setup(setup).model,
+                setup.tokenizer,
+                None,
+                config=config,
+                prefix_cache_mb=0,
+            )
+            if args.plain
+            else None
+        )
         prompts = batched.job_prompts(args.prompts, args.context, setup.vocab_size)
     out: Dict[str, Any] = {"load_s": time.perf_counter() - started}
     for name, engine in (("drafter", drafting), ("plain", plain)):
@@ -67,12 +82,20 @@ def child(args) -> Dict[str, Any]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="qwen3-4b", help="a benchmarks/shapes.py shape (random weights) or default-pair")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--model",
+        default="qwen3-4b",
+        help="a benchmarks/shapes.py shape (random weights) or default-pair",
+    )
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--prompts", type=int, default=16)
-    ap.add_argument("--context", type=int, default=1024, help="prompt tokens (random-weight shapes)")
+    ap.add_argument(
+        "--context", type=int, default=1024, help="prompt tokens (random-weight shapes)"
+    )
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--processes", type=int, default=3)
     ap.add_argument("--machine", default=None)
@@ -87,27 +110,57 @@ def main(argv=None) -> int:
     if args.child:
         print(json.dumps(child(args)))
         return 0
-    flags = ["--model", args.model, "--dtype", args.dtype, "--batch", str(args.batch), "--prompts", str(args.prompts),
-             "--context", str(args.context), "--max-tokens", str(args.max_tokens)]
+    flags = [
+        "--model",
+        args.model,
+        "--dtype",
+        args.dtype,
+        "--batch",
+        str(args.batch),
+        "--prompts",
+        str(args.prompts),
+        "--context",
+        str(args.context),
+        "--max-tokens",
+        str(args.max_tokens),
+    ]
     runs = []
     with tempfile.TemporaryDirectory(prefix="first-job-cache-") as cache:
-        env = dict(os.environ, DFLASH_BATCH_CACHE=cache)  # converting a model lands in load_s, not the job
+        env = dict(
+            os.environ, DFLASH_BATCH_CACHE=cache
+        )  # converting a model lands in load_s, not the job
         for i in range(args.processes):
             extra = ["--plain"] if i == 0 else []
-            done = subprocess.run([sys.executable, "-m", "benchmarks.first_job", "--child", *flags, *extra],
-                                  cwd=ROOT, env=env, capture_output=True, text=True)
+            done = subprocess.run(
+                [sys.executable, "-m", "benchmarks.first_job", "--child", *flags, *extra],
+                cwd=ROOT,
+                env=env,
+                capture_output=True,
+                text=True,
+            )
             if done.returncode != 0:
                 sys.stderr.write(done.stderr[-4000:])
                 return done.returncode
             runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
             d = runs[-1]["drafter"]
-            print(f"process {i + 1}: first job {d['first_s']:.2f} s, again {d['again_s']:.2f} s, "
-                  f"warm-up {d['warm_up_s']:.2f} s, passes timed {runs[-1]['measured_passes']}", flush=True)
-    doc = {"date": dt.date.today().isoformat(), "machine": args.machine,
-           "command": "python -m benchmarks.first_job " + " ".join(argv if argv is not None else sys.argv[1:]),
-           "options": {k: v for k, v in vars(args).items() if k not in ("child", "plain", "out")}, "processes": runs}
+            print(
+                f"process {i + 1}: first job {d['first_s']:.2f} s, again {d['again_s']:.2f} s, "
+                f"warm-up {d['warm_up_s']:.2f} s, passes timed {runs[-1]['measured_passes']}",
+                flush=True,
+            )
+    doc = {
+        "date": dt.date.today().isoformat(),
+        "machine": args.machine,
+        "command": "python -m benchmarks.first_job "
+        + " ".join(argv if argv is not None else sys.argv[1:]),
+        "options": {k: v for k, v in vars(args).items() if k not in ("child", "plain", "out")},
+        "processes": runs,
+    }
     if args.out is not None:
-        path = args.out / f"first-job-{args.machine or 'machine'}-{doc['date']}-{args.model}-b{args.batch}.json"
+        path = (
+            args.out
+            / f"first-job-{args.machine or 'machine'}-{doc['date']}-{args.model}-b{args.batch}.json"
+        )
         path.write_text(json.dumps(doc, indent=1) + "\n")
         print(path)
     return 0

@@ -34,12 +34,13 @@ from contextlib import contextmanager
 from datetime import datetime, timezone
 
 import dflash_batch.engine  # noqa: F401  (preloads a fast BLAS before mlx on Linux CPU)
-import mlx.core as mx
-
-from benchmarks.shapes import SHAPES, build_drafter, build_target
 from dflash_batch.engine.ops import attention as routing
 from dflash_batch.engine.ops import switch
 from dflash_batch.engine.ops.kernels import attention as ka
+
+import mlx.core as mx
+
+from benchmarks.shapes import SHAPES, build_drafter, build_target
 
 TOL = {"bfloat16": 1.6e-2, "float16": 2e-3, "float32": 2e-5}  # as in tests/test_attention.py
 DT = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
@@ -75,7 +76,11 @@ def timed(fn) -> float:
 
 def summary(ts, skip=3):
     rest = ts[skip:] if len(ts) > skip else ts
-    return {"median_ms": round(statistics.median(rest), 3), "max_ms": round(max(rest), 3), "first_ms": round(ts[0], 1)}
+    return {
+        "median_ms": round(statistics.median(rest), 3),
+        "max_ms": round(max(rest), 3),
+        "first_ms": round(ts[0], 1),
+    }
 
 
 def qkv(B, H, Hk, Lq, Lk, D, dtype, cap, seed=0):
@@ -99,33 +104,60 @@ def section_check():
         got = ka.block_attention_kernel(q, k, v, **kw)
         mx.eval(got)
         first = now_ms() - t0
-        others = {"cuda_cores": ka.block_attention_kernel(q, k, v, config=ka.kernel_config("cuda", D), **kw)}
+        others = {
+            "cuda_cores": ka.block_attention_kernel(
+                q, k, v, config=ka.kernel_config("cuda", D), **kw
+            )
+        }
         if dtype != mx.float32:  # the tensor-core kernel serves bf16 / fp16: its other forms
-            others["mma_pass2"] = ka.block_attention_kernel(q, k, v, config=ka.mma_config(D, fused=False), **kw)
-            others["mma_2warps_one_chunk"] = ka.block_attention_kernel(q, k, v, config=ka.mma_config(D, 2), splits=1, **kw)
-            others["mma_fused_many_chunks"] = ka.block_attention_kernel(q, k, v, config=ka.mma_config(D, fused=True), splits=40, **kw)
+            others["mma_pass2"] = ka.block_attention_kernel(
+                q, k, v, config=ka.mma_config(D, fused=False), **kw
+            )
+            others["mma_2warps_one_chunk"] = ka.block_attention_kernel(
+                q, k, v, config=ka.mma_config(D, 2), splits=1, **kw
+            )
+            others["mma_fused_many_chunks"] = ka.block_attention_kernel(
+                q, k, v, config=ka.mma_config(D, fused=True), splits=40, **kw
+            )
         ref = ka.block_attention_reference(q, k, v, **kw)
         with mx.stream(mx.cpu):  # fp32 oracle on the CPU: GPU fp32 matmuls may round through TF32
-            exact = ka.block_attention_reference(q.astype(mx.float32), k.astype(mx.float32), v.astype(mx.float32), **kw)
+            exact = ka.block_attention_reference(
+                q.astype(mx.float32), k.astype(mx.float32), v.astype(mx.float32), **kw
+            )
             mx.eval(exact)
         err = mx.abs(got.astype(mx.float32) - ref.astype(mx.float32)).max().item()
         err_exact = mx.abs(got.astype(mx.float32) - exact).max().item()
         ref_exact = mx.abs(ref.astype(mx.float32) - exact).max().item()
-        rows.append({
-            "case": dict(B=B, H=H, Hk=Hk, Lq=Lq, Lk=Lk, D=D, dtype=dt, causal=causal, window=window, kv_start=starts),
-            "max_abs_err_vs_reference": err,
-            "kernel_vs_fp32_exact": err_exact,
-            "reference_vs_fp32_exact": ref_exact,
-            "tolerance": TOL[dt],
-            # pass: within the dtype's tolerance of the GPU reference, or (fp32) of the CPU oracle
-            "ok": bool(min(err, err_exact) < TOL[dt]) and not bool(mx.isnan(got).any().item()),
-            "first_call_ms": round(first, 1),
-        })
+        rows.append(
+            {
+                "case": dict(
+                    B=B,
+                    H=H,
+                    Hk=Hk,
+                    Lq=Lq,
+                    Lk=Lk,
+                    D=D,
+                    dtype=dt,
+                    causal=causal,
+                    window=window,
+                    kv_start=starts,
+                ),
+                "max_abs_err_vs_reference": err,
+                "kernel_vs_fp32_exact": err_exact,
+                "reference_vs_fp32_exact": ref_exact,
+                "tolerance": TOL[dt],
+                # pass: within the dtype's tolerance of the GPU reference, or (fp32) of the CPU oracle
+                "ok": bool(min(err, err_exact) < TOL[dt]) and not bool(mx.isnan(got).any().item()),
+                "first_call_ms": round(first, 1),
+            }
+        )
         for name, x in others.items():
             e = mx.abs(x.astype(mx.float32) - ref.astype(mx.float32)).max().item()
             e2 = mx.abs(x.astype(mx.float32) - exact).max().item()
             rows[-1][f"{name}_vs_reference"] = e
-            rows[-1]["ok"] = rows[-1]["ok"] and bool(min(e, e2) < TOL[dt]) and not bool(mx.isnan(x).any().item())
+            rows[-1]["ok"] = (
+                rows[-1]["ok"] and bool(min(e, e2) < TOL[dt]) and not bool(mx.isnan(x).any().item())
+            )
         print(json.dumps(rows[-1]), flush=True)
     return {"cases": rows, "all_ok": all(r["ok"] for r in rows)}
 
@@ -144,7 +176,9 @@ def section_micro(with_tuning=False):
     H, Hk, D, Lq = 32, 8, 128, 16
     out = {}
     scale = D**-0.5
-    stock_causal = lambda q, k, v: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask="causal")  # noqa: E731
+    stock_causal = lambda q, k, v: mx.fast.scaled_dot_product_attention(
+        q, k, v, scale=scale, mask="causal"
+    )  # noqa: E731
     stock_full = lambda q, k, v: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)  # noqa: E731
     kern_causal = lambda q, k, v: ka.block_attention_kernel(q, k, v, scale=scale, causal=True)  # noqa: E731
     kern_full = lambda q, k, v: ka.block_attention_kernel(q, k, v, scale=scale, causal=False)  # noqa: E731
@@ -154,13 +188,17 @@ def section_micro(with_tuning=False):
         res = {
             "kernel_causal_growing": summary(grow(kern_causal, L0, n, kb, vb, q)),
             "kernel_bidirectional_growing": summary(grow(kern_full, L0, n, kb, vb, q)),
-            "stock_causal_fixed": summary([timed(lambda: stock_causal(q, kb[:, :, :L0], vb[:, :, :L0])) for _ in range(n)]),
+            "stock_causal_fixed": summary(
+                [timed(lambda: stock_causal(q, kb[:, :, :L0], vb[:, :, :L0])) for _ in range(n)]
+            ),
         }
         if L0 == 2048:
             res["stock_causal_growing"] = summary(grow(stock_causal, L0, 15, kb, vb, q))
             res["stock_bidirectional_growing"] = summary(grow(stock_full, L0, 15, kb, vb, q))
             q1 = q[:, :, :1]
-            res["stock_1row_growing"] = summary(grow(lambda q, k, v: stock_full(q1, k, v), L0, 15, kb, vb, q))
+            res["stock_1row_growing"] = summary(
+                grow(lambda q, k, v: stock_full(q1, k, v), L0, 15, kb, vb, q)
+            )
         if with_tuning and L0 <= 8192:
             res["tuning"] = tuning(q, kb, vb, L0, scale)
         out[f"ctx{L0}"] = res
@@ -175,13 +213,19 @@ def tuning(q, kb, vb, L0, scale):
     base = ka.kernel_config("cuda" if ka.gpu_backend() == "cuda" else "metal", D)
     out = {}
     for warps in (4, 2, 8):
-        cfg = ka.KernelConfig(warps, base.rows_per_warp, base.dim_groups, base.k_tile_dims, base.v_in_smem, D)
+        cfg = ka.KernelConfig(
+            warps, base.rows_per_warp, base.dim_groups, base.k_tile_dims, base.v_in_smem, D
+        )
         rw = cfg.rows_per_warp
         auto = ka.split_count(Lq, L0, H, Hk, B, cfg.rows, None)
         for factor in (0.5, 1, 2):
             splits = max(1, int(auto * factor))
-            fn = lambda q, k, v: ka.block_attention_kernel(q, k, v, scale=scale, config=cfg, splits=splits)  # noqa: E731
-            out[f"nw{warps}_rw{rw}_splits{splits}"] = round(statistics.median(grow(fn, L0, 8, kb, vb, q)[2:]), 4)
+            fn = lambda q, k, v: ka.block_attention_kernel(
+                q, k, v, scale=scale, config=cfg, splits=splits
+            )  # noqa: E731
+            out[f"nw{warps}_rw{rw}_splits{splits}"] = round(
+                statistics.median(grow(fn, L0, 8, kb, vb, q)[2:]), 4
+            )
     return out
 
 
@@ -242,20 +286,26 @@ def section_verify(model, context, pairs=60):
     runs = {name: [] for name in ["ar"] + names}
     for r in range(pairs):
         runs["ar"].append(timed(lambda: model(x1, cache=cache)))
-        for name in names[r % len(names):] + names[: r % len(names)]:
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             with variant(name):
                 runs[name].append(verify_pass())
 
     def quartiles(xs):
         q = statistics.quantiles(xs, n=4)
-        return {"median": round(statistics.median(xs), 3), "q1": round(q[0], 3), "q3": round(q[2], 3)}
+        return {
+            "median": round(statistics.median(xs), 3),
+            "q1": round(q[0], 3),
+            "q3": round(q[2], 3),
+        }
 
     out = {"context": context, "pairs": pairs, "ar_step_ms": quartiles(runs["ar"])}
     for name in names:
         out[f"verify16_ms_{name}"] = quartiles(runs[name])
         out[f"verify_over_ar_{name}"] = quartiles([v / a for v, a in zip(runs[name], runs["ar"])])
     with variant("stock"):  # stock SDPA: a new key length every pass costs tens of ms
-        out["verify16_ms_stock_growing"] = round(statistics.median(verify_pass() for _ in range(6)), 3)
+        out["verify16_ms_stock_growing"] = round(
+            statistics.median(verify_pass() for _ in range(6)), 3
+        )
     print(json.dumps(out), flush=True)
     return out
 
@@ -276,13 +326,19 @@ def section_tune(context):
                 if cfg.smem_bytes > 200 * 1024:
                     continue
                 for splits in (1, 2, 3, 4, 8):
+
                     def op(x, k, v, cfg=cfg, splits=splits):
-                        return ka.block_attention_kernel(x, k, v, scale=scale, causal=True, config=cfg, splits=splits)
+                        return ka.block_attention_kernel(
+                            x, k, v, scale=scale, causal=True, config=cfg, splits=splits
+                        )
 
                     ts = chained_ms(op, q, kb, vb, context, reps=6)
                     name = f"nw{warps}_kt{kt}_st{stages}_{'fused' if fused else 'pass2'}_splits{splits}"
                     out["chained_ms_per_call"][name] = round(statistics.median(ts[2:]), 4)
-                    gpu = gpu_us(lambda: chain(op, q, kb[:, :, : context + 5], vb[:, :, : context + 5]), CHAIN)
+                    gpu = gpu_us(
+                        lambda: chain(op, q, kb[:, :, : context + 5], vb[:, :, : context + 5]),
+                        CHAIN,
+                    )
                     if gpu is not None:
                         out["gpu_us_per_call"][name] = gpu
     auto = {}
@@ -290,9 +346,13 @@ def section_tune(context):
     for name in ("kernel", "kernel_cuda_cores"):
         with variant(name):
             ts = chained_ms(default_op, q, kb, vb, context, reps=6)
-            auto[name] = {"chained_ms_per_call": round(statistics.median(ts[2:]), 4),
-                          "gpu_us_per_call": gpu_us(lambda: chain(default_op, q, kb[:, :, : context + 5],
-                                                                  vb[:, :, : context + 5]), CHAIN)}
+            auto[name] = {
+                "chained_ms_per_call": round(statistics.median(ts[2:]), 4),
+                "gpu_us_per_call": gpu_us(
+                    lambda: chain(default_op, q, kb[:, :, : context + 5], vb[:, :, : context + 5]),
+                    CHAIN,
+                ),
+            }
     out["defaults"] = auto
     best = sorted(out["chained_ms_per_call"].items(), key=lambda kv: kv[1])[:8]
     out["fastest_chained"] = best
@@ -370,7 +430,9 @@ def section_profile(model, context):
         finally:
             ka.block_attention_kernel = real
     with variant("stock"):
-        out["verify16_fixed_stock"] = summary([timed(lambda: _fixed(model, cache, x16)) for _ in range(12)])
+        out["verify16_fixed_stock"] = summary(
+            [timed(lambda: _fixed(model, cache, x16)) for _ in range(12)]
+        )
 
     # the op alone: 36 chained calls (one per layer of the shape) in one graph
     H, Hk, D, Lq = 32, 8, 128, 16
@@ -378,17 +440,22 @@ def section_profile(model, context):
     scale = D**-0.5
     ops = {
         "kernel": lambda q, k, v: ka.block_attention_kernel(q, k, v, scale=scale, causal=True),
-        "stock_fixed_length": lambda q, k, v: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask="causal"),
+        "stock_fixed_length": lambda q, k, v: mx.fast.scaled_dot_product_attention(
+            q, k, v, scale=scale, mask="causal"
+        ),
         "elementwise": lambda q, k, v: q * 1,
     }
     for name, op in ops.items():
         ts = chained_ms(op, q, kb, vb, context, reps=8, grow=name != "stock_fixed_length")
         out[f"chained36_per_call_{name}"] = summary(ts, skip=2)
     for splits in (4, 8, 16, 32, 64):
+
         def op(x, k, v, splits=splits):
             return ka.block_attention_kernel(x, k, v, scale=scale, causal=True, splits=splits)
 
-        out[f"chained36_per_call_kernel_splits{splits}"] = summary(chained_ms(op, q, kb, vb, context, reps=8), skip=2)
+        out[f"chained36_per_call_kernel_splits{splits}"] = summary(
+            chained_ms(op, q, kb, vb, context, reps=8), skip=2
+        )
     out["cuda_profile"] = torch_profile(model, cache, x16)
     print(json.dumps(out), flush=True)
     return out
@@ -423,7 +490,11 @@ def torch_profile(model, cache, x16):
             us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
             rows.append((us, ev.key, ev.count))
         rows.sort(reverse=True)
-        res[label] = [{"name": k[:90], "total_us_5_passes": round(us, 1), "calls": n} for us, k, n in rows[:25] if us > 0]
+        res[label] = [
+            {"name": k[:90], "total_us_5_passes": round(us, 1), "calls": n}
+            for us, k, n in rows[:25]
+            if us > 0
+        ]
     return res
 
 
@@ -463,7 +534,12 @@ def dflash_rate(target, drafter, prompt, max_tokens):
         n += k
         cycles += 1
     dt = time.perf_counter() - t0
-    return {"tok_s": round(n / dt, 1), "tokens": n, "cycles": cycles, "tokens_per_cycle": round(n / cycles, 2)}
+    return {
+        "tok_s": round(n / dt, 1),
+        "tokens": n,
+        "cycles": cycles,
+        "tokens_per_cycle": round(n / cycles, 2),
+    }
 
 
 def mlx_lm_ar_rate(model, prompt, max_tokens):
@@ -480,8 +556,9 @@ def mlx_lm_ar_rate(model, prompt, max_tokens):
 
 def cycle_phases(target, drafter, prompt, cycles=20):
     """Per-phase ms of a cycle with syncs between phases (every block accepted)."""
+    from dflash_batch.engine.decode import draft_block
+    from dflash_batch.engine.decode import prefill as dprefill
     from dflash_batch.engine.ops.batch_cache import Lengths
-    from dflash_batch.engine.decode import draft_block, prefill as dprefill
 
     lengths, draft_lengths = Lengths([0]), Lengths([0])
     cache, dcache = target.make_cache(lengths), drafter.make_cache(draft_lengths)
@@ -533,7 +610,9 @@ def section_cycle(model, shape, context, rounds=5):
     runs = {name: [] for name in arms + ("mlx_lm_ar",)}
     order = list(arms) + ["mlx_lm_ar"]
     for r in range(rounds):
-        for name in order[r % len(order):] + order[: r % len(order)]:  # rotated: no arm always first
+        for name in (
+            order[r % len(order) :] + order[: r % len(order)]
+        ):  # rotated: no arm always first
             if name == "mlx_lm_ar":
                 runs[name].append(mlx_lm_ar_rate(model, prompt, 257))
             else:
@@ -545,11 +624,17 @@ def section_cycle(model, shape, context, rounds=5):
     for name in arms:
         rate = statistics.median(r["tok_s"] for r in runs[name])
         ratios = [d["tok_s"] / a["tok_s"] for d, a in zip(runs[name], runs["mlx_lm_ar"])]
-        out[f"dflash_{name}_tok_s"] = {"median": rate, "runs": [r["tok_s"] for r in runs[name]],
-                                        "tokens_per_cycle": runs[name][0]["tokens_per_cycle"]}
+        out[f"dflash_{name}_tok_s"] = {
+            "median": rate,
+            "runs": [r["tok_s"] for r in runs[name]],
+            "tokens_per_cycle": runs[name][0]["tokens_per_cycle"],
+        }
         out[f"speedup_{name}_vs_mlx_lm_ar"] = round(rate / ar, 2)  # ratio of medians
-        out[f"speedup_{name}_per_round"] = {"median": round(statistics.median(ratios), 2),
-                                            "min": round(min(ratios), 2), "max": round(max(ratios), 2)}
+        out[f"speedup_{name}_per_round"] = {
+            "median": round(statistics.median(ratios), 2),
+            "min": round(min(ratios), 2),
+            "max": round(max(ratios), 2),
+        }
     with variant("kernel"):
         out["phases_kernel_ms"] = cycle_phases(target, drafter, prompt)
     print(json.dumps(out), flush=True)
@@ -568,12 +653,16 @@ def device_name() -> str:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--out", required=True)
     ap.add_argument("--sections", default="check,micro,verify,cycle")
     ap.add_argument("--shape", default="qwen3-4b", help="a Qwen3 shape from benchmarks/shapes.py")
     ap.add_argument("--context", type=int, default=2048)
-    ap.add_argument("--tuning", action="store_true", help="also time other kernel shapes and chunk counts")
+    ap.add_argument(
+        "--tuning", action="store_true", help="also time other kernel shapes and chunk counts"
+    )
     args = ap.parse_args(argv)
     backend = ka.gpu_backend()
     if backend is None:

@@ -35,15 +35,15 @@ _pkg = types.ModuleType("dflash_batch.engine")  # skip engine/__init__ (tokenize
 _pkg.__path__ = [str(ROOT / "dflash_batch" / "engine")]
 sys.modules["dflash_batch.engine"] = _pkg
 
+from dflash_batch.engine.models import hybrid  # noqa: E402
+from dflash_batch.engine.models.target import Target  # noqa: E402
+from dflash_batch.engine.ops.batch_cache import Lengths  # noqa: E402
+from dflash_batch.engine.ops.kernels import gated_delta as gd  # noqa: E402
+from dflash_batch.engine.ops.kernels import selfcheck  # noqa: E402
+
 import mlx.core as mx  # noqa: E402
 from mlx_lm.models import qwen3_5  # noqa: E402
 from mlx_lm.models.gated_delta import gated_delta_ops  # noqa: E402
-
-from dflash_batch.engine.models import hybrid  # noqa: E402
-from dflash_batch.engine.ops.kernels import gated_delta as gd  # noqa: E402
-from dflash_batch.engine.ops.batch_cache import Lengths  # noqa: E402
-from dflash_batch.engine.ops.kernels import selfcheck  # noqa: E402
-from dflash_batch.engine.models.target import Target  # noqa: E402
 
 QWEN35_9B = {
     "model_type": "qwen3_5",
@@ -67,9 +67,20 @@ QWEN35_9B = {
 }
 TAPS = [1, 8, 15, 22, 29]  # five tapped layers, as a DFlash drafter reads them
 IMPL = "cuda"  # --impl reference (with --tiny) dry-runs this script on a CPU
-TINY = dict(QWEN35_9B, hidden_size=128, num_hidden_layers=8, intermediate_size=256, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
-            linear_key_head_dim=32, linear_value_head_dim=32, vocab_size=512)
+TINY = dict(
+    QWEN35_9B,
+    hidden_size=128,
+    num_hidden_layers=8,
+    intermediate_size=256,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=32,
+    linear_value_head_dim=32,
+    vocab_size=512,
+)
 
 
 def timed(fn, iters, warmup=3):
@@ -81,7 +92,11 @@ def timed(fn, iters, warmup=3):
         t0 = time.perf_counter()
         fn()
         ms.append((time.perf_counter() - t0) * 1e3)
-    return {"median_ms": round(statistics.median(ms), 4), "min_ms": round(min(ms), 4), "iters": iters}
+    return {
+        "median_ms": round(statistics.median(ms), 4),
+        "min_ms": round(min(ms), 4),
+        "iters": iters,
+    }
 
 
 def err(a, b):
@@ -120,7 +135,11 @@ def check_kernels(report, iters):
     y_r, s_r, tape_r = gd.recurrence(q, k, v, g, beta, s0, record=True, impl="reference")
     y_c, s_c, tape_c = gd.recurrence(q, k, v, g, beta, s0, record=True, impl=IMPL)
     mx.eval(y_r, s_r, tape_r, y_c, s_c, tape_c)
-    out["cuda_vs_reference"] = {"y": err(y_c, y_r), "state": err(s_c, s_r), "tape": err(tape_c, tape_r)}
+    out["cuda_vs_reference"] = {
+        "y": err(y_c, y_r),
+        "state": err(s_c, s_r),
+        "tape": err(tape_c, tape_r),
+    }
     y_o, s_o = gated_delta_ops(q, k, v, g, beta, s0)
     out["cuda_vs_mlx_lm_ops"] = {"y": err(y_c, y_o), "state": err(s_c, s_o)}
     _, s_nt, nt = gd.recurrence(q, k, v, g, beta, s0, record=False, impl=IMPL)
@@ -129,7 +148,16 @@ def check_kernels(report, iters):
     # One T-token call against T one-token calls (what decoding does): bitwise.
     s, ys = s0, []
     for t in range(T):
-        y1, s, _ = gd.recurrence(q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1], g[:, t : t + 1], beta[:, t : t + 1], s, record=False, impl=IMPL)
+        y1, s, _ = gd.recurrence(
+            q[:, t : t + 1],
+            k[:, t : t + 1],
+            v[:, t : t + 1],
+            g[:, t : t + 1],
+            beta[:, t : t + 1],
+            s,
+            record=False,
+            impl=IMPL,
+        )
         ys.append(y1)
     out["stepwise_vs_block_bitwise_equal"] = {
         "y": bool(mx.array_equal(mx.concatenate(ys, axis=1), y_c).item()),
@@ -139,7 +167,13 @@ def check_kernels(report, iters):
     # Replay of the first n taped steps against the recurrence stopped after n steps.
     replay = {}
     for n in (0, 1, 5, 8, 15, 16):
-        _, s_n, _ = gd.recurrence(q[:, :n], k[:, :n], v[:, :n], g[:, :n], beta[:, :n], s0, record=False, impl=IMPL) if n else (None, s0, None)
+        _, s_n, _ = (
+            gd.recurrence(
+                q[:, :n], k[:, :n], v[:, :n], g[:, :n], beta[:, :n], s0, record=False, impl=IMPL
+            )
+            if n
+            else (None, s0, None)
+        )
         r_c = gd.replay(tape_c[:, :n], k[:, :n], g[:, :n], s0, impl=IMPL)
         r_r = gd.replay(tape_r[:, :n], k[:, :n], g[:, :n], s0, impl="reference")
         replay[n] = {
@@ -154,10 +188,25 @@ def check_kernels(report, iters):
     yb_c, sb_c, tb_c = gd.recurrence(q, k, v, g, beta, sb, impl=IMPL)
     s = sb
     for t in range(8):
-        _, s, _ = gd.recurrence(q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1], g[:, t : t + 1], beta[:, t : t + 1], s, record=False, impl=IMPL)
+        _, s, _ = gd.recurrence(
+            q[:, t : t + 1],
+            k[:, t : t + 1],
+            v[:, t : t + 1],
+            g[:, t : t + 1],
+            beta[:, t : t + 1],
+            s,
+            record=False,
+            impl=IMPL,
+        )
     out["bf16_state"] = {
-        "cuda_vs_reference": {"y": err(yb_c, yb_r), "state": err(sb_c, sb_r), "tape": err(tb_c, tb_r)},
-        "replay8_vs_stepwise8_bitwise": bool(mx.array_equal(gd.replay(tb_c[:, :8], k[:, :8], g[:, :8], sb, impl=IMPL), s).item()),
+        "cuda_vs_reference": {
+            "y": err(yb_c, yb_r),
+            "state": err(sb_c, sb_r),
+            "tape": err(tb_c, tb_r),
+        },
+        "replay8_vs_stepwise8_bitwise": bool(
+            mx.array_equal(gd.replay(tb_c[:, :8], k[:, :8], g[:, :8], sb, impl=IMPL), s).item()
+        ),
     }
 
     # Per-layer times at this shape.
@@ -167,11 +216,19 @@ def check_kernels(report, iters):
     times = {}
     for T_ in (1, 16):
         qq, kk, vv, gg, bb = q[:, :T_], k[:, :T_], v[:, :T_], g[:, :T_], beta[:, :T_]
-        times[f"cuda_T{T_}_tape"] = timed(run(lambda: gd.recurrence(qq, kk, vv, gg, bb, s0, record=True, impl=IMPL)), iters)
-        times[f"cuda_T{T_}_no_tape"] = timed(run(lambda: gd.recurrence(qq, kk, vv, gg, bb, s0, record=False, impl=IMPL)), iters)
-        times[f"mlx_lm_ops_T{T_}"] = timed(run(lambda: gated_delta_ops(qq, kk, vv, gg, bb, s0)), iters)
+        times[f"cuda_T{T_}_tape"] = timed(
+            run(lambda: gd.recurrence(qq, kk, vv, gg, bb, s0, record=True, impl=IMPL)), iters
+        )
+        times[f"cuda_T{T_}_no_tape"] = timed(
+            run(lambda: gd.recurrence(qq, kk, vv, gg, bb, s0, record=False, impl=IMPL)), iters
+        )
+        times[f"mlx_lm_ops_T{T_}"] = timed(
+            run(lambda: gated_delta_ops(qq, kk, vv, gg, bb, s0)), iters
+        )
     for n in (1, 8, 15):
-        times[f"cuda_replay_{n}"] = timed(lambda: mx.eval(gd.replay(tape_c[:, :n], k[:, :n], g[:, :n], s0, impl=IMPL)), iters)
+        times[f"cuda_replay_{n}"] = timed(
+            lambda: mx.eval(gd.replay(tape_c[:, :n], k[:, :n], g[:, :n], s0, impl=IMPL)), iters
+        )
     out["per_layer_times"] = times
     report["kernels"] = out
 
@@ -224,7 +281,14 @@ def growing_cycles(target, cache, lengths, reset, one, block, iters):
                     rollback_ms.append((t2 - t1) * 1e3)
                     decode_ms.append((t3 - t2) * 1e3)
             after = attention.counters()
-            med = {k: round(statistics.median(x), 4) for k, x in (("verify_16", verify_ms), ("rollback_keep_4", rollback_ms), ("decode_step", decode_ms))}
+            med = {
+                k: round(statistics.median(x), 4)
+                for k, x in (
+                    ("verify_16", verify_ms),
+                    ("rollback_keep_4", rollback_ms),
+                    ("decode_step", decode_ms),
+                )
+            }
             out[mode] = dict(
                 med,
                 iters=n,
@@ -237,11 +301,20 @@ def growing_cycles(target, cache, lengths, reset, one, block, iters):
 
 
 def check_model(report, context, iters, growing=True):
-    out = {"shape": "Qwen3.5-9B-like (random weights, real shapes), bf16", "config": CONFIG, "context": context, "taps": TAPS}
+    out = {
+        "shape": "Qwen3.5-9B-like (random weights, real shapes), bf16",
+        "config": CONFIG,
+        "context": context,
+        "taps": TAPS,
+    }
     t0 = time.perf_counter()
     model = build_model()
     out["build_s"] = round(time.perf_counter() - t0, 2)
-    out["weights_gb"] = round(sum(p.nbytes for _, p in __import__("mlx.utils").utils.tree_flatten(model.parameters())) / 1e9, 2)
+    out["weights_gb"] = round(
+        sum(p.nbytes for _, p in __import__("mlx.utils").utils.tree_flatten(model.parameters()))
+        / 1e9,
+        2,
+    )
     target = Target(model, TAPS if CONFIG is QWEN35_9B else [1, 3, 5])
     assert target.hybrid
     lengths = Lengths([0])
@@ -286,14 +359,23 @@ def check_model(report, context, iters, growing=True):
         ms = []
         for i in range(iters + 2):
             logits, h = target.verify(block, cache)
-            mx.eval(logits, h, [x for c in cache if isinstance(c, hybrid.TapeCache) for x in c.tape])
+            mx.eval(
+                logits, h, [x for c in cache if isinstance(c, hybrid.TapeCache) for x in c.tape]
+            )
             t1 = time.perf_counter()
             target.rollback(cache, [keep])
-            mx.eval([c[1] for c in cache if isinstance(c, hybrid.TapeCache)], [c[0] for c in cache if isinstance(c, hybrid.TapeCache)])
+            mx.eval(
+                [c[1] for c in cache if isinstance(c, hybrid.TapeCache)],
+                [c[0] for c in cache if isinstance(c, hybrid.TapeCache)],
+            )
             if i >= 2:
                 ms.append((time.perf_counter() - t1) * 1e3)
             reset()
-        res[f"rollback_keep_{keep}"] = {"median_ms": round(statistics.median(ms), 4), "min_ms": round(min(ms), 4), "iters": iters}
+        res[f"rollback_keep_{keep}"] = {
+            "median_ms": round(statistics.median(ms), 4),
+            "min_ms": round(min(ms), 4),
+            "iters": iters,
+        }
 
     # mlx-lm's stock GatedDeltaNet (a Python loop over tokens on CUDA), same cache, no tape.
     set_stock(target, True)
@@ -310,12 +392,20 @@ def check_model(report, context, iters, growing=True):
     if growing:
         out["growing"] = growing_cycles(target, cache, lengths, reset, one, block, iters)
 
-    v, d, sd = res["verify_16"]["median_ms"], res["decode_step"]["median_ms"], res["stock_decode_step"]["median_ms"]
+    v, d, sd = (
+        res["verify_16"]["median_ms"],
+        res["decode_step"]["median_ms"],
+        res["stock_decode_step"]["median_ms"],
+    )
     out["times"] = res
     out["verify16_over_decode_step"] = round(v / d, 3)
     out["verify16_over_stock_decode_step"] = round(v / sd, 3)
-    out["stock_verify16_over_stock_decode_step"] = round(res["stock_verify_16"]["median_ms"] / sd, 3)
-    out["rollback_over_verify"] = {k: round(res[f"rollback_keep_{k}"]["median_ms"] / v, 4) for k in (1, 8, 15, 16)}
+    out["stock_verify16_over_stock_decode_step"] = round(
+        res["stock_verify_16"]["median_ms"] / sd, 3
+    )
+    out["rollback_over_verify"] = {
+        k: round(res[f"rollback_keep_{k}"]["median_ms"] / v, 4) for k in (1, 8, 15, 16)
+    }
     report["model"] = out
 
 
@@ -323,7 +413,12 @@ def _gpu_name():
     import subprocess
 
     try:
-        return subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"], capture_output=True, text=True, timeout=20).stdout.strip()
+        return subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        ).stdout.strip()
     except Exception as e:
         return f"unknown ({e})"
 
@@ -357,7 +452,9 @@ def main():
     # which would put the reference in place of a kernel that fails it
     steps = [] if a.skip_kernels else [("kernels", lambda: unchecked_kernels(report, a.iters))]
     if not a.skip_model:
-        steps.append(("model", lambda: check_model(report, a.context, a.iters, growing=not a.no_growing)))
+        steps.append(
+            ("model", lambda: check_model(report, a.context, a.iters, growing=not a.no_growing))
+        )
     for name, step in steps:
         try:
             step()

@@ -17,10 +17,11 @@ import argparse
 import sys
 
 import dflash_batch.engine  # noqa: F401  (BLAS preload before mlx)
+from dflash_batch.engine import load_engine
+
 import mlx.core as mx
 
 from benchmarks.default_pair import command_line, held_out_options, held_out_prompts, write_result
-from dflash_batch.engine import load_engine
 from dflash_batch.training.sweep import decode_rows
 
 
@@ -34,7 +35,9 @@ def main(argv=None) -> int:
     if drafted.drafter is None:
         print("no drafter: nothing to measure", file=sys.stderr)
         return 2
-    plain = load_engine(args.target, None)  # a model of its own: the target capture wraps its layers
+    plain = load_engine(
+        args.target, None
+    )  # a model of its own: the target capture wraps its layers
     prompts = held_out_prompts(drafted.tokenizer, args.prompts, args.samples)
     with_drafter = decode_rows(drafted, prompts, args.max_tokens, args.batch)
     reference = decode_rows(plain, prompts, args.max_tokens, args.batch)
@@ -51,7 +54,9 @@ def main(argv=None) -> int:
         "tokens_per_cycle": round(with_drafter["committed"] / max(cycles, 1), 3),
         "cycles": cycles,
         "acceptance_histogram": hist,
-        "exact_prompts": sum(with_drafter["outputs"][i] == reference["outputs"][i] for i in range(len(prompts))),
+        "exact_prompts": sum(
+            with_drafter["outputs"][i] == reference["outputs"][i] for i in range(len(prompts))
+        ),
         "command": command_line("held_out_acceptance", argv),
     }
     write_result(result, args.out)

@@ -56,8 +56,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(arm: str, target: Optional[str], draft: Optional[str], home: Path, port: int,
-                 slots: int, log: Path) -> subprocess.Popen:
+def start_server(
+    arm: str,
+    target: Optional[str],
+    draft: Optional[str],
+    home: Path,
+    port: int,
+    slots: int,
+    log: Path,
+) -> subprocess.Popen:
     env = dict(os.environ, DFLASH_BATCH_HOME=str(home), PYTHONUNBUFFERED="1")
     if arm == "mlx_lm":
         command = [sys.executable, "-m", "mlx_lm.server", "--model", target, "--port", str(port)]
@@ -72,7 +79,9 @@ def start_server(arm: str, target: Optional[str], draft: Optional[str], home: Pa
             command += ["--draft", draft]
         if arm == "dflash+job":
             command += ["--worker"]
-    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=open(log, "wb"), stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=open(log, "wb"), stderr=subprocess.STDOUT
+    )
 
 
 def wait_up(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
@@ -119,7 +128,9 @@ def one_request(url: str, prompt: str, max_tokens: int, model: str) -> Dict[str,
             "total": last - sent}  # fmt: skip
 
 
-def clients(url: str, count: int, requests: int, max_tokens: int, model: str) -> List[Dict[str, float]]:
+def clients(
+    url: str, count: int, requests: int, max_tokens: int, model: str
+) -> List[Dict[str, float]]:
     out: List[Dict[str, float]] = []
     lock = threading.Lock()
 
@@ -189,11 +200,15 @@ def run_arm(arm: str, args, work: Path) -> Dict[str, object]:
         one_request(url, PROMPTS[0], args.max_tokens, model)  # warm-up: model load, first shapes
         if arm == "dflash+job":
             if args.job_alone:
-                out["job_alone_s"] = wait_batch(url, submit_job(url, args.job_lines, args.job_max_tokens))
+                out["job_alone_s"] = wait_batch(
+                    url, submit_job(url, args.job_lines, args.job_max_tokens)
+                )
             batch = submit_job(url, args.job_lines, args.job_max_tokens)
             time.sleep(args.job_head_start)
         for count in args.clients:
-            out["by_clients"][count] = summarise(clients(url, count, args.requests, args.max_tokens, model))
+            out["by_clients"][count] = summarise(
+                clients(url, count, args.requests, args.max_tokens, model)
+            )
         if arm == "dflash+job":
             out["job_with_clients_s"] = wait_batch(url, batch)
     finally:
@@ -223,7 +238,9 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--job-lines", type=int, default=64)
     p.add_argument("--job-max-tokens", type=int, default=64)
-    p.add_argument("--job-head-start", type=float, default=2.0, help="seconds between the job and the clients")
+    p.add_argument(
+        "--job-head-start", type=float, default=2.0, help="seconds between the job and the clients"
+    )
     p.add_argument("--job-alone", action="store_true", help="also time the job without clients")
     p.add_argument("--out", type=Path, help="write the results as JSON here")
     args = p.parse_args(argv)

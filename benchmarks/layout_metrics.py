@@ -35,8 +35,10 @@ LONG = 100
 ENV_READ = re.compile(r"os\.environ|os\.getenv|getenv\(")
 TABLE = "dflash_batch/environment.py"  # the environment's one accessor: not a scattered read
 # a timing, a machine or a date in a line of text (messages' format strings excepted)
-FIGURE = re.compile(r"\d[\d.,]* ?(ms|us|µs|ns|s)\b|\bH[12]00\b|\bA100\b|\b20\d\d-\d\d-\d\d\b|\d+x (faster|slower)"
-                    r"|\d\.\d+x\b|\b\d-core\b|\bVM\b")
+FIGURE = re.compile(
+    r"\d[\d.,]* ?(ms|us|µs|ns|s)\b|\bH[12]00\b|\bA100\b|\b20\d\d-\d\d-\d\d\b|\d+x (faster|slower)"
+    r"|\d\.\d+x\b|\b\d-core\b|\bVM\b"
+)
 
 
 def module_name(root: Path, path: Path) -> str:
@@ -56,7 +58,9 @@ def imports(root: Path, path: Path, known: Set[str]) -> Iterator[str]:
         elif isinstance(node, ast.ImportFrom):
             base = package[: len(package) - node.level + 1] if node.level else []
             stem = ".".join(base + ([node.module] if node.module else []))
-            submodules = [f"{stem}.{alias.name}" for alias in node.names if f"{stem}.{alias.name}" in known]
+            submodules = [
+                f"{stem}.{alias.name}" for alias in node.names if f"{stem}.{alias.name}" in known
+            ]
             if len(submodules) < len(node.names):  # a name from the module itself
                 yield stem
             yield from submodules
@@ -125,7 +129,11 @@ def kernel_lines(path: Path) -> int:
 def measure(root: Path) -> Dict[str, object]:
     package = root / "dflash_batch"
     graph = engine_graph(root)
-    engine_modules = [m for m in graph if not m.endswith("__init__") and (root / (m.replace(".", "/") + ".py")).exists()]
+    engine_modules = [
+        m
+        for m in graph
+        if not m.endswith("__init__") and (root / (m.replace(".", "/") + ".py")).exists()
+    ]
     upward = sorted((a, b) for a, targets in graph.items() for b in targets if floor(b) > floor(a))
     env: List[Tuple[str, int]] = []
     long_lines = kernel = figures = table_reads = 0
@@ -142,11 +150,21 @@ def measure(root: Path) -> Dict[str, object]:
     internal, private = set(), set()
     for path in sorted((root / "benchmarks").glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("dflash_batch.engine."):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                "dflash_batch.engine."
+            ):
                 internal.add((path.name, node.module))
-                private |= {(path.name, f"{node.module}.{a.name}") for a in node.names if a.name.startswith("_")}
+                private |= {
+                    (path.name, f"{node.module}.{a.name}")
+                    for a in node.names
+                    if a.name.startswith("_")
+                }
             elif isinstance(node, ast.Import):
-                internal |= {(path.name, a.name) for a in node.names if a.name.startswith("dflash_batch.engine.")}
+                internal |= {
+                    (path.name, a.name)
+                    for a in node.names
+                    if a.name.startswith("dflash_batch.engine.")
+                }
     return {
         "engine_modules": len(engine_modules),
         "import_circles": circles(graph),

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Dict
 
 import dflash_batch.engine  # noqa: F401  (preloads a fast BLAS before mlx on Linux CPU)
+
 import mlx.core as mx
 from mlx.utils import tree_flatten
 

@@ -7,12 +7,13 @@
 
 (docs/results/ncu-h200-run*.txt hold the summaries of the H200 runs.)
 """
+
 import argparse
 
 import dflash_batch.engine  # noqa: F401  (preloads a fast BLAS before mlx on Linux CPU)
-import mlx.core as mx
-
 from dflash_batch.engine.ops.kernels import attention as ka
+
+import mlx.core as mx
 
 H, Hk, D, Lq, L = 32, 8, 128, 16, 2048
 

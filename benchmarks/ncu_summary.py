@@ -10,9 +10,19 @@ import collections
 import csv
 import os
 
-WANT = ["Duration", "SM Frequency", "Achieved Occupancy", "Theoretical Occupancy", "Registers Per Thread",
-        "Compute (SM) Throughput", "DRAM Throughput", "L2 Hit Rate", "Dynamic Shared Memory Per Block",
-        "Warp Cycles Per Issued Instruction", "Waves Per SM"]
+WANT = [
+    "Duration",
+    "SM Frequency",
+    "Achieved Occupancy",
+    "Theoretical Occupancy",
+    "Registers Per Thread",
+    "Compute (SM) Throughput",
+    "DRAM Throughput",
+    "L2 Hit Rate",
+    "Dynamic Shared Memory Per Block",
+    "Warp Cycles Per Issued Instruction",
+    "Waves Per SM",
+]
 
 
 def main(path):
@@ -21,10 +31,16 @@ def main(path):
     per = collections.OrderedDict()
     for r in rows[1:]:
         r = r + [""] * (len(idx) - len(r))
-        key = (r[idx["ID"]], r[idx["Kernel Name"]].split("(")[0].replace("custom_kernel_dflash_block_attn_", ""),
-               r[idx["Grid Size"]], r[idx["Block Size"]])
+        key = (
+            r[idx["ID"]],
+            r[idx["Kernel Name"]].split("(")[0].replace("custom_kernel_dflash_block_attn_", ""),
+            r[idx["Grid Size"]],
+            r[idx["Block Size"]],
+        )
         if r[idx["Metric Name"]]:
-            per.setdefault(key, {})[r[idx["Metric Name"]]] = f"{r[idx['Metric Value']]} {r[idx['Metric Unit']]}".strip()
+            per.setdefault(key, {})[r[idx["Metric Name"]]] = (
+                f"{r[idx['Metric Value']]} {r[idx['Metric Unit']]}".strip()
+            )
     for key, m in per.items():
         print(*key, "|", "; ".join(f"{w}: {m[w]}" for w in WANT if w in m))
 

@@ -37,16 +37,25 @@ from pathlib import Path
 from typing import Any, Dict, List
 
 import dflash_batch.engine  # noqa: F401  (BLAS preload before mlx on Linux CPU)
-import mlx.core as mx
-
 from dflash_batch.engine import Engine, load_engine
+
+import mlx.core as mx
 
 from . import arms, batched
 
 ROOT = Path(__file__).resolve().parent.parent
 CHAT_PROMPTS = ROOT / "benchmarks" / "data" / "chat-prompts.jsonl"
-SMOKE = dict(shape="qwen3-tiny", batches="2,4", prompts=8, context=32, max_tokens=8, reps=1,
-             pair_batches="2", pair_prompts=4, pair_max_tokens=8)
+SMOKE = dict(
+    shape="qwen3-tiny",
+    batches="2,4",
+    prompts=8,
+    context=32,
+    max_tokens=8,
+    reps=1,
+    pair_batches="2",
+    pair_prompts=4,
+    pair_max_tokens=8,
+)
 
 
 def chat_prompts(count: int) -> List[str]:
@@ -75,12 +84,15 @@ def run_job(engine: Engine, prompts: list, max_tokens: int, B: int) -> Dict[str,
     return out
 
 
-def side_by_side(arms_: Dict[str, Engine], prompts: list, max_tokens: int, B: int, reps: int,
-                 warm_prompts: int) -> Dict[str, Any]:
+def side_by_side(
+    arms_: Dict[str, Engine], prompts: list, max_tokens: int, B: int, reps: int, warm_prompts: int
+) -> Dict[str, Any]:
     """Each arm warmed up at B, then the arms alternating for ``reps`` timed runs, in turns
     A B, B A, A B, ... (neither arm always runs first); medians."""
-    warm = {name: run_job(engine, prompts[:warm_prompts], min(arms.WARM_TOKENS, max_tokens), B)
-            for name, engine in arms_.items()}
+    warm = {
+        name: run_job(engine, prompts[:warm_prompts], min(arms.WARM_TOKENS, max_tokens), B)
+        for name, engine in arms_.items()
+    }
     runs: Dict[str, list] = {name: [] for name in arms_}
     order = list(arms_.items())
     for rep in range(reps):
@@ -106,16 +118,31 @@ def random_drafter_part(args) -> Dict[str, Any]:
     config = arms.text_config(setup.shape.target)
     # each arm its own copy of the target: an engine wraps the layers of the model it is given
     plain = Engine(setup.model, setup.tokenizer, None, config=config, prefix_cache_mb=0)
-    drafting = Engine(arms.engine_setup(setup).model, setup.tokenizer, setup.drafter, config=config, prefix_cache_mb=0)
+    drafting = Engine(
+        arms.engine_setup(setup).model,
+        setup.tokenizer,
+        setup.drafter,
+        config=config,
+        prefix_cache_mb=0,
+    )
     prompts = batched.job_prompts(args.prompts, args.context, setup.vocab_size)
     out = {}
     for B in _ints(args.batches):
-        figures = side_by_side({"plain": plain, "random drafter": drafting}, prompts, args.max_tokens, B, args.reps,
-                               warm_prompts=min(2 * B, len(prompts)))
+        figures = side_by_side(
+            {"plain": plain, "random drafter": drafting},
+            prompts,
+            args.max_tokens,
+            B,
+            args.reps,
+            warm_prompts=min(2 * B, len(prompts)),
+        )
         figures["ratio"] = figures["random drafter"]["tok_s"] / figures["plain"]["tok_s"]
         out[str(B)] = figures
-        print(f"random drafter B={B}: {figures['ratio']:.3f}x plain "
-              f"({figures['random drafter']['tok_s']:.1f} vs {figures['plain']['tok_s']:.1f} tok/s)", flush=True)
+        print(
+            f"random drafter B={B}: {figures['ratio']:.3f}x plain "
+            f"({figures['random drafter']['tok_s']:.1f} vs {figures['plain']['tok_s']:.1f} tok/s)",
+            flush=True,
+        )
     return out
 
 
@@ -125,13 +152,22 @@ def default_pair_part(args) -> Dict[str, Any]:
     prompts = chat_prompts(args.pair_prompts)
     out = {}
     for B in _ints(args.pair_batches):
-        figures = side_by_side({"plain": plain, "drafter": with_drafter}, prompts, args.pair_max_tokens, B, args.reps,
-                               warm_prompts=min(B, len(prompts)))
+        figures = side_by_side(
+            {"plain": plain, "drafter": with_drafter},
+            prompts,
+            args.pair_max_tokens,
+            B,
+            args.reps,
+            warm_prompts=min(B, len(prompts)),
+        )
         figures["ratio"] = figures["drafter"]["tok_s"] / figures["plain"]["tok_s"]
         out[str(B)] = figures
-        print(f"default pair B={B}: {figures['ratio']:.3f}x plain "
-              f"({figures['drafter']['tok_s']:.1f} vs {figures['plain']['tok_s']:.1f} tok/s, "
-              f"{figures['drafter']['tokens_per_cycle'] or 0:.2f} tokens/cycle)", flush=True)
+        print(
+            f"default pair B={B}: {figures['ratio']:.3f}x plain "
+            f"({figures['drafter']['tok_s']:.1f} vs {figures['plain']['tok_s']:.1f} tok/s, "
+            f"{figures['drafter']['tokens_per_cycle'] or 0:.2f} tokens/cycle)",
+            flush=True,
+        )
     return out
 
 
@@ -140,16 +176,25 @@ def markdown(doc: Dict[str, Any]) -> str:
     for part, arm in (("random_drafter", "random drafter"), ("default_pair", "drafter")):
         if not doc.get(part):
             continue
-        title = f"{doc['shape']}, random drafter" if part == "random_drafter" else "default pair, chat prompts"
-        lines += [f"## {title}", "",
-                  "| B | plain tok/s | with drafter tok/s | ratio | tokens/cycle | plain cycle ms (no drafter / drafter) "
-                  "| cycles of new shapes, of new (rows, width), timed runs (no drafter / drafter) |",
-                  "| --- | --- | --- | --- | --- | --- | --- |"]
+        title = (
+            f"{doc['shape']}, random drafter"
+            if part == "random_drafter"
+            else "default pair, chat prompts"
+        )
+        lines += [
+            f"## {title}",
+            "",
+            "| B | plain tok/s | with drafter tok/s | ratio | tokens/cycle | plain cycle ms (no drafter / drafter) "
+            "| cycles of new shapes, of new (rows, width), timed runs (no drafter / drafter) |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
+        ]
         for B, f in doc[part].items():
             p, d = f["plain"], f[arm]
-            lines.append(f"| {B} | {p['tok_s']:.1f} | {d['tok_s']:.1f} | {f['ratio']:.3f}x | "
-                         f"{d['tokens_per_cycle'] or 0:.2f} | {p['plain_cycle_ms']} / {d['plain_cycle_ms']} | "
-                         f"{_new(p)} / {_new(d)} |")
+            lines.append(
+                f"| {B} | {p['tok_s']:.1f} | {d['tok_s']:.1f} | {f['ratio']:.3f}x | "
+                f"{d['tokens_per_cycle'] or 0:.2f} | {p['plain_cycle_ms']} / {d['plain_cycle_ms']} | "
+                f"{_new(p)} / {_new(d)} |"
+            )
         lines.append("")
     return "\n".join(lines)
 
@@ -166,9 +211,16 @@ def _ints(text: str) -> List[int]:
 
 
 def main(argv=None) -> Path:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--shape", default="qwen3-4b")
-    ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="default: float32 on CPU, bfloat16 on GPU")
+    ap.add_argument(
+        "--dtype",
+        default=None,
+        choices=["float32", "bfloat16"],
+        help="default: float32 on CPU, bfloat16 on GPU",
+    )
     ap.add_argument("--batches", default="8,16,32,64")
     ap.add_argument("--prompts", type=int, default=128)
     ap.add_argument("--context", type=int, default=1024)
@@ -179,7 +231,11 @@ def main(argv=None) -> Path:
     ap.add_argument("--pair-max-tokens", type=int, default=64)
     ap.add_argument("--no-default-pair", action="store_true")
     ap.add_argument("--no-random-drafter", action="store_true")
-    ap.add_argument("--smoke", action="store_true", help="a tiny shape and job: checks the harness, measures nothing")
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="a tiny shape and job: checks the harness, measures nothing",
+    )
     ap.add_argument("--machine", default=platform.node() or "machine")
     ap.add_argument("--out", default=str(ROOT / "docs" / "results"))
     args = ap.parse_args(argv)
@@ -189,9 +245,16 @@ def main(argv=None) -> Path:
     if args.dtype is None:
         args.dtype = "float32" if mx.default_device() == mx.cpu else "bfloat16"
     date = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d")
-    doc = {"machine": args.machine, "date": date, "shape": args.shape, "dtype": args.dtype, "mlx": mx.__version__,
-           "command": "python -m benchmarks.never_loses " + " ".join(sys.argv[1:] if argv is None else argv),
-           "smoke": args.smoke}
+    doc = {
+        "machine": args.machine,
+        "date": date,
+        "shape": args.shape,
+        "dtype": args.dtype,
+        "mlx": mx.__version__,
+        "command": "python -m benchmarks.never_loses "
+        + " ".join(sys.argv[1:] if argv is None else argv),
+        "smoke": args.smoke,
+    }
     if not args.no_random_drafter:
         doc["random_drafter"] = random_drafter_part(args)
     if not args.no_default_pair:

@@ -15,16 +15,18 @@ import statistics
 import time
 
 import dflash_batch.engine  # noqa: F401  (BLAS preload before mlx on Linux CPU)
-import mlx.core as mx
-
 from dflash_batch.engine.models.target import Target
 from dflash_batch.engine.ops.batch_cache import Lengths
+
+import mlx.core as mx
 
 from . import arms
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--shape", default="qwen3-small")
     ap.add_argument("--rows", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=512)
@@ -33,10 +35,18 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
 
     gpu = mx.default_device() == mx.gpu
-    setup = arms.build_setup(args.shape, getattr(mx, args.dtype or ("bfloat16" if gpu else "float32")), with_ar_draft=False)
+    setup = arms.build_setup(
+        args.shape,
+        getattr(mx, args.dtype or ("bfloat16" if gpu else "float32")),
+        with_ar_draft=False,
+    )
     target = Target(setup.model)
-    tokens = mx.random.randint(0, setup.vocab_size, (args.rows, args.tokens), key=mx.random.key(0)).astype(mx.int32)
-    at = mx.array([args.tokens - 1 - 7 * b for b in range(args.rows)], dtype=mx.int32)  # rows of their own lengths
+    tokens = mx.random.randint(
+        0, setup.vocab_size, (args.rows, args.tokens), key=mx.random.key(0)
+    ).astype(mx.int32)
+    at = mx.array(
+        [args.tokens - 1 - 7 * b for b in range(args.rows)], dtype=mx.int32
+    )  # rows of their own lengths
 
     def one_pass(chosen):
         cache = target.make_cache(Lengths([0] * args.rows))
@@ -57,7 +67,10 @@ def main(argv=None) -> dict:
     out = {"shape": args.shape, "rows": args.rows, "tokens": args.tokens, "device": str(mx.default_device()),
            "head_after_backbone": target.head_after_backbone}  # fmt: skip
     for name, r in runs.items():
-        out[name] = {"s": round(statistics.median(s for s, _ in r), 4), "peak_gb": round(max(m for _, m in r), 3)}
+        out[name] = {
+            "s": round(statistics.median(s for s, _ in r), 4),
+            "peak_gb": round(max(m for _, m in r), 3),
+        }
     out["ratio"] = round(out["every_position"]["s"] / out["chosen_positions"]["s"], 2)
     print(json.dumps(out))
     return out

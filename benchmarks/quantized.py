@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List
 
 import dflash_batch.engine  # noqa: F401  (BLAS preload before mlx on Linux CPU)
+
 import mlx.core as mx
 
 from . import arms
@@ -57,19 +58,34 @@ def qwen35_27b(layers: int = 64) -> Shape:
     5 layers and 5 taps, the layout whose bf16 size is the 3.46 GB quoted for
     z-lab/Qwen3.5-27B-DFlash (layers, taps, heads and window assumed)."""
     config = qwen3_5(5120, 17408, tied=False, layers=layers)
-    config["text_config"].update(num_attention_heads=24, num_key_value_heads=4, linear_num_value_heads=48)
+    config["text_config"].update(
+        num_attention_heads=24, num_key_value_heads=4, linear_num_value_heads=48
+    )
     taps = _taps(layers, 5)
     drafter = dflash_drafter(5120, 17408, 5, taps, layers, 248077, 248320, 1e7, window=4096)
-    return Shape(f"qwen3.5-27b-{layers}l", config, drafter, source="Qwen3.5-27B text shape (third-party configs)",
-                 unverified=["target config quoted by third parties, not fetched", "drafter layout assumed"])
+    return Shape(
+        f"qwen3.5-27b-{layers}l",
+        config,
+        drafter,
+        source="Qwen3.5-27B text shape (third-party configs)",
+        unverified=["target config quoted by third parties, not fetched", "drafter layout assumed"],
+    )
 
 
 def tiny_hybrid() -> Shape:
     """A tiny hybrid of the same layout (every width a multiple of 64, so every layer quantizes)."""
     config = qwen3_5(128, 256, tied=False, layers=4)
-    config["text_config"].update(num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,
-                                 linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
-                                 vocab_size=512, max_position_embeddings=4096)
+    config["text_config"].update(
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=32,
+        linear_value_head_dim=32,
+        vocab_size=512,
+        max_position_embeddings=4096,
+    )
     drafter = dflash_drafter(128, 256, 2, [1, 2], 4, 3, 512, 1e7, window=64, heads=(4, 2, 32))
     return Shape("qwen3.5-tiny-hybrid", config, drafter, source="tiny hybrid for the smoke run")
 
@@ -103,48 +119,98 @@ def build_setup(shape: Shape, dtype: mx.Dtype, quant: dict) -> arms.Setup:
     hidden = arms.text_config(shape.target)["hidden_size"]
     drafter = build_drafter(shape.drafter, hidden, dtype, seed=1)
     tokenizer = build_tokenizer(arms.text_config(shape.target)["vocab_size"])
-    return arms.Setup(shape, model, tokenizer, drafter, None, dtype, weight_bytes(model), weight_bytes(drafter))
+    return arms.Setup(
+        shape, model, tokenizer, drafter, None, dtype, weight_bytes(model), weight_bytes(drafter)
+    )
 
 
 def engine_copy(setup: arms.Setup, quant: dict) -> arms.Setup:
     """The same weights again (same seed) for the engine, which wraps its model's layers."""
     model = build_quantized(setup.shape.target, setup.dtype, quant)
-    return arms.Setup(setup.shape, model, setup.tokenizer, setup.drafter, None, setup.dtype, setup.target_bytes,
-                      setup.drafter_bytes)
+    return arms.Setup(
+        setup.shape,
+        model,
+        setup.tokenizer,
+        setup.drafter,
+        None,
+        setup.dtype,
+        setup.target_bytes,
+        setup.drafter_bytes,
+    )
 
 
 # -- divergence -----------------------------------------------------------------------------------
 
 
-def divergence(setup: arms.Setup, engine_setup: arms.Setup, prompts: List[List[int]], max_tokens: int,
-               batch: int) -> Dict[str, Any]:
+def divergence(
+    setup: arms.Setup,
+    engine_setup: arms.Setup,
+    prompts: List[List[int]],
+    max_tokens: int,
+    batch: int,
+) -> Dict[str, Any]:
     """Rows identical to mlx-lm's plain decoding at batch 1, of N, for each other arm."""
-    from mlx_lm import batch_generate, stream_generate
-
     from dflash_batch.engine import Engine
 
+    from mlx_lm import batch_generate, stream_generate
+
     with arms.stock_ops():
-        plain = [[int(r.token) for r in stream_generate(setup.model, setup.tokenizer, mx.array(p), max_tokens=max_tokens)]
-                 for p in prompts]
-        resp = batch_generate(setup.model, setup.tokenizer, prompts, max_tokens=max_tokens,
-                              completion_batch_size=batch, return_token_ids=True)
+        plain = [
+            [
+                int(r.token)
+                for r in stream_generate(
+                    setup.model, setup.tokenizer, mx.array(p), max_tokens=max_tokens
+                )
+            ]
+            for p in prompts
+        ]
+        resp = batch_generate(
+            setup.model,
+            setup.tokenizer,
+            prompts,
+            max_tokens=max_tokens,
+            completion_batch_size=batch,
+            return_token_ids=True,
+        )
     config = arms.text_config(setup.shape.target)
-    engine = Engine(engine_setup.model, setup.tokenizer, engine_setup.drafter, config=config, adaptive_block=False,
-                    prefix_cache_mb=0)
+    engine = Engine(
+        engine_setup.model,
+        setup.tokenizer,
+        engine_setup.drafter,
+        config=config,
+        adaptive_block=False,
+        prefix_cache_mb=0,
+    )
     alone = [engine.generate(p, max_tokens=max_tokens).token_ids for p in prompts]
-    batched = [c.token_ids for c in engine.generate_batch(prompts, max_tokens=max_tokens, batch_size=batch)]
-    rows = {"mlx_lm.batch_generate": [list(map(int, r)) for r in resp.token_ids], "dflash b1": alone,
-            f"dflash b{batch}": batched}
-    return {"rows": len(prompts), "batch": batch, "max_tokens": max_tokens,
-            "pairs": [compare(f"{name} vs mlx_lm b1", ids, plain) for name, ids in rows.items()]}
+    batched = [
+        c.token_ids for c in engine.generate_batch(prompts, max_tokens=max_tokens, batch_size=batch)
+    ]
+    rows = {
+        "mlx_lm.batch_generate": [list(map(int, r)) for r in resp.token_ids],
+        "dflash b1": alone,
+        f"dflash b{batch}": batched,
+    }
+    return {
+        "rows": len(prompts),
+        "batch": batch,
+        "max_tokens": max_tokens,
+        "pairs": [compare(f"{name} vs mlx_lm b1", ids, plain) for name, ids in rows.items()],
+    }
 
 
 # -- the run --------------------------------------------------------------------------------------
 
 
 def parse(argv) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=64, help="target layers (a multiple of 4; the shape's 64 by default)")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--layers",
+        type=int,
+        default=64,
+        help="target layers (a multiple of 4; the shape's 64 by default)",
+    )
     ap.add_argument("--bits", type=int, default=4)
     ap.add_argument("--group-size", type=int, default=64)
     ap.add_argument("--mode", default="affine", help="affine, mxfp4, mxfp8 or nvfp4")
@@ -153,17 +219,37 @@ def parse(argv) -> argparse.Namespace:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--acceptance", default="tau=6.5,random", help="engine arms besides plain")
-    ap.add_argument("--divergence-prompts", type=int, default=16, help="rows of the divergence count (0: none)")
+    ap.add_argument(
+        "--divergence-prompts", type=int, default=16, help="rows of the divergence count (0: none)"
+    )
     ap.add_argument("--reps", type=int, default=1)
-    ap.add_argument("--dtype", default=None, help="activations; default bfloat16 on a GPU, float32 on the CPU")
+    ap.add_argument(
+        "--dtype", default=None, help="activations; default bfloat16 on a GPU, float32 on the CPU"
+    )
     ap.add_argument("--skip-baseline", action="store_true", help="no mlx_lm.batch_generate arm")
-    ap.add_argument("--budget-s", type=float, default=0, help="start no new measurement after this long")
-    ap.add_argument("--resume", action="store_true", help="keep the measurements already in --out, run the rest")
-    ap.add_argument("--smoke", action="store_true", help="a tiny hybrid, 4 prompts of 40 tokens, batches 1,2 (CPU)")
-    ap.add_argument("--out", required=True, help="the JSON file; the markdown table goes beside it (.md)")
+    ap.add_argument(
+        "--budget-s", type=float, default=0, help="start no new measurement after this long"
+    )
+    ap.add_argument(
+        "--resume", action="store_true", help="keep the measurements already in --out, run the rest"
+    )
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="a tiny hybrid, 4 prompts of 40 tokens, batches 1,2 (CPU)",
+    )
+    ap.add_argument(
+        "--out", required=True, help="the JSON file; the markdown table goes beside it (.md)"
+    )
     args = ap.parse_args(argv)
     if args.smoke:
-        args.prompts, args.context, args.max_tokens, args.batches, args.divergence_prompts = 4, 40, 8, "1,2", 3
+        args.prompts, args.context, args.max_tokens, args.batches, args.divergence_prompts = (
+            4,
+            40,
+            8,
+            "1,2",
+            3,
+        )
     if args.layers % 4:
         ap.error("--layers must be a multiple of 4 (three linear-attention layers, then one full)")
     return args
@@ -181,17 +267,32 @@ def main(argv=None) -> Path:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     doc = {
-        "command": "python -m benchmarks.quantized " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "machine": {"device": str(mx.default_device()), "platform": platform.platform(), "mlx": mx.__version__,
-                    "device_info": {k: str(v) for k, v in (mx.device_info() if gpu else {}).items()}},
+        "command": "python -m benchmarks.quantized "
+        + " ".join(argv if argv is not None else sys.argv[1:]),
+        "machine": {
+            "device": str(mx.default_device()),
+            "platform": platform.platform(),
+            "mlx": mx.__version__,
+            "device_info": {k: str(v) for k, v in (mx.device_info() if gpu else {}).items()},
+        },
         "started": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "shape": shape.name, "unverified": shape.unverified, "quantization": quant, "dtype": str(dtype),
-        "target_gb": round(setup.target_bytes / 1e9, 2), "prompts": args.prompts, "context": args.context,
-        "max_tokens": args.max_tokens, "results": [], "divergence": None,
+        "shape": shape.name,
+        "unverified": shape.unverified,
+        "quantization": quant,
+        "dtype": str(dtype),
+        "target_gb": round(setup.target_bytes / 1e9, 2),
+        "prompts": args.prompts,
+        "context": args.context,
+        "max_tokens": args.max_tokens,
+        "results": [],
+        "divergence": None,
     }
     if args.resume and out.exists():
         old = json.loads(out.read_text())
-        doc["results"], doc["divergence"] = [r for r in old["results"] if r["status"] == "ok"], old.get("divergence")
+        doc["results"], doc["divergence"] = (
+            [r for r in old["results"] if r["status"] == "ok"],
+            old.get("divergence"),
+        )
     done = {(r["arm"], r["batch"]) for r in doc["results"]}
     started = time.perf_counter()
 
@@ -210,13 +311,18 @@ def main(argv=None) -> Path:
         for acceptance in ["plain"] + args.acceptance.split(","):
             engine, zeroed = engine_arm(setup, engine_setup, acceptance)
             with zeroed:
-                record(f"dflash {acceptance}", B, lambda job, n, engine=engine: run_engine(engine, job, n, B))
+                record(
+                    f"dflash {acceptance}",
+                    B,
+                    lambda job, n, engine=engine: run_engine(engine, job, n, B),
+                )
             del engine
     if args.divergence_prompts and doc["divergence"] is None and not over_budget():
         arms.release()
         batch = max(int(b) for b in args.batches.split(","))
-        doc["divergence"] = divergence(setup, engine_setup, prompts[: args.divergence_prompts],
-                                       args.max_tokens, batch)
+        doc["divergence"] = divergence(
+            setup, engine_setup, prompts[: args.divergence_prompts], args.max_tokens, batch
+        )
     doc["wall_s"] = round(time.perf_counter() - started, 1)
     write(doc, out)
     print(out)
@@ -237,8 +343,12 @@ def table(doc: dict) -> str:
             rows.setdefault(r["arm"], {})[r["batch"]] = r["figures"]
     batches = sorted({r["batch"] for r in doc["results"]})
     base = rows.get("mlx_lm.batch_generate", {})
-    lines = [f"`{doc['command']}` ({doc['machine']['device']}, {doc['shape']}, {doc['quantization']})", "",
-             "| arm | " + " | ".join(f"B={b}" for b in batches) + " |", "|---" * (len(batches) + 1) + "|"]
+    lines = [
+        f"`{doc['command']}` ({doc['machine']['device']}, {doc['shape']}, {doc['quantization']})",
+        "",
+        "| arm | " + " | ".join(f"B={b}" for b in batches) + " |",
+        "|---" * (len(batches) + 1) + "|",
+    ]
     for arm, by_b in rows.items():
         cells = []
         for b in batches:
@@ -252,15 +362,28 @@ def table(doc: dict) -> str:
     for arm, by_b in rows.items():
         for b, f in sorted(by_b.items()):
             if "cycles" in f:
-                widths = ", ".join(f"T={T}: {c['cycles']} x {c['ms']} ms" for T, c in f["cycles"].items())
+                widths = ", ".join(
+                    f"T={T}: {c['cycles']} x {c['ms']} ms" for T, c in f["cycles"].items()
+                )
                 lines.append(f"- {arm}, B={b}: {widths}")
     d = doc.get("divergence")
     if d:
-        lines += ["", f"Rows identical to mlx-lm's plain decoding at batch 1 ({d['max_tokens']} tokens, "
-                      f"the target's own greedy output):", ""]
-        lines += [f"- {p['pair']}: {p['identical']} of {p['rows']} (median first difference "
-                  f"{p['first_difference_median']})" for p in d["pairs"]]
-    errors = [f"- {r['arm']}, B={r['batch']}: {r['figures']['error']}" for r in doc["results"] if r["status"] != "ok"]
+        lines += [
+            "",
+            f"Rows identical to mlx-lm's plain decoding at batch 1 ({d['max_tokens']} tokens, "
+            f"the target's own greedy output):",
+            "",
+        ]
+        lines += [
+            f"- {p['pair']}: {p['identical']} of {p['rows']} (median first difference "
+            f"{p['first_difference_median']})"
+            for p in d["pairs"]
+        ]
+    errors = [
+        f"- {r['arm']}, B={r['batch']}: {r['figures']['error']}"
+        for r in doc["results"]
+        if r["status"] != "ok"
+    ]
     if errors:
         lines += ["", "Errors:", ""] + errors
     return "\n".join(lines) + "\n"

@@ -64,8 +64,13 @@ def child(arm: str, home: str, started: float) -> dict:
         return engine
 
     t = time.perf_counter()
-    job = api.run(str(PROMPTS), engine_factory=factory, home=home, name=arm.replace("-", ""),
-                  **({"draft": "none"} if arm == "no-draft" else {}))
+    job = api.run(
+        str(PROMPTS),
+        engine_factory=factory,
+        home=home,
+        name=arm.replace("-", ""),
+        **({"draft": "none"} if arm == "no-draft" else {}),
+    )
     job_s = time.perf_counter() - t
     rows = job.to_pandas().sort_values("id")
     counts = getattr(engines[0], "decode_counts", {}) if engines else {}
@@ -76,7 +81,9 @@ def child(arm: str, home: str, started: float) -> dict:
         "warm-up": timed["warm-up"],
         "decode": job_s - timed["load"] - timed["warm-up"],
         "state": job.status()["state"],
-        "cycles": {str(T): [int(c[0]), round(c[1], 4), int(c[2])] for T, c in sorted(counts.items())},
+        "cycles": {
+            str(T): [int(c[0]), round(c[1], 4), int(c[2])] for T, c in sorted(counts.items())
+        },
         "outputs": dict(zip(rows["id"], rows["output"])),
     }
 
@@ -87,7 +94,10 @@ def run_once(arm: str) -> dict:
         started = time.time()
         done = subprocess.run(
             [sys.executable, __file__, "--child", arm, "--home", home, "--started", repr(started)],
-            capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, DFLASH_BATCH_HOME=home),
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            env=dict(os.environ, DFLASH_BATCH_HOME=home),
         )
         whole = time.time() - started
     if done.returncode != 0:
@@ -99,7 +109,10 @@ def run_once(arm: str) -> dict:
 
 def summary(runs: list) -> dict:
     """Medians per arm and part, the ratio, and whether the arms' outputs are identical."""
-    med = {arm: {p: statistics.median(r[p] for r in runs if r["arm"] == arm) for p in PARTS} for arm in ARMS}
+    med = {
+        arm: {p: statistics.median(r[p] for r in runs if r["arm"] == arm) for p in PARTS}
+        for arm in ARMS
+    }
     outputs = {json.dumps(r["outputs"], sort_keys=True) for r in runs}
     # run i of each arm ran back to back with the other's run i: the ratio of each such pair
     pairs = list(zip(*([r["whole"] for r in runs if r["arm"] == arm] for arm in ARMS)))
@@ -108,19 +121,25 @@ def summary(runs: list) -> dict:
         "ratio": round(med["no-draft"]["whole"] / med["draft"]["whole"], 3),
         "pair_ratios": [round(plain / draft, 3) for draft, plain in pairs],
         # the job less the model's load: the drafter's warm-up counted with its decoding
-        "ratio_decode": round(med["no-draft"]["decode"] / (med["draft"]["decode"] + med["draft"]["warm-up"]), 3),
+        "ratio_decode": round(
+            med["no-draft"]["decode"] / (med["draft"]["decode"] + med["draft"]["warm-up"]), 3
+        ),
         "outputs_identical": len(outputs) == 1,
     }
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--runs", type=int, default=3, help="runs per arm (median)")
     ap.add_argument("--out", help="also write the runs and the summary here (JSON)")
     ap.add_argument("--child", choices=ARMS, help=argparse.SUPPRESS)
     ap.add_argument("--home", help=argparse.SUPPRESS)
     ap.add_argument("--started", type=float, help=argparse.SUPPRESS)
-    ap.add_argument("--from", dest="saved", help="summarise the runs saved in this --out file instead")
+    ap.add_argument(
+        "--from", dest="saved", help="summarise the runs saved in this --out file instead"
+    )
     args = ap.parse_args(argv)
     if args.saved:
         print(json.dumps(summary(json.loads(Path(args.saved).read_text())["runs"]), indent=1))
@@ -134,7 +153,9 @@ def main(argv=None) -> int:
             r = run_once(arm)
             runs.append(r)
             parts = "  ".join(f"{p} {r[p]:.2f}" for p in PARTS)
-            print(f"run {i + 1} {arm:<8}  {parts}  cycles {r['cycles']}", file=sys.stderr, flush=True)
+            print(
+                f"run {i + 1} {arm:<8}  {parts}  cycles {r['cycles']}", file=sys.stderr, flush=True
+            )
     result = summary(runs)
     print(json.dumps(result, indent=1))
     if args.out:

@@ -16,7 +16,11 @@ DOCS = Path("docs/results")
 PAGE = Path("docs/results/benchmarks.md")
 BEGIN, END = "<!-- generated tables: begin -->", "<!-- generated tables: end -->"
 README_BEGIN, README_END = "<!-- README section: begin -->", "<!-- README section: end -->"
-README_ARMS = [("tau=9.57", "dflash, tau 9.57 (published)"), ("drafted=0.89", "dflash, 89% of drafted"), ("full", "dflash, full blocks")]
+README_ARMS = [
+    ("tau=9.57", "dflash, tau 9.57 (published)"),
+    ("drafted=0.89", "dflash, 89% of drafted"),
+    ("full", "dflash, full blocks"),
+]
 BASELINE = "mlx_lm.stream_generate"
 
 
@@ -65,7 +69,9 @@ def _cell(row: Optional[Dict[str, Any]], base: Optional[float]) -> str:
     tps = row["figures"]["decode_tps"]
     ratio = f" ({tps / base:.2f}x)" if base else ""
     total = row["figures"].get("decode_tps_total")
-    return f"{tps:,.1f}{ratio}" + (f"; total {total:,.0f}" if total and row.get("batch", 1) > 1 else "")
+    return f"{tps:,.1f}{ratio}" + (
+        f"; total {total:,.0f}" if total and row.get("batch", 1) > 1 else ""
+    )
 
 
 def shape_tables(doc, shape: str) -> List[str]:
@@ -85,15 +91,18 @@ def shape_tables(doc, shape: str) -> List[str]:
     if info:
         out.append(
             f"Target {info['target_gb']:.2f} GB, drafter {info['drafter_gb']:.2f} GB ({doc['suite']['dtype']}); "
-            f"{info['source']}." + (f" Unverified: {'; '.join(info['unverified'])}." if info.get("unverified") else "")
+            f"{info['source']}."
+            + (f" Unverified: {'; '.join(info['unverified'])}." if info.get("unverified") else "")
         )
         out.append(
             f"Physical limit (weight bytes / measured copy bandwidth {doc['bandwidth_gbps']:.0f} GB/s): "
             f"**{info['physical_limit_tps']:,.0f} tok/s per sequence** for plain decoding."
         )
         out.append("")
-    out.append("Decode tok/s per sequence (median), ratio to mlx_lm stream_generate at the same context "
-               "(batch rows: per sequence; total = all sequences together):")
+    out.append(
+        "Decode tok/s per sequence (median), ratio to mlx_lm stream_generate at the same context "
+        "(batch rows: per sequence; total = all sequences together):"
+    )
     out.append("")
     out.append("| arm | " + " | ".join(f"ctx {c}" for c in contexts) + " |")
     out.append("| --- |" + " --- |" * len(contexts))
@@ -104,14 +113,20 @@ def shape_tables(doc, shape: str) -> List[str]:
             cells.append(_cell(row, base.get(c) if row is None or row["arm"] != BASELINE else None))
         out.append(f"| {lab} | " + " | ".join(cells) + " |")
     out.append("")
-    out.append("Details (median of the timed runs; peak memory is process-wide, so it includes the engine's "
-               "second copy of the target and the draft models):")
+    out.append(
+        "Details (median of the timed runs; peak memory is process-wide, so it includes the engine's "
+        "second copy of the target and the draft models):"
+    )
     out.append("")
-    out.append("| arm | ctx | decode tok/s | total tok/s | prefill tok/s | tokens/cycle | accepted/drafted | draft share of output | peak GB |")
+    out.append(
+        "| arm | ctx | decode tok/s | total tok/s | prefill tok/s | tokens/cycle | accepted/drafted | draft share of output | peak GB |"
+    )
     out.append("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         if r["status"] != "ok":
-            out.append(f"| {label(r)} | {r['context']} | {r['status']}: {r.get('error', '')[:120]} | | | | | | |")
+            out.append(
+                f"| {label(r)} | {r['context']} | {r['status']}: {r.get('error', '')[:120]} | | | | | | |"
+            )
             continue
         f = r["figures"]
         if r.get("invalid"):
@@ -132,11 +147,22 @@ def cycle_ms(doc, shape: str, context: int) -> Tuple[Optional[float], str]:
     when the scripted run did not reach two tokens per cycle (then it is not a valid cycle sample)."""
     for acceptance in ("tau=9.57", "full"):
         row = next(
-            (r for r in doc["results"] if r["shape"] == shape and r["context"] == context and r["arm"] == "dflash.engine"
-             and r.get("acceptance") == acceptance and r["status"] == "ok"),
+            (
+                r
+                for r in doc["results"]
+                if r["shape"] == shape
+                and r["context"] == context
+                and r["arm"] == "dflash.engine"
+                and r.get("acceptance") == acceptance
+                and r["status"] == "ok"
+            ),
             None,
         )
-        if row is None or not row["figures"].get("cycles") or row["figures"].get("tokens_per_cycle", 0) < 2:
+        if (
+            row is None
+            or not row["figures"].get("cycles")
+            or row["figures"].get("tokens_per_cycle", 0) < 2
+        ):
             continue
         f = row["figures"]
         return f["decode_s"] / f["cycles"] * 1e3, acceptance
@@ -144,7 +170,9 @@ def cycle_ms(doc, shape: str, context: int) -> Tuple[Optional[float], str]:
 
 
 def breakdown_table(doc, shape: str) -> List[str]:
-    rows = [r for r in doc["results"] if r["shape"] == shape and r["arm"] == "dflash.cycle-breakdown"]
+    rows = [
+        r for r in doc["results"] if r["shape"] == shape and r["arm"] == "dflash.cycle-breakdown"
+    ]
     if not rows:
         return []
     out = [
@@ -174,11 +202,22 @@ def headline(doc) -> List[Tuple[str, int, str, float, float, float]]:
     """(shape, context, acceptance, dflash tok/s, stream_generate tok/s, ratio) for scripted/full runs."""
     out = []
     for r in doc["results"]:
-        if r["arm"] != "dflash.engine" or r["status"] != "ok" or r.get("acceptance") == "random" or r.get("invalid"):
+        if (
+            r["arm"] != "dflash.engine"
+            or r["status"] != "ok"
+            or r.get("acceptance") == "random"
+            or r.get("invalid")
+        ):
             continue
         base = next(
-            (b for b in doc["results"] if b["arm"] == BASELINE and b["shape"] == r["shape"]
-             and b["context"] == r["context"] and b["status"] == "ok"),
+            (
+                b
+                for b in doc["results"]
+                if b["arm"] == BASELINE
+                and b["shape"] == r["shape"]
+                and b["context"] == r["context"]
+                and b["status"] == "ok"
+            ),
             None,
         )
         if base:
@@ -195,7 +234,9 @@ def machine_line(doc) -> str:
     if m["backend"] == "cpu":
         s += f" / {m['cpu_count']} cores / BLAS {m.get('blas') or 'bundled'}"
     if load:
-        s += f" / load average at start {load[0]:.2f}" + (f", at end {load_end[0]:.2f}" if load_end else "")
+        s += f" / load average at start {load[0]:.2f}" + (
+            f", at end {load_end[0]:.2f}" if load_end else ""
+        )
     return s
 
 
@@ -206,14 +247,17 @@ def file_markdown(doc, stem: str, plots: List[str]) -> str:
         "",
         f"- Machine: {machine_line(doc)}",
         f"- Command: `{doc.get('command', '')}` (started {doc.get('started')}, {doc.get('elapsed_s', '?')} s)",
-        f"- Suite: {suite['name']}: " + "; ".join(f"{p['shape']} at contexts {p['contexts']}" for p in suite["plans"])
+        f"- Suite: {suite['name']}: "
+        + "; ".join(f"{p['shape']} at contexts {p['contexts']}" for p in suite["plans"])
         + f"; max_tokens {suite['max_tokens']} "
         f"(~1 token/cycle arms: {suite.get('slow_tokens') or suite['max_tokens']}), warm-up 1, median of {suite['reps']}, {suite['dtype']}",
         f"- Measured device copy bandwidth: {doc['bandwidth_gbps']:.1f} GB/s",
         "",
     ]
     out += [f"> {n}" for n in doc.get("notes", []) if n] + [""]
-    out += [f"> **{n}**" for n in doc.get("post_run_notes", [])] + ([""] if doc.get("post_run_notes") else [])
+    out += [f"> **{n}**" for n in doc.get("post_run_notes", [])] + (
+        [""] if doc.get("post_run_notes") else []
+    )
     for plot in plots:
         out.append(f"![{plot}]({plot})")
     out.append("")
@@ -241,9 +285,15 @@ def plots(doc, stem: str, folder: Path) -> List[str]:
     # tok/s against context length, one line per arm (batch arms: B=1 only, per sequence).
     fig, axes = plt.subplots(1, len(shapes), figsize=(7 * len(shapes), 5), squeeze=False)
     for ax, shape in zip(axes[0], shapes):
-        mine = [r for r in rows if r["shape"] == shape and (r["arm"] != "mlx_lm.batch_generate" or r["batch"] == 1)]
+        mine = [
+            r
+            for r in rows
+            if r["shape"] == shape and (r["arm"] != "mlx_lm.batch_generate" or r["batch"] == 1)
+        ]
         for lab in dict.fromkeys(label(r) for r in mine):
-            pts = sorted((r["context"], r["figures"]["decode_tps"]) for r in mine if label(r) == lab)
+            pts = sorted(
+                (r["context"], r["figures"]["decode_tps"]) for r in mine if label(r) == lab
+            )
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=lab)
         limit = doc["shapes"][shape].get("physical_limit_tps")
         if limit:
@@ -266,16 +316,39 @@ def plots(doc, stem: str, folder: Path) -> List[str]:
     for ax, shape in zip(axes[0], shapes):
         mine = [r for r in rows if r["shape"] == shape]
         for ctx in sorted({r["context"] for r in mine}):
-            pts = sorted((r["batch"], r["figures"]["decode_tps_total"], r["figures"]["decode_tps"])
-                         for r in mine if r["arm"] == "mlx_lm.batch_generate" and r["context"] == ctx)
+            pts = sorted(
+                (r["batch"], r["figures"]["decode_tps_total"], r["figures"]["decode_tps"])
+                for r in mine
+                if r["arm"] == "mlx_lm.batch_generate" and r["context"] == ctx
+            )
             if pts:
-                line = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"batch_generate total, ctx {ctx}")
-                ax.plot([p[0] for p in pts], [p[2] for p in pts], marker="x", linestyle=":", color=line[0].get_color(),
-                        label=f"batch_generate per sequence, ctx {ctx}")
+                line = ax.plot(
+                    [p[0] for p in pts],
+                    [p[1] for p in pts],
+                    marker="o",
+                    label=f"batch_generate total, ctx {ctx}",
+                )
+                ax.plot(
+                    [p[0] for p in pts],
+                    [p[2] for p in pts],
+                    marker="x",
+                    linestyle=":",
+                    color=line[0].get_color(),
+                    label=f"batch_generate per sequence, ctx {ctx}",
+                )
             for r in mine:
-                if r["arm"] == "dflash.engine" and r["context"] == ctx and r.get("acceptance") not in ("random", "full"):
-                    ax.scatter([1], [r["figures"]["decode_tps"]], marker="*", s=80,
-                               label=f"dflash ({_acc(r.get('acceptance'))}), ctx {ctx}")
+                if (
+                    r["arm"] == "dflash.engine"
+                    and r["context"] == ctx
+                    and r.get("acceptance") not in ("random", "full")
+                ):
+                    ax.scatter(
+                        [1],
+                        [r["figures"]["decode_tps"]],
+                        marker="*",
+                        s=80,
+                        label=f"dflash ({_acc(r.get('acceptance'))}), ctx {ctx}",
+                    )
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         batches = sorted({r["batch"] for r in mine if r["arm"] == "mlx_lm.batch_generate"} | {1})
@@ -300,7 +373,9 @@ def summary(docs: List[Tuple[str, Dict[str, Any]]]) -> List[str]:
     for stem, doc in docs:
         m = doc["machine"]
         for shape, ctx, acc, d, s, ratio in headline(doc):
-            out.append(f"| {m['backend']} {m['chip']} | {shape} | {ctx} | {_acc(acc)} | {s:,.1f} | {d:,.1f} | {ratio:.2f}x |")
+            out.append(
+                f"| {m['backend']} {m['chip']} | {shape} | {ctx} | {_acc(acc)} | {s:,.1f} | {d:,.1f} | {ratio:.2f}x |"
+            )
     return out
 
 
@@ -320,7 +395,8 @@ def readme_section(docs: List[Tuple[str, Dict[str, Any]]]) -> List[str]:
         "(only the drafter's proposed ids are; all compute is real). Method and full tables: "
         "[../benchmarks.md](../benchmarks.md).",
         "",
-        "| run (machine, start UTC, tag) | shape, context | mlx_lm stream_generate | " + " | ".join(l for _, l in README_ARMS)
+        "| run (machine, start UTC, tag) | shape, context | mlx_lm stream_generate | "
+        + " | ".join(l for _, l in README_ARMS)
         + " | physical limit |",
         "| --- | --- | --- |" + " --- |" * len(README_ARMS) + " --- |",
     ]
@@ -330,15 +406,26 @@ def readme_section(docs: List[Tuple[str, Dict[str, Any]]]) -> List[str]:
     for _, doc in sorted(newest_first, key=lambda d: d[1]["machine"]["backend"] == "cpu"):
         m = doc["machine"]
         tag = run_tag(doc)
-        run = f"{m['backend']} {m['chip']}, {doc.get('started', '')[:16].replace('T', ' ')}" + (f" ({tag})" if tag else "")
+        run = f"{m['backend']} {m['chip']}, {doc.get('started', '')[:16].replace('T', ' ')}" + (
+            f" ({tag})" if tag else ""
+        )
         for plan in doc["suite"]["plans"]:
             shape, ctx = plan["shape"], plan["contexts"][0]
             if shape not in doc["shapes"]:
                 continue
 
             def find(arm, acc=None):
-                return next((r for r in doc["results"] if r["shape"] == shape and r["context"] == ctx
-                             and r["arm"] == arm and r.get("acceptance") == acc), None)
+                return next(
+                    (
+                        r
+                        for r in doc["results"]
+                        if r["shape"] == shape
+                        and r["context"] == ctx
+                        and r["arm"] == arm
+                        and r.get("acceptance") == acc
+                    ),
+                    None,
+                )
 
             base = find(BASELINE)
             if base is None or base["status"] != "ok":
@@ -348,13 +435,19 @@ def readme_section(docs: List[Tuple[str, Dict[str, Any]]]) -> List[str]:
             invalid = invalid or any(r is not None and r.get("invalid") for r in rows)
             cells = [_cell(r, b) for r in rows]
             limit = doc["shapes"][shape]["physical_limit_tps"]
-            out.append(f"| {run} | {shape}, {ctx} | {b:,.1f} | " + " | ".join(cells) + f" | {limit:,.0f} |")
+            out.append(
+                f"| {run} | {shape}, {ctx} | {b:,.1f} | " + " | ".join(cells) + f" | {limit:,.0f} |"
+            )
     out += [
         "",
         "Physical limit: weight bytes / measured copy bandwidth, tok/s per sequence for plain decoding "
         "(on CPU the copy runs on one MLX thread: a lower bound of the bandwidth, not a ceiling)."
-        + (" invalid: a run made meaningless by the engine bug it exposed (fixed since; see "
-           "below for the rerun)." if invalid else ""),
+        + (
+            " invalid: a run made meaningless by the engine bug it exposed (fixed since; see "
+            "below for the rerun)."
+            if invalid
+            else ""
+        ),
     ]
     return out
 
@@ -369,7 +462,11 @@ def _replace_block(text: str, begin: str, end: str, lines: List[str]) -> str:
 def main(argv: Optional[List[str]] = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("files", nargs="*", help="results JSON (default: docs/results/*.json)")
-    ap.add_argument("--page", default=str(PAGE), help="markdown page whose generated block is refreshed ('' to skip)")
+    ap.add_argument(
+        "--page",
+        default=str(PAGE),
+        help="markdown page whose generated block is refreshed ('' to skip)",
+    )
     args = ap.parse_args(argv)
     files = [Path(f) for f in args.files] or sorted(DOCS.glob("*.json"))
     docs = []
@@ -385,8 +482,17 @@ def main(argv: Optional[List[str]] = None) -> None:
         print(f"wrote {path.parent / (stem + '.md')} and {len(made)} plots")
     page = Path(args.page) if args.page else None
     if page and page.exists():
-        block = ["", "Generated by `python -m benchmarks.report` from docs/results/*.json.", "",
-                 "All DFlash runs against mlx_lm stream_generate at the same context:", ""] + summary(docs) + [""]
+        block = (
+            [
+                "",
+                "Generated by `python -m benchmarks.report` from docs/results/*.json.",
+                "",
+                "All DFlash runs against mlx_lm stream_generate at the same context:",
+                "",
+            ]
+            + summary(docs)
+            + [""]
+        )
         for stem, doc in docs:
             block.append(f"- [{stem}]({stem}.md): {machine_line(doc)}")  # the page sits beside them
         text = _replace_block(page.read_text(), BEGIN, END, block + [""])
@@ -395,7 +501,9 @@ def main(argv: Optional[List[str]] = None) -> None:
         print(f"refreshed {page}")
         readme = page.parent.parent / "README.md"
         if readme.exists() and README_BEGIN in readme.read_text():
-            readme.write_text(_replace_block(readme.read_text(), README_BEGIN, README_END, readme_section(docs)))
+            readme.write_text(
+                _replace_block(readme.read_text(), README_BEGIN, README_END, readme_section(docs))
+            )
             print(f"refreshed {readme}")
 
 

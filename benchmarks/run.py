@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
 import dflash_batch.engine  # noqa: F401  (preloads a fast BLAS before mlx on Linux CPU)
-import mlx.core as mx
 
+import mlx.core as mx
 
 from . import arms
 from .scripted import AcceptanceScript
@@ -54,7 +54,9 @@ class Plan:
     shape: str
     contexts: List[int]
     batches: List[int] = field(default_factory=lambda: [1, 4, 8, 16])
-    acceptance: List[str] = field(default_factory=lambda: ["drafted=0.89", "tau=9.57", "full", "random"])
+    acceptance: List[str] = field(
+        default_factory=lambda: ["drafted=0.89", "tau=9.57", "full", "random"]
+    )
     mlx_speculative: List[str] = field(default_factory=lambda: ["full", "random"])
     engine_ar: bool = True
     runner: bool = False
@@ -77,31 +79,78 @@ class Suite:
 SUITES: Dict[str, Suite] = {
     s.name: s
     for s in [
-        Suite("smoke", [Plan("qwen3-tiny", [64, 32], batches=[1, 2], acceptance=["drafted=0.89", "full", "random"],
-                             runner=True)],
-              max_tokens=48, reps=1, dtype="float32", note="harness smoke test on a tiny model"),
-        Suite("cpu", [Plan("qwen3-small", [512, 256, 1024], runner=True)], max_tokens=64, reps=3, dtype="float32",
-              slow_tokens=32,
-              note="CPU: a scaled-down Qwen3 layout (hidden 512, 12 layers, vocab 32768) at contexts "
-              "256/512/1024 (a quarter of the GPU contexts): 4B shapes are too slow for 2 shared cores"),
-        Suite("cpu-hybrid", [Plan("qwen3.5-tiny", [256, 128, 512], batches=[1, 4], mlx_speculative=[])],
-              max_tokens=48, reps=3, dtype="float32", note="CPU: tiny Qwen3.5 hybrid layout"),
+        Suite(
+            "smoke",
+            [
+                Plan(
+                    "qwen3-tiny",
+                    [64, 32],
+                    batches=[1, 2],
+                    acceptance=["drafted=0.89", "full", "random"],
+                    runner=True,
+                )
+            ],
+            max_tokens=48,
+            reps=1,
+            dtype="float32",
+            note="harness smoke test on a tiny model",
+        ),
+        Suite(
+            "cpu",
+            [Plan("qwen3-small", [512, 256, 1024], runner=True)],
+            max_tokens=64,
+            reps=3,
+            dtype="float32",
+            slow_tokens=32,
+            note="CPU: a scaled-down Qwen3 layout (hidden 512, 12 layers, vocab 32768) at contexts "
+            "256/512/1024 (a quarter of the GPU contexts): 4B shapes are too slow for 2 shared cores",
+        ),
+        Suite(
+            "cpu-hybrid",
+            [Plan("qwen3.5-tiny", [256, 128, 512], batches=[1, 4], mlx_speculative=[])],
+            max_tokens=48,
+            reps=3,
+            dtype="float32",
+            note="CPU: tiny Qwen3.5 hybrid layout",
+        ),
         Suite(
             "gpu",
             [
                 Plan("qwen3-4b", [2048, 1024, 4096], share=0.6),
                 # mlx-lm runs GatedDeltaNet as a Python loop over tokens on CUDA and a 9B-shaped
                 # prefill takes seconds: the hybrid shape gets the headline context and B=1 only.
-                Plan("qwen3.5-9b", [2048], batches=[1], acceptance=["tau=9.57", "drafted=0.89", "full"],
-                     mlx_speculative=[], share=0.4),
+                Plan(
+                    "qwen3.5-9b",
+                    [2048],
+                    batches=[1],
+                    acceptance=["tau=9.57", "drafted=0.89", "full"],
+                    mlx_speculative=[],
+                    share=0.4,
+                ),
             ],
-            max_tokens=256, reps=3, dtype="bfloat16", slow_tokens=32, budget_s=330,
+            max_tokens=256,
+            reps=3,
+            dtype="bfloat16",
+            slow_tokens=32,
+            budget_s=330,
             note="GPU: Qwen3-4B and Qwen3.5-9B shapes in bf16, built in memory on the device",
         ),
-        Suite("gpu-qwen3-8b", [Plan("qwen3-8b", [2048, 1024, 4096])], max_tokens=128, reps=3, dtype="bfloat16",
-              slow_tokens=32),
-        Suite("gpu-qwen3.5-4b", [Plan("qwen3.5-4b", [2048, 1024, 4096], mlx_speculative=[])], max_tokens=128,
-              reps=3, dtype="bfloat16", slow_tokens=32),
+        Suite(
+            "gpu-qwen3-8b",
+            [Plan("qwen3-8b", [2048, 1024, 4096])],
+            max_tokens=128,
+            reps=3,
+            dtype="bfloat16",
+            slow_tokens=32,
+        ),
+        Suite(
+            "gpu-qwen3.5-4b",
+            [Plan("qwen3.5-4b", [2048, 1024, 4096], mlx_speculative=[])],
+            max_tokens=128,
+            reps=3,
+            dtype="bfloat16",
+            slow_tokens=32,
+        ),
     ]
 }
 
@@ -118,11 +167,17 @@ def machine() -> Dict[str, Any]:
     gpu = mx.default_device() == mx.gpu
     backend = "cpu"
     if gpu:
-        backend = "cuda" if getattr(mx, "cuda", None) is not None and mx.cuda.is_available() else "metal"
+        backend = (
+            "cuda" if getattr(mx, "cuda", None) is not None and mx.cuda.is_available() else "metal"
+        )
     chip = info.get("device_name") or platform.processor() or platform.machine()
     if not gpu:
         try:
-            chip = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
+            chip = next(
+                l.split(":", 1)[1].strip()
+                for l in open("/proc/cpuinfo")
+                if l.startswith("model name")
+            )
         except (OSError, StopIteration):
             pass
     from dflash_batch.engine.ops.blas import loaded_blas
@@ -180,7 +235,9 @@ class Recorder:
         tmp.write_text(json.dumps(self.doc, indent=1))
         tmp.replace(self.path)
 
-    def run(self, key: Dict[str, Any], fn: Callable[[], Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+    def run(
+        self, key: Dict[str, Any], fn: Callable[[], Dict[str, Any]]
+    ) -> Optional[Dict[str, Any]]:
         row = dict(key)
         if self.deadline and time.perf_counter() > self.deadline:
             row.update(status="skipped", error="time budget spent")
@@ -191,18 +248,26 @@ class Recorder:
             except arms.Unsupported as e:
                 row.update(status="unsupported", error=str(e))
             except Exception as e:  # reported in the results: an arm that breaks is a finding
-                row.update(status="error", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc(limit=4))
+                row.update(
+                    status="error",
+                    error=f"{type(e).__name__}: {e}",
+                    traceback=traceback.format_exc(limit=4),
+                )
             row["elapsed_s"] = round(time.perf_counter() - t0, 2)
         self.doc["results"].append(row)
         self.save()
         status = row["status"]
         fig = row.get("figures") or {}
-        print(f"[{status}] {key} decode {fig.get('decode_tps', 0):.1f} tok/s {row.get('error', '')}", flush=True)
+        print(
+            f"[{status}] {key} decode {fig.get('decode_tps', 0):.1f} tok/s {row.get('error', '')}",
+            flush=True,
+        )
         return row.get("figures")
 
 
-def run_shape(rec: Recorder, suite: Suite, plan: Plan,
-              engine_options: Optional[Dict[str, Any]] = None) -> None:
+def run_shape(
+    rec: Recorder, suite: Suite, plan: Plan, engine_options: Optional[Dict[str, Any]] = None
+) -> None:
     name = plan.shape
     dtype = getattr(mx, suite.dtype)
     t0 = time.perf_counter()
@@ -242,7 +307,10 @@ def run_shape(rec: Recorder, suite: Suite, plan: Plan,
     for ctx in plan.contexts:
         p = arms.prompt_ids(ctx, setup.vocab_size, seed=ctx)
         base = {"shape": name, "context": ctx}
-        rec.run(dict(base, arm="mlx_lm.stream_generate"), lambda: arms.measure(lambda: arms.stream_generate(setup, p, n), reps))
+        rec.run(
+            dict(base, arm="mlx_lm.stream_generate"),
+            lambda: arms.measure(lambda: arms.stream_generate(setup, p, n), reps),
+        )
         for acc in [a for a in plan.acceptance if a != "random"]:
             key = dict(base, arm="dflash.engine", acceptance=acc)
             if engine is None:
@@ -250,22 +318,38 @@ def run_shape(rec: Recorder, suite: Suite, plan: Plan,
                 continue
             if acc == "full":
                 with arms.zeroed_final_norm(engine_setup.model, engine_setup.drafter):
-                    rec.run(key, lambda: arms.measure(lambda: arms.engine_generate(engine, p, n), reps))
+                    rec.run(
+                        key, lambda: arms.measure(lambda: arms.engine_generate(engine, p, n), reps)
+                    )
                 continue
             scripted = arms.scripted_drafter(engine_setup, script_for(acc, engine.block_size))
-            key["script"] = {"label": scripted.script.label, "q": scripted.script.q,
-                             "expected_tokens_per_cycle": 1 + scripted.script.expected_accepted}
+            key["script"] = {
+                "label": scripted.script.label,
+                "q": scripted.script.q,
+                "expected_tokens_per_cycle": 1 + scripted.script.expected_accepted,
+            }
             engine.drafter = scripted
             try:
                 with arms.zeroed_final_norm(engine_setup.model):
-                    rec.run(key, lambda: arms.measure(lambda: arms.engine_generate(engine, p, n, scripted), reps))
+                    rec.run(
+                        key,
+                        lambda: arms.measure(
+                            lambda: arms.engine_generate(engine, p, n, scripted), reps
+                        ),
+                    )
             finally:
                 engine.drafter = engine_setup.drafter
         if plan.breakdown and engine is not None:
             # keep 10 of 16 rows per cycle: about the published acceptance (tau 9.6)
-            rec.run(dict(base, arm="dflash.cycle-breakdown", keep=10), lambda: arms.cycle_breakdown(engine, p, keep=10))
+            rec.run(
+                dict(base, arm="dflash.cycle-breakdown", keep=10),
+                lambda: arms.cycle_breakdown(engine, p, keep=10),
+            )
         if engine_ar is not None:
-            rec.run(dict(base, arm="dflash.engine-ar"), lambda: arms.measure(lambda: arms.engine_generate(engine_ar, p, n), reps))
+            rec.run(
+                dict(base, arm="dflash.engine-ar"),
+                lambda: arms.measure(lambda: arms.engine_generate(engine_ar, p, n), reps),
+            )
         elif plan.engine_ar:
             rec.run(dict(base, arm="dflash.engine-ar"), lambda: unsupported(engine_error))
 
@@ -275,31 +359,43 @@ def run_shape(rec: Recorder, suite: Suite, plan: Plan,
         base = {"shape": name, "context": ctx}
         for acc in [a for a in plan.mlx_speculative if a != "random"]:
             with arms.zeroed_final_norm(setup.model, setup.ar_draft):
-                rec.run(dict(base, arm="mlx_lm.speculative", acceptance=acc),
-                        lambda: arms.measure(lambda: arms.mlx_speculative(setup, p, n), reps))
+                rec.run(
+                    dict(base, arm="mlx_lm.speculative", acceptance=acc),
+                    lambda: arms.measure(lambda: arms.mlx_speculative(setup, p, n), reps),
+                )
         for b in plan.batches:
-            rec.run(dict(base, arm="mlx_lm.batch_generate", batch=b),
-                    lambda: arms.measure(lambda: arms.batch_generate(setup, p, n, b), reps))
+            rec.run(
+                dict(base, arm="mlx_lm.batch_generate", batch=b),
+                lambda: arms.measure(lambda: arms.batch_generate(setup, p, n, b), reps),
+            )
         if plan.runner and engine is not None:
             acc = next((a for a in plan.acceptance if "=" in a), None)
             if acc:
-                engine.drafter = arms.scripted_drafter(engine_setup, script_for(acc, engine.block_size))
+                engine.drafter = arms.scripted_drafter(
+                    engine_setup, script_for(acc, engine.block_size)
+                )
             try:
                 with arms.zeroed_final_norm(engine_setup.model):
-                    rec.run(dict(base, arm="dflash.runner", acceptance=acc or "random"),
-                            lambda: arms.measure(lambda: arms.runner_end_to_end(engine, ctx, n), reps))
+                    rec.run(
+                        dict(base, arm="dflash.runner", acceptance=acc or "random"),
+                        lambda: arms.measure(lambda: arms.runner_end_to_end(engine, ctx, n), reps),
+                    )
             finally:
                 engine.drafter = engine_setup.drafter
         # The slow (about one token per cycle) arms last.
         if "random" in plan.mlx_speculative:
-            rec.run(dict(base, arm="mlx_lm.speculative", acceptance="random"),
-                    lambda: arms.measure(lambda: arms.mlx_speculative(setup, p, slow), reps))
+            rec.run(
+                dict(base, arm="mlx_lm.speculative", acceptance="random"),
+                lambda: arms.measure(lambda: arms.mlx_speculative(setup, p, slow), reps),
+            )
         if "random" in plan.acceptance:
             key = dict(base, arm="dflash.engine", acceptance="random")
             if engine is None:
                 rec.run(key, lambda: unsupported(engine_error or "no drafter"))
             else:
-                rec.run(key, lambda: arms.measure(lambda: arms.engine_generate(engine, p, slow), reps))
+                rec.run(
+                    key, lambda: arms.measure(lambda: arms.engine_generate(engine, p, slow), reps)
+                )
     del engine, engine_ar, setup, engine_setup
     mx.clear_cache()
 
@@ -312,14 +408,18 @@ def main(argv: Optional[List[str]] = None, engine_options: Optional[Dict[str, An
 
 
 def _main(argv: Optional[List[str]], engine_options: Optional[Dict[str, Any]]) -> Path:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--suite", required=True, choices=sorted(SUITES))
     ap.add_argument("--out", default="docs/results", help="folder for the JSON results")
     ap.add_argument("--shapes", help="comma-separated subset of the suite's shapes")
     ap.add_argument("--contexts", help="comma-separated context lengths (override)")
     ap.add_argument("--reps", type=int)
     ap.add_argument("--max-tokens", type=int)
-    ap.add_argument("--budget-s", type=float, help="stop starting measurements after this many seconds")
+    ap.add_argument(
+        "--budget-s", type=float, help="stop starting measurements after this many seconds"
+    )
     ap.add_argument("--tag", default="", help="added to the file name")
     args = ap.parse_args(argv)
     suite = SUITES[args.suite]
@@ -338,14 +438,18 @@ def _main(argv: Optional[List[str]], engine_options: Optional[Dict[str, Any]]) -
     chip = "".join(c if c.isalnum() else "-" for c in str(info["chip"]).lower()).strip("-")
     while "--" in chip:
         chip = chip.replace("--", "-")
-    stem = f"{info['backend']}-{chip}-{now:%Y-%m-%d}-{suite.name}{'-' + args.tag if args.tag else ''}"
+    stem = (
+        f"{info['backend']}-{chip}-{now:%Y-%m-%d}-{suite.name}{'-' + args.tag if args.tag else ''}"
+    )
     path = Path(args.out) / f"{stem}.json"
     doc: Dict[str, Any] = {
         "suite": asdict(suite),
-        "command": "python -m benchmarks.run " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python -m benchmarks.run "
+        + " ".join(argv if argv is not None else sys.argv[1:]),
         "started": now.isoformat(timespec="seconds"),
         "machine": info,
-        "notes": [SCRIPTED_NOTE, suite.note] + (["EOS disabled: every run generates exactly max_tokens."]),
+        "notes": [SCRIPTED_NOTE, suite.note]
+        + (["EOS disabled: every run generates exactly max_tokens."]),
         "shapes": {},
     }
     start = time.perf_counter()
@@ -357,12 +461,19 @@ def _main(argv: Optional[List[str]], engine_options: Optional[Dict[str, Any]]) -
         # Each shape gets its share of what is left of the budget.
         if budget:
             left = budget - (time.perf_counter() - start)
-            rec.deadline = time.perf_counter() + left * plan.share / sum(p.share for p in suite.plans[i:])
+            rec.deadline = time.perf_counter() + left * plan.share / sum(
+                p.share for p in suite.plans[i:]
+            )
         try:
             run_shape(rec, suite, plan, engine_options)
         except Exception as e:  # e.g. out of memory while building: record and go on
-            rec.doc.setdefault("failures", []).append({"shape": plan.shape, "error": f"{type(e).__name__}: {e}",
-                                                       "traceback": traceback.format_exc(limit=6)})
+            rec.doc.setdefault("failures", []).append(
+                {
+                    "shape": plan.shape,
+                    "error": f"{type(e).__name__}: {e}",
+                    "traceback": traceback.format_exc(limit=6),
+                }
+            )
             rec.save()
             print(f"[failed] {plan.shape}: {e}", flush=True)
         mx.clear_cache()

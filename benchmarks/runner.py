@@ -28,9 +28,9 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List
 
 import dflash_batch.engine  # noqa: F401  (preloads a fast CPU BLAS before mlx.core)
-import mlx.core as mx
-
 from dflash_batch.engine.engine import Prompt
+
+import mlx.core as mx
 
 from . import arms
 
@@ -53,7 +53,11 @@ def file_prompts(path: str) -> List[Prompt]:
     for item in read_items(path):
         if item.error:
             raise ValueError(f"{path} {item.where}: {item.error}")
-        turns = [{"role": "user", "content": item.prompt}] if isinstance(item.prompt, str) else item.prompt
+        turns = (
+            [{"role": "user", "content": item.prompt}]
+            if isinstance(item.prompt, str)
+            else item.prompt
+        )
         system = item.options.get("system")
         first = system is not None and turns[0]["role"] != "system"
         prompts.append([{"role": "system", "content": system}] + turns if first else item.prompt)
@@ -62,7 +66,10 @@ def file_prompts(path: str) -> List[Prompt]:
 
 def job_row(i: int, prompt: Prompt) -> str:
     """One JSONL job row for ``prompt`` (a string or chat messages)."""
-    return json.dumps({"id": f"p{i}", "messages" if isinstance(prompt, list) else "prompt": prompt}) + "\n"
+    return (
+        json.dumps({"id": f"p{i}", "messages" if isinstance(prompt, list) else "prompt": prompt})
+        + "\n"
+    )
 
 
 def rounds(arms_: Dict[str, Callable[[], Dict[str, Any]]], runs: int) -> Dict[str, Dict[str, Any]]:
@@ -89,7 +96,9 @@ def fresh(engine) -> None:
         engine.prefixes.clear()
 
 
-def run_runner(engine, prompts: List[Prompt], max_tokens: int, B: int, work: Path) -> Dict[str, Any]:
+def run_runner(
+    engine, prompts: List[Prompt], max_tokens: int, B: int, work: Path
+) -> Dict[str, Any]:
     from dflash_batch import api
 
     fresh(engine)
@@ -98,7 +107,14 @@ def run_runner(engine, prompts: List[Prompt], max_tokens: int, B: int, work: Pat
     src.write_text("".join(job_row(i, p) for i, p in enumerate(prompts)))
     out = Path(tempfile.mkdtemp(dir=work, prefix="out-"))  # fresh: nothing skipped
     start = time.perf_counter()
-    job = api.run(src, engine=engine, home=work / "home", max_tokens=max_tokens, batch_size=B, output_dir=str(out))
+    job = api.run(
+        src,
+        engine=engine,
+        home=work / "home",
+        max_tokens=max_tokens,
+        batch_size=B,
+        output_dir=str(out),
+    )
     wall = time.perf_counter() - start
     table = job.to_arrow()
     assert table.num_rows == len(prompts) and set(table.column("status").to_pylist()) == {"ok"}
@@ -110,10 +126,15 @@ def run_engine(engine, prompts: List[Prompt], max_tokens: int, B: int) -> Dict[s
     mx.synchronize()
     start = time.perf_counter()
     done = engine.generate_batch(prompts, max_tokens=max_tokens, batch_size=B)
-    return {"tokens": sum(c.stats.generated_tokens for c in done), "wall_s": time.perf_counter() - start}
+    return {
+        "tokens": sum(c.stats.generated_tokens for c in done),
+        "wall_s": time.perf_counter() - start,
+    }
 
 
-def run_mlx_lm(model, tokenizer, prompt_ids: List[List[int]], max_tokens: int, B: int) -> Dict[str, Any]:
+def run_mlx_lm(
+    model, tokenizer, prompt_ids: List[List[int]], max_tokens: int, B: int
+) -> Dict[str, Any]:
     from mlx_lm import batch_generate
 
     with arms.stock_ops():
@@ -136,31 +157,44 @@ def run_cli(prompts: List[Prompt], max_tokens: int, B: int, work: Path) -> Dict[
     wall = time.perf_counter() - start
     import pyarrow.dataset as ds
 
-    tokens = sum(ds.dataset(out, format="parquet").to_table(columns=["completion_tokens"]).column(0).to_pylist())
+    tokens = sum(
+        ds.dataset(out, format="parquet")
+        .to_table(columns=["completion_tokens"])
+        .column(0)
+        .to_pylist()
+    )
     assert json.loads(proc.stdout)["state"] == "completed"
     return {"tokens": tokens, "wall_s": wall}
 
 
 def main(argv=None) -> Dict[str, Any]:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--prompts", type=int, default=16)
-    ap.add_argument("--prompts-file", help="a JSONL job file's prompts instead (e.g. examples/prompts.jsonl, the README's job)")
+    ap.add_argument(
+        "--prompts-file",
+        help="a JSONL job file's prompts instead (e.g. examples/prompts.jsonl, the README's job)",
+    )
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--runs", type=int, default=3, help="timed runs per arm (median)")
-    ap.add_argument("--cli", action="store_true", help="also time `dflash-batch run` in a subprocess (one run)")
+    ap.add_argument(
+        "--cli", action="store_true", help="also time `dflash-batch run` in a subprocess (one run)"
+    )
     ap.add_argument("--out", help="write the results as JSON here")
     args = ap.parse_args(argv)
 
-    from dflash_batch.engine import load_engine
+    from dflash_batch.engine import load_engine, pick_dtype
     from dflash_batch.engine.models import loading
     from dflash_batch.engine.models.default_model import ensure_default_pair
-    from dflash_batch.engine import pick_dtype
 
     engine = load_engine()  # the embedded default pair, fp32
     model, tokenizer, _ = loading.load_target(ensure_default_pair()[0], None, pick_dtype("auto"))
     prompts = file_prompts(args.prompts_file) if args.prompts_file else job_prompts(args.prompts)
-    prompt_ids = [engine.request(p, max_tokens=args.max_tokens).ids for p in prompts]  # the engine's own encoding
+    prompt_ids = [
+        engine.request(p, max_tokens=args.max_tokens).ids for p in prompts
+    ]  # the engine's own encoding
     B, n = args.batch, args.max_tokens
     results: Dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="dflash-runner-bench-") as tmp:
@@ -173,14 +207,20 @@ def main(argv=None) -> Dict[str, Any]:
         if args.cli:
             results["dflash-batch run (subprocess)"] = run_cli(prompts, n, B, work)
             results["dflash-batch run (subprocess)"]["tok_s"] = (
-                results["dflash-batch run (subprocess)"]["tokens"] / results["dflash-batch run (subprocess)"]["wall_s"])
+                results["dflash-batch run (subprocess)"]["tokens"]
+                / results["dflash-batch run (subprocess)"]["wall_s"]
+            )
     base = results["mlx_lm.batch_generate"]["tok_s"]
     doc = {"prompts": len(prompts), "prompts_file": args.prompts_file, "batch": B, "max_tokens": n, "runs": args.runs, "device": str(mx.default_device()),
            "results": results}  # fmt: skip
-    print(f"{len(prompts)} prompts, batch {B}, max_tokens {n}, median of {args.runs} runs, {mx.default_device()}")
+    print(
+        f"{len(prompts)} prompts, batch {B}, max_tokens {n}, median of {args.runs} runs, {mx.default_device()}"
+    )
     print(f"{'arm':32} {'tokens':>7} {'wall s':>8} {'tok/s':>8} {'x batch_generate':>17}")
     for arm, r in results.items():
-        print(f"{arm:32} {r['tokens']:>7} {r['wall_s']:>8.2f} {r['tok_s']:>8.1f} {r['tok_s'] / base:>17.2f}")
+        print(
+            f"{arm:32} {r['tokens']:>7} {r['wall_s']:>8.2f} {r['tok_s']:>8.1f} {r['tok_s'] / base:>17.2f}"
+        )
     if args.out:
         Path(args.out).write_text(json.dumps(doc, indent=2))
     return doc

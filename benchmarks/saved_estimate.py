@@ -37,16 +37,24 @@ from pathlib import Path
 from typing import Any, Dict, List
 
 import dflash_batch.engine  # noqa: F401  (preloads a fast CPU BLAS before mlx.core)
+
 import mlx.core as mx
 
 GOAL = 0.10  # the estimate within 10% of the real plain run
 
 
 def parse(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--target", help="target folder (default: the embedded default pair)")
-    ap.add_argument("--draft", default="auto", help="drafter folder (default: the target's registered one)")
-    ap.add_argument("--shape", help="a random-weight pair of benchmarks/shapes.py instead (saved to a temp folder)")
+    ap.add_argument(
+        "--draft", default="auto", help="drafter folder (default: the target's registered one)"
+    )
+    ap.add_argument(
+        "--shape",
+        help="a random-weight pair of benchmarks/shapes.py instead (saved to a temp folder)",
+    )
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -55,7 +63,9 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--control", type=float, default=0.0, help="the drafted job's --control share")
     ap.add_argument("--machine", default=platform.node() or "unknown")
     ap.add_argument("--out", help="write Markdown here (and JSON beside it)")
-    ap.add_argument("--smoke", action="store_true", help="a tiny random pair, 4 prompts of 8 tokens, one round")
+    ap.add_argument(
+        "--smoke", action="store_true", help="a tiny random pair, 4 prompts of 8 tokens, one round"
+    )
     args = ap.parse_args(argv)
     if args.smoke:
         args.shape = args.shape or "qwen3-tiny"
@@ -79,7 +89,9 @@ def load_pair(args, work: Path):
     drafted = load_engine(target, draft, dtype=args.dtype)
     if drafted.drafter is None:
         raise SystemExit("the target has no drafter: nothing to compare")
-    return drafted, load_engine(drafted.description["target"] if target is None else target, None, dtype=args.dtype)
+    return drafted, load_engine(
+        drafted.description["target"] if target is None else target, None, dtype=args.dtype
+    )
 
 
 def run_arm(engine, src: Path, work: Path, name: str, args, control: float) -> Dict[str, Any]:
@@ -98,7 +110,12 @@ def run_arm(engine, src: Path, work: Path, name: str, args, control: float) -> D
     rows = {r["id"]: r for r in job.to_arrow().to_pylist()}
     if any(r["status"] != "ok" for r in rows.values()):
         raise SystemExit(f"{name}: error rows in {out}")
-    return {"rows": rows, "wall_s": wall, "speculation": job.speculation(), "cycles": cycles(engine, args.batch)}
+    return {
+        "rows": rows,
+        "wall_s": wall,
+        "speculation": job.speculation(),
+        "cycles": cycles(engine, args.batch),
+    }
 
 
 def cycles(engine, batch: int) -> Dict[str, Any]:
@@ -111,7 +128,12 @@ def cycles(engine, batch: int) -> Dict[str, Any]:
         return {"by_width": counts}
     model = {B: round(cost.cycle(B, 1), 5) for B in sorted({1, max(batch // 2, 1), batch})}
     trusted = {f"{B}x{T}": len(v) for (B, T), v in cost.width_excess.items()}
-    return {"by_width": counts, "model_plain_cycle_s": model, "timed": cost.timed, "cycles_seen": trusted}
+    return {
+        "by_width": counts,
+        "model_plain_cycle_s": model,
+        "timed": cost.timed,
+        "cycles_seen": trusted,
+    }
 
 
 def compare(drafted: Dict[str, Any], plain: Dict[str, Any]) -> Dict[str, Any]:
@@ -173,8 +195,10 @@ def markdown(result: Dict[str, Any]) -> str:
     ]
     for i, r in enumerate(result["rounds"] + [m]):
         name = "median" if i == len(result["rounds"]) else str(i + 1)
-        lines.append(f"| {name} | {r['drafted_decode_s']:.2f} | {r['estimate_s']:.2f} | {r['real_plain_s']:.2f} | "
-                     f"{r['error']:+.1%} | {r['speedup_estimated']:.2f}x | {r['speedup_real']:.2f}x |")
+        lines.append(
+            f"| {name} | {r['drafted_decode_s']:.2f} | {r['estimate_s']:.2f} | {r['real_plain_s']:.2f} | "
+            f"{r['error']:+.1%} | {r['speedup_estimated']:.2f}x | {r['speedup_real']:.2f}x |"
+        )
     within = abs(m["error"]) <= GOAL
     lines += [
         "",
@@ -183,9 +207,11 @@ def markdown(result: Dict[str, Any]) -> str:
         f"without. Same text in both arms: {m['outputs_identical']}.",
     ]
     if m["control_rows"]:
-        lines.append(f"Control rows ({m['control_rows']:.0f}): {m['control_tokens_per_s']:.1f} tok/s measured in the "
-                     f"drafting batch; plain decoding {m['plain_tokens_per_s_est']:.1f} estimated, "
-                     f"{m['plain_tokens_per_s_real']:.1f} real.")
+        lines.append(
+            f"Control rows ({m['control_rows']:.0f}): {m['control_tokens_per_s']:.1f} tok/s measured in the "
+            f"drafting batch; plain decoding {m['plain_tokens_per_s_est']:.1f} estimated, "
+            f"{m['plain_tokens_per_s_real']:.1f} real."
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -211,11 +237,14 @@ def main(argv=None) -> Dict[str, Any]:
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": args.machine,
         "device": str(mx.default_device()),
-        "command": "python -m benchmarks.saved_estimate " + " ".join(sys.argv[1:] if argv is None else argv),
-        "setup": (f"{args.prompts} short chat prompts, {args.max_tokens} new tokens each, greedy, batch size "
-                  f"{args.batch}, pair: {args.shape or args.target or 'the embedded default pair'}; each arm warmed "
-                  f"up with one untimed job, then {args.runs} round(s) of both arms in turn"
-                  + (f"; the drafted job with --control {args.control}" if args.control else "")),
+        "command": "python -m benchmarks.saved_estimate "
+        + " ".join(sys.argv[1:] if argv is None else argv),
+        "setup": (
+            f"{args.prompts} short chat prompts, {args.max_tokens} new tokens each, greedy, batch size "
+            f"{args.batch}, pair: {args.shape or args.target or 'the embedded default pair'}; each arm warmed "
+            f"up with one untimed job, then {args.runs} round(s) of both arms in turn"
+            + (f"; the drafted job with --control {args.control}" if args.control else "")
+        ),
         "load_before": round(load_before, 1),
         "load_after": round(os.getloadavg()[0], 1),
         "rounds": rounds,

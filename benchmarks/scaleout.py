@@ -100,8 +100,19 @@ def write_prompts(path: Path, rows: int) -> Path:
 
 
 def start_worker(home: Path, log: Path, model: Dict[str, str], device: Optional[str]):
-    args = [sys.executable, "-m", "dflash_batch.cli", "--home", str(home), "worker",
-            "--no-periodic", "--target", model["target"], "--draft", model["draft"]]
+    args = [
+        sys.executable,
+        "-m",
+        "dflash_batch.cli",
+        "--home",
+        str(home),
+        "worker",
+        "--no-periodic",
+        "--target",
+        model["target"],
+        "--draft",
+        model["draft"],
+    ]
     if device is not None:
         args += ["--device", device]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -128,8 +139,9 @@ def engines_ready(procs: List[subprocess.Popen], logs: List[Path]) -> bool:
     texts = [log.read_text(errors="replace") if log.exists() else "" for log in logs]
     for proc, text in zip(procs, texts):
         if proc.poll() is not None or "Traceback" in text:
-            sys.stderr.write(f"{text[-4000:]}\nscaleout: a worker could not load the model "
-                             "(its log above)\n")
+            sys.stderr.write(
+                f"{text[-4000:]}\nscaleout: a worker could not load the model (its log above)\n"
+            )
             raise SystemExit(1)
     return all("engine ready" in text for text in texts)
 
@@ -154,10 +166,15 @@ def submit_job(root: Path, arm: str, model, args, name: str):
     """Submit the job of ``args`` to the arm's home, its rows into a folder of their own."""
     import dflash_batch
 
-    return dflash_batch.submit(root / "prompts.jsonl", home=root / arm / "home",
-                               target=model["target"], draft=model["draft"],
-                               max_tokens=args.max_tokens, chunk_size=args.chunk_size,
-                               output_dir=str(root / arm / name))
+    return dflash_batch.submit(
+        root / "prompts.jsonl",
+        home=root / arm / "home",
+        target=model["target"],
+        draft=model["draft"],
+        max_tokens=args.max_tokens,
+        chunk_size=args.chunk_size,
+        output_dir=str(root / arm / name),
+    )
 
 
 def warm_up(root: Path, arm: str, logs: List[Path], model, args) -> Dict[str, object]:
@@ -167,8 +184,12 @@ def warm_up(root: Path, arm: str, logs: List[Path], model, args) -> Dict[str, ob
         job = submit_job(root, arm, model, args, f"warmup-{len(states) + 1}")
         states.append(job.wait(timeout=args.timeout, poll=0.1)["state"])
         ran = [r + c for r, c in zip(ran, chunks_by_worker(job.id, logs, chunk_count(args)))]
-    return {"jobs": len(states), "states": states, "chunks_per_worker": ran,
-            "every_worker_warm": min(ran) > 0}
+    return {
+        "jobs": len(states),
+        "states": states,
+        "chunks_per_worker": ran,
+        "every_worker_warm": min(ran) > 0,
+    }
 
 
 def exactly_once(output_dir: Path, rows: int):
@@ -232,8 +253,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=counts, help="worker counts to time, one arm each, in turn "
                    "(default 1,2; with --devices: 1 and one per device; a single N: 1,N; "
                    "1,2,1,2 alternates)")  # fmt: skip
-    p.add_argument("--shape", default="qwen3-tiny", help="random-weight pair of "
-                   "benchmarks/shapes.py (default qwen3-tiny, CPU smoke size; qwen3-4b on a GPU)")
+    p.add_argument(
+        "--shape",
+        default="qwen3-tiny",
+        help="random-weight pair of "
+        "benchmarks/shapes.py (default qwen3-tiny, CPU smoke size; qwen3-4b on a GPU)",
+    )
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                    help=f"of the --shape pair (default float32 for {', '.join(CPU_SHAPES)}, "
                    "else bfloat16)")  # fmt: skip

@@ -143,24 +143,32 @@ class ScriptedDrafter:
         j = self.rows_seen - self.prompt_len  # generated index of the block's first token (last)
         ref = self.reference
         if ref is not None and j + self.args.block_size > len(ref):
-            raise IndexError(f"reference continuation too short: need {j + self.args.block_size}, have {len(ref)}")
+            raise IndexError(
+                f"reference continuation too short: need {j + self.args.block_size}, have {len(ref)}"
+            )
         out = []
         for i, bad in enumerate(self.script.corrupted(), start=1):
             good = 0 if ref is None else ref[j + i]
             out.append((good + 1) % self.vocab_size if bad else good)
         return out
 
-    def __call__(self, x: mx.array, context: mx.array, cache: list, counts: Optional[mx.array] = None) -> mx.array:
+    def __call__(
+        self, x: mx.array, context: mx.array, cache: list, counts: Optional[mx.array] = None
+    ) -> mx.array:
         real = self.drafter(x, context, cache, counts)  # the real forward: [B, block, H]
         rows = x.shape[0]
         if self.reference is not None and rows > 1:
-            raise ValueError("a recorded reference continuation scripts one sequence; batches use token 0")
+            raise ValueError(
+                "a recorded reference continuation scripts one sequence; batches use token 0"
+            )
         self.rows_seen += context.shape[1]
         # Each row draws its own corruptions (position 0's output is not used by the engine).
         ids = mx.array([[0] + self.proposals() for _ in range(rows)])
         return mx.where(mx.array(True), self.head_rows(ids).astype(real.dtype), real)
 
-    def draft_pass(self, x: mx.array, context: mx.array, cache: list, counts: Optional[mx.array] = None) -> mx.array:
+    def draft_pass(
+        self, x: mx.array, context: mx.array, cache: list, counts: Optional[mx.array] = None
+    ) -> mx.array:
         # the scripted forward, eager: a replayed trace would not repeat the script's draws (host state)
         return self(x, context, cache, counts)
 
@@ -176,8 +184,14 @@ def head_rows_of(target_model) -> Callable[[mx.array], mx.array]:
         biases = head.get("biases")
 
         def rows(ids: mx.array) -> mx.array:
-            return mx.dequantize(head["weight"][ids], head["scales"][ids], None if biases is None else biases[ids],
-                                 group_size=head.group_size, bits=head.bits, mode=head.mode)
+            return mx.dequantize(
+                head["weight"][ids],
+                head["scales"][ids],
+                None if biases is None else biases[ids],
+                group_size=head.group_size,
+                bits=head.bits,
+                mode=head.mode,
+            )
 
         return rows
     return lambda ids: head.weight[ids]

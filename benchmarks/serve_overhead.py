@@ -38,10 +38,24 @@ ARMS = ("run", "serve", "worker")
 def write_batch(path: Path, lines: int, max_tokens: int) -> Path:
     with open(path, "w") as f:
         for i in range(lines):
-            body = {"model": "default", "max_tokens": max_tokens, "messages": [
-                {"role": "user", "content": f"Give one word that rhymes with number {i}."}]}
-            f.write(json.dumps({"custom_id": f"q-{i:05d}", "method": "POST",
-                                "url": "/v1/chat/completions", "body": body}) + "\n")
+            body = {
+                "model": "default",
+                "max_tokens": max_tokens,
+                "messages": [
+                    {"role": "user", "content": f"Give one word that rhymes with number {i}."}
+                ],
+            }
+            f.write(
+                json.dumps(
+                    {
+                        "custom_id": f"q-{i:05d}",
+                        "method": "POST",
+                        "url": "/v1/chat/completions",
+                        "body": body,
+                    }
+                )
+                + "\n"
+            )
     return path
 
 
@@ -70,8 +84,12 @@ def worker_arm(source: Path, home: Path, poll: float) -> dict:
     submitted = subprocess.run(cli("submit", str(source), "--home", str(home)), cwd=ROOT,
                                capture_output=True, text=True, check=True)  # fmt: skip
     job = api.Job(submitted.stdout.split()[0], home)
-    worker = subprocess.Popen(cli("worker", "--home", str(home)), cwd=ROOT,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    worker = subprocess.Popen(
+        cli("worker", "--home", str(home)),
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         while job.status()["state"] not in ("completed", "failed", "cancelled"):
             time.sleep(poll)
@@ -94,8 +112,12 @@ def serve_arm(source: Path, home: Path, poll: float) -> dict:
 
     port = free_port()
     started = time.perf_counter()
-    server = subprocess.Popen(cli("serve", "--worker", "--port", str(port), "--home", str(home)),
-                              cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        cli("serve", "--worker", "--port", str(port), "--home", str(home)),
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
                                max_retries=0)  # fmt: skip
@@ -145,14 +167,18 @@ def summary(runs: list) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--lines", type=int, default=1000, help="requests in the batch (default 1000)")
     ap.add_argument("--max-tokens", type=int, default=8, help="max_tokens of each request")
     ap.add_argument("--runs", type=int, default=2, help="runs per arm (median)")
     ap.add_argument("--poll", type=float, default=0.5, help="the client's polling interval, s")
-    ap.add_argument("--arms", default="run,serve",
-                    help="comma-separated, of run, serve, worker (default run,serve)")
+    ap.add_argument(
+        "--arms",
+        default="run,serve",
+        help="comma-separated, of run, serve, worker (default run,serve)",
+    )
     ap.add_argument("--out", help="also write the result here (JSON)")
     args = ap.parse_args(argv)
     arms = args.arms.split(",")
@@ -173,10 +199,16 @@ def main(argv=None) -> int:
                     one = worker_arm(source, home, args.poll)
                 print(f"{arm}: {one['whole']:.2f} s", file=sys.stderr)
                 runs.append(one)
-    result = dict(summary(runs), lines=args.lines, max_tokens=args.max_tokens, poll_s=args.poll,
-                  load_before=[round(x, 2) for x in load_before],
-                  load_after=[round(x, 2) for x in os.getloadavg()], cpus=os.cpu_count(),
-                  command="python -m benchmarks.serve_overhead " + " ".join(argv or sys.argv[1:]))
+    result = dict(
+        summary(runs),
+        lines=args.lines,
+        max_tokens=args.max_tokens,
+        poll_s=args.poll,
+        load_before=[round(x, 2) for x in load_before],
+        load_after=[round(x, 2) for x in os.getloadavg()],
+        cpus=os.cpu_count(),
+        command="python -m benchmarks.serve_overhead " + " ".join(argv or sys.argv[1:]),
+    )
     print(json.dumps(result, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")

@@ -40,7 +40,9 @@ class Shape:
         return self.target["model_type"].startswith("qwen3_5")
 
 
-def qwen3(hidden, layers, inter, heads, kv_heads, tied, vocab=151936, head_dim=128, max_pos=40960) -> dict:
+def qwen3(
+    hidden, layers, inter, heads, kv_heads, tied, vocab=151936, head_dim=128, max_pos=40960
+) -> dict:
     return {
         "model_type": "qwen3",
         "hidden_size": hidden,
@@ -89,7 +91,16 @@ def qwen3_5(hidden, inter, tied, layers=32) -> dict:
 
 
 def dflash_drafter(
-    hidden, inter, layers, taps, target_layers, mask_token_id, vocab, rope_theta, window=None, heads=(32, 8, 128)
+    hidden,
+    inter,
+    layers,
+    taps,
+    target_layers,
+    mask_token_id,
+    vocab,
+    rope_theta,
+    window=None,
+    heads=(32, 8, 128),
 ) -> dict:
     """A drafter config.json in the newer nested z-lab layout; ``heads`` = (query, KV, head dim)."""
     cfg = {
@@ -106,7 +117,11 @@ def dflash_drafter(
         "num_target_layers": target_layers,
         "max_position_embeddings": 262144 if window else 40960,
         "rope_parameters": {"rope_theta": rope_theta, "rope_type": "default"},
-        "dflash_config": {"block_size": 16, "mask_token_id": mask_token_id, "target_layer_ids": taps},
+        "dflash_config": {
+            "block_size": 16,
+            "mask_token_id": mask_token_id,
+            "target_layer_ids": taps,
+        },
     }
     if window:
         cfg["layer_types"] = ["sliding_attention"] * (layers - 1) + ["full_attention"]
@@ -151,7 +166,11 @@ SHAPES: Dict[str, Shape] = {
                 "drafter heads, MLP width, taps, window and mask id assumed like the 4B drafter's",
             ],
         ),
-        Shape("qwen3-0.6b", qwen3(1024, 28, 3072, 16, 8, tied=True), source="Qwen/Qwen3-0.6B (AR draft)"),
+        Shape(
+            "qwen3-0.6b",
+            qwen3(1024, 28, 3072, 16, 8, tied=True),
+            source="Qwen/Qwen3-0.6B (AR draft)",
+        ),
         # Scaled-down shapes for the CPU suites (2 shared cores cannot run 4B shapes at 1-4k context).
         Shape(
             "qwen3-small",
@@ -167,7 +186,10 @@ SHAPES: Dict[str, Shape] = {
             ar_draft="qwen3-tiny-draft",
             source="tiny Qwen3 layout for smoke tests",
         ),
-        Shape("qwen3-tiny-draft", qwen3(64, 2, 128, 2, 1, tied=True, head_dim=32, vocab=512, max_pos=4096)),
+        Shape(
+            "qwen3-tiny-draft",
+            qwen3(64, 2, 128, 2, 1, tied=True, head_dim=32, vocab=512, max_pos=4096),
+        ),
         Shape(
             "qwen3.5-tiny",
             {

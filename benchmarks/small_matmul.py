@@ -48,10 +48,10 @@ import argparse
 import sys
 
 import dflash_batch.engine  # noqa: F401  (preloads a fast CPU BLAS before mlx.core)
-import mlx.core as mx
-
 from dflash_batch.engine.ops.kernels import attention as block
 from dflash_batch.engine.ops.kernels import matmul as few_row
+
+import mlx.core as mx
 
 from . import verify_ops
 from .default_pair import command_line, write_result
@@ -102,16 +102,22 @@ def main(argv=None) -> int:
                 ref = xs[0] @ w.T
             for name, fn in ways(w).items():
                 total, build = timed(fn, xs, args.reps)
-                row[name + "_us"], row[name + "_build_us"] = round(total * 1e6, 2), round(build * 1e6, 2)
+                row[name + "_us"], row[name + "_build_us"] = (
+                    round(total * 1e6, 2),
+                    round(build * 1e6, 2),
+                )
                 row[name + "_max_abs_diff"] = float(mx.abs(fn(xs[0]) - ref).max())
             rows.append(row)
             print(row, file=sys.stderr)
-    write_result({
-        "command": command_line("small_matmul", argv),
-        "device": str(mx.default_device()),
-        "mlx": mx.__version__,
-        "products": rows,
-    }, args.out)
+    write_result(
+        {
+            "command": command_line("small_matmul", argv),
+            "device": str(mx.default_device()),
+            "mlx": mx.__version__,
+            "products": rows,
+        },
+        args.out,
+    )
     return 0
 
 

@@ -18,10 +18,11 @@ import statistics
 import time
 
 import dflash_batch.engine  # noqa: F401  (BLAS preload before mlx on Linux CPU)
-import mlx.core as mx
-
 from dflash_batch.engine import Engine
 from dflash_batch.engine.batch import BatchDecoder
+
+import mlx.core as mx
+
 from dflash_batch.request import Options, Request
 
 from . import arms
@@ -35,7 +36,11 @@ def _requests(count: int, vocab: int):
 def _run(engine: Engine, requests, batch: int, window: int, rows: list) -> float:
     """One arm: ``window`` 0 is the stream; returns seconds, ``rows`` gets each cycle's live rows."""
     started = time.perf_counter()
-    cuts = [requests] if not window else [requests[i : i + window] for i in range(0, len(requests), window)]
+    cuts = (
+        [requests]
+        if not window
+        else [requests[i : i + window] for i in range(0, len(requests), window)]
+    )
     for part in cuts:
         for _, outcome in engine.generate_requests(iter(part), batch):
             assert not isinstance(outcome, Exception), outcome
@@ -51,7 +56,9 @@ def main(argv=None) -> None:
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args(argv)
     setup = arms.engine_setup(arms.build_setup(args.shape, mx.float32, with_ar_draft=False))
-    engine = Engine(setup.model, setup.tokenizer, setup.drafter, config=arms.text_config(setup.shape.target))
+    engine = Engine(
+        setup.model, setup.tokenizer, setup.drafter, config=arms.text_config(setup.shape.target)
+    )
     requests = _requests(args.requests, arms.text_config(setup.shape.target)["vocab_size"])
     rows: list = []
     run = BatchDecoder.run
@@ -61,7 +68,9 @@ def main(argv=None) -> None:
         return run(decoder, width)
 
     BatchDecoder.run = counted
-    _run(engine, requests[: args.batch], args.batch, 0, rows)  # warm-up: compile and time the passes
+    _run(
+        engine, requests[: args.batch], args.batch, 0, rows
+    )  # warm-up: compile and time the passes
     result = {}
     for _ in range(args.reps):
         for name, window in (("windowed", args.window), ("stream", 0)):
@@ -73,7 +82,17 @@ def main(argv=None) -> None:
                        cycles_with_a_free_slot=sum(r < args.batch for r in rows))  # fmt: skip
     for arm in result.values():
         arm["median_seconds"] = statistics.median(arm["seconds"])
-    print(json.dumps({"shape": args.shape, "requests": args.requests, "batch": args.batch, "window": args.window, **result}))
+    print(
+        json.dumps(
+            {
+                "shape": args.shape,
+                "requests": args.requests,
+                "batch": args.batch,
+                "window": args.window,
+                **result,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -36,11 +36,11 @@ import time
 from typing import Any, Dict, List, Optional
 
 import dflash_batch.engine  # noqa: F401  (BLAS preload before mlx on Linux CPU)
-import mlx.core as mx
-
 from dflash_batch.engine import load_engine, sampling
 from dflash_batch.engine.batch import BatchDecoder
 from dflash_batch.engine.grammar import Grammars
+
+import mlx.core as mx
 
 RECORD = {
     "type": "object",
@@ -87,7 +87,9 @@ class Script:
 
 
 def _run(engine, prompts: List[List[int]], max_tokens: int, fmt: Optional[dict]) -> Dict[str, Any]:
-    requests = [engine.request(p, max_tokens, index=i, response_format=fmt) for i, p in enumerate(prompts)]
+    requests = [
+        engine.request(p, max_tokens, index=i, response_format=fmt) for i, p in enumerate(prompts)
+    ]
     mx.synchronize()
     start = time.perf_counter()
     done = dict(engine.run(requests, batch_size=len(prompts)))
@@ -95,8 +97,13 @@ def _run(engine, prompts: List[List[int]], max_tokens: int, fmt: Optional[dict])
     tokens = sum(c.stats.generated_tokens for c in done.values())
     cycles = sum(c.stats.cycles for c in done.values())
     accepted = sum(c.stats.accepted_tokens for c in done.values())
-    return {"wall_s": wall, "tokens": tokens, "tokens_per_cycle": round(tokens / max(cycles, 1), 3),
-            "accepted": accepted, "outputs": {i: c.token_ids for i, c in done.items()}}
+    return {
+        "wall_s": wall,
+        "tokens": tokens,
+        "tokens_per_cycle": round(tokens / max(cycles, 1), 3),
+        "accepted": accepted,
+        "outputs": {i: c.token_ids for i, c in done.items()},
+    }
 
 
 def shape_engine(name: str, dtype: Optional[str]):
@@ -104,13 +111,25 @@ def shape_engine(name: str, dtype: Optional[str]):
     from . import arms
 
     gpu = mx.default_device() == mx.gpu
-    setup = arms.build_setup(name, getattr(mx, dtype or ("bfloat16" if gpu else "float32")), with_ar_draft=False)
-    return arms.make_engine(setup, drafter=setup.drafter, adaptive_block=False,
-                            description={"target": f"{name} (random weights)"})
+    setup = arms.build_setup(
+        name, getattr(mx, dtype or ("bfloat16" if gpu else "float32")), with_ar_draft=False
+    )
+    return arms.make_engine(
+        setup,
+        drafter=setup.drafter,
+        adaptive_block=False,
+        description={"target": f"{name} (random weights)"},
+    )
 
 
-def pieces(engine, prompts: List[List[int]], outputs: List[List[int]], rows: int, p_wrong: float,
-           cycles: int = 12) -> Dict[str, float]:
+def pieces(
+    engine,
+    prompts: List[List[int]],
+    outputs: List[List[int]],
+    rows: int,
+    p_wrong: float,
+    cycles: int = 12,
+) -> Dict[str, float]:
     """Median host ms per cycle of each grammar piece, for ``rows`` constrained rows (the prompts'
     constrained greedy ``outputs``, repeated) at a whole block per cycle, device work forced
     (mx.eval) inside the piece that queued it: fetch (the drafts to the host), masks (llguidance
@@ -119,7 +138,9 @@ def pieces(engine, prompts: List[List[int]], outputs: List[List[int]], rows: int
     T, V = engine.block_size, engine.target.vocab_size
     grammar = engine.request(prompts[0], 1, response_format=FORMAT).grammar
     grammars, rng = engine.grammars, random.Random(0)
-    requests = [engine.request(prompts[b % len(prompts)], 1, response_format=FORMAT) for b in range(rows)]
+    requests = [
+        engine.request(prompts[b % len(prompts)], 1, response_format=FORMAT) for b in range(rows)
+    ]
     logits = mx.random.normal((rows, T, V), key=mx.random.key(0))
     mx.eval(logits)
 
@@ -134,7 +155,12 @@ def pieces(engine, prompts: List[List[int]], outputs: List[List[int]], rows: int
         for b in range(rows):
             if state[b][2] + T >= len(state[b][1]):
                 state[b] = fresh(b)
-        drafted = mx.array([[t + 1 if rng.random() < p_wrong else t for t in ref[n:n + T - 1]] for _, ref, n in state])
+        drafted = mx.array(
+            [
+                [t + 1 if rng.random() < p_wrong else t for t in ref[n : n + T - 1]]
+                for _, ref, n in state
+            ]
+        )
         mx.eval(drafted)
         marks = [time.perf_counter()]
         drafts = drafted.tolist()
@@ -145,8 +171,10 @@ def pieces(engine, prompts: List[List[int]], outputs: List[List[int]], rows: int
         mx.eval(sampling.process(logits, requests, [[]] * rows, None, allowed))
         marks.append(time.perf_counter())
         for b, (matcher, ref, n) in enumerate(state):
-            a = next((i for i, t in enumerate(drafts[b]) if t != ref[n + i]), len(drafts[b]))  # drafts kept
-            Grammars.commit(matcher, ref[n:n + a + 1])
+            a = next(
+                (i for i, t in enumerate(drafts[b]) if t != ref[n + i]), len(drafts[b])
+            )  # drafts kept
+            Grammars.commit(matcher, ref[n : n + a + 1])
             state[b][2] += a + 1
         marks.append(time.perf_counter())
         if cycle >= 2:
@@ -156,19 +184,37 @@ def pieces(engine, prompts: List[List[int]], outputs: List[List[int]], rows: int
 
 
 def main(argv=None) -> Dict[str, Any]:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", default=None, help="model folder (default: the embedded default pair)")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--target", default=None, help="model folder (default: the embedded default pair)"
+    )
     ap.add_argument("--draft", default="auto")
-    ap.add_argument("--shape", default=None, help="a random-weight model of this shape instead (benchmarks/shapes.py)")
-    ap.add_argument("--dtype", default=None, help="with --shape; default: bfloat16 on a GPU, float32 on CPU")
-    ap.add_argument("--pieces", default=None,
-                    help="also time each grammar piece per cycle at these row counts (e.g. 4,32)")
+    ap.add_argument(
+        "--shape",
+        default=None,
+        help="a random-weight model of this shape instead (benchmarks/shapes.py)",
+    )
+    ap.add_argument(
+        "--dtype", default=None, help="with --shape; default: bfloat16 on a GPU, float32 on CPU"
+    )
+    ap.add_argument(
+        "--pieces",
+        default=None,
+        help="also time each grammar piece per cycle at these row counts (e.g. 4,32)",
+    )
     ap.add_argument("--prompts", type=int, default=4, help="rows decoded together (at most 4)")
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--p-wrong", type=float, default=0.05, help="share of scripted drafts made wrong")
+    ap.add_argument(
+        "--p-wrong", type=float, default=0.05, help="share of scripted drafts made wrong"
+    )
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--draft-walk", action="store_true",
-                    help="constrained rows pick their drafts under the grammar (Engine.grammar_drafts = True)")
+    ap.add_argument(
+        "--draft-walk",
+        action="store_true",
+        help="constrained rows pick their drafts under the grammar (Engine.grammar_drafts = True)",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.shape:
@@ -181,7 +227,10 @@ def main(argv=None) -> Dict[str, Any]:
     prompts = [engine.encode(p) for p in PROMPTS[: args.prompts]]
     script = Script(args.p_wrong)
     # references: each kind's own greedy output, found with the real drafter
-    refs = {None: _run(engine, prompts, args.max_tokens, None), "json": _run(engine, prompts, args.max_tokens, FORMAT)}
+    refs = {
+        None: _run(engine, prompts, args.max_tokens, None),
+        "json": _run(engine, prompts, args.max_tokens, FORMAT),
+    }
     real_drafter = {k: {"tokens_per_cycle": v["tokens_per_cycle"], "tok_s": round(v["tokens"] / v["wall_s"], 2)}
                     for k, v in (("unconstrained", refs[None]), ("constrained", refs["json"]))}  # fmt: skip
     timings: Dict[str, List[Dict[str, Any]]] = {"unconstrained": [], "constrained": []}
@@ -191,10 +240,14 @@ def main(argv=None) -> Dict[str, Any]:
         engine.settings = dataclasses.replace(engine.settings, drafts="chain")
         for rep in range(args.reps + 1):  # the first round compiles the shapes: not counted
             for name, key, fmt in (("unconstrained", None, None), ("constrained", "json", FORMAT)):
-                script.references = {tuple(p): p + refs[key]["outputs"][i] for i, p in enumerate(prompts)}
+                script.references = {
+                    tuple(p): p + refs[key]["outputs"][i] for i, p in enumerate(prompts)
+                }
                 script.rng = random.Random(rep)
                 result = _run(engine, prompts, args.max_tokens, fmt)
-                assert result["outputs"] == refs[key]["outputs"], "scripted drafts changed the output"
+                assert result["outputs"] == refs[key]["outputs"], (
+                    "scripted drafts changed the output"
+                )
                 if rep:
                     timings[name].append(result)
     finally:
@@ -202,12 +255,28 @@ def main(argv=None) -> Dict[str, Any]:
     outputs = [refs["json"]["outputs"][i] for i in range(len(prompts))]
     host_ms = None
     if args.pieces:
-        host_ms = {int(n): pieces(engine, prompts, outputs, int(n), args.p_wrong) for n in args.pieces.split(",")}
-    per_token = {k: statistics.median(r["wall_s"] / r["tokens"] for r in v) for k, v in timings.items()}
+        host_ms = {
+            int(n): pieces(engine, prompts, outputs, int(n), args.p_wrong)
+            for n in args.pieces.split(",")
+        }
+    per_token = {
+        k: statistics.median(r["wall_s"] / r["tokens"] for r in v) for k, v in timings.items()
+    }
     out = {
-        "machine": {"device": str(mx.default_device()), "platform": platform.platform(), "mlx": mx.__version__},
-        "target": engine.description.get("target"), "shape": args.shape, "vocab": engine.target.vocab_size, "block": engine.block_size,
-        "draft_walk": engine.grammar_drafts, "rows": len(prompts), "max_tokens": args.max_tokens, "p_wrong": args.p_wrong, "reps": args.reps,
+        "machine": {
+            "device": str(mx.default_device()),
+            "platform": platform.platform(),
+            "mlx": mx.__version__,
+        },
+        "target": engine.description.get("target"),
+        "shape": args.shape,
+        "vocab": engine.target.vocab_size,
+        "block": engine.block_size,
+        "draft_walk": engine.grammar_drafts,
+        "rows": len(prompts),
+        "max_tokens": args.max_tokens,
+        "p_wrong": args.p_wrong,
+        "reps": args.reps,
         "tokens_per_cycle": {k: [r["tokens_per_cycle"] for r in v] for k, v in timings.items()},
         "ms_per_token": {k: round(1000 * v, 3) for k, v in per_token.items()},
         "ratio": round(per_token["constrained"] / per_token["unconstrained"], 3),

@@ -63,11 +63,11 @@ import sys
 import time
 
 import dflash_batch.engine  # noqa: F401  (preloads a fast CPU BLAS before mlx.core)
-import mlx.core as mx
-
 from dflash_batch.engine import load_engine, warmup
 from dflash_batch.engine.ops import attention, switch
 from dflash_batch.engine.ops.kernels import attention as block
+
+import mlx.core as mx
 
 from .default_pair import command_line, write_result
 
@@ -97,22 +97,42 @@ def timed(run, reps: int = 5) -> tuple:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", help="target folder (default: the embedded default pair)")
-    ap.add_argument("--draft", default="auto", help="drafter folder (default: the target's registered drafter, if any)")
+    ap.add_argument(
+        "--draft",
+        default="auto",
+        help="drafter folder (default: the target's registered drafter, if any)",
+    )
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=300)
     ap.add_argument("--widths", default="1,2,4,8,16")
-    ap.add_argument("--modes", default="kernel,stock,reference",
-                    help="attention modes to try where they run (engine/ops/attention.py)")
-    ap.add_argument("--matmul", default="stock,kernel",
-                    help="few-row product modes to try where they run (engine/ops/matmul.py), each with every attention mode")
-    ap.add_argument("--passes", default="eager,compiled",
-                    help="decoding pass modes to try (engine/ops/compiled.py), each with every combination above")
-    ap.add_argument("--rounds", type=int, default=3, help="rounds over every combination, each keeping its fastest")
+    ap.add_argument(
+        "--modes",
+        default="kernel,stock,reference",
+        help="attention modes to try where they run (engine/ops/attention.py)",
+    )
+    ap.add_argument(
+        "--matmul",
+        default="stock,kernel",
+        help="few-row product modes to try where they run (engine/ops/matmul.py), each with every attention mode",
+    )
+    ap.add_argument(
+        "--passes",
+        default="eager,compiled",
+        help="decoding pass modes to try (engine/ops/compiled.py), each with every combination above",
+    )
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="rounds over every combination, each keeping its fastest",
+    )
     ap.add_argument("--out")
     args = ap.parse_args(argv)
 
     engine = load_engine(args.target, args.draft)
-    modes = [m for m in args.modes.split(",") if m != "kernel" or attention.default_mode() == "kernel"]
+    modes = [
+        m for m in args.modes.split(",") if m != "kernel" or attention.default_mode() == "kernel"
+    ]
     products = [m for m in args.matmul.split(",") if m != "kernel" or block.gpu_backend() == "cuda"]
     pass_modes = args.passes.split(",")
     combos = [(p, m, c) for c in pass_modes for p in products for m in modes]
@@ -124,7 +144,9 @@ def main(argv=None) -> int:
         for product, mode, passes_mode in combos:
             with switch.modes(matmul=product, passes=passes_mode, attention=mode):
                 key = (product, mode, passes_mode)
-                if key not in passes:  # its cache allocated as a batch in this pass mode allocates it
+                if (
+                    key not in passes
+                ):  # its cache allocated as a batch in this pass mode allocates it
                     passes[key] = warmup._Passes(engine, args.batch, args.context)
                 for T in widths:
                     run = passes[key]._verify(T)
@@ -135,36 +157,53 @@ def main(argv=None) -> int:
                         ops = graph_ops(outputs)
                         logits = first.setdefault(T, outputs[0])
                         row = rows[key + (T,)] = {
-                            "mode": mode, "matmul": product, "passes": passes_mode, "pass": "verify", "T": T,
+                            "mode": mode,
+                            "matmul": product,
+                            "passes": passes_mode,
+                            "pass": "verify",
+                            "T": T,
                             "ms": float("inf"),
-                            "ops": sum(ops.values()), "max_abs_diff": float(mx.abs(outputs[0] - logits).max()),
-                            "top_ops": dict(ops.most_common(12))}
+                            "ops": sum(ops.values()),
+                            "max_abs_diff": float(mx.abs(outputs[0] - logits).max()),
+                            "top_ops": dict(ops.most_common(12)),
+                        }
                     if ms < row["ms"]:
                         row.update(ms=round(ms, 3), build_ms=round(build_ms, 3))
-                if engine.drafter is not None:  # the drafter's pass, compiled in the compiled pass mode
+                if (
+                    engine.drafter is not None
+                ):  # the drafter's pass, compiled in the compiled pass mode
                     run = passes[key]._draft()
                     ms, build_ms = (t * 1e3 for t in timed(run))
                     row = rows.get(key + ("draft",))
                     if row is None:
                         ops = graph_ops([run()])
                         row = rows[key + ("draft",)] = {
-                            "mode": mode, "matmul": product, "passes": passes_mode, "pass": "draft",
-                            "T": engine.block_size, "ms": float("inf"), "ops": sum(ops.values()),
-                            "top_ops": dict(ops.most_common(12))}
+                            "mode": mode,
+                            "matmul": product,
+                            "passes": passes_mode,
+                            "pass": "draft",
+                            "T": engine.block_size,
+                            "ms": float("inf"),
+                            "ops": sum(ops.values()),
+                            "top_ops": dict(ops.most_common(12)),
+                        }
                     if ms < row["ms"]:
                         row.update(ms=round(ms, 3), build_ms=round(build_ms, 3))
     rows = list(rows.values())
     for row in rows:
         print({k: v for k, v in row.items() if k != "top_ops"}, file=sys.stderr)
     del passes
-    write_result({
-        "command": command_line("verify_ops", argv),
-        "device": str(mx.default_device()),
-        "mlx": mx.__version__,
-        "batch": args.batch,
-        "context": args.context,
-        "passes": rows,
-    }, args.out)
+    write_result(
+        {
+            "command": command_line("verify_ops", argv),
+            "device": str(mx.default_device()),
+            "mlx": mx.__version__,
+            "batch": args.batch,
+            "context": args.context,
+            "passes": rows,
+        },
+        args.out,
+    )
     return 0
 
 

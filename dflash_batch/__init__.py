@@ -23,4 +23,11 @@ def __getattr__(name):
     raise AttributeError(f"module 'dflash_batch' has no attribute {name!r}")
 
 
-__all__ = ["Completion", "GenerationError", "GenerationStats", "Piece", *_ENGINE_NAMES, *_RUNNER_NAMES]
+__all__ = [
+    "Completion",
+    "GenerationError",
+    "GenerationStats",
+    "Piece",
+    *_ENGINE_NAMES,
+    *_RUNNER_NAMES,
+]

@@ -137,7 +137,9 @@ class Job:
         import pyarrow.compute as pc
 
         table = self.record.store().read()
-        return table.filter(pc.is_in(table.column("id"), value_set=pa.array(self.record.ids(), pa.string())))
+        return table.filter(
+            pc.is_in(table.column("id"), value_set=pa.array(self.record.ids(), pa.string()))
+        )
 
     def to_pandas(self):
         return self.to_arrow().to_pandas()
@@ -148,12 +150,21 @@ class Job:
 
 def _spec(source: Union[Source, JobSpec], overrides: Dict[str, Any]) -> JobSpec:
     if isinstance(source, JobSpec):
-        return validate(JobSpec.from_dict(dict(source.to_dict(), **{k: v for k, v in overrides.items() if v is not None})))
+        return validate(
+            JobSpec.from_dict(
+                dict(source.to_dict(), **{k: v for k, v in overrides.items() if v is not None})
+            )
+        )
     return load_spec(source, **overrides)
 
 
-def submit(input: Source, *, home: Optional[Union[str, Path]] = None, redis_url: Optional[str] = None,
-           **overrides) -> Job:
+def submit(
+    input: Source,
+    *,
+    home: Optional[Union[str, Path]] = None,
+    redis_url: Optional[str] = None,
+    **overrides,
+) -> Job:
     """Create a job from a YAML spec, a JSONL/Parquet file or a spec dict, and queue its chunks
     for a worker (``dflash-batch worker``): on SQLite in the home, or on Redis at ``redis_url``
     (default: $DFLASH_BATCH_REDIS_URL). Raises ``InputError``/``SpecError`` for bad input."""
@@ -196,7 +207,9 @@ def run(
     with DirLock(output_dir):  # a busy dir refuses before anything is written
         pass
     record = create_job(spec, home, foreground=True)
-    engines = (lambda spec: engine) if engine is not None else EngineSlot(engine_factory or load_model)
+    engines = (
+        (lambda spec: engine) if engine is not None else EngineSlot(engine_factory or load_model)
+    )
     bar = None
     if progress:
         from .runner.progress import Progress
@@ -208,7 +221,12 @@ def run(
             finish_job(record)
         else:  # the whole job as one stream of requests through the engine
             # the job's adapted drafter in force, if any (runner/drafters.py), as a worker does
-            run_job(record, None, lambda spec: drafters.use_in_force(engines(spec), record), on_row=bar.row if bar else None)
+            run_job(
+                record,
+                None,
+                lambda spec: drafters.use_in_force(engines(spec), record),
+                on_row=bar.row if bar else None,
+            )
     except (Locked, checks.BadValue):  # refused before any work: no record is left of it
         if record.new:
             record.discard()
@@ -222,7 +240,9 @@ def run(
     return Job(record.id, home)
 
 
-def dry_run(input: Source, *, home: Optional[Union[str, Path]] = None, **overrides) -> Dict[str, Any]:
+def dry_run(
+    input: Source, *, home: Optional[Union[str, Path]] = None, **overrides
+) -> Dict[str, Any]:
     """What ``run`` or ``submit`` would do, without doing it: the input read and its rows and
     error rows counted, the resolved settings, the output folder and the rows already there.
     Loads no model and writes nothing; raises what they would raise for bad input or spec."""
@@ -235,8 +255,15 @@ def dry_run(input: Source, *, home: Optional[Union[str, Path]] = None, **overrid
     rows, errors = count_rows(spec.input, spec.input_format, spec.fields)
     store = ResultStore(spec.resolved_output_dir(home))
     check_claim(store, spec)
-    return {"input": spec.input, "rows": rows, "errors": errors, "output_dir": str(store.dir),
-            "done": len(store.done_ids()), "model": spec.model_name, "settings": spec.to_dict()}
+    return {
+        "input": spec.input,
+        "rows": rows,
+        "errors": errors,
+        "output_dir": str(store.dir),
+        "done": len(store.done_ids()),
+        "model": spec.model_name,
+        "settings": spec.to_dict(),
+    }
 
 
 def cancel(job_id: str, *, home: Optional[Union[str, Path]] = None) -> Job:
@@ -247,8 +274,13 @@ def cancel(job_id: str, *, home: Optional[Union[str, Path]] = None) -> Job:
     return job
 
 
-def retry(job_id: str, *, failed_only: bool = False, home: Optional[Union[str, Path]] = None,
-          redis_url: Optional[str] = None) -> Dict[str, int]:
+def retry(
+    job_id: str,
+    *,
+    failed_only: bool = False,
+    home: Optional[Union[str, Path]] = None,
+    redis_url: Optional[str] = None,
+) -> Dict[str, int]:
     """Queue a job again (on the queue ``submit`` would use). Error rows are removed and
     generated anew; without ``failed_only`` the items never finished (cancelled, failed job)
     run too. Raises ``lock.Locked`` while a worker is on the job."""
@@ -275,8 +307,9 @@ def retry(job_id: str, *, failed_only: bool = False, home: Optional[Union[str, P
     return {"failed_dropped": len(failed), "items": len(redo), "chunks": queued}
 
 
-def add_schedule(spec_file: Union[str, Path], *, home: Optional[Union[str, Path]] = None,
-                 **overrides) -> Path:
+def add_schedule(
+    spec_file: Union[str, Path], *, home: Optional[Union[str, Path]] = None, **overrides
+) -> Path:
     """Register a YAML job with a ``schedule`` for every worker on this home (copied, with its
     paths made absolute, to ``$DFLASH_BATCH_HOME/schedules/<name>.yaml``; workers read it at
     start). ``overrides`` (flat spec names, as for ``submit``) apply to the copy, which records
@@ -294,7 +327,9 @@ def add_schedule(spec_file: Union[str, Path], *, home: Optional[Union[str, Path]
     try:
         target = checks.path_under(home / "schedules", f"{checks.plain_name(name)}.yaml")
     except checks.BadValue as e:
-        raise SpecError(f"{spec_file}: cannot be registered as schedule {name!r}: {e}; give it a 'name'") from None
+        raise SpecError(
+            f"{spec_file}: cannot be registered as schedule {name!r}: {e}; give it a 'name'"
+        ) from None
     target.parent.mkdir(parents=True, exist_ok=True)
     header = f"# registered from {Path(spec_file).resolve()}\n"
     if overrides:
@@ -322,7 +357,7 @@ def registered_overrides(path: Path) -> Dict[str, Any]:
             if not line.startswith("#"):
                 break
             if line.startswith(OVERRIDES_LINE):
-                return orjson.loads(line[len(OVERRIDES_LINE):])
+                return orjson.loads(line[len(OVERRIDES_LINE) :])
     return {}
 
 
@@ -363,7 +398,9 @@ def remove_schedule(name: str, *, home: Optional[Union[str, Path]] = None) -> Pa
     except checks.BadValue as e:
         raise ScheduleNotFound(f"{name!r} is not a schedule name: {e}") from None
     if not path.is_file():
-        raise ScheduleNotFound(f"no schedule {name!r} in {path.parent} (see `dflash-batch schedules`)")
+        raise ScheduleNotFound(
+            f"no schedule {name!r} in {path.parent} (see `dflash-batch schedules`)"
+        )
     last_run_path(home, path).unlink(missing_ok=True)
     path.unlink()
     return path
@@ -380,7 +417,9 @@ def spec_layout(spec: JobSpec) -> Dict[str, Any]:
     return out
 
 
-def activity(home: Optional[Union[str, Path]] = None, redis_url: Optional[str] = None) -> Dict[str, Any]:
+def activity(
+    home: Optional[Union[str, Path]] = None, redis_url: Optional[str] = None
+) -> Dict[str, Any]:
     """Who works on what, from the queue's store: ``{"workers": [{id, host, device, chunk,
     rows_per_s, tokens_per_s, ...}], "leases": [{job, chunk, worker, expires_in}]}`` (empty when
     the home has no queue yet)."""
@@ -393,11 +432,17 @@ def activity(home: Optional[Union[str, Path]] = None, redis_url: Optional[str] =
     leases = Leases(Queue(home, redis_url=redis_url).huey.storage)
     now = time.time()
     held = [dict(r, expires_in=round(r["expires"] - now, 1)) for r in leases.leases()]
-    return {"workers": leases.workers(), "leases": sorted(held, key=lambda r: (r["job"], r["chunk"]))}
+    return {
+        "workers": leases.workers(),
+        "leases": sorted(held, key=lambda r: (r["job"], r["chunk"])),
+    }
 
 
-def live_workers(home: Optional[Union[str, Path]] = None, redis_url: Optional[str] = None,
-                 clock: Callable[[], float] = time.time) -> List[Dict[str, Any]]:
+def live_workers(
+    home: Optional[Union[str, Path]] = None,
+    redis_url: Optional[str] = None,
+    clock: Callable[[], float] = time.time,
+) -> List[Dict[str, Any]]:
     """The workers of the home's queue whose heartbeat is recent (their records, by id)."""
     from .runner.lease import Leases
     from .runner.queue import REDIS_ENV, Queue
@@ -408,8 +453,9 @@ def live_workers(home: Optional[Union[str, Path]] = None, redis_url: Optional[st
     return Leases(Queue(home, redis_url=redis_url).huey.storage, clock=clock).workers()
 
 
-def idle_note(record: JobRecord, state: str,
-              workers: Optional[Callable[[], list]] = None) -> Optional[str]:
+def idle_note(
+    record: JobRecord, state: str, workers: Optional[Callable[[], list]] = None
+) -> Optional[str]:
     """Why nothing moves a job that waits (``state`` queued, in progress or interrupted), or None
     while something can: a foreground run that stopped, or no live worker on the queue."""
     if state == "interrupted":
@@ -417,14 +463,15 @@ def idle_note(record: JobRecord, state: str,
                 f"`dflash-batch run` with the same input and settings to resume")  # fmt: skip
     if state not in ("queued", "in_progress"):
         return None
-    if (workers() if workers is not None else live_workers(record.home)):
+    if workers() if workers is not None else live_workers(record.home):
         return None
     return (f"no worker is serving this queue ({record.home}): start `dflash-batch worker` to run "
             f"job {record.id}")  # fmt: skip
 
 
-def remove(job_ids: List[str], *, files: bool = False,
-           home: Optional[Union[str, Path]] = None) -> Dict[str, Optional[str]]:
+def remove(
+    job_ids: List[str], *, files: bool = False, home: Optional[Union[str, Path]] = None
+) -> Dict[str, Optional[str]]:
     """Delete finished jobs' records (completed, failed, cancelled, interrupted); with
     ``files``, their result files too, but never a dir another job's record still names, nor
     files in it that are not results. All are checked before any goes: a queued or running one
@@ -440,8 +487,13 @@ def remove(job_ids: List[str], *, files: bool = False,
     return {job_id: remove_job(record, files, going) for job_id, record in records.items()}
 
 
-def prune(older_than: float, *, files: bool = False, home: Optional[Union[str, Path]] = None,
-          now: Optional[float] = None) -> Dict[str, Optional[str]]:
+def prune(
+    older_than: float,
+    *,
+    files: bool = False,
+    home: Optional[Union[str, Path]] = None,
+    now: Optional[float] = None,
+) -> Dict[str, Optional[str]]:
     """``remove`` every finished job created more than ``older_than`` seconds ago (before
     ``now``); queued and running jobs stay."""
     from .runner.jobs import prunable

@@ -48,9 +48,13 @@ def show(value) -> str:
 
 def json_type(value) -> str:
     """A JSON value's kind as messages name it: "an object", "a list", "null"..."""
-    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null"}.get(
-        type(value), type(value).__name__
-    )
+    return {
+        dict: "an object",
+        list: "a list",
+        str: "a string",
+        bool: "a boolean",
+        type(None): "null",
+    }.get(type(value), type(value).__name__)
 
 
 def nesting(value, limit: int = MAX_NESTING):

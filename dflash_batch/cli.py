@@ -46,26 +46,50 @@ Queue, job records and default output dirs live in $DFLASH_BATCH_HOME (see --hom
 """
 
 
-DRY_RUN_HELP = ("read the input and spec, count rows and error rows, print the settings and output dir; "
-                "load no model, create no job (exit 5 when some rows are error rows)")
+DRY_RUN_HELP = (
+    "read the input and spec, count rows and error rows, print the settings and output dir; "
+    "load no model, create no job (exit 5 when some rows are error rows)"
+)
 
 
 def _overrides(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("job settings (override the YAML spec)")
     g.add_argument("--name", help="job name (default: input file name + path hash)")
-    g.add_argument("-o", "--output-dir", help="folder for the Parquet parts (may use {home} {name} {date} {time})")
-    g.add_argument("--input-format", choices=["auto", "jsonl", "openai", "parquet"], help="default: from the suffix")
+    g.add_argument(
+        "-o",
+        "--output-dir",
+        help="folder for the Parquet parts (may use {home} {name} {date} {time})",
+    )
+    g.add_argument(
+        "--input-format",
+        choices=["auto", "jsonl", "openai", "parquet"],
+        help="default: from the suffix",
+    )
     g.add_argument("--id-field", help="column/key holding the row id (default: id, then custom_id)")
     g.add_argument("--prompt-field", help="column/key holding the prompt text (default: prompt)")
     g.add_argument("--messages-field", help="column/key holding chat messages (default: messages)")
-    g.add_argument("--prompt-template", help="build prompts from row fields, e.g. 'Summarize:\\n\\n$text'")
-    g.add_argument("--system", dest="system_prompt", help="system prompt for every row without its own")
+    g.add_argument(
+        "--prompt-template", help="build prompts from row fields, e.g. 'Summarize:\\n\\n$text'"
+    )
+    g.add_argument(
+        "--system", dest="system_prompt", help="system prompt for every row without its own"
+    )
     g.add_argument("--no-chat-template", dest="chat_template", action="store_const", const=False,
                    help="feed prompt text to the model as it is")  # fmt: skip
-    g.add_argument("--target", "--model", dest="target", help="target model: folder, hub repo id or .gguf")
+    g.add_argument(
+        "--target", "--model", dest="target", help="target model: folder, hub repo id or .gguf"
+    )
     g.add_argument("--target-revision", help="hub revision (branch, tag, commit) of the target")
-    g.add_argument("--draft", help="DFlash drafter: folder, hub repo id, or 'auto' (registered one)")
-    g.add_argument("--no-draft", dest="draft", action="store_const", const="none", help="plain autoregressive decoding")
+    g.add_argument(
+        "--draft", help="DFlash drafter: folder, hub repo id, or 'auto' (registered one)"
+    )
+    g.add_argument(
+        "--no-draft",
+        dest="draft",
+        action="store_const",
+        const="none",
+        help="plain autoregressive decoding",
+    )
     g.add_argument("--draft-revision", help="hub revision of the drafter")
     g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--block-size", type=int, help="verify at most this many tokens per cycle")
@@ -75,22 +99,60 @@ def _overrides(p: argparse.ArgumentParser) -> None:
                    help="completion tokens for rows without their own max_tokens (default 256)")  # fmt: skip
     g.add_argument("--max-tokens-cap", type=int,
                    help="no row generates more than this, whatever its own max_tokens says")  # fmt: skip
-    g.add_argument("--temperature", type=float, help="for rows without their own temperature; 0 = greedy (default)")
+    g.add_argument(
+        "--temperature",
+        type=float,
+        help="for rows without their own temperature; 0 = greedy (default)",
+    )
     g.add_argument("--seed", type=int)
-    g.add_argument("--n", type=int, help="samples per row for rows without their own n, each its own result row (default 1)")
+    g.add_argument(
+        "--n",
+        type=int,
+        help="samples per row for rows without their own n, each its own result row (default 1)",
+    )
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     # sampling controls, logprobs, structured output: defaults for rows without their own (docs/sampling.md)
     g.add_argument("--top-k", type=int, help="sample among the k likeliest tokens (0: off)")
-    g.add_argument("--top-p", type=float, help="nucleus sampling: the likeliest tokens up to this mass (1: off)")
-    g.add_argument("--min-p", type=float, help="drop tokens below min_p times the top token's probability (0: off)")
-    g.add_argument("--repetition-penalty", type=float, help="divide logits of tokens seen in prompt or output (1: off)")
-    g.add_argument("--presence-penalty", type=float, help="subtract from logits of tokens in the output (-2..2)")
-    g.add_argument("--frequency-penalty", type=float, help="subtract this times the token's output count (-2..2)")
-    g.add_argument("--logprobs", action="store_const", const=True, help="record each output token's logprob")
-    g.add_argument("--top-logprobs", type=int, help="and the logprobs of this many best alternatives (0..20)")
-    g.add_argument("--response-format", type=_json_value, metavar="JSON|@FILE",
-                   help='constrain output, e.g. \'{"type": "json_schema", "json_schema": {"schema": {...}}}\'')
-    g.add_argument("--chunk-size", type=int, help="rows per queue task and per committed part (default 64)")
+    g.add_argument(
+        "--top-p",
+        type=float,
+        help="nucleus sampling: the likeliest tokens up to this mass (1: off)",
+    )
+    g.add_argument(
+        "--min-p",
+        type=float,
+        help="drop tokens below min_p times the top token's probability (0: off)",
+    )
+    g.add_argument(
+        "--repetition-penalty",
+        type=float,
+        help="divide logits of tokens seen in prompt or output (1: off)",
+    )
+    g.add_argument(
+        "--presence-penalty",
+        type=float,
+        help="subtract from logits of tokens in the output (-2..2)",
+    )
+    g.add_argument(
+        "--frequency-penalty",
+        type=float,
+        help="subtract this times the token's output count (-2..2)",
+    )
+    g.add_argument(
+        "--logprobs", action="store_const", const=True, help="record each output token's logprob"
+    )
+    g.add_argument(
+        "--top-logprobs", type=int, help="and the logprobs of this many best alternatives (0..20)"
+    )
+    g.add_argument(
+        "--response-format",
+        type=_json_value,
+        metavar="JSON|@FILE",
+        help='constrain output, e.g. \'{"type": "json_schema", "json_schema": {"schema": {...}}}\'',
+    )
+    g.add_argument(
+        "--chunk-size", type=int, help="rows per queue task and per committed part (default 64)"
+    )
     g.add_argument("--batch-size", type=int,
                    help="most rows decoded together (default: what memory allows, at most 16 on CPU, 32 on a GPU)")  # fmt: skip
     g.add_argument("--control", type=_share, metavar="FRACTION",
@@ -161,8 +223,14 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Run FILE or JOB.yaml to the end in this process. Rerunning resumes: "
                        "rows already in the output dir are skipped.")  # fmt: skip
     p.add_argument("source", metavar="FILE|JOB.yaml")
-    p.add_argument("-q", "--quiet", "--no-progress", dest="quiet", action="store_true",
-                   help="no progress bar (items done, output tok/s, ETA) and no INFO logs")
+    p.add_argument(
+        "-q",
+        "--quiet",
+        "--no-progress",
+        dest="quiet",
+        action="store_true",
+        help="no progress bar (items done, output tok/s, ETA) and no INFO logs",
+    )
     p.add_argument("--json", action="store_true", help="print the final status as JSON")
     p.add_argument("--dry-run", action="store_true", help=DRY_RUN_HELP)
     _overrides(p)
@@ -172,29 +240,53 @@ def build_parser() -> argparse.ArgumentParser:
                        "chunks as one stream through the batched engine. SIGINT/SIGTERM stop gracefully: "
                        "finished rows are committed, the current chunk is requeued (rows in flight are "
                        "generated again).")  # fmt: skip
-    p.add_argument("--target", "--model", dest="target", help="load this target at start (else on the first job)")
+    p.add_argument(
+        "--target",
+        "--model",
+        dest="target",
+        help="load this target at start (else on the first job)",
+    )
     p.add_argument("--draft", default="auto", help="drafter for --target (default: auto)")
     p.add_argument("--target-revision")
     p.add_argument("--draft-revision")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--block-size", type=int)
-    p.add_argument("--preload-default", action="store_true", help="load the embedded default pair at start")
+    p.add_argument(
+        "--preload-default", action="store_true", help="load the embedded default pair at start"
+    )
     p.add_argument("--schedules", action="append", default=[], metavar="PATH",
                    help="YAML job file or folder whose `schedule` to run (repeatable; "
                    "$DFLASH_BATCH_HOME/schedules is always read)")  # fmt: skip
-    p.add_argument("--no-periodic", action="store_true", help="do not run cron schedules (other workers do)")
-    p.add_argument("--shutdown-timeout", type=_seconds, default=30.0, help="seconds to finish the current item on stop")
+    p.add_argument(
+        "--no-periodic", action="store_true", help="do not run cron schedules (other workers do)"
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=_seconds,
+        default=30.0,
+        help="seconds to finish the current item on stop",
+    )
     p.add_argument("--device", type=int, metavar="N", help="pin this worker to GPU N (sets CUDA_VISIBLE_DEVICES; "
                    "one worker per GPU, each with its own engine)")  # fmt: skip
 
     p = sub.add_parser("status", help="counts, mean tok/s and acceptance of one job or all")
     p.add_argument("job", nargs="?", metavar="JOB")
     p.add_argument("--json", action="store_true")
-    p.add_argument("--watch", nargs="?", const=2.0, type=_seconds, metavar="SECONDS",
-                   help="follow JOB until it ends: items done, tok/s and ETA on stderr, polled every "
-                   "SECONDS (default 2); exits as `run` would")
-    p.add_argument("-q", "--quiet", action="store_true",
-                   help="with --watch: no progress bar and no INFO logs, only the final status")
+    p.add_argument(
+        "--watch",
+        nargs="?",
+        const=2.0,
+        type=_seconds,
+        metavar="SECONDS",
+        help="follow JOB until it ends: items done, tok/s and ETA on stderr, polled every "
+        "SECONDS (default 2); exits as `run` would",
+    )
+    p.add_argument(
+        "-q",
+        "--quiet",
+        action="store_true",
+        help="with --watch: no progress bar and no INFO logs, only the final status",
+    )
 
     p = sub.add_parser("adapt", help="train a job's drafter on its finished rows; kept if it drafts better",
                        description="Warm-start from the drafter the job drafts with now, train on the "
@@ -203,10 +295,16 @@ def build_parser() -> argparse.ArgumentParser:
                        "acceptance beats the current one's. Workers draft with it from their next batch; "
                        "the output does not change.")  # fmt: skip
     p.add_argument("job", metavar="JOB")
-    p.add_argument("--time-budget", type=_seconds, default=300.0, help="seconds of training (default 300)")
+    p.add_argument(
+        "--time-budget", type=_seconds, default=300.0, help="seconds of training (default 300)"
+    )
     p.add_argument("--steps", type=int, help="training steps (default: fill the time budget)")
     p.add_argument("--min-rows", type=int, help="fewer finished rows are refused (default 64)")
-    p.add_argument("--min-gain", type=float, help="kept only above (1 + this) x the held-out acceptance now (default 0)")
+    p.add_argument(
+        "--min-gain",
+        type=float,
+        help="kept only above (1 + this) x the held-out acceptance now (default 0)",
+    )
     p.add_argument("--json", action="store_true")
 
     p = sub.add_parser("cancel", help="stop a job between items")
@@ -214,33 +312,54 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("retry", help="queue a job again (error rows and unfinished items)")
     p.add_argument("job", metavar="JOB")
-    p.add_argument("--failed-only", action="store_true", help="only the error rows, not unfinished items")
+    p.add_argument(
+        "--failed-only", action="store_true", help="only the error rows, not unfinished items"
+    )
 
     p = sub.add_parser("rm", help="remove finished jobs' records (with --files, their results too)")
     p.add_argument("jobs", nargs="+", metavar="JOB")
-    p.add_argument("--files", action="store_true",
-                   help="also delete the result files in each job's output dir (not a dir another "
-                   "job's record still uses, nor files in it that are not results)")
+    p.add_argument(
+        "--files",
+        action="store_true",
+        help="also delete the result files in each job's output dir (not a dir another "
+        "job's record still uses, nor files in it that are not results)",
+    )
 
     p = sub.add_parser("prune", help="remove the records of finished jobs older than an age")
-    p.add_argument("--older-than", required=True, type=_age, metavar="AGE",
-                   help="created more than AGE ago: seconds, or a number with s, m, h or d (7d)")
-    p.add_argument("--files", action="store_true",
-                   help="also delete their result files (as rm --files)")
+    p.add_argument(
+        "--older-than",
+        required=True,
+        type=_age,
+        metavar="AGE",
+        help="created more than AGE ago: seconds, or a number with s, m, h or d (7d)",
+    )
+    p.add_argument(
+        "--files", action="store_true", help="also delete their result files (as rm --files)"
+    )
 
     p = sub.add_parser("schedules", help="list the cron schedules registered in the home")
     p.add_argument("--json", action="store_true")
 
-    p = sub.add_parser("unschedule", help="remove a registered cron schedule (restart workers to drop it)")
+    p = sub.add_parser(
+        "unschedule", help="remove a registered cron schedule (restart workers to drop it)"
+    )
     p.add_argument("schedule", metavar="NAME", help="as `dflash-batch schedules` lists it")
 
-    p = sub.add_parser("results", help="export a job's rows (Parquet folder, JSON lines, OpenAI batch output)")
+    p = sub.add_parser(
+        "results", help="export a job's rows (Parquet folder, JSON lines, OpenAI batch output)"
+    )
     p.add_argument("job", metavar="JOB")
     p.add_argument("--format", choices=["parquet", "jsonl", "openai"], default="parquet")
-    p.add_argument("--out", help="file to write (default: parquet prints the output dir, others go to stdout)")
+    p.add_argument(
+        "--out", help="file to write (default: parquet prints the output dir, others go to stdout)"
+    )
     shown = p.add_mutually_exclusive_group()
-    shown.add_argument("--text", action="store_true", help="print each row's id and output, in input order")
-    shown.add_argument("--columns", metavar="A,B", help="print these columns as JSON lines, in input order")
+    shown.add_argument(
+        "--text", action="store_true", help="print each row's id and output, in input order"
+    )
+    shown.add_argument(
+        "--columns", metavar="A,B", help="print these columns as JSON lines, in input order"
+    )
 
     p = sub.add_parser("drafters", help="list the registered target/drafter pairs (--draft auto) and the published ones",
                        description="The DFlash drafters registered for target names, then the other "
@@ -255,14 +374,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     for p in sub.choices.values():  # after the command too: `run x.jsonl --home DIR`
         _common(p, argparse.SUPPRESS)  # not given there: the value before the command stands
-    sub.add_parser("train-drafter", help="train a DFlash drafter (see `dflash-batch train-drafter --help`)", add_help=False)
+    sub.add_parser(
+        "train-drafter",
+        help="train a DFlash drafter (see `dflash-batch train-drafter --help`)",
+        add_help=False,
+    )
     return parser
 
 
 def _common(p: argparse.ArgumentParser, default) -> None:
     """The options of every command, before or after its name."""
-    p.add_argument("--home", default=default,
-                   help="state folder (default: $DFLASH_BATCH_HOME or the user data dir)")
+    p.add_argument(
+        "--home",
+        default=default,
+        help="state folder (default: $DFLASH_BATCH_HOME or the user data dir)",
+    )
     p.add_argument("--redis", metavar="URL", default=default,
                    help="queue on a Redis server, e.g. redis://host:6379/0, instead of SQLite in "
                    "the home (default: $DFLASH_BATCH_REDIS_URL)")  # fmt: skip
@@ -277,7 +403,9 @@ def _seconds(text: str) -> float:
     try:
         return checks.finite_number(float(text), 0)
     except (ValueError, checks.BadValue) as e:
-        raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0, got {text!r}") from e
+        raise argparse.ArgumentTypeError(
+            f"must be a finite number of seconds >= 0, got {text!r}"
+        ) from e
 
 
 def _share(text: str) -> float:
@@ -296,7 +424,8 @@ def _age(text: str) -> float:
         return _seconds(number) * unit
     except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(
-            f"must be an age such as 3600, 30m, 12h or 7d, got {text!r}") from None
+            f"must be an age such as 3600, 30m, 12h or 7d, got {text!r}"
+        ) from None
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -318,11 +447,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         format="%(asctime)s %(levelname)s [%(threadName)s] %(name)s: %(message)s",
     )
     from .checks import BadValue
+    from .runner.cron import ScheduleNotFound
     from .runner.items import InputError
     from .runner.jobs import AmbiguousJob, JobNotFound
     from .runner.lock import Locked
     from .runner.spec import SpecError
-    from .runner.cron import ScheduleNotFound
 
     try:
         _check_setup(args)
@@ -361,7 +490,10 @@ def _check_setup(args) -> None:
     if not args.home and environment.get("DFLASH_BATCH_HOME"):
         where = "$DFLASH_BATCH_HOME"
     try:
-        check_home(home_dir(), write=args.command in WRITING_COMMANDS and not getattr(args, "dry_run", False))
+        check_home(
+            home_dir(),
+            write=args.command in WRITING_COMMANDS and not getattr(args, "dry_run", False),
+        )
     except SpecError as e:
         raise SpecError(f"{where} {e}") from None
     lease_ttl()
@@ -423,7 +555,11 @@ def _queued_line(s: Dict[str, Any], chunks: int) -> str:
     where = f"output: {s['output_dir']}"
     if s["done"] == 0:
         return f"{s['total']} items in {chunks} chunk(s) queued; {where}"
-    failed = f"; `dflash-batch retry {s['id']} --failed-only` runs the {s['failed']} error rows again" if s["failed"] else ""
+    failed = (
+        f"; `dflash-batch retry {s['id']} --failed-only` runs the {s['failed']} error rows again"
+        if s["failed"]
+        else ""
+    )
     rows = f"{s['ok'] + s['failed']} rows: {s['ok']} ok, {s['failed']} failed"
     if s["remaining"] == 0:
         done = f"all {s['total']} items already done ({rows}): nothing queued{failed}; {where}"
@@ -545,9 +681,8 @@ def _status_line(s: Dict[str, Any]) -> str:
 
 
 def cmd_status(args) -> int:
-    from .runner.jobs import home_dir, list_jobs, load_job
-
     from .api import activity
+    from .runner.jobs import home_dir, list_jobs, load_job
 
     home = home_dir()
     if args.watch is not None:
@@ -558,7 +693,11 @@ def cmd_status(args) -> int:
     statuses = [r.status() for r in records]
     now = activity(home)
     for s in statuses:  # which worker holds which chunk of each job
-        s["holders"] = [{k: r.get(k) for k in ("chunk", "worker", "host", "expires_in")} for r in now["leases"] if r["job"] == s["id"]]
+        s["holders"] = [
+            {k: r.get(k) for k in ("chunk", "worker", "host", "expires_in")}
+            for r in now["leases"]
+            if r["job"] == s["id"]
+        ]
     if args.json:
         if args.job is not None:
             statuses[0]["workers"] = now["workers"]
@@ -573,7 +712,9 @@ def cmd_status(args) -> int:
         for line in summary_lines(s["drafter"]):
             print(line)
         for h in s["holders"]:
-            print(f"  chunk {h['chunk']} held by {h['worker']} (lease {h['expires_in']:.0f} s left)")
+            print(
+                f"  chunk {h['chunk']} held by {h['worker']} (lease {h['expires_in']:.0f} s left)"
+            )
     for w in now["workers"]:  # rates over the worker's last minute
         print(f"worker {w['id']}  device {w.get('device') or '-'}  {w['rows_per_s']:.2f} rows/s  "
               f"{w['tokens_per_s']:.1f} output tok/s (last minute)  {w['rows']} rows  "
@@ -590,7 +731,13 @@ def watch(record, every: float, quiet: bool = False, as_json: bool = False) -> i
     from .runner.progress import Progress
 
     status = record.status()
-    bar = None if quiet else Progress(status["total"], status["done"], record.id, tokens=status["completion_tokens"])
+    bar = (
+        None
+        if quiet
+        else Progress(
+            status["total"], status["done"], record.id, tokens=status["completion_tokens"]
+        )
+    )
     said = None
     try:
         while status["state"] not in ("completed", "failed", "cancelled"):
@@ -622,7 +769,9 @@ def cmd_cancel(args) -> int:
     from . import api
 
     job = api.cancel(args.job)
-    print(f"cancelled {job.id}: queued chunks are dropped, a running one stops after its current item")
+    print(
+        f"cancelled {job.id}: queued chunks are dropped, a running one stops after its current item"
+    )
     return 0
 
 
@@ -630,7 +779,9 @@ def cmd_retry(args) -> int:
     from . import api
 
     counts = api.retry(args.job, failed_only=args.failed_only)
-    print(f"queued {counts['items']} item(s) in {counts['chunks']} chunk(s) ({counts['failed_dropped']} error rows dropped)")
+    print(
+        f"queued {counts['items']} item(s) in {counts['chunks']} chunk(s) ({counts['failed_dropped']} error rows dropped)"
+    )
     return 0
 
 
@@ -737,7 +888,9 @@ def cmd_schedules(args) -> int:
         _print_json(listed)
         return EXIT_OK
     if not listed:
-        print("no schedules registered (`dflash-batch submit JOB.yaml` with a `schedule` key registers one)")
+        print(
+            "no schedules registered (`dflash-batch submit JOB.yaml` with a `schedule` key registers one)"
+        )
     for s in listed:
         if s.get("error"):
             print(f"{s['name']}  unreadable: {s['error']}")
@@ -755,7 +908,9 @@ def cmd_unschedule(args) -> int:
     from . import api
 
     path = api.remove_schedule(args.schedule)
-    print(f"removed schedule {args.schedule!r} ({path}); running workers keep it until they restart")
+    print(
+        f"removed schedule {args.schedule!r} ({path}); running workers keep it until they restart"
+    )
     return EXIT_OK
 
 
@@ -810,8 +965,14 @@ def cmd_adapt(args) -> int:
         _print_json(entry)
         return EXIT_OK
     scores = f"held-out acceptance {entry['held_out_before']:.3f} -> {entry['held_out_after']:.3f}"
-    kept = f"{entry['revision']} in force" if entry["outcome"] == "adopted" else f"{entry['outcome']}: the drafter in force stays"
-    print(f"{record.id}: {entry['rows']} rows, {entry['steps']} steps in {entry['train_s']:.0f} s; {scores}; {kept}")
+    kept = (
+        f"{entry['revision']} in force"
+        if entry["outcome"] == "adopted"
+        else f"{entry['outcome']}: the drafter in force stays"
+    )
+    print(
+        f"{record.id}: {entry['rows']} rows, {entry['steps']} steps in {entry['train_s']:.0f} s; {scores}; {kept}"
+    )
     return EXIT_OK
 
 

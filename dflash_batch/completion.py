@@ -75,8 +75,14 @@ class GenerationStats:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        for name in ("prefill_tps", "decode_tps", "tokens_per_cycle", "acceptance_drafted", "acceptance_generated",
-                     "speedup_vs_plain"):
+        for name in (
+            "prefill_tps",
+            "decode_tps",
+            "tokens_per_cycle",
+            "acceptance_drafted",
+            "acceptance_generated",
+            "speedup_vs_plain",
+        ):
             d[name] = getattr(self, name)
         return d
 

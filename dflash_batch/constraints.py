@@ -116,6 +116,7 @@ def compile_here(kind: str, text: str) -> str:
     """Compile and validate in this process (the helper's work); raises ``BadValue``."""
     _require_library()
     import llguidance
+
     try:
         if kind == "json":
             # compact JSON (no free whitespace): a model cannot pad its output with blank runs
@@ -171,8 +172,10 @@ class _Helper:
             return None, f"cannot be compiled: took longer than {CHECK_TIMEOUT_S:g} s", True
         if code >= 0:  # not a crash: the helper could not run (a missing llguidance it reports)
             return None, f"cannot be checked: the grammar check process exited ({code})", False
-        why = (f"cannot be compiled: the grammar library crashed on it ({_signal(-code)}); a chain "
-               "of rules or a nesting this deep is beyond what it can check")
+        why = (
+            f"cannot be compiled: the grammar library crashed on it ({_signal(-code)}); a chain "
+            "of rules or a nesting this deep is beyond what it can check"
+        )
         return None, why, True
 
 

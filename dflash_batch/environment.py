@@ -98,63 +98,194 @@ GROUPS = {
 }
 
 
-def _route(name: str, field: str, choices: Tuple[str, ...], cuda: str, elsewhere: str,
-           doc: str, applies: str = "all backends") -> Variable:
+def _route(
+    name: str,
+    field: str,
+    choices: Tuple[str, ...],
+    cuda: str,
+    elsewhere: str,
+    doc: str,
+    applies: str = "all backends",
+) -> Variable:
     """A routing mode's variable (engine/ops/switch.py declares the mode from it)."""
-    return Variable(name, "engine", applies, f"{cuda} on CUDA, {elsewhere} elsewhere",
-                    f"{doc}; one of {', '.join(choices)} (`EngineConfig.{field}` in code)",
-                    _one_of(*choices), choices=choices, by_backend=(cuda, elsewhere))
+    return Variable(
+        name,
+        "engine",
+        applies,
+        f"{cuda} on CUDA, {elsewhere} elsewhere",
+        f"{doc}; one of {', '.join(choices)} (`EngineConfig.{field}` in code)",
+        _one_of(*choices),
+        choices=choices,
+        by_backend=(cuda, elsewhere),
+    )
 
 
 _TABLE = (
-    Variable("DFLASH_BATCH_HOME", "runner", "every command",
-             "$XDG_DATA_HOME/dflash-batch (macOS: ~/Library/Application Support/dflash-batch)",
-             "the job home: job records, the queue and results (`--home`)", _path),
-    Variable("DFLASH_BATCH_REDIS_URL", "runner", "the queue", "none: a SQLite queue in the home",
-             "a Redis queue, for workers on several machines sharing one home (`--redis`)"),
-    Variable("DFLASH_BATCH_LEASE_S", "runner", "workers", "30",
-             "seconds a worker's lease on a chunk lasts without renewal, 1 to 86400",
-             _seconds, literal=True),
-    Variable("DFLASH_BATCH_ENGINE", "runner", "workers, `run`", "dflash_batch.engine:load_engine",
-             "`module:callable`: another engine factory, called with the model keywords (the "
-             "tests' fake engine)"),
-    Variable("DFLASH_BATCH_API_KEY", "runner", "`serve`", "none",
-             "the key clients must send (`--api-key`); needed to serve beyond loopback"),
-    _route("DFLASH_BATCH_ATTENTION", "attention", ("stock", "kernel", "reference"), "kernel", "stock",
-           "multi-row attention: stock SDPA, the block-attention kernels, or their MLX reference"),
-    _route("DFLASH_BATCH_MATMUL", "matmul", ("stock", "kernel"), "kernel", "stock",
-           "few-row products of linear layers: MLX's matmul or the few-row kernel"),
-    _route("DFLASH_BATCH_PASSES", "passes", ("eager", "compiled"), "compiled", "eager",
-           "decoding passes run eagerly or replayed from a compiled trace"),
-    _route("DFLASH_BATCH_DRAFTS", "drafts", ("chain", "tree"), "chain", "tree",
-           "what a drafting cycle verifies: a chain of drafts or a draft tree"),
-    _route("DFLASH_BATCH_CPU_OPS", "cpu_ops", ("native", "mlx"), "mlx", "native",
-           "softmax, SiLU and exp on a Linux CPU: the built native ops or MLX's own", "Linux CPU"),
-    Variable("DFLASH_BATCH_KERNEL_CHECK", "engine", "all backends", "1",
-             "0 skips the kernels' self-check (the GPU kernels, the native CPU ops)", _one_of("0", "1"),
-             literal=True),
-    Variable("DFLASH_BATCH_MEMORY_GB", "engine", "all backends", "the device's memory",
-             "gigabytes the engine may use", _gigabytes),
-    Variable("DFLASH_BATCH_CACHE", "engine", "all backends",
-             "$XDG_CACHE_HOME/dflash-batch (macOS: ~/Library/Caches/dflash-batch)",
-             "where converted models, measured pass costs and built ops live", _folder),
-    Variable("DFLASH_BATCH_BLAS", "engine", "Linux CPU", "a system OpenBLAS",
-             "a CBLAS .so preloaded for MLX's CPU backend, or none"),
-    Variable("MLX_PTX_CACHE_DIR", "engine", "CUDA", "the model cache's mlx-kernels folder",
-             "MLX's own: where its CUDA backend keeps compiled kernels; the engine sets it where unset",
-             _path),
-    Variable("XDG_DATA_HOME", "platform", "Linux", "~/.local/share",
-             "the default job home is its dflash-batch folder", _path),
-    Variable("XDG_CACHE_HOME", "platform", "Linux", "~/.cache",
-             "the default model cache is its dflash-batch folder", _path),
-    Variable("CUDA_VISIBLE_DEVICES", "platform", "workers on CUDA", "every GPU",
-             "the GPU a worker reports as its device; `worker --device N` sets it"),
-    Variable("CXX", "platform", "Linux CPU", "g++, c++ or clang++",
-             "the C++ compiler that builds the native CPU ops"),
-    Variable("PYTHONPATH", "platform", "grammars", "none",
-             "passed on, after this package's folder, to the helper process that checks grammars"),
-    Variable("DFLASH_BATCH_BACKEND", "install", "`.ci/install` on Linux", "cpu",
-             "cuda13 installs MLX's CUDA wheel instead of the CPU one", _one_of("cpu", "cuda13")),
+    Variable(
+        "DFLASH_BATCH_HOME",
+        "runner",
+        "every command",
+        "$XDG_DATA_HOME/dflash-batch (macOS: ~/Library/Application Support/dflash-batch)",
+        "the job home: job records, the queue and results (`--home`)",
+        _path,
+    ),
+    Variable(
+        "DFLASH_BATCH_REDIS_URL",
+        "runner",
+        "the queue",
+        "none: a SQLite queue in the home",
+        "a Redis queue, for workers on several machines sharing one home (`--redis`)",
+    ),
+    Variable(
+        "DFLASH_BATCH_LEASE_S",
+        "runner",
+        "workers",
+        "30",
+        "seconds a worker's lease on a chunk lasts without renewal, 1 to 86400",
+        _seconds,
+        literal=True,
+    ),
+    Variable(
+        "DFLASH_BATCH_ENGINE",
+        "runner",
+        "workers, `run`",
+        "dflash_batch.engine:load_engine",
+        "`module:callable`: another engine factory, called with the model keywords (the "
+        "tests' fake engine)",
+    ),
+    Variable(
+        "DFLASH_BATCH_API_KEY",
+        "runner",
+        "`serve`",
+        "none",
+        "the key clients must send (`--api-key`); needed to serve beyond loopback",
+    ),
+    _route(
+        "DFLASH_BATCH_ATTENTION",
+        "attention",
+        ("stock", "kernel", "reference"),
+        "kernel",
+        "stock",
+        "multi-row attention: stock SDPA, the block-attention kernels, or their MLX reference",
+    ),
+    _route(
+        "DFLASH_BATCH_MATMUL",
+        "matmul",
+        ("stock", "kernel"),
+        "kernel",
+        "stock",
+        "few-row products of linear layers: MLX's matmul or the few-row kernel",
+    ),
+    _route(
+        "DFLASH_BATCH_PASSES",
+        "passes",
+        ("eager", "compiled"),
+        "compiled",
+        "eager",
+        "decoding passes run eagerly or replayed from a compiled trace",
+    ),
+    _route(
+        "DFLASH_BATCH_DRAFTS",
+        "drafts",
+        ("chain", "tree"),
+        "chain",
+        "tree",
+        "what a drafting cycle verifies: a chain of drafts or a draft tree",
+    ),
+    _route(
+        "DFLASH_BATCH_CPU_OPS",
+        "cpu_ops",
+        ("native", "mlx"),
+        "mlx",
+        "native",
+        "softmax, SiLU and exp on a Linux CPU: the built native ops or MLX's own",
+        "Linux CPU",
+    ),
+    Variable(
+        "DFLASH_BATCH_KERNEL_CHECK",
+        "engine",
+        "all backends",
+        "1",
+        "0 skips the kernels' self-check (the GPU kernels, the native CPU ops)",
+        _one_of("0", "1"),
+        literal=True,
+    ),
+    Variable(
+        "DFLASH_BATCH_MEMORY_GB",
+        "engine",
+        "all backends",
+        "the device's memory",
+        "gigabytes the engine may use",
+        _gigabytes,
+    ),
+    Variable(
+        "DFLASH_BATCH_CACHE",
+        "engine",
+        "all backends",
+        "$XDG_CACHE_HOME/dflash-batch (macOS: ~/Library/Caches/dflash-batch)",
+        "where converted models, measured pass costs and built ops live",
+        _folder,
+    ),
+    Variable(
+        "DFLASH_BATCH_BLAS",
+        "engine",
+        "Linux CPU",
+        "a system OpenBLAS",
+        "a CBLAS .so preloaded for MLX's CPU backend, or none",
+    ),
+    Variable(
+        "MLX_PTX_CACHE_DIR",
+        "engine",
+        "CUDA",
+        "the model cache's mlx-kernels folder",
+        "MLX's own: where its CUDA backend keeps compiled kernels; the engine sets it where unset",
+        _path,
+    ),
+    Variable(
+        "XDG_DATA_HOME",
+        "platform",
+        "Linux",
+        "~/.local/share",
+        "the default job home is its dflash-batch folder",
+        _path,
+    ),
+    Variable(
+        "XDG_CACHE_HOME",
+        "platform",
+        "Linux",
+        "~/.cache",
+        "the default model cache is its dflash-batch folder",
+        _path,
+    ),
+    Variable(
+        "CUDA_VISIBLE_DEVICES",
+        "platform",
+        "workers on CUDA",
+        "every GPU",
+        "the GPU a worker reports as its device; `worker --device N` sets it",
+    ),
+    Variable(
+        "CXX",
+        "platform",
+        "Linux CPU",
+        "g++, c++ or clang++",
+        "the C++ compiler that builds the native CPU ops",
+    ),
+    Variable(
+        "PYTHONPATH",
+        "platform",
+        "grammars",
+        "none",
+        "passed on, after this package's folder, to the helper process that checks grammars",
+    ),
+    Variable(
+        "DFLASH_BATCH_BACKEND",
+        "install",
+        "`.ci/install` on Linux",
+        "cpu",
+        "cuda13 installs MLX's CUDA wheel instead of the CPU one",
+        _one_of("cpu", "cuda13"),
+    ),
 )
 VARIABLES: Dict[str, Variable] = {v.name: v for v in _TABLE}
 
@@ -210,20 +341,32 @@ def markdown() -> str:
         "`python -m dflash_batch.environment > docs/configuration.md` (a test checks it is current).",
     ]
     for key, title in GROUPS.items():
-        lines += ["", f"## {title}", "", "| Variable | Default | Applies to | What it sets |", "|---|---|---|---|"]
+        lines += [
+            "",
+            f"## {title}",
+            "",
+            "| Variable | Default | Applies to | What it sets |",
+            "|---|---|---|---|",
+        ]
         lines += [f"| `{v.name}` | {v.default} | {v.applies} | {v.doc} |" for v in group(key)]
     return "\n".join(lines) + "\n"
 
 
 def epilog() -> str:
     """The variables as the CLI's ``--help`` lists them."""
-    lines = [f"environment variables (defaults only: settings given in code or as flags win; {REFERENCE}):"]
+    lines = [
+        f"environment variables (defaults only: settings given in code or as flags win; {REFERENCE}):"
+    ]
     for key, title in GROUPS.items():
         lines.append(f"\n {title.replace('`', '')}:")
         for v in group(key):
             lines.append(f"  {v.name} (default: {v.default})")
-            lines += textwrap.wrap(f"{v.doc} [{v.applies}]".replace("`", ""), 96,
-                                   initial_indent="      ", subsequent_indent="      ")
+            lines += textwrap.wrap(
+                f"{v.doc} [{v.applies}]".replace("`", ""),
+                96,
+                initial_indent="      ",
+                subsequent_indent="      ",
+            )
     return "\n".join(lines)
 
 

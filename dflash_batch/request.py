@@ -19,7 +19,19 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Protocol, Tuple, Union, runtime_checkable
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    Iterable,
+    Iterator,
+    List,
+    Optional,
+    Protocol,
+    Tuple,
+    Union,
+    runtime_checkable,
+)
 
 from . import checks, constraints
 from .completion import Completion
@@ -32,21 +44,30 @@ MAX_TOP_LOGPROBS = 20  # as OpenAI
 
 def _integer(top: Optional[int] = None) -> Callable[[Any], int]:
     """An integer >= 0 (and <= ``top``)."""
+
     def check(value):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0 or (top is not None and value > top):
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int)
+            or value < 0
+            or (top is not None and value > top)
+        ):
             says = f"from 0 to {top}" if top is not None else ">= 0"
             raise checks.BadValue(f"must be an integer {says}, got {checks.show(value)}")
         return value
+
     return check
 
 
 def _number(ok: Callable[[float], bool], says: str) -> Callable[[Any], float]:
     """A finite number for which ``ok`` holds (``says`` how, for the message)."""
+
     def check(value):
         number = checks.finite_number(value)
         if not ok(number):
             raise checks.BadValue(f"must be a number {says}, got {checks.show(value)}")
         return number
+
     return check
 
 
@@ -68,7 +89,9 @@ def _control(default, check: Callable[[Any], Any]):
 def samples(value) -> int:
     """``n``, samples of a prompt: an integer from 1 to ``MAX_SAMPLES`` (a row's and a job's)."""
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_SAMPLES:
-        raise checks.BadValue(f"must be an integer from 1 to {MAX_SAMPLES}, got {checks.show(value)}")
+        raise checks.BadValue(
+            f"must be an integer from 1 to {MAX_SAMPLES}, got {checks.show(value)}"
+        )
     return value
 
 
@@ -91,11 +114,15 @@ class SamplingControls:
     top_p: float = _control(1.0, _number(lambda x: 0 < x <= 1, "in (0, 1]"))
     min_p: float = _control(0.0, _number(lambda x: 0 <= x < 1, "in [0, 1)"))
     repetition_penalty: float = _control(1.0, _number(lambda x: x > 0, "> 0"))
-    presence_penalty: float = _control(0.0, _number(lambda x: -2 <= x <= 2, "in [-2, 2]"))  # OpenAI's range
+    presence_penalty: float = _control(
+        0.0, _number(lambda x: -2 <= x <= 2, "in [-2, 2]")
+    )  # OpenAI's range
     frequency_penalty: float = _control(0.0, _number(lambda x: -2 <= x <= 2, "in [-2, 2]"))
     logprobs: bool = _control(False, _boolean)
     top_logprobs: int = _control(0, _integer(MAX_TOP_LOGPROBS))
-    response_format: Optional[Dict[str, Any]] = _control(None, _response_format)  # constraints.grammar's input
+    response_format: Optional[Dict[str, Any]] = _control(
+        None, _response_format
+    )  # constraints.grammar's input
 
     @staticmethod
     def defaults() -> Dict[str, Any]:
@@ -113,7 +140,11 @@ class SamplingControls:
 
     def set_controls(self) -> Dict[str, Any]:
         """The controls set away from their default."""
-        return {name: getattr(self, name) for name, off in CONTROLS.items() if getattr(self, name) != off}
+        return {
+            name: getattr(self, name)
+            for name, off in CONTROLS.items()
+            if getattr(self, name) != off
+        }
 
 
 _CHECKS = {f.name: f.metadata["check"] for f in dataclasses.fields(SamplingControls)}
@@ -161,7 +192,9 @@ class Request:
     index: int = 0  # the row's 0-based position in the input
     where: str = ""  # "line 7" / "row 7": how messages name the row
     sample_index: int = 0  # which of the row's n samples (the runner gives each its own request)
-    control: bool = False  # decode it plainly in the batch (no draft verified), as a check (docs/runner.md)
+    control: bool = (
+        False  # decode it plainly in the batch (no draft verified), as a check (docs/runner.md)
+    )
 
 
 # What a completion engine yields per request: its completion, or why it has none (a

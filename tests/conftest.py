@@ -12,13 +12,16 @@ from tests.helpers import make_drafter
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a model hub
 
 
-
 def pytest_collect_file(file_path, parent):
     """Before a test module that may import mlx.core is collected, import dflash_batch.engine
     (it preloads the BLAS before mlx.core). The runner's modules import MLX only through the
     fixtures that load a real model, so a run of fake-engine tests never loads it. (Without
     MLX, a module that needs it fails when it is collected itself.)"""
-    if file_path.suffix == ".py" and file_path.name.startswith("test_") and not file_path.name.startswith("test_runner_"):
+    if (
+        file_path.suffix == ".py"
+        and file_path.name.startswith("test_")
+        and not file_path.name.startswith("test_runner_")
+    ):
         try:
             import dflash_batch.engine  # noqa: F401
         except ModuleNotFoundError as e:
@@ -43,7 +46,9 @@ def pytest_collection_modifyitems(config, items):
     """A runner test that uses a real engine fixture is marked ``mlx``; every other runner test
     must pass with MLX not installed (tests/test_layering.py runs them so)."""
     for item in items:
-        if item.path.name.startswith("test_runner_") and REAL_ENGINE_FIXTURES & set(getattr(item, "fixturenames", ())):
+        if item.path.name.startswith("test_runner_") and REAL_ENGINE_FIXTURES & set(
+            getattr(item, "fixturenames", ())
+        ):
             item.add_marker(pytest.mark.mlx)
 
 
@@ -77,7 +82,9 @@ def llama_target(model_dir) -> Path:
 @pytest.fixture(scope="session")
 def zero_head_target(model_dir) -> Path:
     """Every logit equal: the greedy choice is always token 0, known in advance."""
-    return synthetic.save_target(model_dir / "zero", synthetic.tiny_qwen3_config(), seed=0, zero_head=True)
+    return synthetic.save_target(
+        model_dir / "zero", synthetic.tiny_qwen3_config(), seed=0, zero_head=True
+    )
 
 
 @pytest.fixture(scope="session")
@@ -138,8 +145,23 @@ def redis_url(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             "--dir", str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            server,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(tmp_path),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     url = f"redis://127.0.0.1:{port}/0"
     client = redis.Redis.from_url(url)
 

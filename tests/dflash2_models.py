@@ -17,10 +17,20 @@ import numpy as np
 ARCHITECTURE = "DFlash2DraftModel"
 
 
-def dflash2_config(target_config: dict, layers: int = 2, block_size: int = 8, mask_token_id: int = 3,
-                   kernel: int = 2, group: int = 16, rank: int = 16, top_k: int = 8,
-                   runtime_block_size: Optional[int] = None, sliding_window: Optional[int] = None,
-                   target_layer_ids: Optional[List[int]] = None, **extra) -> dict:
+def dflash2_config(
+    target_config: dict,
+    layers: int = 2,
+    block_size: int = 8,
+    mask_token_id: int = 3,
+    kernel: int = 2,
+    group: int = 16,
+    rank: int = 16,
+    top_k: int = 8,
+    runtime_block_size: Optional[int] = None,
+    sliding_window: Optional[int] = None,
+    target_layer_ids: Optional[List[int]] = None,
+    **extra,
+) -> dict:
     """A config.json as a published DFlash 2 checkpoint has it (qwen3 backbone keys at the top,
     the DFlash keys in ``dflash_config``); ``extra`` goes into ``dflash_config`` too."""
     hidden, heads = target_config["hidden_size"], target_config["num_attention_heads"]
@@ -86,7 +96,9 @@ def published_shapes(config: dict) -> Dict[str, tuple]:
     return shapes
 
 
-def random_weights(config: dict, seed: int = 1, codebook_scale: float = 0.5) -> Dict[str, np.ndarray]:
+def random_weights(
+    config: dict, seed: int = 1, codebook_scale: float = 0.5
+) -> Dict[str, np.ndarray]:
     """Seeded weights: matrices N(0, 1/fan_in), norms 1 + N(0, 0.1), base kernels N(0, 0.5), codebooks
     N(0, codebook_scale) (pair scores about as large as the logits: the selector matters)."""
     rng = np.random.default_rng(seed)
@@ -104,19 +116,25 @@ def random_weights(config: dict, seed: int = 1, codebook_scale: float = 0.5) -> 
     return out
 
 
-def save_dflash2(folder: Path, config: dict, seed: int = 1, weights: Optional[Dict[str, np.ndarray]] = None) -> Path:
+def save_dflash2(
+    folder: Path, config: dict, seed: int = 1, weights: Optional[Dict[str, np.ndarray]] = None
+) -> Path:
     import mlx.core as mx
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     weights = random_weights(config, seed) if weights is None else weights
-    mx.save_safetensors(str(folder / "model.safetensors"), {k: mx.array(v) for k, v in weights.items()},
-                        metadata={"format": "pt"})
+    mx.save_safetensors(
+        str(folder / "model.safetensors"),
+        {k: mx.array(v) for k, v in weights.items()},
+        metadata={"format": "pt"},
+    )
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     return folder
 
 
 # -- an independent reference of the published forward pass (numpy, float64) -------------------
+
 
 def _rms(x, w, eps):
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
@@ -128,7 +146,7 @@ def _rope(x, positions, theta):
     freqs = theta ** (-np.arange(0, d, 2) / d)
     angle = positions[:, None] * freqs[None]
     cos, sin = np.cos(angle), np.sin(angle)
-    a, b = x[..., : d // 2], x[..., d // 2:]
+    a, b = x[..., : d // 2], x[..., d // 2 :]
     return np.concatenate([a * cos - b * sin, a * sin + b * cos], axis=-1)
 
 
@@ -146,7 +164,12 @@ def _conv(v, base, dynamic, group):
 def _attention(u, ctx, W, p, cfg, window):
     """Block rows u [L, H] attend over [context (positions 0..S-1) ; block (S..S+L-1)], no mask
     but the window on context keys: query S+i sees context key j iff S+i-j < window."""
-    nH, nKV, hd, eps = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"], cfg["rms_norm_eps"]
+    nH, nKV, hd, eps = (
+        cfg["num_attention_heads"],
+        cfg["num_key_value_heads"],
+        cfg["head_dim"],
+        cfg["rms_norm_eps"],
+    )
     theta = cfg["rope_parameters"]["rope_theta"]
     L, S = u.shape[0], ctx.shape[0]
     rows = np.concatenate([ctx, u])
@@ -179,15 +202,27 @@ def reference_hidden(W, cfg, context, block_embeddings):
     x = np.asarray(block_embeddings, np.float64) * float(d.get("input_embedding_scale", 1.0))
     L = x.shape[0]
     window = cfg.get("sliding_window")
-    for n, kind in enumerate(cfg.get("layer_types") or ["full_attention"] * cfg["num_hidden_layers"]):
+    for n, kind in enumerate(
+        cfg.get("layer_types") or ["full_attention"] * cfg["num_hidden_layers"]
+    ):
         p = f"layers.{n}."
-        for conv, norm, sub in (("attention_conv", "input_layernorm", "attn"), ("mlp_conv", "post_attention_layernorm", "mlp")):
+        for conv, norm, sub in (
+            ("attention_conv", "input_layernorm", "attn"),
+            ("mlp_conv", "post_attention_layernorm", "mlp"),
+        ):
             z = _rms(x, W[p + norm + ".weight"], eps)
             dyn = (z @ W[p + conv + ".kernel_projection.weight"].T).reshape(L, 2, K, H // GS)
             base = W[p + conv + ".base_kernel"]
             u = _conv(z, base[0], dyn[:, 0], GS)
             if sub == "attn":
-                y = _attention(u, ctx, W, p + "self_attn.", cfg, window if kind == "sliding_attention" else None)
+                y = _attention(
+                    u,
+                    ctx,
+                    W,
+                    p + "self_attn.",
+                    cfg,
+                    window if kind == "sliding_attention" else None,
+                )
             else:
                 gate, up = u @ W[p + "mlp.gate_proj.weight"].T, u @ W[p + "mlp.up_proj.weight"].T
                 y = (gate / (1 + np.exp(-gate)) * up) @ W[p + "mlp.down_proj.weight"].T
@@ -204,7 +239,10 @@ def reference_select(W, cfg, h, logits, first: int, pairwise: bool = True) -> Li
         logits = np.tanh(logits / cap) * cap
     A = np.asarray(W["candidate_selector.predecessor_codebook"], np.float64)
     B = np.asarray(W["candidate_selector.successor_codebook"], np.float64)
-    P = np.asarray(h, np.float64) @ np.asarray(W["candidate_selector.hidden_projection.weight"], np.float64).T
+    P = (
+        np.asarray(h, np.float64)
+        @ np.asarray(W["candidate_selector.hidden_projection.weight"], np.float64).T
+    )
     k = min(d["selector_top_k"], logits.shape[-1])
     prev, out = first, []
     for i in range(h.shape[0]):
@@ -227,7 +265,9 @@ def bigram_selector(drafter, target, successor: np.ndarray, strength: float = 10
         layer.mlp.down_proj.weight = mx.zeros_like(layer.mlp.down_proj.weight)
     V = len(successor)
     mask = mx.array([[drafter.args.mask_token_id]])
-    h0 = drafter.norm(target.embed(mask) * drafter.args.input_embedding_scale)[0, 0].astype(mx.float32)
+    h0 = drafter.norm(target.embed(mask) * drafter.args.input_embedding_scale)[0, 0].astype(
+        mx.float32
+    )
     sel = drafter.candidate_selector
     sel.hidden_projection = type(sel.hidden_projection)(h0.shape[0], V, bias=False)
     sel.hidden_projection.weight = mx.broadcast_to(h0[None] / mx.sum(h0 * h0), (V, h0.shape[0]))

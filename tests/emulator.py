@@ -24,8 +24,11 @@ def build(source: str, folder: Path, name: str, flags: Sequence[str] = ()) -> Pa
     cxx = compiler()
     (folder / f"{name}.cpp").write_text(source)
     exe = folder / name
-    done = subprocess.run([cxx, "-std=c++20", "-O1", *flags, "-pthread", "-o", str(exe), str(folder / f"{name}.cpp")],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        [cxx, "-std=c++20", "-O1", *flags, "-pthread", "-o", str(exe), str(folder / f"{name}.cpp")],
+        capture_output=True,
+        text=True,
+    )
     if done.returncode != 0 and "barrier" in done.stderr and "No such file" in done.stderr:
         pytest.skip("C++ compiler lacks <barrier>")
     assert done.returncode == 0, done.stderr[-4000:]

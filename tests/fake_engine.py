@@ -29,7 +29,13 @@ import time
 from pathlib import Path
 from typing import Iterable, Iterator, List, Optional, Tuple
 
-from dflash_batch.completion import Completion, EmptyPromptError, GenerationStats, Piece, PromptTooLongError
+from dflash_batch.completion import (
+    Completion,
+    EmptyPromptError,
+    GenerationStats,
+    Piece,
+    PromptTooLongError,
+)
 from dflash_batch.errors import Cancelled
 from dflash_batch.inbox import Ticket
 from dflash_batch.request import Request
@@ -47,7 +53,7 @@ def text_of(prompt) -> str:
 def words_for(prompt, n: int) -> List[str]:
     """``n`` deterministic words from the prompt."""
     seed = hashlib.sha256(text_of(prompt).encode()).hexdigest()
-    return [f"w{seed[(2 * i) % 64:(2 * i) % 64 + 2]}" for i in range(n)]
+    return [f"w{seed[(2 * i) % 64 : (2 * i) % 64 + 2]}" for i in range(n)]
 
 
 class FakeEngine:
@@ -71,7 +77,9 @@ class FakeEngine:
         if not prompt_words:
             return EmptyPromptError("prompt is empty")
         if self.max_context and len(prompt_words) >= self.max_context:
-            return PromptTooLongError(f"prompt has {len(prompt_words)} tokens; the target's context is {self.max_context}")
+            return PromptTooLongError(
+                f"prompt has {len(prompt_words)} tokens; the target's context is {self.max_context}"
+            )
         if text_of(request.prompt) in self.fail:
             return RuntimeError("simulated failure")
         opts = request.options
@@ -82,8 +90,12 @@ class FakeEngine:
                 text, finish, stop_reason = text[: text.index(s)], "stop", s
         n = len(text.split()) if finish == "stop" else opts.max_tokens
         n = max(n, 1)
-        rest = n - 1  # the first token comes from prefill; cycles commit 2 (one accepted + bonus), the last maybe 1
-        two = 0 if request.control else rest // 2  # a control row commits one token a cycle, drafting none
+        rest = (
+            n - 1
+        )  # the first token comes from prefill; cycles commit 2 (one accepted + bonus), the last maybe 1
+        two = (
+            0 if request.control else rest // 2
+        )  # a control row commits one token a cycle, drafting none
         cycles = rest - two
         histogram = [0] * (BLOCK + 1)
         histogram[2], histogram[1] = two, rest - 2 * two
@@ -102,17 +114,27 @@ class FakeEngine:
         for k in range(ticket.samples):
             done = self.complete(ticket.request)
             if isinstance(done, Exception) or ticket.cancelled.is_set():
-                ticket.finish(k, done if isinstance(done, Exception) else Cancelled("the client went away"))
+                ticket.finish(
+                    k, done if isinstance(done, Exception) else Cancelled("the client went away")
+                )
                 continue
             words = done.text.split(" ")
             for i, word in enumerate(words):
                 last = i == len(words) - 1
-                ticket.on_piece(k, Piece(word if i == 0 else " " + word, [i],
-                                         done.finish_reason if last else None, done.stats if last else None))
+                ticket.on_piece(
+                    k,
+                    Piece(
+                        word if i == 0 else " " + word,
+                        [i],
+                        done.finish_reason if last else None,
+                        done.stats if last else None,
+                    ),
+                )
             ticket.finish(k, done)
 
-    def generate_requests(self, requests: Iterable[Request], batch_size: Optional[int] = None,
-                          inbox=None) -> Iterator[Tuple[Request, object]]:
+    def generate_requests(
+        self, requests: Iterable[Request], batch_size: Optional[int] = None, inbox=None
+    ) -> Iterator[Tuple[Request, object]]:
         self.batch_sizes.append(batch_size)
         size = batch_size or self.batch
         window: List[Request] = []
@@ -141,7 +163,6 @@ class FakeEngine:
                 yield from flush()
         yield from flush()
 
-
     def _wait_while_held(self, inbox=None) -> None:
         if self.hold is None or not self.hold.exists():
             return
@@ -157,7 +178,11 @@ class FakeEngine:
 def from_env(target=None, draft=None, **model) -> FakeEngine:
     """The engine factory a worker or ``dflash-batch run`` gets from ``DFLASH_BATCH_ENGINE``. A
     ``target`` that names a missing local path fails to load, as the real factory does."""
-    if target is not None and ("/" in target or target.startswith(".")) and not Path(target).exists():
+    if (
+        target is not None
+        and ("/" in target or target.startswith("."))
+        and not Path(target).exists()
+    ):
         raise FileNotFoundError(f"no model at {target}")
     fail = [p for p in os.environ.get("FAKE_ENGINE_FAIL", "").split("|") if p]
     return FakeEngine(

@@ -6,7 +6,9 @@ KV-shared layers, logit soft-capping, scaled embeddings."""
 from __future__ import annotations
 
 WINDOW = 8
-HEAD_DIM = 64  # one the GPU kernels take (engine/ops/kernels/attention.py HEAD_DIMS), so they run on a GPU
+HEAD_DIM = (
+    64  # one the GPU kernels take (engine/ops/kernels/attention.py HEAD_DIMS), so they run on a GPU
+)
 
 
 def _base(model_type: str, layers: int = 4, hidden: int = 64) -> dict:
@@ -24,7 +26,11 @@ def qwen3_moe() -> dict:
 
 def llama() -> dict:
     """Llama with mlx-lm's optional sliding-window layers (LLaMA-3.1 itself has none)."""
-    return dict(_base("llama"), layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=WINDOW)
+    return dict(
+        _base("llama"),
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        sliding_window=WINDOW,
+    )
 
 
 def gemma4_text() -> dict:
@@ -41,7 +47,12 @@ def gemma4_text() -> dict:
 
 def gemma4_ple() -> dict:
     """Gemma-4's small models (E2B / E4B): per-layer input embeddings beside the token's, dense MLPs."""
-    return dict(gemma4_text(), hidden_size_per_layer_input=16, enable_moe_block=False, attention_k_eq_v=False)
+    return dict(
+        gemma4_text(),
+        hidden_size_per_layer_input=16,
+        enable_moe_block=False,
+        attention_k_eq_v=False,
+    )
 
 
 def gemma4() -> dict:
@@ -69,7 +80,9 @@ def laguna() -> dict:
                 moe_intermediate_size=32, shared_expert_intermediate_size=32)  # fmt: skip
 
 
-CONFIGS = {f.__name__: f for f in (qwen3_moe, llama, gemma4_text, gemma4_ple, gemma4, gpt_oss, laguna)}
+CONFIGS = {
+    f.__name__: f for f in (qwen3_moe, llama, gemma4_text, gemma4_ple, gemma4, gpt_oss, laguna)
+}
 
 
 def random_sinks(model) -> None:

@@ -43,8 +43,10 @@ PROMPTS = [
     "def add(a, b):\n    return a + b\n# now multiply",
     "12 * 7 = ? Explain step by step.",
     "How are you today? " * 20,
-    [{"role": "system", "content": "You are terse."},
-     {"role": "user", "content": "List three colors."}],
+    [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "List three colors."},
+    ],
 ]
 
 
@@ -86,6 +88,7 @@ def scripted_batch(target, drafter, monkeypatch, prompts=PROMPTS_B[:5], max_toke
     drafts: row n's are wrong with probability P_WRONG[n] (every acceptance length in some row).
     Returns (engine, script, prompt ids, greedy outputs)."""
     from dflash_batch.engine import load_engine
+
     from tests.scripting import ScriptedDrafts
 
     engine = load_engine(str(target), str(drafter), prefill_chunk=256, **kw)
@@ -194,7 +197,10 @@ def eager_and_compiled_drafts(engine, monkeypatch, prompts, budgets, batch_size:
     for passes in ("eager", "compiled"):
         drafted.clear()
         with engine_modes(engine, passes=passes):
-            tokens = [c.token_ids for c in engine.generate_batch(prompts, max_tokens=budgets, batch_size=batch_size)]
+            tokens = [
+                c.token_ids
+                for c in engine.generate_batch(prompts, max_tokens=budgets, batch_size=batch_size)
+            ]
         runs[passes] = tokens, list(drafted)
     return runs
 
@@ -202,7 +208,10 @@ def eager_and_compiled_drafts(engine, monkeypatch, prompts, budgets, batch_size:
 # The README as the tests read it: its set-up commands, its bash blocks, its command lines
 # (tests/test_readme*.py).
 README = (REPO / "README.md").read_text()
-SET_UP = ("bash .ci/install && .venv/bin/dflash-batch run examples/prompts.jsonl", "bash .ci/install && .venv/bin/python -m pytest -q")
+SET_UP = (
+    "bash .ci/install && .venv/bin/dflash-batch run examples/prompts.jsonl",
+    "bash .ci/install && .venv/bin/python -m pytest -q",
+)
 # A program the install puts in .venv/bin, named where a command starts (not as part of a path).
 BARE = re.compile(r"(?<![\w./-])(?<!-m )(dflash-batch|python3?|pytest|pip3?|honcho)(?=\s|$)")
 
@@ -213,7 +222,9 @@ def shell_blocks(text: str):
 
 def command_lines(text: str):
     """Lines of the bash blocks and inline code spans that are commands, without comments."""
-    lines = [line.split(" # ")[0].strip() for block in shell_blocks(text) for line in block.splitlines()]
+    lines = [
+        line.split(" # ")[0].strip() for block in shell_blocks(text) for line in block.splitlines()
+    ]
     spans = re.findall(r"`([^`\n]+)`", re.sub(r"```.*?```", "", text, flags=re.S))
     lines += [s for s in spans if BARE.match(s) or s.startswith((".venv/bin/", "bash "))]
     return [line for line in lines if line and not line.startswith("#")]
@@ -247,12 +258,14 @@ MARKOV_TOKENS = 200  # per run
 def markov_engine(target_dir, drafter_dir):
     """An engine whose target is a Markov chain over clusters of tokens (tests/test_sampling.py
     says how), and the chain's exact next-token probabilities at ``MARKOV_TEMPERATURE``."""
+    from dflash_batch.engine import load_engine
+
     import mlx.core as mx
     import numpy as np
 
-    from dflash_batch.engine import load_engine
-
-    engine = load_engine(target_dir, draft=drafter_dir, adaptive_block=False)  # whole blocks: many drafts checked
+    engine = load_engine(
+        target_dir, draft=drafter_dir, adaptive_block=False
+    )  # whole blocks: many drafts checked
     engine.tokenizer.eos_token_ids = set()  # runs of a fixed length
     for layer in engine.target.model.model.layers:
         layer.self_attn.o_proj.weight = mx.zeros_like(layer.self_attn.o_proj.weight)
@@ -263,7 +276,9 @@ def markov_engine(target_dir, drafter_dir):
     centers = rng.normal(size=(vocab // CLUSTER, hidden))
     embed = centers[np.arange(vocab) // CLUSTER] + NOISE * rng.normal(size=(vocab, hidden))
     model.model.embed_tokens.weight = mx.array(embed, dtype=model.model.embed_tokens.weight.dtype)
-    logits = model(mx.arange(vocab)[:, None])[:, 0, :].astype(mx.float32)  # row a: next-token logits after a
+    logits = model(mx.arange(vocab)[:, None])[:, 0, :].astype(
+        mx.float32
+    )  # row a: next-token logits after a
     probs = np.array(mx.softmax(logits / MARKOV_TEMPERATURE, axis=-1))
     return engine, probs
 
@@ -273,7 +288,9 @@ def transitions(engine):
     pairs, drafted = [], 0
     for seed in MARKOV_SEEDS:
         prompt = [1, 2, 3, CLUSTER * (seed % 4) + 3]
-        c = engine.generate(prompt, max_tokens=MARKOV_TOKENS, temperature=MARKOV_TEMPERATURE, seed=seed)
+        c = engine.generate(
+            prompt, max_tokens=MARKOV_TOKENS, temperature=MARKOV_TEMPERATURE, seed=seed
+        )
         seq = [prompt[-1]] + c.token_ids
         drafted += c.stats.accepted_tokens
         pairs += list(zip(seq[:-1], seq[1:]))

@@ -56,7 +56,9 @@ def fake_models(tmp_path, monkeypatch):
     loads, in this process, in ``dflash-batch`` subprocesses and in workers, the fake one
     (``$DFLASH_BATCH_ENGINE``); ``FAKE_ENGINE_DELAY`` and friends tune it."""
     monkeypatch.setenv("DFLASH_BATCH_ENGINE", FAKE_FACTORY)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    )
     out = {}
     for name in ("target", "draft", "agreeing_target"):
         (tmp_path / "fake-models" / name).mkdir(parents=True, exist_ok=True)
@@ -109,14 +111,18 @@ def write_jsonl(path: Path, rows) -> Path:
     return path
 
 
-def cli(*args, home: Path, timeout: float = 300, check: bool = False) -> subprocess.CompletedProcess:
+def cli(
+    *args, home: Path, timeout: float = 300, check: bool = False
+) -> subprocess.CompletedProcess:
     env = dict(os.environ, DFLASH_BATCH_HOME=str(home))
     proc = subprocess.run(
         [sys.executable, "-m", "dflash_batch.cli", *map(str, args)],
         env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout,
     )  # fmt: skip
     if check and proc.returncode != 0:
-        raise AssertionError(f"dflash-batch {' '.join(map(str, args))} -> {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
+        raise AssertionError(
+            f"dflash-batch {' '.join(map(str, args))} -> {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+        )
     return proc
 
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 import random
 from typing import List, Tuple
 
-import mlx.core as mx
-
 from dflash_batch.engine.batch import BatchDecoder
+
+import mlx.core as mx
 
 
 class ScriptedDrafts:

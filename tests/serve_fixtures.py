@@ -27,8 +27,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def request_line(custom_id: str, content: str = "say something", max_tokens: int = 4,
-                 url: str = CHAT) -> dict:
+def request_line(
+    custom_id: str, content: str = "say something", max_tokens: int = 4, url: str = CHAT
+) -> dict:
     body = {"model": "any", "max_tokens": max_tokens}
     if url == CHAT:
         body["messages"] = [{"role": "user", "content": content}]
@@ -98,8 +99,12 @@ def servers(home, fake_models, tmp_path):
         s.close()
 
 
-def wait_batch(client, batch_id: str, states=("completed", "failed", "cancelled", "expired"),
-               timeout: float = 180):
+def wait_batch(
+    client,
+    batch_id: str,
+    states=("completed", "failed", "cancelled", "expired"),
+    timeout: float = 180,
+):
     seen = []
 
     def ended():

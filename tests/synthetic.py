@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 import dflash_batch.engine  # noqa: F401  (loads the BLAS before mlx.core, as the engine does)
+
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
@@ -35,7 +36,10 @@ def _syllable_text(lines: int = 400) -> List[str]:
         words = []
         for j in range(12):
             n = (i * 31 + j * 17) % 997
-            syl = [cons[(n + 7 * k) % len(cons)] + vows[(n // 3 + k) % len(vows)] for k in range(1 + n % 3)]
+            syl = [
+                cons[(n + 7 * k) % len(cons)] + vows[(n // 3 + k) % len(vows)]
+                for k in range(1 + n % 3)
+            ]
             words.append("".join(syl))
         out.append(" ".join(words) + (". " if i % 2 else ", ") + str(i * 13))
     return out
@@ -115,12 +119,18 @@ def save_target(
     if adjust is not None:
         adjust(model)
     if zero_head:
-        head = getattr(model, "lm_head", None) or getattr(getattr(model, "language_model", None), "lm_head", None)
+        head = getattr(model, "lm_head", None) or getattr(
+            getattr(model, "language_model", None), "lm_head", None
+        )
         if head is not None:
             head.weight = mx.zeros_like(head.weight)
         else:
             model.apply_to_modules(
-                lambda k, m: setattr(m, "weight", mx.zeros_like(m.weight)) if k.endswith("embed_tokens") else None
+                lambda k, m: (
+                    setattr(m, "weight", mx.zeros_like(m.weight))
+                    if k.endswith("embed_tokens")
+                    else None
+                )
             )
     if with_tokenizer:
         ids = save_tokenizer(folder, vocab_size=min(config.get("vocab_size", 512), 512))
@@ -130,8 +140,15 @@ def save_target(
     return folder
 
 
-def save_quantized(source: Path, folder: Path, mode: str = "affine", group_size: Optional[int] = None,
-                   bits: Optional[int] = None, quant_predicate=None, global_scale: bool = False) -> Path:
+def save_quantized(
+    source: Path,
+    folder: Path,
+    mode: str = "affine",
+    group_size: Optional[int] = None,
+    bits: Optional[int] = None,
+    quant_predicate=None,
+    global_scale: bool = False,
+) -> Path:
     """Quantize a saved model with mlx-lm's own converter (``mlx_lm.convert``: its quantizer, its
     per-model predicates such as qwen3_5_moe's 8-bit router, and its on-disk format, a config with
     a ``quantization`` entry). ``quant_predicate``: a recipe name ("mixed_4_6") or a callable
@@ -147,12 +164,26 @@ def save_quantized(source: Path, folder: Path, mode: str = "affine", group_size:
     folder = Path(folder)
     with contextlib.redirect_stdout(io.StringIO()):  # their [INFO] lines
         if not global_scale:
-            convert(str(source), str(folder), quantize=True, q_group_size=group_size, q_bits=bits, q_mode=mode,
-                    quant_predicate=quant_predicate)
+            convert(
+                str(source),
+                str(folder),
+                quantize=True,
+                q_group_size=group_size,
+                q_bits=bits,
+                q_mode=mode,
+                quant_predicate=quant_predicate,
+            )
             return folder
         model, tokenizer, config = load(str(source), return_config=True, lazy=True)
-        model, config = quantize_model(model, config, group_size, bits, mode=mode, global_scale=True,
-                                       quant_predicate=quant_predicate)
+        model, config = quantize_model(
+            model,
+            config,
+            group_size,
+            bits,
+            mode=mode,
+            global_scale=True,
+            quant_predicate=quant_predicate,
+        )
         save(folder, source, model, tokenizer, config)
     return folder
 
@@ -236,7 +267,9 @@ def drafter_config(
     return cfg
 
 
-def save_drafter(folder: Path, config: dict, seed: int = 1, scale: float = 1.0, dtype=mx.float32) -> Path:
+def save_drafter(
+    folder: Path, config: dict, seed: int = 1, scale: float = 1.0, dtype=mx.float32
+) -> Path:
     """A seeded random drafter with exactly the published weight names (no embedding, no head)."""
     from dflash_batch.engine.models.drafter import Model, ModelArgs
 
@@ -245,12 +278,18 @@ def save_drafter(folder: Path, config: dict, seed: int = 1, scale: float = 1.0, 
     model = Model(ModelArgs.from_config(config))
     model.set_dtype(dtype)
     _randomize(model, seed, scale)
-    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())), metadata={"format": "mlx"})
+    mx.save_safetensors(
+        str(folder / "model.safetensors"),
+        dict(tree_flatten(model.parameters())),
+        metadata={"format": "mlx"},
+    )
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     return folder
 
 
-def tiny_qwen3_5_config(vocab_size: int = 512, layers: int = 4, hidden: int = 64, moe: bool = False) -> dict:
+def tiny_qwen3_5_config(
+    vocab_size: int = 512, layers: int = 4, hidden: int = 64, moe: bool = False
+) -> dict:
     """A tiny mlx-lm ``qwen3_5`` (or ``qwen3_5_moe``) text config: 3 GatedDeltaNet layers, then
     1 attention layer, repeated. Linear heads are 32 wide so the fused kernels accept them."""
     cfg = {
@@ -271,7 +310,11 @@ def tiny_qwen3_5_config(vocab_size: int = 512, layers: int = 4, hidden: int = 64
         "vocab_size": vocab_size,
         "max_position_embeddings": 4096,
         "tie_word_embeddings": True,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25},
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 1e6,
+            "partial_rotary_factor": 0.25,
+        },
     }
     if moe:
         cfg.update(
@@ -294,6 +337,7 @@ def assert_dflash_lossless(target: Path, drafter: Path, max_tokens: int = 40) ->
     tokens held for plain decoding too, whose first token is the prefill's). The drafting
     engine's pass costs are given: timed ones, on a busy CPU, may keep it plain."""
     from dflash_batch.engine import load_engine
+
     from tests.helpers import fixed_costs
 
     ar = load_engine(target, draft=None)
@@ -303,4 +347,3 @@ def assert_dflash_lossless(target: Path, drafter: Path, max_tokens: int = 40) ->
         got = spec.generate(prompt, max_tokens=max_tokens)
         assert got.token_ids == want, prompt
         assert got.stats.drafted_tokens > 0, prompt  # it really drafted
-

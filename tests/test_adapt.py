@@ -19,7 +19,20 @@ from dflash_batch.runner.spec import load_spec
 from tests.helpers import fixed_costs, greedy_reference
 from tests.runner_fixtures import REPO, cli, home, tiny_models, workers, write_jsonl  # noqa: F401
 
-TOPICS = ["rivers", "stars", "bread", "trains", "owls", "salt", "glass", "tides", "moss", "kites", "clocks", "bees"]
+TOPICS = [
+    "rivers",
+    "stars",
+    "bread",
+    "trains",
+    "owls",
+    "salt",
+    "glass",
+    "tides",
+    "moss",
+    "kites",
+    "clocks",
+    "bees",
+]
 PROMPTS = [{"id": f"q{i:02d}", "prompt": f"Say something about {t} number {i}."} for i, t in
            enumerate(TOPICS * 2)]  # fmt: skip
 MAX_TOKENS = 20
@@ -30,7 +43,9 @@ def pair_engine(tiny_models):
     """The real engine on the tiny pair, fixed pass costs (no timing), drafting every cycle."""
     from dflash_batch.engine import load_engine
 
-    return load_engine(tiny_models["target"], tiny_models["draft"], cost_model=fixed_costs(), adaptive_block=False)
+    return load_engine(
+        tiny_models["target"], tiny_models["draft"], cost_model=fixed_costs(), adaptive_block=False
+    )
 
 
 def make_job(tmp_path, home, tiny_models, prompts=PROMPTS, **extra):
@@ -55,15 +70,27 @@ def assert_rows_exact(record, tiny_models, engine):
     eos = set(engine.tokenizer.eos_token_ids)
     for row in rows_of(record).values():
         assert row["status"] == "ok"
-        assert row["prompt_token_ids"] == engine.encode(next(p["prompt"] for p in PROMPTS if p["id"] == row["id"]))
-        assert row["token_ids"] == greedy_reference(tiny_models["target"], row["prompt_token_ids"], MAX_TOKENS, eos), row["id"]
+        assert row["prompt_token_ids"] == engine.encode(
+            next(p["prompt"] for p in PROMPTS if p["id"] == row["id"])
+        )
+        assert row["token_ids"] == greedy_reference(
+            tiny_models["target"], row["prompt_token_ids"], MAX_TOKENS, eos
+        ), row["id"]
 
 
 def adapt(record, **options):
     from dflash_batch.training.adapt import adapt_job
 
     ticks = iter(range(10**6))
-    options = {"min_rows": 8, "steps": 12, "batch_size": 4, "anchors": 8, "lr": 2e-3, "warmup": 2, **options}
+    options = {
+        "min_rows": 8,
+        "steps": 12,
+        "batch_size": 4,
+        "anchors": 8,
+        "lr": 2e-3,
+        "warmup": 2,
+        **options,
+    }
     with drafters.adapt_lock(record):
         return adapt_job(record, clock=lambda: float(next(ticks)), **options)
 
@@ -99,7 +126,9 @@ def test_adapt_then_switch_mid_job_rows_stay_exact(tmp_path, home, tiny_models, 
     assert entry["rows"] == 16 and entry["held_out_rows"] >= 1 and entry["from"] is None
     folder = drafters.folder(record) / "rev-0001"
     assert json.loads((folder / "training.json").read_text())["revision"] == "rev-0001"
-    assert (folder / "config.json").exists() and not (drafters.folder(record) / drafters.WORK).exists()
+    assert (folder / "config.json").exists() and not (
+        drafters.folder(record) / drafters.WORK
+    ).exists()
     run_chunks(record, pair_engine, [2])
     rows = rows_of(record)
     assert {r["drafter_revision"] for r in rows.values()} == {None, "rev-0001"}
@@ -115,23 +144,31 @@ def test_adapt_then_switch_mid_job_rows_stay_exact(tmp_path, home, tiny_models, 
     # another job on the same engine drafts with its own drafter again
     other = make_job(tmp_path / "other", home, tiny_models, PROMPTS[:3])
     run_chunks(other, pair_engine, [0])
-    assert pair_engine.drafter_revision is None and pair_engine.drafter is pair_engine.loaded_drafter
+    assert (
+        pair_engine.drafter_revision is None and pair_engine.drafter is pair_engine.loaded_drafter
+    )
     assert {r["drafter_revision"] for r in rows_of(other).values()} == {None}
 
 
-def test_a_drafter_that_does_not_beat_the_current_one_is_not_kept(tmp_path, home, tiny_models, pair_engine):
+def test_a_drafter_that_does_not_beat_the_current_one_is_not_kept(
+    tmp_path, home, tiny_models, pair_engine
+):
     record = make_job(tmp_path, home, tiny_models, PROMPTS[:16])
     run_chunks(record, pair_engine, [0, 1])
     entry = adapt(record, min_gain=1000.0)
     assert entry["outcome"] == "rejected" and entry["revision"] is None
-    assert drafters.in_force(record) == (None, None) and not list(drafters.folder(record).glob("rev-*"))
+    assert drafters.in_force(record) == (None, None) and not list(
+        drafters.folder(record).glob("rev-*")
+    )
 
 
 def test_an_adapted_drafter_that_fails_to_load_is_refused(tmp_path, home, tiny_models, pair_engine):
     record = make_job(tmp_path, home, tiny_models)
     run_chunks(record, pair_engine, [0, 1])
     assert adapt(record)["outcome"] == "adopted"
-    (drafters.folder(record) / "rev-0001" / "model.safetensors").write_bytes(b"not a safetensors file")
+    (drafters.folder(record) / "rev-0001" / "model.safetensors").write_bytes(
+        b"not a safetensors file"
+    )
     pair_engine.use_drafter(None)
     run_chunks(record, pair_engine, [2])
     assert drafters.in_force(record) == (None, None)
@@ -158,7 +195,9 @@ with drafters.adapt_lock(record):
 """
 
 
-def test_kill9_during_adaptation_loses_no_row_and_resumes_with_the_drafter_in_force(tmp_path, home, tiny_models, pair_engine):
+def test_kill9_during_adaptation_loses_no_row_and_resumes_with_the_drafter_in_force(
+    tmp_path, home, tiny_models, pair_engine
+):
     record = make_job(tmp_path, home, tiny_models)
     run_chunks(record, pair_engine, [0, 1])
     before = rows_of(record)
@@ -169,11 +208,17 @@ def test_kill9_during_adaptation_loses_no_row_and_resumes_with_the_drafter_in_fo
     assert rows_of(record) == before
     assert drafters.state(record) == {"in_force": None, "history": []}
     run_chunks(record, pair_engine, [2])
-    assert len(rows_of(record)) == 24 and {r["drafter_revision"] for r in rows_of(record).values()} == {None}
+    assert len(rows_of(record)) == 24 and {
+        r["drafter_revision"] for r in rows_of(record).values()
+    } == {None}
     assert_rows_exact(record, tiny_models, pair_engine)
     assert (drafters.folder(record) / drafters.WORK).exists()  # what the killed attempt left
     entry = adapt(record)  # the next attempt starts clean, on every row
-    assert entry["rows"] == 24 and entry["outcome"] in ("adopted", "rejected") and len(drafters.state(record)["history"]) == 1
+    assert (
+        entry["rows"] == 24
+        and entry["outcome"] in ("adopted", "rejected")
+        and len(drafters.state(record)["history"]) == 1
+    )
     assert not (drafters.folder(record) / drafters.WORK).exists()
 
 
@@ -183,11 +228,19 @@ def test_adapt_command_and_status(tmp_path, home, tiny_models, pair_engine):
     record = make_job(tmp_path, home, tiny_models)
     run_chunks(record, pair_engine, [0])
     small = cli("adapt", record.id, "--steps", "4", "--min-rows", "12", home=home)
-    assert small.returncode == 2 and "8 finished rows" in small.stderr and "at least 12" in small.stderr
+    assert (
+        small.returncode == 2
+        and "8 finished rows" in small.stderr
+        and "at least 12" in small.stderr
+    )
     run_chunks(record, pair_engine, [1])
-    done = cli("adapt", record.id, "--steps", "4", "--min-rows", "12", "--json", home=home, check=True)
+    done = cli(
+        "adapt", record.id, "--steps", "4", "--min-rows", "12", "--json", home=home, check=True
+    )
     entry = json.loads(done.stdout)
-    assert entry["rows"] == 16 and entry["steps"] == 4 and entry["outcome"] in ("adopted", "rejected")
+    assert (
+        entry["rows"] == 16 and entry["steps"] == 4 and entry["outcome"] in ("adopted", "rejected")
+    )
     assert drafters.state(record)["history"] == [entry]
     shown = cli("status", record.id, home=home, check=True).stdout
     assert f"drafter {entry['revision'] or '-'} {entry['outcome']}: held-out acceptance" in shown
@@ -202,9 +255,18 @@ def test_benchmark_smoke(tmp_path, tiny_models):
                           text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert result["later_rows_token_exact"] and result["prompts"] == 24 and result["adaptation"]["rows"] == 16
+    assert (
+        result["later_rows_token_exact"]
+        and result["prompts"] == 24
+        and result["adaptation"]["rows"] == 16
+    )
     assert result["later_rows_adapted"]["rows"] == result["later_rows_shipped"]["rows"] == 8
-    assert set(result["times_s"]) == {"first_rows_s", "adapt_s", "later_rows_adapted_s", "later_rows_shipped_s"}
+    assert set(result["times_s"]) == {
+        "first_rows_s",
+        "adapt_s",
+        "later_rows_adapted_s",
+        "later_rows_shipped_s",
+    }
 
 
 def test_hybrid_target_adapts_and_rows_stay_exact(tmp_path, home):
@@ -212,12 +274,21 @@ def test_hybrid_target_adapts_and_rows_stay_exact(tmp_path, home):
     only: the job adapts (a forced adoption is not asked for: kept or not), switches if kept, and
     every row equals mlx-lm's greedy decoding of the target."""
     from dflash_batch.engine import load_engine
+
     from tests import synthetic
 
     cfg = synthetic.tiny_qwen3_5_config(layers=4)
-    models = {"target": str(synthetic.save_target(tmp_path / "t", cfg, seed=0)),
-              "draft": str(synthetic.save_drafter(tmp_path / "d", synthetic.drafter_config(cfg, block_size=8), seed=5))}
-    engine = load_engine(models["target"], models["draft"], cost_model=fixed_costs(), adaptive_block=False)
+    models = {
+        "target": str(synthetic.save_target(tmp_path / "t", cfg, seed=0)),
+        "draft": str(
+            synthetic.save_drafter(
+                tmp_path / "d", synthetic.drafter_config(cfg, block_size=8), seed=5
+            )
+        ),
+    }
+    engine = load_engine(
+        models["target"], models["draft"], cost_model=fixed_costs(), adaptive_block=False
+    )
     record = make_job(tmp_path / "job", home, models)
     run_chunks(record, engine, [0, 1])
     entry = adapt(record, steps=4)
@@ -231,10 +302,11 @@ def test_hybrid_target_adapts_and_rows_stay_exact(tmp_path, home):
 def test_training_taps_of_a_hybrid_target_equal_its_own_forward(tmp_path):
     """What the trainer learns from on a hybrid target (``tapped_hidden``: recurrent layers
     unmasked, attention causal) is what the model's own forward pass taps."""
+    from dflash_batch.engine.models.target import Target
+
     import mlx.core as mx
     from mlx_lm import load as mlx_load
 
-    from dflash_batch.engine.models.target import Target
     from dflash_batch.training.trainer import tapped_hidden
     from tests import synthetic
 
@@ -258,26 +330,44 @@ def test_a_foreground_run_drafts_with_its_own_job_drafter(tmp_path, home, tiny_m
     run_chunks(record, pair_engine, [2])
     assert pair_engine.drafter_revision == "rev-0001"
     src = write_jsonl(tmp_path / "fg.jsonl", PROMPTS[:4])
-    job = dflash_batch.run(src, engine=pair_engine, max_tokens=MAX_TOKENS, output_dir=str(tmp_path / "fg-out"))
+    job = dflash_batch.run(
+        src, engine=pair_engine, max_tokens=MAX_TOKENS, output_dir=str(tmp_path / "fg-out")
+    )
     assert {r["drafter_revision"] for r in job.record.store().read().to_pylist()} == {None}
     assert pair_engine.drafter_revision is None
 
 
-def test_use_drafter_refuses_a_drafter_for_another_target_and_changes_nothing(tmp_path, pair_engine):
+def test_use_drafter_refuses_a_drafter_for_another_target_and_changes_nothing(
+    tmp_path, pair_engine
+):
     from dflash_batch.completion import ModelMismatchError
     from tests import synthetic
 
     other = synthetic.tiny_qwen3_config(hidden=64)
-    wrong = synthetic.save_drafter(tmp_path / "wrong", synthetic.drafter_config(other, block_size=8), seed=2)
+    wrong = synthetic.save_drafter(
+        tmp_path / "wrong", synthetic.drafter_config(other, block_size=8), seed=2
+    )
     pair_engine.use_drafter(None)
-    before = (pair_engine.drafter, pair_engine.block_size, pair_engine.target.tap_ids, dict(pair_engine.description))
+    before = (
+        pair_engine.drafter,
+        pair_engine.block_size,
+        pair_engine.target.tap_ids,
+        dict(pair_engine.description),
+    )
     with pytest.raises(ModelMismatchError, match="hidden size"):
         pair_engine.use_drafter(wrong, "rev-0009")
-    after = (pair_engine.drafter, pair_engine.block_size, pair_engine.target.tap_ids, pair_engine.description)
+    after = (
+        pair_engine.drafter,
+        pair_engine.block_size,
+        pair_engine.target.tap_ids,
+        pair_engine.description,
+    )
     assert after == before and pair_engine.drafter_revision is None
 
 
-def test_a_queued_job_adapts_by_itself_in_a_worker(tmp_path, home, tiny_models, workers, pair_engine):
+def test_a_queued_job_adapts_by_itself_in_a_worker(
+    tmp_path, home, tiny_models, workers, pair_engine
+):
     """`adapt:` in the spec, a real `dflash-batch worker`: its first task streams two chunks
     (16 rows), it adapts between tasks, and the last chunk names the revision in force then;
     every row equals the target's own greedy output."""
@@ -290,9 +380,13 @@ def test_a_queued_job_adapts_by_itself_in_a_worker(tmp_path, home, tiny_models, 
     assert job.wait(timeout=600)["state"] == "completed", worker.log()[-3000:]
     record = load_job(home, job.id)
     history = drafters.state(record)["history"]
-    assert [(h["trigger"], h["rows"], h["steps"]) for h in history] == [("spec", 16, 4)], worker.log()[-3000:]
+    assert [(h["trigger"], h["rows"], h["steps"]) for h in history] == [("spec", 16, 4)], (
+        worker.log()[-3000:]
+    )
     rows = rows_of(record)
     assert {rows[f"q{i:02d}"]["drafter_revision"] for i in range(16)} == {None}
-    assert {rows[f"q{i:02d}"]["drafter_revision"] for i in range(16, 24)} == {history[0]["revision"]}
+    assert {rows[f"q{i:02d}"]["drafter_revision"] for i in range(16, 24)} == {
+        history[0]["revision"]
+    }
     assert_rows_exact(record, tiny_models, pair_engine)
     assert worker.stop() == 0

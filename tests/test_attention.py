@@ -16,14 +16,15 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+from dflash_batch.engine.ops import attention as routing
+from dflash_batch.engine.ops import switch
+from dflash_batch.engine.ops.kernels import attention as ka
+
 import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.models.base import create_causal_mask
 
-from dflash_batch.engine.ops import attention as routing
-from dflash_batch.engine.ops import switch
-from dflash_batch.engine.ops.kernels import attention as ka
 from tests import emulator as emulator_build
 from tests.synthetic import assert_dflash_lossless
 
@@ -108,8 +109,12 @@ def ragged_mask(B, Lq, Lk, *, lengths, causal, window=None, kv_start=None):
         for i in range(Lq):
             pos = L - Lq + i
             for j in range(Lk):
-                mask[b, 0, i, j] = (j < L and (not causal or j <= pos) and (not window or pos - j < window)
-                                    and (kv_start is None or j >= kv_start[b]))
+                mask[b, 0, i, j] = (
+                    j < L
+                    and (not causal or j <= pos)
+                    and (not window or pos - j < window)
+                    and (kv_start is None or j >= kv_start[b])
+                )
     return mx.array(mask)
 
 
@@ -127,7 +132,11 @@ RAGGED_REFERENCE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", RAGGED_REFERENCE_CASES, ids=lambda c: f"Lq{c[0]}-{'causal' if c[2] else 'bidir'}-w{c[3]}-{'pad' if c[4] else 'nopad'}")
+@pytest.mark.parametrize(
+    "case",
+    RAGGED_REFERENCE_CASES,
+    ids=lambda c: f"Lq{c[0]}-{'causal' if c[2] else 'bidir'}-w{c[3]}-{'pad' if c[4] else 'nopad'}",
+)
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 def test_reference_row_lengths_match_stock(case, dtype):
     """kv_len against stock SDPA over the whole buffer with the equivalent bool mask, and each row
@@ -137,24 +146,43 @@ def test_reference_row_lengths_match_stock(case, dtype):
     q, k, v = make_qkv(B, H, Hk, Lq, Lk, D, dtype, seed=Lq + sum(lengths), cap=120)
     kv_len = mx.array(lengths, dtype=mx.int32)
     starts = None if kv_start is None else mx.array(kv_start, dtype=mx.int32)
-    ref = ka.block_attention_reference(q, k, v, scale=0.125, causal=causal, window=window, kv_start=starts,
-                                       kv_len=kv_len)
+    ref = ka.block_attention_reference(
+        q, k, v, scale=0.125, causal=causal, window=window, kv_start=starts, kv_len=kv_len
+    )
     assert ref.shape == q.shape and ref.dtype == dtype
     mask = ragged_mask(B, Lq, Lk, lengths=lengths, causal=causal, window=window, kv_start=kv_start)
-    assert mx.array_equal(mask, ka.visible_keys(Lq, Lk, causal=causal, window=window, kv_start=starts, width=Lk,
-                                                kv_len=kv_len)).item()
+    assert mx.array_equal(
+        mask,
+        ka.visible_keys(
+            Lq, Lk, causal=causal, window=window, kv_start=starts, width=Lk, kv_len=kv_len
+        ),
+    ).item()
     want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask)
     assert max_err(ref, want) < TOL[dtype]
     for b, L in enumerate(lengths):
         L = L or Lk
-        alone = ka.block_attention_reference(q[b : b + 1], k[b : b + 1, :, :L], v[b : b + 1, :, :L], scale=0.125,
-                                             causal=causal, window=window,
-                                             kv_start=None if starts is None else starts[b : b + 1])
+        alone = ka.block_attention_reference(
+            q[b : b + 1],
+            k[b : b + 1, :, :L],
+            v[b : b + 1, :, :L],
+            scale=0.125,
+            causal=causal,
+            window=window,
+            kv_start=None if starts is None else starts[b : b + 1],
+        )
         assert max_err(ref[b : b + 1], alone) < TOL[dtype]
-        row_mask = ragged_mask(1, Lq, L, lengths=[L], causal=causal, window=window,
-                               kv_start=None if kv_start is None else kv_start[b : b + 1])
-        stock_alone = mx.fast.scaled_dot_product_attention(q[b : b + 1], k[b : b + 1, :, :L], v[b : b + 1, :, :L],
-                                                           scale=0.125, mask=row_mask)
+        row_mask = ragged_mask(
+            1,
+            Lq,
+            L,
+            lengths=[L],
+            causal=causal,
+            window=window,
+            kv_start=None if kv_start is None else kv_start[b : b + 1],
+        )
+        stock_alone = mx.fast.scaled_dot_product_attention(
+            q[b : b + 1], k[b : b + 1, :, :L], v[b : b + 1, :, :L], scale=0.125, mask=row_mask
+        )
         assert max_err(ref[b : b + 1], stock_alone) < TOL[dtype]
 
 
@@ -162,7 +190,9 @@ def test_reference_row_lengths_zero_or_past_the_buffer_mean_the_whole_length():
     q, k, v = make_qkv(3, 4, 2, 5, 40, 64, mx.float32, seed=8)
     whole = ka.block_attention_reference(q, k, v, scale=0.1, causal=True)
     for lengths in ([0, 0, 0], [40, 41, 1000]):
-        got = ka.block_attention_reference(q, k, v, scale=0.1, causal=True, kv_len=mx.array(lengths, dtype=mx.int32))
+        got = ka.block_attention_reference(
+            q, k, v, scale=0.1, causal=True, kv_len=mx.array(lengths, dtype=mx.int32)
+        )
         assert max_err(got, whole) == 0.0
 
 
@@ -175,7 +205,9 @@ def test_reference_chunking_does_not_change_the_result():
 
 def test_reference_fully_hidden_row_is_zero():
     q, k, v = make_qkv(2, 4, 2, 4, 20, 64, mx.float32, seed=5)
-    out = ka.block_attention_reference(q, k, v, scale=0.1, causal=True, kv_start=mx.array([0, 19], dtype=mx.int32))
+    out = ka.block_attention_reference(
+        q, k, v, scale=0.1, causal=True, kv_start=mx.array([0, 19], dtype=mx.int32)
+    )
     # batch row 1 sees only key 19: rows 0..2 (positions 16..18) see nothing, row 3 sees key 19
     assert mx.all(out[1, :, :3] == 0).item()
     assert max_err(out[1, :, 3], mx.repeat(v[1, :, 19], 2, axis=0)) < 1e-6
@@ -367,7 +399,14 @@ KERNELS
 """
 
 # (backend, head dim) configurations the emulator is built for
-EMU_CONFIGS = [("cuda", 64), ("cuda", 128), ("cuda", 256), ("metal", 64), ("metal", 128), ("metal", 256)]
+EMU_CONFIGS = [
+    ("cuda", 64),
+    ("cuda", 128),
+    ("cuda", 256),
+    ("metal", 64),
+    ("metal", 128),
+    ("metal", 256),
+]
 
 
 @pytest.fixture(scope="module")
@@ -379,14 +418,20 @@ def emulator(tmp_path_factory):
         c = ka.kernel_config(backend, D)
         v = "true" if c.v_in_smem else "false"
         kernel = f"pass1<{D}, {c.k_tile_dims}, {c.rows_per_warp}, {c.dim_groups}, {c.warps}, {v}>"
-        cases.append(f"case {n}: return run_blocks<float, {D}, {c.warps}, {c.smem_floats * 4}>"
-                     f"(dir, B, H, Hk, Lq, Lk, cap, splits, groups, true, {kernel});")
+        cases.append(
+            f"case {n}: return run_blocks<float, {D}, {c.warps}, {c.smem_floats * 4}>"
+            f"(dir, B, H, Hk, Lq, Lk, cap, splits, groups, true, {kernel});"
+        )
     body1 = ka.PASS1_BODY
     body2 = ka.PASS2_BODY
-    src = EMU_HEADER + (EMU_MAIN.replace("KERNELS", EMU_KERNELS) + EMU_ENTRY).replace("PASS1", body1).replace("PASS2", body2).replace("CASES", "\n    ".join(cases))
+    src = EMU_HEADER + (EMU_MAIN.replace("KERNELS", EMU_KERNELS) + EMU_ENTRY).replace(
+        "PASS1", body1
+    ).replace("PASS2", body2).replace("CASES", "\n    ".join(cases))
     exe = emulator_build.build(src, folder, "emu")  # pass 2 as its own kernel, as on the GPU
 
-    def run(backend, q, k_buf, v_buf, Lk, *, scale, causal, window, kv_start, kv_len=None, splits=None):
+    def run(
+        backend, q, k_buf, v_buf, Lk, *, scale, causal, window, kv_start, kv_len=None, splits=None
+    ):
         B, H, Lq, D = q.shape
         Hk, cap = k_buf.shape[1], k_buf.shape[2]
         c = ka.kernel_config(backend, D)
@@ -397,8 +442,12 @@ def emulator(tmp_path_factory):
         np.asarray(q, dtype=np.float32).tofile(d / "q.bin")
         np.asarray(k_buf, dtype=np.float32).tofile(d / "k.bin")
         np.asarray(v_buf, dtype=np.float32).tofile(d / "v.bin")
-        np.asarray(kv_start if kv_start is not None else np.zeros(B), dtype=np.int32).tofile(d / "kv_start.bin")
-        np.asarray(kv_len if kv_len is not None else np.zeros(B), dtype=np.int32).tofile(d / "kv_len.bin")
+        np.asarray(kv_start if kv_start is not None else np.zeros(B), dtype=np.int32).tofile(
+            d / "kv_start.bin"
+        )
+        np.asarray(kv_len if kv_len is not None else np.zeros(B), dtype=np.int32).tofile(
+            d / "kv_len.bin"
+        )
         np.asarray([int(causal), int(window or 0)], dtype=np.int32).tofile(d / "flags.bin")
         np.asarray([scale * ka.LOG2E], dtype=np.float32).tofile(d / "scale.bin")
         cfg = EMU_CONFIGS.index((backend, D))
@@ -432,11 +481,26 @@ def test_kernel_body_on_emulated_gpu_matches_reference(emulator, case):
     k_buf, v_buf = k.reshape(B, Hk, Lk, D), v.reshape(B, Hk, Lk, D)
     # the emulator reads the whole buffer with the cache's strides; rebuild it with padding
     pad = [(0, 0), (0, 0), (0, cap - Lk), (0, 0)]
-    k_buf, v_buf = mx.pad(k_buf, pad, constant_values=float("nan")), mx.pad(v_buf, pad, constant_values=float("nan"))
+    k_buf, v_buf = (
+        mx.pad(k_buf, pad, constant_values=float("nan")),
+        mx.pad(v_buf, pad, constant_values=float("nan")),
+    )
     starts = None if kv_start is None else mx.array(kv_start, dtype=mx.int32)
-    want = ka.block_attention_reference(q, k, v, scale=D**-0.5, causal=causal, window=window, kv_start=starts)
-    got = emulator(backend, q, k_buf, v_buf, Lk, scale=D**-0.5, causal=causal, window=window,
-                   kv_start=kv_start, splits=splits)
+    want = ka.block_attention_reference(
+        q, k, v, scale=D**-0.5, causal=causal, window=window, kv_start=starts
+    )
+    got = emulator(
+        backend,
+        q,
+        k_buf,
+        v_buf,
+        Lk,
+        scale=D**-0.5,
+        causal=causal,
+        window=window,
+        kv_start=kv_start,
+        splits=splits,
+    )
     assert not mx.isnan(got).any().item(), "a key past Lk leaked into the result"
     assert max_err(got, want) < 2e-5
 
@@ -466,16 +530,39 @@ EMU_RAGGED_CASES = [
 # fmt: on
 
 
-@pytest.mark.parametrize("case", EMU_RAGGED_CASES, ids=lambda c: f"{c[0]}-D{c[7]}-Lq{c[4]}-len{'-'.join(map(str, c[11]))}")
+@pytest.mark.parametrize(
+    "case",
+    EMU_RAGGED_CASES,
+    ids=lambda c: f"{c[0]}-D{c[7]}-Lq{c[4]}-len{'-'.join(map(str, c[11]))}",
+)
 def test_kernel_body_with_row_lengths_on_emulated_gpu_matches_reference(emulator, case):
     backend, B, H, Hk, Lq, Lk, cap, D, causal, window, kv_start, lengths, splits = case
     q, k, v = make_qkv(B, H, Hk, Lq, Lk, D, mx.float32, seed=Lk + D + Lq, cap=cap)
     k_buf, v_buf = ragged_buffers(k, v, cap, lengths)
     starts = None if kv_start is None else mx.array(kv_start, dtype=mx.int32)
-    want = ka.block_attention_reference(q, k, v, scale=D**-0.5, causal=causal, window=window, kv_start=starts,
-                                        kv_len=mx.array(lengths, dtype=mx.int32))
-    got = emulator(backend, q, k_buf, v_buf, Lk, scale=D**-0.5, causal=causal, window=window,
-                   kv_start=kv_start, kv_len=lengths, splits=splits)
+    want = ka.block_attention_reference(
+        q,
+        k,
+        v,
+        scale=D**-0.5,
+        causal=causal,
+        window=window,
+        kv_start=starts,
+        kv_len=mx.array(lengths, dtype=mx.int32),
+    )
+    got = emulator(
+        backend,
+        q,
+        k_buf,
+        v_buf,
+        Lk,
+        scale=D**-0.5,
+        causal=causal,
+        window=window,
+        kv_start=kv_start,
+        kv_len=lengths,
+        splits=splits,
+    )
     assert not mx.isnan(got).any().item(), "a key past a row's length leaked into the result"
     assert max_err(got, want) < 2e-5
 
@@ -558,8 +645,13 @@ KERNELS
 """
 
 # (head dim, warps, fused, keys per tile, stages) configurations the tensor-core emulator is built for
-EMU_MMA_CONFIGS = [(64, 4, True, 16, 2), (128, 8, True, 16, 2), (256, 4, True, 16, 2), (128, 2, False, 32, 3),
-                   (128, 1, True, 16, 4)]
+EMU_MMA_CONFIGS = [
+    (64, 4, True, 16, 2),
+    (128, 8, True, 16, 2),
+    (256, 4, True, 16, 2),
+    (128, 2, False, 32, 3),
+    (128, 1, True, 16, 4),
+]
 
 
 @pytest.fixture(scope="module")
@@ -570,10 +662,16 @@ def mma_emulator(tmp_path_factory):
     for n, (D, warps, fused, kt, stages) in enumerate(EMU_MMA_CONFIGS):
         c = ka.mma_config(D, warps, fused, kt, stages)
         f = "true" if fused else "false"
-        pass2_after = "false" if fused else "splits > 1"  # one chunk: the block writes the output itself
-        cases.append(f"case {n}: return run_blocks<bf16, {D}, {warps}, {c.smem_bytes}>(dir, B, H, Hk, Lq, Lk, cap, "
-                     f"splits, groups, {pass2_after}, pass1<{D}, {warps}, {kt}, {stages}, {f}>);")
-    src = EMU_HEADER + (EMU_MMA.replace("KERNELS", EMU_KERNELS) + EMU_ENTRY).replace("PASS1", ka.PASS1_MMA_BODY).replace("PASS2", ka.PASS2_BODY).replace("CASES", "\n    ".join(cases))
+        pass2_after = (
+            "false" if fused else "splits > 1"
+        )  # one chunk: the block writes the output itself
+        cases.append(
+            f"case {n}: return run_blocks<bf16, {D}, {warps}, {c.smem_bytes}>(dir, B, H, Hk, Lq, Lk, cap, "
+            f"splits, groups, {pass2_after}, pass1<{D}, {warps}, {kt}, {stages}, {f}>);"
+        )
+    src = EMU_HEADER + (EMU_MMA.replace("KERNELS", EMU_KERNELS) + EMU_ENTRY).replace(
+        "PASS1", ka.PASS1_MMA_BODY
+    ).replace("PASS2", ka.PASS2_BODY).replace("CASES", "\n    ".join(cases))
     exe = emulator_build.build(src, folder, "emu", flags=["-fno-strict-aliasing"])
 
     def run(cfg, q, k_buf, v_buf, Lk, *, scale, causal, window, kv_start, splits, kv_len=None):
@@ -584,8 +682,12 @@ def mma_emulator(tmp_path_factory):
         d.mkdir(exist_ok=True)
         for name, x in (("q", q), ("k", k_buf), ("v", v_buf)):
             np.asarray(x.astype(mx.bfloat16).view(mx.uint16)).tofile(d / f"{name}.bin")
-        np.asarray(kv_start if kv_start is not None else np.zeros(B), dtype=np.int32).tofile(d / "kv_start.bin")
-        np.asarray(kv_len if kv_len is not None else np.zeros(B), dtype=np.int32).tofile(d / "kv_len.bin")
+        np.asarray(kv_start if kv_start is not None else np.zeros(B), dtype=np.int32).tofile(
+            d / "kv_start.bin"
+        )
+        np.asarray(kv_len if kv_len is not None else np.zeros(B), dtype=np.int32).tofile(
+            d / "kv_len.bin"
+        )
         np.asarray([int(causal), int(window or 0)], dtype=np.int32).tofile(d / "flags.bin")
         np.asarray([scale * ka.LOG2E], dtype=np.float32).tofile(d / "scale.bin")
         args = [str(exe), str(d), cfg, B, H, Hk, Lq, Lk, cap, splits, groups]
@@ -610,19 +712,39 @@ EMU_MMA_CASES = [
 # fmt: on
 
 
-@pytest.mark.parametrize("case", EMU_MMA_CASES, ids=lambda c: f"cfg{c[0]}-Lq{c[4]}-Lk{c[5]}-s{c[10]}")
+@pytest.mark.parametrize(
+    "case", EMU_MMA_CASES, ids=lambda c: f"cfg{c[0]}-Lq{c[4]}-Lk{c[5]}-s{c[10]}"
+)
 def test_tensor_core_body_on_emulated_gpu_matches_reference(mma_emulator, case):
     cfg, B, H, Hk, Lq, Lk, cap, causal, window, kv_start, splits = case
     D = EMU_MMA_CONFIGS[cfg][0]
-    q, k, v = (x.astype(mx.bfloat16).astype(mx.float32) for x in make_qkv(B, H, Hk, Lq, Lk, D, mx.float32, seed=Lk + D, cap=cap))
+    q, k, v = (
+        x.astype(mx.bfloat16).astype(mx.float32)
+        for x in make_qkv(B, H, Hk, Lq, Lk, D, mx.float32, seed=Lk + D, cap=cap)
+    )
     pad = [(0, 0), (0, 0), (0, cap - Lk), (0, 0)]
-    k_buf, v_buf = mx.pad(k, pad, constant_values=float("nan")), mx.pad(v, pad, constant_values=float("nan"))
+    k_buf, v_buf = (
+        mx.pad(k, pad, constant_values=float("nan")),
+        mx.pad(v, pad, constant_values=float("nan")),
+    )
     starts = None if kv_start is None else mx.array(kv_start, dtype=mx.int32)
     # fp32 oracle on the bf16-rounded inputs: the kernel's products are exact and its sums fp32;
     # P is carried as hi + lo bf16 terms (relative error about 2^-16), so the two agree to ~1e-5
-    want = ka.block_attention_reference(q, k, v, scale=D**-0.5, causal=causal, window=window, kv_start=starts)
-    got = mma_emulator(cfg, q, k_buf, v_buf, Lk, scale=D**-0.5, causal=causal, window=window,
-                       kv_start=kv_start, splits=splits)
+    want = ka.block_attention_reference(
+        q, k, v, scale=D**-0.5, causal=causal, window=window, kv_start=starts
+    )
+    got = mma_emulator(
+        cfg,
+        q,
+        k_buf,
+        v_buf,
+        Lk,
+        scale=D**-0.5,
+        causal=causal,
+        window=window,
+        kv_start=kv_start,
+        splits=splits,
+    )
     assert not mx.isnan(got).any().item(), "a key past Lk leaked into the result"
     assert max_err(got, want) < 5e-5
 
@@ -640,18 +762,41 @@ EMU_MMA_RAGGED_CASES = [
 # fmt: on
 
 
-@pytest.mark.parametrize("case", EMU_MMA_RAGGED_CASES, ids=lambda c: f"cfg{c[0]}-Lq{c[4]}-len{'-'.join(map(str, c[10]))}")
+@pytest.mark.parametrize(
+    "case", EMU_MMA_RAGGED_CASES, ids=lambda c: f"cfg{c[0]}-Lq{c[4]}-len{'-'.join(map(str, c[10]))}"
+)
 def test_tensor_core_body_with_row_lengths_on_emulated_gpu_matches_reference(mma_emulator, case):
     cfg, B, H, Hk, Lq, Lk, cap, causal, window, kv_start, lengths, splits = case
     D = EMU_MMA_CONFIGS[cfg][0]
-    q, k, v = (x.astype(mx.bfloat16).astype(mx.float32)
-               for x in make_qkv(B, H, Hk, Lq, Lk, D, mx.float32, seed=Lk + D + Lq, cap=cap))
+    q, k, v = (
+        x.astype(mx.bfloat16).astype(mx.float32)
+        for x in make_qkv(B, H, Hk, Lq, Lk, D, mx.float32, seed=Lk + D + Lq, cap=cap)
+    )
     k_buf, v_buf = ragged_buffers(k, v, cap, lengths)
     starts = None if kv_start is None else mx.array(kv_start, dtype=mx.int32)
-    want = ka.block_attention_reference(q, k, v, scale=D**-0.5, causal=causal, window=window, kv_start=starts,
-                                        kv_len=mx.array(lengths, dtype=mx.int32))
-    got = mma_emulator(cfg, q, k_buf, v_buf, Lk, scale=D**-0.5, causal=causal, window=window,
-                       kv_start=kv_start, splits=splits, kv_len=lengths)
+    want = ka.block_attention_reference(
+        q,
+        k,
+        v,
+        scale=D**-0.5,
+        causal=causal,
+        window=window,
+        kv_start=starts,
+        kv_len=mx.array(lengths, dtype=mx.int32),
+    )
+    got = mma_emulator(
+        cfg,
+        q,
+        k_buf,
+        v_buf,
+        Lk,
+        scale=D**-0.5,
+        causal=causal,
+        window=window,
+        kv_start=kv_start,
+        splits=splits,
+        kv_len=lengths,
+    )
     assert not mx.isnan(got).any().item(), "a key past a row's length leaked into the result"
     assert max_err(got, want) < 5e-5
 
@@ -697,8 +842,12 @@ def test_kernel_with_row_lengths_matches_reference_on_gpu(case):
     B, H, Hk, Lq, Lk, D, dtype, causal, window, lengths = case
     q, k, v = make_qkv(B, H, Hk, Lq, Lk, D, dtype, seed=Lk + Lq, cap=Lk + 100)
     kv_len = mx.array(lengths, dtype=mx.int32)
-    got = ka.block_attention_kernel(q, k, v, scale=D**-0.5, causal=causal, window=window, kv_len=kv_len)
-    want = ka.block_attention_reference(q, k, v, scale=D**-0.5, causal=causal, window=window, kv_len=kv_len)
+    got = ka.block_attention_kernel(
+        q, k, v, scale=D**-0.5, causal=causal, window=window, kv_len=kv_len
+    )
+    want = ka.block_attention_reference(
+        q, k, v, scale=D**-0.5, causal=causal, window=window, kv_len=kv_len
+    )
     assert max_err(got, want) < TOL[dtype]
 
 
@@ -725,7 +874,9 @@ def test_routed_sdpa_falls_back_for_single_rows_and_array_masks(reference_routin
     calls = routing.counters()
     routing.target_sdpa(q, k, v, cache=None, scale=0.1, mask=None)
     q16, k16, v16 = make_qkv(1, 4, 2, 16, 30, 64, mx.float32)
-    routing.target_sdpa(q16, k16, v16, cache=None, scale=0.1, mask=create_causal_mask(16, offset=14))
+    routing.target_sdpa(
+        q16, k16, v16, cache=None, scale=0.1, mask=create_causal_mask(16, offset=14)
+    )
     assert routing.counters()["routed"] == calls["routed"]
     assert routing.counters()["stock"] == calls["stock"] + 2
     routing.target_sdpa(q16, k16, v16, cache=None, scale=0.1, mask="causal")
@@ -749,9 +900,18 @@ def test_kernel_sources_keep_preprocessor_lines_whole():
 def test_metal_source_builds_a_kernel_object():
     """metal_kernel objects build on any backend (they run only on Apple silicon)."""
     header, p1, p2 = ka.kernel_sources("metal")
-    k1 = mx.fast.metal_kernel(name="t1", input_names=ka.PASS1_INPUTS, output_names=ka.PASS1_OUTPUTS,
-                              source=p1, header=header, ensure_row_contiguous=False)
+    k1 = mx.fast.metal_kernel(
+        name="t1",
+        input_names=ka.PASS1_INPUTS,
+        output_names=ka.PASS1_OUTPUTS,
+        source=p1,
+        header=header,
+        ensure_row_contiguous=False,
+    )
     assert k1 is not None
-    for attr in ("thread_index_in_simdgroup", "simdgroup_index_in_threadgroup", "threadgroups_per_grid"):
+    for attr in (
+        "thread_index_in_simdgroup",
+        "simdgroup_index_in_threadgroup",
+        "threadgroups_per_grid",
+    ):
         assert attr in p1  # MLX adds these kernel arguments only when the source names them
-

@@ -4,11 +4,12 @@ processing, and the rows one cycle finishes free their slots in one update; outp
 
 from __future__ import annotations
 
-import pytest
-
 import dflash_batch.engine  # noqa: F401  (BLAS before mlx)
 from dflash_batch.engine import load_engine, sampling
 from dflash_batch.engine.batch import BatchDecoder
+
+import pytest
+
 from tests.helpers import set_modes
 
 
@@ -38,7 +39,9 @@ def test_plain_rows_skip_logits_processing_and_controlled_rows_do_not(engine, mo
 
 def test_rows_finishing_together_free_their_slots_in_one_update(engine, monkeypatch):
     frees = _spy(monkeypatch, BatchDecoder, "_free")
-    requests = [engine.request(p, max_tokens=5, index=i) for i, p in enumerate(["a b", "c d", "e f", "g h"])]
+    requests = [
+        engine.request(p, max_tokens=5, index=i) for i, p in enumerate(["a b", "c d", "e f", "g h"])
+    ]
     decoder = BatchDecoder(engine, requests, 4, engine._width_policy(4))
     done = [piece for _, piece in decoder.steps() if piece.finish_reason is not None]
     assert len(done) == 4
@@ -50,9 +53,9 @@ def test_rows_finishing_together_free_their_slots_in_one_update(engine, monkeypa
 def test_a_pass_builds_its_write_columns_once_for_every_layer():
     """Ragged writes of one pass share one [B, T] columns array (not one per layer); it follows
     the lengths as they change."""
-    import mlx.core as mx
-
     from dflash_batch.engine.ops.batch_cache import Lengths, RaggedKVCache
+
+    import mlx.core as mx
 
     lengths = Lengths([3, 1, 5])
     layers = [RaggedKVCache(lengths, 16) for _ in range(3)]
@@ -62,7 +65,14 @@ def test_a_pass_builds_its_write_columns_once_for_every_layer():
         kv = mx.full((3, 2, 4, 8), float(i + 1))
         keys, _ = cache.update_and_fetch(kv, kv)
         assert lengths.columns(4) is first
-        assert keys[1, 0, :, 0].tolist()[:6] == [0, i + 1, i + 1, i + 1, i + 1, 0]  # row 1: columns 1..4
+        assert keys[1, 0, :, 0].tolist()[:6] == [
+            0,
+            i + 1,
+            i + 1,
+            i + 1,
+            i + 1,
+            0,
+        ]  # row 1: columns 1..4
     lengths.advance([1, 2, 0])
     assert lengths.columns(4).tolist() == [[4, 5, 6, 7], [3, 4, 5, 6], [5, 6, 7, 8]]
 
@@ -77,7 +87,9 @@ def test_a_cycle_fetches_drafts_and_choices_in_one_sync(engine, monkeypatch):
 
     def spy(*arrays):
         shapes = [tuple(a.shape) for a in arrays if isinstance(a, mx.array)]
-        if len(shapes) == 2 and shapes[0][1] + 1 == shapes[1][1]:  # drafted [B, T - 1], chosen [B, T]
+        if (
+            len(shapes) == 2 and shapes[0][1] + 1 == shapes[1][1]
+        ):  # drafted [B, T - 1], chosen [B, T]
             together.append(shapes)
         return real(*arrays)
 
@@ -87,7 +99,9 @@ def test_a_cycle_fetches_drafts_and_choices_in_one_sync(engine, monkeypatch):
     assert cycles > 1 and len(together) == cycles
 
 
-def test_prompts_that_finish_one_prefill_pass_choose_their_first_tokens_together(engine, monkeypatch):
+def test_prompts_that_finish_one_prefill_pass_choose_their_first_tokens_together(
+    engine, monkeypatch
+):
     """Three prompts prefilled in one packed pass take their slots and choose their first tokens
     in one choice (one host sync), not one each; then the cycles run."""
     events = []
@@ -103,8 +117,12 @@ def test_prompts_that_finish_one_prefill_pass_choose_their_first_tokens_together
 
     monkeypatch.setattr(BatchDecoder, "choose", spy_choose)
     monkeypatch.setattr(BatchDecoder, "run", spy_run)
-    alone = [engine.generate(p, max_tokens=6).token_ids for p in ["one two", "three", "four five six"]]
+    alone = [
+        engine.generate(p, max_tokens=6).token_ids for p in ["one two", "three", "four five six"]
+    ]
     events.clear()
-    together = engine.generate_batch(["one two", "three", "four five six"], max_tokens=6, batch_size=3)
+    together = engine.generate_batch(
+        ["one two", "three", "four five six"], max_tokens=6, batch_size=3
+    )
     assert events[: events.index(("run",))] == [("choose", 3)]
     assert [c.token_ids for c in together] == alone

@@ -4,18 +4,27 @@ another row; rows join and leave mid-run; per-row statistics stay per row."""
 
 from __future__ import annotations
 
-import mlx.core as mx
-import pytest
-
-from dflash_batch.completion import GenerationError
 from dflash_batch.engine import load_engine, memory
 from dflash_batch.engine.batch import BatchDecoder
 from dflash_batch.engine.models import hybrid
 from dflash_batch.engine.ops.batch_cache import Lengths, RaggedKVCache
 from dflash_batch.engine.ops.kernels import gated_delta as gd
+
+import mlx.core as mx
+import pytest
+
+from dflash_batch.completion import GenerationError
 from tests import synthetic
-from tests.helpers import MAX_TOKENS, PROMPTS_B, P_WRONG, fixed_costs, greedy_reference, scripted_batch
+from tests.helpers import (
+    MAX_TOKENS,
+    P_WRONG,
+    PROMPTS_B,
+    fixed_costs,
+    greedy_reference,
+    scripted_batch,
+)
 from tests.scripting import ScriptedDrafts
+
 
 def _engine(target, draft, **kw):
     return load_engine(str(target), str(draft), prefill_chunk=256, **kw)
@@ -30,9 +39,12 @@ def _alone_and_batched(engine, prompts, batch_size, max_tokens, **kw):
 
 @pytest.mark.parametrize("batch_size", [1, 3, 8])
 @pytest.mark.parametrize("adaptive", [False, True])
-def test_rows_equal_batch_one_and_mlx_lm_greedy(qwen3_target, qwen3_b8, monkeypatch, chain_drafts, batch_size, adaptive):
-    engine, script, ids, refs = scripted_batch(qwen3_target, qwen3_b8, monkeypatch, PROMPTS_B, MAX_TOKENS,
-                                               adaptive_block=adaptive)
+def test_rows_equal_batch_one_and_mlx_lm_greedy(
+    qwen3_target, qwen3_b8, monkeypatch, chain_drafts, batch_size, adaptive
+):
+    engine, script, ids, refs = scripted_batch(
+        qwen3_target, qwen3_b8, monkeypatch, PROMPTS_B, MAX_TOKENS, adaptive_block=adaptive
+    )
     batched = engine.generate_batch(ids, max_tokens=MAX_TOKENS, batch_size=batch_size)
     for n, (c, ref) in enumerate(zip(batched, refs)):
         assert c.token_ids == ref, f"row {n}"
@@ -42,13 +54,24 @@ def test_rows_equal_batch_one_and_mlx_lm_greedy(qwen3_target, qwen3_b8, monkeypa
         script(i + ref + [0] * 16, p_wrong=P_WRONG[n], seed=n)
     alone = [engine.generate(i, max_tokens=m) for i, m in zip(ids, MAX_TOKENS)]
     assert [c.token_ids for c in alone] == refs
-    if not adaptive:  # whole blocks: every committed length occurs, a row's cycles do not depend on the batch
+    if (
+        not adaptive
+    ):  # whole blocks: every committed length occurs, a row's cycles do not depend on the batch
         hist = [sum(h) for h in zip(*(c.stats.acceptance_histogram for c in batched))]
         assert all(hist[1:]), hist
         for n, (a, b) in enumerate(zip(alone, batched)):
             assert a.stats.acceptance_histogram == b.stats.acceptance_histogram, f"row {n}"
-            assert (a.stats.cycles, a.stats.accepted_tokens, a.stats.drafted_tokens, a.stats.generated_tokens) == (
-                b.stats.cycles, b.stats.accepted_tokens, b.stats.drafted_tokens, b.stats.generated_tokens)
+            assert (
+                a.stats.cycles,
+                a.stats.accepted_tokens,
+                a.stats.drafted_tokens,
+                a.stats.generated_tokens,
+            ) == (
+                b.stats.cycles,
+                b.stats.accepted_tokens,
+                b.stats.drafted_tokens,
+                b.stats.generated_tokens,
+            )
 
 
 @pytest.mark.parametrize("target_name", ["llama", "qwen35"])
@@ -59,7 +82,9 @@ def test_other_targets_batched_equal_alone(request, model_dir, tmp_path, monkeyp
     else:
         cfg = synthetic.tiny_qwen3_5_config(layers=8)
         target = synthetic.save_target(tmp_path / "q35", cfg, seed=1)
-    draft = synthetic.save_drafter(tmp_path / "d", synthetic.drafter_config(cfg, block_size=8), seed=3)
+    draft = synthetic.save_drafter(
+        tmp_path / "d", synthetic.drafter_config(cfg, block_size=8), seed=3
+    )
     engine, _, ids, refs = scripted_batch(target, draft, monkeypatch, PROMPTS_B[:6])
     batched = engine.generate_batch(ids, max_tokens=30, batch_size=4)
     assert [c.token_ids for c in batched] == refs
@@ -91,7 +116,9 @@ def test_eos_and_stop_string_inside_blocks_per_row(qwen3_target, qwen3_b8, monke
     stop = text[len(text) // 2 : len(text) // 2 + 3]
     alone, batched = _alone_and_batched(engine, ids, 3, max_tokens=60, stop=[stop])
     assert batched[1].stop_reason == stop and batched[1].text == text[: text.find(stop)]
-    assert [(c.text, c.token_ids, c.stop_reason) for c in batched] == [(c.text, c.token_ids, c.stop_reason) for c in alone]
+    assert [(c.text, c.token_ids, c.stop_reason) for c in batched] == [
+        (c.text, c.token_ids, c.stop_reason) for c in alone
+    ]
 
 
 def test_rows_join_and_leave_mid_run(qwen3_target, qwen3_b8, monkeypatch):
@@ -105,15 +132,22 @@ def test_rows_join_and_leave_mid_run(qwen3_target, qwen3_b8, monkeypatch):
     for index, c in engine.stream_batch(prompts, max_tokens=budgets, batch_size=2):
         order.append(index)
         assert c.token_ids == alone[index]
-    assert sorted(order) == list(range(6)) and order != list(range(6))  # finished out of input order
+    assert sorted(order) == list(range(6)) and order != list(
+        range(6)
+    )  # finished out of input order
 
 
 def test_sampled_rows_equal_alone_with_the_same_seed(tiny_pair):
     engine = _engine(*tiny_pair)
     prompts = PROMPTS_B[:5]
     temps = [0.0, 0.7, 1.0, 0.7, 0.3]
-    alone = [engine.generate(p, max_tokens=30, temperature=t, seed=40 + i).token_ids for i, (p, t) in enumerate(zip(prompts, temps))]
-    batched = engine.generate_batch(prompts, max_tokens=30, temperature=temps, seed=40, batch_size=3)
+    alone = [
+        engine.generate(p, max_tokens=30, temperature=t, seed=40 + i).token_ids
+        for i, (p, t) in enumerate(zip(prompts, temps))
+    ]
+    batched = engine.generate_batch(
+        prompts, max_tokens=30, temperature=temps, seed=40, batch_size=3
+    )
     assert [c.token_ids for c in batched] == alone
 
 
@@ -168,7 +202,10 @@ def test_a_batch_cache_is_allocated_once_for_its_longest_row(tiny_pair, monkeypa
     if stream:
         from dflash_batch.request import Options, Request
 
-        requests = [Request(id=str(i), prompt=p, options=Options(max_tokens=n)) for i, (p, n) in enumerate(zip(prompts, budgets))]
+        requests = [
+            Request(id=str(i), prompt=p, options=Options(max_tokens=n))
+            for i, (p, n) in enumerate(zip(prompts, budgets))
+        ]
         done = [c for _, c in engine.generate_requests(requests, batch_size=2)]
     else:
         done = engine.generate_batch(prompts, max_tokens=budgets, batch_size=2)
@@ -234,7 +271,14 @@ def test_hybrid_verify_pass_rolls_back_rows_independently(tmp_path):
     cfg = synthetic.tiny_qwen3_5_config(layers=4)
     target = load_engine(str(synthetic.save_target(tmp_path / "q", cfg, seed=2)), None).target
     prompt = mx.array([[5, 9, 100], [6, 9, 101], [7, 9, 102], [8, 9, 103]])
-    block = mx.array([[11, 250, 3, 99, 402, 17], [1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12], [40, 41, 42, 43, 44, 45]])
+    block = mx.array(
+        [
+            [11, 250, 3, 99, 402, 17],
+            [1, 2, 3, 4, 5, 6],
+            [7, 8, 9, 10, 11, 12],
+            [40, 41, 42, 43, 44, 45],
+        ]
+    )
     keep = [0, 6, 2, 5]
 
     def run(rows, keeps):
@@ -260,7 +304,10 @@ def test_a_long_joining_prompt_is_prefilled_in_chunks_between_cycles(tiny_pair):
     short, long_ = engine.encode("Hi"), [(i * 37) % 500 + 4 for i in range(1000)]
     alone = [engine.generate(p, max_tokens=60).token_ids for p in (short, long_)]
     events = []
-    requests = [engine.request(short, max_tokens=60, index=0), engine.request(long_, max_tokens=60, index=1)]
+    requests = [
+        engine.request(short, max_tokens=60, index=0),
+        engine.request(long_, max_tokens=60, index=1),
+    ]
     decoder = BatchDecoder(engine, requests, 2, engine._width_policy(2))
     chunks = []
     prefill_pass = decoder._prefill_pass
@@ -280,11 +327,15 @@ def test_a_long_joining_prompt_is_prefilled_in_chunks_between_cycles(tiny_pair):
     assert long_chunks[-1] - long_chunks[0] >= 5  # the short row committed tokens in between
 
 
-def test_ragged_batch_through_the_block_attention_reference_is_lossless(qwen3_target, qwen3_b8, monkeypatch):
+def test_ragged_batch_through_the_block_attention_reference_is_lossless(
+    qwen3_target, qwen3_b8, monkeypatch
+):
     """The routed path (per-row key lengths), as the GPU kernels run it, in its pure-MLX form."""
     from dflash_batch.engine.ops import attention
 
-    engine, _, ids, refs = scripted_batch(qwen3_target, qwen3_b8, monkeypatch, attention="reference")
+    engine, _, ids, refs = scripted_batch(
+        qwen3_target, qwen3_b8, monkeypatch, attention="reference"
+    )
     before = attention.counters()["routed"]
     assert [c.token_ids for c in engine.generate_batch(ids, max_tokens=30, batch_size=3)] == refs
     assert attention.counters()["routed"] > before
@@ -300,13 +351,20 @@ def test_both_ragged_routes_are_lossless(qwen3_target, qwen3_b8, monkeypatch, ro
     from dflash_batch.engine.ops import attention
 
     # "reference": "block" then runs the kernels' pure-MLX form, not stock SDPA
-    engine, _, ids, refs = scripted_batch(qwen3_target, qwen3_b8, monkeypatch, attention="reference",
-                                          cost_model=dataclasses.replace(fixed_costs(), route=route))
+    engine, _, ids, refs = scripted_batch(
+        qwen3_target,
+        qwen3_b8,
+        monkeypatch,
+        attention="reference",
+        cost_model=dataclasses.replace(fixed_costs(), route=route),
+    )
     ragged = []  # calls of the block attention with per-row key lengths
     block_attention = attention._block_attention
 
     def counted(impl, q, k, v, scale, causal, window, kv_len=None, sinks=None):
-        ragged.append(kv_len is not None and q.shape[2] > 1)  # plain one-row steps take "block" on either route
+        ragged.append(
+            kv_len is not None and q.shape[2] > 1
+        )  # plain one-row steps take "block" on either route
         return block_attention(impl, q, k, v, scale, causal, window, kv_len, sinks)
 
     monkeypatch.setattr(attention, "_block_attention", counted)

@@ -155,8 +155,21 @@ def test_scaleout_says_when_a_worker_stayed_cold(monkeypatch):
 @pytest.mark.slow
 def test_scaleout_cpu_path_runs_two_warmed_arms_and_writes_every_id_once(tmp_path):
     out = tmp_path / "scaleout.json"
-    done = python("-m", "benchmarks.scaleout", "--workers", "1,2", "--rows", "8",
-                  "--chunk-size", "2", "--max-tokens", "4", "--out", str(out), timeout=600)
+    done = python(
+        "-m",
+        "benchmarks.scaleout",
+        "--workers",
+        "1,2",
+        "--rows",
+        "8",
+        "--chunk-size",
+        "2",
+        "--max-tokens",
+        "4",
+        "--out",
+        str(out),
+        timeout=600,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     result = json.loads(out.read_text())
     assert result["model"] == "qwen3-tiny (random weights, float32)"

@@ -3,14 +3,14 @@ lands exactly where it was scripted. No timing assertions (performance lives in 
 
 import json
 
-import pytest
-
 import dflash_batch.engine  # noqa: F401  (BLAS before mlx)
+from dflash_batch.engine.output import RowOutput
+
 import mlx.core as mx
+import pytest
 
 from benchmarks import arms, report, run
 from benchmarks.scripted import AcceptanceScript, ScriptedDrafter, head_rows_of, per_token_rate
-from dflash_batch.engine.output import RowOutput
 from tests.helpers import fixed_costs
 from tests.runner_fixtures import REPO
 
@@ -65,7 +65,9 @@ def _check_cycles_follow_script(cycles, drawn):
 
 
 def test_scripted_acceptance_on_a_zeroed_norm_target_hits_the_requested_rate(tiny, chain_drafts):
-    engine = arms.make_engine(tiny, tiny.drafter, adaptive_block=False)  # every cycle verifies 16 rows
+    engine = arms.make_engine(
+        tiny, tiny.drafter, adaptive_block=False
+    )  # every cycle verifies 16 rows
     script = AcceptanceScript.of_drafted(0.6, engine.block_size, seed=7)
     engine.drafter = arms.scripted_drafter(tiny, script)
     prompt = arms.prompt_ids(40, tiny.vocab_size)
@@ -84,10 +86,13 @@ def test_scripted_drafter_replays_a_recorded_greedy_continuation(tiny, chain_dra
     from it are accepted exactly where the script says, and the output is unchanged."""
     prompt = arms.prompt_ids(24, tiny.vocab_size, seed=5)
     plain = arms.make_engine(tiny).generate(prompt, max_tokens=150).token_ids
-    engine = arms.make_engine(tiny, tiny.drafter, adaptive_block=False)  # no warm-up passes through the script
+    engine = arms.make_engine(
+        tiny, tiny.drafter, adaptive_block=False
+    )  # no warm-up passes through the script
     script = AcceptanceScript(q=0.8, block_size=engine.block_size, seed=11)
-    engine.drafter = ScriptedDrafter(tiny.drafter, head_rows_of(tiny.model), script, tiny.vocab_size,
-                                     reference=plain + [0] * 32)
+    engine.drafter = ScriptedDrafter(
+        tiny.drafter, head_rows_of(tiny.model), script, tiny.vocab_size, reference=plain + [0] * 32
+    )
     tokens, cycles = _verify_steps(engine, prompt, 150)
     assert tokens == plain
     _check_cycles_follow_script(cycles, script.drawn)
@@ -108,7 +113,9 @@ def test_smoke_suite_results_are_well_formed(tmp_path):
     assert doc["bandwidth_gbps"] > 0
     shape = doc["shapes"]["qwen3-tiny"]
     assert shape["physical_limit_tps"] > 0 and shape["target_gb"] > 0
-    arms_seen = {(r["arm"], r.get("acceptance"), r.get("batch"), r["context"]) for r in doc["results"]}
+    arms_seen = {
+        (r["arm"], r.get("acceptance"), r.get("batch"), r["context"]) for r in doc["results"]
+    }
     plan = doc["suite"]["plans"][0]
     for ctx in plan["contexts"]:
         assert ("mlx_lm.stream_generate", None, None, ctx) in arms_seen
@@ -140,7 +147,10 @@ def test_the_engine_copy_of_the_target_has_the_same_weights():
 
     setup = arms.build_setup("qwen3-tiny", mx.float32, with_ar_draft=False)
     copy = arms.engine_setup(setup)
-    ours, theirs = dict(tree_flatten(setup.model.parameters())), dict(tree_flatten(copy.model.parameters()))
+    ours, theirs = (
+        dict(tree_flatten(setup.model.parameters())),
+        dict(tree_flatten(copy.model.parameters())),
+    )
     assert ours.keys() == theirs.keys()
     assert all(mx.array_equal(ours[k], theirs[k]).item() for k in ours)
 
@@ -205,6 +215,7 @@ def _zero_head_job(zero_head_target, model_dir, tmp_path, n: int):
     prompts as ids in ``tmp_path/eval.jsonl``, and the tokens per cycle a fixed-width engine
     makes on them (the prefill's token aside): (drafter folder, samples file, tau)."""
     from dflash_batch.engine import load_engine
+
     from tests import synthetic
     from tests.helpers import make_drafter
 
@@ -224,14 +235,17 @@ def test_default_pair_acceptance_is_the_drafters_even_when_the_adaptive_width_st
     every cycle. Here the adaptive width never drafts (as on the H100 of 2026-11-23, where a
     weak drafter's 1.08 tokens per cycle were mostly plain cycles): the acceptance figure must
     not change, and the adaptive engine's own tokens per cycle (1.0) are reported apart."""
-    from benchmarks import default_pair
     from dflash_batch.engine.widths import WidthPolicy
+
+    from benchmarks import default_pair
 
     draft, samples, tau = _zero_head_job(zero_head_target, model_dir, tmp_path, 2)
     assert tau > 4  # zeroed head: every draft accepted
 
     plain_width = WidthPolicy.width
-    monkeypatch.setattr(WidthPolicy, "width", lambda self, e, b: plain_width(self, e, b) if self.fixed else 1)
+    monkeypatch.setattr(
+        WidthPolicy, "width", lambda self, e, b: plain_width(self, e, b) if self.fixed else 1
+    )
     argv = ["--target", str(zero_head_target), "--draft", str(draft), "--samples", str(samples), "--prompts", "2",
             "--speed-prompts", "1", "--runs", "1", "--max-tokens", "30", "--machine", "t", "--out-dir", str(tmp_path)]  # fmt: skip
     assert default_pair.main(argv) == 0
@@ -270,18 +284,36 @@ def test_verify_ops_counts_each_modes_graph(tiny_pair, tmp_path):
 
     target, drafter = tiny_pair
     out = tmp_path / "ops.json"
-    argv = ["--target", str(target), "--draft", str(drafter), "--widths", "1,4", "--modes", "stock,reference",
-            "--context", "40", "--out", str(out)]
+    argv = [
+        "--target",
+        str(target),
+        "--draft",
+        str(drafter),
+        "--widths",
+        "1,4",
+        "--modes",
+        "stock,reference",
+        "--context",
+        "40",
+        "--out",
+        str(out),
+    ]
     assert verify_ops.main(argv) == 0
     passes = json.loads(out.read_text())["passes"]
     ops = {(p["passes"], p["mode"], p["T"]): p["ops"] for p in passes if p["pass"] == "verify"}
     for way in ("eager", "compiled"):
-        assert ops[way, "reference", 4] > ops[way, "stock", 4] and ops[way, "reference", 1] == ops[way, "stock", 1] > 0
+        assert (
+            ops[way, "reference", 4] > ops[way, "stock", 4]
+            and ops[way, "reference", 1] == ops[way, "stock", 1] > 0
+        )
     assert ops["compiled", "stock", 4] < ops["eager", "stock", 4]
     assert ops["compiled", "stock", 1] == ops["eager", "stock", 1]  # a plain step stays eager
     drafts = {(p["passes"], p["mode"]): p for p in passes if p["pass"] == "draft"}
     for mode in ("stock", "reference"):
-        assert drafts["compiled", mode]["ops"] < drafts["eager", mode]["ops"] and drafts["compiled", mode]["ms"] > 0
+        assert (
+            drafts["compiled", mode]["ops"] < drafts["eager", mode]["ops"]
+            and drafts["compiled", mode]["ms"] > 0
+        )
 
 
 def test_small_matmul_ways_compute_the_same_product(tmp_path):
@@ -294,10 +326,15 @@ def test_small_matmul_ways_compute_the_same_product(tmp_path):
                               "--out", str(out)]) == 0  # fmt: skip
     products = json.loads(out.read_text())["products"]
     assert [p["M"] for p in products] == [1, 3]
-    assert all(p["gemv_max_abs_diff"] < 1e-5 and p["matmul_max_abs_diff"] == 0 and p["gemv_us"] > 0 for p in products)
+    assert all(
+        p["gemv_max_abs_diff"] < 1e-5 and p["matmul_max_abs_diff"] == 0 and p["gemv_us"] > 0
+        for p in products
+    )
 
 
-def test_held_out_acceptance_counts_the_drafters_tokens_per_cycle_in_batches(zero_head_target, model_dir, tmp_path, chain_drafts):
+def test_held_out_acceptance_counts_the_drafters_tokens_per_cycle_in_batches(
+    zero_head_target, model_dir, tmp_path, chain_drafts
+):
     """benchmarks/held_out_acceptance.py: tokens per cycle over batched rows, whole block verified,
     outputs checked against plain decoding. A zeroed head accepts every draft, so each cycle
     commits the block (less where a row's budget ends inside it)."""
@@ -313,7 +350,9 @@ def test_held_out_acceptance_counts_the_drafters_tokens_per_cycle_in_batches(zer
     assert result["tokens_per_cycle"] == round(tau, 3) and tau > 4
 
 
-def test_draft_vocab_benchmark_rebuilds_each_size_from_the_answers(zero_head_target, model_dir, tmp_path, chain_drafts):
+def test_draft_vocab_benchmark_rebuilds_each_size_from_the_answers(
+    zero_head_target, model_dir, tmp_path, chain_drafts
+):
     """benchmarks/draft_vocab.py: each size's vocabulary is the most written tokens of the data's
     training answers. Over the zeroed-head target every draft is token 0: a vocabulary without it
     accepts nothing (1 token per cycle), one with it accepts as the whole vocabulary does, and
@@ -325,13 +364,21 @@ def test_draft_vocab_benchmark_rebuilds_each_size_from_the_answers(zero_head_tar
     data = tmp_path / "data"
     data.mkdir()
     (data / "meta.json").write_text(json.dumps({"vocab_size": 512, "eos_token_ids": [3]}))
-    rows = [{"id": f"t{i}", "kind": "test", "split": "train", "prompt": [20 + i, 21]} for i in range(3)]
+    rows = [
+        {"id": f"t{i}", "kind": "test", "split": "train", "prompt": [20 + i, 21]} for i in range(3)
+    ]
     for r in rows:
         r["key"] = prompt_key(r["prompt"])
     (data / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     with AnswerStore(data / "answers", 512).open_writer() as w:
         for i, r in enumerate(rows):  # tokens 10..17 five times each, token 0 three times in all
-            w.append(r["key"], 0, list(range(10, 18)) * 5 + [0] * (i == 0) * 3, ended=False, temperature=0.0)
+            w.append(
+                r["key"],
+                0,
+                list(range(10, 18)) * 5 + [0] * (i == 0) * 3,
+                ended=False,
+                temperature=0.0,
+            )
     out = tmp_path / "vocab.json"
     argv = ["--target", str(zero_head_target), "--draft", str(draft), "--data", str(data), "--sizes", "4,16",
             "--samples", str(samples), "--prompts", "2", "--speed-prompts", "1", "--max-tokens", "30",
@@ -340,13 +387,20 @@ def test_draft_vocab_benchmark_rebuilds_each_size_from_the_answers(zero_head_tar
     result = json.loads(out.read_text())
     by_size = {r["size"]: r for r in result["sizes"]}
     assert sorted(by_size) == [0, 4, 16] and result["training_answers"] == 3
-    assert by_size[0]["tokens_per_cycle"] == round(tau, 3) == by_size[16]["tokens_per_cycle"] and tau > 4
+    assert (
+        by_size[0]["tokens_per_cycle"] == round(tau, 3) == by_size[16]["tokens_per_cycle"]
+        and tau > 4
+    )
     assert by_size[4]["tokens_per_cycle"] == 1.0  # {3, 10, 11, 12}: token 0 is never drafted
     assert all(r["same_output_prompts"] == 2 and r["decode_tps"] > 0 for r in result["sizes"])
-    assert by_size[16]["coverage"] == 1.0 and by_size[4]["coverage"] == round(45 / 123, 5)  # 10, 11, 12: 15 each of 123
+    assert by_size[16]["coverage"] == 1.0 and by_size[4]["coverage"] == round(
+        45 / 123, 5
+    )  # 10, 11, 12: 15 each of 123
 
 
-def test_anchor_bias_chains_the_objective_as_decoding_moves(zero_head_target, model_dir, tmp_path, chain_drafts):
+def test_anchor_bias_chains_the_objective_as_decoding_moves(
+    zero_head_target, model_dir, tmp_path, chain_drafts
+):
     """benchmarks/anchor_bias.py: the objective's acceptance chained through the anchors decoding
     reaches equals the engine's real tokens per cycle; at every anchor with a whole block after
     it, the zeroed head accepts the whole block (8)."""
@@ -363,14 +417,20 @@ def test_anchor_bias_chains_the_objective_as_decoding_moves(zero_head_target, mo
     assert result["uniform_anchor_tokens_per_cycle"] == 8.0
 
 
-def test_cycle_pieces_counts_each_cycles_passes_once(zero_head_target, model_dir, tmp_path, chain_drafts):
+def test_cycle_pieces_counts_each_cycles_passes_once(
+    zero_head_target, model_dir, tmp_path, chain_drafts
+):
     """benchmarks/cycle_pieces.py: one verify pass per cycle and at most one draft, none from the
     warm-up's timed passes (a first version counted those and its pieces summed past the cycle)."""
     from benchmarks import cycle_pieces
 
     draft, samples, _ = _zero_head_job(zero_head_target, model_dir, tmp_path, 1)
     # a second prompt of another context bucket: the engine warms up again inside the timed run
-    samples.write_text(samples.read_text() + json.dumps({"id": "long", "kind": "test", "prompt": list(range(5, 205))}) + "\n")
+    samples.write_text(
+        samples.read_text()
+        + json.dumps({"id": "long", "kind": "test", "prompt": list(range(5, 205))})
+        + "\n"
+    )
     out = tmp_path / "pieces.json"
     result = cycle_pieces.main(["--target", str(zero_head_target), "--draft", str(draft), "--samples", str(samples),
                                 "--prompts", "2", "--max-tokens", "30", "--out", str(out)])  # fmt: skip
@@ -389,9 +449,28 @@ def test_cpu_ops_benchmark_times_both_arms_of_every_measure(qwen3_target, tmp_pa
     from benchmarks import cpu_ops
 
     out = tmp_path / "cpu-ops.json"
-    result = cpu_ops.main(["--target", str(qwen3_target), "--context", "40", "--widths", "1,4", "--prefill", "48",
-                           "--reps", "1", "--out", str(out)])
+    result = cpu_ops.main(
+        [
+            "--target",
+            str(qwen3_target),
+            "--context",
+            "40",
+            "--widths",
+            "1,4",
+            "--prefill",
+            "48",
+            "--reps",
+            "1",
+            "--out",
+            str(out),
+        ]
+    )
     assert json.loads(out.read_text())["command"].startswith("python -m benchmarks.cpu_ops")
     arms = list(result["ops"].values()) + list(result["verify"].values())
-    assert len(arms) == 5 and all(a["identical"] and a["native_ms"] > 0 and a["mlx_ms"] > 0 for a in arms)
-    assert result["prefill"]["tokens"] == 48 and min(result["prefill"][k] for k in ("native_s", "mlx_s", "mlx_lm_s")) > 0
+    assert len(arms) == 5 and all(
+        a["identical"] and a["native_ms"] > 0 and a["mlx_ms"] > 0 for a in arms
+    )
+    assert (
+        result["prefill"]["tokens"] == 48
+        and min(result["prefill"][k] for k in ("native_s", "mlx_s", "mlx_lm_s")) > 0
+    )

@@ -4,14 +4,22 @@ target's verify pass and the drafter's pass both."""
 
 from __future__ import annotations
 
-import mlx.core as mx
-import pytest
-
 from dflash_batch.engine import decode, load_engine
 from dflash_batch.engine.ops import compiled, switch
 from dflash_batch.engine.ops.batch_cache import Lengths
+
+import mlx.core as mx
+import pytest
+
 from tests import synthetic
-from tests.helpers import MAX_TOKENS, PROMPTS_B, eager_and_compiled_drafts, engine_modes, make_drafter, scripted_batch
+from tests.helpers import (
+    MAX_TOKENS,
+    PROMPTS_B,
+    eager_and_compiled_drafts,
+    engine_modes,
+    make_drafter,
+    scripted_batch,
+)
 
 
 @pytest.fixture
@@ -38,13 +46,17 @@ def test_a_compiled_pass_equals_the_eager_pass_on_ragged_rows(tiny_pair):
     engine = load_engine(*map(str, tiny_pair))
     target = engine.target
     lengths = [5, 17, 3]
-    tokens = mx.array([[(11 * b + 3 * i) % 400 + 1 for i in range(4)] for b in range(3)], dtype=mx.int32)
+    tokens = mx.array(
+        [[(11 * b + 3 * i) % 400 + 1 for i in range(4)] for b in range(3)], dtype=mx.int32
+    )
 
     def fresh():
         cache = target.make_cache(Lengths(lengths), 512)
         for c in cache:  # rows of made-up keys, as a prefill leaves them
-            c.keys, c.values = (mx.random.normal((3, kv_heads(target), 512, head_dim(target)), key=mx.random.key(k))
-                                for k in (1, 2))
+            c.keys, c.values = (
+                mx.random.normal((3, kv_heads(target), 512, head_dim(target)), key=mx.random.key(k))
+                for k in (1, 2)
+            )
         return cache
 
     with switch.modes(passes="eager"):
@@ -60,7 +72,9 @@ def test_a_compiled_pass_equals_the_eager_pass_on_ragged_rows(tiny_pair):
         assert mx.allclose(logits, want_logits, atol=1e-5).item()
         assert mx.allclose(hidden, want_hidden, atol=1e-5).item()
         for c, e in zip(cache, eager_cache):
-            for b, n in enumerate(lengths):  # what each row holds up to its new length, and no more written
+            for b, n in enumerate(
+                lengths
+            ):  # what each row holds up to its new length, and no more written
                 assert mx.allclose(c.keys[b, :, : n + 4], e.keys[b, :, : n + 4], atol=1e-5).item()
                 assert mx.array_equal(c.keys[b, :, n + 4 :], fresh_keys(c, b, n + 4)).item()
 
@@ -82,8 +96,9 @@ def test_dflash_is_lossless_with_compiled_passes(tiny_pair, passes_compiled):
 
 
 @pytest.mark.parametrize("batch_size,target_kind", [(1, "qwen3"), (3, "qwen3"), (3, "qwen3_5")])
-def test_batched_rows_equal_greedy_with_compiled_passes(qwen3_target, model_dir, monkeypatch, passes_compiled,
-                                                        batch_size, target_kind, chain_drafts):
+def test_batched_rows_equal_greedy_with_compiled_passes(
+    qwen3_target, model_dir, monkeypatch, passes_compiled, batch_size, target_kind, chain_drafts
+):
     """Every acceptance length, EOS and budgets cut inside a block, rows joining and leaving: each
     row equals the target's greedy output; the passes were replayed, not rebuilt each cycle (a
     GatedDeltaNet target's stay eager: its tape)."""
@@ -93,7 +108,9 @@ def test_batched_rows_equal_greedy_with_compiled_passes(qwen3_target, model_dir,
         config = synthetic.tiny_qwen3_5_config(layers=8)
         target = synthetic.save_target(model_dir / "q35-compiled", config, seed=1)
     drafter = make_drafter(model_dir, f"d-{target_kind}-8", config, block_size=8)
-    engine, _, ids, refs = scripted_batch(target, drafter, monkeypatch, PROMPTS_B, MAX_TOKENS, adaptive_block=False)
+    engine, _, ids, refs = scripted_batch(
+        target, drafter, monkeypatch, PROMPTS_B, MAX_TOKENS, adaptive_block=False
+    )
     verify, draft = engine.target.passes, engine.drafter.passes
     before = dict(verify.calls), dict(draft.calls)
     batched = engine.generate_batch(ids, max_tokens=MAX_TOKENS, batch_size=batch_size)
@@ -115,9 +132,15 @@ def test_a_change_of_routing_traces_again(tiny_pair, passes_compiled):
     # whole blocks: cycles of T >= 2 under both routings (adaptive widths follow timings, and on a
     # loaded machine may choose plain steps only, which stay eager)
     engine = load_engine(*map(str, tiny_pair), adaptive_block=False)
-    want = [c.token_ids for c in engine.generate_batch(synthetic.LOSSLESS_PROMPTS, max_tokens=24, batch_size=1)]
+    want = [
+        c.token_ids
+        for c in engine.generate_batch(synthetic.LOSSLESS_PROMPTS, max_tokens=24, batch_size=1)
+    ]
     with engine_modes(engine, attention="reference"):
-        got = [c.token_ids for c in engine.generate_batch(synthetic.LOSSLESS_PROMPTS, max_tokens=24, batch_size=1)]
+        got = [
+            c.token_ids
+            for c in engine.generate_batch(synthetic.LOSSLESS_PROMPTS, max_tokens=24, batch_size=1)
+        ]
     assert got == want
     # a routing per trace, for the chain passes and (trees being the CPU's default) the tree passes alike
     for passes in (engine.target.passes, engine.drafter.passes):
@@ -145,7 +168,10 @@ def test_passes_stay_eager_where_they_cannot_compile(tiny_pair, passes_compiled,
 
 
 # -- the drafter's pass ---------------------------------------------------------------------------
-DRAFT_LENGTHS, DRAFT_COUNTS = [5, 17, 3], [2, 4, 0]  # rows of their own cache lengths and new context rows
+DRAFT_LENGTHS, DRAFT_COUNTS = (
+    [5, 17, 3],
+    [2, 4, 0],
+)  # rows of their own cache lengths and new context rows
 
 
 def draft_differences(engine) -> list:
@@ -161,14 +187,19 @@ def draft_differences(engine) -> list:
     context = mx.random.normal((B, S, drafter.fc.weight.shape[1]), key=mx.random.key(3))
     last = mx.array([[7], [11], [13]], dtype=mx.int32)
     counts = mx.array(DRAFT_COUNTS, dtype=mx.int32)
-    made_up = [mx.random.normal((B, attn.n_kv_heads, width, attn.head_dim), key=mx.random.key(k)) for k in (1, 2)]
+    made_up = [
+        mx.random.normal((B, attn.n_kv_heads, width, attn.head_dim), key=mx.random.key(k))
+        for k in (1, 2)
+    ]
 
     def draft(passes: str):
         cache = drafter.make_cache(Lengths(DRAFT_LENGTHS), width)
         for c in cache:  # rows of made-up context, as earlier cycles leave them
             c.keys, c.values = made_up
         with switch.modes(passes=passes):
-            ids, logits = decode.draft_block(drafter, target, last, context, counts, cache, L - 1, with_logits=True)
+            ids, logits = decode.draft_block(
+                drafter, target, last, context, counts, cache, L - 1, with_logits=True
+            )
         return ids, logits, cache
 
     want_ids, want_logits, want_cache = draft("eager")
@@ -183,10 +214,14 @@ def draft_differences(engine) -> list:
             kv = (("keys", c.keys, e.keys, made_up[0]), ("values", c.values, e.values, made_up[1]))
             for name, got, expected, fresh in kv:
                 for b, (n, k) in enumerate(zip(DRAFT_LENGTHS, DRAFT_COUNTS)):
-                    if not mx.allclose(got[b, :, : n + k + L], expected[b, :, : n + k + L], atol=1e-5).item():
+                    if not mx.allclose(
+                        got[b, :, : n + k + L], expected[b, :, : n + k + L], atol=1e-5
+                    ).item():
                         differences.append(f"run {run}: layer {layer} row {b}: {name} kept")
                     if not mx.array_equal(got[b, :, n + L + P :], fresh[b, :, n + L + P :]).item():
-                        differences.append(f"run {run}: layer {layer} row {b}: {name} written past n + L + P")
+                        differences.append(
+                            f"run {run}: layer {layer} row {b}: {name} written past n + L + P"
+                        )
     return differences
 
 
@@ -196,7 +231,9 @@ def test_a_compiled_draft_pass_equals_the_eager_pass_on_ragged_rows(tiny_pair):
     engine = load_engine(*map(str, tiny_pair))
     passes = engine.drafter.passes
     assert draft_differences(engine) == []
-    assert passes.calls == {"eager": 1, "compiled": 2} and passes.traced == 2  # the third ran no Python
+    assert (
+        passes.calls == {"eager": 1, "compiled": 2} and passes.traced == 2
+    )  # the third ran no Python
 
 
 def test_a_draft_scatter_one_column_off_is_caught(tiny_pair, monkeypatch):
@@ -209,13 +246,17 @@ def test_a_draft_scatter_one_column_off_is_caught(tiny_pair, monkeypatch):
 
     monkeypatch.setattr(compiled._FixedWidthView, "write_columns", one_off)
     differences = draft_differences(load_engine(*map(str, tiny_pair)))
-    assert any("keys kept" in d for d in differences) and any("past" in d for d in differences), differences
+    assert any("keys kept" in d for d in differences) and any("past" in d for d in differences), (
+        differences
+    )
 
 
 def test_compiled_drafts_equal_eager_drafts_in_a_batch(tiny_pair, monkeypatch, chain_drafts):
     """A batch of rows that join, accept and leave on their own, with the real drafter: every
     cycle's drafts are the eager drafter's, and most of its passes were replays."""
-    engine = load_engine(*map(str, tiny_pair), prefill_chunk=64, adaptive_block=False)  # widths fixed: cycles alike
+    engine = load_engine(
+        *map(str, tiny_pair), prefill_chunk=64, adaptive_block=False
+    )  # widths fixed: cycles alike
     prompts = list(synthetic.LOSSLESS_PROMPTS) + ["x", "one two three four five six seven"]
     budgets = [20, 33, 9, 40, 27][: len(prompts)]  # rows leave at different cycles, others join
     runs = eager_and_compiled_drafts(engine, monkeypatch, prompts, budgets)
@@ -234,7 +275,9 @@ def test_draft_passes_stay_eager_where_they_cannot_compile(tiny_pair, passes_com
 
     def cache(n: int, width: int):
         c = drafter.make_cache(Lengths([n]), width)
-        drafter.add_context(mx.zeros((1, 1, drafter.fc.weight.shape[1])), c)  # allocates the buffers
+        drafter.add_context(
+            mx.zeros((1, 1, drafter.fc.weight.shape[1])), c
+        )  # allocates the buffers
         return c
 
     context = mx.zeros((1, passes.rows, drafter.fc.weight.shape[1]))

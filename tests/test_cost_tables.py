@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import json
 
+from dflash_batch.engine import cost_tables, load_engine, warmup
+
 import pytest
 
 from dflash_batch import paths
-from dflash_batch.engine import cost_tables, load_engine, warmup
 
 
 @pytest.fixture
@@ -91,7 +92,9 @@ def test_an_unreadable_or_stale_table_is_ignored_with_a_warning(tiny_pair, timed
     with pytest.warns(UserWarning, match="ignoring the pass costs"):
         again.warm_up(2)
     assert len(timed) == 2 * passes  # timed again
-    assert json.loads(path.read_text())["key"] == cost_tables.key(again, 2, warmup.context_bucket(0))  # and replaced
+    assert json.loads(path.read_text())["key"] == cost_tables.key(
+        again, 2, warmup.context_bucket(0)
+    )  # and replaced
 
 
 def test_another_model_or_batch_size_is_not_served_an_earlier_table(tiny_pair, llama_target, timed):
@@ -135,4 +138,6 @@ def test_prepare_warms_up_once_and_says_where_the_costs_came_from(tiny_pair, qwe
     again = engine.prepare(4, max_tokens=64)
     assert again["read"] and engine.cost[4].context == again["context"]
     assert engine.prepare(4, max_tokens=64) is None  # warm already
-    assert load_engine(str(qwen3_target), None).prepare(4) is None  # nothing to warm up without a drafter
+    assert (
+        load_engine(str(qwen3_target), None).prepare(4) is None
+    )  # nothing to warm up without a drafter

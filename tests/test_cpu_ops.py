@@ -16,21 +16,45 @@ import sys
 import warnings
 from pathlib import Path
 
+from dflash_batch.engine import load_engine
+from dflash_batch.engine.ops import switch
+from dflash_batch.engine.ops.kernels import cpu, selfcheck
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx_lm.models.activations import swiglu as mlx_lm_swiglu
 
-from dflash_batch.engine import load_engine
-from dflash_batch.engine.ops import switch
-from dflash_batch.engine.ops.kernels import cpu, selfcheck
+pytestmark = [
+    pytest.mark.skipif(
+        not sys.platform.startswith("linux"), reason="the CPU ops are built for Linux"
+    ),
+    pytest.mark.usefixtures("fresh_verdicts"),
+]
 
-pytestmark = [pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the CPU ops are built for Linux"),
-              pytest.mark.usefixtures("fresh_verdicts")]
-
-SPECIALS = [0.0, -0.0, 88.0, -88.0, 87.99999, -87.99999, 88.00001, -88.00001, 1e-45, -1e-45, 1e-38, 3.4e38, -3.4e38,
-            float("inf"), -float("inf"), float("nan"), 0.5, -0.5, 1.0, -1.0]
+SPECIALS = [
+    0.0,
+    -0.0,
+    88.0,
+    -88.0,
+    87.99999,
+    -87.99999,
+    88.00001,
+    -88.00001,
+    1e-45,
+    -1e-45,
+    1e-38,
+    3.4e38,
+    -3.4e38,
+    float("inf"),
+    -float("inf"),
+    float("nan"),
+    0.5,
+    -0.5,
+    1.0,
+    -1.0,
+]
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +75,9 @@ def identical(a: mx.array, b: mx.array) -> bool:
         return False
     x, y = np.array(a), np.array(b)
     nan = np.isnan(x)
-    return bool((nan == np.isnan(y)).all() and (x[~nan].view(np.uint32) == y[~nan].view(np.uint32)).all())
+    return bool(
+        (nan == np.isnan(y)).all() and (x[~nan].view(np.uint32) == y[~nan].view(np.uint32)).all()
+    )
 
 
 def sweep(low: float, high: float, count: int) -> mx.array:
@@ -62,7 +88,11 @@ def rows_case(rows: int, n: int, seed: int, scale: float) -> mx.array:
     """Rows of logits with masked entries (the SDPA mask's finfo.min), and special rows."""
     key = mx.random.key(seed)
     x = mx.random.normal((rows, n), key=key) * scale
-    x = mx.where(mx.random.uniform(shape=(rows, n), key=mx.random.split(key)[0]) < 0.2, mx.finfo(mx.float32).min, x)
+    x = mx.where(
+        mx.random.uniform(shape=(rows, n), key=mx.random.split(key)[0]) < 0.2,
+        mx.finfo(mx.float32).min,
+        x,
+    )
     return x
 
 
@@ -86,7 +116,9 @@ def test_swiglu_equals_mlx_lms_bit_for_bit(ext):
     assert identical(cpu.reference_swiglu(g, x), mlx_lm_swiglu(g, x))
 
 
-@pytest.mark.parametrize("rows,n", [(1, 1), (3, 7), (8, 8), (9, 9), (17, 316), (11, 333), (2, 16384)])
+@pytest.mark.parametrize(
+    "rows,n", [(1, 1), (3, 7), (8, 8), (9, 9), (17, 316), (11, 333), (2, 16384)]
+)
 def test_softmax_and_logsumexp_equal_mlx_bit_for_bit(ext, rows, n):
     for seed, scale in ((0, 1.0), (1, 12.0), (2, 60.0)):
         x = rows_case(rows, n, seed, scale)
@@ -99,25 +131,38 @@ def test_softmax_and_logsumexp_equal_mlx_bit_for_bit(ext, rows, n):
 
 def test_softmax_and_logsumexp_keep_mlxs_special_rows(ext):
     inf, nan = float("inf"), float("nan")
-    x = mx.array([
-        [-inf] * 9,  # a row masked whole
-        [0.0, -inf, 1.0, -inf, 2.0, 3.0, -inf, 4.0, 5.0],
-        [1.0, 2.0, nan, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0],
-        [1.0, 2.0, inf, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0],
-        [-0.0, 0.0, -0.0, 0.0, -0.0, 0.0, -0.0, 0.0, -0.0],
-        [3.4e38, -3.4e38, 0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0],
-    ])
+    x = mx.array(
+        [
+            [-inf] * 9,  # a row masked whole
+            [0.0, -inf, 1.0, -inf, 2.0, 3.0, -inf, 4.0, 5.0],
+            [1.0, 2.0, nan, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0],
+            [1.0, 2.0, inf, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0],
+            [-0.0, 0.0, -0.0, 0.0, -0.0, 0.0, -0.0, 0.0, -0.0],
+            [3.4e38, -3.4e38, 0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0],
+        ]
+    )
     assert identical(ext.softmax(x), mx.softmax(x, axis=-1, precise=True))
     assert identical(ext.logsumexp(x), mx.logsumexp(x, axis=-1, keepdims=True))
 
 
-@pytest.mark.parametrize("B,H,Hk,L,N,mask", [
-    (1, 9, 3, 16, 316, "causal"), (1, 9, 3, 1, 316, None), (2, 9, 3, 16, 300, "bool-row"),
-    (2, 9, 3, 7, 300, "bool-head"), (1, 4, 4, 8, 100, None), (1, 4, 4, 8, 100, "additive"), (3, 2, 1, 5, 40, "causal"),
-])
+@pytest.mark.parametrize(
+    "B,H,Hk,L,N,mask",
+    [
+        (1, 9, 3, 16, 316, "causal"),
+        (1, 9, 3, 1, 316, None),
+        (2, 9, 3, 16, 300, "bool-row"),
+        (2, 9, 3, 7, 300, "bool-head"),
+        (1, 4, 4, 8, 100, None),
+        (1, 4, 4, 8, 100, "additive"),
+        (3, 2, 1, 5, 40, "causal"),
+    ],
+)
 def test_sdpa_equals_mlxs_on_the_cpu(B, H, Hk, L, N, mask):
     key = mx.random.key(B * 100 + L)
-    q, k, v = (mx.random.normal(s, key=kk) for s, kk in zip(((B, H, L, 64), (B, Hk, N, 64), (B, Hk, N, 64)), mx.random.split(key, 3)))
+    q, k, v = (
+        mx.random.normal(s, key=kk)
+        for s, kk in zip(((B, H, L, 64), (B, Hk, N, 64), (B, Hk, N, 64)), mx.random.split(key, 3))
+    )
     m = mask
     if mask == "bool-row":
         m = mx.random.uniform(shape=(B, 1, L, N), key=key) > 0.3
@@ -195,6 +240,7 @@ def _passes(engine, cpu_ops: str):
     drafter pass, all under one mode of the CPU ops: their outputs."""
     from dflash_batch.engine import decode, tree
     from dflash_batch.engine.ops.batch_cache import Lengths
+
     from tests.helpers import TREE_PROMPT, branchy_trees, prefilled, tree_pass
 
     target, out = engine.target, []
@@ -208,8 +254,17 @@ def _passes(engine, cpu_ops: str):
         hidden = out[1]
         drafter = engine.drafter
         dcache = drafter.make_cache(Lengths([0]))
-        ids, logprobs = decode.draft_candidates(drafter, target, mx.array([[7]]), hidden[:, :5], None, dcache, 8,
-                                                tree.CANDIDATES, engine.draft_head)
+        ids, logprobs = decode.draft_candidates(
+            drafter,
+            target,
+            mx.array([[7]]),
+            hidden[:, :5],
+            None,
+            dcache,
+            8,
+            tree.CANDIDATES,
+            engine.draft_head,
+        )
         out += [ids, logprobs]
     mx.eval(out)
     return out
@@ -264,7 +319,10 @@ def test_gradients_through_the_ops_are_mlxs(ext):
     pairs = [
         (lambda a, b: ext.swiglu(a, b), cpu.reference_swiglu),
         (lambda a, b: ext.softmax(a) * b, lambda a, b: mx.softmax(a, axis=-1, precise=True) * b),
-        (lambda a, b: ext.logsumexp(a * b) * b, lambda a, b: mx.logsumexp(a * b, axis=-1, keepdims=True) * b),
+        (
+            lambda a, b: ext.logsumexp(a * b) * b,
+            lambda a, b: mx.logsumexp(a * b, axis=-1, keepdims=True) * b,
+        ),
     ]
     for ours, theirs in pairs:
         got = mx.grad(lambda a, b: (ours(a, b) * w).sum(), argnums=(0, 1))(x, u)
@@ -275,11 +333,16 @@ def test_gradients_through_the_ops_are_mlxs(ext):
 def test_the_engine_says_which_ops_it_runs(tiny_pair):
     """Engine.description["cpu_ops"]: "native" on this Linux CPU (loaded with the engine), "mlx"
     when turned off, and why where they cannot be had."""
-    assert load_engine(*map(str, tiny_pair)).description["cpu_ops"] == ("native" if mx.default_device() == mx.cpu else None)
+    assert load_engine(*map(str, tiny_pair)).description["cpu_ops"] == (
+        "native" if mx.default_device() == mx.cpu else None
+    )
     assert load_engine(*map(str, tiny_pair), cpu_ops="mlx").description["cpu_ops"] == "mlx"
 
 
 def test_an_engine_that_cannot_have_the_ops_says_why(tiny_pair, monkeypatch):
     monkeypatch.setattr(cpu, "_module", None)
     monkeypatch.setattr(cpu, "_failure", "no C++ compiler (g++, c++ or clang++; or set CXX)")
-    assert load_engine(*map(str, tiny_pair)).description["cpu_ops"] == "mlx (no C++ compiler (g++, c++ or clang++; or set CXX))"
+    assert (
+        load_engine(*map(str, tiny_pair)).description["cpu_ops"]
+        == "mlx (no C++ compiler (g++, c++ or clang++; or set CXX))"
+    )

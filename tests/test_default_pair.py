@@ -6,11 +6,11 @@ import json
 import sys
 from pathlib import Path
 
-import mlx.core as mx
-import pytest
-
 from dflash_batch.engine import load_drafter, load_engine
 from dflash_batch.engine.models import default_model, registry
+
+import mlx.core as mx
+import pytest
 
 PROMPTS = [
     "What is 25 + 17?",
@@ -37,9 +37,15 @@ def test_model_cache_is_apart_from_the_job_home(tmp_path, monkeypatch):
     monkeypatch.delenv(default_model.CACHE_ENV, raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     monkeypatch.setenv("DFLASH_BATCH_HOME", str(tmp_path / "jobs-home"))
-    expected = tmp_path / "xdg" / "dflash-batch" if sys.platform != "darwin" else Path.home() / "Library" / "Caches" / "dflash-batch"
+    expected = (
+        tmp_path / "xdg" / "dflash-batch"
+        if sys.platform != "darwin"
+        else Path.home() / "Library" / "Caches" / "dflash-batch"
+    )
     assert default_model.cache_dir() == expected
-    assert main(["--home", str(tmp_path / "other-home"), "status"]) == 0  # --home sets $DFLASH_BATCH_HOME
+    assert (
+        main(["--home", str(tmp_path / "other-home"), "status"]) == 0
+    )  # --home sets $DFLASH_BATCH_HOME
     assert default_model.cache_dir() == expected
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "user"))
@@ -65,15 +71,21 @@ def test_shipped_drafter_fits_and_matches_the_target():
     _, meta = mx.load(str(default_model.gguf_path()), return_metadata=True)
     assert meta["tokenizer.ggml.token_type"][dflash["mask_token_id"]].item() == 3
     assert meta["tokenizer.ggml.tokens"][dflash["mask_token_id"]] == "<empty_output>"
-    assert (asset / "README.md").exists() and not (asset / "TRAINING.md").exists()  # the diary: docs/results
+    assert (asset / "README.md").exists() and not (
+        asset / "TRAINING.md"
+    ).exists()  # the diary: docs/results
     vocab = json.loads((asset / "draft_vocab.json").read_text())["token_ids"]
-    assert len(vocab) == 16384 and vocab == sorted(set(vocab)) and 2 in vocab  # 2: <|im_end|>, the EOS
+    assert (
+        len(vocab) == 16384 and vocab == sorted(set(vocab)) and 2 in vocab
+    )  # 2: <|im_end|>, the EOS
 
 
 def test_default_pair_is_lossless_and_accepts(engines):
     dflash, plain = engines
     assert dflash.drafter is not None and dflash.block_size == 16 and plain.drafter is None
-    assert dflash.description["draft_vocab"] == 16384  # the shipped draft vocabulary, through the cache's copy
+    assert (
+        dflash.description["draft_vocab"] == 16384
+    )  # the shipped draft vocabulary, through the cache's copy
     assert dflash.target.embed_tokens.weight.dtype == mx.float32
     # The drafter's own acceptance is read at a fixed width (the whole block every cycle): the
     # adaptive width follows timed pass costs, so its tokens per cycle move with machine load.
@@ -94,17 +106,26 @@ def test_cache_layout_and_pairing(home, engines):
     target, drafter = default_model.ensure_default_pair()
     assert target.startswith(str(home)) and drafter.startswith(str(home))
     assert default_model.ensure_default_pair() == (target, drafter)  # converted once
-    assert not [p for p in (home / "models").iterdir() if p.name.startswith(".")]  # no temp folders left
+    assert not [
+        p for p in (home / "models").iterdir() if p.name.startswith(".")
+    ]  # no temp folders left
     assert registry.registered_drafter(target) == (drafter, None)  # via dflash_drafter.json
-    assert "quantization" not in json.loads((default_model.Path(drafter) / "config.json").read_text())
+    assert "quantization" not in json.loads(
+        (default_model.Path(drafter) / "config.json").read_text()
+    )
 
 
 def test_named_target_gets_its_registered_drafter(home, engines):
-    assert registry.registered_drafter("HuggingFaceTB/SmolLM2-135M-Instruct")[0] == str(default_model.ensure_drafter())
+    assert registry.registered_drafter("HuggingFaceTB/SmolLM2-135M-Instruct")[0] == str(
+        default_model.ensure_drafter()
+    )
     engine = load_engine(str(default_model.gguf_path()))  # the GGUF file itself, no drafter named
     assert engine.drafter is not None
     text = PROMPTS[0]
-    assert engine.generate(text, max_tokens=24).token_ids == engines[1].generate(text, max_tokens=24).token_ids
+    assert (
+        engine.generate(text, max_tokens=24).token_ids
+        == engines[1].generate(text, max_tokens=24).token_ids
+    )
 
 
 def test_dequantized_copy_matches_the_shipped_drafter(home):

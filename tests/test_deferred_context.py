@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import random
 
-import mlx.core as mx
-import pytest
-
 from dflash_batch.engine import batch, load_engine
 from dflash_batch.engine.ops.batch_cache import Lengths
 from dflash_batch.engine.widths import CostModel, WidthPolicy
+
+import mlx.core as mx
+import pytest
+
 from tests import dflash2_models as d2
 from tests import synthetic
 from tests.helpers import greedy_reference
@@ -29,10 +30,16 @@ def pair(request, tmp_path_factory):
     """(target folder, drafter folder) of one target kind and one drafter kind."""
     root = tmp_path_factory.mktemp(request.param)
     kind, drafter = request.param.split("-")
-    cfg = synthetic.tiny_qwen3_config() if kind == "qwen3" else synthetic.tiny_qwen3_5_config(layers=4)
+    cfg = (
+        synthetic.tiny_qwen3_config()
+        if kind == "qwen3"
+        else synthetic.tiny_qwen3_5_config(layers=4)
+    )
     target = synthetic.save_target(root / "t", cfg, seed=1)
     if drafter == "v1":
-        draft = synthetic.save_drafter(root / "d", synthetic.drafter_config(cfg, block_size=8), seed=3)
+        draft = synthetic.save_drafter(
+            root / "d", synthetic.drafter_config(cfg, block_size=8), seed=3
+        )
     else:
         draft = d2.save_dflash2(root / "d", d2.dflash2_config(cfg, block_size=8), seed=3)
     return target, draft
@@ -46,7 +53,10 @@ def _ids(length: int, seed: int):
 def _prompts():
     """Behind one 80-token instruction (a shared prefix at granularity 32), and two of their own."""
     instruction = _ids(80, seed=99)
-    return [instruction + _ids(n, seed=n) for n in (5, 40, 1, 70)] + [_ids(9, seed=7), _ids(120, seed=8)]
+    return [instruction + _ids(n, seed=n) for n in (5, 40, 1, 70)] + [
+        _ids(9, seed=7),
+        _ids(120, seed=8),
+    ]
 
 
 class _Late(WidthPolicy):
@@ -64,7 +74,11 @@ class _Late(WidthPolicy):
 def _late(engine, monkeypatch, plain: int, width: int = 0):
     """The engine's jobs decode ``plain`` cycles plainly, then draft at ``width`` (0: a block)."""
     width = min(width or engine.block_size, engine.block_size)
-    monkeypatch.setattr(engine, "_width_policy", lambda slots, requests=(), waits=False: _Late(engine.block_size, plain, width))
+    monkeypatch.setattr(
+        engine,
+        "_width_policy",
+        lambda slots, requests=(), waits=False: _Late(engine.block_size, plain, width),
+    )
 
 
 def _engine(pair, **kw):
@@ -94,7 +108,9 @@ def test_a_job_decoded_plainly_never_runs_the_drafter(pair, monkeypatch):
     written = _spy_context(engine, monkeypatch)
     passes = []
     real = engine.drafter.draft_pass
-    monkeypatch.setattr(engine.drafter, "draft_pass", lambda *a, **kw: passes.append(1) or real(*a, **kw))
+    monkeypatch.setattr(
+        engine.drafter, "draft_pass", lambda *a, **kw: passes.append(1) or real(*a, **kw)
+    )
     prompts = _prompts()
     out = engine.generate_batch(prompts, max_tokens=12, batch_size=3)
     assert set(engine.decode_counts) == {1}  # plain cycles only
@@ -121,9 +137,13 @@ def test_the_first_drafting_cycle_writes_each_prompt_once(pair, monkeypatch):
     monkeypatch.setattr(batch.BatchDecoder, "run", run)
     prompts = _prompts()
     out = engine.generate_batch(prompts, max_tokens=40, batch_size=3)
-    assert [n for width, n in cycles[:5]] == [0] * 5  # nothing before the first drafting cycle had run
+    assert [n for width, n in cycles[:5]] == [
+        0
+    ] * 5  # nothing before the first drafting cycle had run
     assert cycles[4][0] > 1 and cycles[5][1] > 0
-    assert {rows for rows, _ in written} == {1} and sorted(n for _, n in written) == sorted(len(p) for p in prompts)
+    assert {rows for rows, _ in written} == {1} and sorted(n for _, n in written) == sorted(
+        len(p) for p in prompts
+    )
     eos = engine.tokenizer.eos_token_ids
     assert [c.token_ids for c in out] == [greedy_reference(pair[0], p, 40, eos) for p in prompts]
 
@@ -163,20 +183,28 @@ def test_late_drafting_context_equals_a_fresh_pass(pair, monkeypatch, case):
             drafter.add_context(hidden, fresh)
             for big, small in zip(decoder.draft_cache, fresh):
                 got, want = big.keys[b, :, :n], small.keys[0, :, :n]
-                assert mx.allclose(got, want, atol=2e-4 * max(mx.abs(want).max().item(), 1.0)).item(), (b, n)
+                assert mx.allclose(
+                    got, want, atol=2e-4 * max(mx.abs(want).max().item(), 1.0)
+                ).item(), (b, n)
             checked.append(n)
         return out
 
     monkeypatch.setattr(batch.BatchDecoder, "draft", draft)
     shrunk = []
     keep = batch.BatchDecoder._keep
-    monkeypatch.setattr(batch.BatchDecoder, "_keep", lambda decoder, slots: shrunk.append(len(decoder.prompts)) or keep(decoder, slots))
+    monkeypatch.setattr(
+        batch.BatchDecoder,
+        "_keep",
+        lambda decoder, slots: shrunk.append(len(decoder.prompts)) or keep(decoder, slots),
+    )
     out = engine.generate_batch(prompts, max_tokens=budgets, batch_size=batch_size)
     assert len(checked) >= len(prompts) - 2
     if case == "shrinking":
         assert shrunk and shrunk[0] >= 2  # rows whose prompts still waited moved to other slots
     eos = engine.tokenizer.eos_token_ids
-    assert [c.token_ids for c in out] == [greedy_reference(pair[0], p, n, eos) for p, n in zip(prompts, budgets)]
+    assert [c.token_ids for c in out] == [
+        greedy_reference(pair[0], p, n, eos) for p, n in zip(prompts, budgets)
+    ]
 
 
 def test_a_control_rows_prompt_is_never_written(pair, monkeypatch):
@@ -188,7 +216,10 @@ def test_a_control_rows_prompt_is_never_written(pair, monkeypatch):
     _late(engine, monkeypatch, plain=2)
     written = _spy_context(engine, monkeypatch)
     prompts = _prompts()[:4]
-    requests = [Request(f"r{i}", p, Options(max_tokens=20), control=i in (1, 2)) for i, p in enumerate(prompts)]
+    requests = [
+        Request(f"r{i}", p, Options(max_tokens=20), control=i in (1, 2))
+        for i, p in enumerate(prompts)
+    ]
     done = {r.id: c for r, c in engine.generate_requests(requests, batch_size=4)}
     assert sorted(written) == sorted([(1, len(prompts[0])), (1, len(prompts[3]))])
     eos = engine.tokenizer.eos_token_ids
@@ -206,7 +237,9 @@ def test_late_drafting_is_lossless_with_cuts_inside_blocks(pair, monkeypatch, ba
     prompts = _prompts()
     budgets = [13, 30, 9, 21, 17, 26]  # a drafting block crosses 9 (and 13 at a block of 8)
     refs = [greedy_reference(pair[0], p, 30, ()) for p in prompts]
-    k = next(i for i in range(8, len(refs[1])) if refs[1][i] not in refs[1][:i])  # mid-block, past the plain cycles
+    k = next(
+        i for i in range(8, len(refs[1])) if refs[1][i] not in refs[1][:i]
+    )  # mid-block, past the plain cycles
     eos = {refs[1][k]}
     engine.tokenizer.eos_token_ids = eos
     script = ScriptedDrafts(monkeypatch)
@@ -255,4 +288,7 @@ def test_drafter_prefill_benchmark_smoke(tmp_path):
     engines = doc["engines"]
     assert engines["never"]["context_rows"] == engines["plain"]["context_rows"] == 0
     assert engines["drafting"]["context_rows"] == doc["prompts"] * doc["context"]
-    assert set(engines["never"]["cycles"]) == {"1"} and max(map(int, engines["drafting"]["cycles"])) > 1
+    assert (
+        set(engines["never"]["cycles"]) == {"1"}
+        and max(map(int, engines["drafting"]["cycles"])) > 1
+    )

@@ -9,22 +9,36 @@ from __future__ import annotations
 import json
 from collections import Counter
 
+from dflash_batch.engine import decode, load_engine
+from dflash_batch.engine.batch import BatchDecoder
+from dflash_batch.engine.models import dflash2, loading
+from dflash_batch.engine.models import drafter as drafter_v1
+from dflash_batch.engine.ops.batch_cache import Lengths
+
 import mlx.core as mx
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from dflash_batch.engine import decode, load_engine
-from dflash_batch.engine.models import dflash2, drafter as drafter_v1, loading
-from dflash_batch.engine.ops.batch_cache import Lengths
-from dflash_batch.engine.batch import BatchDecoder
 from tests import dflash2_models as d2
 from tests import synthetic
-from tests.helpers import (chi_square, chi_square_critical, eager_and_compiled_drafts, fixed_costs, greedy_reference,
-                           markov_engine, transitions)
+from tests.helpers import (
+    chi_square,
+    chi_square_critical,
+    eager_and_compiled_drafts,
+    fixed_costs,
+    greedy_reference,
+    markov_engine,
+    transitions,
+)
 
-PROMPTS = ["Hi", "Write a haiku about the sea.", "How are you today? " * 6,
-           "def add(a, b):\n    return a + b\n# now multiply", "12 * 7 = ? Explain step by step."]
+PROMPTS = [
+    "Hi",
+    "Write a haiku about the sea.",
+    "How are you today? " * 6,
+    "def add(a, b):\n    return a + b\n# now multiply",
+    "12 * 7 = ? Explain step by step.",
+]
 
 
 @pytest.fixture(scope="module")
@@ -43,11 +57,14 @@ def q35(tmp_path_factory):
     folder = tmp_path_factory.mktemp("dflash2-q35")
     cfg = synthetic.tiny_qwen3_5_config(layers=8)
     target = synthetic.save_target(folder / "target", cfg, seed=1)
-    draft = d2.save_dflash2(folder / "draft", d2.dflash2_config(cfg, block_size=8, sliding_window=24), seed=12)
+    draft = d2.save_dflash2(
+        folder / "draft", d2.dflash2_config(cfg, block_size=8, sliding_window=24), seed=12
+    )
     return target, draft, cfg
 
 
 # -- the format -----------------------------------------------------------------------------
+
 
 def test_published_names_load_strictly(q3):
     target, draft, cfg = q3
@@ -59,23 +76,36 @@ def test_published_names_load_strictly(q3):
     assert ours == shapes  # exactly the published tensors: no embedding, no head, bare codebooks
     assert "candidate_selector.predecessor_codebook" in ours and "embed_tokens.weight" not in ours
     args = model.args
-    assert (args.conv_kernel_size, args.conv_group_size, args.selector_rank, args.selector_top_k) == (2, 16, 16, 8)
+    assert (
+        args.conv_kernel_size,
+        args.conv_group_size,
+        args.selector_rank,
+        args.selector_top_k,
+    ) == (2, 16, 16, 8)
     assert args.runtime_block_size == 5  # none named: min(5, block_size)
 
 
 def test_v1_and_v2_are_told_apart_by_the_config_alone(q3, tmp_path):
     target, draft, cfg = q3
-    v1 = synthetic.save_drafter(tmp_path / "v1", synthetic.drafter_config(cfg, block_size=8, nested=True))
+    v1 = synthetic.save_drafter(
+        tmp_path / "v1", synthetic.drafter_config(cfg, block_size=8, nested=True)
+    )
     assert type(loading.load_drafter(v1)) is drafter_v1.Model
     assert type(loading.load_drafter(draft)) is dflash2.Model
     config = json.loads((draft / "config.json").read_text())
-    assert loading.drafter_format({k: v for k, v in config.items() if k != "architectures"}) is dflash2
+    assert (
+        loading.drafter_format({k: v for k, v in config.items() if k != "architectures"}) is dflash2
+    )
 
     other = dict(config, architectures=["MuseGlimmerAssistantModel"])
     with pytest.raises(ValueError) as e:
         loading.drafter_format(other, "x/config.json")
     text = str(e.value)
-    assert "MuseGlimmerAssistantModel" in text and "DFlashDraftModel" in text and "DFlash2DraftModel" in text
+    assert (
+        "MuseGlimmerAssistantModel" in text
+        and "DFlashDraftModel" in text
+        and "DFlash2DraftModel" in text
+    )
     assert "selector_top_k" in text
 
     broken = json.loads(json.dumps(config))
@@ -92,9 +122,13 @@ def test_v1_and_v2_are_told_apart_by_the_config_alone(q3, tmp_path):
 
 def test_runtime_block_size_is_the_engines_default_block(q3, tmp_path):
     target, _, cfg = q3
-    draft = d2.save_dflash2(tmp_path / "d", d2.dflash2_config(cfg, block_size=8, runtime_block_size=4), seed=3)
+    draft = d2.save_dflash2(
+        tmp_path / "d", d2.dflash2_config(cfg, block_size=8, runtime_block_size=4), seed=3
+    )
     assert load_engine(target, draft).block_size == 4
-    assert load_engine(target, draft, block_size=6).block_size == 6  # asked: up to the trained block
+    assert (
+        load_engine(target, draft, block_size=6).block_size == 6
+    )  # asked: up to the trained block
     assert load_engine(target, draft, block_size=16).block_size == 8
 
 
@@ -108,6 +142,7 @@ def test_a_selector_over_another_vocabulary_is_refused(q3, tmp_path):
 
 
 # -- the forward pass against an independent reference ------------------------------------------
+
 
 def _context(engine, ids):
     """The target's tapped hidden states [1, n, taps*H] of a prompt, and its greedy next token."""
@@ -144,7 +179,9 @@ def _ours(engine, ids_list, split=0):
         drafter.add_context(mx.concatenate([c[:, :split] for c, _ in rows], axis=0), cache)
         lengths.advance([split] * len(rows))
     width = max(n) - split
-    ctx = mx.concatenate([mx.pad(c[:, split:], [(0, 0), (0, width - (c.shape[1] - split)), (0, 0)]) for c, _ in rows])
+    ctx = mx.concatenate(
+        [mx.pad(c[:, split:], [(0, 0), (0, width - (c.shape[1] - split)), (0, 0)]) for c, _ in rows]
+    )
     counts = mx.array([k - split for k in n], dtype=mx.int32) if len(set(n)) > 1 else None
     last = mx.array([[a] for _, a in rows], dtype=mx.int32)
     bs = drafter.args.block_size
@@ -190,7 +227,11 @@ def test_negative_control_selector_without_pairwise_scores(q3, monkeypatch):
     engine = load_engine(target, draft)
     ids_list = [engine.encode(p) for p in PROMPTS]
     right, rows = _ours(engine, ids_list)
-    monkeypatch.setattr(dflash2.CandidateSelector, "__call__", lambda self, h, logits, first: mx.argmax(logits, axis=-1))
+    monkeypatch.setattr(
+        dflash2.CandidateSelector,
+        "__call__",
+        lambda self, h, logits, first: mx.argmax(logits, axis=-1),
+    )
     drafts, _ = _ours(engine, ids_list)
     wants = [_reference(engine, draft, c[0], a)[0] for c, a in rows]
     assert right == wants and drafts != wants
@@ -198,6 +239,7 @@ def test_negative_control_selector_without_pairwise_scores(q3, monkeypatch):
 
 
 # -- lossless decoding ----------------------------------------------------------------------
+
 
 def _bigram(engine, refs, ids):
     """The token that most often follows each token in the target's greedy outputs."""
@@ -244,11 +286,15 @@ def test_eos_and_budget_cut_inside_a_block(request, fixture):
     target, draft, _ = request.getfixturevalue(fixture)
     engine = load_engine(target, draft, adaptive_block=False, block_size=8, prefill_chunk=256)
     ids = [engine.encode(p) for p in PROMPTS[:3]]
-    refs = [greedy_reference(target, i, 40) for i in ids]  # no EOS: the one below is chosen from them
+    refs = [
+        greedy_reference(target, i, 40) for i in ids
+    ]  # no EOS: the one below is chosen from them
     d2.bigram_selector(engine.drafter, engine.target, _bigram(engine, refs, ids))
     budgets = [13, 40, 29]  # not multiples of the block: the budget ends inside one
     # an EOS that row 1 meets first at position k >= 9, and row 0 not before its budget ends
-    k = next(i for i in range(9, len(refs[1])) if refs[1][i] not in refs[1][:i] + refs[0][: budgets[0]])
+    k = next(
+        i for i in range(9, len(refs[1])) if refs[1][i] not in refs[1][:i] + refs[0][: budgets[0]]
+    )
     engine.tokenizer.eos_token_ids = {refs[1][k]}
     cut = [r[: r.index(refs[1][k])] if refs[1][k] in r else r for r in refs]
     want = [c[:m] for c, m in zip(cut, budgets)]
@@ -256,7 +302,9 @@ def test_eos_and_budget_cut_inside_a_block(request, fixture):
     alone = [engine.generate(i, max_tokens=m) for i, m in zip(ids, budgets)]
     assert [c.token_ids for c in batched] == want == [c.token_ids for c in alone]
     assert batched[1].stop_reason == "eos" and batched[0].finish_reason == "length"
-    assert max(max(i for i, n in enumerate(c.stats.acceptance_histogram) if n) for c in batched) >= 3
+    assert (
+        max(max(i for i, n in enumerate(c.stats.acceptance_histogram) if n) for c in batched) >= 3
+    )
 
 
 def test_cycles_verify_chains_with_a_selecting_drafter(q3, monkeypatch):
@@ -264,18 +312,25 @@ def test_cycles_verify_chains_with_a_selecting_drafter(q3, monkeypatch):
     target, draft, _ = q3
     engine = load_engine(target, draft, cost_model=fixed_costs(), drafts="tree")
     assert engine.description["drafts"] == "chain"
-    monkeypatch.setattr(BatchDecoder, "_draft_tree", lambda *a, **k: pytest.fail("a tree cycle ran"))
+    monkeypatch.setattr(
+        BatchDecoder, "_draft_tree", lambda *a, **k: pytest.fail("a tree cycle ran")
+    )
     assert engine.generate(PROMPTS[1], max_tokens=20).stats.drafted_tokens > 0
 
 
 # -- sampling -------------------------------------------------------------------------------
 
-def test_sampling_through_a_dflash2_drafter_keeps_the_target_distribution(q3, tmp_path, monkeypatch):
+
+def test_sampling_through_a_dflash2_drafter_keeps_the_target_distribution(
+    q3, tmp_path, monkeypatch
+):
     """The chi-square test of tests/test_sampling.py with the drafts proposed by the DFlash 2
     drafter itself (its selector holding the Markov chain's most likely successor of each
     token; whole blocks of 8), and its negative control: a decoder that keeps every draft fails it."""
     target, _, cfg = q3
-    draft = d2.save_dflash2(tmp_path / "d", d2.dflash2_config(cfg, block_size=8, runtime_block_size=8), seed=13)
+    draft = d2.save_dflash2(
+        tmp_path / "d", d2.dflash2_config(cfg, block_size=8, runtime_block_size=8), seed=13
+    )
     engine, probs = markov_engine(target, draft)
     d2.bigram_selector(engine.drafter, engine.target, probs.argmax(axis=1))
     pairs, accepted = transitions(engine)
@@ -322,7 +377,9 @@ def test_warm_up_times_dflash2_passes(q3, monkeypatch):
     engine = load_engine(target, draft)
     walks = []
     real = dflash2.CandidateSelector.__call__
-    monkeypatch.setattr(dflash2.CandidateSelector, "__call__", lambda *a: walks.append(1) or real(*a))
+    monkeypatch.setattr(
+        dflash2.CandidateSelector, "__call__", lambda *a: walks.append(1) or real(*a)
+    )
     engine.warm_up(2)
     assert walks  # the drafter's passes were timed with their selector
     ids = [engine.encode(p) for p in PROMPTS[:2]]

@@ -28,8 +28,12 @@ def test_relative_links_resolve():
         text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
         for target in LINK.findall(text):
             path = target.split("#")[0]
-            if not path or re.match(r"^[a-z]+:", path) or path in ("docs/models.md", "docs/configuration.md",
-                                                                      "models.md", "configuration.md"):
+            if (
+                not path
+                or re.match(r"^[a-z]+:", path)
+                or path
+                in ("docs/models.md", "docs/configuration.md", "models.md", "configuration.md")
+            ):
                 continue  # written on other branches (issue 37's note): models and configuration
             if not (page.parent / path).exists():
                 broken.append(f"{page.relative_to(REPO)}: {target}")
@@ -41,5 +45,9 @@ def test_the_docs_index_names_every_page():
     missing = [p.name for p in design_pages() if f"({p.name})" not in index]
     assert missing == [] and "(results/README.md)" in index
     results = (DOCS / "results" / "README.md").read_text()
-    pages = [p.name for p in (DOCS / "results").glob("*.md") if p.name != "README.md" and "-20" not in p.name]
+    pages = [
+        p.name
+        for p in (DOCS / "results").glob("*.md")
+        if p.name != "README.md" and "-20" not in p.name
+    ]
     assert [p for p in pages if f"({p})" not in results] == []

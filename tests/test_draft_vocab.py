@@ -8,13 +8,14 @@ from __future__ import annotations
 import json
 import shutil
 
+from dflash_batch.engine import decode, load_engine
+from dflash_batch.engine.models import loading
+from dflash_batch.engine.models.target import Target
+
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from dflash_batch.engine import decode, load_engine
-from dflash_batch.engine.models import loading
-from dflash_batch.engine.models.target import Target
 from dflash_batch.errors import ModelMismatchError
 from dflash_batch.training import export
 from tests.helpers import PROMPTS, greedy_reference
@@ -28,7 +29,9 @@ def with_vocab(src, dst, ids):
     return dst
 
 
-@pytest.mark.parametrize("target", ["qwen3_target", "llama_target"])  # tied embedding, separate lm_head
+@pytest.mark.parametrize(
+    "target", ["qwen3_target", "llama_target"]
+)  # tied embedding, separate lm_head
 @pytest.mark.parametrize("bits", [None, 8, 4])
 def test_cut_head_gives_the_whole_heads_logits_at_its_rows(target, bits, request):
     model, _, _ = loading.load_target(request.getfixturevalue(target), dtype=mx.float32)
@@ -65,9 +68,13 @@ def test_drafts_come_from_the_vocabulary_and_output_is_unchanged(tiny_pair, tmp_
     monkeypatch.setattr(decode.DraftHead, "__call__", spy)
     prompts = [engine.encode(p) for p in PROMPTS]
     for ids in prompts[:3]:
-        assert engine.generate(ids, max_tokens=40).token_ids == greedy_reference(target_dir, ids, 40, engine.tokenizer.eos_token_ids)
+        assert engine.generate(ids, max_tokens=40).token_ids == greedy_reference(
+            target_dir, ids, 40, engine.tokenizer.eos_token_ids
+        )
     for ids, out in zip(prompts, engine.generate_batch(prompts, max_tokens=40, batch_size=4)):
-        assert out.token_ids == greedy_reference(target_dir, ids, 40, engine.tokenizer.eos_token_ids)
+        assert out.token_ids == greedy_reference(
+            target_dir, ids, 40, engine.tokenizer.eos_token_ids
+        )
     assert drafted and set(drafted) <= set(VOCAB)
 
 
@@ -105,9 +112,17 @@ def test_a_vocabulary_beyond_the_targets_is_a_model_mismatch(tiny_pair, tmp_path
 
 
 def test_the_vocabulary_is_the_most_written_tokens_with_eos():
-    answers = [[5, 5, 5, 9, 9, 3], [9, 5, 1], [7, 7, 7, 7, 2]]  # 5: 4, 7: 4, 9: 3, then 1, 2, 3 once
+    answers = [
+        [5, 5, 5, 9, 9, 3],
+        [9, 5, 1],
+        [7, 7, 7, 7, 2],
+    ]  # 5: 4, 7: 4, 9: 3, then 1, 2, 3 once
     vocab = export.draft_vocab(answers, vocab_size=16, size=3, always=[15])
-    assert vocab["token_ids"] == [5, 7, 15]  # 15 forced in, then the two most written (ties: lower id)
+    assert vocab["token_ids"] == [
+        5,
+        7,
+        15,
+    ]  # 15 forced in, then the two most written (ties: lower id)
     assert vocab["answers"] == 3 and vocab["answer_tokens"] == 14
     assert vocab["coverage"] == pytest.approx(8 / 14, abs=1e-5)
     assert export.draft_vocab(answers, 16, 4)["token_ids"] == [1, 5, 7, 9]

@@ -9,10 +9,11 @@ import logging
 import subprocess
 import sys
 
+from dflash_batch.engine.models import default_model, loading, registry
+
 import pytest
 
 from dflash_batch import cli
-from dflash_batch.engine.models import default_model, loading, registry
 from tests.runner_fixtures import REPO
 
 
@@ -53,8 +54,13 @@ def test_drafters_lists_the_registered_pairs_without_loading_a_model(monkeypatch
     def no_model(*args, **kwargs):
         raise AssertionError("listing the pairs loaded or fetched a model")
 
-    loaders = [(loading, "load_target"), (loading, "load_drafter"), (registry, "load_any_target"),
-               (default_model, "ensure_drafter"), (default_model, "ensure_default_pair")]
+    loaders = [
+        (loading, "load_target"),
+        (loading, "load_drafter"),
+        (registry, "load_any_target"),
+        (default_model, "ensure_drafter"),
+        (default_model, "ensure_default_pair"),
+    ]
     for module, name in loaders:
         monkeypatch.setattr(module, name, no_model)
     assert cli.main(["drafters"]) == 0
@@ -73,8 +79,10 @@ def test_drafters_lists_the_registered_pairs_without_loading_a_model(monkeypatch
 
 
 def test_the_cli_still_imports_no_engine_at_import():
-    code = ("import sys, dflash_batch.cli; "
-            "sys.exit('dflash_batch.engine' in sys.modules or 'mlx' in sys.modules)")
+    code = (
+        "import sys, dflash_batch.cli; "
+        "sys.exit('dflash_batch.engine' in sys.modules or 'mlx' in sys.modules)"
+    )
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO).returncode == 0
 
 
@@ -85,15 +93,23 @@ def test_every_published_pairing_is_listed_with_its_generation(capsys):
     assert cli.main(["drafters", "--json"]) == 0
     listed = json.loads(capsys.readouterr().out)
     by_drafter = {p["drafter"]: p for p in listed}
-    by_pair = {(p["target"], p["drafter"]): p for p in listed}  # a drafter may serve two target names
+    by_pair = {
+        (p["target"], p["drafter"]): p for p in listed
+    }  # a drafter may serve two target names
     for target, drafter, generation, block, _ in registry.PUBLISHED:
         entry = by_pair[target, drafter]
         assert (entry["generation"], entry["block_size"]) == (generation, block)
         assert sum((p["target"], p["drafter"]) == (target, drafter) for p in listed) == 1
     assert sum(p["drafter"] == "z-lab/Qwen3-4B-DFlash-b16" for p in listed) == 1
-    assert by_drafter["z-lab/Qwen3.8-27B-DFlash2"]["auto"] and not by_drafter["incoai/Qwen3.8-27B-DFlash2"]["auto"]
+    assert (
+        by_drafter["z-lab/Qwen3.8-27B-DFlash2"]["auto"]
+        and not by_drafter["incoai/Qwen3.8-27B-DFlash2"]["auto"]
+    )
     assert {p["generation"] for p in listed} == {registry.V1, registry.V2}
-    assert registry.auto_drafter("mlx-community/Qwen3.8-27B-4bit") == ("z-lab/Qwen3.8-27B-DFlash2", None)
+    assert registry.auto_drafter("mlx-community/Qwen3.8-27B-4bit") == (
+        "z-lab/Qwen3.8-27B-DFlash2",
+        None,
+    )
     assert cli.main(["drafters"]) == 0
     text = capsys.readouterr().out
     assert "qwen3.8-27b            5      DFlash 2    z-lab/Qwen3.8-27B-DFlash2" in text

@@ -40,14 +40,18 @@ def test_a_dry_run_counts_rows_and_creates_nothing(command, rows, home, no_model
     assert code == cli.EXIT_ROWS_FAILED  # the empty prompt is an error row, as in a real run
     assert f"input: {rows}: 3 rows, 1 of them error rows" in out
     assert f"output: {home / 'results' / 'dry'} (0 rows there already)" in out
-    assert "  max_tokens: 7" in out and "  name: dry" in out and "model: SmolLM2-135M-Instruct" in out
+    assert (
+        "  max_tokens: 7" in out and "  name: dry" in out and "model: SmolLM2-135M-Instruct" in out
+    )
     assert written(home) == []  # no job record, no queue, no output folder
     assert api.jobs(home) == []
 
 
 def test_a_dry_run_as_json_gives_the_plan(tmp_path, home, no_model, capsys):  # noqa: F811
     src = write_jsonl(tmp_path / "ok.jsonl", [{"id": "a", "prompt": "one"}])
-    assert cli.main(["submit", str(src), "--dry-run", "--json", "--temperature", "0.5"]) == cli.EXIT_OK
+    assert (
+        cli.main(["submit", str(src), "--dry-run", "--json", "--temperature", "0.5"]) == cli.EXIT_OK
+    )
     plan = json.loads(capsys.readouterr().out)
     assert (plan["rows"], plan["errors"], plan["done"]) == (1, 0, 0)
     assert plan["settings"]["temperature"] == 0.5 and plan["settings"]["input"] == str(src)
@@ -66,7 +70,9 @@ def test_a_dry_run_counts_the_rows_already_done(tmp_path, home, monkeypatch, cap
     refusal the run would get."""
     from tests.fake_engine import FakeEngine
 
-    src = write_jsonl(tmp_path / "ok.jsonl", [{"id": "a", "prompt": "one"}, {"id": "b", "prompt": "two"}])
+    src = write_jsonl(
+        tmp_path / "ok.jsonl", [{"id": "a", "prompt": "one"}, {"id": "b", "prompt": "two"}]
+    )
     api.run(src, engine=FakeEngine(), max_tokens=3)
     monkeypatch.setattr(api, "load_model", refuse_to_load)
     assert cli.main(["run", str(src), "--dry-run", "--max-tokens", "3"]) == cli.EXIT_OK

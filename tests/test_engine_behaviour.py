@@ -5,18 +5,23 @@ from __future__ import annotations
 import json
 import shutil
 
-import mlx.core as mx
-import pytest
-from mlx_lm import load as mlx_load
-
-from dflash_batch.completion import EmptyPromptError, GenerationError, ModelMismatchError, PromptTooLongError
 from dflash_batch.engine import decode, load_drafter, load_engine, resolve_model_path
 from dflash_batch.engine.models.drafter import ModelArgs, build_target_layer_ids
 from dflash_batch.engine.models.target import Target
 from dflash_batch.engine.ops.batch_cache import Lengths
+
+import mlx.core as mx
+import pytest
+from mlx_lm import load as mlx_load
+
+from dflash_batch.completion import (
+    EmptyPromptError,
+    GenerationError,
+    ModelMismatchError,
+    PromptTooLongError,
+)
 from tests import synthetic
-from tests.helpers import fixed_costs, make_drafter, set_modes
-from tests.helpers import greedy_reference
+from tests.helpers import fixed_costs, greedy_reference, make_drafter, set_modes
 from tests.scripting import ScriptedDrafts
 
 
@@ -65,7 +70,9 @@ def test_the_drafters_acceptance_carries_from_job_to_job(zero_head_target, model
     first = engine._width_policy(1)
     assert first.job is engine.acceptance and engine.acceptance.seen[0] == 0
     engine.generate([5, 6, 7, 8], max_tokens=60)
-    assert engine.acceptance.seen[0] > 0 and engine.acceptance.probabilities()[0] > 0.9  # every draft accepted
+    assert (
+        engine.acceptance.seen[0] > 0 and engine.acceptance.probabilities()[0] > 0.9
+    )  # every draft accepted
     assert engine._width_policy(1).job is engine.acceptance
 
 
@@ -78,7 +85,9 @@ def test_what_widths_cost_carries_across_warm_ups(zero_head_target, model_dir):
     short = engine._width_policy(1, [engine.request([5, 6, 7, 8], max_tokens=8)]).cost
     for _ in range(3):
         short.observe(1, 6, short.passes(1, 6) + 1.0)
-    long = engine._width_policy(1, [engine.request([5 + i % 500 for i in range(600)], max_tokens=400)]).cost
+    long = engine._width_policy(
+        1, [engine.request([5 + i % 500 for i in range(600)], max_tokens=400)]
+    ).cost
     assert long is not short and long.context != short.context  # warmed up again
     assert long.cycle(1, 6) == pytest.approx(long.passes(1, 6) + 1.0)
 
@@ -97,10 +106,14 @@ def test_eos_inside_accepted_block_cuts_there(full_accept):
 
 def test_eos_and_stop_string_mid_block(tiny_pair, monkeypatch, chain_drafts):
     target, draft = tiny_pair
-    engine = load_engine(str(target), str(draft), adaptive_block=False)  # whole blocks: cuts fall inside them
+    engine = load_engine(
+        str(target), str(draft), adaptive_block=False
+    )  # whole blocks: cuts fall inside them
     ids = engine.encode("Write a haiku about the sea.")
     ref = greedy_reference(target, ids, 60, engine.tokenizer.eos_token_ids)
-    ScriptedDrafts(monkeypatch)(ids + ref + [0] * 16, p_wrong=0.0)  # the true continuation: full blocks
+    ScriptedDrafts(monkeypatch)(
+        ids + ref + [0] * 16, p_wrong=0.0
+    )  # the true continuation: full blocks
     # EOS: the first token (after the first block) that did not occur earlier.
     k = next(i for i in range(20, len(ref)) if ref[i] not in ref[:i])
     eos = set(engine.tokenizer.eos_token_ids)
@@ -111,7 +124,9 @@ def test_eos_and_stop_string_mid_block(tiny_pair, monkeypatch, chain_drafts):
         engine.tokenizer.eos_token_ids = eos
     assert c.token_ids == ref[:k] and c.finish_reason == "stop" and c.stop_reason == "eos"
     assert c.stats.generated_tokens == k + 1
-    assert max(i for i, n in enumerate(c.stats.acceptance_histogram) if n) == 16  # cut inside a full block
+    assert (
+        max(i for i, n in enumerate(c.stats.acceptance_histogram) if n) == 16
+    )  # cut inside a full block
 
     # max_tokens not a multiple of the block: cut inside the block budget.
     c = engine.generate(ids, max_tokens=23)
@@ -121,7 +136,11 @@ def test_eos_and_stop_string_mid_block(tiny_pair, monkeypatch, chain_drafts):
     full_text = engine.generate(ids, max_tokens=60).text
     assert full_text == engine.tokenizer.decode(ref)
     mid = len(full_text) // 2
-    stop = next(full_text[i : i + 3] for i in range(mid, len(full_text)) if full_text.find(full_text[i : i + 3]) == i)
+    stop = next(
+        full_text[i : i + 3]
+        for i in range(mid, len(full_text))
+        if full_text.find(full_text[i : i + 3]) == i
+    )
     c = engine.generate(ids, max_tokens=60, stop=[stop])
     assert c.finish_reason == "stop" and c.stop_reason == stop
     assert stop not in c.text and full_text.startswith(c.text)
@@ -229,7 +248,9 @@ def test_drafter_context_is_the_committed_tapped_hidden_state(tiny_pair, monkeyp
 def test_drafter_config_styles_and_errors(tmp_path):
     base = synthetic.drafter_config(synthetic.tiny_qwen3_config(), block_size=8)
     flat = ModelArgs.from_config(base)
-    nested = ModelArgs.from_config(synthetic.drafter_config(synthetic.tiny_qwen3_config(), block_size=8, nested=True))
+    nested = ModelArgs.from_config(
+        synthetic.drafter_config(synthetic.tiny_qwen3_config(), block_size=8, nested=True)
+    )
     assert (flat.block_size, flat.mask_token_id, flat.target_layer_ids) == (
         nested.block_size,
         nested.mask_token_id,
@@ -244,16 +265,22 @@ def test_drafter_config_styles_and_errors(tmp_path):
     with pytest.raises(KeyError, match="mask_token_id"):
         ModelArgs.from_config(no_mask)
     fallback = {k: v for k, v in base.items() if k != "target_layer_ids"}
-    assert ModelArgs.from_config(fallback).target_layer_ids == build_target_layer_ids(4, 2) == [1, 1]
+    assert (
+        ModelArgs.from_config(fallback).target_layer_ids == build_target_layer_ids(4, 2) == [1, 1]
+    )
     assert build_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]  # z-lab Qwen3-4B taps
     extra = dict(base, some_future_key=1, dflash_config={"unknown": 2})
     assert ModelArgs.from_config(extra).block_size == 8
-    sliding = ModelArgs.from_config(synthetic.drafter_config(synthetic.tiny_qwen3_config(), layers=3, sliding_window=16))
+    sliding = ModelArgs.from_config(
+        synthetic.drafter_config(synthetic.tiny_qwen3_config(), layers=3, sliding_window=16)
+    )
     assert sliding.layer_types == ["sliding_attention", "sliding_attention", "full_attention"]
 
 
 def test_sliding_drafter_runs_lossless(qwen3_target, model_dir):
-    draft = make_drafter(model_dir, "draft-swa", synthetic.tiny_qwen3_config(), layers=3, sliding_window=8)
+    draft = make_drafter(
+        model_dir, "draft-swa", synthetic.tiny_qwen3_config(), layers=3, sliding_window=8
+    )
     engine = load_engine(str(qwen3_target), str(draft))
     ids = engine.encode("A sliding window drafter " * 4)
     assert engine.generate(ids, max_tokens=40).token_ids == greedy_reference(
@@ -291,7 +318,9 @@ def test_quantized_drafter_loads(tmp_path, qwen3_drafter, qwen3_target):
 
     drafter = load_drafter(qwen3_drafter)
     nn.quantize(drafter, group_size=32, bits=8)
-    mx.save_safetensors(str(tmp_path / "model.safetensors"), dict(tree_flatten(drafter.parameters())))
+    mx.save_safetensors(
+        str(tmp_path / "model.safetensors"), dict(tree_flatten(drafter.parameters()))
+    )
     cfg = json.loads((qwen3_drafter / "config.json").read_text())
     cfg["quantization"] = {"group_size": 32, "bits": 8}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
@@ -314,7 +343,9 @@ def test_target_lm_head_is_the_models_own_untied_head(tmp_path, kind):
     target = Target(model, tap_ids=[len(inner.layers) - 1])  # tap the last layer: pre-norm output
     logits, hidden = target(mx.array([[5, 9, 100, 7]]), target.make_cache(Lengths([0])))
     assert mx.allclose(target.lm_head(inner.norm(hidden)), logits, atol=1e-5).item()
-    assert not mx.allclose(target.embed_tokens.as_linear(inner.norm(hidden)), logits, atol=1e-3).item()
+    assert not mx.allclose(
+        target.embed_tokens.as_linear(inner.norm(hidden)), logits, atol=1e-3
+    ).item()
 
 
 def test_prefill_sizes_default_by_backend_and_refuse_zero(tiny_pair):

@@ -6,19 +6,21 @@ from __future__ import annotations
 import dataclasses
 import re
 
-import pytest
-
 from dflash_batch.engine import load_engine
 from dflash_batch.engine import settings as engine_settings
 from dflash_batch.engine.config import FIELDS, EngineConfig
 from dflash_batch.engine.engine import Engine
 from dflash_batch.engine.ops import attention, switch
+
+import pytest
+
 from tests.helpers import fixed_costs
 from tests.runner_fixtures import REPO
 
 
-@pytest.mark.parametrize("field, value",
-                         [("prefill_chunk", 0), ("prefill_tokens", 0), ("prefix_cache_mb", -1)])
+@pytest.mark.parametrize(
+    "field, value", [("prefill_chunk", 0), ("prefill_tokens", 0), ("prefix_cache_mb", -1)]
+)
 def test_a_bad_setting_is_refused_naming_it_before_any_model_loads(tmp_path, field, value):
     with pytest.raises(ValueError, match=field):
         EngineConfig(**{field: value})
@@ -40,8 +42,9 @@ def test_the_config_is_slotted_and_lists_the_engine_settings():
 
 
 def test_load_engine_passes_its_settings_down(tiny_pair):
-    engine = load_engine(*map(str, tiny_pair), prefill_chunk=7, prefill_tokens=30,
-                         prefix_cache_mb=0)
+    engine = load_engine(
+        *map(str, tiny_pair), prefill_chunk=7, prefill_tokens=30, prefix_cache_mb=0
+    )
     assert isinstance(engine.settings, EngineConfig) and engine.settings.prefill_chunk == 7
     assert (engine.prefill_chunk, engine.prefill_tokens, engine.prefixes) == (7, 30, None)
     with pytest.raises(TypeError, match="not both"):
@@ -62,14 +65,18 @@ def test_every_engine_variable_is_in_the_one_table():
 
 
 @pytest.mark.parametrize("field", [s.field for s in switch.SWITCHES])
-def test_a_routing_mode_is_a_checked_setting_defaulted_from_its_variable(monkeypatch, tmp_path, field):
+def test_a_routing_mode_is_a_checked_setting_defaulted_from_its_variable(
+    monkeypatch, tmp_path, field
+):
     route = switch.BY_FIELD[field]
     other = next(m for m in route.modes if m != route.elsewhere)
     monkeypatch.delenv(route.env, raising=False)
     assert getattr(EngineConfig(), field) == route.elsewhere  # this CPU's default
     monkeypatch.setenv(route.env, other)
     assert getattr(EngineConfig(), field) == other
-    assert getattr(EngineConfig(**{field: route.elsewhere}), field) == route.elsewhere  # set in code: first
+    assert (
+        getattr(EngineConfig(**{field: route.elsewhere}), field) == route.elsewhere
+    )  # set in code: first
     with pytest.raises(ValueError, match=field):
         load_engine(str(tmp_path / "no-such-model"), None, **{field: "no-such-mode"})
 
@@ -77,9 +84,15 @@ def test_a_routing_mode_is_a_checked_setting_defaulted_from_its_variable(monkeyp
 def test_two_engines_in_one_process_keep_their_own_routes(tiny_pair):
     """Two engines of other routing modes and ragged routes, their steps interleaved: each step
     runs under its own engine's routes, and none leaks to the code between the steps."""
-    a = load_engine(*map(str, tiny_pair), attention="reference", drafts="chain",
-                    cost_model=dataclasses.replace(fixed_costs(), route="sdpa"))
-    b = load_engine(*map(str, tiny_pair), attention="stock", drafts="tree", cost_model=fixed_costs())
+    a = load_engine(
+        *map(str, tiny_pair),
+        attention="reference",
+        drafts="chain",
+        cost_model=dataclasses.replace(fixed_costs(), route="sdpa"),
+    )
+    b = load_engine(
+        *map(str, tiny_pair), attention="stock", drafts="tree", cost_model=fixed_costs()
+    )
     seen = []
     route = attention._route
 
@@ -89,7 +102,10 @@ def test_two_engines_in_one_process_keep_their_own_routes(tiny_pair):
         return route(q, k, v, min_rows)
 
     prompts = ["one two three four five six seven eight", "nine"]  # rows of their own lengths
-    streams = {"a": a.stream_batch(prompts, max_tokens=24), "b": b.stream_batch(prompts, max_tokens=24)}
+    streams = {
+        "a": a.stream_batch(prompts, max_tokens=24),
+        "b": b.stream_batch(prompts, max_tokens=24),
+    }
     steps = {"a": set(), "b": set()}
     outputs = {"a": {}, "b": {}}
     ambient = switch.current()

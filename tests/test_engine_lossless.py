@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-import pytest
-
 from dflash_batch.engine import load_engine
 from dflash_batch.engine.widths import CostModel
+
+import pytest
+
 from tests import synthetic
 from tests.helpers import PROMPTS, fixed_costs, greedy_reference, make_drafter
 from tests.scripting import ScriptedDrafts
+
 
 @pytest.fixture
 def scripted(monkeypatch):
@@ -25,10 +27,14 @@ def _cases():
 
 
 @pytest.mark.parametrize("target_name,block,nested", list(_cases()))
-def test_greedy_dflash_equals_target_greedy(request, model_dir, target_name, block, nested, scripted):
+def test_greedy_dflash_equals_target_greedy(
+    request, model_dir, target_name, block, nested, scripted
+):
     target = request.getfixturevalue(f"{target_name}_target")
     cfg = synthetic.tiny_qwen3_config() if target_name == "qwen3" else synthetic.tiny_llama_config()
-    draft = make_drafter(model_dir, f"d-{target_name}-{block}-{nested}", cfg, block_size=block, nested=nested)
+    draft = make_drafter(
+        model_dir, f"d-{target_name}-{block}-{nested}", cfg, block_size=block, nested=nested
+    )
     # given costs: widths, and so the acceptance lengths seen, that no load changes
     engine = load_engine(str(target), str(draft), cost_model=fixed_costs())
     assert engine.block_size == block
@@ -50,7 +56,9 @@ def test_greedy_dflash_equals_target_greedy(request, model_dir, target_name, blo
 
 def test_random_drafter_lossless_without_scripting(tiny_pair):
     target, draft = tiny_pair
-    engine = load_engine(str(target), str(draft), adaptive_block=False)  # every cycle verifies a random block
+    engine = load_engine(
+        str(target), str(draft), adaptive_block=False
+    )  # every cycle verifies a random block
     for prompt in PROMPTS[:4]:
         ids = engine.encode(prompt)
         c = engine.generate(ids, max_tokens=40)
@@ -79,7 +87,9 @@ def test_adaptive_verify_length_is_lossless_and_drafts_less(tiny_pair, scripted,
     target, draft = tiny_pair
     fixed = load_engine(str(target), str(draft), adaptive_block=False)
     adaptive = load_engine(str(target), str(draft), adaptive_block=True)
-    adaptive.cost[1] = CostModel(t0=1.0, t1=0.05, d0=0.5, window=0)  # as if measured; no timing enters
+    adaptive.cost[1] = CostModel(
+        t0=1.0, t1=0.05, d0=0.5, window=0
+    )  # as if measured; no timing enters
     ids = fixed.encode(PROMPTS[2])
     ref = greedy_reference(target, ids, 80, fixed.tokenizer.eos_token_ids)
     runs = []
@@ -87,5 +97,9 @@ def test_adaptive_verify_length_is_lossless_and_drafts_less(tiny_pair, scripted,
         scripted(ids + ref + [0] * 16, p_wrong=0.5, seed=5)
         runs.append(engine.generate(ids, max_tokens=80))
     assert runs[0].token_ids == runs[1].token_ids == ref
-    assert runs[1].stats.drafted_tokens < runs[0].stats.drafted_tokens / 2  # low acceptance: short blocks
-    assert all(n == 0 for n in runs[1].stats.acceptance_histogram[9:])  # never more than 8 rows after misses
+    assert (
+        runs[1].stats.drafted_tokens < runs[0].stats.drafted_tokens / 2
+    )  # low acceptance: short blocks
+    assert all(
+        n == 0 for n in runs[1].stats.acceptance_histogram[9:]
+    )  # never more than 8 rows after misses

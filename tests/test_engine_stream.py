@@ -5,12 +5,13 @@ for it, and one that fits no row is refused alone (fp32, CPU)."""
 
 from __future__ import annotations
 
+from dflash_batch.engine import load_engine, memory
+from dflash_batch.engine.batch import BatchDecoder
+
 import mlx.core as mx
 import pytest
 
 from dflash_batch.completion import GenerationError
-from dflash_batch.engine import load_engine, memory
-from dflash_batch.engine.batch import BatchDecoder
 from dflash_batch.request import Options, Request, sample_seed
 
 BUDGETS = [12, 3, 20, 5, 9, 16, 4, 11, 7, 14]
@@ -33,7 +34,9 @@ class Watch:
 
         def spy_run(decoder, width):
             live = sum(r is not None for r in decoder.rows)
-            self.cycles.append((live, decoder.slots, self.admitted, len(decoder.waiting), self.pulled))
+            self.cycles.append(
+                (live, decoder.slots, self.admitted, len(decoder.waiting), self.pulled)
+            )
             return run(decoder, width)
 
         def spy_new_row(decoder, request):
@@ -67,20 +70,33 @@ def test_the_batch_stays_full_while_requests_remain(engine, monkeypatch, lookahe
     old windows of ``lookahead`` requests let the batch drain at each window's end), at most
     ``lookahead`` encoded requests wait, and every result equals the request generated alone."""
     requests = _requests(BUDGETS)
-    blank = Request("blank", "   ", Options(chat_template=False))  # refused: reported as the stream goes on
+    blank = Request(
+        "blank", "   ", Options(chat_template=False)
+    )  # refused: reported as the stream goes on
     watch = Watch(monkeypatch)
-    order = list(engine.generate_requests(watch.feed(requests[:5] + [blank] + requests[5:]), 2, lookahead=lookahead))
+    order = list(
+        engine.generate_requests(
+            watch.feed(requests[:5] + [blank] + requests[5:]), 2, lookahead=lookahead
+        )
+    )
     out = {r.id: c for r, c in order}
     assert sorted(out) == sorted(r.id for r in requests + [blank])
-    assert isinstance(out["blank"], GenerationError) and [r.id for r, _ in order].index("blank") < len(order) - 4
+    assert (
+        isinstance(out["blank"], GenerationError)
+        and [r.id for r, _ in order].index("blank") < len(order) - 4
+    )
     for r in requests:
         assert out[r.id].token_ids == _alone(engine, r), r.id
     assert watch.cycles
     for live, slots, admitted, waiting, pulled in watch.cycles:
         if admitted < len(requests):
             assert live == slots == 2, watch.cycles
-        assert waiting <= lookahead and pulled - admitted <= lookahead + 1, watch.cycles  # + the blank one
-    assert any(pulled < len(requests) for *_, pulled in watch.cycles)  # pulled as it went, not up front
+        assert waiting <= lookahead and pulled - admitted <= lookahead + 1, (
+            watch.cycles
+        )  # + the blank one
+    assert any(
+        pulled < len(requests) for *_, pulled in watch.cycles
+    )  # pulled as it went, not up front
 
 
 def test_samples_of_a_streamed_request_share_its_prefill_and_keep_their_seeds(engine):
@@ -90,33 +106,54 @@ def test_samples_of_a_streamed_request_share_its_prefill_and_keep_their_seeds(en
     requests = _requests([6, 8, 5, 7], temperature=1.0, seed=3)
     requests[1].options.n = 3
     engine.prefixes.clear()
-    got = {(r.id, c.sample_index): c.token_ids for r, c in engine.generate_requests(iter(requests), 2, lookahead=1)}
+    got = {
+        (r.id, c.sample_index): c.token_ids
+        for r, c in engine.generate_requests(iter(requests), 2, lookahead=1)
+    }
     assert sorted(got) == sorted([(r.id, 0) for r in requests] + [("r1", 1), ("r1", 2)])
     for (item, k), ids in got.items():
         assert ids == _alone(engine, requests[int(item[1:])], k), (item, k)
-    assert engine.prefill_counts["tokens"] == sum(len(engine.encode(r.prompt, chat_template=False)) for r in requests)
+    assert engine.prefill_counts["tokens"] == sum(
+        len(engine.encode(r.prompt, chat_template=False)) for r in requests
+    )
 
 
-def test_a_late_long_request_narrows_the_batch_and_one_that_fits_no_row_is_refused(engine, monkeypatch):
+def test_a_late_long_request_narrows_the_batch_and_one_that_fits_no_row_is_refused(
+    engine, monkeypatch
+):
     """Memory for three rows of the short requests (256 cache columns each): a 300-token request
     later in the stream (512 columns) makes the batch narrow to one row before it joins, and a
     1000-token one (1280 columns) is refused alone, naming the memory; the others go on, each
     equal to the request generated alone."""
     requests = _requests([6, 9, 4, 8, 5, 7, 6])
-    requests.insert(4, Request("long", "Tell me everything about seven. " * 12, Options(max_tokens=5, chat_template=False)))
+    requests.insert(
+        4,
+        Request(
+            "long",
+            "Tell me everything about seven. " * 12,
+            Options(max_tokens=5, chat_template=False),
+        ),
+    )
     requests.insert(6, Request("huge", "seven " * 1000, Options(max_tokens=5, chat_template=False)))
     assert 260 < len(engine.encode(requests[4].prompt, chat_template=False)) < 500
     per_row = memory.row_bytes(engine, 256)
-    monkeypatch.setenv("DFLASH_BATCH_MEMORY_GB", str((mx.get_active_memory() + 3.5 * per_row / memory.USABLE) / 1e9))
+    monkeypatch.setenv(
+        "DFLASH_BATCH_MEMORY_GB",
+        str((mx.get_active_memory() + 3.5 * per_row / memory.USABLE) / 1e9),
+    )
     watch = Watch(monkeypatch)
     by_id = {r.id: c for r, c in engine.generate_requests(watch.feed(requests), 3, lookahead=2)}
     assert sorted(by_id) == sorted(r.id for r in requests)
-    assert isinstance(by_id["huge"], GenerationError) and "not enough memory for one sequence" in str(by_id["huge"])
+    assert isinstance(
+        by_id["huge"], GenerationError
+    ) and "not enough memory for one sequence" in str(by_id["huge"])
     for r in requests:
         if r.id != "huge":
             assert by_id[r.id].token_ids == _alone(engine, r), r.id
     slots = [s for _, s, *_ in watch.cycles]
-    assert slots[0] == 3 and 1 in slots and max(slots[slots.index(1):]) == 1, slots  # narrowed, never widened
+    assert slots[0] == 3 and 1 in slots and max(slots[slots.index(1) :]) == 1, (
+        slots
+    )  # narrowed, never widened
 
 
 def test_a_runners_request_is_trusted_as_checked_and_a_callers_is_checked(engine, monkeypatch):

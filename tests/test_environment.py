@@ -50,7 +50,7 @@ def test_a_scattered_read_is_caught(tmp_path):
     with open(copy / "runner" / "rows.py", "a") as f:
         f.write('\nimport os\nWHERE = os.environ.get("DFLASH_BATCH_HOME")\n')
     with open(copy / "paths.py", "a") as f:
-        f.write('\nfrom os import getenv\n')
+        f.write("\nfrom os import getenv\n")
     assert len(scattered_touches(copy)) == 2
     assert scattered_touches(copy)[0].startswith("dflash_batch/paths.py:")
 
@@ -65,7 +65,12 @@ def test_every_variable_the_code_names_is_in_the_table():
     assert {"DFLASH_BATCH_HOME", "DFLASH_BATCH_LEASE_S", "CUDA_VISIBLE_DEVICES", "CXX"} <= named
     assert named <= set(environment.VARIABLES), named - set(environment.VARIABLES)
     for variable in environment.VARIABLES.values():
-        assert variable.group in environment.GROUPS and variable.applies and variable.default and variable.doc
+        assert (
+            variable.group in environment.GROUPS
+            and variable.applies
+            and variable.default
+            and variable.doc
+        )
         assert "|" not in variable.default + variable.applies + variable.doc  # a table cell each
         if variable.literal:  # a default that is a value passes its own check
             variable.read(variable.name, variable.default)
@@ -95,8 +100,12 @@ def test_a_value_is_read_checked_and_unset_is_none(monkeypatch):
     assert environment.get("DFLASH_BATCH_LEASE_S") == 30  # empty: unset in effect
     monkeypatch.setenv("DFLASH_BATCH_LEASE_S", "4.5")
     assert environment.get("DFLASH_BATCH_LEASE_S") == 4.5  # read when asked, not at import
-    for name, bad in [("DFLASH_BATCH_LEASE_S", "0"), ("DFLASH_BATCH_MEMORY_GB", "inf"),
-                      ("DFLASH_BATCH_DRAFTS", "forest"), ("DFLASH_BATCH_KERNEL_CHECK", "yes")]:
+    for name, bad in [
+        ("DFLASH_BATCH_LEASE_S", "0"),
+        ("DFLASH_BATCH_MEMORY_GB", "inf"),
+        ("DFLASH_BATCH_DRAFTS", "forest"),
+        ("DFLASH_BATCH_KERNEL_CHECK", "yes"),
+    ]:
         monkeypatch.setenv(name, bad)
         with pytest.raises(SettingError, match=name):
             environment.get(name)
@@ -117,7 +126,9 @@ def test_writes_are_declared_and_a_child_gets_a_copy(monkeypatch):
     environment.export(DFLASH_BATCH_REDIS_URL="redis://localhost:6379/0")
     assert environment.get("DFLASH_BATCH_REDIS_URL") == "redis://localhost:6379/0"
     child = environment.child(PYTHONPATH="/somewhere")
-    assert child["PYTHONPATH"] == "/somewhere" and child["DFLASH_BATCH_REDIS_URL"].startswith("redis:")
+    assert child["PYTHONPATH"] == "/somewhere" and child["DFLASH_BATCH_REDIS_URL"].startswith(
+        "redis:"
+    )
     assert os.environ.get("PYTHONPATH") != "/somewhere"
 
 
@@ -127,14 +138,20 @@ def test_the_routing_modes_are_declared_by_their_rows():
     for route in switch.SWITCHES:
         row = environment.VARIABLES[route.env]
         assert tuple(route.modes) == row.choices and (route.cuda, route.elsewhere) == row.by_backend
-        assert {route.cuda, route.elsewhere} <= set(row.choices) and f"`EngineConfig.{route.field}`" in row.doc
+        assert {route.cuda, route.elsewhere} <= set(
+            row.choices
+        ) and f"`EngineConfig.{route.field}`" in row.doc
 
 
 def test_help_lists_every_variable_without_loading_the_engine():
     """``dflash-batch --help`` in a process that could not import MLX: the table is plain Python."""
-    code = ("import sys; sys.modules['mlx'] = None; sys.modules['mlx_lm'] = None\n"
-            "from dflash_batch.cli import main\nmain(['--help'])")
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    code = (
+        "import sys; sys.modules['mlx'] = None; sys.modules['mlx_lm'] = None\n"
+        "from dflash_batch.cli import main\nmain(['--help'])"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     for variable in environment.VARIABLES.values():
         assert f"{variable.name} (default: {variable.default})" in out.stdout

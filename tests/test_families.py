@@ -5,20 +5,28 @@ attention sinks and KV-shared layers; EOS and budget cuts inside a block."""
 
 from __future__ import annotations
 
+from dflash_batch.engine import load_engine
+from dflash_batch.engine.models.target import Target
+from dflash_batch.engine.ops import attention, device, switch
+from dflash_batch.engine.ops.batch_cache import Lengths, RaggedKVCache
+
 import mlx.core as mx
 import pytest
 from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 
-from dflash_batch.engine import load_engine
-from dflash_batch.engine.models.target import Target
-from dflash_batch.engine.ops import attention, device, switch
-from dflash_batch.engine.ops.batch_cache import Lengths, RaggedKVCache
 from tests import families, synthetic
-from tests.helpers import PROMPTS_B, P_WRONG, greedy_reference, scripted_batch
+from tests.helpers import P_WRONG, PROMPTS_B, greedy_reference, scripted_batch
 from tests.scripting import ScriptedDrafts
 
-FAMILIES = ["qwen3_moe", "llama", "gemma4_text", "gemma4", "gpt_oss", "laguna"]  # gemma4_ple: one test
+FAMILIES = [
+    "qwen3_moe",
+    "llama",
+    "gemma4_text",
+    "gemma4",
+    "gpt_oss",
+    "laguna",
+]  # gemma4_ple: one test
 WINDOWED = ["llama", "gemma4_text", "gemma4", "gpt_oss", "laguna"]
 PROMPTS = PROMPTS_B[:5]  # chat-templated: about 20 to 60 tokens, far longer than the window
 BUDGETS = [7, 40, 23, 33, 17]  # none a whole number of blocks: cuts fall inside them
@@ -55,7 +63,9 @@ def _windowed_calls(monkeypatch):
     return seen
 
 
-ON_GPU = pytest.mark.skipif(device.gpu() is None, reason="the block attention kernels need CUDA or Metal")
+ON_GPU = pytest.mark.skipif(
+    device.gpu() is None, reason="the block attention kernels need CUDA or Metal"
+)
 
 
 @pytest.mark.parametrize("mode", ["stock", "reference", pytest.param("kernel", marks=ON_GPU)])
@@ -65,7 +75,16 @@ def test_greedy_dflash_equals_mlx_lm_alone_and_batched(pair, monkeypatch, family
     the verify attention (per-row key lengths, the sliding window) as the GPU kernels run it, and
     "kernel" runs the kernels themselves (sinks: stock SDPA)."""
     target, draft = pair(family)
-    engine, script, ids, refs = scripted_batch(target, draft, monkeypatch, PROMPTS, BUDGETS, adaptive_block=False, attention=mode, drafts="chain")
+    engine, script, ids, refs = scripted_batch(
+        target,
+        draft,
+        monkeypatch,
+        PROMPTS,
+        BUDGETS,
+        adaptive_block=False,
+        attention=mode,
+        drafts="chain",
+    )
     assert max(map(len, ids)) > 5 * families.WINDOW
     windows = _windowed_calls(monkeypatch)
     batched = engine.generate_batch(ids, max_tokens=BUDGETS, batch_size=3)
@@ -76,8 +95,12 @@ def test_greedy_dflash_equals_mlx_lm_alone_and_batched(pair, monkeypatch, family
     alone = [engine.generate(i, max_tokens=m) for i, m in zip(ids, BUDGETS)]
     assert [c.token_ids for c in alone] == refs
     hist = [sum(h) for h in zip(*(c.stats.acceptance_histogram for c in batched))]
-    assert hist[1] and sum(map(bool, hist[2:])) >= 4, hist  # drafts rejected, and accepted at many lengths
-    if mode == "reference" and family in WINDOWED:  # sliding layers (with their sinks) went through the routed attention
+    assert hist[1] and sum(map(bool, hist[2:])) >= 4, (
+        hist
+    )  # drafts rejected, and accepted at many lengths
+    if (
+        mode == "reference" and family in WINDOWED
+    ):  # sliding layers (with their sinks) went through the routed attention
         assert (families.WINDOW, family == "gpt_oss") in windows
     if mode == "kernel" and family in WINDOWED and family != "gpt_oss":
         assert (families.WINDOW, False) in windows
@@ -89,13 +112,19 @@ def test_moe_target_verifies_draft_trees(pair, monkeypatch):
     from dflash_batch.engine import tree
 
     target, draft = pair("qwen3_moe")
-    engine, _, ids, refs = scripted_batch(target, draft, monkeypatch, PROMPTS, BUDGETS, adaptive_block=False, drafts="tree")
+    engine, _, ids, refs = scripted_batch(
+        target, draft, monkeypatch, PROMPTS, BUDGETS, adaptive_block=False, drafts="tree"
+    )
     walked = []
     real_walk = tree.walk
-    monkeypatch.setattr(tree, "walk", lambda trees, chosen: walked.append(real_walk(trees, chosen)) or walked[-1])
+    monkeypatch.setattr(
+        tree, "walk", lambda trees, chosen: walked.append(real_walk(trees, chosen)) or walked[-1]
+    )
     batched = engine.generate_batch(ids, max_tokens=BUDGETS, batch_size=3)
     assert [c.token_ids for c in batched] == refs
-    assert sum(any(p != list(range(len(p))) for p in paths) for paths in walked) > 3  # branches taken
+    assert (
+        sum(any(p != list(range(len(p))) for p in paths) for paths in walked) > 3
+    )  # branches taken
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -121,7 +150,16 @@ def test_eos_inside_a_block_per_row(pair, monkeypatch, family):
 def test_compiled_passes_with_sliding_windows(pair, monkeypatch, family):
     """Compiled passes see the whole buffer, so the window lives in their mask and routed call."""
     target, draft = pair(family)
-    engine, _, ids, refs = scripted_batch(target, draft, monkeypatch, PROMPTS, BUDGETS, adaptive_block=False, passes="compiled", attention="reference")
+    engine, _, ids, refs = scripted_batch(
+        target,
+        draft,
+        monkeypatch,
+        PROMPTS,
+        BUDGETS,
+        adaptive_block=False,
+        passes="compiled",
+        attention="reference",
+    )
     batched = engine.generate_batch(ids, max_tokens=BUDGETS, batch_size=3)
     assert [c.token_ids for c in batched] == refs
     assert engine.target.passes.calls["compiled"] > 0
@@ -155,13 +193,15 @@ def test_window_attends_as_mlx_lm_ring_buffer_per_row(route, sinks):
         before = attention.counters()["routed"]
         for t, T in enumerate(passes):
             at = lengths.host
-            q = mx.stack([q_all[b, :, at[b]: at[b] + T] for b in range(2)])
-            k = mx.stack([k_all[b, :, at[b]: at[b] + T] for b in range(2)])
+            q = mx.stack([q_all[b, :, at[b] : at[b] + T] for b in range(2)])
+            k = mx.stack([k_all[b, :, at[b] : at[b] + T] for b in range(2)])
             mask = ours.make_mask(T)
-            got = attention.target_sdpa(q, *ours.update_and_fetch(k, k), ours, 0.25, mask, sinks=sink)
+            got = attention.target_sdpa(
+                q, *ours.update_and_fetch(k, k), ours, 0.25, mask, sinks=sink
+            )
             for b in range(2):
-                want = _ring_attention(q[b:b + 1], k_all[b:b + 1, :, : at[b] + T], w, sink)
-                assert mx.allclose(got[b:b + 1], want, atol=1e-5).item(), (t, b)
+                want = _ring_attention(q[b : b + 1], k_all[b : b + 1, :, : at[b] + T], w, sink)
+                assert mx.allclose(got[b : b + 1], want, atol=1e-5).item(), (t, b)
             lengths.advance([keep[b][t] for b in range(2)])
         assert (attention.counters()["routed"] > before) == (route == "reference")
     assert lengths.host == [sum(r) for r in keep]
@@ -180,7 +220,11 @@ def test_last_position_logits_are_the_models_own(pair, family):
     want = model(tokens)[:, -1:]
     got, hidden = target(tokens, target.make_cache(), at=mx.array([tokens.shape[1] - 1]))
     assert mx.allclose(got, want, atol=1e-5).item()
-    assert hidden.shape == (1, tokens.shape[1], families.text_config(config)["hidden_size"])  # the tap: a hidden state, not a tuple
+    assert hidden.shape == (
+        1,
+        tokens.shape[1],
+        families.text_config(config)["hidden_size"],
+    )  # the tap: a hidden state, not a tuple
 
 
 def test_trees_only_on_full_attention_targets(pair):
@@ -188,8 +232,14 @@ def test_trees_only_on_full_attention_targets(pair):
     from mlx_lm.utils import load_model
 
     trees = {family: Target(load_model(pair(family)[0])[0]).trees for family in FAMILIES}
-    assert trees == {"qwen3_moe": True, "llama": False, "gemma4_text": False, "gemma4": False, "gpt_oss": False,
-                     "laguna": False}
+    assert trees == {
+        "qwen3_moe": True,
+        "llama": False,
+        "gemma4_text": False,
+        "gemma4": False,
+        "gpt_oss": False,
+        "laguna": False,
+    }
 
 
 @pytest.mark.parametrize("family", ["gemma4_text", "gemma4"])
@@ -205,14 +255,18 @@ def test_gemma_drafter_input_is_the_scaled_embedding(pair, family):
     assert mx.allclose(Target(model).embed(tokens), want).item()
 
 
-@pytest.mark.parametrize("cache", [lambda: RotatingKVCache(max_size=8, keep=4), lambda: QuantizedKVCache()])
+@pytest.mark.parametrize(
+    "cache", [lambda: RotatingKVCache(max_size=8, keep=4), lambda: QuantizedKVCache()]
+)
 def test_other_caches_are_refused_at_load_with_the_reason(pair, monkeypatch, cache):
     """A ring buffer that keeps its first positions (a window plus attention-sink tokens) or a
     quantized cache: no per-row rollback here, so the engine refuses the target before decoding."""
     from mlx_lm.utils import load_model
 
     model, _ = load_model(pair("llama")[0])
-    monkeypatch.setattr(type(model), "make_cache", lambda self: [KVCache()] + [cache() for _ in self.layers[1:]])
+    monkeypatch.setattr(
+        type(model), "make_cache", lambda self: [KVCache()] + [cache() for _ in self.layers[1:]]
+    )
     with pytest.raises(TypeError, match="layer 1 uses (RotatingKVCache|QuantizedKVCache)"):
         Target(model).check_cache()
 

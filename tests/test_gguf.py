@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 
-import mlx.core as mx
-import pytest
-
 from dflash_batch.engine.models import gguf, loading
 from dflash_batch.engine.models.default_model import gguf_path
+
+import mlx.core as mx
+import pytest
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +33,16 @@ def greedy(model, ids, n):
 def test_config_from_metadata(fp32_model):
     _, _, config = fp32_model
     assert config["model_type"] == "llama" and config["rope_traditional"] is True
-    assert (config["num_hidden_layers"], config["hidden_size"], config["vocab_size"]) == (30, 576, 49152)
-    assert (config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]) == (9, 3, 64)
+    assert (config["num_hidden_layers"], config["hidden_size"], config["vocab_size"]) == (
+        30,
+        576,
+        49152,
+    )
+    assert (config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]) == (
+        9,
+        3,
+        64,
+    )
     assert config["tie_word_embeddings"] is True and config["rope_theta"] == 100000.0
 
 
@@ -78,7 +86,8 @@ def test_chat_template(fp32_model):
 def test_answers_sensibly(fp32_model):
     model, tok, _ = fp32_model
     ids = tok.apply_chat_template(
-        [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}], add_generation_prompt=True
+        [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
+        add_generation_prompt=True,
     )
     assert "Paris" in tok.decode(greedy(model, ids, 12))
 
@@ -90,10 +99,21 @@ def test_converted_folder_matches_gguf(path, fp32_model, tmp_path):
     config = json.loads((folder / "config.json").read_text())
     assert "quantization" not in config and config["rope_traditional"] is True
     converted, ctok, _ = loading.load_target(folder)
-    prompts = ["Write a haiku about the sea.", "What is 12 * 7?", "Give me three tips for sleeping well."]
+    prompts = [
+        "Write a haiku about the sea.",
+        "What is 12 * 7?",
+        "Give me three tips for sleeping well.",
+    ]
     for text in prompts:
-        ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-        assert ctok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True) == ids
+        ids = tok.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True
+        )
+        assert (
+            ctok.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True
+            )
+            == ids
+        )
         assert greedy(converted, ids, 16) == greedy(model, ids, 16)
 
 

@@ -12,6 +12,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+from dflash_batch.engine import load_engine
+from dflash_batch.engine.models import hybrid
+from dflash_batch.engine.models.target import Target
+from dflash_batch.engine.ops.batch_cache import Lengths
+from dflash_batch.engine.ops.blas import loaded_blas
+from dflash_batch.engine.ops.kernels import gated_delta as gd
+from dflash_batch.engine.ops.kernels import selfcheck
+
 import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
@@ -20,13 +28,6 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models import qwen3_5
 from mlx_lm.models.gated_delta import gated_delta_ops
 
-from dflash_batch.engine import load_engine
-from dflash_batch.engine.models import hybrid
-from dflash_batch.engine.models.target import Target
-from dflash_batch.engine.ops.batch_cache import Lengths
-from dflash_batch.engine.ops.blas import loaded_blas
-from dflash_batch.engine.ops.kernels import gated_delta as gd
-from dflash_batch.engine.ops.kernels import selfcheck
 from tests import synthetic
 from tests.helpers import fixed_costs
 from tests.helpers import gated_delta_inputs as inputs
@@ -42,7 +43,9 @@ KERNELS = [
 def one_at_a_time(q, k, v, g, beta, state, n, impl="reference"):
     """The state after feeding the first n steps one call each, as decoding does."""
     for t in range(n):
-        _, state, _ = gd.recurrence(*(x[:, t : t + 1] for x in (q, k, v, g, beta)), state, record=False, impl=impl)
+        _, state, _ = gd.recurrence(
+            *(x[:, t : t + 1] for x in (q, k, v, g, beta)), state, record=False, impl=impl
+        )
     return state
 
 
@@ -117,9 +120,17 @@ def kernel_matches_reference(impl, dtype):
     assert close(y, y_r, 1e-5 if dtype == mx.float32 else 4e-3)
     assert mx.array_equal(one_at_a_time(q, k, v, g, beta, s0, 16, impl=impl), s).item()
     for n in (0, 1, 9, 16):
-        stopped = gd.recurrence(*(x[:, :n] for x in (q, k, v, g, beta)), s0, record=False, impl=impl)[1] if n else s0
-        assert mx.array_equal(gd.replay(tape[:, :n], k[:, :n], g[:, :n], s0, impl=impl), stopped).item()
-        from_ref_tape = [gd.replay(tape_r[:, :n], k[:, :n], g[:, :n], s0, impl=i) for i in (impl, "reference")]
+        stopped = (
+            gd.recurrence(*(x[:, :n] for x in (q, k, v, g, beta)), s0, record=False, impl=impl)[1]
+            if n
+            else s0
+        )
+        assert mx.array_equal(
+            gd.replay(tape[:, :n], k[:, :n], g[:, :n], s0, impl=impl), stopped
+        ).item()
+        from_ref_tape = [
+            gd.replay(tape_r[:, :n], k[:, :n], g[:, :n], s0, impl=i) for i in (impl, "reference")
+        ]
         assert close(*from_ref_tape, 1e-5)
 
 
@@ -134,7 +145,9 @@ def test_unsupported_shapes_fall_back_to_the_reference():
 
 @pytest.fixture(scope="module")
 def qwen35_folder(tmp_path_factory):
-    return synthetic.save_target(tmp_path_factory.mktemp("q35") / "t", synthetic.tiny_qwen3_5_config(layers=8), seed=0)
+    return synthetic.save_target(
+        tmp_path_factory.mktemp("q35") / "t", synthetic.tiny_qwen3_5_config(layers=8), seed=0
+    )
 
 
 @pytest.fixture(scope="module")
@@ -237,7 +250,9 @@ def test_rollback_is_bit_exact_when_matmuls_are_row_invariant(request, folder):
     path = str(request.getfixturevalue(folder))
     code = f"from tests.test_hybrid import rollback_check; rollback_check({path!r}, exact=True)"
     env = dict(os.environ, DFLASH_BATCH_BLAS="none", HF_HUB_OFFLINE="1")
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-3000:]
 
 
@@ -264,11 +279,15 @@ def scripted(monkeypatch):
 PROMPTS = ["Hi", "Write a haiku about the sea.", "def add(a, b):\n    return a + b\n# now multiply"]
 
 
-@pytest.mark.parametrize("folder,block", [("qwen35_folder", 8), ("qwen35_folder", 16), ("qwen35_moe_folder", 8)])
+@pytest.mark.parametrize(
+    "folder,block", [("qwen35_folder", 8), ("qwen35_folder", 16), ("qwen35_moe_folder", 8)]
+)
 def test_greedy_dflash_equals_mlx_lm_greedy(request, tmp_path, folder, block, scripted):
     target = request.getfixturevalue(folder)
     cfg = synthetic.tiny_qwen3_5_config(layers=8 if folder == "qwen35_folder" else 4)
-    draft = synthetic.save_drafter(tmp_path / "d", synthetic.drafter_config(cfg, block_size=block), seed=5)
+    draft = synthetic.save_drafter(
+        tmp_path / "d", synthetic.drafter_config(cfg, block_size=block), seed=5
+    )
     # given costs: widths, and so the acceptance lengths seen, that no load changes
     engine = load_engine(str(target), str(draft), cost_model=fixed_costs())
     eos = engine.tokenizer.eos_token_ids
@@ -285,7 +304,9 @@ def test_greedy_dflash_equals_mlx_lm_greedy(request, tmp_path, folder, block, sc
 
 def test_long_prompt_over_1024_tokens(qwen35_folder, tmp_path, scripted):
     cfg = synthetic.tiny_qwen3_5_config(layers=8)
-    draft = synthetic.save_drafter(tmp_path / "d", synthetic.drafter_config(cfg, block_size=16), seed=6)
+    draft = synthetic.save_drafter(
+        tmp_path / "d", synthetic.drafter_config(cfg, block_size=16), seed=6
+    )
     engine = load_engine(str(qwen35_folder), str(draft), prefill_chunk=512)
     ids = [(i * 37) % 500 + 4 for i in range(1100)]
     ref = greedy_reference(qwen35_folder, ids, 40, engine.tokenizer.eos_token_ids)
@@ -295,9 +316,14 @@ def test_long_prompt_over_1024_tokens(qwen35_folder, tmp_path, scripted):
 
 def test_random_drafter_and_plain_decoding(qwen35_folder, tmp_path):
     cfg = synthetic.tiny_qwen3_5_config(layers=8)
-    draft = synthetic.save_drafter(tmp_path / "d", synthetic.drafter_config(cfg, block_size=8), seed=7)
+    draft = synthetic.save_drafter(
+        tmp_path / "d", synthetic.drafter_config(cfg, block_size=8), seed=7
+    )
     ids = list(range(4, 60))
     ref = None
-    for engine in (load_engine(str(qwen35_folder), str(draft)), load_engine(str(qwen35_folder), None)):
+    for engine in (
+        load_engine(str(qwen35_folder), str(draft)),
+        load_engine(str(qwen35_folder), None),
+    ):
         ref = ref or greedy_reference(qwen35_folder, ids, 32, engine.tokenizer.eos_token_ids)
         assert engine.generate(ids, max_tokens=32).token_ids == ref

@@ -41,9 +41,14 @@ def test_a_redis_queue_without_the_client_says_how_to_install_it(monkeypatch):
 
 
 def test_no_message_or_doc_tells_to_install_the_package_from_an_index():
-    files = [REPO / "README.md", *(REPO / "docs").rglob("*.md"), *(REPO / "docker").rglob("*"),
-             *(REPO / "dflash_batch").rglob("*.py"), *(REPO / "examples").glob("*.py"),
-             *(REPO / "benchmarks").rglob("*.py")]
+    files = [
+        REPO / "README.md",
+        *(REPO / "docs").rglob("*.md"),
+        *(REPO / "docker").rglob("*"),
+        *(REPO / "dflash_batch").rglob("*.py"),
+        *(REPO / "examples").glob("*.py"),
+        *(REPO / "benchmarks").rglob("*.py"),
+    ]
     found = [f"{p.relative_to(REPO)}: {m.group(0)}" for p in files if p.is_file()
              for m in INDEX_HINT.finditer(p.read_text(errors="replace"))]  # fmt: skip
     assert found == []

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import threading
 
+from dflash_batch.engine import load_engine
+
 import pytest
 
-from dflash_batch.engine import load_engine
 from dflash_batch.errors import Cancelled
 from dflash_batch.inbox import Inbox, InboxFull, Ticket
 from dflash_batch.request import Options, Request
@@ -66,14 +67,22 @@ def test_ticket_joins_a_running_batch_and_streams_the_engines_own_output(engine,
     streamed = [t for _, piece in ticket.pieces for t in piece.token_ids]
     assert streamed == done.token_ids == _alone(engine, ticket.request)
     ids = engine.tokenizer.encode(ticket.request.prompt)
-    assert done.token_ids == greedy_reference(tiny_pair[0], ids, 20, engine.tokenizer.eos_token_ids)[: len(done.token_ids)]
+    assert (
+        done.token_ids
+        == greedy_reference(tiny_pair[0], ids, 20, engine.tokenizer.eos_token_ids)[
+            : len(done.token_ids)
+        ]
+    )
     assert ticket.pieces[-1][1].finish_reason == done.finish_reason
     assert done.stats.drafted_tokens > 0  # it was decoded speculatively, in the batch
 
 
 def test_tickets_alone_and_n_samples(engine):
     inbox = Inbox()
-    one, two = _ticket("First question?", 16), _ticket("Second question, sampled twice?", 12, n=2, temperature=0.8)
+    one, two = (
+        _ticket("First question?", 16),
+        _ticket("Second question, sampled twice?", 12, n=2, temperature=0.8),
+    )
     two.request.options.seed = 5
     inbox.put(one)
     inbox.put(two)
@@ -97,7 +106,9 @@ def test_a_cancelled_ticket_frees_its_row_and_the_batch_goes_on(engine):
 
     ticket.on_piece = on_piece
     inbox.put(ticket)
-    results = {r.id: o for r, o in engine.generate_requests(_batch(BUDGETS[:4]), batch_size=2, inbox=inbox)}
+    results = {
+        r.id: o for r, o in engine.generate_requests(_batch(BUDGETS[:4]), batch_size=2, inbox=inbox)
+    }
     assert isinstance(ticket.outcomes[0], Cancelled)
     assert sum(len(p.token_ids) for _, p in ticket.pieces) < 200
     for request in _batch(BUDGETS[:4]):
@@ -135,7 +146,9 @@ def test_the_inbox_refuses_beyond_its_limit_and_wakes_a_waiter():
 
 
 @pytest.mark.parametrize("drafted", [False, True], ids=["plain", "dflash"])
-def test_a_full_batch_gives_a_slot_up_and_the_row_restarts_exactly(tiny_pair, engine, monkeypatch, drafted):
+def test_a_full_batch_gives_a_slot_up_and_the_row_restarts_exactly(
+    tiny_pair, engine, monkeypatch, drafted
+):
     """Both slots busy with long rows when the ticket comes: the least advanced row gives its slot
     up (once), the ticket finishes before any batch row, and the row that started again still
     equals its output alone."""
@@ -179,9 +192,16 @@ def test_a_ticket_joins_a_loop_of_tickets_alone_before_the_first_finishes(engine
     keeps its other slots: a ticket arriving two cycles later joins at once, not after the first."""
     from dflash_batch.engine.batch import BatchDecoder
 
-    inbox, first, second = Inbox(), _ticket("A long first question.", 40), _ticket("A short second one.", 4)
+    inbox, first, second = (
+        Inbox(),
+        _ticket("A long first question.", 40),
+        _ticket("A short second one.", 4),
+    )
     order, cycles = [], [0]
-    first.on_done, second.on_done = (lambda: order.append("first")), (lambda: order.append("second"))
+    first.on_done, second.on_done = (
+        (lambda: order.append("first")),
+        (lambda: order.append("second")),
+    )
     run = BatchDecoder.run
 
     def spy_run(decoder, width):

@@ -15,17 +15,16 @@ from __future__ import annotations
 
 import warnings
 
-import mlx.core as mx
-import pytest
-
 from dflash_batch.engine.ops import attention as routing
-from dflash_batch.engine.ops import switch
-from dflash_batch.engine.ops import device
+from dflash_batch.engine.ops import device, switch
 from dflash_batch.engine.ops.kernels import attention as ka
 from dflash_batch.engine.ops.kernels import gated_delta as gd
 from dflash_batch.engine.ops.kernels import selfcheck
-from tests.helpers import gated_delta_inputs as hybrid_inputs
 
+import mlx.core as mx
+import pytest
+
+from tests.helpers import gated_delta_inputs as hybrid_inputs
 
 pytestmark = pytest.mark.usefixtures("fresh_verdicts")
 
@@ -69,7 +68,9 @@ def test_the_rule_caches_the_verdict_and_warns_once():
     out = mx.arange(8, dtype=mx.float32)
     kernel = Spy(lambda: {"out": out + 0.5})
     key = (("dtype", mx.float32), ("head_dim", 8))
-    results, caught = collect([lambda: selfcheck.verified("k", "metal", key, kernel, lambda: {"out": out}, 1e-4)] * 3)
+    results, caught = collect(
+        [lambda: selfcheck.verified("k", "metal", key, kernel, lambda: {"out": out}, 1e-4)] * 3
+    )
     assert results == [False] * 3 and kernel.calls == 1 and len(caught) == 1
     text = str(caught[0].message)
     assert "metal kernel 'k'" in text and "dtype=float32, head_dim=8" in text
@@ -78,14 +79,23 @@ def test_the_rule_caches_the_verdict_and_warns_once():
     assert selfcheck.known("k", "metal", key) is False
 
 
-@pytest.mark.parametrize("bad, why", [
-    (lambda out: out * float("nan"), "max difference nan"),
-    (lambda out: out[:4], "output 'out' is float32 (4,)"),
-    (lambda out: out.astype(mx.float16), "output 'out' is float16"),
-])
+@pytest.mark.parametrize(
+    "bad, why",
+    [
+        (lambda out: out * float("nan"), "max difference nan"),
+        (lambda out: out[:4], "output 'out' is float32 (4,)"),
+        (lambda out: out.astype(mx.float16), "output 'out' is float16"),
+    ],
+)
 def test_nan_shape_and_dtype_mismatches_fail(bad, why):
     out = mx.arange(1, 9, dtype=mx.float32)
-    _, caught = collect([lambda: selfcheck.verified("k", "cuda", (), lambda: {"out": bad(out)}, lambda: {"out": out}, 1.0)])
+    _, caught = collect(
+        [
+            lambda: selfcheck.verified(
+                "k", "cuda", (), lambda: {"out": bad(out)}, lambda: {"out": out}, 1.0
+            )
+        ]
+    )
     assert len(caught) == 1 and why in str(caught[0].message)
 
 
@@ -93,10 +103,18 @@ def test_tolerance_is_relative_to_the_largest_reference_entry():
     out = mx.array([1000.0, 1.0])
     near = lambda: {"out": out + mx.array([0.0, 0.09])}  # noqa: E731  (9e-5 of 1000)
     far = lambda: {"out": out + mx.array([0.0, 0.11])}  # noqa: E731
-    (ok, bad), caught = collect([lambda: selfcheck.verified("a", "metal", (), near, lambda: {"out": out}, 1e-4),
-                                 lambda: selfcheck.verified("b", "metal", (), far, lambda: {"out": out}, 1e-4)])
+    (ok, bad), caught = collect(
+        [
+            lambda: selfcheck.verified("a", "metal", (), near, lambda: {"out": out}, 1e-4),
+            lambda: selfcheck.verified("b", "metal", (), far, lambda: {"out": out}, 1e-4),
+        ]
+    )
     assert ok and not bad and len(caught) == 1
-    assert selfcheck.tolerance(mx.float32) < selfcheck.tolerance(mx.float16) < selfcheck.tolerance(mx.bfloat16)
+    assert (
+        selfcheck.tolerance(mx.float32)
+        < selfcheck.tolerance(mx.float16)
+        < selfcheck.tolerance(mx.bfloat16)
+    )
     assert selfcheck.tolerance(mx.float32, mx.bfloat16) == selfcheck.TOLERANCE[mx.bfloat16]
 
 
@@ -116,14 +134,22 @@ def test_switched_off_by_the_environment(monkeypatch):
 def noisy_recurrence(impl, q, k, v, g, beta, state, record):
     """The reference's result, then each output moved by 1% of its scale: a broken kernel."""
     y, s, tape = gd._reference_recurrence(q, k, v, g, beta, state, record)
-    return y + noise_like(y, 0.01), s + noise_like(s, 0.01), None if tape is None else tape + noise_like(tape, 0.01)
+    return (
+        y + noise_like(y, 0.01),
+        s + noise_like(s, 0.01),
+        None if tape is None else tape + noise_like(tape, 0.01),
+    )
 
 
 def raising(*args, **kwargs):
-    raise RuntimeError("[metal::Device] Unable to build metal library from source\nerror: use of undeclared identifier 'simd_sum'")
+    raise RuntimeError(
+        "[metal::Device] Unable to build metal library from source\nerror: use of undeclared identifier 'simd_sum'"
+    )
 
 
-@pytest.mark.parametrize("broken, why", [(noisy_recurrence, "max difference"), (raising, "undeclared identifier")])
+@pytest.mark.parametrize(
+    "broken, why", [(noisy_recurrence, "max difference"), (raising, "undeclared identifier")]
+)
 def test_broken_metal_recurrence_falls_back_to_the_reference(monkeypatch, broken, why):
     kernel = Spy(broken)
     monkeypatch.setitem(gd.LAUNCHERS, ("metal", "recurrence"), kernel)
@@ -134,21 +160,31 @@ def test_broken_metal_recurrence_falls_back_to_the_reference(monkeypatch, broken
     assert kernel.calls == 1  # the check only; never again
     assert len(caught) == 1
     text = str(caught[0].message)
-    assert "metal kernel 'gated_delta recurrence'" in text and why in text and "runs instead for such calls" in text
+    assert (
+        "metal kernel 'gated_delta recurrence'" in text
+        and why in text
+        and "runs instead for such calls" in text
+    )
     assert "Dk=64, Dv=32, record=True" in text
     assert list(selfcheck.verdicts().values()) == [False]
 
 
 def test_record_flag_is_checked_on_its_own(monkeypatch):
     """Record is a compile-time flag: a kernel broken only without the tape fails only there."""
+
     def broken_without_tape(impl, q, k, v, g, beta, state, record):
         out = gd._reference_recurrence(q, k, v, g, beta, state, record)
         return out if record else (out[0], out[1] * 2, None)
 
     monkeypatch.setitem(gd.LAUNCHERS, ("metal", "recurrence"), Spy(broken_without_tape))
     c = gdn_inputs(4, 0)
-    _, caught = collect([lambda: gd.recurrence(*c, record=True, impl="metal"),
-                         lambda: gd.recurrence(*c, record=False, impl="metal")] * 2)
+    _, caught = collect(
+        [
+            lambda: gd.recurrence(*c, record=True, impl="metal"),
+            lambda: gd.recurrence(*c, record=False, impl="metal"),
+        ]
+        * 2
+    )
     assert len(caught) == 1 and "record=False" in str(caught[0].message)
     assert sorted(selfcheck.verdicts().values()) == [False, True]
 
@@ -156,6 +192,7 @@ def test_record_flag_is_checked_on_its_own(monkeypatch):
 def test_correct_metal_recurrence_passes_and_serves_the_calls(monkeypatch):
     """A stand-in within tolerance (the reference plus 1e-6 relative noise, as a different
     summation order gives) passes without a warning, and its own outputs come back."""
+
     def close(impl, q, k, v, g, beta, state, record):
         y, s, tape = gd._reference_recurrence(q, k, v, g, beta, state, record)
         return y + noise_like(y, 1e-6), s + noise_like(s, 1e-6), tape + noise_like(tape, 1e-6)
@@ -200,7 +237,9 @@ def test_metal_replay_is_checked(monkeypatch, mode):
     monkeypatch.setitem(gd.LAUNCHERS, ("metal", "replay"), kernel)
     q, k, v, g, beta, s0 = gdn_inputs(8, 3)
     _, _, tape = gd.recurrence(q, k, v, g, beta, s0, impl="reference")
-    calls = [lambda n=n: gd.replay(tape[:, :n], k[:, :n], g[:, :n], s0, impl="metal") for n in (8, 3, 1)]
+    calls = [
+        lambda n=n: gd.replay(tape[:, :n], k[:, :n], g[:, :n], s0, impl="metal") for n in (8, 3, 1)
+    ]
     results, caught = collect(calls)
     if mode == "correct":
         assert caught == [] and kernel.calls == 4
@@ -209,7 +248,9 @@ def test_metal_replay_is_checked(monkeypatch, mode):
         assert len(caught) == 1 and "metal kernel 'gated_delta replay'" in str(caught[0].message)
         assert kernel.calls == 1
         for n, got in zip((8, 3, 1), results):
-            assert mx.array_equal(got, gd.replay(tape[:, :n], k[:, :n], g[:, :n], s0, impl="reference")).item()
+            assert mx.array_equal(
+                got, gd.replay(tape[:, :n], k[:, :n], g[:, :n], s0, impl="reference")
+            ).item()
 
 
 def test_unchecked_runs_the_raw_kernel(monkeypatch):
@@ -223,13 +264,17 @@ def test_unchecked_runs_the_raw_kernel(monkeypatch):
 
 
 @pytest.mark.skipif(gd.backend() == "reference", reason="needs the CUDA or Metal backend")
-@pytest.mark.parametrize("dtype, state_dtype", [(mx.float32, mx.float32), (mx.bfloat16, mx.float32),
-                                                (mx.bfloat16, mx.bfloat16)])
+@pytest.mark.parametrize(
+    "dtype, state_dtype",
+    [(mx.float32, mx.float32), (mx.bfloat16, mx.float32), (mx.bfloat16, mx.bfloat16)],
+)
 def test_real_gated_delta_kernels_pass_their_self_check(dtype, state_dtype):
     q, k, v, g, beta, s0 = gdn_inputs(4, 0, Hk=2, Hv=4, Dk=128, Dv=64, dtype=dtype)
     s0 = s0.astype(state_dtype)
-    _, caught = collect([lambda: gd.recurrence(q, k, v, g, beta, s0, record=r) for r in (True, False)]
-                        + [lambda: gd.replay(mx.zeros((1, 4, 4, 64)), k, g, s0)])
+    _, caught = collect(
+        [lambda: gd.recurrence(q, k, v, g, beta, s0, record=r) for r in (True, False)]
+        + [lambda: gd.replay(mx.zeros((1, 4, 4, 64)), k, g, s0)]
+    )
     assert caught == [], str(caught[0].message)
     assert len(selfcheck.verdicts()) == 3 and all(selfcheck.verdicts().values())
 
@@ -253,19 +298,30 @@ def attention_calls(window):
         mx.random.seed(seed)
         q = mx.random.normal((1, 4, 8, 64))
         k, v = mx.random.normal((1, 2, Lk, 64)), mx.random.normal((1, 2, Lk, 64))
-        calls.append(lambda q=q, k=k, v=v: (
-            routing.drafter_attention(q, k, v, scale=0.125, window=window),
-            ka.block_attention_reference(q, k, v, scale=0.125, causal=window is not None, window=window)))
+        calls.append(
+            lambda q=q, k=k, v=v: (
+                routing.drafter_attention(q, k, v, scale=0.125, window=window),
+                ka.block_attention_reference(
+                    q, k, v, scale=0.125, causal=window is not None, window=window
+                ),
+            )
+        )
     return calls
 
 
 def broken_attention(q, k, v, *, scale, causal, window, kv_start, **kw):
-    out = ka.block_attention_reference(q, k, v, scale=scale, causal=causal, window=window, kv_start=kv_start)
+    out = ka.block_attention_reference(
+        q, k, v, scale=scale, causal=causal, window=window, kv_start=kv_start
+    )
     return out + noise_like(out, 0.05)
 
 
-@pytest.mark.parametrize("broken, why", [(broken_attention, "max difference"), (raising, "undeclared identifier")])
-def test_broken_metal_attention_falls_back_to_the_reference(metal_routing, monkeypatch, broken, why):
+@pytest.mark.parametrize(
+    "broken, why", [(broken_attention, "max difference"), (raising, "undeclared identifier")]
+)
+def test_broken_metal_attention_falls_back_to_the_reference(
+    metal_routing, monkeypatch, broken, why
+):
     kernel = Spy(broken)
     monkeypatch.setitem(ka.LAUNCHERS, "metal", kernel)
     routed = routing.counters()["routed"]
@@ -282,14 +338,21 @@ def test_broken_metal_attention_falls_back_to_the_reference(metal_routing, monke
 def test_attention_mask_flags_are_checked_separately(metal_routing, monkeypatch):
     """A kernel broken only for sliding windows serves bidirectional calls and is replaced by
     the reference for windowed ones; the check case uses the window, with one warning."""
+
     def broken_window(q, k, v, *, scale, causal, window, kv_start, **kw):
-        return ka.block_attention_reference(q, k, v, scale=scale, causal=causal, window=None, kv_start=kv_start)
+        return ka.block_attention_reference(
+            q, k, v, scale=scale, causal=causal, window=None, kv_start=kv_start
+        )
 
     kernel = Spy(broken_window)
     monkeypatch.setitem(ka.LAUNCHERS, "metal", kernel)
     full, caught_full = collect(attention_calls(window=None))
     windowed, caught_window = collect(attention_calls(window=4) * 2)
-    assert caught_full == [] and len(caught_window) == 1 and "window=True" in str(caught_window[0].message)
+    assert (
+        caught_full == []
+        and len(caught_window) == 1
+        and "window=True" in str(caught_window[0].message)
+    )
     assert kernel.calls == 1 + 2 + 1  # check and calls (bidirectional), check only (window)
     for got, want in full + windowed:
         assert mx.allclose(got, want, atol=1e-6).item()
@@ -297,6 +360,7 @@ def test_attention_mask_flags_are_checked_separately(metal_routing, monkeypatch)
 
 def test_left_padding_is_checked_separately(metal_routing, monkeypatch):
     """A kernel that ignores kv_start serves unpadded calls; padded ones get the reference."""
+
     def broken_padding(q, k, v, *, scale, causal, window, kv_start, **kw):
         return ka.block_attention_reference(q, k, v, scale=scale, causal=causal, window=window)
 
@@ -304,13 +368,22 @@ def test_left_padding_is_checked_separately(metal_routing, monkeypatch):
     monkeypatch.setitem(ka.LAUNCHERS, "metal", kernel)
     monkeypatch.setattr(ka, "gpu_backend", lambda: "metal")
     mx.random.seed(5)
-    q, k, v = mx.random.normal((2, 8, 4, 64)), mx.random.normal((2, 4, 30, 64)), mx.random.normal((2, 4, 30, 64))
+    q, k, v = (
+        mx.random.normal((2, 8, 4, 64)),
+        mx.random.normal((2, 4, 30, 64)),
+        mx.random.normal((2, 4, 30, 64)),
+    )
     starts = mx.array([12, 0], dtype=mx.int32)
-    calls = [lambda: ka.block_attention(q, k, v, scale=0.1), lambda: ka.block_attention(q, k, v, scale=0.1, kv_start=starts)]
+    calls = [
+        lambda: ka.block_attention(q, k, v, scale=0.1),
+        lambda: ka.block_attention(q, k, v, scale=0.1, kv_start=starts),
+    ]
     (plain, padded, _, _), caught = collect(calls * 2)
     assert len(caught) == 1 and "kv_start=True" in str(caught[0].message)
     assert kernel.calls == 1 + 1 + 1 + 0 + 1  # check and call (plain), check (padded), call (plain)
-    assert mx.array_equal(padded, ka.block_attention_reference(q, k, v, scale=0.1, kv_start=starts)).item()
+    assert mx.array_equal(
+        padded, ka.block_attention_reference(q, k, v, scale=0.1, kv_start=starts)
+    ).item()
     assert mx.array_equal(plain, ka.block_attention_reference(q, k, v, scale=0.1)).item()
 
 
@@ -318,18 +391,38 @@ def test_left_padding_is_checked_separately(metal_routing, monkeypatch):
 def test_row_lengths_are_checked_separately(metal_routing, monkeypatch, honours_lengths):
     """A kernel that ignores kv_len serves calls without it (padded or not); calls with kv_len get
     the reference, one warning per kind of call. A kernel that honours kv_len serves them all."""
+
     def stand_in(q, k, v, *, scale, causal, window, kv_start, kv_len=None, **kw):
-        return ka.block_attention_reference(q, k, v, scale=scale, causal=causal, window=window, kv_start=kv_start,
-                                            kv_len=kv_len if honours_lengths else None)
+        return ka.block_attention_reference(
+            q,
+            k,
+            v,
+            scale=scale,
+            causal=causal,
+            window=window,
+            kv_start=kv_start,
+            kv_len=kv_len if honours_lengths else None,
+        )
 
     kernel = Spy(stand_in)
     monkeypatch.setitem(ka.LAUNCHERS, "metal", kernel)
     monkeypatch.setattr(ka, "gpu_backend", lambda: "metal")
     mx.random.seed(7)
-    q, k, v = mx.random.normal((2, 8, 4, 64)), mx.random.normal((2, 4, 30, 64)), mx.random.normal((2, 4, 30, 64))
+    q, k, v = (
+        mx.random.normal((2, 8, 4, 64)),
+        mx.random.normal((2, 4, 30, 64)),
+        mx.random.normal((2, 4, 30, 64)),
+    )
     lengths, starts = mx.array([30, 11], dtype=mx.int32), mx.array([0, 3], dtype=mx.int32)
-    kinds = [dict(), dict(kv_start=starts), dict(kv_len=lengths), dict(kv_start=starts, kv_len=lengths)]
-    results, caught = collect([lambda kw=kw: ka.block_attention(q, k, v, scale=0.1, **kw) for kw in kinds] * 2)
+    kinds = [
+        dict(),
+        dict(kv_start=starts),
+        dict(kv_len=lengths),
+        dict(kv_start=starts, kv_len=lengths),
+    ]
+    results, caught = collect(
+        [lambda kw=kw: ka.block_attention(q, k, v, scale=0.1, **kw) for kw in kinds] * 2
+    )
     for kw, got in zip(kinds * 2, results):
         assert mx.array_equal(got, ka.block_attention_reference(q, k, v, scale=0.1, **kw)).item()
     if honours_lengths:
@@ -356,7 +449,9 @@ def test_row_lengths_check_case_has_rows_of_their_own_lengths():
 
 def test_correct_metal_attention_passes_and_serves_the_calls(metal_routing, monkeypatch):
     def close(q, k, v, *, scale, causal, window, kv_start, **kw):
-        out = ka.block_attention_reference(q, k, v, scale=scale, causal=causal, window=window, kv_start=kv_start)
+        out = ka.block_attention_reference(
+            q, k, v, scale=scale, causal=causal, window=window, kv_start=kv_start
+        )
         return out + noise_like(out, 1e-6)
 
     kernel = Spy(close)
@@ -373,13 +468,24 @@ def test_target_verify_and_block_attention_are_checked(metal_routing, monkeypatc
     monkeypatch.setitem(ka.LAUNCHERS, "metal", kernel)
     monkeypatch.setattr(ka, "gpu_backend", lambda: "metal")
     mx.random.seed(4)
-    q, k, v = mx.random.normal((2, 4, 16, 128)), mx.random.normal((2, 2, 50, 128)), mx.random.normal((2, 2, 50, 128))
+    q, k, v = (
+        mx.random.normal((2, 4, 16, 128)),
+        mx.random.normal((2, 2, 50, 128)),
+        mx.random.normal((2, 2, 50, 128)),
+    )
     starts = mx.array([0, 9], dtype=mx.int32)
-    (verify, padded), caught = collect([
-        lambda: routing.target_sdpa(q, k, v, cache=None, scale=0.1, mask="causal"),
-        lambda: ka.block_attention(q, k, v, scale=0.1, causal=True, kv_start=starts)])
-    assert mx.array_equal(verify, ka.block_attention_reference(q, k, v, scale=0.1, causal=True)).item()
-    assert mx.array_equal(padded, ka.block_attention_reference(q, k, v, scale=0.1, causal=True, kv_start=starts)).item()
+    (verify, padded), caught = collect(
+        [
+            lambda: routing.target_sdpa(q, k, v, cache=None, scale=0.1, mask="causal"),
+            lambda: ka.block_attention(q, k, v, scale=0.1, causal=True, kv_start=starts),
+        ]
+    )
+    assert mx.array_equal(
+        verify, ka.block_attention_reference(q, k, v, scale=0.1, causal=True)
+    ).item()
+    assert mx.array_equal(
+        padded, ka.block_attention_reference(q, k, v, scale=0.1, causal=True, kv_start=starts)
+    ).item()
     assert len(caught) == 2 and kernel.calls == 2  # two kinds of call: no padding, padding
     assert "kv_start=True" in str(caught[1].message)
 
@@ -390,12 +496,22 @@ def test_target_verify_and_block_attention_are_checked(metal_routing, monkeypatc
 def test_real_attention_kernels_pass_their_self_check(dtype, D):
     q = mx.zeros((1, 4, 16, D), dtype=dtype)
     start, length = mx.array([0], dtype=mx.int32), mx.array([0], dtype=mx.int32)
-    for causal, window, kv_start, kv_len in ((True, None, None, None), (False, None, None, None),
-                                             (True, 64, None, None), (True, None, start, None),
-                                             (True, None, None, length), (False, None, None, length),
-                                             (True, 64, start, length)):
-        _, caught = collect([lambda: ka.kernel_verified(q, causal=causal, window=window, kv_start=kv_start,
-                                                        kv_len=kv_len)])
+    for causal, window, kv_start, kv_len in (
+        (True, None, None, None),
+        (False, None, None, None),
+        (True, 64, None, None),
+        (True, None, start, None),
+        (True, None, None, length),
+        (False, None, None, length),
+        (True, 64, start, length),
+    ):
+        _, caught = collect(
+            [
+                lambda: ka.kernel_verified(
+                    q, causal=causal, window=window, kv_start=kv_start, kv_len=kv_len
+                )
+            ]
+        )
         assert caught == [], str(caught[0].message)
     assert all(selfcheck.verdicts().values())
 
@@ -411,10 +527,19 @@ def test_real_metal_launchers_without_metal_fall_back(monkeypatch):
     q, k, v, g, beta, s0 = gdn_inputs(5, 0)
     _, _, tape = gd.recurrence(q, k, v, g, beta, s0, impl="reference")
     mx.random.seed(6)
-    aq, ak, av = mx.random.normal((1, 4, 8, 64)), mx.random.normal((1, 2, 20, 64)), mx.random.normal((1, 2, 20, 64))
-    results, caught = collect([lambda: gd.recurrence(q, k, v, g, beta, s0, impl="metal"),
-                               lambda: gd.replay(tape, k, g, s0, impl="metal"),
-                               lambda: ka.block_attention(aq, ak, av, scale=0.125)] * 2)
+    aq, ak, av = (
+        mx.random.normal((1, 4, 8, 64)),
+        mx.random.normal((1, 2, 20, 64)),
+        mx.random.normal((1, 2, 20, 64)),
+    )
+    results, caught = collect(
+        [
+            lambda: gd.recurrence(q, k, v, g, beta, s0, impl="metal"),
+            lambda: gd.replay(tape, k, g, s0, impl="metal"),
+            lambda: ka.block_attention(aq, ak, av, scale=0.125),
+        ]
+        * 2
+    )
     assert same(results[0], gd.recurrence(q, k, v, g, beta, s0, impl="reference"))
     assert mx.array_equal(results[1], gd.replay(tape, k, g, s0, impl="reference")).item()
     assert mx.array_equal(results[2], ka.block_attention_reference(aq, ak, av, scale=0.125)).item()

@@ -7,12 +7,13 @@ import ast
 import fnmatch
 from pathlib import Path
 
-import pytest
-
 from dflash_batch.engine.ops.kernels import attention as ka
 from dflash_batch.engine.ops.kernels import gated_delta as gd
 from dflash_batch.engine.ops.kernels import matmul as km
 from dflash_batch.engine.ops.kernels import sources
+
+import pytest
+
 from tests.runner_fixtures import REPO
 
 PACKAGE = REPO / "dflash_batch"
@@ -36,8 +37,15 @@ def test_every_kernel_source_file_ships_as_package_data():
 
 
 def test_includes_are_expanded_and_a_missing_one_is_an_error(tmp_path):
-    for text in (ka.PASS1_BODY, ka.PASS1_MMA_BODY, ka.CUDA_PASS1, ka.CUDA_MMA, ka.METAL_PASS1,
-                 *gd._SOURCES.values(), km.BODY):
+    for text in (
+        ka.PASS1_BODY,
+        ka.PASS1_MMA_BODY,
+        ka.CUDA_PASS1,
+        ka.CUDA_MMA,
+        ka.METAL_PASS1,
+        *gd._SOURCES.values(),
+        km.BODY,
+    ):
         assert '#include "' not in text
     assert "const int q_pos0 = Lk - Lq;" in ka.PASS1_BODY and "q_pos0 = Lk - Lq;" in ka.CUDA_MMA
     (tmp_path / "outer.inc").write_text('a\n#include "inner.inc"\nc\n')
@@ -68,5 +76,10 @@ def test_the_fused_cuda_core_reduction_is_gone():
     assert not hasattr(ka, "FUSE_REDUCTION")
     assert "DFLASH_FUSED" not in ka.CUDA_PASS1 + ka.METAL_PASS1
     assert "ATOMIC_ADD(counters" in ka.CUDA_MMA
-    assert set(ka.KERNELS) == {("cuda", "mma"), ("cuda", "pass1"), ("cuda", "pass2"),
-                               ("metal", "pass1"), ("metal", "pass2")}
+    assert set(ka.KERNELS) == {
+        ("cuda", "mma"),
+        ("cuda", "pass1"),
+        ("cuda", "pass2"),
+        ("metal", "pass1"),
+        ("metal", "pass2"),
+    }

@@ -22,7 +22,9 @@ def lint_imports(root: Path) -> subprocess.CompletedProcess:
     program = Path(sys.executable).with_name("lint-imports")
     assert program.exists(), "import-linter is in the test extra: pip install -e '.[test]'"
     env = dict(os.environ, PYTHONPATH=str(root))
-    return subprocess.run([str(program), "--no-cache"], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [str(program), "--no-cache"], cwd=root, env=env, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_import_contracts_are_kept():
@@ -33,7 +35,11 @@ def test_import_contracts_are_kept():
 
 def test_import_contracts_catch_violations(tmp_path):
     """A copy of the package with one violation of each contract: all of them are reported."""
-    shutil.copytree(REPO / "dflash_batch", tmp_path / "dflash_batch", ignore=shutil.ignore_patterns("assets", "__pycache__"))
+    shutil.copytree(
+        REPO / "dflash_batch",
+        tmp_path / "dflash_batch",
+        ignore=shutil.ignore_patterns("assets", "__pycache__"),
+    )
     shutil.copy(REPO / "pyproject.toml", tmp_path)
     pkg = tmp_path / "dflash_batch"
     with open(pkg / "api.py", "a") as f:
@@ -46,7 +52,9 @@ def test_import_contracts_catch_violations(tmp_path):
     with open(pkg / "engine" / "ops" / "device.py", "a") as f:
         f.write("\nfrom .. import sampling  # noqa\n")  # the ops on the decoding loop
     out = lint_imports(tmp_path)
-    assert out.returncode != 0 and f"0 kept, {CONTRACTS} broken" in out.stdout, out.stdout + out.stderr
+    assert out.returncode != 0 and f"0 kept, {CONTRACTS} broken" in out.stdout, (
+        out.stdout + out.stderr
+    )
 
 
 BLOCK_MLX = '''
@@ -71,7 +79,9 @@ def test_runner_tests_pass_without_mlx(tmp_path):
     process and in every ``dflash-batch`` process they start, and pass."""
     (tmp_path / "sitecustomize.py").write_text(BLOCK_MLX)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO)]))
-    check = subprocess.run([sys.executable, "-c", "import mlx.core"], env=env, capture_output=True, text=True)
+    check = subprocess.run(
+        [sys.executable, "-c", "import mlx.core"], env=env, capture_output=True, text=True
+    )
     assert check.returncode != 0 and "blocked" in check.stderr  # the blocker works
     runner_tests = sorted(str(p) for p in (REPO / "tests").glob("test_runner_*.py"))
     out = subprocess.run(
@@ -81,4 +91,6 @@ def test_runner_tests_pass_without_mlx(tmp_path):
     tail = out.stdout[-3000:] + out.stderr[-2000:]
     assert out.returncode == 0, tail
     summary = out.stdout.strip().splitlines()[-1]  # "99 passed, 17 deselected in 56.7s"
-    assert int(re.search(r"(\d+) passed", summary).group(1)) >= 30 and "skipped" not in summary, tail
+    assert int(re.search(r"(\d+) passed", summary).group(1)) >= 30 and "skipped" not in summary, (
+        tail
+    )

@@ -12,7 +12,15 @@ import pytest
 from dflash_batch import errors, files
 
 PACKAGE = Path(errors.__file__).resolve().parent
-BUILTIN_ERRORS = {"Exception", "ValueError", "RuntimeError", "LookupError", "KeyError", "TypeError", "OSError"}
+BUILTIN_ERRORS = {
+    "Exception",
+    "ValueError",
+    "RuntimeError",
+    "LookupError",
+    "KeyError",
+    "TypeError",
+    "OSError",
+}
 
 
 def sources():
@@ -26,10 +34,14 @@ def test_every_exception_class_is_in_errors_under_one_base():
         for node in ast.walk(tree):
             if isinstance(node, ast.ClassDef):
                 bases = {getattr(b, "id", getattr(b, "attr", "")) for b in node.bases}
-                if (bases & BUILTIN_ERRORS or any(b.endswith("Error") for b in bases)) and path.name != "errors.py":
+                if (
+                    bases & BUILTIN_ERRORS or any(b.endswith("Error") for b in bases)
+                ) and path.name != "errors.py":
                     outside.append(f"{path.relative_to(PACKAGE)}: {node.name}")
     assert outside == [], outside
-    defined = [v for v in vars(errors).values() if isinstance(v, type) and issubclass(v, BaseException)]
+    defined = [
+        v for v in vars(errors).values() if isinstance(v, type) and issubclass(v, BaseException)
+    ]
     assert len(defined) >= 15 and all(issubclass(e, errors.DflashBatchError) for e in defined)
     # the old homes still export them, and the built-in bases callers catch are kept
     from dflash_batch.runner.items import InputError
@@ -49,7 +61,8 @@ def test_files_are_put_in_place_only_through_files_py():
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
                 name, owner = node.func.attr, node.func.value
                 if name in ("replace", "rename") and (
-                    (isinstance(owner, ast.Name) and owner.id == "os") or (name == "rename" or _looks_like_path_replace(node))
+                    (isinstance(owner, ast.Name) and owner.id == "os")
+                    or (name == "rename" or _looks_like_path_replace(node))
                 ):
                     found.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {name}")
     assert found == [], found
@@ -85,7 +98,9 @@ def test_write_folder_atomic_replaces_or_keeps(tmp_path):
     files.write_folder_atomic(out, lambda d: (d / "a").write_text("2"))  # a finished one is kept
     assert (out / "a").read_text() == "1"
     files.write_folder_atomic(out, lambda d: (d / "b").write_text("3"), replace=True)
-    assert sorted(p.name for p in out.iterdir()) == ["b"] and [p.name for p in tmp_path.iterdir()] == ["model"]
+    assert sorted(p.name for p in out.iterdir()) == ["b"] and [
+        p.name for p in tmp_path.iterdir()
+    ] == ["model"]
 
 
 def test_no_test_helpers_in_the_package():

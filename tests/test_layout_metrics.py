@@ -38,9 +38,13 @@ def test_the_metrics_find_circles_upward_arrows_reads_kernels_and_long_lines(tmp
     assert got["import_circles"] == [
         ["dflash_batch.engine.loop", "dflash_batch.engine.models.target", "dflash_batch.engine.ops.add",
          "dflash_batch.engine.other"]]  # fmt: skip
-    assert got["upward_arrows"] == ["dflash_batch.engine.models.target -> dflash_batch.engine.loop",
-                                    "dflash_batch.engine.ops.add -> dflash_batch.engine.models.target"]
-    assert got["environment_reads"] == 1 and got["environment_read_files"] == {"dflash_batch/engine/other.py": 1}
+    assert got["upward_arrows"] == [
+        "dflash_batch.engine.models.target -> dflash_batch.engine.loop",
+        "dflash_batch.engine.ops.add -> dflash_batch.engine.models.target",
+    ]
+    assert got["environment_reads"] == 1 and got["environment_read_files"] == {
+        "dflash_batch/engine/other.py": 1
+    }
     assert got["environment_table_lines"] == 2  # the one accessor's own, counted apart
     assert got["kernel_source_lines_in_py"] == 5
     assert got["lines_over_100"] == 1 and got["figure_lines"] == 1

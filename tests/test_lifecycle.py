@@ -14,15 +14,15 @@ import pandas as pd
 import pytest
 
 import dflash_batch
-from dflash_batch import api, cli as cli_module
+from dflash_batch import api
+from dflash_batch import cli as cli_module
 from dflash_batch.errors import JobActive, Locked, SetupError
 from dflash_batch.runner.lease import Leases
 from dflash_batch.runner.lock import DirLock
 from dflash_batch.runner.queue import Queue
 from dflash_batch.runner.worker import Worker
 from tests.fake_engine import FakeEngine
-from tests.runner_fixtures import REPO, CountingEngine, cli, write_jsonl
-from tests.runner_fixtures import fake_models, home  # noqa: F401
+from tests.runner_fixtures import REPO, CountingEngine, cli, fake_models, home, write_jsonl  # noqa: F401
 
 PROMPTS = [{"id": f"p{i}", "prompt": f"Prompt number {i}: tell me more."} for i in range(7)]
 STALL_ENV = "LIFECYCLE_STALL_AFTER"
@@ -242,8 +242,9 @@ def test_live_workers_by_their_heartbeat(home):
     assert api.live_workers(home, clock=lambda: 1000.0 + 3 * Leases(None).ttl + 1) == []
 
 
-def test_wait_and_watch_say_no_worker_serves_the_queue(tmp_path, home, fake_models, monkeypatch,
-                                                       capsys):
+def test_wait_and_watch_say_no_worker_serves_the_queue(
+    tmp_path, home, fake_models, monkeypatch, capsys
+):
     job = queued_job(tmp_path, fake_models, PROMPTS[:2])
     with pytest.raises(TimeoutError, match="no worker is serving this queue"):
         job.wait(timeout=0)

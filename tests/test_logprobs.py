@@ -4,12 +4,13 @@ grammar), at the token's real prefix, also for tokens that were the drafter's pr
 
 from __future__ import annotations
 
+from dflash_batch.engine import load_engine
+
 import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm import load as mlx_load
 
-from dflash_batch.engine import load_engine
 from tests.scripting import ScriptedDrafts
 
 
@@ -21,11 +22,14 @@ def reference_logprobs(folder, ids, out):
     return lp[len(ids) - 1 : len(ids) - 1 + len(out)]
 
 
-@pytest.mark.parametrize("options", [
-    dict(temperature=0.0),
-    dict(temperature=0.8, repetition_penalty=1.3, top_k=20, seed=3),
-    dict(temperature=0.0, response_format={"type": "regex", "regex": "[a-z ]{5,40}"}),
-])
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(temperature=0.0),
+        dict(temperature=0.8, repetition_penalty=1.3, top_k=20, seed=3),
+        dict(temperature=0.0, response_format={"type": "regex", "regex": "[a-z ]{5,40}"}),
+    ],
+)
 def test_logprobs_are_the_targets_raw_ones(tiny_pair, monkeypatch, options):
     spec = load_engine(str(tiny_pair[0]), str(tiny_pair[1]), adaptive_block=False)
     plain = load_engine(str(tiny_pair[0]), draft=None)
@@ -42,7 +46,9 @@ def test_logprobs_are_the_targets_raw_ones(tiny_pair, monkeypatch, options):
         assert entry["logprob"] == pytest.approx(lp[j, entry["token_id"]], abs=1e-4)
         best = np.argsort(-lp[j])[:5]
         assert [t["token_id"] for t in entry["top_logprobs"]] == best.tolist()
-        assert [t["logprob"] for t in entry["top_logprobs"]] == pytest.approx(lp[j, best].tolist(), abs=1e-4)
+        assert [t["logprob"] for t in entry["top_logprobs"]] == pytest.approx(
+            lp[j, best].tolist(), abs=1e-4
+        )
         assert entry["token"] == spec.tokenizer.decode([entry["token_id"]])
 
 

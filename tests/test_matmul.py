@@ -8,17 +8,18 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+from dflash_batch.engine.config import EngineConfig
+from dflash_batch.engine.ops import matmul as routing
+from dflash_batch.engine.ops import switch
+from dflash_batch.engine.ops.kernels import attention as ka
+from dflash_batch.engine.ops.kernels import matmul as km
+from dflash_batch.engine.ops.kernels import selfcheck
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
 
-from dflash_batch.engine.config import EngineConfig
-from dflash_batch.engine.ops import switch
-from dflash_batch.engine.ops import matmul as routing
-from dflash_batch.engine.ops.kernels import attention as ka
-from dflash_batch.engine.ops.kernels import matmul as km
-from dflash_batch.engine.ops.kernels import selfcheck
 from tests import emulator as emulator_build
 from tests.synthetic import assert_dflash_lossless
 
@@ -119,7 +120,11 @@ int main(int argc, char** argv) {
 def emulator(tmp_path_factory):
     emulator_build.compiler()
     folder = tmp_path_factory.mktemp("mm")
-    src = (EMU.replace("BODY", km.BODY).replace("WARPS_VALUE", str(km.WARPS)).replace("COLS_VALUE", str(km.COLS)))
+    src = (
+        EMU.replace("BODY", km.BODY)
+        .replace("WARPS_VALUE", str(km.WARPS))
+        .replace("COLS_VALUE", str(km.COLS))
+    )
     exe = emulator_build.build(src, folder, "emu")
 
     def run(x: np.ndarray, w: np.ndarray, offset: int = 0, lead: int = 1) -> np.ndarray:
@@ -137,7 +142,13 @@ def emulator(tmp_path_factory):
 # a leading axis > 1 passes x as [lead, M / lead, K], as a [B, T, K] activation
 EMU_CASES = [
     (2, 256, 16, 0, 1),  # 16-byte loads, every lane 2 iterations, 2 blocks
-    (5, 202, 37, 0, 1),  # K not a multiple of 4: scalar loads, a tail; N leaves a column past the end
+    (
+        5,
+        202,
+        37,
+        0,
+        1,
+    ),  # K not a multiple of 4: scalar loads, a tail; N leaves a column past the end
     (16, 136, 9, 0, 2),  # 3-D x; lanes 0..1 do a second iteration; one block, its later warps idle
     (32, 64, 8, 0, 4),  # the largest bucket: 64 accumulators a lane, lanes write 2 values each
     (3, 128, 11, 1, 1),  # x misaligned by 4 bytes: scalar loads
@@ -145,14 +156,18 @@ EMU_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", EMU_CASES, ids=lambda c: f"M{c[0]}-K{c[1]}-N{c[2]}-off{c[3]}-lead{c[4]}")
+@pytest.mark.parametrize(
+    "case", EMU_CASES, ids=lambda c: f"M{c[0]}-K{c[1]}-N{c[2]}-off{c[3]}-lead{c[4]}"
+)
 def test_kernel_body_on_emulated_gpu_matches_the_product(emulator, case):
     M, K, N, offset, lead = case
     rng = np.random.default_rng(M * 1000 + K + N)
     x = rng.standard_normal((M, K)).astype(np.float32)
     w = rng.standard_normal((N, K)).astype(np.float32)
     got = emulator(x, w, offset, lead)
-    want = x.astype(np.float64) @ w.T.astype(np.float64)  # not MLX: on CUDA its fp32 matmul rounds through TF32
+    want = x.astype(np.float64) @ w.T.astype(
+        np.float64
+    )  # not MLX: on CUDA its fp32 matmul rounds through TF32
     assert not np.isnan(got).any(), "an output was never written"
     # fp32 sums of K products: about 1e-7 relative here
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), np.abs(got - want).max()
@@ -164,13 +179,22 @@ def test_a_broken_body_fails_the_emulated_comparison(emulator, tmp_path_factory)
     folder = tmp_path_factory.mktemp("mm-broken")
     body = km.BODY.replace("k += 32 * V", "k += 16 * V")
     assert body != km.BODY
-    src = EMU.replace("BODY", body).replace("WARPS_VALUE", str(km.WARPS)).replace("COLS_VALUE", str(km.COLS))
+    src = (
+        EMU.replace("BODY", body)
+        .replace("WARPS_VALUE", str(km.WARPS))
+        .replace("COLS_VALUE", str(km.COLS))
+    )
     emulator_build.build(src, folder, "emu")
     rng = np.random.default_rng(1)
-    x, w = rng.standard_normal((4, 256)).astype(np.float32), rng.standard_normal((8, 256)).astype(np.float32)
+    x, w = (
+        rng.standard_normal((4, 256)).astype(np.float32),
+        rng.standard_normal((8, 256)).astype(np.float32),
+    )
     x.tofile(folder / "x.bin")
     w.tofile(folder / "w.bin")
-    subprocess.run([str(folder / "emu"), str(folder), "4", "256", "8", "0", "4", "1"], check=True, timeout=300)
+    subprocess.run(
+        [str(folder / "emu"), str(folder), "4", "256", "8", "0", "4", "1"], check=True, timeout=300
+    )
     got = np.fromfile(folder / "y.bin", dtype=np.float32).reshape(4, 8)
     assert np.abs(got - x @ w.T).max() > 1e-2 * np.abs(x @ w.T).max()
 
@@ -249,7 +273,9 @@ def test_routing_sends_few_row_products_of_layer_widths_to_the_kernel(monkeypatc
         out = routing.linear(mx.ones((2, 3, 16)), mx.ones((5, 16)), mx.ones((5,)))
         assert calls == [(6, 5)] and mx.array_equal(out, mx.full((2, 3, 5), 17.0))
         calls.clear()
-        routing.linear(mx.ones((1, 4, 16)), mx.ones((routing.MAX_OUTPUTS + 1, 16)))  # an LM head's width
+        routing.linear(
+            mx.ones((1, 4, 16)), mx.ones((routing.MAX_OUTPUTS + 1, 16))
+        )  # an LM head's width
         assert calls == []
 
 
@@ -272,8 +298,17 @@ cuda_only = pytest.mark.skipif(ka.gpu_backend() != "cuda", reason="needs the CUD
 
 @cuda_only
 @pytest.mark.parametrize("dtype", km.DTYPES, ids=str)
-@pytest.mark.parametrize("shape", [(2, 576, 576), (16, 576, 1536), (7, 1536, 576), (32, 2880, 576),
-                                   (16, 576, 49152), (3, 202, 37)])
+@pytest.mark.parametrize(
+    "shape",
+    [
+        (2, 576, 576),
+        (16, 576, 1536),
+        (7, 1536, 576),
+        (32, 2880, 576),
+        (16, 576, 49152),
+        (3, 202, 37),
+    ],
+)
 def test_cuda_kernel_matches_the_reference(dtype, shape):
     M, K, N = shape
     keys = mx.random.split(mx.random.key(M + K + N), 2)

@@ -25,9 +25,24 @@ def test_smoke_run_writes_both_parts_side_by_side(tmp_path):
             assert plain["tokens"] == drafting["tokens"] > 0  # the same job on both arms
             assert figures["ratio"] == drafting["tok_s"] / plain["tok_s"]
             assert plain["cycles"] and drafting["cycles"]
-            for arm_figures in (plain, drafting):  # the shapes each arm ran first: its warm-up job's at least
-                assert arm_figures["warm_up_new_shape_cycles"] >= arm_figures["warm_up_new_width_cycles"] > 0
-                assert len(arm_figures["new_shape_cycles_runs"]) == len(arm_figures["new_width_cycles_runs"]) == 1
-                assert arm_figures["new_shape_cycles"] == len(arm_figures["new_shapes"]) >= arm_figures["new_width_cycles"]
+            for arm_figures in (
+                plain,
+                drafting,
+            ):  # the shapes each arm ran first: its warm-up job's at least
+                assert (
+                    arm_figures["warm_up_new_shape_cycles"]
+                    >= arm_figures["warm_up_new_width_cycles"]
+                    > 0
+                )
+                assert (
+                    len(arm_figures["new_shape_cycles_runs"])
+                    == len(arm_figures["new_width_cycles_runs"])
+                    == 1
+                )
+                assert (
+                    arm_figures["new_shape_cycles"]
+                    == len(arm_figures["new_shapes"])
+                    >= arm_figures["new_width_cycles"]
+                )
     md = path.with_suffix(".md").read_text()
     assert "| 4 |" in md and "default pair" in md and "cycles of new shapes" in md

@@ -6,20 +6,23 @@ from __future__ import annotations
 
 import random
 
-import pytest
-
 import dflash_batch.engine  # noqa: F401  (BLAS before mlx)
-from benchmarks.shapes import build_tokenizer
 from dflash_batch.engine import stopping
 from dflash_batch.engine.decode import Step
 from dflash_batch.engine.output import RowOutput
+
+import pytest
+
+from benchmarks.shapes import build_tokenizer
 
 EOS = 300
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return build_tokenizer(512)  # byte-level: ids < 256 are single bytes, so UTF-8 splits over tokens
+    return build_tokenizer(
+        512
+    )  # byte-level: ids < 256 are single bytes, so UTF-8 splits over tokens
 
 
 def _output(tokenizer, max_tokens):
@@ -32,7 +35,9 @@ def _pieces(tokenizer, steps, max_tokens):
     out = _output(tokenizer, max_tokens)
     pieces = []
     for k, (tokens, from_draft) in enumerate(steps):
-        piece = out.feed(Step(tokens=tokens, from_draft=from_draft, drafted=len(tokens) - 1, decoded=k > 0))
+        piece = out.feed(
+            Step(tokens=tokens, from_draft=from_draft, drafted=len(tokens) - 1, decoded=k > 0)
+        )
         pieces.append(piece)
         if piece.finish_reason is not None:
             break
@@ -45,7 +50,9 @@ def _random_steps(tokenizer, rng, eos_rate):
     """A row's steps: its prefill's one token, then blocks of 1..16 with bytes of multi-byte
     characters, other ids and now and then an EOS."""
     text = "".join(rng.choice("ab é€😀\n") for _ in range(80))
-    ids = [t if rng.random() > 0.2 else rng.randrange(256, 512) for t in tokenizer.encode(text)]  # one id a byte
+    ids = [
+        t if rng.random() > 0.2 else rng.randrange(256, 512) for t in tokenizer.encode(text)
+    ]  # one id a byte
     ids = [EOS if rng.random() < eos_rate else t for t in ids]
     steps, i = [([ids[0]], 0)], 1
     while i < len(ids):
@@ -71,7 +78,9 @@ def test_plain_rows_check_stop_text_once_per_step(tokenizer, monkeypatch):
     """The cheap path is taken: one stop-text check per step, not one per token."""
     calls = []
     feed = stopping.StopText.feed
-    monkeypatch.setattr(stopping.StopText, "feed", lambda self, segment: calls.append(1) or feed(self, segment))
+    monkeypatch.setattr(
+        stopping.StopText, "feed", lambda self, segment: calls.append(1) or feed(self, segment)
+    )
     out = _output(tokenizer, 1000)
     for _ in range(5):
         out.feed(Step(tokens=list(range(97, 113)), from_draft=15, drafted=15, decoded=True))

@@ -6,20 +6,20 @@ from __future__ import annotations
 
 import random
 
-import mlx.core as mx
-import numpy as np
-import pytest
-
 from dflash_batch.engine import decode, load_engine
 from dflash_batch.engine.batch import BatchDecoder
 from dflash_batch.engine.widths import CostModel, WidthPolicy
+
+import mlx.core as mx
+import numpy as np
+import pytest
 
 
 def _reference(pieces):
     """Row b: the first counts_i[b] rows of each piece i, concatenated (numpy, one row at a time)."""
     rows = []
     for b in range(pieces[0][0].shape[0]):
-        rows.append(np.concatenate([np.array(p)[b, :c[b]] for p, c in pieces], axis=0))
+        rows.append(np.concatenate([np.array(p)[b, : c[b]] for p, c in pieces], axis=0))
     return rows
 
 
@@ -78,11 +78,15 @@ def test_plain_cycles_do_not_repack_the_backlog(tiny_pair, monkeypatch):
     requests = [engine.request(p, max_tokens=80, index=i) for i, p in enumerate(prompts)]
     widths = [1] * 60 + [4] + [1] * 5 + [4]
     out = {}
-    for index, piece in BatchDecoder(engine, requests, 2, _Widths(engine.block_size, widths)).steps():
+    for index, piece in BatchDecoder(
+        engine, requests, 2, _Widths(engine.block_size, widths)
+    ).steps():
         out.setdefault(index, []).extend(piece.token_ids)
     assert len(packed) == 2, len(packed)  # the two drafting cycles alone
     assert packed[0] == [60, 60]  # a row per plain cycle
-    assert all(1 + 5 <= n <= 4 + 5 for n in packed[1])  # the drafting cycle's kept rows, then 5 plain
+    assert all(
+        1 + 5 <= n <= 4 + 5 for n in packed[1]
+    )  # the drafting cycle's kept rows, then 5 plain
     # greedy output is the target's own whatever the widths (the engine's plain decoding)
     plain = load_engine(str(tiny_pair[0]), None)
     for i, p in enumerate(prompts):

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import random
 
-import pytest
-
 from dflash_batch.engine import decode, load_engine, widths
 from dflash_batch.engine.batch import BatchDecoder
 from dflash_batch.engine.widths import CostModel, WidthPolicy
+
+import pytest
 
 CPU = dict(t0=1.0, t1=0.05, d0=0.3, d1=0.2, window=0)  # tests/test_widths.py's CPU costs
 
@@ -91,8 +91,11 @@ def test_a_plain_cycle_runs_no_drafter_pass_and_packs_nothing(failing_engine, mo
     engine = failing_engine
     calls = {"drafter": 0, "pack": 0, "target": 0}
     drafter_type, target_type = type(engine.drafter), type(engine.target)
-    for owner, name, counter in ((drafter_type, "draft_pass", "drafter"), (decode, "pack_context", "pack"),
-                                 (target_type, "decode_pass", "target")):
+    for owner, name, counter in (
+        (drafter_type, "draft_pass", "drafter"),
+        (decode, "pack_context", "pack"),
+        (target_type, "decode_pass", "target"),
+    ):
         real = getattr(owner, name)
 
         def spy(*args, _real=real, _counter=counter, **kwargs):
@@ -118,17 +121,24 @@ def test_a_plain_cycle_runs_no_drafter_pass_and_packs_nothing(failing_engine, mo
 
 
 @pytest.mark.parametrize("route", ["block", "sdpa"])
-def test_plain_steps_attend_as_without_a_drafter_whatever_route_the_warm_up_chose(failing_engine, monkeypatch, route):
+def test_plain_steps_attend_as_without_a_drafter_whatever_route_the_warm_up_chose(
+    failing_engine, monkeypatch, route
+):
     """The warm-up of an engine with a drafter picks the ragged route from drafting passes
     (engine/ops/attention.py); an engine without one never sets it. A plain step (one query row
     of a ragged batch) takes the block route on either, so it attends as without a drafter."""
     import dataclasses
 
     from dflash_batch.engine.ops import attention
+
     from tests.helpers import set_modes
 
-    set_modes(monkeypatch, failing_engine, attention="reference")  # the block route's pure-MLX form, on this CPU
-    monkeypatch.setattr(failing_engine, "cost_model", dataclasses.replace(failing_engine.cost_model, route=route))
+    set_modes(
+        monkeypatch, failing_engine, attention="reference"
+    )  # the block route's pure-MLX form, on this CPU
+    monkeypatch.setattr(
+        failing_engine, "cost_model", dataclasses.replace(failing_engine.cost_model, route=route)
+    )
     calls = []
     real = attention._block_attention
 
@@ -137,6 +147,8 @@ def test_plain_steps_attend_as_without_a_drafter_whatever_route_the_warm_up_chos
         return real(impl, q, k, v, scale, causal, window, kv_len, sinks)
 
     monkeypatch.setattr(attention, "_block_attention", counted)
-    prompts = [failing_engine.encode(f"Row {i}: {'tell a story ' * (i + 1)}") for i in range(3)]  # ragged lengths
+    prompts = [
+        failing_engine.encode(f"Row {i}: {'tell a story ' * (i + 1)}") for i in range(3)
+    ]  # ragged lengths
     failing_engine.generate_batch(prompts, max_tokens=12, batch_size=3)
     assert (1, True) in calls  # one-row steps by block attention with per-row key lengths

@@ -6,11 +6,12 @@ rejection."""
 
 import random
 
-import pytest
-
 from dflash_batch.engine import batch, load_engine
 from dflash_batch.engine.output import RowOutput
 from dflash_batch.engine.widths import CostModel, PlainProbes, WidthPolicy, pooled_acceptance
+
+import pytest
+
 from tests.helpers import greedy_reference
 from tests.scripting import ScriptedDrafts
 
@@ -76,7 +77,7 @@ def test_a_width_one_pass_timed_in_a_spike_is_corrected_by_plain_probes():
     cost = warmed_up(cpu_target, cpu_draft, spike=5.0)
     widths, _ = run(cost, cpu_target, cpu_draft, p=0.3, cycles=400)
     assert widths[0] > 1  # the spike's doing: plain decoding priced too dear
-    plain_from = [i for i in range(len(widths)) if sum(T == 1 for T in widths[i:i + 40]) >= 36]
+    plain_from = [i for i in range(len(widths)) if sum(T == 1 for T in widths[i : i + 40]) >= 36]
     settled = plain_from[0] if plain_from else len(widths)  # 36 of the next 40 cycles plain
     assert settled <= 80, settled
     tail = widths[settled:]

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import random
 
+from dflash_batch.engine import load_engine, prefill
+from dflash_batch.engine.models import hybrid
+
 import mlx.core as mx
 import pytest
 
 from dflash_batch.completion import GenerationError
-from dflash_batch.engine import load_engine, prefill
-from dflash_batch.engine.models import hybrid
 from dflash_batch.request import sample_seed
 from tests import synthetic
 from tests.helpers import greedy_reference
@@ -63,8 +64,14 @@ def _close(a, b):
     in passes of other shapes rounds differently: up to 1.9e-4 in keys of scale 3.5 after three
     GatedDeltaNet layers over 333 tokens, the size depending on what ran before in the process.
     One token disturbed moves a state by far more (``test_one_token_disturbed_is_not_close``)."""
-    return a is None and b is None or all(
-        (mx.abs(x - y) <= 2e-4 * mx.maximum(mx.abs(y).max(), 1.0)).all().item() for x, y in zip(a, b))
+    return (
+        a is None
+        and b is None
+        or all(
+            (mx.abs(x - y) <= 2e-4 * mx.maximum(mx.abs(y).max(), 1.0)).all().item()
+            for x, y in zip(a, b)
+        )
+    )
 
 
 def test_packed_prefill_state_equals_each_prompt_alone(pair):
@@ -76,13 +83,17 @@ def test_packed_prefill_state_equals_each_prompt_alone(pair):
     prompts = [_ids(n, seed=n) for n in LENGTHS]
     together, passes = _group_states(engine, prompts, 64)
     assert passes < sum(-(-n // 64) for n in LENGTHS)  # the prompts' chunks shared passes
-    assert any(isinstance(c, hybrid.TapeCache) for c in engine.target.make_cache()) == (pair[0].parent.name.startswith("qwen35"))
+    assert any(isinstance(c, hybrid.TapeCache) for c in engine.target.make_cache()) == (
+        pair[0].parent.name.startswith("qwen35")
+    )
     for n, (ids, packed) in enumerate(zip(prompts, together)):
         alone, _ = _group_states(engine, [ids], 64)
         alone = alone[0]
         assert packed.length == alone.length == len(ids)
         assert mx.allclose(packed.logits, alone.logits, rtol=1e-4, atol=1e-4).item(), n
-        for layer, (p, a) in enumerate(zip(packed.target + [(packed.hidden,)], alone.target + [(alone.hidden,)])):
+        for layer, (p, a) in enumerate(
+            zip(packed.target + [(packed.hidden,)], alone.target + [(alone.hidden,)])
+        ):
             assert _close(p, a), (n, layer)
 
 
@@ -97,7 +108,11 @@ def test_one_token_disturbed_is_not_close(pair):
     other[-2] = (other[-2] + 1) % 200 + 1
     (want,), _ = _group_states(engine, [ids], 64)
     (got,), _ = _group_states(engine, [other], 64)
-    layers = [(p, a) for p, a in zip(got.target + [(got.hidden,)], want.target + [(want.hidden,)]) if a is not None]
+    layers = [
+        (p, a)
+        for p, a in zip(got.target + [(got.hidden,)], want.target + [(want.hidden,)])
+        if a is not None
+    ]
     assert layers and not any(_close([x], [y]) for p, a in layers for x, y in zip(p, a))
 
 
@@ -113,7 +128,9 @@ def test_packed_prefill_rows_equal_greedy(pair):
     counts = engine.prefill_counts
     assert counts["tokens"] == sum(len(p) for p in prompts)
     chunks_alone = sum(-(-len(p) // 64) for p in prompts)
-    assert counts["passes"] < chunks_alone and counts["padding"] > 0  # packed, rows of their own lengths
+    assert (
+        counts["passes"] < chunks_alone and counts["padding"] > 0
+    )  # packed, rows of their own lengths
 
 
 def test_packed_pass_width_stays_within_the_token_bound(pair):
@@ -183,7 +200,13 @@ def test_prefix_cache_keeps_to_its_memory_bound():
     cache = prefill.PrefixCache(limit=3000, granularity=4)
 
     def entry(n):
-        return prefill.Prefix(n, [(mx.zeros((1, 1, n, 100)), mx.zeros((1, 1, n, 100)))], None, mx.zeros((1, 1, 10)), None)
+        return prefill.Prefix(
+            n,
+            [(mx.zeros((1, 1, n, 100)), mx.zeros((1, 1, n, 100)))],
+            None,
+            mx.zeros((1, 1, 10)),
+            None,
+        )
 
     cache.put((1, 2, 3, 4), entry(1))  # 840 bytes
     cache.put((1, 2, 3, 4, 5, 6, 7, 8), entry(2))  # 1640
@@ -217,7 +240,9 @@ def test_n_samples_share_one_prefill_and_equal_each_sample_alone(pair):
         for k in range(4):
             one = alone.generate(p, max_tokens=12, temperature=1.0, seed=sample_seed(11 + i, k))
             assert out[i * 4 + k].token_ids == one.token_ids, (i, k)
-    again = engine.generate_batch(prompts, n=4, max_tokens=12, temperature=1.0, seed=11, batch_size=2)
+    again = engine.generate_batch(
+        prompts, n=4, max_tokens=12, temperature=1.0, seed=11, batch_size=2
+    )
     assert [c.token_ids for c in again] == [c.token_ids for c in out]  # reproducible from the seed
 
 
@@ -236,7 +261,10 @@ def test_one_prompt_per_pass_when_asked(pair):
     a = one.generate_batch(prompts, max_tokens=6, batch_size=4)
     b = packed.generate_batch(prompts, max_tokens=6, batch_size=4)
     assert [c.token_ids for c in a] == [c.token_ids for c in b]
-    assert one.prefill_counts["passes"] == sum(-(-len(p) // 64) for p in prompts) and one.prefill_counts["padding"] == 0
+    assert (
+        one.prefill_counts["passes"] == sum(-(-len(p) // 64) for p in prompts)
+        and one.prefill_counts["padding"] == 0
+    )
     assert packed.prefill_counts["passes"] < one.prefill_counts["passes"]
 
 
@@ -248,8 +276,9 @@ def test_logits_at_chosen_positions_equal_the_full_pass(kind, tmp_path):
     """``Target(tokens, cache, at)`` runs the LM head on row b's position at[b] only: the same
     logits and taps as the whole pass. A head-after-backbone model
     takes the short path (a model file outside the list runs its whole forward)."""
-    from dflash_batch.engine.ops.batch_cache import Lengths
     from dflash_batch.engine.models.target import Target
+    from dflash_batch.engine.ops.batch_cache import Lengths
+
     from mlx_lm.utils import load
 
     cfg = {"qwen3": synthetic.tiny_qwen3_config(), "llama": synthetic.tiny_llama_config(),

@@ -18,16 +18,17 @@ import json
 import shutil
 from pathlib import Path
 
+from dflash_batch.engine import load_engine, warmup
+from dflash_batch.engine.ops import matmul, switch
+from dflash_batch.engine.ops.kernels import matmul as km
+from dflash_batch.engine.widths import CostModel
+
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
 from mlx_lm import load as mlx_load
 from mlx_lm import stream_generate
 
-from dflash_batch.engine import load_engine, warmup
-from dflash_batch.engine.ops import matmul, switch
-from dflash_batch.engine.ops.kernels import matmul as km
-from dflash_batch.engine.widths import CostModel
 from tests import synthetic
 from tests.helpers import PROMPTS_B, fixed_costs
 from tests.scripting import ScriptedDrafts
@@ -38,7 +39,9 @@ FAMILIES = {
     "qwen3_5": lambda: synthetic.tiny_qwen3_5_config(hidden=128),
     "qwen3_5_moe": lambda: synthetic.tiny_qwen3_5_config(hidden=128, moe=True),
 }
-CONFIGS = dict(FAMILIES, qwen3_untied=lambda: dict(synthetic.tiny_qwen3_config(), tie_word_embeddings=False))
+CONFIGS = dict(
+    FAMILIES, qwen3_untied=lambda: dict(synthetic.tiny_qwen3_config(), tie_word_embeddings=False)
+)
 # (mode, group size, bits): mlx-lm's affine recipes and the other modes mx.quantize has
 QUANTS = {
     "affine4-g32": ("affine", 32, 4),
@@ -57,8 +60,12 @@ QUANTS = {
 MOE_ONLY = {"nvfp4-global": ("nvfp4", 16, 4, None, True)}
 CASES = [pytest.param(f, q, id=f"{f}-{q}") for f in FAMILIES for q in QUANTS]
 LOADED = CASES + [pytest.param("qwen3_5_moe", q, id=f"qwen3_5_moe-{q}") for q in MOE_ONLY]
-GPU_ONLY = pytest.mark.skipif(mx.default_device() == mx.cpu, reason="MLX 0.32.4 runs gather_qmm's global scale on a GPU only")
-DECODED = CASES + [pytest.param("qwen3_5_moe", q, id=f"qwen3_5_moe-{q}", marks=GPU_ONLY) for q in MOE_ONLY]
+GPU_ONLY = pytest.mark.skipif(
+    mx.default_device() == mx.cpu, reason="MLX 0.32.4 runs gather_qmm's global scale on a GPU only"
+)
+DECODED = CASES + [
+    pytest.param("qwen3_5_moe", q, id=f"qwen3_5_moe-{q}", marks=GPU_ONLY) for q in MOE_ONLY
+]
 BLOCK = 8
 PROMPTS = PROMPTS_B[:4]  # 2 to about 100 tokens, one of them chat messages
 BUDGETS = [13, 30, 21, 37]  # 13 = the prefill's token, a block of 8, then 4 of the next
@@ -79,10 +86,16 @@ def quantized(tmp_path_factory):
             source = root / family
             if not source.exists():
                 synthetic.save_target(source, config, seed=3)
-                synthetic.save_drafter(root / f"{family}-draft", synthetic.drafter_config(config, block_size=BLOCK), seed=5)
+                synthetic.save_drafter(
+                    root / f"{family}-draft",
+                    synthetic.drafter_config(config, block_size=BLOCK),
+                    seed=5,
+                )
             target = source
             if quant is not None:
-                target = synthetic.save_quantized(source, root / f"{family}-{quant}", *{**QUANTS, **MOE_ONLY}[quant])
+                target = synthetic.save_quantized(
+                    source, root / f"{family}-{quant}", *{**QUANTS, **MOE_ONLY}[quant]
+                )
             built[family, quant] = target, root / f"{family}-draft"
         return built[family, quant]
 
@@ -104,9 +117,15 @@ _REFERENCES: dict = {}
 
 def _reference(folder: Path, ids, max_tokens: int, eos) -> list:
     model, tokenizer = _loaded(folder)
-    own, tokenizer.eos_token_ids = tokenizer.eos_token_ids, set(eos)  # stream_generate stops at these
+    own, tokenizer.eos_token_ids = (
+        tokenizer.eos_token_ids,
+        set(eos),
+    )  # stream_generate stops at these
     try:
-        out = [int(r.token) for r in stream_generate(model, tokenizer, mx.array(ids), max_tokens=max_tokens)]
+        out = [
+            int(r.token)
+            for r in stream_generate(model, tokenizer, mx.array(ids), max_tokens=max_tokens)
+        ]
     finally:
         tokenizer.eos_token_ids = own
     return out[:-1] if out and out[-1] in eos else out
@@ -168,7 +187,9 @@ def expected_modes(family: str, quant: str) -> set:
     mode, group, bits, *recipe = {**QUANTS, **MOE_ONLY}[quant]
     if recipe and recipe[0] == "mixed_3_6":
         return {(mode, group, 3), (mode, group, 6)}  # the recipe decides every layer, routers too
-    routers = {("affine", 64, 8)} if family == "qwen3_5_moe" else set()  # mlx-lm's predicate keeps them 8-bit
+    routers = (
+        {("affine", 64, 8)} if family == "qwen3_5_moe" else set()
+    )  # mlx-lm's predicate keeps them 8-bit
     return {(mode, group, bits)} | routers
 
 
@@ -193,11 +214,15 @@ def test_the_engine_loads_the_target_quantized_as_mlx_lm_saved_it(quantized, fam
 
 
 @pytest.mark.parametrize("family,quant", DECODED)
-def test_greedy_dflash_equals_the_quantized_targets_own_greedy(quantized, monkeypatch, family, quant):
+def test_greedy_dflash_equals_the_quantized_targets_own_greedy(
+    quantized, monkeypatch, family, quant
+):
     """Each prompt alone, then all four in one batch whose rows accept differently (whole blocks
     in one, short runs in another): every row equals mlx-lm's greedy decoding of the quantized
     model; drafts were verified and some accepted, at several acceptance lengths."""
-    engine, script, ids, refs = scripted_engine(*quantized(family, quant), monkeypatch, adaptive_block=False)
+    engine, script, ids, refs = scripted_engine(
+        *quantized(family, quant), monkeypatch, adaptive_block=False
+    )
     rescript(script, ids, refs)
     alone = [engine.generate(i, max_tokens=n) for i, n in zip(ids, BUDGETS)]
     assert [c.token_ids for c in alone] == refs
@@ -206,7 +231,10 @@ def test_greedy_dflash_equals_the_quantized_targets_own_greedy(quantized, monkey
     for n, (c, ref) in enumerate(zip(batched, refs)):
         assert c.token_ids == ref, f"row {n}"
         assert c.stats.drafted_tokens > 0, f"row {n}"
-    assert batched[0].stats.accepted_tokens > 0 and batched[3].stats.drafted_tokens > batched[3].stats.accepted_tokens
+    assert (
+        batched[0].stats.accepted_tokens > 0
+        and batched[3].stats.drafted_tokens > batched[3].stats.accepted_tokens
+    )
     lengths = {k for c in batched for k, count in enumerate(c.stats.acceptance_histogram) if count}
     assert len(lengths) >= 3, lengths  # ragged: rows committed different lengths in the same cycles
 
@@ -239,28 +267,37 @@ def test_eos_and_budgets_cut_inside_a_block(quantized, monkeypatch, chain_drafts
 
 
 @pytest.mark.parametrize("quant", QUANTS)
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_untied"])  # a tied embedding, a separate lm_head
+@pytest.mark.parametrize(
+    "family", ["qwen3", "qwen3_untied"]
+)  # a tied embedding, a separate lm_head
 def test_cut_head_equals_the_quantized_heads_columns(quantized, family, quant):
     """``Target.head_rows`` copies the head's rows quantized (scales, and biases where the mode
     has them): its logits are the whole head's at those rows, bit for bit."""
     engine = load_engine(str(quantized(family, quant)[0]), None)
     target = engine.target
     head = target.embed_tokens if family == "qwen3" else target.model.lm_head
-    assert isinstance(head, (nn.QuantizedEmbedding, nn.QuantizedLinear)) and head.mode == QUANTS[quant][0]
+    assert (
+        isinstance(head, (nn.QuantizedEmbedding, nn.QuantizedLinear))
+        and head.mode == QUANTS[quant][0]
+    )
     ids = mx.array(VOCAB, dtype=mx.int32)
     h = mx.random.normal((2, 5, target.hidden_size), key=mx.random.key(3))
     assert mx.array_equal(target.head_rows(ids)(h), target.lm_head(h)[..., ids]).item()
 
 
 @pytest.mark.parametrize("quant", ["affine4-g64", "mxfp4", "nvfp4"])
-def test_a_draft_vocabulary_over_a_quantized_head_drafts_from_it_and_is_lossless(quantized, tmp_path, quant):
+def test_a_draft_vocabulary_over_a_quantized_head_drafts_from_it_and_is_lossless(
+    quantized, tmp_path, quant
+):
     """The real (random) drafter, its drafts picked from a vocabulary through the quantized head's
     cut rows: every draft lies in the vocabulary and the output is the target's own greedy."""
     target, draft = quantized("qwen3", quant)
     vocab_draft = tmp_path / "draft"
     shutil.copytree(draft, vocab_draft)
     (vocab_draft / "draft_vocab.json").write_text(json.dumps({"token_ids": VOCAB}))
-    engine = load_engine(str(target), str(vocab_draft), cost_model=fixed_costs(), adaptive_block=False)
+    engine = load_engine(
+        str(target), str(vocab_draft), cost_model=fixed_costs(), adaptive_block=False
+    )
     assert engine.draft_head is not None
     engine.tokenizer.eos_token_ids = set()  # every row runs to its budget
     ids = [engine.encode(p) for p in PROMPTS]
@@ -308,22 +345,34 @@ def test_few_row_routing_leaves_quantized_layers_to_mlx(quantized, monkeypatch, 
     quantized (mlx-lm's converter told to leave the MLPs alone): only the plain layers' products
     do, and the logits are those of routing off."""
     engine = load_engine(str(quantized(family, "affine4-g64")[0]), None)
-    assert not [m for _, m in engine.target.model.named_modules() if isinstance(m, matmul.RoutedLinear)]
+    assert not [
+        m for _, m in engine.target.model.named_modules() if isinstance(m, matmul.RoutedLinear)
+    ]
     ids = list(range(5, 13))
     stock = verify_logits(engine, ids)
     calls = fake_kernel(monkeypatch)
     assert mx.array_equal(routed_logits(engine, ids), stock).item() and calls == []
 
     source = quantized(family, None)[0]
-    partly = synthetic.save_quantized(source, source.parent / f"{family}-attention-only", "affine", 64, 4,
-                                      quant_predicate=lambda path, module: ".mlp" not in path)
+    partly = synthetic.save_quantized(
+        source,
+        source.parent / f"{family}-attention-only",
+        "affine",
+        64,
+        4,
+        quant_predicate=lambda path, module: ".mlp" not in path,
+    )
     engine = load_engine(str(partly), None)
-    routed = [m for _, m in engine.target.model.named_modules() if isinstance(m, matmul.RoutedLinear)]
+    routed = [
+        m for _, m in engine.target.model.named_modules() if isinstance(m, matmul.RoutedLinear)
+    ]
     assert routed and engine.target.quantized
     stock = verify_logits(engine, ids)
     calls = fake_kernel(monkeypatch)
     assert mx.array_equal(routed_logits(engine, ids), stock).item()
-    assert calls and all(w.dtype == mx.float32 for w in calls)  # plain weights only, never packed ones
+    assert calls and all(
+        w.dtype == mx.float32 for w in calls
+    )  # plain weights only, never packed ones
     assert {id(w) for w in calls} <= {id(m.weight) for m in routed}
 
 
@@ -395,7 +444,9 @@ def test_the_warm_up_times_passes_of_the_quantized_model_itself(quantized, monke
 
 
 @pytest.mark.parametrize("costs,widest", [(DEAR, 3), ({T: 1.0 for T in STEP}, BLOCK)])
-def test_the_width_policy_verifies_below_the_step_its_costs_show(quantized, monkeypatch, chain_drafts, costs, widest):
+def test_the_width_policy_verifies_below_the_step_its_costs_show(
+    quantized, monkeypatch, chain_drafts, costs, widest
+):
     """Given a cost model that prices the widths as measured on a quantized target (wide
     verify passes dear above 3 rows), a drafter right every time is verified at 3 rows or fewer;
     given flat costs, at the whole block (the control). Output stays the target's own greedy."""
@@ -425,7 +476,12 @@ def test_the_quantized_benchmark_smoke_run_is_well_formed(tmp_path):
     doc = json.loads(out.read_text())
     assert doc["quantization"] == {"mode": "affine", "group_size": 64, "bits": 4}
     arms = {(r["arm"], r["batch"]): r for r in doc["results"]}
-    assert {arm for arm, _ in arms} == {"mlx_lm.batch_generate", "dflash plain", "dflash tau=6.5", "dflash random"}
+    assert {arm for arm, _ in arms} == {
+        "mlx_lm.batch_generate",
+        "dflash plain",
+        "dflash tau=6.5",
+        "dflash random",
+    }
     assert {b for _, b in arms} == {1, 2} and all(r["status"] == "ok" for r in arms.values())
     for (arm, _), r in arms.items():
         assert r["figures"]["tokens"] == 4 * 8
@@ -438,12 +494,15 @@ def test_the_quantized_benchmark_smoke_run_is_well_formed(tmp_path):
     assert "| dflash tau=6.5 |" in table and "Verify widths chosen" in table and "of 3" in table
 
 
-@pytest.mark.parametrize("name,drafter", [
-    ("mlx-community/Qwen3.5-27B-4bit", "z-lab/Qwen3.5-27B-DFlash"),
-    ("mlx-community/Qwen3.5-35B-A3B-4bit", "z-lab/Qwen3.5-35B-A3B-DFlash"),
-    ("mlx-community/Qwen3-8B-8bit", "z-lab/Qwen3-8B-DFlash-b16"),
-    ("mlx-community/Qwen3.5-9B-MLX-mxfp4", "z-lab/Qwen3.5-9B-DFlash"),
-])
+@pytest.mark.parametrize(
+    "name,drafter",
+    [
+        ("mlx-community/Qwen3.5-27B-4bit", "z-lab/Qwen3.5-27B-DFlash"),
+        ("mlx-community/Qwen3.5-35B-A3B-4bit", "z-lab/Qwen3.5-35B-A3B-DFlash"),
+        ("mlx-community/Qwen3-8B-8bit", "z-lab/Qwen3-8B-DFlash-b16"),
+        ("mlx-community/Qwen3.5-9B-MLX-mxfp4", "z-lab/Qwen3.5-9B-DFlash"),
+    ],
+)
 def test_auto_finds_the_drafter_of_a_quantized_repo_name(name, drafter):
     """``draft="auto"`` pairs repo names in mlx-community's form (the base name, then the
     quantization) with their base model's drafter; names only: nothing is fetched."""

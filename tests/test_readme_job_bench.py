@@ -5,13 +5,22 @@ from benchmarks import readme_job
 
 
 def _run(arm, whole, outputs, warm=0.0):
-    return {"arm": arm, "start": 0.4, "load": 1.5, "warm-up": warm, "decode": whole - 1.9 - warm,
-            "whole": whole, "outputs": outputs}
+    return {
+        "arm": arm,
+        "start": 0.4,
+        "load": 1.5,
+        "warm-up": warm,
+        "decode": whole - 1.9 - warm,
+        "whole": whole,
+        "outputs": outputs,
+    }
 
 
 def test_summary_takes_medians_and_the_ratio_of_plain_to_drafter():
     same = {"a": "hello", "b": "world"}
-    runs = [_run("draft", w, same, 1.0) for w in (18.0, 19.0, 30.0)] + [_run("no-draft", w, same) for w in (17.0, 17.1, 16.9)]
+    runs = [_run("draft", w, same, 1.0) for w in (18.0, 19.0, 30.0)] + [
+        _run("no-draft", w, same) for w in (17.0, 17.1, 16.9)
+    ]
     s = readme_job.summary(runs)
     assert s["median_s"]["draft"]["whole"] == 19.0 and s["median_s"]["no-draft"]["whole"] == 17.0
     assert s["median_s"]["draft"]["warm-up"] == 1.0

@@ -19,8 +19,8 @@ import urllib.request
 import pytest
 
 from dflash_batch import api
-from tests.runner_fixtures import fake_models, home, wait_for  # noqa: F401  (fixtures)
 from tests.helpers import README, SET_UP, command_lines, sh, shell_blocks, shim
+from tests.runner_fixtures import fake_models, home, wait_for  # noqa: F401  (fixtures)
 
 RUN_ELSEWHERE = ("Set up", "Queue and workers")  # tests/test_readme_sequence.py
 BACKGROUND = re.compile(r" (worker|serve --worker)$")  # "another terminal", "on each machine"
@@ -32,7 +32,11 @@ def sections():
     """[(heading, command lines of its bash blocks)] in README order."""
     found = []
     for part in re.split(r"^## ", README, flags=re.M)[1:]:
-        lines = [line.split(" # ")[0].strip() for block in shell_blocks(part) for line in block.splitlines()]
+        lines = [
+            line.split(" # ")[0].strip()
+            for block in shell_blocks(part)
+            for line in block.splitlines()
+        ]
         found.append((part.splitlines()[0].strip(), [line for line in lines if line]))
     return found
 
@@ -55,7 +59,9 @@ def hub_cache(root):
 
     cfg = synthetic.tiny_qwen3_config()
     synthetic.save_target(snapshot("mlx-community/Qwen3-4B-bf16"), cfg, seed=0)
-    synthetic.save_drafter(snapshot("z-lab/Qwen3-4B-DFlash-b16"), synthetic.drafter_config(cfg, block_size=8), seed=1)
+    synthetic.save_drafter(
+        snapshot("z-lab/Qwen3-4B-DFlash-b16"), synthetic.drafter_config(cfg, block_size=8), seed=1
+    )
     return root
 
 
@@ -85,9 +91,15 @@ class Background:
             line += f" --port {port}"
         command = "exec " + line.replace(".venv/bin/", f"{self.bin_dir}/")
         out = open(self.log, "ab")
-        self.procs.append(subprocess.Popen(["bash", "-c", command], env=self.env, stdout=out, stderr=out))
+        self.procs.append(
+            subprocess.Popen(["bash", "-c", command], env=self.env, stdout=out, stderr=out)
+        )
         if "serve" in line:
-            wait_for(lambda: answers(f"http://127.0.0.1:{port}/v1/models"), timeout=120, what="the server")
+            wait_for(
+                lambda: answers(f"http://127.0.0.1:{port}/v1/models"),
+                timeout=120,
+                what="the server",
+            )
 
     def kill(self) -> None:
         """After a failure: none of them outlives the test."""
@@ -141,7 +153,9 @@ def test_the_readme_sections_run_as_written(tmp_path, home, fake_models, request
         redis_url = None
     bin_dir = shim(tmp_path)
     hf = bin_dir / "hf"  # the Hugging Face CLI the install puts in .venv/bin
-    hf.write_text(f'#!/bin/sh\nexec {sys.executable} -c "from huggingface_hub.cli.hf import main; main()" "$@"\n')
+    hf.write_text(
+        f'#!/bin/sh\nexec {sys.executable} -c "from huggingface_hub.cli.hf import main; main()" "$@"\n'
+    )
     hf.chmod(0o755)
     fake_env = dict(os.environ, DFLASH_BATCH_HOME=str(home))
     mac_env = {k: v for k, v in fake_env.items() if k != api.ENGINE_ENV}
@@ -158,12 +172,13 @@ def test_the_readme_sections_run_as_written(tmp_path, home, fake_models, request
         finally:
             background.kill()
     jobs = {j.record.data["name"]: j for j in api.jobs(home)}
-    assert {"short", "sampled", "as-json", "qwen3-4b"} | ({"shared"} if redis_url else set()) <= set(jobs)
+    assert {"short", "sampled", "as-json", "qwen3-4b"} | (
+        {"shared"} if redis_url else set()
+    ) <= set(jobs)
     assert jobs["sampled"].status()["ok"] == 16  # --n 2: two rows an item
     qwen = jobs["qwen3-4b"].to_pandas()
     assert len(qwen) == 8 and (qwen["block_size"] == 8).all()  # the registered drafter drafted
     assert (qwen["drafted_tokens"] > 0).any()
-
 
 
 def test_the_readme_python_names_what_the_package_has():
@@ -172,8 +187,9 @@ def test_the_readme_python_names_what_the_package_has():
     import ast
     import inspect
 
-    import dflash_batch
     from dflash_batch.engine import Engine
+
+    import dflash_batch
 
     blocks = re.findall(r"```python\n(.*?)```", README, flags=re.S)
     assert blocks
@@ -181,7 +197,11 @@ def test_the_readme_python_names_what_the_package_has():
     for block in blocks:
         for call in [n for n in ast.walk(ast.parse(block)) if isinstance(n, ast.Call)]:
             f = call.func
-            if not (isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id in owners):
+            if not (
+                isinstance(f, ast.Attribute)
+                and isinstance(f.value, ast.Name)
+                and f.value.id in owners
+            ):
                 continue
             target = getattr(owners[f.value.id], f.attr)  # AttributeError: the README names nothing
             params = inspect.signature(target).parameters

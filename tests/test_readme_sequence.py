@@ -13,6 +13,7 @@ import pytest
 import dflash_batch
 from dflash_batch import api, cli
 from dflash_batch.errors import SpecError
+from tests.helpers import README, SET_UP, sh, shell_blocks, shim
 from tests.runner_fixtures import (  # noqa: F401  (fixtures)
     Worker,
     engine,
@@ -20,14 +21,17 @@ from tests.runner_fixtures import (  # noqa: F401  (fixtures)
     home,
     write_jsonl,
 )
-from tests.helpers import README, SET_UP, sh, shell_blocks, shim
 
 ASSIGN = re.compile(r"^(\w+)=\$\((.*)\)$")  # VAR=$(command)
 
 
 def batch_jobs_block() -> list:
     """The command lines of the README's batch-jobs block, comments dropped."""
-    [block] = [b for b in shell_blocks(README) if "dflash-batch submit examples/prompts.jsonl --name queued-example" in b]
+    [block] = [
+        b
+        for b in shell_blocks(README)
+        if "dflash-batch submit examples/prompts.jsonl --name queued-example" in b
+    ]
     return [line.split(" # ")[0].strip() for line in block.splitlines() if line.strip()]
 
 
@@ -93,8 +97,11 @@ def test_the_command_line_names_its_flags(claimed, home, capsys):  # noqa: F811
     assert len(api.jobs(home)) == 1
 
 
-def test_a_resubmit_with_nothing_to_do_says_how_to_generate_again(claimed, home,  # noqa: F811
-                                                                  capsys):
+def test_a_resubmit_with_nothing_to_do_says_how_to_generate_again(
+    claimed,
+    home,  # noqa: F811
+    capsys,
+):
     assert cli.main(["submit", str(claimed), "--max-tokens", "3"]) == cli.EXIT_OK
     said = capsys.readouterr().err
     assert "nothing queued" in said and "--name" in said
@@ -104,16 +111,20 @@ def test_a_setup_refusal_names_the_flag_and_the_argument():
     """The queue's set-up checks run under both front ends: their advice names both."""
     from dflash_batch.runner import scaleout
 
-    mountinfo = ("22 1 8:1 / / rw - ext4 /dev/sda1 rw\n"
-                 "40 22 0:50 / /mnt/shared rw - nfs4 server:/x rw\n")
+    mountinfo = (
+        "22 1 8:1 / / rw - ext4 /dev/sda1 rw\n40 22 0:50 / /mnt/shared rw - nfs4 server:/x rw\n"
+    )
     with pytest.raises(scaleout.SetupError) as refused:
         scaleout.check_sqlite_home("/mnt/shared/home", mountinfo)
     message = str(refused.value)
     assert all(name in message for name in ("--home", "home=", "--redis", "redis_url="))
 
 
-def test_a_folder_taken_before_the_job_ran_names_both_ways_past_it(tmp_path, home,  # noqa: F811
-                                                                    engine):
+def test_a_folder_taken_before_the_job_ran_names_both_ways_past_it(
+    tmp_path,
+    home,  # noqa: F811
+    engine,
+):
     """Submitted, then another config claims the folder before a worker gets to it: the job
     fails with a message for either front end."""
     from dflash_batch.errors import ConfigChanged

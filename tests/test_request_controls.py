@@ -43,10 +43,15 @@ def test_options_and_job_specs_take_their_controls_from_it():
         fields = {f.name: f.default for f in dataclasses.fields(cls)}
         assert {k: fields[k] for k in CONTROLS} == CONTROLS, cls
     assert set(CONTROLS) <= set(SAMPLING_KEYS) and set(CONTROLS) <= set(cli.OVERRIDE_KEYS)
-    assert Options(top_k=3, min_p=0.1).as_kwargs()["top_k"] == 3 and "top_p" not in Options(top_k=3).as_kwargs()
+    assert (
+        Options(top_k=3, min_p=0.1).as_kwargs()["top_k"] == 3
+        and "top_p" not in Options(top_k=3).as_kwargs()
+    )
     spec = JobSpec(top_p=0.5, logprobs=True)
     assert spec.controls() == SamplingControls(top_p=0.5, logprobs=True)
-    assert resolve_options(spec, {"top_k": 2}).controls() == SamplingControls(top_k=2, top_p=0.5, logprobs=True)
+    assert resolve_options(spec, {"top_k": 2}).controls() == SamplingControls(
+        top_k=2, top_p=0.5, logprobs=True
+    )
 
 
 def test_spec_errors_yaml_keys_and_config_hash_are_unchanged(tmp_path):
@@ -56,17 +61,30 @@ def test_spec_errors_yaml_keys_and_config_hash_are_unchanged(tmp_path):
         load_spec({"input": str(src), "sampling": {"min_p": 1.5}})
     # hashes as before the controls existed: a control at its default leaves the hash alone
     plain = load_spec({"input": str(src)})
-    assert plain.config_hash() == load_spec({"input": str(src), "sampling": {"top_k": 0, "logprobs": False}}).config_hash()
-    assert plain.config_hash() != load_spec({"input": str(src), "sampling": {"top_k": 1}}).config_hash()
+    assert (
+        plain.config_hash()
+        == load_spec({"input": str(src), "sampling": {"top_k": 0, "logprobs": False}}).config_hash()
+    )
+    assert (
+        plain.config_hash()
+        != load_spec({"input": str(src), "sampling": {"top_k": 1}}).config_hash()
+    )
 
 
 def test_the_engine_builds_its_request_from_the_controls(tiny_pair):
-    from dflash_batch.completion import GenerationError
     from dflash_batch.engine import load_engine
+
+    from dflash_batch.completion import GenerationError
 
     engine = load_engine(str(tiny_pair[0]), str(tiny_pair[1]))
     r = engine.request("Hi", top_k=3, repetition_penalty=1.2, top_logprobs=2)
-    assert r.controls == SamplingControls(top_k=3, repetition_penalty=1.2, top_logprobs=2) and r.logprobs == 2
-    assert engine.request("Hi").controls == SamplingControls() and engine.request("Hi").logprobs is None
+    assert (
+        r.controls == SamplingControls(top_k=3, repetition_penalty=1.2, top_logprobs=2)
+        and r.logprobs == 2
+    )
+    assert (
+        engine.request("Hi").controls == SamplingControls()
+        and engine.request("Hi").logprobs is None
+    )
     with pytest.raises(GenerationError, match="top_p must be a number in \\(0, 1\\], got 2"):
         engine.request("Hi", top_p=2)

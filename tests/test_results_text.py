@@ -10,7 +10,9 @@ from dflash_batch import cli
 from tests.fake_engine import FakeEngine, words_for
 from tests.runner_fixtures import home, write_jsonl  # noqa: F401  (fixtures)
 
-ROWS = [{"id": f"r{i}", "prompt": f"prompt number {i}"} for i in range(9)] + [{"id": "bad", "prompt": ""}]
+ROWS = [{"id": f"r{i}", "prompt": f"prompt number {i}"} for i in range(9)] + [
+    {"id": "bad", "prompt": ""}
+]
 
 
 def finished_job(tmp_path):

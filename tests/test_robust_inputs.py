@@ -146,8 +146,9 @@ def test_home_that_is_not_a_folder_is_refused(tmp_path, home, capsys):
     assert "$DFLASH_BATCH_HOME" in refused(capsys, "run", data)
 
 
-def test_read_only_home_is_refused_before_any_work(tmp_path, home, fake_models, capsys,
-                                                   monkeypatch):
+def test_read_only_home_is_refused_before_any_work(
+    tmp_path, home, fake_models, capsys, monkeypatch
+):
     import errno
 
     def read_only(folder):
@@ -178,8 +179,9 @@ def test_bad_lease_setting_is_refused(tmp_path, home, fake_models, capsys, monke
     ("DFLASH_BATCH_MEMORY_GB", "-1"), ("DFLASH_BATCH_MEMORY_GB", "abc"),
     ("DFLASH_BATCH_MEMORY_GB", "inf"), ("DFLASH_BATCH_CACHE", "/dev/null"),
 ])  # fmt: skip
-def test_bad_engine_setting_is_refused_before_the_job(tmp_path, home, monkeypatch, capsys, name,
-                                                      value):
+def test_bad_engine_setting_is_refused_before_the_job(
+    tmp_path, home, monkeypatch, capsys, name, value
+):
     import dflash_batch
     from dflash_batch.errors import SettingError
 
@@ -251,9 +253,9 @@ def loopback_servers():
     ("no-scheme", "not a Redis URL"),
     ("bad-port", "not a Redis URL (Port could not be cast"),
 ])  # fmt: skip
-def test_unusable_redis_is_refused_before_the_job_exists(tmp_path, home, fake_models, capsys,
-                                                          monkeypatch, loopback_servers, kind,
-                                                          message):
+def test_unusable_redis_is_refused_before_the_job_exists(
+    tmp_path, home, fake_models, capsys, monkeypatch, loopback_servers, kind, message
+):
     monkeypatch.setattr("dflash_batch.runner.queue.REDIS_CHECK_TIMEOUT_S", 0.5)
     monkeypatch.setenv("DFLASH_BATCH_REDIS_URL", "")  # main sets it from --redis; restored after
     url = {"no-scheme": "127.0.0.1:6379", "bad-port": "redis://127.0.0.1:port/0"}.get(kind)
@@ -267,8 +269,9 @@ def test_unusable_redis_is_refused_before_the_job_exists(tmp_path, home, fake_mo
 
 
 # -- the sweep: other values a flag or spec carries ---------------------------------------------
-def test_output_dir_that_cannot_be_a_folder_is_refused(tmp_path, home, fake_models, capsys,
-                                                       monkeypatch):
+def test_output_dir_that_cannot_be_a_folder_is_refused(
+    tmp_path, home, fake_models, capsys, monkeypatch
+):
     import errno
 
     data = write_jsonl(tmp_path / "ok.jsonl", [PROMPT])
@@ -298,8 +301,9 @@ def test_results_out_to_a_fifo_nobody_reads_is_refused_at_once(tmp_path, home, f
     job_id = json.loads(job.stdout)["id"]
     os.mkfifo(tmp_path / "fifo")
     for fmt in ("jsonl", "openai", "parquet"):
-        out = cli("results", job_id, "--format", fmt, "--out", tmp_path / "fifo", home=home,
-                  timeout=120)
+        out = cli(
+            "results", job_id, "--format", fmt, "--out", tmp_path / "fifo", home=home, timeout=120
+        )
         assert out.returncode == 2 and "a FIFO that nothing reads" in out.stderr, out.stderr
     assert (tmp_path / "fifo").is_fifo()
 

@@ -45,6 +45,7 @@ def fake_adapter(calls, fail=False):
         (drafters.folder(record) / name / "ok").touch()
         return drafters.record_attempt(record, {"revision": name, "outcome": "adopted", "trigger": options["trigger"],
                                                 "held_out_before": 1.5, "held_out_after": 2.5}, adopt=True)  # fmt: skip
+
     return adapter
 
 
@@ -68,7 +69,9 @@ def test_adapt_block_is_checked_and_not_in_the_hash(tmp_path):
             load_spec({"input": str(src), "adapt": bad})
 
 
-def test_worker_adapts_once_after_enough_rows_then_drafts_with_the_revision(tmp_path, home, fake_models):
+def test_worker_adapts_once_after_enough_rows_then_drafts_with_the_revision(
+    tmp_path, home, fake_models
+):
     job = submit(tmp_path, fake_models, adapt={"after_rows": 4, "time_budget": 30})
     engine, calls = SwappingEngine(batch=2), []
     worker = Worker(Queue(home), lambda **model: engine, adapter=fake_adapter(calls))
@@ -78,7 +81,9 @@ def test_worker_adapts_once_after_enough_rows_then_drafts_with_the_revision(tmp_
     worker.run_chunk(job.id, 1)
     assert calls == [(job.id, {"trigger": "spec", "after_rows": 4, "time_budget": 30}, 4)]
     record = load_job(home, job.id)
-    assert drafters.in_force(record)[0] == "rev-0001" and not worker.held  # adapted with no lease held
+    assert (
+        drafters.in_force(record)[0] == "rev-0001" and not worker.held
+    )  # adapted with no lease held
     worker.run_chunk(job.id, 2)
     worker.run_chunk(job.id, 3)
     assert len(calls) == 1  # once
@@ -98,10 +103,14 @@ def test_a_failing_adaptation_is_recorded_and_the_job_goes_on(tmp_path, home, fa
         worker.run_chunk(job.id, c)
     assert len(calls) == 1 and job.status()["state"] == "completed"
     history = drafters.state(load_job(home, job.id))["history"]
-    assert [(h["outcome"], h["note"]) for h in history] == [("failed", "RuntimeError: the adapter broke")]
+    assert [(h["outcome"], h["note"]) for h in history] == [
+        ("failed", "RuntimeError: the adapter broke")
+    ]
 
 
-def test_a_revision_that_does_not_load_is_refused_and_the_one_before_kept(tmp_path, home, fake_models):
+def test_a_revision_that_does_not_load_is_refused_and_the_one_before_kept(
+    tmp_path, home, fake_models
+):
     job = submit(tmp_path, fake_models)
     record = load_job(home, job.id)
     adapter = fake_adapter([])

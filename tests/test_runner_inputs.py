@@ -42,7 +42,11 @@ def test_openai_batch_request_format(tmp_path):
         {"custom_id": "r3", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}},
     ])  # fmt: skip
     r1, r2, r3 = items(path)
-    assert r1.prompt[1] == {"role": "user", "content": "U"} and r1.options == {"max_tokens": 9, "temperature": 0.0, "stop": ["END"]}
+    assert r1.prompt[1] == {"role": "user", "content": "U"} and r1.options == {
+        "max_tokens": 9,
+        "temperature": 0.0,
+        "stop": ["END"],
+    }
     assert r1.metadata["model"] == "m"
     # a /v1/completions prompt is raw text, as OpenAI's
     assert r2.prompt == "P" and r2.options == {"max_tokens": 4, "chat_template": False}
@@ -59,7 +63,10 @@ def test_derived_ids_are_stable_and_unique(tmp_path):
 
 
 def test_duplicate_ids_name_both_lines(tmp_path):
-    path = write_jsonl(tmp_path / "d.jsonl", [{"id": "x", "prompt": "1"}, {"id": "y", "prompt": "2"}, {"id": "x", "prompt": "3"}])
+    path = write_jsonl(
+        tmp_path / "d.jsonl",
+        [{"id": "x", "prompt": "1"}, {"id": "y", "prompt": "2"}, {"id": "x", "prompt": "3"}],
+    )
     with pytest.raises(InputError, match=r"duplicate id 'x' on line 1 and line 3"):
         items(path)
 
@@ -73,13 +80,13 @@ def test_bad_rows_become_error_items_named_by_line(tmp_path):
         b'{"id": "wrongtype", "prompt": 42}',
         b'{"id": "empty", "prompt": "   "}',
         b'{"id": "bad-utf8", "prompt": "caf\xe9"}',
-        b'[1, 2]',
+        b"[1, 2]",
         b'{"id": "badmax", "prompt": "x", "max_tokens": "12"}',
         b'{"id": "badmsg", "messages": [{"role": "user", "content": 5}]}',
         b'{"id": "badrole", "messages": [{"role": "wizard", "content": "x"}]}',
         b'{"id": "badstop", "prompt": "x", "stop": [1]}',
         b'{"id": ["list"], "prompt": "x"}',
-        b'',
+        b"",
         b'{"id": "last", "prompt": "also fine"}',
     ]
     path.write_bytes(b"\n".join(lines) + b"\n")
@@ -103,7 +110,9 @@ def test_bad_rows_become_error_items_named_by_line(tmp_path):
 
 
 def test_prompt_template_over_row_fields(tmp_path):
-    path = write_jsonl(tmp_path / "t.jsonl", [{"id": "1", "title": "T", "text": "body"}, {"id": "2", "title": "U"}])
+    path = write_jsonl(
+        tmp_path / "t.jsonl", [{"id": "1", "title": "T", "text": "body"}, {"id": "2", "title": "U"}]
+    )
     one, two = items(path, prompt_template="Summarize $title:\n${text}")
     assert one.prompt == "Summarize T:\nbody"
     assert two.error == "line 2: prompt_template needs field 'text', which the row lacks"
@@ -119,10 +128,19 @@ def test_parquet_fields_and_wrong_columns(tmp_path):
     path = tmp_path / "q.parquet"
     pq.write_table(table, path)
     d1, d2, d3 = items(path, id_field="doc", prompt_field="question", messages_field="chat")
-    assert d1.id == "d1" and d1.prompt == [{"role": "user", "content": "hi"}] and d1.options == {"max_tokens": 4}
+    assert (
+        d1.id == "d1"
+        and d1.prompt == [{"role": "user", "content": "hi"}]
+        and d1.options == {"max_tokens": 4}
+    )
     assert d2.error == "row 2: 'question' is empty"  # rows count from 1, as JSONL lines do
-    assert d3.prompt == "Why?" and d3.where == "row 3" and d3.index == 2  # input_index counts from 0
-    with pytest.raises(InputError, match=r"no prompt column 'prompt' and no messages column 'messages' \(columns: doc, question, chat, max_tokens\)"):
+    assert (
+        d3.prompt == "Why?" and d3.where == "row 3" and d3.index == 2
+    )  # input_index counts from 0
+    with pytest.raises(
+        InputError,
+        match=r"no prompt column 'prompt' and no messages column 'messages' \(columns: doc, question, chat, max_tokens\)",
+    ):
         items(path)
     with pytest.raises(InputError, match=r"id_field 'uid' is not a column"):
         items(path, id_field="uid", prompt_field="question")
@@ -154,7 +172,9 @@ def write_yaml(path, text):
 def test_yaml_spec_sections_paths_and_precedence(tmp_path):
     (tmp_path / "data").mkdir()
     write_jsonl(tmp_path / "data" / "in.jsonl", [{"prompt": "x"}])
-    path = write_yaml(tmp_path / "job.yaml", """
+    path = write_yaml(
+        tmp_path / "job.yaml",
+        """
 name: demo
 input: data/in.jsonl
 output_dir: out/{name}
@@ -163,7 +183,8 @@ sampling: {max_tokens: 32, temperature: 0.0, seed: 3, stop: "END"}
 system_prompt: Be brief.
 chunk_size: 4
 schedule: "0 2 * * *"
-""")
+""",
+    )
     spec = load_spec(path)
     assert spec.input == str(tmp_path / "data" / "in.jsonl")
     assert spec.target == str(tmp_path / "models" / "t") and spec.dtype == "float32"
@@ -171,17 +192,25 @@ schedule: "0 2 * * *"
     assert spec.resolved_output_dir(tmp_path / "home") == tmp_path / "out" / "demo"
     over = load_spec(path, max_tokens=8, temperature=None, chunk_size=2)
     assert (over.max_tokens, over.temperature, over.chunk_size) == (8, 0.0, 2)
-    assert JobSpec().max_tokens == 256 and load_spec(tmp_path / "data" / "in.jsonl").max_tokens == 256
+    assert (
+        JobSpec().max_tokens == 256 and load_spec(tmp_path / "data" / "in.jsonl").max_tokens == 256
+    )
     assert load_spec(path, draft="none").draft is None
 
 
 def test_config_hash_tracks_model_and_sampling_only(tmp_path):
     write_jsonl(tmp_path / "in.jsonl", [{"prompt": "x"}])
     base = load_spec(tmp_path / "in.jsonl", target="m")
-    assert base.config_hash() == load_spec(tmp_path / "in.jsonl", target="m", chunk_size=3, retries=2).config_hash()
+    assert (
+        base.config_hash()
+        == load_spec(tmp_path / "in.jsonl", target="m", chunk_size=3, retries=2).config_hash()
+    )
     for change in ({"max_tokens": 7}, {"temperature": 0.7}, {"seed": 1}, {"stop": ["x"]}, {"target": "n"},
                    {"draft": "d"}, {"block_size": 4}, {"system_prompt": "s"}, {"target_revision": "abc"}):  # fmt: skip
-        assert load_spec(tmp_path / "in.jsonl", **dict({"target": "m"}, **change)).config_hash() != base.config_hash(), change
+        assert (
+            load_spec(tmp_path / "in.jsonl", **dict({"target": "m"}, **change)).config_hash()
+            != base.config_hash()
+        ), change
 
 
 @pytest.mark.parametrize("text, message", [
@@ -227,12 +256,24 @@ def test_validate_checks_a_spec_without_changing_it(tmp_path):
     it was given as it was; a bad value is refused naming its key."""
     from dflash_batch.runner.spec import validate
 
-    spec = JobSpec(input="in.jsonl", stop="END", temperature=1, top_k=None, draft="none", chat_template_kwargs=None)
+    spec = JobSpec(
+        input="in.jsonl",
+        stop="END",
+        temperature=1,
+        top_k=None,
+        draft="none",
+        chat_template_kwargs=None,
+    )
     before = spec.to_dict()
     checked = validate(spec)
     assert spec.to_dict() == before
     assert checked.input == str((Path.cwd() / "in.jsonl").resolve())
-    assert (checked.stop, checked.top_k, checked.draft, checked.chat_template_kwargs) == (["END"], 0, None, {})
+    assert (checked.stop, checked.top_k, checked.draft, checked.chat_template_kwargs) == (
+        ["END"],
+        0,
+        None,
+        {},
+    )
     assert checked.temperature == 1.0 and isinstance(checked.temperature, float)
     assert validate(checked) == checked  # checking again changes nothing
     with pytest.raises(SpecError, match=r"'retries' must be an integer >= 0"):
@@ -242,12 +283,20 @@ def test_validate_checks_a_spec_without_changing_it(tmp_path):
 def test_missing_spec_file_and_unknown_override(tmp_path):
     with pytest.raises(SpecError, match=r"no such file"):
         load_spec(tmp_path / "nope.yaml")
-    with pytest.raises(SpecError, match=r"unknown option 'max_tokns' \(did you mean 'max_tokens'\?\)"):
+    with pytest.raises(
+        SpecError, match=r"unknown option 'max_tokns' \(did you mean 'max_tokens'\?\)"
+    ):
         load_spec(tmp_path / "in.jsonl", max_tokns=3)
 
 
 def test_cron_fields():
-    assert cron_fields("0 2 * * *") == {"minute": "0", "hour": "2", "day": "*", "month": "*", "day_of_week": "*"}
+    assert cron_fields("0 2 * * *") == {
+        "minute": "0",
+        "hour": "2",
+        "day": "*",
+        "month": "*",
+        "day_of_week": "*",
+    }
     assert cron_fields("@daily")["hour"] == "0"
     assert cron_fields("*/15 1-5 * * 1,3")["minute"] == "*/15"
     with pytest.raises(ValueError, match="bad hour field '25'"):
@@ -264,7 +313,11 @@ def test_shipped_jobs_and_examples_are_valid():
         assert got and not [i.error for i in got if i.error], path
     assert load_spec(REPO / "jobs" / "nightly-summaries.yaml").schedule == "0 2 * * *"
     for name in ("prompts.jsonl", "openai_batch.jsonl", "articles.parquet"):
-        fields = Fields(id_field="doc_id", prompt_field="text") if name.endswith(".parquet") else Fields()
+        fields = (
+            Fields(id_field="doc_id", prompt_field="text")
+            if name.endswith(".parquet")
+            else Fields()
+        )
         got = list(read_items(REPO / "examples" / name, fields=fields))
         assert len(got) >= 3 and not [i.error for i in got if i.error], name
 
@@ -290,7 +343,9 @@ def test_reading_a_range_from_a_cursor_matches_a_full_pass(tmp_path):
     full = items(path)
     for start in (0, 13, 48, 50):
         part = list(read_items(path, start=start, stop=start + 5, cursor=full[start].cursor))
-        assert [(i.id, i.where, i.index, i.error) for i in part] == [(i.id, i.where, i.index, i.error) for i in full[start:start + 5]]
+        assert [(i.id, i.where, i.index, i.error) for i in part] == [
+            (i.id, i.where, i.index, i.error) for i in full[start : start + 5]
+        ]
     table = pa.table({"id": [f"q{i}" for i in range(40)], "prompt": [f"x{i}" for i in range(40)]})
     pq.write_table(table, tmp_path / "g.parquet", row_group_size=8)
     pfull = items(tmp_path / "g.parquet")
@@ -300,12 +355,16 @@ def test_reading_a_range_from_a_cursor_matches_a_full_pass(tmp_path):
 
 # -- numbers must be finite (and usable by the engine) -------------------------------------------
 
+
 def test_non_finite_numbers_as_overrides(tmp_path):
     src = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "x"}])
     for value in (float("nan"), float("inf"), -float("inf")):
         with pytest.raises(SpecError, match=r"'temperature' must be a finite number >= 0"):
             load_spec(src, temperature=value)
-    assert load_spec(src, temperature=0).temperature == 0.0 and load_spec(src, temperature=1e-5).temperature == 1e-5
+    assert (
+        load_spec(src, temperature=0).temperature == 0.0
+        and load_spec(src, temperature=1e-5).temperature == 1e-5
+    )
     assert load_spec(src, seed=2**64 - 1).seed == 2**64 - 1
 
 
@@ -318,12 +377,16 @@ def test_non_finite_numbers_in_rows_are_error_rows_naming_the_field(tmp_path):
     assert got["nan"].error == "row 1: 'temperature' must be a finite number >= 0, got nan"
     assert got["inf"].error == "row 2: 'temperature' must be a finite number >= 0, got inf"
     assert got["ninf"].error == "row 3: 'temperature' must be a finite number >= 0, got -inf"
-    assert got["tiny"].error == "row 4: 'temperature' must be 0 (greedy) or at least 1e-05, got 1e-320"
+    assert (
+        got["tiny"].error == "row 4: 'temperature' must be 0 (greedy) or at least 1e-05, got 1e-320"
+    )
     assert got["fine"].error is None and got["fine"].options == {"temperature": 0.7}
     path = tmp_path / "t.jsonl"
     path.write_text('{"id": "a", "prompt": "x", "temperature": 1e999}\n'
                     '{"id": "b", "prompt": "x", "temperature": NaN}\n'
                     '{"custom_id": "c", "body": {"prompt": "x", "temperature": 5e-324}}\n')  # fmt: skip
     a, b, c = items(path)
-    assert a.error.startswith("line 1: not valid JSON") and b.error.startswith("line 2: not valid JSON")
+    assert a.error.startswith("line 1: not valid JSON") and b.error.startswith(
+        "line 2: not valid JSON"
+    )
     assert c.error == "line 3: 'body.temperature' must be 0 (greedy) or at least 1e-05, got 5e-324"

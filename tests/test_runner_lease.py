@@ -49,7 +49,9 @@ def test_expired_lease_is_taken_over_once_and_the_old_holder_may_not_write(sqlit
     clock = Clock()
     leases = Leases(sqlite_storage, ttl=30, clock=clock)
     a = leases.acquire("dir", 0, worker="a")
-    clock.t += 21  # within ttl but past the guard (ttl / 3): a stops writing before anyone may take over
+    clock.t += (
+        21  # within ttl but past the guard (ttl / 3): a stops writing before anyone may take over
+    )
     assert not a.valid()
     assert leases.acquire("dir", 0, worker="b") is None  # not expired yet
     clock.t += 10  # expired
@@ -60,7 +62,9 @@ def test_expired_lease_is_taken_over_once_and_the_old_holder_may_not_write(sqlit
     leases.release(a)  # a release by a lost holder leaves b's lease alone
     assert leases.holder("dir", 0)["worker"] == "b"
     leases.release(b)
-    assert leases.holder("dir", 0) is None and sqlite_storage.result_store_size() == 0  # takeover claim dropped
+    assert (
+        leases.holder("dir", 0) is None and sqlite_storage.result_store_size() == 0
+    )  # takeover claim dropped
 
 
 class PeekTogether:
@@ -94,8 +98,12 @@ def test_concurrent_takeover_has_one_winner(sqlite_storage, tmp_path):
     won = []
 
     def claim(i):  # each thread its own connection, as separate workers have
-        storage = SqliteHuey(name="dflash-batch", filename=str(tmp_path / "q.db"), results=False).storage
-        if Leases(PeekTogether(storage, barrier), ttl=5, clock=clock).acquire("dir", 0, worker=f"w{i}"):
+        storage = SqliteHuey(
+            name="dflash-batch", filename=str(tmp_path / "q.db"), results=False
+        ).storage
+        if Leases(PeekTogether(storage, barrier), ttl=5, clock=clock).acquire(
+            "dir", 0, worker=f"w{i}"
+        ):
             won.append(i)
 
     threads = [threading.Thread(target=claim, args=(i,)) for i in range(8)]
@@ -118,7 +126,11 @@ def test_worker_records_and_rates(sqlite_storage):
         rate.add(8)
         clock.t += 0.5
     r = rate.rates()
-    assert r["rows"] == 10 and r["rows_per_s"] == pytest.approx(10 / 5) and r["tokens_per_s"] == pytest.approx(80 / 5)
+    assert (
+        r["rows"] == 10
+        and r["rows_per_s"] == pytest.approx(10 / 5)
+        and r["tokens_per_s"] == pytest.approx(80 / 5)
+    )
 
 
 def test_lease_ttl_from_the_environment(monkeypatch):
@@ -171,7 +183,9 @@ def test_one_home_per_redis_queue(sqlite_storage, tmp_path):
     ident = scaleout.claim_home(sqlite_storage, first)
     assert scaleout.claim_home(sqlite_storage, first) == ident  # again: fine
     with pytest.raises(scaleout.SetupError, match="does not exist: mount that shared folder"):
-        scaleout.claim_home(sqlite_storage, second)  # a home without the manifest: not the shared one
+        scaleout.claim_home(
+            sqlite_storage, second
+        )  # a home without the manifest: not the shared one
     (second / scaleout.HOME_MANIFEST).write_bytes(b'{"id": "0123", "path": "x", "host": "y"}')
     with pytest.raises(scaleout.SetupError, match="is a second home"):
         scaleout.claim_home(sqlite_storage, second)

@@ -13,7 +13,12 @@ import dflash_batch
 from dflash_batch.runner.export import text_logprobs
 from dflash_batch.runner.items import read_items
 from tests.runner_fixtures import (  # noqa: F401
-    cli, engine, home, real_engine, tiny_models, write_jsonl,
+    cli,
+    engine,
+    home,
+    real_engine,
+    tiny_models,
+    write_jsonl,
 )
 
 URL = "/v1/completions"
@@ -110,26 +115,40 @@ CASES = [
     ({"method": "GET", "body": {"prompt": "x"}}, "'method' must be 'POST', got 'GET'"),
     ({"url": URL, "body": "Say hi."}, "'body' must be an object, got a string"),
     ({"method": "POST", "body": None}, "'body' must be an object, got null"),
-    ({"body": {"messages": {"role": "user"}}},
-     "'body.messages' must be a non-empty list of messages, got an object"),
-    ({"body": {"messages": ["Hi"]}},
-     "body.messages[0] must be an object with 'role' and 'content', got a string"),
+    (
+        {"body": {"messages": {"role": "user"}}},
+        "'body.messages' must be a non-empty list of messages, got an object",
+    ),
+    (
+        {"body": {"messages": ["Hi"]}},
+        "body.messages[0] must be an object with 'role' and 'content', got a string",
+    ),
     (text_part(5), "body.messages[0].content[0].text must be a string, got int"),
-    (content([{"type": "image_url", "image_url": {"url": "u"}}]),
-     "body.messages[0].content[0].type must be 'text'"),
+    (
+        content([{"type": "image_url", "image_url": {"url": "u"}}]),
+        "body.messages[0].content[0].type must be 'text'",
+    ),
     (content(["Hi"]), "body.messages[0].content[0] must be an object"),
-    ({"body": {"messages": [{"role": ["user"], "content": "Hi"}]}},
-     "body.messages[0].role must be one of"),
-    ({"custom_id": ["a"], "body": {"messages": MSGS}},
-     "'custom_id' must be a string or an integer, got a list"),
-    ({"custom_id": True, "body": {"messages": MSGS}},
-     "'custom_id' must be a string or an integer, got a boolean"),
+    (
+        {"body": {"messages": [{"role": ["user"], "content": "Hi"}]}},
+        "body.messages[0].role must be one of",
+    ),
+    (
+        {"custom_id": ["a"], "body": {"messages": MSGS}},
+        "'custom_id' must be a string or an integer, got a list",
+    ),
+    (
+        {"custom_id": True, "body": {"messages": MSGS}},
+        "'custom_id' must be a string or an integer, got a boolean",
+    ),
     ({"url": URL, "body": {"prompt": ["a", "b"]}}, "'body.prompt' must be a string, got a list"),
     ({"url": URL, "body": {"messages": MSGS}}, "'body.messages' is for /v1/chat/completions"),
     ({"body": {"messages": MSGS, "model": ["m"]}}, "'body.model' must be a string, got a list"),
     ({"body": {"messages": MSGS}, "metadata": ["m"]}, "'metadata' must be an object, got a list"),
-    ({"body": {"messages": MSGS, "max_completion_tokens": "9"}},
-     "'body.max_completion_tokens' must be a positive integer"),
+    (
+        {"body": {"messages": MSGS, "max_completion_tokens": "9"}},
+        "'body.max_completion_tokens' must be a positive integer",
+    ),
 ]
 
 
@@ -168,4 +187,8 @@ def test_openai_rows_in_parquet_take_null_fields_as_absent(tmp_path, home, engin
     dflash_batch.run(path, engine=engine, export_openai=True, output_dir=str(tmp_path / "out"))
     lines = exported_lines((tmp_path / "out" / "_openai_output.jsonl").read_text())
     kinds = {k: line["response"]["body"]["object"] for k, line in lines.items()}
-    assert kinds == {"text": "text_completion", "chat": "chat.completion", "plain": "chat.completion"}
+    assert kinds == {
+        "text": "text_completion",
+        "chat": "chat.completion",
+        "plain": "chat.completion",
+    }

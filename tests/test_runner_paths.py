@@ -11,7 +11,7 @@ import pytest
 import dflash_batch
 from dflash_batch import checks
 from dflash_batch.runner.spec import SpecError, load_spec
-from tests.runner_fixtures import cli, engine, home, fake_models, write_jsonl  # noqa: F401
+from tests.runner_fixtures import cli, engine, fake_models, home, write_jsonl  # noqa: F401
 
 TRAVERSALS = ["../../escape", "../escape", "/tmp/dflash-escape", "a/../../escape", "..", ".", ".hidden",
               "a\\..\\b", "new\nline", "tab\tname", "", " lead", "trail ", "x" * 250, "nul\x00byte"]  # fmt: skip
@@ -24,11 +24,21 @@ def files(root: Path) -> set:
 
 
 def created_outside(root: Path, before: set, *allowed: Path) -> list:
-    return sorted(str(p) for p in files(root) - before if not any(p == a or a in p.parents for a in allowed))
+    return sorted(
+        str(p) for p in files(root) - before if not any(p == a or a in p.parents for a in allowed)
+    )
 
 
 def model_flags(fake_models):
-    return ["--target", fake_models["target"], "--draft", fake_models["draft"], "--max-tokens", "2", "--no-progress"]
+    return [
+        "--target",
+        fake_models["target"],
+        "--draft",
+        fake_models["draft"],
+        "--max-tokens",
+        "2",
+        "--no-progress",
+    ]
 
 
 @pytest.mark.parametrize("name", TRAVERSALS)
@@ -41,7 +51,10 @@ def test_plain_name_refuses_paths_and_odd_names(name):
 def test_plain_names_that_are_fine(tmp_path, name):
     assert checks.plain_name(name) == name
     spec = load_spec(write_jsonl(tmp_path / "in.jsonl", [{"prompt": "x"}]), name=name)
-    assert spec.resolved_output_dir(tmp_path / "home") == (tmp_path / "home" / "results" / name).resolve()
+    assert (
+        spec.resolved_output_dir(tmp_path / "home")
+        == (tmp_path / "home" / "results" / name).resolve()
+    )
 
 
 def test_name_flag_cannot_leave_the_home(tmp_path, home, fake_models):
@@ -116,7 +129,10 @@ def test_job_ids_and_schedule_names_are_not_paths(tmp_path, home):
         for command in (["status", job], ["cancel", job], ["retry", job], ["results", job]):
             out = cli(*command, home=home)
             assert out.returncode == 4 and "is not a job id" in out.stderr, (command, out.stderr)
-    assert sorted(p.name for p in outside.iterdir()) == ["job.json", "keep.yaml"]  # no 'cancelled' marker
+    assert sorted(p.name for p in outside.iterdir()) == [
+        "job.json",
+        "keep.yaml",
+    ]  # no 'cancelled' marker
     for name in ("../../outside-job/keep", str(outside / "keep"), ".hidden"):
         out = cli("unschedule", name, home=home)
         assert out.returncode == 4 and "is not a schedule name" in out.stderr
@@ -127,7 +143,10 @@ def test_input_rows_do_not_reach_the_file_system(tmp_path, home, engine):
     rows = [
         {"id": "../../escape_row", "prompt": "Hello", "metadata": {"path": "/etc/passwd"}},
         {"id": "/tmp/dflash-abs-row", "prompt": "Hello again"},
-        {"custom_id": "../../../escape_openai", "body": {"model": "../../m", "messages": [{"role": "user", "content": "Hi"}]}},
+        {
+            "custom_id": "../../../escape_openai",
+            "body": {"model": "../../m", "messages": [{"role": "user", "content": "Hi"}]},
+        },
         {"id": ".hidden\nrow", "prompt": "odd"},
         {"id": "{home}/x", "prompt": "braces"},
     ]
@@ -138,8 +157,17 @@ def test_input_rows_do_not_reach_the_file_system(tmp_path, home, engine):
     assert created_outside(tmp_path, before, home) == []
     assert job.output_dir == (home / "results" / "rows").resolve()
     ids = set(job.to_pandas()["id"])
-    assert {"../../escape_row", "/tmp/dflash-abs-row", "../../../escape_openai", ".hidden\nrow", "{home}/x"} == ids
-    exported = [json.loads(x)["custom_id"] for x in (job.output_dir / "_openai_output.jsonl").read_text().splitlines()]
+    assert {
+        "../../escape_row",
+        "/tmp/dflash-abs-row",
+        "../../../escape_openai",
+        ".hidden\nrow",
+        "{home}/x",
+    } == ids
+    exported = [
+        json.loads(x)["custom_id"]
+        for x in (job.output_dir / "_openai_output.jsonl").read_text().splitlines()
+    ]
     assert sorted(exported) == sorted(ids)
 
 
@@ -156,7 +184,18 @@ def test_revisions_git_accepts_are_accepted(tmp_path):
     src = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "x"}])
     for rev in ("main", "v1.2", "refs/pr/1", "a" * 40, "release/2026-01"):
         assert load_spec(src, target="org/m", target_revision=rev).target_revision == rev
-    for rev in ("../x", "a/../b", "/abs", "a//b", "x.lock", "a b", "@{1}", ".hidden", "a/.b", "end/"):
+    for rev in (
+        "../x",
+        "a/../b",
+        "/abs",
+        "a//b",
+        "x.lock",
+        "a b",
+        "@{1}",
+        ".hidden",
+        "a/.b",
+        "end/",
+    ):
         with pytest.raises(SpecError, match="'target_revision' must be a branch, tag or commit"):
             load_spec(src, target="org/m", target_revision=rev)
 
@@ -170,5 +209,15 @@ def test_empty_paths_are_refused_not_read_as_the_current_folder(tmp_path, home, 
     assert out.returncode == 2 and "'output_dir' is empty" in out.stderr
     job = dflash_batch.run(src, engine=engine, max_tokens=2)
     for fmt in ("jsonl", "parquet"):
-        out = cli("results", job.id, "--format", fmt, "--out", tmp_path / "no-such-dir" / f"x.{fmt}", home=home)
-        assert out.returncode == 2 and "cannot write" in out.stderr and "Traceback" not in out.stderr
+        out = cli(
+            "results",
+            job.id,
+            "--format",
+            fmt,
+            "--out",
+            tmp_path / "no-such-dir" / f"x.{fmt}",
+            home=home,
+        )
+        assert (
+            out.returncode == 2 and "cannot write" in out.stderr and "Traceback" not in out.stderr
+        )

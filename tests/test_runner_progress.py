@@ -14,7 +14,15 @@ PROMPTS = [{"id": f"p{i}", "prompt": f"Prompt {i}: say something"} for i in rang
 
 
 def fake_flags(fake_models, *extra):
-    return ["--target", fake_models["target"], "--draft", fake_models["draft"], "--max-tokens", "5", *map(str, extra)]
+    return [
+        "--target",
+        fake_models["target"],
+        "--draft",
+        fake_models["draft"],
+        "--max-tokens",
+        "5",
+        *map(str, extra),
+    ]
 
 
 def last_bar(stderr: str) -> str:
@@ -40,14 +48,22 @@ def test_run_shows_items_tokens_per_second_and_eta(tmp_path, home, fake_models):
     bar = last_bar(ran.stderr)
     assert "6/6 items" in bar and "ETA" in bar
     assert float(re.search(r"([\d.]+) output tok/s \(whole job\)", bar).group(1)) > 0
-    quiet = cli("run", src, *fake_flags(fake_models, "-q", "--output-dir", tmp_path / "q"), home=home, check=True)
+    quiet = cli(
+        "run",
+        src,
+        *fake_flags(fake_models, "-q", "--output-dir", tmp_path / "q"),
+        home=home,
+        check=True,
+    )
     assert " items " not in quiet.stderr and "tok/s" not in quiet.stderr
     # a rerun starts the bar at what is already done
     again = cli("run", src, *fake_flags(fake_models), home=home, check=True)
     assert "6/6 items" in last_bar(again.stderr)
 
 
-def test_status_watch_follows_a_queued_job_to_the_end(tmp_path, home, fake_models, workers, monkeypatch):
+def test_status_watch_follows_a_queued_job_to_the_end(
+    tmp_path, home, fake_models, workers, monkeypatch
+):
     monkeypatch.setenv("FAKE_ENGINE_DELAY", "0.05")
     job = dflash_batch.submit(write_jsonl(tmp_path / "in.jsonl", PROMPTS), target=fake_models["target"],
                               draft=fake_models["draft"], max_tokens=5, chunk_size=2)  # fmt: skip

@@ -17,7 +17,10 @@ from tests.runner_fixtures import cli, engine, home, real_engine, tiny_models, w
 
 SCHEMA = {
     "type": "object",
-    "properties": {"name": {"type": "string", "maxLength": 5}, "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+    "properties": {
+        "name": {"type": "string", "maxLength": 5},
+        "n": {"type": "integer", "minimum": 0, "maximum": 99},
+    },
     "required": ["name", "n"],
     "additionalProperties": False,
 }
@@ -45,9 +48,16 @@ def test_rows_get_their_controls_logprobs_and_constraints(tmp_path, home, real_e
     job_kw = dict(max_tokens=40, seed=5, top_p=0.9, presence_penalty=0.5)
     expected = {
         "plain": real_engine.generate("Tell me a story.", **job_kw),
-        "controls": real_engine.generate("Name a colour.", **dict(job_kw, top_k=3, repetition_penalty=1.4, temperature=0.9)),
-        "json": real_engine.generate([{"role": "user", "content": "Give a record."}], response_format=JSON_FORMAT,
-                                     logprobs=True, top_logprobs=2, **job_kw),
+        "controls": real_engine.generate(
+            "Name a colour.", **dict(job_kw, top_k=3, repetition_penalty=1.4, temperature=0.9)
+        ),
+        "json": real_engine.generate(
+            [{"role": "user", "content": "Give a record."}],
+            response_format=JSON_FORMAT,
+            logprobs=True,
+            top_logprobs=2,
+            **job_kw,
+        ),
     }
     for key, c in expected.items():
         assert df.loc[key, "output"] == c.text, key
@@ -59,14 +69,24 @@ def test_rows_get_their_controls_logprobs_and_constraints(tmp_path, home, real_e
     assert [e["token_id"] for e in entries] == expected["json"].token_ids
     # fp32 logprobs of passes of other shapes (the batch's widths against the row's alone, chosen from
     # timed costs) differ in their last bits: 3.1e-6 on -3.05 seen, over approx's default 1e-6 relative
-    assert [e["logprob"] for e in entries] == pytest.approx([e["logprob"] for e in expected["json"].logprobs], abs=1e-5)
+    assert [e["logprob"] for e in entries] == pytest.approx(
+        [e["logprob"] for e in expected["json"].logprobs], abs=1e-5
+    )
     assert all(len(e["top_logprobs"]) == 2 for e in entries)
     # OpenAI output: choices[].logprobs.content in OpenAI's shape
-    lines = {x["custom_id"]: x for x in map(json.loads, (tmp_path / "out" / "_openai_output.jsonl").read_text().splitlines())}
+    lines = {
+        x["custom_id"]: x
+        for x in map(
+            json.loads, (tmp_path / "out" / "_openai_output.jsonl").read_text().splitlines()
+        )
+    }
     choice = lines["json"]["response"]["body"]["choices"][0]
     content = choice["logprobs"]["content"]
     assert [c["token"] for c in content] == [e["token"] for e in expected["json"].logprobs]
-    assert set(content[0]) == {"token", "logprob", "bytes", "top_logprobs"} and len(content[0]["top_logprobs"]) == 2
+    assert (
+        set(content[0]) == {"token", "logprob", "bytes", "top_logprobs"}
+        and len(content[0]["top_logprobs"]) == 2
+    )
     assert lines["plain"]["response"]["body"]["choices"][0]["logprobs"] is None
     assert lines["bad"]["error"]["code"] == "generation_error"
 
@@ -74,8 +94,13 @@ def test_rows_get_their_controls_logprobs_and_constraints(tmp_path, home, real_e
 def test_job_values_are_checked_and_hashed(tmp_path):
     src = str(write_jsonl(tmp_path / "x.jsonl", ROWS[:1]))
     base = load_spec({"input": src})
-    assert base.config_hash() == load_spec({"input": src, "sampling": {"top_p": 1.0, "logprobs": False}}).config_hash()
-    spec = load_spec({"input": src, "sampling": {"top_k": 4, "response_format": JSON_FORMAT, "logprobs": True}})
+    assert (
+        base.config_hash()
+        == load_spec({"input": src, "sampling": {"top_p": 1.0, "logprobs": False}}).config_hash()
+    )
+    spec = load_spec(
+        {"input": src, "sampling": {"top_k": 4, "response_format": JSON_FORMAT, "logprobs": True}}
+    )
     assert (spec.top_k, spec.logprobs) == (4, True) and spec.config_hash() != base.config_hash()
     for key, value, says in [
         ("top_p", 0, "'top_p' must be a number in (0, 1]"),
@@ -85,14 +110,21 @@ def test_job_values_are_checked_and_hashed(tmp_path):
         ("repetition_penalty", 0, "'repetition_penalty' must be a number > 0"),
         ("top_logprobs", 21, "'top_logprobs' must be an integer from 0 to 20"),
         ("logprobs", "yes", "'logprobs' must be true or false"),
-        ("response_format", {"type": "regex", "regex": "(("}, "'response_format' cannot be compiled"),
+        (
+            "response_format",
+            {"type": "regex", "regex": "(("},
+            "'response_format' cannot be compiled",
+        ),
     ]:
         with pytest.raises(SpecError, match=__import__("re").escape(says)):
             load_spec({"input": src, "sampling": {key: value}})
 
 
 def test_cli_flags(tmp_path, home, tiny_models):
-    src = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "prompt": "Give a record."}, {"id": "b", "prompt": "Hi", "top_k": "x"}])
+    src = write_jsonl(
+        tmp_path / "in.jsonl",
+        [{"id": "a", "prompt": "Give a record."}, {"id": "b", "prompt": "Hi", "top_k": "x"}],
+    )
     (tmp_path / "fmt.json").write_text(json.dumps(JSON_FORMAT))
     out = tmp_path / "out"
     cli("run", src, "--target", tiny_models["target"], "--draft", tiny_models["draft"], "--max-tokens", "40",
@@ -101,6 +133,19 @@ def test_cli_flags(tmp_path, home, tiny_models):
     df = pd.read_parquet(out).set_index("id")
     jsonschema.validate(json.loads(df.loc["a", "output"]), SCHEMA)
     assert len(df.loc["a", "logprobs"]) > 0 and len(df.loc["a", "logprobs"][0]["top_logprobs"]) == 3
-    assert df.loc["b", "status"] == "error" and "'top_k' must be an integer >= 0" in df.loc["b", "error"]
-    bad = cli("run", src, "--target", tiny_models["target"], "--top-p", "2", "--output-dir", tmp_path / "o2", home=home)
+    assert (
+        df.loc["b", "status"] == "error"
+        and "'top_k' must be an integer >= 0" in df.loc["b", "error"]
+    )
+    bad = cli(
+        "run",
+        src,
+        "--target",
+        tiny_models["target"],
+        "--top-p",
+        "2",
+        "--output-dir",
+        tmp_path / "o2",
+        home=home,
+    )
     assert bad.returncode != 0 and "top_p" in bad.stderr

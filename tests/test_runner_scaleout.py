@@ -47,13 +47,18 @@ def submit(tmp_path, fast, n, **kw):
 
 def exactly_once(job, n):
     df = pd.read_parquet(job.output_dir)
-    assert len(df) == n and df["id"].is_unique and set(df["id"]) == {f"item-{i:03d}" for i in range(n)}
+    assert (
+        len(df) == n and df["id"].is_unique and set(df["id"]) == {f"item-{i:03d}" for i in range(n)}
+    )
     return df
 
 
 def chunks_run_by(worker) -> int:
     """Chunks a worker generated: each run's log line names the chunks it closed ("with chunks [..]")."""
-    return sum(len(m.split(",")) for m in re.findall(r"\(with chunks \[([0-9, ]+)\]\): \d+ generated \(", worker.log()))
+    return sum(
+        len(m.split(","))
+        for m in re.findall(r"\(with chunks \[([0-9, ]+)\]\): \d+ generated \(", worker.log())
+    )
 
 
 def test_two_workers_run_chunks_of_one_job_at_once(tmp_path, home, fast, workers, monkeypatch):
@@ -62,7 +67,11 @@ def test_two_workers_run_chunks_of_one_job_at_once(tmp_path, home, fast, workers
     monkeypatch.setenv("FAKE_ENGINE_HOLD", str(hold))
     a, b = workers(), workers()
     # both consume before the job exists: a worker that started late would find nothing left
-    wait_for(lambda: all("worker started" in w.log() for w in (a, b)), timeout=120, what="both workers started")
+    wait_for(
+        lambda: all("worker started" in w.log() for w in (a, b)),
+        timeout=120,
+        what="both workers started",
+    )
     hold.touch()
     job = submit(tmp_path, fast, 40, chunk_size=4)
     # In lockstep until each worker has held two chunks: every round holds both at their next
@@ -70,13 +79,21 @@ def test_two_workers_run_chunks_of_one_job_at_once(tmp_path, home, fast, workers
     held_files = [tmp_path / f"hold.{w.proc.pid}" for w in (a, b)]
     chunks = {}
     while len(chunks) < 2 or any(len(c) < 2 for c in chunks.values()):
-        wait_for(lambda: all(f.exists() for f in held_files), timeout=120, interval=0.02,
-                 what="both workers held mid-chunk")
+        wait_for(
+            lambda: all(f.exists() for f in held_files),
+            timeout=120,
+            interval=0.02,
+            what="both workers held mid-chunk",
+        )
         for lease in api.activity(home)["leases"]:
             chunks.setdefault(lease["worker"], set()).add(lease["chunk"])
         hold.unlink()
-        wait_for(lambda: not any(f.exists() for f in held_files), timeout=120, interval=0.02,
-                 what="both workers going again")
+        wait_for(
+            lambda: not any(f.exists() for f in held_files),
+            timeout=120,
+            interval=0.02,
+            what="both workers going again",
+        )
         hold.touch()
     hold.unlink()
     assert job.wait(timeout=240)["state"] == "completed"
@@ -89,17 +106,30 @@ def test_two_workers_run_chunks_of_one_job_at_once(tmp_path, home, fast, workers
     assert a.stop() == 0 and b.stop() == 0
 
 
-def test_status_shows_who_holds_which_chunk_and_each_workers_rate(tmp_path, home, fast, workers, monkeypatch):
+def test_status_shows_who_holds_which_chunk_and_each_workers_rate(
+    tmp_path, home, fast, workers, monkeypatch
+):
     monkeypatch.setenv("FAKE_ENGINE_DELAY", "0.3")
     hold = tmp_path / "hold"
     monkeypatch.setenv("FAKE_ENGINE_HOLD", str(hold))
     job = submit(tmp_path, fast, 24, chunk_size=6)
     a, b = workers("--device", "0"), workers("--device", "1")
     # both workers hold chunks at once (a worker may stream several chunks of the job)
-    wait_for(lambda: len({r["worker"] for r in api.activity(home)["leases"]}) == 2,
-             timeout=120, interval=0.1, what="chunks held by both workers")
-    wait_for(lambda: all(w["rows"] > 0 for w in api.activity(home)["workers"]) and
-             len(api.activity(home)["workers"]) == 2, timeout=120, interval=0.2, what="both workers' rates")
+    wait_for(
+        lambda: len({r["worker"] for r in api.activity(home)["leases"]}) == 2,
+        timeout=120,
+        interval=0.1,
+        what="chunks held by both workers",
+    )
+    wait_for(
+        lambda: (
+            all(w["rows"] > 0 for w in api.activity(home)["workers"])
+            and len(api.activity(home)["workers"]) == 2
+        ),
+        timeout=120,
+        interval=0.2,
+        what="both workers' rates",
+    )
     # held mid-chunk while status runs (heartbeats go on): on a busy machine the job could
     # otherwise end before status looks
     hold.touch()
@@ -110,21 +140,35 @@ def test_status_shows_who_holds_which_chunk_and_each_workers_rate(tmp_path, home
     finally:
         hold.unlink()
     data = __import__("json").loads(as_json)
-    assert text.count(" held by ") >= 1 and "rows/s" in text and "device 0" in text and "device 1" in text, text
-    assert {w["device"] for w in data["workers"]} == {"0", "1"} and all(w["rows_per_s"] > 0 for w in data["workers"])
+    assert (
+        text.count(" held by ") >= 1
+        and "rows/s" in text
+        and "device 0" in text
+        and "device 1" in text
+    ), text
+    assert {w["device"] for w in data["workers"]} == {"0", "1"} and all(
+        w["rows_per_s"] > 0 for w in data["workers"]
+    )
     assert all(h["worker"] in {w["id"] for w in data["workers"]} for h in data["holders"])
     assert job.wait(timeout=240)["state"] == "completed"
     exactly_once(job, 24)
     assert a.stop() == 0 and b.stop() == 0
 
 
-def test_a_hung_worker_loses_its_chunk_after_its_lease_and_writes_nothing_more(tmp_path, home, fast, workers, monkeypatch):
+def test_a_hung_worker_loses_its_chunk_after_its_lease_and_writes_nothing_more(
+    tmp_path, home, fast, workers, monkeypatch
+):
     monkeypatch.setenv("FAKE_ENGINE_DELAY", "0.2")
     n = 20
     job = submit(tmp_path, fast, n, chunk_size=20)  # one chunk: the hung worker holds all of it
     store = ResultStore(job.output_dir)
     a = workers()
-    wait_for(lambda: len(store.journal_rows()) >= 3, timeout=120, interval=0.05, what="rows in a's journal")
+    wait_for(
+        lambda: len(store.journal_rows()) >= 3,
+        timeout=120,
+        interval=0.05,
+        what="rows in a's journal",
+    )
     a.proc.send_signal(signal.SIGSTOP)
     try:
         stopped_at = time.time()
@@ -144,8 +188,18 @@ def test_a_hung_worker_loses_its_chunk_after_its_lease_and_writes_nothing_more(t
 
 def test_two_submits_of_one_job_at_once(tmp_path, home, fast, workers):
     write_jsonl(tmp_path / "in.jsonl", prompts(30))
-    args = ["submit", tmp_path / "in.jsonl", "--target", fast["target"], "--no-draft", "--max-tokens", "4",
-            "--chunk-size", "30", "--json"]  # fmt: skip  (one chunk each: the two workers take one each, at once)
+    args = [
+        "submit",
+        tmp_path / "in.jsonl",
+        "--target",
+        fast["target"],
+        "--no-draft",
+        "--max-tokens",
+        "4",
+        "--chunk-size",
+        "30",
+        "--json",
+    ]  # fmt: skip  (one chunk each: the two workers take one each, at once)
     env = dict(os.environ, DFLASH_BATCH_HOME=str(home))
     procs = [subprocess.Popen([sys.executable, "-m", "dflash_batch.cli", *map(str, args)], env=env, cwd=REPO,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]  # fmt: skip
@@ -178,7 +232,9 @@ def small_disk(tmp_path):
     mnt.mkdir()
     if os.geteuid() != 0 or shutil.which("mount") is None:
         pytest.skip("a full-disk test needs root to mount a small tmpfs")
-    out = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    out = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True, text=True
+    )
     if out.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {out.stderr.strip()}")
     try:
@@ -199,14 +255,20 @@ def fill(path: Path, spare: int = 0) -> None:
     os.truncate(path, max(path.stat().st_size - spare, 0))
 
 
-def test_a_full_disk_leaves_nothing_half_written_and_the_job_resumes(tmp_path, home, fast, workers, small_disk):
+def test_a_full_disk_leaves_nothing_half_written_and_the_job_resumes(
+    tmp_path, home, fast, workers, small_disk
+):
     n = 24
     job = submit(tmp_path, fast, n, chunk_size=4, output_dir=str(small_disk / "out"))
     store = ResultStore(job.output_dir)
     filler = small_disk / "filler"
     fill(filler, spare=8192)  # room for journal lines, not for a part: a part write fails half-way
     w = workers()
-    wait_for(lambda: "No space left on device" in w.log(), timeout=120, what="the worker to hit the full disk")
+    wait_for(
+        lambda: "No space left on device" in w.log(),
+        timeout=120,
+        what="the worker to hit the full disk",
+    )
     time.sleep(1)
     visible = [p for p in Path(job.output_dir).iterdir() if not p.name.startswith((".", "_"))]
     for part in visible:  # whatever a reader sees is a complete part
@@ -278,25 +340,38 @@ def redis_server(tmp_path, monkeypatch, request):
         server.stop()
 
 
-def test_worker_killed_9_mid_chunk_on_redis(tmp_path, home, fast, workers, redis_server, monkeypatch):
+def test_worker_killed_9_mid_chunk_on_redis(
+    tmp_path, home, fast, workers, redis_server, monkeypatch
+):
     monkeypatch.setenv("FAKE_ENGINE_DELAY", "0.2")
     n = 24
     job = submit(tmp_path, fast, n, chunk_size=12)
     store = ResultStore(job.output_dir)
     a = workers()
-    wait_for(lambda: len(store.journal_rows()) >= 3, timeout=120, interval=0.05, what="rows in a's journal")
+    wait_for(
+        lambda: len(store.journal_rows()) >= 3,
+        timeout=120,
+        interval=0.05,
+        what="rows in a's journal",
+    )
     a.kill9()
     before = {r["id"]: r["started_at"] for r in store.journal_rows()}
     b = workers()
     assert job.wait(timeout=240)["state"] == "completed"
     df = exactly_once(job, n)
     after = dict(zip(df["id"], (t.timestamp() for t in df["started_at"])))
-    assert all(after[i] == pytest.approx(t, abs=1e-5) for i, t in before.items())  # a's rows were kept, not redone
+    assert all(
+        after[i] == pytest.approx(t, abs=1e-5) for i, t in before.items()
+    )  # a's rows were kept, not redone
     assert b.stop() == 0
 
 
-@pytest.mark.parametrize("redis_server", [True, False], ids=["append-only", "no-persistence"], indirect=True)
-def test_redis_restarted_mid_job_loses_no_item(tmp_path, home, fast, workers, redis_server, monkeypatch):
+@pytest.mark.parametrize(
+    "redis_server", [True, False], ids=["append-only", "no-persistence"], indirect=True
+)
+def test_redis_restarted_mid_job_loses_no_item(
+    tmp_path, home, fast, workers, redis_server, monkeypatch
+):
     """With its append-only file, Redis keeps the queued tasks and leases; without persistence
     everything queued is gone, and the workers' reaper requeues it from the job records."""
     monkeypatch.setenv("FAKE_ENGINE_DELAY", "0.1")
@@ -356,6 +431,7 @@ def test_a_process_that_finds_the_queue_bound_waits_for_the_binders_manifest(tmp
     home.mkdir()
     record = {"id": "abc", "path": str(home), "host": "vm", "at": 0}
     storage.data[scaleout.HOME_KEY] = orjson.dumps(record)  # bound; its manifest not written yet
+
     def write_manifest():  # as the binder does: whole or not at all (a rename)
         part = home / "manifest.part"
         part.write_bytes(orjson.dumps(record))

@@ -34,7 +34,11 @@ def test_one_task_feeds_the_jobs_pending_chunks_as_one_stream(tmp_path, home, fa
     assert len(engine.requests) == 4
     worker.run_chunk(job.id, 2)
     worker.run_chunk(job.id, 3)
-    assert len(engine.requests) == 8 and job.status()["state"] == "completed" and job.to_pandas()["id"].is_unique
+    assert (
+        len(engine.requests) == 8
+        and job.status()["state"] == "completed"
+        and job.to_pandas()["id"].is_unique
+    )
 
 
 def test_with_another_job_waiting_a_task_runs_only_its_chunk(tmp_path, home, fake_models):
@@ -55,7 +59,12 @@ def test_the_worker_warms_up_before_its_chunk_and_says_so(tmp_path, home, fake_m
     class Warming(FakeEngine):
         def prepare(self, batch_size=None, max_tokens=0):
             events.append(("prepare", batch_size, max_tokens))
-            return {"batch_size": batch_size, "context": 64 + max_tokens // 2, "seconds": 0.25, "read": True}
+            return {
+                "batch_size": batch_size,
+                "context": 64 + max_tokens // 2,
+                "seconds": 0.25,
+                "read": True,
+            }
 
         def generate_requests(self, requests, batch_size=None):
             events.append(("generate", batch_size))
@@ -65,5 +74,7 @@ def test_the_worker_warms_up_before_its_chunk_and_says_so(tmp_path, home, fake_m
     with caplog.at_level("INFO", logger="dflash_batch.worker"):
         worker.run_chunk(job.id, 0)
     assert events[:2] == [("prepare", 8, 3), ("generate", 8)]
-    assert any("warmed up for batch size 8" in r.message and "read from the model cache" in r.message
-               for r in caplog.records)
+    assert any(
+        "warmed up for batch size 8" in r.message and "read from the model cache" in r.message
+        for r in caplog.records
+    )

@@ -14,12 +14,13 @@ decoder that accepts every draft shows that the test can fail.
 
 from __future__ import annotations
 
+from dflash_batch.engine import decode, load_engine, tree
+from dflash_batch.engine.batch import BatchDecoder
+
 import mlx.core as mx
 import numpy as np
 import pytest
 
-from dflash_batch.engine import decode, load_engine, tree
-from dflash_batch.engine.batch import BatchDecoder
 from tests.helpers import chi_square, chi_square_critical, markov_engine, transitions
 
 
@@ -36,7 +37,9 @@ def propose_argmax_path(monkeypatch, probs):
         for tok in last[:, 0].tolist():
             ids, cands = [], []
             for _ in range(rows):
-                cands.append(order[tok, : max(candidates, 1)])  # a tree's: the chain's next-token law
+                cands.append(
+                    order[tok, : max(candidates, 1)]
+                )  # a tree's: the chain's next-token law
                 tok = int(best[tok])
                 ids.append(tok)
             out.append(ids)
@@ -44,7 +47,9 @@ def propose_argmax_path(monkeypatch, probs):
         if not candidates:
             return mx.array(out, dtype=mx.int32)
         top = np.array(top)
-        prev = np.concatenate([last.tolist(), np.array(out)[:, :-1]], axis=1)  # each position's conditioning token
+        prev = np.concatenate(
+            [last.tolist(), np.array(out)[:, :-1]], axis=1
+        )  # each position's conditioning token
         logprobs = np.log(np.take_along_axis(probs[prev], top, axis=2) + 1e-30)
         return mx.array(top, dtype=mx.int32), mx.array(logprobs.astype(np.float32))
 
@@ -61,7 +66,9 @@ def _first_children(parents):
 
 @pytest.mark.parametrize("drafts", ["chain", "tree"])
 def test_sampling_keeps_the_target_distribution(tiny_pair, monkeypatch, drafts):
-    monkeypatch.setenv("DFLASH_BATCH_DRAFTS", drafts)  # engine/tree.py: a tree's nodes sample as a chain's positions do
+    monkeypatch.setenv(
+        "DFLASH_BATCH_DRAFTS", drafts
+    )  # engine/tree.py: a tree's nodes sample as a chain's positions do
     _keeps_the_target_distribution(tiny_pair, monkeypatch)
 
 
@@ -79,7 +86,9 @@ def _keeps_the_target_distribution(tiny_pair, monkeypatch):
     # Power: a decoder that keeps every draft (no check against the target's samples): a chain's
     # every draft, a tree's first children (engine/tree.py)
     monkeypatch.setattr(decode, "accept_lengths", lambda d, t, limits: [L - 1 for L in limits])
-    monkeypatch.setattr(tree, "walk", lambda trees, chosen: [_first_children(parents) for parents in trees.parents])
+    monkeypatch.setattr(
+        tree, "walk", lambda trees, chosen: [_first_children(parents) for parents in trees.parents]
+    )
     biased, _ = transitions(engine)
     stat_biased, dof_biased = chi_square(biased, probs)
     assert stat_biased > 3 * chi_square_critical(dof_biased), (stat_biased, dof_biased)
@@ -94,4 +103,7 @@ def test_sampled_output_equals_plain_sampled_decoding(tiny_pair):
         for prompt in ("Hi", "Tell me a story about the sea."):
             a = spec.generate(prompt, max_tokens=40, temperature=0.8, seed=seed).token_ids
             assert a == plain.generate(prompt, max_tokens=40, temperature=0.8, seed=seed).token_ids
-            assert a != plain.generate(prompt, max_tokens=40, temperature=0.8, seed=seed + 100).token_ids
+            assert (
+                a
+                != plain.generate(prompt, max_tokens=40, temperature=0.8, seed=seed + 100).token_ids
+            )

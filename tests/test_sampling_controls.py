@@ -13,14 +13,14 @@ drafts before it.
 
 from __future__ import annotations
 
+from dflash_batch.engine import load_engine, sampling
+from dflash_batch.engine.batch import BatchDecoder
+
 import mlx.core as mx
 import numpy as np
 import pytest
 
-from dflash_batch.engine import load_engine, sampling
-from dflash_batch.engine.batch import BatchDecoder
-from tests.helpers import CLUSTER, chi_square_critical, markov_engine
-from tests.helpers import set_modes
+from tests.helpers import CLUSTER, chi_square_critical, markov_engine, set_modes
 
 TEMPERATURE = 0.7
 SEEDS = range(80)
@@ -34,8 +34,14 @@ CONTROLS = {
     "repetition_penalty": {"repetition_penalty": 2.0},
     "presence_penalty": {"presence_penalty": 2.0},
     "frequency_penalty": {"frequency_penalty": 0.5},
-    "all": {"top_k": 4, "top_p": 0.9, "min_p": 0.05, "repetition_penalty": 1.2, "presence_penalty": 0.5,
-            "frequency_penalty": 0.05},
+    "all": {
+        "top_k": 4,
+        "top_p": 0.9,
+        "min_p": 0.05,
+        "repetition_penalty": 1.2,
+        "presence_penalty": 0.5,
+        "frequency_penalty": 0.05,
+    },
 }
 
 
@@ -46,7 +52,11 @@ def reference_probs(logits, controls, counts, prompt_seen):
     rep = controls.get("repetition_penalty", 1.0)
     seen = (counts > 0) | prompt_seen
     x = np.where(seen, np.where(x > 0, x / rep, x * rep), x)
-    x = x - controls.get("presence_penalty", 0.0) * (counts > 0) - controls.get("frequency_penalty", 0.0) * counts
+    x = (
+        x
+        - controls.get("presence_penalty", 0.0) * (counts > 0)
+        - controls.get("frequency_penalty", 0.0) * counts
+    )
     s = x / TEMPERATURE
     keep = np.ones_like(s, bool)
     k = controls.get("top_k", 0)
@@ -104,7 +114,9 @@ def run(engine, controls, logits):
     observed, expected, drafted = {}, {}, 0
     for seed in SEEDS:
         prompt = PROMPT_HEAD + [CLUSTER * (seed % 4) + seed % CLUSTER]
-        c = engine.generate(prompt, max_tokens=TOKENS_PER_RUN, temperature=TEMPERATURE, seed=seed, **controls)
+        c = engine.generate(
+            prompt, max_tokens=TOKENS_PER_RUN, temperature=TEMPERATURE, seed=seed, **controls
+        )
         drafted += c.stats.accepted_tokens
         prompt_seen = np.zeros(V, bool)
         prompt_seen[prompt] = True
@@ -157,7 +169,10 @@ def test_control_keeps_plain_sampling_distribution(chain, monkeypatch, name):
     stat, dof = chi_square(observed, expected)
     total = sum(o.sum() for o in observed.values())
     assert dof >= 4, dof
-    assert drafted > total // 5, (drafted, total)  # drafts were kept: the verify positions were exercised
+    assert drafted > total // 5, (
+        drafted,
+        total,
+    )  # drafts were kept: the verify positions were exercised
     assert stat < chi_square_critical(dof), (stat, dof)
 
     # Negative control 1: the control switched off in the engine; the same test must fail.
@@ -173,9 +188,15 @@ def test_control_keeps_plain_sampling_distribution(chain, monkeypatch, name):
     if any(k.endswith("penalty") for k in controls):
         real = sampling._penalize
         with monkeypatch.context() as m:
-            m.setattr(sampling, "_penalize", lambda lg, req, hist, drafted: real(lg, req, hist, None))
+            m.setattr(
+                sampling, "_penalize", lambda lg, req, hist, drafted: real(lg, req, hist, None)
+            )
             bad_stat, bad_dof = chi_square(*run(engine, controls, logits)[:2])
-        assert bad_stat > chi_square_critical(bad_dof, z=4.75), (name, bad_stat, bad_dof)  # p < 1e-6
+        assert bad_stat > chi_square_critical(bad_dof, z=4.75), (
+            name,
+            bad_stat,
+            bad_dof,
+        )  # p < 1e-6
 
 
 def test_controls_per_row_in_one_batch_equal_plain_decoding(tiny_pair):
@@ -192,9 +213,14 @@ def test_controls_per_row_in_one_batch_equal_plain_decoding(tiny_pair):
     ]
     for i, (prompt, kw) in enumerate(rows):
         alone = plain.generate(prompt, max_tokens=30, seed=7 + i, **kw).token_ids
-        assert spec.generate_batch([prompt], max_tokens=30, seed=7 + i, **kw)[0].token_ids == alone, (i, kw)
+        assert (
+            spec.generate_batch([prompt], max_tokens=30, seed=7 + i, **kw)[0].token_ids == alone
+        ), (i, kw)
     # all rows in one batch: per-row options go through Engine.run
     requests = [spec.request(p, 30, seed=7 + i, index=i, **kw) for i, (p, kw) in enumerate(rows)]
     together = dict(spec.run(requests, batch_size=len(rows)))
     for i, (prompt, kw) in enumerate(rows):
-        assert together[i].token_ids == plain.generate(prompt, max_tokens=30, seed=7 + i, **kw).token_ids, (i, kw)
+        assert (
+            together[i].token_ids
+            == plain.generate(prompt, max_tokens=30, seed=7 + i, **kw).token_ids
+        ), (i, kw)

@@ -5,10 +5,11 @@ from a given cost model and a scripted clock (each cycle takes one second): none
 
 from __future__ import annotations
 
-import pytest
-
 from dflash_batch.engine import batch, load_engine
 from dflash_batch.engine.widths import CostModel
+
+import pytest
+
 from dflash_batch.request import Options, Request
 from tests.helpers import greedy_reference
 from tests.scripting import ScriptedDrafts
@@ -34,7 +35,9 @@ def clock(monkeypatch):
 
 
 def _costs(**kw):
-    return CostModel(t0=1.0, t1=0.25, window=0, **kw)  # a plain cycle over B rows: 1 + 0.25 B seconds
+    return CostModel(
+        t0=1.0, t1=0.25, window=0, **kw
+    )  # a plain cycle over B rows: 1 + 0.25 B seconds
 
 
 def _prompts(n):
@@ -76,7 +79,9 @@ def test_drafting_rows_estimate_by_hand(tiny_pair, clock, monkeypatch, chain_dra
         assert s.cycles < s.generated_tokens - 1 and s.drafted_tokens > 0  # it drafted, and it paid
         assert s.plain_seconds_est == pytest.approx((s.generated_tokens - 1) * per_row)
         assert s.decode_share_s == pytest.approx(s.cycles / rows)
-        assert s.speedup_vs_plain == pytest.approx((s.generated_tokens - 1) * per_row * rows / s.cycles)
+        assert s.speedup_vs_plain == pytest.approx(
+            (s.generated_tokens - 1) * per_row * rows / s.cycles
+        )
 
 
 def test_shares_add_up_to_the_decode_time(tiny_pair, clock):
@@ -113,7 +118,9 @@ def test_control_rows_decode_plainly_and_exactly(tiny_pair, monkeypatch, drafts)
     """In a batch whose other rows draft (every draft right, drafting cheap), control rows verify
     no draft: one token a cycle, the target's own greedy output."""
     target, draft = map(str, tiny_pair)
-    engine = load_engine(target, draft, cost_model=CostModel(t0=1.0, t1=0.05, d0=0.5, window=0), drafts=drafts)
+    engine = load_engine(
+        target, draft, cost_model=CostModel(t0=1.0, t1=0.05, d0=0.5, window=0), drafts=drafts
+    )
     script = ScriptedDrafts(monkeypatch)
     budgets = [30, 24, 30, 17, 9]
     eos = engine.tokenizer.eos_token_ids
@@ -135,10 +142,17 @@ def test_control_rows_decode_plainly_and_exactly(tiny_pair, monkeypatch, drafts)
 
 def test_a_sampled_control_row_gives_the_seeded_output(tiny_pair):
     """A control row samples its tokens from the same noise: its output is the seeded output."""
-    engine = load_engine(*map(str, tiny_pair), cost_model=CostModel(t0=1.0, t1=0.05, d0=0.5, window=0))
+    engine = load_engine(
+        *map(str, tiny_pair), cost_model=CostModel(t0=1.0, t1=0.05, d0=0.5, window=0)
+    )
     options = dict(temperature=0.9, seed=11)
-    drafted = {r.id: c for r, c in engine.generate_requests(_requests(3, [20] * 3, set(), **options), batch_size=3)}
-    control = list(engine.generate_requests(_requests(3, [20] * 3, {0, 2}, **options), batch_size=3))
+    drafted = {
+        r.id: c
+        for r, c in engine.generate_requests(_requests(3, [20] * 3, set(), **options), batch_size=3)
+    }
+    control = list(
+        engine.generate_requests(_requests(3, [20] * 3, {0, 2}, **options), batch_size=3)
+    )
     for r, c in control:
         assert c.token_ids == drafted[r.id].token_ids
         assert (c.stats.drafted_tokens == 0) == r.control
@@ -154,7 +168,9 @@ def test_a_cut_inside_a_block_counts_only_the_tokens_used(qwen3_target, cut):
 
     tokenizer = load_engine(str(qwen3_target), None).tokenizer
     eos = min(tokenizer.eos_token_ids)
-    out = RowOutput(tokenizer, prompt_tokens=4, max_tokens=4 if cut == "budget" else 50, stops=(), block_size=8)
+    out = RowOutput(
+        tokenizer, prompt_tokens=4, max_tokens=4 if cut == "budget" else 50, stops=(), block_size=8
+    )
     out.feed(Step([40]))  # the prefill's token
     out.timed(2.0, 0.25)
     third = eos if cut == "eos" else 42
@@ -174,6 +190,12 @@ def test_the_benchmark_smoke_run(tmp_path):
     result = saved_estimate.main(["--smoke", "--out", str(tmp_path / "saved.md")])
     [r] = result["rounds"]
     assert r["outputs_identical"] and r["control_rows"] > 0 and r["rows"] + r["control_rows"] == 4
-    assert r["estimate_s"] > 0 and r["real_plain_s"] > 0 and r["error"] == pytest.approx(r["estimate_s"] / r["real_plain_s"] - 1)
-    assert json.loads((tmp_path / "saved.json").read_text())["median"]["error"] == pytest.approx(r["error"])
+    assert (
+        r["estimate_s"] > 0
+        and r["real_plain_s"] > 0
+        and r["error"] == pytest.approx(r["estimate_s"] / r["real_plain_s"] - 1)
+    )
+    assert json.loads((tmp_path / "saved.json").read_text())["median"]["error"] == pytest.approx(
+        r["error"]
+    )
     assert "| median |" in (tmp_path / "saved.md").read_text()

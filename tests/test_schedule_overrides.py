@@ -69,12 +69,21 @@ def submit_flags():
 
 def test_every_submit_flag_is_covered_here():
     every_command = {"home", "redis", "verbose"}  # where state lives, not what a job is
-    assert submit_flags() - {"now", "json", "dry_run"} - every_command == {key for _, key, _ in FLAGS}
+    assert submit_flags() - {"now", "json", "dry_run"} - every_command == {
+        key for _, key, _ in FLAGS
+    }
 
 
 @pytest.mark.parametrize("flags,key,value", FLAGS, ids=[f[0][0] for f in FLAGS])
-def test_a_flag_applies_to_the_registered_schedule(home, tmp_path, monkeypatch,  # noqa: F811
-                                                    capsys, flags, key, value):
+def test_a_flag_applies_to_the_registered_schedule(
+    home,
+    tmp_path,
+    monkeypatch,  # noqa: F811
+    capsys,
+    flags,
+    key,
+    value,
+):
     monkeypatch.chdir(tmp_path)
     assert cli.main(["submit", str(NIGHTLY), *flags]) == cli.EXIT_OK
     value = value.replace("CWD", str(tmp_path)) if isinstance(value, str) else value

@@ -12,8 +12,16 @@ import pytest
 
 from tests.runner_fixtures import cli, fake_models, home, wait_for, workers  # noqa: F401
 from tests.serve_fixtures import (  # noqa: F401
-    CHAT, httpx, job_records, jsonl, lines_of, openai, request_line, servers,
-    stored_files, wait_batch,
+    CHAT,
+    httpx,
+    job_records,
+    jsonl,
+    lines_of,
+    openai,
+    request_line,
+    servers,
+    stored_files,
+    wait_batch,
 )
 
 ChatCompletion = openai.types.chat.ChatCompletion
@@ -34,8 +42,12 @@ def test_batch_round_trip_with_the_openai_client(servers):
     assert client.files.retrieve(source.id).bytes == len(jsonl(lines))
     assert client.files.content(source.id).content == jsonl(lines)
 
-    batch = client.batches.create(input_file_id=source.id, endpoint=CHAT,
-                                  completion_window="24h", metadata={"run": "round-trip"})
+    batch = client.batches.create(
+        input_file_id=source.id,
+        endpoint=CHAT,
+        completion_window="24h",
+        metadata={"run": "round-trip"},
+    )
     assert batch.status == "in_progress" and batch.metadata == {"run": "round-trip"}
     client.files.delete(source.id)  # the batch keeps its own copy of the input
     batch, seen = wait_batch(client, batch.id)
@@ -70,8 +82,9 @@ def test_batch_round_trip_with_the_openai_client(servers):
 def test_completions_endpoint_answers_in_its_own_shape(servers):
     client = servers("--worker").client
     source = upload(client, [request_line("t-1", "once upon", url="/v1/completions")])
-    batch = client.batches.create(input_file_id=source.id, endpoint="/v1/completions",
-                                  completion_window="24h")
+    batch = client.batches.create(
+        input_file_id=source.id, endpoint="/v1/completions", completion_window="24h"
+    )
     batch, _ = wait_batch(client, batch.id)
     [line] = lines_of(client, batch.output_file_id)
     assert Completion.model_validate(line["response"]["body"]).choices[0].text
@@ -93,8 +106,11 @@ def test_cancel_mid_run(servers, monkeypatch):
     client = servers("--worker", "--chunk-size", "2").client
     source = upload(client, [request_line(f"c-{i}", f"prompt {i}") for i in range(30)])
     batch = client.batches.create(input_file_id=source.id, endpoint=CHAT, completion_window="24h")
-    wait_for(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 2,
-             timeout=120, what="two requests done")
+    wait_for(
+        lambda: client.batches.retrieve(batch.id).request_counts.completed >= 2,
+        timeout=120,
+        what="two requests done",
+    )
     cancelling = client.batches.cancel(batch.id)
     assert cancelling.status in ("cancelling", "cancelled")
     batch, seen = wait_batch(client, batch.id)
@@ -109,8 +125,10 @@ def test_cancel_mid_run(servers, monkeypatch):
 def test_list_batches_with_pagination(servers):
     client = servers().client  # no worker: the batches stay in progress
     source = upload(client, [request_line("p")])
-    made = [client.batches.create(input_file_id=source.id, endpoint=CHAT,
-                                  completion_window="24h").id for _ in range(5)]
+    made = [
+        client.batches.create(input_file_id=source.id, endpoint=CHAT, completion_window="24h").id
+        for _ in range(5)
+    ]
     first = client.batches.list(limit=2)
     assert len(first.data) == 2 and first.has_more
     assert [b.id for b in client.batches.list(limit=2)] == list(reversed(made))  # auto-paging
@@ -144,21 +162,33 @@ def test_bad_requests_are_refused_in_openai_shape_and_change_nothing(servers, ho
     refused(lambda: client.batches.create(input_file_id="file-" + "0" * 24, endpoint=CHAT,
                                           completion_window="24h"), "not_found",
             openai.NotFoundError)  # fmt: skip
-    refused(lambda: client.files.create(file=("x.jsonl", jsonl([request_line("a")])),
-                                        purpose="fine-tune"), "invalid_purpose")
-    refused(lambda: upload(client, [request_line(f"n-{i}") for i in range(4)]),
-            "too_many_requests")
+    refused(
+        lambda: client.files.create(
+            file=("x.jsonl", jsonl([request_line("a")])), purpose="fine-tune"
+        ),
+        "invalid_purpose",
+    )
+    refused(lambda: upload(client, [request_line(f"n-{i}") for i in range(4)]), "too_many_requests")
     refused(lambda: upload(client, [request_line("big", "word " * 500)]), "file_too_large")
     refused(lambda: upload(client, [request_line("a"), "{not json"]), "invalid_jsonl")
     refused(lambda: upload(client, ["[1, 2]"]), "invalid_jsonl")
-    body = refused(lambda: upload(client, [request_line("same"), request_line("same")]),
-                   "duplicate_custom_id")
+    body = refused(
+        lambda: upload(client, [request_line("same"), request_line("same")]), "duplicate_custom_id"
+    )
     assert "line 2" in body["message"] and "line 1" in body["message"]
     refused(lambda: upload(client, []), "empty_file")
-    refused(lambda: client.batches.create(input_file_id=good.id, endpoint="/v1/embeddings",
-                                          completion_window="24h"), "unsupported_endpoint")
-    refused(lambda: client.batches.create(input_file_id=good.id, endpoint=CHAT,
-                                          completion_window="48h"), "invalid_completion_window")
+    refused(
+        lambda: client.batches.create(
+            input_file_id=good.id, endpoint="/v1/embeddings", completion_window="24h"
+        ),
+        "unsupported_endpoint",
+    )
+    refused(
+        lambda: client.batches.create(
+            input_file_id=good.id, endpoint=CHAT, completion_window="48h"
+        ),
+        "invalid_completion_window",
+    )
     for name in ("../../escape.jsonl", "a/b.jsonl", "..", "a\\b.jsonl"):
         refused(lambda: upload(client, [request_line("a")], name=name), "invalid_file_name")
 
@@ -220,8 +250,11 @@ def test_batch_completes_after_its_worker_is_killed(servers, workers, home, monk
     source = upload(client, [request_line(i, f"prompt {i}") for i in ids])
     batch = client.batches.create(input_file_id=source.id, endpoint=CHAT, completion_window="24h")
     first = workers()
-    wait_for(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 3,
-             timeout=120, what="a few requests done")
+    wait_for(
+        lambda: client.batches.retrieve(batch.id).request_counts.completed >= 3,
+        timeout=120,
+        what="a few requests done",
+    )
     first.kill9()
     assert client.batches.retrieve(batch.id).status == "in_progress"
     workers()

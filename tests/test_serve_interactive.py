@@ -14,7 +14,16 @@ import pytest
 
 from tests.fake_engine import FakeEngine, words_for
 from tests.runner_fixtures import fake_models, home, wait_for  # noqa: F401
-from tests.serve_fixtures import CHAT, httpx, jsonl, lines_of, openai, request_line, servers, wait_batch  # noqa: F401
+from tests.serve_fixtures import (
+    CHAT,
+    httpx,
+    jsonl,
+    lines_of,
+    openai,
+    request_line,
+    servers,
+    wait_batch,
+)  # noqa: F401
 
 MESSAGES = [{"role": "user", "content": "tell me about ducks"}]
 
@@ -52,12 +61,19 @@ def test_completions_endpoint_and_n_samples(servers):
     assert [c.index for c in answer.choices] == [0, 1]
     assert all(c.text == _expected("once upon a time", 5) for c in answer.choices)
     assert answer.object == "text_completion" and answer.usage.completion_tokens == 10
-    streamed = "".join(c.choices[0].text for c in client.completions.create(
-        model="m", prompt="once upon a time", max_tokens=5, stream=True) if c.choices)
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(
+            model="m", prompt="once upon a time", max_tokens=5, stream=True
+        )
+        if c.choices
+    )
     assert streamed == _expected("once upon a time", 5)
 
 
-def test_interactive_request_is_answered_while_a_batch_job_runs(servers, home, tmp_path, monkeypatch):
+def test_interactive_request_is_answered_while_a_batch_job_runs(
+    servers, home, tmp_path, monkeypatch
+):
     hold = tmp_path / "hold"
     hold.touch()  # the worker's batch steps wait while this exists
     monkeypatch.setenv("FAKE_ENGINE_HOLD", str(hold))
@@ -75,7 +91,9 @@ def test_interactive_request_is_answered_while_a_batch_job_runs(servers, home, t
     assert client.batches.retrieve(batch.id).request_counts.completed < 6
     status = httpx.get(f"{server.url}/status.json").json()
     assert status["interactive"]["requests"] == 1
-    assert server.log().count("loading the served model") == 1  # one engine for the job and the request
+    assert (
+        server.log().count("loading the served model") == 1
+    )  # one engine for the job and the request
     hold.unlink()
     batch, _ = wait_batch(client, batch.id)
     assert batch.status == "completed", server.log()
@@ -100,11 +118,15 @@ def test_bad_requests_get_openai_shaped_errors(servers):
         r = httpx.post(f"{server.url}/v1/chat/completions", content=raw,
                        headers={"content-type": "application/json"})  # fmt: skip
         assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
-    r = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": MESSAGES, "stream": "yes"})
+    r = httpx.post(
+        f"{server.url}/v1/chat/completions", json={"messages": MESSAGES, "stream": "yes"}
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == "stream"
     # an empty prompt is the engine's refusal, in the same shape
     with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "   "}], max_tokens=3)
+        client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "   "}], max_tokens=3
+        )
 
 
 def test_the_api_key_rule_covers_interactive_requests(servers):
@@ -138,17 +160,24 @@ def test_the_fake_engine_streams_what_it_completes():
     from dflash_batch.request import Options, Request
 
     pieces, inbox = [], Inbox()
-    ticket = Ticket(Request("t", "a prompt here", Options(max_tokens=5)), on_piece=lambda k, p: pieces.append(p))
+    ticket = Ticket(
+        Request("t", "a prompt here", Options(max_tokens=5)), on_piece=lambda k, p: pieces.append(p)
+    )
     inbox.put(ticket)
     assert list(FakeEngine().generate_requests([], inbox=inbox)) == []
-    assert "".join(p.text for p in pieces) == ticket.outcomes[0].text == _expected("a prompt here", 5)
+    assert (
+        "".join(p.text for p in pieces) == ticket.outcomes[0].text == _expected("a prompt here", 5)
+    )
 
 
-@pytest.mark.skipif(os.environ.get("DFLASH_BATCH_ENGINE") is not None, reason="needs the real engine")
+@pytest.mark.skipif(
+    os.environ.get("DFLASH_BATCH_ENGINE") is not None, reason="needs the real engine"
+)
 def test_tiny_pair_answers_equal_the_engines_own_output(tiny_pair, home, tmp_path):
     """The real engine behind the server: greedy answers (whole and streamed) are token for token
     what ``Engine.generate`` gives for the same prompt."""
     from dflash_batch.engine import load_engine
+
     from tests.serve_fixtures import Server
 
     target, draft = map(str, tiny_pair)
@@ -159,8 +188,13 @@ def test_tiny_pair_answers_equal_the_engines_own_output(tiny_pair, home, tmp_pat
         client = server.client
         whole = client.completions.create(model="m", prompt="The sea is", max_tokens=12)
         assert whole.choices[0].text == want
-        streamed = "".join(c.choices[0].text for c in client.completions.create(
-            model="m", prompt="The sea is", max_tokens=12, stream=True) if c.choices)
+        streamed = "".join(
+            c.choices[0].text
+            for c in client.completions.create(
+                model="m", prompt="The sea is", max_tokens=12, stream=True
+            )
+            if c.choices
+        )
         assert streamed == want
         # the drafter is attached (whether it drafts is the timed width policy's choice: not
         # asserted)
@@ -180,12 +214,16 @@ def test_limits_queue_length_and_max_tokens_cap(tmp_path):
     from dflash_batch.server.resident import Resident
 
     def app(limit, **overrides):
-        resident = Resident(lambda **model: FakeEngine(), served_spec(overrides).model, inbox=Inbox(limit))
+        resident = Resident(
+            lambda **model: FakeEngine(), served_spec(overrides).model, inbox=Inbox(limit)
+        )
         return TestClient(create_app(tmp_path, submit=None, overrides=overrides, resident=resident))
 
     r = app(0).post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 3})
     assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limit_exceeded"
-    r = app(8, max_tokens_cap=3).post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 50})
+    r = app(8, max_tokens_cap=3).post(
+        "/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 50}
+    )
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["content"] == _expected(MESSAGES, 3)
     assert r.json()["usage"]["completion_tokens"] == 3

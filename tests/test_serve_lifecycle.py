@@ -36,8 +36,9 @@ def served(home):  # noqa: F811
 
 def make_batch(client, n: int) -> dict:
     lines = [request_line(f"r-{i}", f"prompt {i}") for i in range(n)]
-    answer = client.post("/v1/files", data={"purpose": "batch"},
-                         files={"file": ("in.jsonl", jsonl(lines))})
+    answer = client.post(
+        "/v1/files", data={"purpose": "batch"}, files={"file": ("in.jsonl", jsonl(lines))}
+    )
     assert answer.status_code == 200, answer.text
     body = {"input_file_id": answer.json()["id"], "endpoint": CHAT, "completion_window": "24h"}
     batch = client.post("/v1/batches", json=body).json()
@@ -124,8 +125,12 @@ def test_metadata_and_list_parameters_are_checked(served, home):  # noqa: F811
     file_id = batch["input_file_id"]
     too_many = {f"k{i}": "v" for i in range(17)}
     for metadata in (too_many, {"k": 1}, ["k"], {"k" * 65: "v"}):
-        body = {"input_file_id": file_id, "endpoint": CHAT, "completion_window": "24h",
-                "metadata": metadata}
+        body = {
+            "input_file_id": file_id,
+            "endpoint": CHAT,
+            "completion_window": "24h",
+            "metadata": metadata,
+        }
         answer = client.post("/v1/batches", json=body)
         assert answer.status_code == 400 and answer.json()["error"]["param"] == "metadata"
     for query in ("limit=0", "limit=101", "limit=x", "after=batch_nothing"):

@@ -15,7 +15,11 @@ import pytest
 from dflash_batch import api
 from tests.runner_fixtures import fake_models, home  # noqa: F401
 from tests.serve_fixtures import (  # noqa: F401
-    CHAT, jsonl, request_line, servers, wait_batch,
+    CHAT,
+    jsonl,
+    request_line,
+    servers,
+    wait_batch,
 )
 
 TestClient = pytest.importorskip("starlette.testclient").TestClient
@@ -26,8 +30,11 @@ def test_page_reloads_itself_while_a_job_waits(home):  # noqa: F811
     from dflash_batch.server.app import create_app
 
     client = TestClient(create_app(home, submit=api.submit))
-    answer = client.post("/v1/files", data={"purpose": "batch"},
-                         files={"file": ("in.jsonl", jsonl([request_line("w-1")]))})
+    answer = client.post(
+        "/v1/files",
+        data={"purpose": "batch"},
+        files={"file": ("in.jsonl", jsonl([request_line("w-1")]))},
+    )
     body = {"input_file_id": answer.json()["id"], "endpoint": CHAT, "completion_window": "24h"}
     batch = client.post("/v1/batches", json=body).json()
     html = client.get("/").text
@@ -54,8 +61,14 @@ def artifacts(tmp_path_factory) -> Path:
 
 
 def headless(program: str, *args: str) -> subprocess.CompletedProcess:
-    flags = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-             "--hide-scrollbars", "--window-size=1400,400")
+    flags = (
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--hide-scrollbars",
+        "--window-size=1400,400",
+    )
     return subprocess.run([program, *flags, *args], capture_output=True, timeout=120)
 
 
@@ -63,8 +76,10 @@ def test_page_in_a_headless_browser(servers, tmp_path_factory):
     program = browser()
     server = servers("--worker")
     client = server.client
-    source = client.files.create(file=("in.jsonl", jsonl([request_line(f"b-{i}", f"p {i}", 9)
-                                                          for i in range(4)])), purpose="batch")
+    source = client.files.create(
+        file=("in.jsonl", jsonl([request_line(f"b-{i}", f"p {i}", 9) for i in range(4)])),
+        purpose="batch",
+    )
     batch = client.batches.create(input_file_id=source.id, endpoint=CHAT, completion_window="24h")
     batch, _ = wait_batch(client, batch.id)
     dom = headless(program, "--dump-dom", server.url + "/")

@@ -7,15 +7,16 @@ from __future__ import annotations
 import json
 import re
 
+from dflash_batch.engine import load_engine
+from dflash_batch.engine.grammar import Grammars
+
 import jsonschema
-import numpy as np
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from dflash_batch import constraints
 from dflash_batch.completion import GenerationError
-from dflash_batch.engine import load_engine
-from dflash_batch.engine.grammar import Grammars
 from tests.scripting import ScriptedDrafts
 
 PERSON = {
@@ -31,7 +32,10 @@ PERSON = {
 }
 POINT = {
     "type": "object",
-    "properties": {"x": {"type": "integer", "minimum": -9, "maximum": 9}, "label": {"enum": ["p", "q"]}},
+    "properties": {
+        "x": {"type": "integer", "minimum": -9, "maximum": 9},
+        "label": {"enum": ["p", "q"]},
+    },
     "required": ["x", "label"],
     "additionalProperties": False,
 }
@@ -46,7 +50,13 @@ FORMATS = [
     ("person", schema_format(PERSON)),
     ("point", schema_format(POINT)),
     ("regex", {"type": "regex", "regex": REGEX}),
-    ("grammar", {"type": "grammar", "grammar": 'start: "(" item ("," item){0,3} ")"\nitem: /[0-9]{1,2}/ | "x"'}),
+    (
+        "grammar",
+        {
+            "type": "grammar",
+            "grammar": 'start: "(" item ("," item){0,3} ")"\nitem: /[0-9]{1,2}/ | "x"',
+        },
+    ),
 ]
 PROMPTS = ["Hi", "Tell me a story about the sea.", "Give the data as JSON:"]
 
@@ -63,7 +73,9 @@ def check(kind, text):
 
 @pytest.fixture(scope="module")
 def engines(tiny_pair):
-    return load_engine(str(tiny_pair[0]), str(tiny_pair[1]), adaptive_block=False), load_engine(str(tiny_pair[0]), draft=None)
+    return load_engine(str(tiny_pair[0]), str(tiny_pair[1]), adaptive_block=False), load_engine(
+        str(tiny_pair[0]), draft=None
+    )
 
 
 def test_constrained_greedy_equals_plain_constrained_greedy(engines, monkeypatch):
@@ -98,7 +110,9 @@ def test_constrained_greedy_equals_plain_constrained_greedy(engines, monkeypatch
         ref = plain.generate(ids, max_tokens=80, response_format=rf)
         scripted(ids + ref.token_ids + [0] * 16, p_wrong=0.0)
         try:
-            diverged += spec.generate(ids, max_tokens=80, response_format=rf).token_ids != ref.token_ids
+            diverged += (
+                spec.generate(ids, max_tokens=80, response_format=rf).token_ids != ref.token_ids
+            )
         except RuntimeError:  # the grammar refused what the unwalked masks let through
             diverged += 1
     assert diverged == 2
@@ -110,9 +124,17 @@ def test_sampled_outputs_validate_and_rows_mix_in_one_batch(engines):
     spec, plain = engines
     rows = []
     for i, (kind, rf) in enumerate(FORMATS * 2):
-        rows.append((kind, PROMPTS[i % 3], dict(response_format=rf, temperature=1.0 if i >= 4 else 0.0, top_p=0.95)))
+        rows.append(
+            (
+                kind,
+                PROMPTS[i % 3],
+                dict(response_format=rf, temperature=1.0 if i >= 4 else 0.0, top_p=0.95),
+            )
+        )
     rows.append((None, "Hi", dict(temperature=0.7)))
-    requests = [spec.request(p, 80, seed=100 + i, index=i, **kw) for i, (_, p, kw) in enumerate(rows)]
+    requests = [
+        spec.request(p, 80, seed=100 + i, index=i, **kw) for i, (_, p, kw) in enumerate(rows)
+    ]
     together = dict(spec.run(requests, batch_size=len(rows)))
     for i, (kind, prompt, kw) in enumerate(rows):
         alone = plain.generate(prompt, max_tokens=80, seed=100 + i, **kw)
@@ -121,8 +143,13 @@ def test_sampled_outputs_validate_and_rows_mix_in_one_batch(engines):
             assert together[i].finish_reason == "stop", together[i].text
             check(kind, together[i].text)
     for seed in range(6):  # sampled person records, all valid
-        c = spec.generate("Give the data as JSON:", max_tokens=80, temperature=1.5, seed=seed,
-                          response_format=schema_format(PERSON))
+        c = spec.generate(
+            "Give the data as JSON:",
+            max_tokens=80,
+            temperature=1.5,
+            seed=seed,
+            response_format=schema_format(PERSON),
+        )
         check("person", c.text)
 
 
@@ -167,12 +194,19 @@ def test_constrained_rows_draft_along_their_grammar(tiny_pair, monkeypatch):
         seen.clear()
         for kind, rf in FORMATS:
             c = spec.generate("Give the data as JSON:", max_tokens=60, response_format=rf)
-            assert c.token_ids == plain.generate("Give the data as JSON:", max_tokens=60, response_format=rf).token_ids
+            assert (
+                c.token_ids
+                == plain.generate(
+                    "Give the data as JSON:", max_tokens=60, response_format=rf
+                ).token_ids
+            )
         return sum(v for v, _ in seen) / sum(n for _, n in seen)
 
     walked = share()
     assert walked > 0.6, walked  # the rest: drafts past the end of a complete output
-    monkeypatch.setattr(Grammars, "draft", lambda self, matchers, ids, logits: [[] for _ in matchers])  # negative control
+    monkeypatch.setattr(
+        Grammars, "draft", lambda self, matchers, ids, logits: [[] for _ in matchers]
+    )  # negative control
     assert share() < 0.3
 
 
@@ -194,7 +228,9 @@ def test_masks_stay_packed_and_apply_bit_for_bit(engines):
     logits = mx.zeros((2, len(drafts) + 1, V))
     allowed = np.isfinite(np.array(masked(logits, packed)))
     assert allowed[0].all()  # the row without a grammar allows everything
-    for tok in range(min(V, spec.tokenizer.vocab_size)):  # position 0: what the fresh matcher accepts
+    for tok in range(
+        min(V, spec.tokenizer.vocab_size)
+    ):  # position 0: what the fresh matcher accepts
         assert allowed[1, 0, tok] == (m.validate_tokens([tok]) == 1), tok
 
     rng = np.random.default_rng(0)
@@ -217,7 +253,9 @@ def test_positions_past_a_forbidden_draft_cost_no_mask_and_the_stop_stays_masked
     spec, _ = engines
     grammars = spec.grammars
     m = grammars.matcher(constraints.grammar(FORMATS[2][1]))  # [A-Z][a-z]{1,5}-[0-9]{2,3}
-    upper, bad, lower = (spec.tokenizer.encode(t, add_special_tokens=False) for t in ("A", "9", "b"))
+    upper, bad, lower = (
+        spec.tokenizer.encode(t, add_special_tokens=False) for t in ("A", "9", "b")
+    )
     assert len(upper) == len(bad) == len(lower) == 1
     drafts = upper + bad + lower  # "9" after "A" is forbidden
     T = len(drafts) + 1
@@ -234,12 +272,13 @@ def test_structured_benchmark_runs_on_a_random_weight_shape(capsys):
     each grammar piece per cycle."""
     from benchmarks import structured
 
-    out = structured.main(["--shape", "qwen3-tiny", "--reps", "1", "--max-tokens", "24", "--pieces", "2"])
+    out = structured.main(
+        ["--shape", "qwen3-tiny", "--reps", "1", "--max-tokens", "24", "--pieces", "2"]
+    )
     assert out["shape"] == "qwen3-tiny" and out["vocab"] == 512
     assert out["tokens_per_cycle"]["constrained"] == out["tokens_per_cycle"]["unconstrained"]
     assert out["ratio"] > 0
     assert set(out["host_ms_per_cycle"][2]) == {"fetch", "masks", "apply", "commit"}
-
 
 
 def test_drafts_are_queued_on_their_own_before_the_verify_pass(engines, monkeypatch):
@@ -262,5 +301,9 @@ def test_drafts_are_queued_on_their_own_before_the_verify_pass(engines, monkeypa
     assert c.token_ids == plain.generate("Hi", max_tokens=12, response_format=rf).token_ids
     V = spec.target.vocab_size
     # b: the logits of a drafting cycle (T > 1; a plain cycle has no drafts to queue)
-    pairs = [(a, b) for a, b in zip(calls, calls[1:]) if len(b) == 1 and b[0][0][-1] == V and b[0][0][1] > 1]
+    pairs = [
+        (a, b)
+        for a, b in zip(calls, calls[1:])
+        if len(b) == 1 and b[0][0][-1] == V and b[0][0][1] > 1
+    ]
     assert pairs and all(a == [((1, b[0][0][1] - 1), mx.int32)] for a, b in pairs), calls

@@ -9,19 +9,26 @@ import subprocess
 import sys
 import textwrap
 
+from dflash_batch.engine import load_engine
+from dflash_batch.engine.grammar import Grammars
+
 import pandas as pd
 import pytest
 
 from dflash_batch import checks, constraints
 from dflash_batch.checks import BadValue
 from dflash_batch.completion import Completion
-from dflash_batch.engine import load_engine
-from dflash_batch.engine.grammar import Grammars
 from dflash_batch.request import Options, Request
 from dflash_batch.runner.items import read_items
 from dflash_batch.runner.spec import SpecError, load_spec
 from tests.runner_fixtures import (  # noqa: F401
-    REPO, cli, fake_models, home, wait_for, workers, write_jsonl,
+    REPO,
+    cli,
+    fake_models,
+    home,
+    wait_for,
+    workers,
+    write_jsonl,
 )
 
 OK_ROW = {"id": "ok", "prompt": "Say hi."}

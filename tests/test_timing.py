@@ -4,6 +4,7 @@ the widths an adaptive engine chooses, and what tests assert of them, hang on no
 from __future__ import annotations
 
 from dflash_batch.engine import load_engine, warmup
+
 from tests.helpers import fixed_costs
 
 

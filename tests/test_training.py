@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 import shutil
 
+from dflash_batch.engine import Engine, load_drafter
+from dflash_batch.engine.models import drafter as drafter_model
+from dflash_batch.engine.models import loading
+
 import mlx.core as mx
 import numpy as np
 import pytest
 
-from dflash_batch.engine import Engine, load_drafter
-from dflash_batch.engine.models import drafter as drafter_model, loading
 from dflash_batch.training import cli, export, objective, prompts
 from dflash_batch.training.trainer import pick_mask_token
 from tests import synthetic
@@ -20,7 +22,9 @@ def test_packed_forward_equals_inference_forward():
     """Every anchor block of the packed training pass equals the engine's drafter call with a
     fresh cache holding exactly the context before the anchor."""
     target = synthetic.tiny_llama_config(layers=4)
-    cfg = export.drafter_config(target, layers=2, block_size=8, mask_token_id=3, target_layer_ids=[1, 2])
+    cfg = export.drafter_config(
+        target, layers=2, block_size=8, mask_token_id=3, target_layer_ids=[1, 2]
+    )
     mx.random.seed(0)
     model = drafter_model.Model(drafter_model.ModelArgs.from_config(cfg))
     H, T = target["hidden_size"], 40
@@ -28,7 +32,9 @@ def test_packed_forward_equals_inference_forward():
     table = mx.random.normal((512, H))
     anchors = mx.array([[5, 17, 30], [1, 9, 33]])
     block = mx.random.randint(0, 512, (2, 3, 8))
-    packed = objective.packed_forward(model, table[block.reshape(2, 24)], context, anchors).reshape(2, 3, 8, H)
+    packed = objective.packed_forward(model, table[block.reshape(2, 24)], context, anchors).reshape(
+        2, 3, 8, H
+    )
     for n in range(2):
         for a in range(3):
             p = anchors[n, a].item()
@@ -43,7 +49,9 @@ def test_batch_blocks_labels_and_weights():
         {"prompt": [1, 2, 3, 4], "answer": [30]},  # no usable anchor
     ]
     B, mask = 4, 99
-    batch = objective.make_batch(samples, np.random.default_rng(0), 3, B, mask, gamma=2.0, max_len=64, pad_to=16)
+    batch = objective.make_batch(
+        samples, np.random.default_rng(0), 3, B, mask, gamma=2.0, max_len=64, pad_to=16
+    )
     assert batch["tokens"].shape == (3, 16)
     decay = np.exp(-np.arange(B - 1) / 2.0)
     for i, s in enumerate(samples):
@@ -57,7 +65,9 @@ def test_batch_blocks_labels_and_weights():
             assert batch["block"][i, a, 0] == seq[p] and (batch["block"][i, a, 1:] == mask).all()
             for k in range(1, B):
                 if p + k < len(seq):
-                    assert batch["labels"][i, a, k - 1] == seq[p + k] and w[k - 1] == pytest.approx(decay[k - 1])
+                    assert batch["labels"][i, a, k - 1] == seq[p + k] and w[k - 1] == pytest.approx(
+                        decay[k - 1]
+                    )
                 else:
                     assert w[k - 1] == 0
 
@@ -140,6 +150,7 @@ def test_train_checkpoint_resume_export(tiny_target, tmp_path, capsys):
 
     # --init starts a new run from the export (dequantized); a drafter of another shape is refused.
     from dflash_batch.engine.models.default_model import plain_drafter_weights
+
     from dflash_batch.training.trainer import TrainConfig, Trainer
 
     _, exported = plain_drafter_weights(out / "drafter", "float32")
@@ -154,19 +165,28 @@ def test_train_checkpoint_resume_export(tiny_target, tmp_path, capsys):
     params = dict(tree_flatten(warm.drafter.parameters()))
     assert params.keys() == exported.keys()
     assert all(mx.array_equal(params[k], exported[k]).item() for k in exported)
-    assert not mx.array_equal(dict(tree_flatten(fresh.drafter.parameters()))["fc.weight"], exported["fc.weight"]).item()
+    assert not mx.array_equal(
+        dict(tree_flatten(fresh.drafter.parameters()))["fc.weight"], exported["fc.weight"]
+    ).item()
     with pytest.raises(ValueError, match="intermediate_size"):
-        Trainer(TrainConfig(**dict(base, intermediate_size=24), init=str(out / "drafter")), log=lambda _: None).setup()
+        Trainer(
+            TrainConfig(**dict(base, intermediate_size=24), init=str(out / "drafter")),
+            log=lambda _: None,
+        ).setup()
 
     # A drafter of more layers grows from it: the export's layer first, the new one the identity,
     # so the grown drafter scores the held-out answers exactly as the export does.
-    grown = Trainer(TrainConfig(**dict(base, layers=2), init=str(out / "drafter")), log=lambda _: None)
+    grown = Trainer(
+        TrainConfig(**dict(base, layers=2), init=str(out / "drafter")), log=lambda _: None
+    )
     grown.setup()
     params = dict(tree_flatten(grown.drafter.parameters()))
     assert all(mx.array_equal(params[k], exported[k]).item() for k in exported)
     assert not mx.any(params["layers.1.self_attn.o_proj.weight"]).item()
     assert not mx.any(params["layers.1.mlp.down_proj.weight"]).item()
-    assert mx.any(params["layers.1.self_attn.q_proj.weight"]).item()  # the rest trains from a random start
+    assert mx.any(
+        params["layers.1.self_attn.q_proj.weight"]
+    ).item()  # the rest trains from a random start
     assert grown.evaluate() == warm.evaluate()
     two_layers = grown.export()
     with pytest.raises(ValueError, match="num_hidden_layers"):  # shrinking is refused
@@ -176,7 +196,9 @@ def test_train_checkpoint_resume_export(tiny_target, tmp_path, capsys):
     longer = [a if a != "4" or argv[i - 1] != "--steps" else "6" for i, a in enumerate(argv)]
     assert cli.main(longer + ["--time-budget", "1e-9"]) == 3
     assert sorted(p.name for p in (out / "checkpoints").iterdir())[-1] == "step-0000005"
-    assert not (out / "drafter" / "draft_vocab.json").exists()  # 16384 by default: the whole tiny vocabulary
+    assert not (
+        out / "drafter" / "draft_vocab.json"
+    ).exists()  # 16384 by default: the whole tiny vocabulary
     assert cli.main(longer + ["--draft-vocab", "64"]) == 0
 
     # The export's draft vocabulary: the 64 tokens its training answers hold most, EOS among them.
@@ -189,7 +211,9 @@ def test_train_checkpoint_resume_export(tiny_target, tmp_path, capsys):
     counts = np.bincount(np.concatenate([s["answer"] for s in train]), minlength=meta["vocab_size"])
     eos = meta["eos_token_ids"]
     others = np.sort(np.delete(counts, eos))[::-1]
-    assert counts[ids].sum() == counts[eos].sum() + others[: 64 - len(eos)].sum()  # no more-written token left out
+    assert (
+        counts[ids].sum() == counts[eos].sum() + others[: 64 - len(eos)].sum()
+    )  # no more-written token left out
     assert vocab["answers"] == len(train) and vocab["answer_tokens"] == counts.sum()
     model3, tok3, cfg3 = loading.load_target(tiny_target)
     cut = Engine(model3, tok3, load_drafter(out / "drafter"), config=cfg3)
@@ -199,13 +223,17 @@ def test_train_checkpoint_resume_export(tiny_target, tmp_path, capsys):
     # --write-draft-vocab adds one to a drafter folder from a run's answers, and trains nothing.
     other = shutil.copytree(out / "drafter", tmp_path / "other")
     (other / "draft_vocab.json").unlink()
-    assert cli.main(["--out", str(out), "--write-draft-vocab", str(other), "--draft-vocab", "32"]) == 0
+    assert (
+        cli.main(["--out", str(out), "--write-draft-vocab", str(other), "--draft-vocab", "32"]) == 0
+    )
     assert len(json.loads((other / "draft_vocab.json").read_text())["token_ids"]) == 32
     assert sorted(p.name for p in (out / "checkpoints").iterdir())[-1] == "step-0000006"
     assert cli.main(["--out", str(out), "--write-draft-vocab", str(tmp_path / "nowhere")]) == 2
 
 
-def test_engine_drafts_equal_the_training_objective(qwen3_target, model_dir, monkeypatch, chain_drafts):
+def test_engine_drafts_equal_the_training_objective(
+    qwen3_target, model_dir, monkeypatch, chain_drafts
+):
     """End to end, training and real decoding feed the drafter the same tensors: at every cycle's
     anchor p (the newest committed token), the engine's draft logits equal ``block_logits`` of the
     training path over the committed sequence (context = ``tapped_hidden`` of a causal pass, rows
@@ -215,18 +243,24 @@ def test_engine_drafts_equal_the_training_objective(qwen3_target, model_dir, mon
     falls short of its teacher-forced one (issue 15)."""
     from dflash_batch.engine import decode
     from dflash_batch.engine.models.target import Target
+
     from dflash_batch.training.trainer import tapped_hidden
+    from tests.helpers import make_drafter
     from tests.scripting import ScriptedDrafts
 
-    from tests.helpers import make_drafter
-
     target_dir = qwen3_target  # two distinct taps: a per-tap change of scale is not normed away
-    draft_dir = make_drafter(model_dir, "draft-qwen3-taps-1-3", synthetic.tiny_qwen3_config(), target_layer_ids=[1, 3])
+    draft_dir = make_drafter(
+        model_dir, "draft-qwen3-taps-1-3", synthetic.tiny_qwen3_config(), target_layer_ids=[1, 3]
+    )
     model, tok, cfg = loading.load_target(target_dir)
     prompt = tok.encode("Count: one two three four")
-    reference = prompt + Engine(model, tok, None, config=cfg).generate(prompt, max_tokens=60).token_ids
+    reference = (
+        prompt + Engine(model, tok, None, config=cfg).generate(prompt, max_tokens=60).token_ids
+    )
     drafter = load_drafter(draft_dir)
-    engine = Engine(model, tok, drafter, config=cfg, adaptive_block=False)  # every cycle drafts the block
+    engine = Engine(
+        model, tok, drafter, config=cfg, adaptive_block=False
+    )  # every cycle drafts the block
     ScriptedDrafts(monkeypatch)(reference, p_wrong=0.2, seed=1)
     real = decode.draft_block
     drafts = []  # (last token, the drafter's own logits [rows, V]) per cycle
@@ -237,7 +271,9 @@ def test_engine_drafts_equal_the_training_objective(qwen3_target, model_dir, mon
         return (ids, logits) if with_logits else ids
 
     monkeypatch.setattr(decode, "draft_block", spy)
-    steps = [p.token_ids for p in engine.stream(prompt, max_tokens=60)]  # the prefill's token, then a step per cycle
+    steps = [
+        p.token_ids for p in engine.stream(prompt, max_tokens=60)
+    ]  # the prefill's token, then a step per cycle
     seq = prompt + [t for s in steps for t in s]
     assert seq == reference[: len(seq)]
     # Cycle i drafts from the newest token committed before it: position P - 1 + len(steps[0..i]).
@@ -248,11 +284,17 @@ def test_engine_drafts_equal_the_training_objective(qwen3_target, model_dir, mon
     B = drafter.args.block_size
     train_target = Target(loading.load_target(target_dir)[0], drafter.args.target_layer_ids)
     context = tapped_hidden(train_target, mx.array([seq]))
-    block = mx.array([[seq[p]] + [drafter.args.mask_token_id] * (B - 1) for p in anchors]).reshape(1, -1)
-    trained = objective.block_logits(drafter, train_target.lm_head, train_target.embed(block), context, mx.array([anchors]))
+    block = mx.array([[seq[p]] + [drafter.args.mask_token_id] * (B - 1) for p in anchors]).reshape(
+        1, -1
+    )
+    trained = objective.block_logits(
+        drafter, train_target.lm_head, train_target.embed(block), context, mx.array([anchors])
+    )
     for i, (_, logits) in enumerate(drafts):
         rows = logits.shape[0]
-        assert mx.allclose(logits, trained[0, i, :rows], atol=1e-4).item(), f"cycle {i} at anchor {anchors[i]}"
+        assert mx.allclose(logits, trained[0, i, :rows], atol=1e-4).item(), (
+            f"cycle {i} at anchor {anchors[i]}"
+        )
 
 
 def test_follow_up_anchors_are_where_decoding_anchors_next():
@@ -269,12 +311,20 @@ def test_follow_up_anchors_are_where_decoding_anchors_next():
     for a, n in enumerate(accepted):
         for k in range(3):
             logits[0, a, k, host["labels"][0, a, k] if k < n else 0] = 1.0
-    got = objective.accepted_drafts(mx.array(logits), mx.array(host["labels"]), mx.array(host["weights"]))
+    got = objective.accepted_drafts(
+        mx.array(logits), mx.array(host["labels"]), mx.array(host["weights"])
+    )
     assert got.tolist() == [accepted]
-    nxt = objective.follow_up_anchors(host["anchors"], np.array(got), host["weights"][..., 0] > 0, lengths)
+    nxt = objective.follow_up_anchors(
+        host["anchors"], np.array(got), host["weights"][..., 0] > 0, lengths
+    )
     assert nxt.tolist() == [[2 + 3 + 1, 9 + 1 + 1, 15 + 0 + 1, -1]]
-    late = objective.follow_up_anchors(np.array([[17, 18]]), np.array([[1, 0]]), np.array([[True, True]]), lengths)
-    assert late.tolist() == [[-1, 19 if 19 + 1 < 20 else -1]]  # 19 is the last token: no label after it
+    late = objective.follow_up_anchors(
+        np.array([[17, 18]]), np.array([[1, 0]]), np.array([[True, True]]), lengths
+    )
+    assert late.tolist() == [
+        [-1, 19 if 19 + 1 < 20 else -1]
+    ]  # 19 is the last token: no label after it
 
 
 def tiny_run_argv(target, out, *extra: str) -> list:
@@ -311,13 +361,38 @@ def test_follow_anchor_training(tiny_target, tmp_path, capsys):
 
     # --evaluate: the same evaluation of an exported drafter (fp32 here), its shape read from it.
     capsys.readouterr()
-    same = ["--batch-size", "4", "--anchors", "8", "--max-len", "96"]  # what the evaluation draws depends on
-    assert cli.main(["--target", str(tiny_target), "--out", str(out), "--evaluate", str(out / "drafter")] + same) == 0
+    same = [
+        "--batch-size",
+        "4",
+        "--anchors",
+        "8",
+        "--max-len",
+        "96",
+    ]  # what the evaluation draws depends on
+    assert (
+        cli.main(
+            ["--target", str(tiny_target), "--out", str(out), "--evaluate", str(out / "drafter")]
+            + same
+        )
+        == 0
+    )
     got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert got["eval_samples"] == 3
     for k in ("loss", "tau", "acc_pos1", "tau_follow"):
         assert got[k] == pytest.approx(final[k], abs=1e-4), k
-    assert cli.main(["--target", str(tiny_target), "--out", str(out), "--evaluate", str(tmp_path / "nowhere")]) == 2
+    assert (
+        cli.main(
+            [
+                "--target",
+                str(tiny_target),
+                "--out",
+                str(out),
+                "--evaluate",
+                str(tmp_path / "nowhere"),
+            ]
+        )
+        == 2
+    )
 
     trainer = tiny_trainer(tiny_target, out / "data", tmp_path / "spy", follow_anchors=0.25)
     samples = trainer.train_samples[:4]
@@ -327,14 +402,22 @@ def test_follow_anchor_training(tiny_target, tmp_path, capsys):
                                  trainer.meta["mask_token_id"], trainer.cfg.gamma, 96, 96)  # fmt: skip
     assert (np.array(anchors[:, :6]) == drawn["anchors"]).all()  # the drawn six come first
     # Each follow-up: p + (drafts the drafter gets right from p) + 1, for some drawn p.
-    raw = np.where(drawn["weights"][..., 0] > 0, drawn["anchors"], -1)  # -1: the sequence had no anchor
+    raw = np.where(
+        drawn["weights"][..., 0] > 0, drawn["anchors"], -1
+    )  # -1: the sequence had no anchor
     full = objective.blocks_at(drawn["tokens"], drawn["lengths"], raw, trainer.cfg.block_size,
                                trainer.meta["mask_token_id"], trainer.cfg.gamma)  # fmt: skip
     e, a, lab, w = trainer._blocks(full)
-    best = np.array(mx.argmax(objective.block_logits(trainer.drafter, trainer.target.lm_head, e, context, a), axis=-1))
+    best = np.array(
+        mx.argmax(
+            objective.block_logits(trainer.drafter, trainer.target.lm_head, e, context, a), axis=-1
+        )
+    )
     for i in range(4):
         expected = set()
-        for p, guess, label, weight in zip(drawn["anchors"][i], best[i], full["labels"][i], full["weights"][i]):
+        for p, guess, label, weight in zip(
+            drawn["anchors"][i], best[i], full["labels"][i], full["weights"][i]
+        ):
             if weight[0] == 0:
                 expected.add(None)  # no block at p: no follow-up either
                 continue
@@ -371,13 +454,21 @@ def test_distillation_reads_the_targets_own_distribution(tiny_target, tmp_path):
     emb, context, anchors, labels, weights, teacher = trainer._inputs(samples, rng)
     host = objective.make_batch(samples, np.random.default_rng(3), 8, trainer.cfg.block_size,
                                 trainer.meta["mask_token_id"], trainer.cfg.gamma, 96, 96)  # fmt: skip
-    full, _ = trainer.target(mx.array(host["tokens"]), cache=None)  # [N, T, V]: the target's own logits
+    full, _ = trainer.target(
+        mx.array(host["tokens"]), cache=None
+    )  # [N, T, V]: the target's own logits
     B = trainer.cfg.block_size
     has = np.array(weights) > 0
     assert has.sum() > 20
     for shift, same in ((-1, True), (0, False)):  # position p+k-1 predicts x_{p+k}; p+k does not
-        pos = np.clip(host["anchors"][:, :, None] + np.arange(1, B)[None, None, :] + shift, 0, full.shape[1] - 1)
-        want = np.take_along_axis(np.array(full), pos.reshape(4, -1, 1), axis=1).reshape(teacher.shape)
+        pos = np.clip(
+            host["anchors"][:, :, None] + np.arange(1, B)[None, None, :] + shift,
+            0,
+            full.shape[1] - 1,
+        )
+        want = np.take_along_axis(np.array(full), pos.reshape(4, -1, 1), axis=1).reshape(
+            teacher.shape
+        )
         close = np.abs(np.array(teacher) - want).max(axis=-1) < 1e-4
         assert close[has].all() == same
     # The greedy label is the teacher's argmax (the answers are the target's greedy ones).
@@ -391,5 +482,7 @@ def test_distillation_reads_the_targets_own_distribution(tiny_target, tmp_path):
     onehot = mx.where(mx.arange(teacher.shape[-1]) == labels[..., None], 60.0, -60.0)
     assert objective.dflash_loss(*args, onehot, 1.0)[0].item() == pytest.approx(plain, rel=1e-4)
     assert objective.dflash_loss(*args, onehot, 0.5)[0].item() == pytest.approx(plain, rel=1e-4)
-    other = mx.where(mx.arange(teacher.shape[-1]) == (labels[..., None] + 1) % teacher.shape[-1], 60.0, -60.0)
+    other = mx.where(
+        mx.arange(teacher.shape[-1]) == (labels[..., None] + 1) % teacher.shape[-1], 60.0, -60.0
+    )
     assert abs(objective.dflash_loss(*args, other, 1.0)[0].item() - plain) > 0.05

@@ -11,16 +11,24 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from dflash_batch.engine import Engine
+from dflash_batch.engine.models import loading
+
 import mlx.core as mx
 import numpy as np
 import pytest
 
-from dflash_batch.engine import Engine
-from dflash_batch.engine.models import loading
-from dflash_batch.training import cli, corpus, store as store_mod
+from dflash_batch.training import cli, corpus
 from dflash_batch.training import generate as gen
+from dflash_batch.training import store as store_mod
 from dflash_batch.training.store import AnswerStore, prompt_key
-from dflash_batch.training.trainer import TrainConfig, all_prompts, answer_samples, chat_pieces, prompt_order
+from dflash_batch.training.trainer import (
+    TrainConfig,
+    all_prompts,
+    answer_samples,
+    chat_pieces,
+    prompt_order,
+)
 from tests import synthetic
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -69,7 +77,11 @@ def _fake_stdlib(root: Path) -> Path:
                 for j in range(4)
             )
         )
-    (root / "test" / "test_mod.py").write_text('def test_x():\n    """Never read: tests are left out. ' + doc + '"""\n    a = 1\n    b = 2\n    c = 3\n    return a\n')
+    (root / "test" / "test_mod.py").write_text(
+        'def test_x():\n    """Never read: tests are left out. '
+        + doc
+        + '"""\n    a = 1\n    b = 2\n    c = 3\n    return a\n'
+    )
     (root / "pkg" / "broken.py").write_text("def (:\n")  # unparsable: skipped
     return root
 
@@ -144,7 +156,9 @@ def _prompts(folder, n):
     texts = [f"Tell me about item {i} and why it matters." for i in range(n)]
     out = []
     for t in texts:
-        ids = tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True)
+        ids = tok.apply_chat_template(
+            [{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True
+        )
         out.append({"key": prompt_key(ids), "prompt": [int(x) for x in ids]})
     return out, sorted(tok.eos_token_ids)
 
@@ -155,7 +169,9 @@ def test_greedy_answers_equal_the_targets_own_greedy(tiny, tmp_path):
 
     prompts, eos = _prompts(tiny, 3)
     st = AnswerStore(tmp_path / "a", vocab_size=512)
-    got = gen.generate_to_store(_engine(tiny, eos), prompts, st, samples=range(2), max_tokens=16, batch_size=4)
+    got = gen.generate_to_store(
+        _engine(tiny, eos), prompts, st, samples=range(2), max_tokens=16, batch_size=4
+    )
     assert got == {"written": 6, "tokens": got["tokens"], "left": 0, "skipped": 0}
     model, _ = mlx_load(str(tiny))
     answers = st.answers()
@@ -177,7 +193,15 @@ def test_sampled_answers_follow_the_target_distribution(tiny, tmp_path):
     p = prompts[0]
     st = AnswerStore(tmp_path / "a", vocab_size=512)
     n, temp = 1500, 0.7
-    gen.generate_to_store(_engine(tiny, eos), prompts, st, samples=range(1, n + 1), temperature=temp, max_tokens=1, batch_size=64)
+    gen.generate_to_store(
+        _engine(tiny, eos),
+        prompts,
+        st,
+        samples=range(1, n + 1),
+        temperature=temp,
+        max_tokens=1,
+        batch_size=64,
+    )
     firsts = Counter(r.tokens[0] if r.tokens else eos[0] for r in st.records())
     model = loading.load_target(tiny)[0]
     logits = model(mx.array(p["prompt"])[None])[0, -1].astype(mx.float32)
@@ -205,7 +229,7 @@ from dflash_batch.engine import Engine
 from dflash_batch.engine.models import loading
 from dflash_batch.training import generate as gen
 from dflash_batch.training.store import AnswerStore
-prompts, eos = json.load(open({str(tmp_path / 'prompts.json')!r}))
+prompts, eos = json.load(open({str(tmp_path / "prompts.json")!r}))
 model, tok, config = loading.load_target({str(tiny)!r})
 engine = Engine(model, gen.IdsTokenizer(eos), None, config=config)
 gen.generate_to_store(engine, prompts, AnswerStore({str(folder)!r}, 512), range(2), 0.7, 24, window=4, batch_size=2)
@@ -227,12 +251,16 @@ gen.generate_to_store(engine, prompts, AnswerStore({str(folder)!r}, 512), range(
     assert 0 < before < 48, "the kill should land mid-run"
     with st.shards()[0].open("ab") as f:
         f.write(b"DFA1\x01\x02")  # a torn record, as a kill mid-write leaves
-    got = gen.generate_to_store(_engine(tiny, eos), prompts, st, range(2), 0.7, 24, window=4, batch_size=2)
+    got = gen.generate_to_store(
+        _engine(tiny, eos), prompts, st, range(2), 0.7, 24, window=4, batch_size=2
+    )
     assert got["written"] == 48 - before and got["left"] == 0
     raw = [r for shard in st.shards() for r in store_mod._scan(shard, st.dtype)[0]]
     assert len(raw) == 48 and len({(r.key, r.sample) for r in raw}) == 48  # no duplicates, no loss
     ref = AnswerStore(tmp_path / "ref", 512)
-    gen.generate_to_store(_engine(tiny, eos), prompts, ref, range(2), 0.7, 24, window=4, batch_size=2)
+    gen.generate_to_store(
+        _engine(tiny, eos), prompts, ref, range(2), 0.7, 24, window=4, batch_size=2
+    )
     mine, theirs = st.answers(), ref.answers()
     assert {k: v.tokens for k, v in mine.items()} == {k: v.tokens for k, v in theirs.items()}
 
@@ -240,9 +268,13 @@ gen.generate_to_store(engine, prompts, AnswerStore({str(folder)!r}, 512), range(
 def test_time_budget_stops_and_resumes(tiny, tmp_path):
     prompts, eos = _prompts(tiny, 6)
     st = AnswerStore(tmp_path / "a", 512)
-    got = gen.generate_to_store(_engine(tiny, eos), prompts, st, range(1), max_tokens=8, deadline=time.perf_counter())
+    got = gen.generate_to_store(
+        _engine(tiny, eos), prompts, st, range(1), max_tokens=8, deadline=time.perf_counter()
+    )
     assert got == {"written": 0, "tokens": 0, "left": 6, "skipped": 0} and not st.shards()
-    got = gen.generate_to_store(_engine(tiny, eos), prompts, st, range(1), max_tokens=8, window=2, batch_size=2)
+    got = gen.generate_to_store(
+        _engine(tiny, eos), prompts, st, range(1), max_tokens=8, window=2, batch_size=2
+    )
     assert got["left"] == 0 and len(st.done()) == 6
 
 
@@ -253,7 +285,11 @@ def test_self_written_user_turns(tiny, tmp_path):
     # A turn spliced in as ids is exactly the template's encoding of the conversation.
     text = "How do tides work?"
     turn = tok.encode(text, add_special_tokens=False)
-    assert gen.turn_prompt(chat, turn) == list(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True))
+    assert gen.turn_prompt(chat, turn) == list(
+        tok.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+        )
+    )
     eos = set(tok.eos_token_ids) | set(chat["turn_suffix"][:1])
     st = AnswerStore(tmp_path / "turns", 512)
     got = gen.sample_user_turns(_engine(tiny, eos), chat, st, 40, max_tokens=12, batch_size=8)
@@ -269,12 +305,23 @@ def test_self_written_user_turns(tiny, tmp_path):
     made = gen.self_prompts(st, chat, chat["special_ids"])
     ids = [tuple(p["prompt"]) for p in made]
     assert len(ids) == len(set(ids)) and tuple(gen.turn_prompt(chat, turn)) in ids
-    assert not any(tuple(gen.turn_prompt(chat, t)) in ids for t in ([turn[0]] * 12, turn + [chat["special_ids"][0]]))
-    assert all(p["source"].startswith("self:") and p["key"] == prompt_key(p["prompt"]) for p in made)
+    assert not any(
+        tuple(gen.turn_prompt(chat, t)) in ids
+        for t in ([turn[0]] * 12, turn + [chat["special_ids"][0]])
+    )
+    assert all(
+        p["source"].startswith("self:") and p["key"] == prompt_key(p["prompt"]) for p in made
+    )
     # Held out by source (the turn): 40 distinct turns at 25 % put some on each side.
     with st.open_writer() as w:
         for i in range(40):
-            w.append(key, 100 + i, turn + tok.encode(f" number {i} please", add_special_tokens=False), True, 1.0)
+            w.append(
+                key,
+                100 + i,
+                turn + tok.encode(f" number {i} please", add_special_tokens=False),
+                True,
+                1.0,
+            )
     made = gen.self_prompts(st, chat, chat["special_ids"], eval_percent=25)
     assert {p["split"] for p in made} == {"train", "eval"}
     assert all((p["split"] == "eval") == corpus.is_held_out(p["source"], 25) for p in made)
@@ -293,7 +340,9 @@ def test_train_drafter_generates_resumes_and_trains_from_the_store(tiny, tmp_pat
     out = tmp_path / "run"
     base = ["--target", str(tiny), "--out", str(out), "--prompts", "12", "--eval-percent", "25", "--max-answer-tokens", "12",
             "--gen-batch", "8", "--samples", "1", "--self-prompts", "6"]  # fmt: skip
-    assert cli.main(base + ["--generate-only", "--gen-time-budget", "1e-9"]) == 3  # budget spent: some left
+    assert (
+        cli.main(base + ["--generate-only", "--gen-time-budget", "1e-9"]) == 3
+    )  # budget spent: some left
     assert cli.main(base + ["--generate-only"]) == 0
     data = out / "data"
     meta = json.loads((data / "meta.json").read_text())
@@ -331,15 +380,33 @@ def test_sweep_trains_each_configuration_once_and_writes_the_curve(tiny, tmp_pat
             "--decode-tokens", "8"]  # fmt: skip
     assert sweep.main(args + ["--call-budget", "1"]) == 3  # no time for any run: both left
     assert sweep.main(args) == 0
-    rows = [json.loads(line) for line in (tmp_path / "sweep" / "curve.jsonl").read_text().splitlines()]
-    assert [(r["answers"], r["layers"], r["block_size"], r["steps"]) for r in rows] == [(6, 1, 4, 2), (12, 1, 4, 2)]
-    assert all(0 < r["final_eval"]["tau"] for r in rows) and "| 6 |" in (tmp_path / "sweep" / "curve.md").read_text()
-    assert all(1 <= r["decode"]["prompts"] <= 3 and r["decode"]["cycles"] > 0 and r["decode"]["tokens_per_cycle"] >= 1 for r in rows)
+    rows = [
+        json.loads(line) for line in (tmp_path / "sweep" / "curve.jsonl").read_text().splitlines()
+    ]
+    assert [(r["answers"], r["layers"], r["block_size"], r["steps"]) for r in rows] == [
+        (6, 1, 4, 2),
+        (12, 1, 4, 2),
+    ]
+    assert (
+        all(0 < r["final_eval"]["tau"] for r in rows)
+        and "| 6 |" in (tmp_path / "sweep" / "curve.md").read_text()
+    )
+    assert all(
+        1 <= r["decode"]["prompts"] <= 3
+        and r["decode"]["cycles"] > 0
+        and r["decode"]["tokens_per_cycle"] >= 1
+        for r in rows
+    )
     logs = sorted((tmp_path / "sweep").glob("*/train.log.jsonl"))
     stamps = [p.stat().st_mtime_ns for p in logs]
     assert sweep.main(args) == 0  # a finished run is not trained again
     assert [p.stat().st_mtime_ns for p in logs] == stamps
-    assert sweep.configurations([5, 50], [2, 4], [8, 16], False) == [(5, 4, 16), (50, 2, 16), (50, 4, 8), (50, 4, 16)]
+    assert sweep.configurations([5, 50], [2, 4], [8, 16], False) == [
+        (5, 4, 16),
+        (50, 2, 16),
+        (50, 4, 8),
+        (50, 4, 16),
+    ]
 
 
 def test_a_prompt_the_engine_refuses_is_skipped_and_named(tiny, tmp_path):
@@ -348,7 +415,9 @@ def test_a_prompt_the_engine_refuses_is_skipped_and_named(tiny, tmp_path):
     long = [5] * engine.max_context  # as long as the target's context: refused
     prompts.append({"id": "too-long", "key": prompt_key(long), "prompt": long})
     said = []
-    got = gen.generate_to_store(engine, prompts, AnswerStore(tmp_path / "a", 512), [0], max_tokens=4, log=said.append)
+    got = gen.generate_to_store(
+        engine, prompts, AnswerStore(tmp_path / "a", 512), [0], max_tokens=4, log=said.append
+    )
     assert got["written"] == 2 and got["skipped"] == 1 and got["left"] == 0
     assert any("too-long" in s and "context" in s for s in said)
 
@@ -361,7 +430,9 @@ def test_generation_with_a_drafter_stores_the_same_greedy_answers(tiny_pair, tmp
     model, _, config = loading.load_target(target)
     stores = {}
     for name, path in (("plain", None), ("dflash", str(drafter))):
-        engine = generation_engine(TrainConfig(out=str(tmp_path), gen_drafter=path), model, config, eos)
+        engine = generation_engine(
+            TrainConfig(out=str(tmp_path), gen_drafter=path), model, config, eos
+        )
         assert (engine.drafter is None) == (path is None)
         stores[name] = AnswerStore(tmp_path / name, 512)
         gen.generate_to_store(engine, prompts, stores[name], [0], max_tokens=20, batch_size=3)
@@ -369,7 +440,9 @@ def test_generation_with_a_drafter_stores_the_same_greedy_answers(tiny_pair, tmp
     assert plain == dflash and len(plain) == 3
 
 
-@pytest.mark.parametrize("flag, value", [("--samples", "-1"), ("--sample-temperature", "0"), ("--gen-time-budget", "-5")])
+@pytest.mark.parametrize(
+    "flag, value", [("--samples", "-1"), ("--sample-temperature", "0"), ("--gen-time-budget", "-5")]
+)
 def test_bad_data_flags_are_refused_by_name(tmp_path, capsys, flag, value):
     assert cli.main(["--out", str(tmp_path / "r"), "--generate-only", flag, value]) == 2
     assert flag in capsys.readouterr().err and not (tmp_path / "r").exists()

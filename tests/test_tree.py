@@ -7,18 +7,26 @@ from __future__ import annotations
 import itertools
 import random
 
+from dflash_batch.engine import load_engine, tree
+from dflash_batch.engine.models.target import Target
+from dflash_batch.engine.ops import switch
+from dflash_batch.engine.widths import CostModel, WidthPolicy
+
 import mlx.core as mx
 import numpy as np
 import pytest
 
-from dflash_batch.engine import load_engine, tree
-from dflash_batch.engine.ops import switch
-from dflash_batch.engine.models.target import Target
-from dflash_batch.engine.widths import CostModel, WidthPolicy
 from tests.helpers import (
+    MAX_TOKENS,
+    P_WRONG,
+    PROMPTS_B,
+    TREE_PROMPT,
+    branchy_trees,
+    greedy_reference,
+    prefilled,
+    scripted_batch,
     set_modes,
-    MAX_TOKENS, PROMPTS_B, P_WRONG, TREE_PROMPT, branchy_trees, greedy_reference, prefilled,
-    scripted_batch, tree_pass,
+    tree_pass,
 )
 from tests.scripting import ScriptedDrafts
 
@@ -35,7 +43,9 @@ def _grow(last, ids, logprobs, nodes: int, reach):
     """Each row's tree of at most ``nodes`` nodes, ``reach[b]`` at most (what row b may commit
     beyond its bonus), padded to ``nodes`` + 1: ``best_first`` then ``fit``, as a cycle runs them."""
     capped = [min(int(r), nodes) for r in reach]
-    return tree.fit(tree.best_first(last, ids, logprobs, capped), [r + 1 for r in capped], nodes + 1)
+    return tree.fit(
+        tree.best_first(last, ids, logprobs, capped), [r + 1 for r in capped], nodes + 1
+    )
 
 
 def test_grow_takes_the_best_scoring_prefixes():
@@ -72,7 +82,10 @@ def test_the_top_chain_takes_the_first_nodes():
     logprobs = np.array([[[-0.1, -0.2], [-1.0, -3.0], [-0.5, -4.0]]])
     trees = _grow([99], ids, logprobs, 5, [5])
     assert trees.tokens[0][:4] == [99, 0, 2, 4] and trees.parents[0][:4] == [-1, 0, 1, 2]
-    assert sorted(zip(trees.tokens[0][4:], trees.parents[0][4:])) == [(1, 0), (2, 4)]  # the runner-up and its child
+    assert sorted(zip(trees.tokens[0][4:], trees.parents[0][4:])) == [
+        (1, 0),
+        (2, 4),
+    ]  # the runner-up and its child
     assert tree.order(tree.walk(trees, [[0, 2, 4, 7, 0, 0]]), 6) == [list(range(6))]
 
 
@@ -90,7 +103,9 @@ def test_padding_is_never_walked():
     """A row that may commit nothing past its bonus (reach 0) or one token (reach 1) gets copies
     of its root or first child, which the walk never takes, whatever the target chooses."""
     ids, logprobs = _candidates(np.random.default_rng(1), 3, 2)
-    trees = _grow([7, 7], np.concatenate([ids, ids]), np.concatenate([logprobs, logprobs]), 5, [0, 1])
+    trees = _grow(
+        [7, 7], np.concatenate([ids, ids]), np.concatenate([logprobs, logprobs]), 5, [0, 1]
+    )
     assert trees.depths == [[0] * 6, [0] + [1] * 5]
     every = [7] + [int(i) for i in ids.reshape(-1)]
     for t in every:
@@ -117,11 +132,15 @@ def test_each_node_sees_its_prefix_at_its_positions(tiny_pair, rows):
     for b in range(rows):
         n = lengths.host[b]
         for i in range(len(trees.tokens[b])):
-            alone, alone_lengths = prefilled(target, TREE_PROMPT[: n])
+            alone, alone_lengths = prefilled(target, TREE_PROMPT[:n])
             path = _path(trees, b, i)
             ref_logits, ref_hidden = target.verify(mx.array([path]), alone)
-            np.testing.assert_allclose(np.array(logits[b, i]), np.array(ref_logits[0, -1]), atol=2e-5, rtol=1e-5)
-            np.testing.assert_allclose(np.array(hidden[b, i]), np.array(ref_hidden[0, -1]), atol=2e-5, rtol=1e-5)
+            np.testing.assert_allclose(
+                np.array(logits[b, i]), np.array(ref_logits[0, -1]), atol=2e-5, rtol=1e-5
+            )
+            np.testing.assert_allclose(
+                np.array(hidden[b, i]), np.array(ref_hidden[0, -1]), atol=2e-5, rtol=1e-5
+            )
 
 
 def test_positions_by_index_are_not_a_tree_pass(tiny_pair, monkeypatch):
@@ -150,26 +169,41 @@ def test_reorder_leaves_the_path_where_a_chain_would(tiny_pair):
         alone, _ = prefilled(target, TREE_PROMPT[:n])
         target.verify(mx.array([[BRANCHY.tokens[b][i] for i in path]]), alone)
         for big, small in zip(cache, alone):
-            np.testing.assert_allclose(np.array(big.keys[b, :, : n + len(path)]), np.array(small.keys[0, :, : n + len(path)]),
-                                       atol=2e-5, rtol=1e-5)
+            np.testing.assert_allclose(
+                np.array(big.keys[b, :, : n + len(path)]),
+                np.array(small.keys[0, :, : n + len(path)]),
+                atol=2e-5,
+                rtol=1e-5,
+            )
 
 
 @pytest.mark.parametrize("batch_size", [1, 3])
-def test_tree_runs_equal_the_targets_greedy_output(qwen3_target, qwen3_b8, monkeypatch, tree_drafts, batch_size):
+def test_tree_runs_equal_the_targets_greedy_output(
+    qwen3_target, qwen3_b8, monkeypatch, tree_drafts, batch_size
+):
     """Scripted drafts (tests/scripting.py: a corrupted draft's true token is the second candidate,
     so a branch repairs it): every row equals mlx-lm's greedy output, budgets cut inside blocks,
     alone or batched, and trees commit more per cycle than chains on the same script."""
-    engine, script, ids, refs = scripted_batch(qwen3_target, qwen3_b8, monkeypatch, PROMPTS_B, MAX_TOKENS,
-                                               adaptive_block=False)
+    engine, script, ids, refs = scripted_batch(
+        qwen3_target, qwen3_b8, monkeypatch, PROMPTS_B, MAX_TOKENS, adaptive_block=False
+    )
     walked, moved = [], []
     real_walk, real_reorder = tree.walk, Target.reorder
-    monkeypatch.setattr(tree, "walk", lambda trees, chosen: walked.append(real_walk(trees, chosen)) or walked[-1])
-    monkeypatch.setattr(Target, "reorder", lambda self, cache, order: moved.append(1) or real_reorder(self, cache, order))
+    monkeypatch.setattr(
+        tree, "walk", lambda trees, chosen: walked.append(real_walk(trees, chosen)) or walked[-1]
+    )
+    monkeypatch.setattr(
+        Target,
+        "reorder",
+        lambda self, cache, order: moved.append(1) or real_reorder(self, cache, order),
+    )
     batched = engine.generate_batch(ids, max_tokens=MAX_TOKENS, batch_size=batch_size)
     assert [c.token_ids for c in batched] == refs
     branched = sum(any(p != list(range(len(p))) for p in paths) for paths in walked)
     assert branched > 10, branched  # the walk left the top chain many times
-    assert len(moved) == branched < len(walked)  # the cache moves only then: the top chain is nodes 1..k
+    assert (
+        len(moved) == branched < len(walked)
+    )  # the cache moves only then: the top chain is nodes 1..k
     tree_tokens = sum(c.stats.accepted_tokens for c in batched)
     set_modes(monkeypatch, engine, drafts="chain")
     script.references.clear()
@@ -180,9 +214,12 @@ def test_tree_runs_equal_the_targets_greedy_output(qwen3_target, qwen3_b8, monke
     assert tree_tokens > 1.2 * sum(c.stats.accepted_tokens for c in chained)
 
 
-def test_a_row_of_a_tree_batch_runs_as_it_would_alone(qwen3_target, qwen3_b8, monkeypatch, tree_drafts):
-    engine, script, ids, refs = scripted_batch(qwen3_target, qwen3_b8, monkeypatch, PROMPTS_B, MAX_TOKENS,
-                                               adaptive_block=False)
+def test_a_row_of_a_tree_batch_runs_as_it_would_alone(
+    qwen3_target, qwen3_b8, monkeypatch, tree_drafts
+):
+    engine, script, ids, refs = scripted_batch(
+        qwen3_target, qwen3_b8, monkeypatch, PROMPTS_B, MAX_TOKENS, adaptive_block=False
+    )
     batched = engine.generate_batch(ids, max_tokens=MAX_TOKENS, batch_size=4)
     script.references.clear()
     for n, (i, ref) in enumerate(zip(ids, refs)):
@@ -195,18 +232,22 @@ def test_a_row_of_a_tree_batch_runs_as_it_would_alone(qwen3_target, qwen3_b8, mo
 
 def test_without_the_move_a_tree_run_goes_wrong(qwen3_target, qwen3_b8, monkeypatch, tree_drafts):
     """Negative control: keep the nodes where the pass wrote them (no reorder) and output breaks."""
-    engine, script, ids, refs = scripted_batch(qwen3_target, qwen3_b8, monkeypatch, PROMPTS_B, MAX_TOKENS,
-                                               adaptive_block=False)
+    engine, script, ids, refs = scripted_batch(
+        qwen3_target, qwen3_b8, monkeypatch, PROMPTS_B, MAX_TOKENS, adaptive_block=False
+    )
     monkeypatch.setattr(Target, "reorder", lambda self, cache, order: None)
     batched = engine.generate_batch(ids, max_tokens=MAX_TOKENS, batch_size=3)
     assert [c.token_ids for c in batched] != refs
 
 
-def test_sampled_tree_runs_equal_plain_sampled_decoding(qwen3_target, qwen3_b8, monkeypatch, tree_drafts):
+def test_sampled_tree_runs_equal_plain_sampled_decoding(
+    qwen3_target, qwen3_b8, monkeypatch, tree_drafts
+):
     """A node's sample is the target's at that node's position (engine/decode.py: choose), so a
     seeded tree run writes what plain seeded decoding writes; another seed writes something else."""
-    engine, script, ids, _ = scripted_batch(qwen3_target, qwen3_b8, monkeypatch, PROMPTS_B[:4], 40,
-                                            adaptive_block=False)
+    engine, script, ids, _ = scripted_batch(
+        qwen3_target, qwen3_b8, monkeypatch, PROMPTS_B[:4], 40, adaptive_block=False
+    )
     plain = load_engine(str(qwen3_target), None)
     rng = random.Random(1)
     for i in ids:
@@ -220,21 +261,28 @@ def test_sampled_tree_runs_equal_plain_sampled_decoding(qwen3_target, qwen3_b8, 
         assert plain.generate(i, max_tokens=40, temperature=0.9, seed=seed + 1).token_ids != ref
 
 
-def test_tree_runs_equal_the_targets_greedy_output_at_any_width_chosen(qwen3_target, qwen3_b8, monkeypatch, tree_drafts):
+def test_tree_runs_equal_the_targets_greedy_output_at_any_width_chosen(
+    qwen3_target, qwen3_b8, monkeypatch, tree_drafts
+):
     """The adaptive width policy chooses a tree cycle's width after the drafts
     (WidthPolicy.tree_width, each row's tree its first L_b - 1 prefixes): output stays the
     target's own whatever width it picks, here a random one each cycle."""
-    engine, script, ids, refs = scripted_batch(qwen3_target, qwen3_b8, monkeypatch, PROMPTS_B, MAX_TOKENS,
-                                               adaptive_block=True)
+    engine, script, ids, refs = scripted_batch(
+        qwen3_target, qwen3_b8, monkeypatch, PROMPTS_B, MAX_TOKENS, adaptive_block=True
+    )
     rng = random.Random(5)
     picked = []
 
     def any_width(self, trees, budgets):
-        assert len(trees) == len(budgets) and all(len(d) == len(s) <= min(n, self.block) for (d, s), n in zip(trees, budgets))
+        assert len(trees) == len(budgets) and all(
+            len(d) == len(s) <= min(n, self.block) for (d, s), n in zip(trees, budgets)
+        )
         picked.append(rng.choice([T for T in self.widths(max(budgets)) if T > 1]))
         return picked[-1]
 
-    monkeypatch.setattr(WidthPolicy, "width", lambda self, estimates, budgets: 4)  # every cycle drafts
+    monkeypatch.setattr(
+        WidthPolicy, "width", lambda self, estimates, budgets: 4
+    )  # every cycle drafts
     monkeypatch.setattr(WidthPolicy, "tree_width", any_width)
     batched = engine.generate_batch(ids, max_tokens=MAX_TOKENS, batch_size=3)
     assert [c.token_ids for c in batched] == refs
@@ -249,13 +297,17 @@ def test_adaptive_trees_learn_the_drafters_calibration(tiny_pair, monkeypatch, t
     (tests/test_engine_lossless.py: short chains); output unchanged."""
     target, draft = tiny_pair
     engine = load_engine(str(target), str(draft), adaptive_block=True)
-    engine.cost[1] = CostModel(t0=1.0, t1=0.05, d0=0.5, window=0)  # as if measured; no timing enters
+    engine.cost[1] = CostModel(
+        t0=1.0, t1=0.05, d0=0.5, window=0
+    )  # as if measured; no timing enters
     ids = engine.encode(PROMPTS_B[2])
     ref = greedy_reference(target, ids, 80, engine.tokenizer.eos_token_ids)
     ScriptedDrafts(monkeypatch)(ids + ref + [0] * 16, p_wrong=0.5, seed=5)
     widths = []
     real = WidthPolicy.tree_width
-    monkeypatch.setattr(WidthPolicy, "tree_width", lambda self, *a: widths.append(real(self, *a)) or widths[-1])
+    monkeypatch.setattr(
+        WidthPolicy, "tree_width", lambda self, *a: widths.append(real(self, *a)) or widths[-1]
+    )
     out = engine.generate(ids, max_tokens=80)
     assert out.token_ids == ref
     assert engine.node_calibration.predicted[0] > 0 and engine.node_calibration.scales()[0] < 0.95
@@ -289,20 +341,35 @@ def test_a_compiled_tree_pass_equals_the_eager_one(tiny_pair, rows):
             _on_the_ladder(wide)
             assert target.passes.applies(wide, T)
             logits, hidden = tree_pass(target, wide, wide_lengths, trees, target.decode_pass)
-            np.testing.assert_allclose(np.array(logits), np.array(want_logits), atol=2e-5, rtol=1e-5)
-            np.testing.assert_allclose(np.array(hidden), np.array(want_hidden), atol=2e-5, rtol=1e-5)
+            np.testing.assert_allclose(
+                np.array(logits), np.array(want_logits), atol=2e-5, rtol=1e-5
+            )
+            np.testing.assert_allclose(
+                np.array(hidden), np.array(want_hidden), atol=2e-5, rtol=1e-5
+            )
             for c, e in zip(wide, cache):
                 for b in range(rows):
                     n = lengths.host[b] + T
-                    np.testing.assert_allclose(np.array(c.keys[b, :, :n]), np.array(e.keys[b, :, :n]), atol=2e-5, rtol=1e-5)
+                    np.testing.assert_allclose(
+                        np.array(c.keys[b, :, :n]), np.array(e.keys[b, :, :n]), atol=2e-5, rtol=1e-5
+                    )
     assert target.passes.calls["compiled"] >= 2
 
 
-def test_tree_runs_with_compiled_passes_equal_the_targets_greedy_output(qwen3_target, qwen3_b8, monkeypatch, tree_drafts):
+def test_tree_runs_with_compiled_passes_equal_the_targets_greedy_output(
+    qwen3_target, qwen3_b8, monkeypatch, tree_drafts
+):
     """Scripted tree runs with compiled passes (engine/ops/compiled.py): mlx-lm's greedy output, batch
     1 and 3, and the tree passes were replayed, not rebuilt each cycle."""
-    engine, _, ids, refs = scripted_batch(qwen3_target, qwen3_b8, monkeypatch, PROMPTS_B, MAX_TOKENS,
-                                          adaptive_block=False, passes="compiled")
+    engine, _, ids, refs = scripted_batch(
+        qwen3_target,
+        qwen3_b8,
+        monkeypatch,
+        PROMPTS_B,
+        MAX_TOKENS,
+        adaptive_block=False,
+        passes="compiled",
+    )
     for batch_size in (1, 3):
         batched = engine.generate_batch(ids, max_tokens=MAX_TOKENS, batch_size=batch_size)
         assert [c.token_ids for c in batched] == refs
@@ -314,5 +381,7 @@ def test_tree_runs_with_compiled_passes_equal_the_targets_greedy_output(qwen3_ta
 def test_the_engine_says_what_its_drafting_cycles_verify(tiny_pair, tree_drafts):
     target, draft = tiny_pair
     assert load_engine(str(target), str(draft)).description["drafts"] == "tree"
-    assert load_engine(str(target), None).description["drafts"] is None  # no drafter: no drafting cycles
+    assert (
+        load_engine(str(target), None).description["drafts"] is None
+    )  # no drafter: no drafting cycles
     assert load_engine(str(target), str(draft), drafts="chain").description["drafts"] == "chain"

@@ -14,12 +14,15 @@ from tests.runner_fixtures import fake_models, home, write_jsonl  # noqa: F401
 PROMPTS = [{"id": f"p{i}", "prompt": f"Prompt number {i}."} for i in range(2)]
 
 
-def test_a_removed_schedule_firing_in_a_worker_is_one_quiet_line(tmp_path, home, fake_models,
-                                                                 caplog):
+def test_a_removed_schedule_firing_in_a_worker_is_one_quiet_line(
+    tmp_path, home, fake_models, caplog
+):
     write_jsonl(tmp_path / "docs.jsonl", PROMPTS[:2])
     spec = tmp_path / "nightly.yaml"
-    spec.write_text(f"name: nightly\ninput: docs.jsonl\nschedule: '0 2 * * *'\n"
-                    f"model: {{target: {fake_models['target']}}}\n")
+    spec.write_text(
+        f"name: nightly\ninput: docs.jsonl\nschedule: '0 2 * * *'\n"
+        f"model: {{target: {fake_models['target']}}}\n"
+    )
     registered = api.add_schedule(spec, home=home)
     cron = Cron(Queue(home))
     cron.add_schedule(registered)  # as the running worker did at its start

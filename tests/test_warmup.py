@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-import pytest
-
 from dflash_batch.engine import load_engine, warmup
 from dflash_batch.engine.ops import attention, switch
 from dflash_batch.engine.widths import buckets
+
+import pytest
 
 
 @pytest.fixture
@@ -59,7 +59,9 @@ def test_passes_are_timed_at_the_jobs_context(engine, monkeypatch):
     assert cost.context == 300
     assert {B for B, *_ in seen} == {1, 4}
     for B, n, rows, _ in seen:
-        assert rows == [300 - b % 4 for b in range(B)]  # about the context, not equal (a ragged batch)
+        assert rows == [
+            300 - b % 4 for b in range(B)
+        ]  # about the context, not equal (a ragged batch)
     assert cost.passes(4, 16) > cost.passes(4, 1) > 0
 
 
@@ -74,7 +76,9 @@ def test_a_job_of_another_context_is_warmed_up_again(engine, monkeypatch):
     monkeypatch.setattr(warmup, "measure_costs", counted)
     short = [engine.encode("Count: one two three")] * 2
     engine.generate_batch(short, max_tokens=8, batch_size=2)
-    engine.generate_batch(short, max_tokens=10, batch_size=2)  # the same power of two: no new warm-up
+    engine.generate_batch(
+        short, max_tokens=10, batch_size=2
+    )  # the same power of two: no new warm-up
     assert len(contexts) == 1
     long = [engine.encode("Tell me everything about the number seven. " * 30)] * 2
     engine.generate_batch(long, max_tokens=8, batch_size=2)
@@ -85,7 +89,9 @@ def test_the_faster_ragged_route_is_kept(engine, monkeypatch):
     """On a GPU the warm-up times both routes at the job's batch size; here the timings are faked:
     whichever route is faster must be the one set for the job."""
     for fast in attention.RAGGED_ROUTES:
-        fake_passes(monkeypatch, lambda B, T, fast=fast: 1.0 if attention.ragged_route() == fast else 2.0)
+        fake_passes(
+            monkeypatch, lambda B, T, fast=fast: 1.0 if attention.ragged_route() == fast else 2.0
+        )
         monkeypatch.setattr(warmup, "_routes_differ", lambda: True)
         with switch.modes(ragged="sdpa" if fast == "block" else "block"):
             cost = warmup.measure_costs(engine, 8, 256)
@@ -111,7 +117,16 @@ def test_a_gpu_job_of_one_row_times_every_width_where_launches_dominate(engine, 
     middle width too and, off the line, every width: the line through T = 1 and 16 would put
     T = 4 at 4.4 ms and keep the width policy at narrow widths that cost as much as the block."""
     monkeypatch.setattr(warmup, "_quick", lambda: False)
-    costs = {1: 0.0037, 2: 0.0068, 3: 0.0069, 4: 0.0069, 6: 0.0070, 8: 0.0070, 12: 0.0071, 16: 0.0072}
+    costs = {
+        1: 0.0037,
+        2: 0.0068,
+        3: 0.0069,
+        4: 0.0069,
+        6: 0.0070,
+        8: 0.0070,
+        12: 0.0071,
+        16: 0.0072,
+    }
     asked = []
 
     def target(B, T):
@@ -170,11 +185,16 @@ def test_the_cpu_warm_up_times_each_pass_twice_at_two_widths(engine, monkeypatch
 
     monkeypatch.setattr(type(engine.target), "verify", spy_verify)
     monkeypatch.setattr(warmup.decode, "draft_block", spy_draft)
-    monkeypatch.setattr(warmup, "CHEAP_PASS", 0.0)  # the tiny pair's passes, as slow as the default pair's
+    monkeypatch.setattr(
+        warmup, "CHEAP_PASS", 0.0
+    )  # the tiny pair's passes, as slow as the default pair's
     cost = warmup.measure_costs(engine, 8, 128)
     assert sorted(verifies) == sorted([(8, 1)] + 2 * [(8, 1), (8, 4), (1, 1), (1, 4)])
     assert sorted(drafts) == [1, 1, 8, 8]
-    assert sorted(cost.timed) == [1, 4] and cost.passes(8, 16) > cost.passes(8, 4) > cost.passes(8, 1) > 0
+    assert (
+        sorted(cost.timed) == [1, 4]
+        and cost.passes(8, 16) > cost.passes(8, 4) > cost.passes(8, 1) > 0
+    )
 
 
 def test_two_widths_give_every_width_where_costs_are_a_line(engine, monkeypatch):
@@ -184,7 +204,9 @@ def test_two_widths_give_every_width_where_costs_are_a_line(engine, monkeypatch)
     cost = warmup.measure_costs(engine, 8, 128)
     for B in (1, 3, 8):
         for T in (1, 2, 6, 16):
-            assert cost.passes(B, T) == pytest.approx(1 + 0.1 * B * T + 0.05 * B + (0.3 + 0.2 * B if T > 1 else 0))
+            assert cost.passes(B, T) == pytest.approx(
+                1 + 0.1 * B * T + 0.05 * B + (0.3 + 0.2 * B if T > 1 else 0)
+            )
 
 
 def test_a_cpu_job_of_one_row_reads_its_costs_from_three_timed_widths(engine, monkeypatch):
@@ -231,6 +253,7 @@ def test_a_load_spike_in_a_cpu_timing_does_not_move_the_kept_figure(engine, monk
             B, T = tokens.shape
             clock[0] += 0.01 * (1 + B * T) * spikes.get(calls[0], 1.0)
             return verify(target, tokens, cache, *args, **kwargs)
+
         return spy
 
     monkeypatch.setattr(type(engine.target), "verify", slowed({}))

@@ -8,10 +8,17 @@ import math
 import random
 import statistics
 
-import pytest
+from dflash_batch.engine.widths import (
+    TRUSTED,
+    Acceptance,
+    CostModel,
+    NodeCalibration,
+    WidthPolicy,
+    expected_committed,
+    pooled_acceptance,
+)
 
-from dflash_batch.engine.widths import (TRUSTED, Acceptance, CostModel, NodeCalibration, WidthPolicy, expected_committed,
-                                           pooled_acceptance)
+import pytest
 
 # Pass costs in units of a plain pass at batch 1 (t0 = 1). CPU: the target's cost grows with
 # the rows verified and a draft pass costs a third of a target pass (as the default pair's
@@ -130,14 +137,18 @@ def test_a_width_dearer_than_modelled_is_costed_as_it_ran():
     assert cost.cycle(1, 12) == pytest.approx(cost.passes(1, 12) + cost.overhead(True))
     cost.observe(1, 12, 2.5)
     assert cost.cycle(1, 12) == pytest.approx(2.5)
-    assert cost.overhead(True) == 0.0  # a width read off the line does not make the others look dear
+    assert (
+        cost.overhead(True) == 0.0
+    )  # a width read off the line does not make the others look dear
     assert cost.cycle(1, 16) == pytest.approx(cost.passes(1, 16))
     assert policy.width([row], [100]) != 12
     for _ in range(TRUSTED):
         cost.observe(1, 16, 1.7)  # a timed width's cycles: its kind's excess
     assert cost.overhead(True) == pytest.approx(0.1)
     assert cost.cycle(1, 8) == pytest.approx(cost.passes(1, 8) + 0.1)
-    assert cost.cycle(2, 12) == pytest.approx(cost.passes(2, 12) + cost.overhead(True))  # per batch size
+    assert cost.cycle(2, 12) == pytest.approx(
+        cost.passes(2, 12) + cost.overhead(True)
+    )  # per batch size
 
 
 def test_a_job_starts_from_what_the_jobs_before_it_learnt():
@@ -171,7 +182,9 @@ def test_cost_fit_recovers_per_token_and_per_row_costs():
     """target(B, T) = t0 + t1 B T + t2 B: t2 is what a row costs whatever its width (reading its
     keys); a fit on B T alone would blame it on the constant and overrate wide blocks."""
     t0, t1, t2, d0, d1 = 0.002, 3e-5, 2e-4, 0.001, 5e-5
-    points = {(B, T): t0 + t1 * B * T + t2 * B for B, T in [(1, 1), (1, 16), (64, 1), (64, 8), (64, 16)]}
+    points = {
+        (B, T): t0 + t1 * B * T + t2 * B for B, T in [(1, 1), (1, 16), (64, 1), (64, 8), (64, 16)]
+    }
     cost = CostModel.fit(points, {1: d0 + d1, 64: d0 + 64 * d1})
     for got, want in [(cost.t0, t0), (cost.t1, t1), (cost.t2, t2), (cost.d0, d0), (cost.d1, d1)]:
         assert got == pytest.approx(want, rel=1e-6)
@@ -187,7 +200,9 @@ def test_cost_fit_never_goes_negative():
 def test_timed_widths_override_the_line_at_the_timed_batch_size():
     """Verify cost on a GPU jumps where the attention kernel needs another tile of query rows; the
     policy reads the timed widths at the job's batch size (and interpolates between them)."""
-    cost = CostModel(t0=0.010, t1=0.0, t2=0.0, rows=64, timed={1: 0.021, 4: 0.023, 8: 0.033, 16: 0.055})
+    cost = CostModel(
+        t0=0.010, t1=0.0, t2=0.0, rows=64, timed={1: 0.021, 4: 0.023, 8: 0.033, 16: 0.055}
+    )
     assert cost.target(64, 8) == pytest.approx(0.033)
     assert cost.target(64, 12) == pytest.approx(0.044)  # halfway between 8 and 16
     assert cost.target(1, 8) == pytest.approx(0.010)  # batch 1: the line
@@ -225,7 +240,10 @@ def test_width_tables_for_all_rows_at_once_equal_each_rows_own():
                     assert (row.seen, row.kept) == (seen, kept)
         budgets = [rng.randint(1, 3 * block) for _ in rows]
         widths, job = policy.widths(max(budgets)), policy.job.probabilities()
-        tables = [expected_committed(r.probabilities(job), min(widths[-1], n)) for r, n in zip(rows, budgets)]
+        tables = [
+            expected_committed(r.probabilities(job), min(widths[-1], n))
+            for r, n in zip(rows, budgets)
+        ]
         expected = [sum(t[min(T, len(t) - 1)] for t in tables) for T in widths]
         assert _committed(rows, budgets, job, widths) == pytest.approx(expected, rel=1e-12)
 
@@ -297,8 +315,10 @@ def test_a_trees_width_maximises_what_its_nodes_are_expected_to_commit(costs, su
     trees, budgets = _tree_rows(rng, 5, BLOCK - 1, sure), [16, 9, 3, 16, 1]
 
     def rate(T):
-        tokens = sum(1 + sum(c[d[i] - 1] * math.exp(s[i]) for i in range(1, min(T, n, len(d))))
-                     for (d, s), n in zip(trees, budgets))
+        tokens = sum(
+            1 + sum(c[d[i] - 1] * math.exp(s[i]) for i in range(1, min(T, n, len(d))))
+            for (d, s), n in zip(trees, budgets)
+        )
         return tokens / policy.cost.cycle(len(budgets), T)
 
     chosen = policy.tree_width(trees, budgets)
@@ -310,7 +330,12 @@ def test_sure_drafts_get_wide_trees_and_unsure_ones_narrow():
     policy = WidthPolicy(BLOCK, CostModel(**CPU))
     assert policy.tree_width(_tree_rows(rng, 1, BLOCK - 1, 0.95), [200]) == BLOCK
     assert policy.tree_width(_tree_rows(rng, 1, BLOCK - 1, 0.05), [200]) == 2
-    assert WidthPolicy(BLOCK, CostModel(**CPU), fixed=True).tree_width(_tree_rows(rng, 1, 15, 0.05), [200]) == BLOCK
+    assert (
+        WidthPolicy(BLOCK, CostModel(**CPU), fixed=True).tree_width(
+            _tree_rows(rng, 1, 15, 0.05), [200]
+        )
+        == BLOCK
+    )
 
 
 def test_node_calibration_learns_how_far_the_drafter_is_right():
@@ -324,7 +349,7 @@ def test_node_calibration_learns_how_far_the_drafter_is_right():
     trusting = policy.tree_width([(depths, scores)], [200])
     for _ in range(3000):
         u = rng.random()
-        accepted = sum(1 for d in depths[1:] if u < 0.3 * 0.8 ** d)
+        accepted = sum(1 for d in depths[1:] if u < 0.3 * 0.8**d)
         policy.tree_accepted(depths, scores, accepted)
     for c in policy.nodes.scales()[:8]:
         assert c == pytest.approx(0.3, abs=0.06)

@@ -10,5 +10,13 @@ from .engine import Engine, load_engine, pick_dtype  # noqa: E402
 from .models.loading import load_drafter, load_target, resolve_model_path  # noqa: E402
 from .ops.switch import stock_ops  # noqa: E402  (mlx-lm's own ops on a model an engine routes)
 
-__all__ = ["Engine", "load_engine", "pick_dtype", "load_drafter", "load_target", "resolve_model_path", "preload_blas",
-           "stock_ops"]
+__all__ = [
+    "Engine",
+    "load_engine",
+    "pick_dtype",
+    "load_drafter",
+    "load_target",
+    "resolve_model_path",
+    "preload_blas",
+    "stock_ops",
+]

@@ -35,8 +35,8 @@ from .decode import Step
 from .ops import compiled
 from .ops.batch_cache import Lengths, round_up
 from .output import RowOutput
-from .widths import Acceptance, WidthPolicy, bucket
 from .waiting import Waiting
+from .widths import Acceptance, WidthPolicy, bucket
 
 # Pending drafter context (prompts' tapped rows and plain cycles' pieces) is bounded: beyond this
 # many packed prefill passes' worth of rows (``prefill_tokens`` each) it is written into the
@@ -60,9 +60,13 @@ class EncodedRequest:
     # the filters and penalties (engine/sampling.py), checked; off by default
     controls: SamplingControls = field(default_factory=SamplingControls)
     # from the controls (Engine.request): logprobs and top_logprobs, response_format
-    logprobs: Optional[int] = None  # None: none; k: the emitted token's and the k best alternatives'
+    logprobs: Optional[int] = (
+        None  # None: none; k: the emitted token's and the k best alternatives'
+    )
     grammar: Optional[str] = None  # llguidance grammar (dflash_batch/constraints.py)
-    control: bool = False  # decoded plainly in the batch, drafts never verified: a check (docs/runner.md)
+    control: bool = (
+        False  # decoded plainly in the batch, drafts never verified: a check (docs/runner.md)
+    )
 
 
 @dataclass
@@ -76,8 +80,12 @@ class Row:
     produced: int = 0  # tokens committed so far (the prefill's first one included)
     acceptance: Acceptance = field(default_factory=Acceptance)
     history: List[int] = field(default_factory=list)  # committed output tokens (for penalties)
-    matcher: Optional[object] = None  # the grammar state at the committed output (engine/grammar.py)
-    plain: bool = False  # no penalty, filter or grammar: chooses from the target's logits as they are
+    matcher: Optional[object] = (
+        None  # the grammar state at the committed output (engine/grammar.py)
+    )
+    plain: bool = (
+        False  # no penalty, filter or grammar: chooses from the target's logits as they are
+    )
 
     @property
     def budget(self) -> int:
@@ -97,10 +105,17 @@ class BatchDecoder:
     for a row that failed alone (its grammar: the other rows go on), and ``(None, None)`` after
     the stream gave a refused request (``requests.refused``), so that the caller can report it."""
 
-    def __init__(self, engine, requests: Union[Sequence[EncodedRequest], Waiting], slots: int,
-                 width_policy: WidthPolicy, plan=None, capacity: int = 0,
-                 urgent: Optional[Callable[[], List[List[EncodedRequest]]]] = None,
-                 cancelled: Optional[Callable[[EncodedRequest], bool]] = None):
+    def __init__(
+        self,
+        engine,
+        requests: Union[Sequence[EncodedRequest], Waiting],
+        slots: int,
+        width_policy: WidthPolicy,
+        plan=None,
+        capacity: int = 0,
+        urgent: Optional[Callable[[], List[List[EncodedRequest]]]] = None,
+        cancelled: Optional[Callable[[EncodedRequest], bool]] = None,
+    ):
         self.engine, self.target, self.drafter = engine, engine.target, engine.drafter
         # interactive requests (dflash_batch/inbox.py): ``urgent()`` hands over those arrived since
         # the last step, which go ahead of the waiting ones; ``cancelled(request)`` drops a row
@@ -108,13 +123,17 @@ class BatchDecoder:
         # Joining prompts (engine/prefill.py): prefilled together, sharing the prefixes they have in common.
         self.prefixes = engine.prefixes
         if not isinstance(requests, Waiting):
-            requests = Waiting([list(requests)], None, self.prefixes.granularity if self.prefixes else None)
+            requests = Waiting(
+                [list(requests)], None, self.prefixes.granularity if self.prefixes else None
+            )
             requests.refill()
         self.waiting = requests
         self.plan = plan  # memory.Plan of a stream: its ``rows`` caps the rows in flight
         # a batch whose requests are all known is as wide as they are; one that interactive
         # requests may join (``urgent``) keeps every slot
-        self.slots = max(1, min(slots, len(requests)) if requests.done and urgent is None else slots)
+        self.slots = max(
+            1, min(slots, len(requests)) if requests.done and urgent is None else slots
+        )
         self.width_policy = width_policy
         self.rows: List[Optional[Row]] = [None] * self.slots
         self.group = prefill.JoinGroup(self.target, self.drafter, self.prefixes)
@@ -126,7 +145,9 @@ class BatchDecoder:
         capacity = self._capacity(capacity)
         self.cache = self.target.make_cache(self.lengths, capacity)
         self.draft_lengths = Lengths([0] * self.slots) if self.drafter else None
-        self.draft_cache = self.drafter.make_cache(self.draft_lengths, capacity) if self.drafter else None
+        self.draft_cache = (
+            self.drafter.make_cache(self.draft_lengths, capacity) if self.drafter else None
+        )
         # new context rows the drafter has not seen: each cycle's tapped rows [B, T, H] and the rows
         # each row kept, packed once when the drafter runs (decode.pack_context)
         self.pending: List[Tuple[mx.array, List[int]]] = []
@@ -141,7 +162,10 @@ class BatchDecoder:
     def _capacity(self, positions: int) -> int:
         """``positions``, or the compiled passes' rung above it where the memory holds that."""
         rung = compiled.capacity(self.slots, positions)
-        if rung == positions or memory.rows_that_fit(memory.row_bytes(self.engine, rung)) < self.slots:
+        if (
+            rung == positions
+            or memory.rows_that_fit(memory.row_bytes(self.engine, rung)) < self.slots
+        ):
             return positions
         return rung
 
@@ -219,14 +243,21 @@ class BatchDecoder:
         whole prompt kept takes its slot at once), else from nothing. A request waits while a
         joining row is about to keep a longer prefix of its prompt. None joins while the batch is
         wider than its plan allows (a longer request arrived) and cannot narrow yet."""
-        if self.plan is not None and self.slots > self.plan.rows and not self.narrow(self.plan.rows):
+        if (
+            self.plan is not None
+            and self.slots > self.plan.rows
+            and not self.narrow(self.plan.rows)
+        ):
             return
         taken = {j.slot for j in self.group.joiners}
         most = self.engine.prefill_rows or self.slots
         for b in range(self.slots):
             if self.rows[b] is not None or b in taken:
                 continue
-            if len(self.group.joiners) >= most or self.group.pending() >= self.engine.prefill_tokens:
+            if (
+                len(self.group.joiners) >= most
+                or self.group.pending() >= self.engine.prefill_tokens
+            ):
                 return  # the group holds a pass's worth: more joiners would only hold their caches twice
             entry = self.waiting.peek()
             if entry is None:
@@ -251,19 +282,34 @@ class BatchDecoder:
 
     def _new_row(self, request: EncodedRequest) -> Row:
         engine = self.engine
-        output = RowOutput(engine.tokenizer, len(request.ids), request.max_tokens, request.stop, engine.block_size,
-                           request.control)
+        output = RowOutput(
+            engine.tokenizer,
+            len(request.ids),
+            request.max_tokens,
+            request.stop,
+            engine.block_size,
+            request.control,
+        )
         output.start()
         seed = request.seed if request.seed is not None else decode.new_seed()
         matcher = engine.grammars.matcher(request.grammar) if request.grammar is not None else None
         plain = matcher is None and not (sampling.penalized(request) or sampling.filtered(request))
-        return Row(request, output, seed, acceptance=self.width_policy.new_row(), matcher=matcher, plain=plain)
+        return Row(
+            request,
+            output,
+            seed,
+            acceptance=self.width_policy.new_row(),
+            matcher=matcher,
+            plain=plain,
+        )
 
     def _prefill_pass(self, width: int):
         """One packed pass over the joining rows (returns the prompt tokens it prefilled); the rows
         whose prompt is complete take their slots and emit their first tokens."""
         before = self.group.counts["tokens"]
-        yield from self._place([(joiner.slot, joiner.row, state) for joiner, state in self.group.prefill(width)])
+        yield from self._place(
+            [(joiner.slot, joiner.row, state) for joiner, state in self.group.prefill(width)]
+        )
         return self.group.counts["tokens"] - before
 
     def _place(self, placed: List[Tuple[int, Row, prefill.Prefix]]) -> Iterator[Tuple[int, Piece]]:
@@ -272,7 +318,10 @@ class BatchDecoder:
         choose together: one choice and one host sync for all of them, not one per row."""
         if not placed:
             return
-        lengths, draft_lengths = list(self.lengths.host), list(self.draft_lengths.host) if self.drafter else None
+        lengths, draft_lengths = (
+            list(self.lengths.host),
+            list(self.draft_lengths.host) if self.drafter else None,
+        )
         for b, row, state in placed:
             for big, small in zip(self.cache, state.target):
                 big.put_row(b, small, self.slots)
@@ -282,7 +331,9 @@ class BatchDecoder:
         for b, row, state in placed if self.drafter is not None else ():
             self.context_shape = state.context  # width and dtype of tapped context rows
             draft_lengths[b] = 0  # the prompt's context waits in ``prompts`` until the drafter runs
-            if state.hidden is not None and not row.request.control:  # a control row's drafts are never verified
+            if (
+                state.hidden is not None and not row.request.control
+            ):  # a control row's drafts are never verified
                 self.prompts[b] = state.hidden
         self.lengths.set(lengths)
         if self.drafter is not None:
@@ -290,35 +341,58 @@ class BatchDecoder:
         mx.eval([c.arrays() for c in self.cache])
         logits = mx.concatenate([state.logits for _, _, state in placed], axis=0)  # [rows, 1, V]
         rows = [row for _, row, _ in placed]
-        chosen, scores = self.choose(logits, rows, mx.array([state.length for _, _, state in placed]))
+        chosen, scores = self.choose(
+            logits, rows, mx.array([state.length for _, _, state in placed])
+        )
         for i, ((b, row, _), first) in enumerate(zip(placed, chosen[:, 0].tolist())):
             row.last = first
             row.produced = 1
             step = Step(tokens=[first], logprobs=_logprobs(scores, i, 1))
             yield from self._emit(b, self._commit(row, [first]) or step)
 
-    def choose(self, logits: mx.array, rows: Sequence[Optional[Row]], first: mx.array,
-               drafted: Optional[mx.array] = None, drafts: Optional[List[List[int]]] = None):
+    def choose(
+        self,
+        logits: mx.array,
+        rows: Sequence[Optional[Row]],
+        first: mx.array,
+        drafted: Optional[mx.array] = None,
+        drafts: Optional[List[List[int]]] = None,
+    ):
         """Each row's token at every position of a pass [B, T] (position i after the row's
         committed output and its drafts d_1..d_i; engine/sampling.py), and the raw logprobs of
         the rows that asked for them (None if none did)."""
         B, T, _ = logits.shape
         if all(r is None or r.plain for r in rows):
-            processed = logits  # what sampling.process returns when no row has a control or a grammar
+            processed = (
+                logits  # what sampling.process returns when no row has a control or a grammar
+            )
         else:
-            walks = [(b, r.matcher, drafts[b] if drafts else []) for b, r in enumerate(rows) if r is not None and r.matcher is not None]
+            walks = [
+                (b, r.matcher, drafts[b] if drafts else [])
+                for b, r in enumerate(rows)
+                if r is not None and r.matcher is not None
+            ]
             allowed = self.engine.grammars.masks(walks, B, T) if walks else None
             requests = [r.request if r is not None else None for r in rows]
-            processed = sampling.process(logits, requests, [r.history if r else [] for r in rows], drafted, allowed)
+            processed = sampling.process(
+                logits, requests, [r.history if r else [] for r in rows], drafted, allowed
+            )
         chosen = decode.choose(
-            processed, [r.request.temperature if r else 0.0 for r in rows], [r.seed if r else 0 for r in rows], first
+            processed,
+            [r.request.temperature if r else 0.0 for r in rows],
+            [r.seed if r else 0 for r in rows],
+            first,
         )
-        tops = [r.request.logprobs for r in rows if r is not None and r.request.logprobs is not None]
+        tops = [
+            r.request.logprobs for r in rows if r is not None and r.request.logprobs is not None
+        ]
         if not tops:
             return chosen, None
         scores = sampling.logprobs(logits, chosen, max(tops))
         mx.eval(chosen, *[x for x in scores if x is not None])
-        return chosen, [x.tolist() if x is not None else None for x in scores] + [[r.request.logprobs if r else None for r in rows]]
+        return chosen, [x.tolist() if x is not None else None for x in scores] + [
+            [r.request.logprobs if r else None for r in rows]
+        ]
 
     def _commit(self, row: Row, tokens: List[int]) -> Optional[Exception]:
         """A row's new committed tokens join its history and advance its grammar (up to an EOS).
@@ -339,7 +413,9 @@ class BatchDecoder:
     def run(self, width: int) -> List[Union[Step, Exception, None]]:
         """One cycle of verify width T over every slot; returns each live row's Step (or the
         error that ended it alone)."""
-        if self.drafter is not None:  # before the cycle's clock starts: prefill work, not the cycle's
+        if (
+            self.drafter is not None
+        ):  # before the cycle's clock starts: prefill work, not the cycle's
             self._write_pending(width)
         started = time.perf_counter()
         rows = self.rows
@@ -348,8 +424,12 @@ class BatchDecoder:
         prefixes = self._draft_tree(last, width) if self._tree_cycle(width) else None
         if prefixes is not None:  # the width, chosen again from the drafts themselves
             live = [(p, r) for p, r in zip(prefixes, rows) if r is not None]
-            width = self.width_policy.tree_width([(p.depths, p.scores) for p, _ in live], [r.cycle_budget for _, r in live])
-        limits = [min(width, r.cycle_budget) if r is not None else 1 for r in rows]  # L_b: what row b may commit
+            width = self.width_policy.tree_width(
+                [(p.depths, p.scores) for p, _ in live], [r.cycle_budget for _, r in live]
+            )
+        limits = [
+            min(width, r.cycle_budget) if r is not None else 1 for r in rows
+        ]  # L_b: what row b may commit
         # the pass runs at a bucket width (engine/widths.py: ``buckets``), compiled once: near
         # the end of their budgets the rows' limits would make any width; a row's positions past
         # its L_b are verified and discarded, as a short-budget row's beside a long one's are
@@ -368,7 +448,11 @@ class BatchDecoder:
         if hidden is not None:
             self.pending.append((hidden, list(keep)))  # a piece: packed when the drafter runs
         live = sum(r is not None for r in rows)
-        shapes = (B, T, round_up(self.lengths.max))  # a cycle of shapes not run before includes compiling them
+        shapes = (
+            B,
+            T,
+            round_up(self.lengths.max),
+        )  # a cycle of shapes not run before includes compiling them
         seconds = time.perf_counter() - started
         if shapes in self.engine.shapes_seen:
             self.width_policy.cost.observe(live, T, seconds)
@@ -423,8 +507,11 @@ class BatchDecoder:
             mx.async_eval(logits)
             drafts = drafted.tolist()
         chosen, scores = self.choose(
-            logits, rows, self.lengths.device + 1,  # verify row i picks the token after position n_b + i
-            drafted if T > 1 else None, drafts,
+            logits,
+            rows,
+            self.lengths.device + 1,  # verify row i picks the token after position n_b + i
+            drafted if T > 1 else None,
+            drafts,
         )
         # the cycle's one host sync (two with grammars): the drafts were queued first, the verify
         # pass behind them (fetching the drafts alone would leave the device idle until it is built)
@@ -440,9 +527,14 @@ class BatchDecoder:
         An adaptive width policy chooses a tree's width again from its drafts, so any drafting width
         starts one."""
         drafting = T > 2 or (T == 2 and not self.width_policy.fixed)
-        return (drafting and self.drafter is not None and not self.drafter.selects and self.target.trees
-                and self.engine.settings.drafts == "tree"
-                and all(r is None or (r.plain and r.request.logprobs is None) for r in self.rows))
+        return (
+            drafting
+            and self.drafter is not None
+            and not self.drafter.selects
+            and self.target.trees
+            and self.engine.settings.drafts == "tree"
+            and all(r is None or (r.plain and r.request.logprobs is None) for r in self.rows)
+        )
 
     def _draft_tree(self, last: mx.array, width: int) -> List[tree.Prefixes]:
         """The drafter's candidates per position, and each row's best-first prefixes over them
@@ -450,12 +542,18 @@ class BatchDecoder:
         chooses the cycle's width from them. A fixed width drafts only the positions it verifies."""
         block = self.engine.block_size
         longest = max(r.cycle_budget for r in self.rows if r is not None)
-        top = bucket(min(width if self.width_policy.fixed else block, longest), block)  # the drafter's head rows too
+        top = bucket(
+            min(width if self.width_policy.fixed else block, longest), block
+        )  # the drafter's head rows too
         P = min(top - 1, block - 1)
         ids, logprobs = self.draft(last, P, candidates=tree.CANDIDATES)
         mx.eval(ids, logprobs)  # the tree is grown on the host
-        return tree.best_first([r.last if r is not None else 0 for r in self.rows], np.array(ids), np.array(logprobs),
-                               [min(top, r.cycle_budget) - 1 if r is not None else 0 for r in self.rows])
+        return tree.best_first(
+            [r.last if r is not None else 0 for r in self.rows],
+            np.array(ids),
+            np.array(logprobs),
+            [min(top, r.cycle_budget) - 1 if r is not None else 0 for r in self.rows],
+        )
 
     def _verify_tree(self, prefixes: List[tree.Prefixes], T: int, limits: List[int]):
         """A draft tree's cycle (engine/tree.py): each row's tree, its first L_b - 1 prefixes, in
@@ -486,7 +584,9 @@ class BatchDecoder:
             if r is not None:
                 n = p.verified(L)
                 self.width_policy.tree_accepted(p.depths[:n], p.scores[:n], len(path) - 1)
-        committed = [[trees.tokens[b][i] for i in p[1:]] + [t[b][p[-1]]] for b, p in enumerate(paths)]
+        committed = [
+            [trees.tokens[b][i] for i in p[1:]] + [t[b][p[-1]]] for b, p in enumerate(paths)
+        ]
         return committed, hidden, None, [max(d) + 1 for d in trees.depths]
 
     @property
@@ -507,8 +607,11 @@ class BatchDecoder:
             return
         started = time.perf_counter()
         lengths = list(self.draft_lengths.host)
-        for pack in _packs(sorted(self.prompts, key=lambda b: self.prompts[b].shape[1]),
-                           lambda b: self.prompts[b].shape[1], self.engine.prefill_tokens):
+        for pack in _packs(
+            sorted(self.prompts, key=lambda b: self.prompts[b].shape[1]),
+            lambda b: self.prompts[b].shape[1],
+            self.engine.prefill_tokens,
+        ):
             self._write_pack(pack)
             for b in pack:
                 lengths[b] = self.prompts[b].shape[1]
@@ -525,15 +628,23 @@ class BatchDecoder:
         of each slot b (whose drafter context is empty until then)."""
         counts = [self.prompts[b].shape[1] for b in pack]
         width = max(counts)
-        rows = [self.prompts[b] if n == width else mx.pad(self.prompts[b], [(0, 0), (0, width - n), (0, 0)])
-                for b, n in zip(pack, counts)]
+        rows = [
+            self.prompts[b]
+            if n == width
+            else mx.pad(self.prompts[b], [(0, 0), (0, width - n), (0, 0)])
+            for b, n in zip(pack, counts)
+        ]
         lengths = Lengths([])
-        cache = self.drafter.make_cache(lengths)  # empty at first, as the joining group's (engine/prefill.py)
+        cache = self.drafter.make_cache(
+            lengths
+        )  # empty at first, as the joining group's (engine/prefill.py)
         lengths.set([0] * len(pack))
         self.drafter.add_context(mx.concatenate(rows, axis=0) if len(rows) > 1 else rows[0], cache)
         for i, (b, n) in enumerate(zip(pack, counts)):
             for big, small in zip(self.draft_cache, cache):
-                big.put_row(b, (small.keys[i : i + 1, :, :n], small.values[i : i + 1, :, :n]), self.slots)
+                big.put_row(
+                    b, (small.keys[i : i + 1, :, :n], small.values[i : i + 1, :, :n]), self.slots
+                )
 
     def _write_pending(self, width: int) -> None:
         """Before a cycle of verify width ``width``: a drafting one (wider than 1) first writes the
@@ -553,7 +664,9 @@ class BatchDecoder:
     def _held(self) -> int:
         """Context rows pending context holds in memory: the prompts', and every piece's whole
         [B, T] (rows that left still take their place until the piece is packed)."""
-        return sum(h.shape[1] for h in self.prompts.values()) + sum(r.shape[0] * r.shape[1] for r, _ in self.pending)
+        return sum(h.shape[1] for h in self.prompts.values()) + sum(
+            r.shape[0] * r.shape[1] for r, _ in self.pending
+        )
 
     def draft(self, last: mx.array, rows: int, candidates: int = 0):
         """The drafter takes every row's pending context and proposes ``rows`` tokens per row; with
@@ -563,23 +676,47 @@ class BatchDecoder:
         counts = counts or [0] * self.slots
         uniform = len(set(counts)) == 1 and self.draft_lengths.uniform
         if context is None:  # no row has new context (all just joined)
-            context = mx.zeros((len(counts), 0, self.context_shape.shape[-1]), self.context_shape.dtype)
+            context = mx.zeros(
+                (len(counts), 0, self.context_shape.shape[-1]), self.context_shape.dtype
+            )
         row_counts = None if uniform else mx.array(counts, dtype=mx.int32)
         if candidates:
-            drafted = decode.draft_candidates(self.drafter, self.target, last, context, row_counts, self.draft_cache,
-                                              rows, candidates, head=self.engine.draft_head)
+            drafted = decode.draft_candidates(
+                self.drafter,
+                self.target,
+                last,
+                context,
+                row_counts,
+                self.draft_cache,
+                rows,
+                candidates,
+                head=self.engine.draft_head,
+            )
         else:
             drafted = self._draft_block(last, context, row_counts, rows)
         self.draft_lengths.advance(counts)
         self.pending = []
         return drafted
 
-    def _draft_block(self, last: mx.array, context: mx.array, counts: Optional[mx.array], rows: int) -> mx.array:
+    def _draft_block(
+        self, last: mx.array, context: mx.array, counts: Optional[mx.array], rows: int
+    ) -> mx.array:
         """``rows`` draft tokens per row; constrained rows along their grammar when asked."""
-        walking = [b for b, r in enumerate(self.rows) if r is not None and r.matcher is not None] if self.engine.grammar_drafts else []
+        walking = (
+            [b for b, r in enumerate(self.rows) if r is not None and r.matcher is not None]
+            if self.engine.grammar_drafts
+            else []
+        )
         drafted = decode.draft_block(
-            self.drafter, self.target, last, context, counts, self.draft_cache, rows,
-            head=self.engine.draft_head, **({"with_logits": True} if walking else {}),
+            self.drafter,
+            self.target,
+            last,
+            context,
+            counts,
+            self.draft_cache,
+            rows,
+            head=self.engine.draft_head,
+            **({"with_logits": True} if walking else {}),
         )
         if not walking:
             return drafted
@@ -587,7 +724,9 @@ class BatchDecoder:
         ids, logits = drafted
         ids = ids.tolist()
         picked = self.engine.grammars.draft(
-            [self.rows[b].matcher for b in walking], [ids[b] for b in walking], logits[mx.array(walking, dtype=mx.int32)]
+            [self.rows[b].matcher for b in walking],
+            [ids[b] for b in walking],
+            logits[mx.array(walking, dtype=mx.int32)],
         )
         for b, d in zip(walking, picked):
             ids[b][: len(d)] = d

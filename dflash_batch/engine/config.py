@@ -79,7 +79,9 @@ class EngineConfig:
         "block")."""
         if ragged is None:
             ragged = (self.cost_model.route if self.cost_model is not None else None) or "block"
-        return switch.Routes(**{route.field: getattr(self, route.field) for route in switch.SWITCHES}, ragged=ragged)
+        return switch.Routes(
+            **{route.field: getattr(self, route.field) for route in switch.SWITCHES}, ragged=ragged
+        )
 
 
 FIELDS = tuple(f.name for f in fields(EngineConfig))

@@ -37,7 +37,16 @@ from .ops.kernels import cpu
 from .widths import CostModel
 
 FORMAT = 1  # bump when the stored fields change: older files no longer match any key
-FIELDS = ("t0", "t1", "d0", "d1", "t2", "context", "route", "rows")  # a CostModel's measured part, with ``timed``
+FIELDS = (
+    "t0",
+    "t1",
+    "d0",
+    "d1",
+    "t2",
+    "context",
+    "route",
+    "rows",
+)  # a CostModel's measured part, with ``timed``
 
 log = logging.getLogger("dflash_batch.engine")
 
@@ -76,8 +85,12 @@ def key(engine, batch_size: int, context_bucket: int) -> Dict[str, Any]:
         "model": model_hash(engine),
         "block": engine.block_size,
         "draft_vocab": None if engine.draft_head is None else len(engine.draft_head),
-        "routes": {"attention": attention.mode(), "matmul": matmul.mode(), "passes": compiled.mode(),
-                   "cpu_ops": cpu.in_force()},
+        "routes": {
+            "attention": attention.mode(),
+            "matmul": matmul.mode(),
+            "passes": compiled.mode(),
+            "cpu_ops": cpu.in_force(),
+        },
         "batch_size": batch_size,
         "context": context_bucket,
     }
@@ -96,7 +109,9 @@ def save(table_key: Dict[str, Any], cost: CostModel) -> Optional[Path]:
     path = path_of(table_key)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(path, json.dumps({"key": table_key, "cost": measured}, sort_keys=True, indent=1))
+        write_atomic(
+            path, json.dumps({"key": table_key, "cost": measured}, sort_keys=True, indent=1)
+        )
     except OSError as e:
         warnings.warn(f"pass costs not kept in {path}: {e}", stacklevel=2)
         return None
@@ -115,10 +130,14 @@ def load(table_key: Dict[str, Any]) -> Optional[CostModel]:
         measured = stored["cost"]
         cost = CostModel(**{name: measured[name] for name in FIELDS})
         cost.timed = {int(T): float(s) for T, s in measured["timed"].items()}
-        if not all(isinstance(getattr(cost, n), (int, float)) for n in ("t0", "t1", "d0", "d1", "t2")):
+        if not all(
+            isinstance(getattr(cost, n), (int, float)) for n in ("t0", "t1", "d0", "d1", "t2")
+        ):
             raise ValueError("a cost is not a number")
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        warnings.warn(f"ignoring the pass costs kept in {path} ({e}); timing the passes again", stacklevel=2)
+        warnings.warn(
+            f"ignoring the pass costs kept in {path} ({e}); timing the passes again", stacklevel=2
+        )
         return None
     log.info("pass costs for batch size %d read from %s", table_key["batch_size"], path)
     return cost

@@ -45,7 +45,9 @@ def new_seed() -> int:
     return int.from_bytes(os.urandom(4), "little")
 
 
-def choose(logits: mx.array, temperatures: Sequence[float], seeds: Sequence[int], first: mx.array) -> mx.array:
+def choose(
+    logits: mx.array, temperatures: Sequence[float], seeds: Sequence[int], first: mx.array
+) -> mx.array:
     """Token ids [B, T] from logits [B, T, V]; position t of row b picks token number first[b] + t
     of that row's sequence (prompt included), or first[b, t] where ``first`` is [B, T] (a draft
     tree's nodes: engine/tree.py).
@@ -62,11 +64,17 @@ def choose(logits: mx.array, temperatures: Sequence[float], seeds: Sequence[int]
     if all(t <= 0 for t in temperatures):
         return greedy
     B, T, V = logits.shape
-    positions = first if first.ndim == 2 else first[:, None] + mx.arange(T, dtype=mx.int32)[None]  # [B, T]
+    positions = (
+        first if first.ndim == 2 else first[:, None] + mx.arange(T, dtype=mx.int32)[None]
+    )  # [B, T]
     seed = mx.array([s & 0xFFFFFFFF for s in seeds], dtype=mx.uint32)[:, None]
-    keys = mx.stack([mx.broadcast_to(seed, (B, T)), positions.astype(mx.uint32)], axis=-1).reshape(B * T, 2)
+    keys = mx.stack([mx.broadcast_to(seed, (B, T)), positions.astype(mx.uint32)], axis=-1).reshape(
+        B * T, 2
+    )
     noise = _gumbel(keys, V).reshape(B, T, V)
-    scale = mx.array([1.0 / t if t > 0 else 0.0 for t in temperatures], dtype=mx.float32)[:, None, None]
+    scale = mx.array([1.0 / t if t > 0 else 0.0 for t in temperatures], dtype=mx.float32)[
+        :, None, None
+    ]
     sampled = mx.argmax(logits.astype(mx.float32) * scale + noise, axis=-1)
     is_greedy = mx.array([t <= 0 for t in temperatures])[:, None]
     return mx.where(is_greedy, greedy, sampled)
@@ -116,8 +124,15 @@ class DraftHead:
 
 
 def draft_block(
-    drafter, target: Target, last: mx.array, context: mx.array, counts: Optional[mx.array], cache: list, rows: int,
-    with_logits: bool = False, head: Optional[DraftHead] = None,
+    drafter,
+    target: Target,
+    last: mx.array,
+    context: mx.array,
+    counts: Optional[mx.array],
+    cache: list,
+    rows: int,
+    with_logits: bool = False,
+    head: Optional[DraftHead] = None,
 ):
     """Propose ``rows`` tokens per row in one drafter pass: ids [B, rows] (position 0's output is unused);
     ``with_logits``: also the drafter's logits [B, rows, V] over the whole vocabulary (for rows that
@@ -128,7 +143,9 @@ def draft_block(
     only the LM head is cut to the rows verified.
     """
     h = _drafted_hidden(drafter, target, last, context, counts, cache, rows)
-    if drafter.selects:  # DFlash 2: one path through each position's top candidates (engine/models/dflash2.py)
+    if (
+        drafter.selects
+    ):  # DFlash 2: one path through each position's top candidates (engine/models/dflash2.py)
         logits = target.lm_head(h)
         ids = drafter.propose(h, logits, last).astype(last.dtype)
         return (ids, logits) if with_logits else ids
@@ -140,8 +157,15 @@ def draft_block(
 
 
 def draft_candidates(
-    drafter, target: Target, last: mx.array, context: mx.array, counts: Optional[mx.array], cache: list, rows: int,
-    count: int, head: Optional[DraftHead] = None,
+    drafter,
+    target: Target,
+    last: mx.array,
+    context: mx.array,
+    counts: Optional[mx.array],
+    cache: list,
+    rows: int,
+    count: int,
+    head: Optional[DraftHead] = None,
 ) -> Tuple[mx.array, mx.array]:
     """The ``count`` best tokens at each of ``rows`` draft positions, best first, ids [B, rows, count]
     and their log-probabilities under the drafter (over its draft vocabulary with ``head``): what
@@ -158,15 +182,27 @@ def draft_candidates(
     return ids.astype(last.dtype), values
 
 
-def _drafted_hidden(drafter, target: Target, last: mx.array, context: mx.array, counts: Optional[mx.array],
-                    cache: list, rows: int) -> mx.array:
+def _drafted_hidden(
+    drafter,
+    target: Target,
+    last: mx.array,
+    context: mx.array,
+    counts: Optional[mx.array],
+    cache: list,
+    rows: int,
+) -> mx.array:
     """The drafter's output [B, rows, H] at draft positions 1..rows of the block [last, MASK x (B-1)]."""
     B = drafter.args.block_size
-    block = mx.concatenate([last, mx.full((last.shape[0], B - 1), drafter.args.mask_token_id, dtype=last.dtype)], axis=1)
+    block = mx.concatenate(
+        [last, mx.full((last.shape[0], B - 1), drafter.args.mask_token_id, dtype=last.dtype)],
+        axis=1,
+    )
     return drafter.draft_pass(target.embed(block), context, cache, counts)[:, 1 : 1 + rows, :]
 
 
-def accept_lengths(drafted: List[List[int]], chosen: List[List[int]], limits: Sequence[int]) -> List[int]:
+def accept_lengths(
+    drafted: List[List[int]], chosen: List[List[int]], limits: Sequence[int]
+) -> List[int]:
     """a_b = number of leading draft tokens of row b equal to the target's choice one position
     earlier, counting at most ``limits[b] - 1`` drafts (the row's own verify length)."""
     out = []
@@ -178,7 +214,9 @@ def accept_lengths(drafted: List[List[int]], chosen: List[List[int]], limits: Se
     return out
 
 
-def pack_context(pieces: Sequence[Tuple[mx.array, List[int]]]) -> Tuple[Optional[mx.array], List[int]]:
+def pack_context(
+    pieces: Sequence[Tuple[mx.array, List[int]]],
+) -> Tuple[Optional[mx.array], List[int]]:
     """Each row's pending context rows in one array, packed once, when the drafter runs: piece i
     is (rows [B, T_i, H], counts_i), row b's valid rows its first counts_i[b]. Row b of the result
     holds its valid rows of every piece in order, then padding (never read: the drafter is given
@@ -195,7 +233,11 @@ def pack_context(pieces: Sequence[Tuple[mx.array, List[int]]]) -> Tuple[Optional
         return None, counts
     if all(min(c) == rows.shape[1] for rows, c in pieces[:-1]):
         # every row full in every piece but the last: a plain concatenation keeps rows left-aligned
-        both = pieces[0][0] if len(pieces) == 1 else mx.concatenate([rows for rows, _ in pieces], axis=1)
+        both = (
+            pieces[0][0]
+            if len(pieces) == 1
+            else mx.concatenate([rows for rows, _ in pieces], axis=1)
+        )
         return both[:, :width], counts
     index = [[] for _ in counts]  # row b: the columns of its valid rows in the concatenation
     offset = 0

@@ -11,6 +11,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequ
 
 import mlx.core as mx
 
+from .. import checks, constraints
 from ..completion import (
     Completion,
     EmptyPromptError,
@@ -20,7 +21,6 @@ from ..completion import (
     Piece,
     PromptTooLongError,
 )
-from .. import checks, constraints
 from ..errors import Cancelled, Requeued
 from ..inbox import Ticket
 from ..request import CONTROLS, Request, SamplingControls, sample_seed
@@ -31,8 +31,8 @@ from .models import loading, registry
 from .models.target import Target
 from .ops import activations, attention, device, matmul, switch
 from .ops.kernels import cpu
-from .widths import CostModel, NodeCalibration, PlainProbes, WidthPolicy, pooled_acceptance
 from .waiting import Waiting
+from .widths import CostModel, NodeCalibration, PlainProbes, WidthPolicy, pooled_acceptance
 
 Prompt = Union[str, List[Dict[str, Any]], List[int]]
 NO_LENGTH_LIMIT = int(1e30)  # what transformers itself sets for a tokenizer without a limit
@@ -69,7 +69,9 @@ class Engine:
         # which ask the routes in force (this engine's, while it steps: engine/ops/switch.py).
         attention.install(model)  # verify passes: multi-row attention routed per backend
         matmul.install(model)  # and few-row products (engine/ops/matmul.py)
-        activations.install(model)  # SwiGLU by the CPU ops where they run (engine/ops/activations.py)
+        activations.install(
+            model
+        )  # SwiGLU by the CPU ops where they run (engine/ops/activations.py)
         self.config = config or {}
         chunk, tokens = memory.default_prefill()
         self.prefill_chunk = chunk if settings.prefill_chunk is None else settings.prefill_chunk
@@ -78,10 +80,14 @@ class Engine:
         self.prefill_rows = settings.prefill_rows  # prompts prefilled together, at most (None: any)
         # Prefix states kept across runs (engine/prefill.py); None: every prompt prefilled alone.
         mb = settings.prefix_mb
-        self.prefixes = prefill.PrefixCache(int(mb * 2**20), settings.prefix_granularity) if mb > 0 else None
+        self.prefixes = (
+            prefill.PrefixCache(int(mb * 2**20), settings.prefix_granularity) if mb > 0 else None
+        )
         self.max_context = settings.max_context or self.config.get("max_position_embeddings")
         self.block_size = 0
-        self.draft_head: Optional[decode.DraftHead] = None  # set with a drafter that has a draft vocabulary
+        self.draft_head: Optional[decode.DraftHead] = (
+            None  # set with a drafter that has a draft vocabulary
+        )
         self.target.check_cache()
         if drafter is not None:
             self._attach(drafter, settings.block_size)
@@ -90,19 +96,28 @@ class Engine:
         self.adaptive_block = True if settings.adaptive_block is None else settings.adaptive_block
         self.batch_cap = settings.batch_size
         self.cost: Dict[int, CostModel] = {}  # batch size -> measured pass costs (warm_up)
-        self.cost_model = settings.cost_model  # given pass costs: no warm-up, any batch size (load_engine)
+        self.cost_model = (
+            settings.cost_model
+        )  # given pass costs: no warm-up, any batch size (load_engine)
         self.measured_passes = 0  # warm-ups that timed passes (not read from the model cache)
         self.keep_costs = True  # measured pass costs read from and kept in the model cache (engine/cost_tables.py)
         # the drafter's acceptance over every job's cycles: each job's prior (engine/widths.py)
         self.acceptance = pooled_acceptance(self.block_size)
-        self.node_calibration = NodeCalibration(max(self.block_size - 1, 0))  # draft trees' nodes, likewise
+        self.node_calibration = NodeCalibration(
+            max(self.block_size - 1, 0)
+        )  # draft trees' nodes, likewise
         self.plain_probes = PlainProbes()  # and what the plain probes spent
         self.shapes_seen: set = set()  # (rows, width, key bucket) of the cycles run so far
         with switch.use(settings.routes()):
             cpu_ops = cpu.in_force()
-        self.description = dict(description or {}, block_size=self.block_size, adaptive_block=self.adaptive_block,
-                                draft_vocab=None if self.draft_head is None else len(self.draft_head),
-                                drafts=_drafts(self.drafter, self.target, settings.drafts), cpu_ops=cpu_ops)
+        self.description = dict(
+            description or {},
+            block_size=self.block_size,
+            adaptive_block=self.adaptive_block,
+            draft_vocab=None if self.draft_head is None else len(self.draft_head),
+            drafts=_drafts(self.drafter, self.target, settings.drafts),
+            cpu_ops=cpu_ops,
+        )
         self.loaded_draft = self.description.get("draft")
         self._grammars = None  # engine/grammar.py, built when a request first has a grammar
         # True: constrained rows pick their drafts under their grammar (Grammars.draft). Off by default:
@@ -140,24 +155,34 @@ class Engine:
         self.target.set_taps(args.target_layer_ids)
         matmul.install(drafter)
         # drafts from the draft vocabulary, if the drafter has one (decode.DraftHead)
-        self.draft_head = decode.DraftHead(self.target, vocab) if vocab is not None and len(vocab) < self.target.vocab_size else None
+        self.draft_head = (
+            decode.DraftHead(self.target, vocab)
+            if vocab is not None and len(vocab) < self.target.vocab_size
+            else None
+        )
         if drafter.selects and args.vocab_size != self.target.vocab_size:
             raise ModelMismatchError(
                 f"drafter's selector covers {args.vocab_size} tokens, the target vocabulary has {self.target.vocab_size}"
             )
         # the drafter's runtime block size (DFlash 2's config names one) unless one is asked, at most its block
-        self.block_size = min(block_size or args.runtime_block_size or args.block_size, args.block_size)
+        self.block_size = min(
+            block_size or args.runtime_block_size or args.block_size, args.block_size
+        )
         if self.block_size < 2:
             raise ValueError(f"block_size must be at least 2, got {self.block_size}")
 
-    def use_drafter(self, folder: Optional[Union[str, Path]], revision: Optional[str] = None) -> None:
+    def use_drafter(
+        self, folder: Optional[Union[str, Path]], revision: Optional[str] = None
+    ) -> None:
         """Draft with the drafter in ``folder`` (a job's adapted revision, named ``revision``)
         from the next stream on, or again with the one the engine was loaded with (None). Call it
         between streams only: a running ``BatchDecoder`` keeps the drafter it started with. The
         new drafter is loaded and checked against the target before anything changes, so one that
         fails to load or does not fit raises and leaves the engine drafting as before."""
         if self.loaded_drafter is None:
-            raise ModelMismatchError("this engine decodes without a drafter: there is none to replace")
+            raise ModelMismatchError(
+                "this engine decodes without a drafter: there is none to replace"
+            )
         drafter = self.loaded_drafter
         if folder is not None:
             drafter = loading.load_drafter(folder, dtype=self.loaded_drafter.norm.weight.dtype)
@@ -205,7 +230,9 @@ class Engine:
         if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             bad = [t for t in prompt if not 0 <= t < self.target.vocab_size]
             if bad:
-                raise GenerationError(f"token id {bad[0]} is outside the vocabulary (size {self.target.vocab_size})")
+                raise GenerationError(
+                    f"token id {bad[0]} is outside the vocabulary (size {self.target.vocab_size})"
+                )
             return list(prompt)
         try:  # the runner reads a row's messages by the same rule
             prompt = checks.chat_messages(prompt)
@@ -214,7 +241,9 @@ class Engine:
         if system is not None and prompt[0]["role"] != "system":
             prompt = [{"role": "system", "content": system}] + prompt
         if not tok.has_chat_template:
-            raise GenerationError("chat messages given, but the target tokenizer has no chat template")
+            raise GenerationError(
+                "chat messages given, but the target tokenizer has no chat template"
+            )
         return tok.apply_chat_template(
             prompt, add_generation_prompt=True, tokenize=True, **(chat_template_kwargs or {})
         )
@@ -242,14 +271,37 @@ class Engine:
                 except checks.BadValue as e:
                     raise GenerationError(f"{name} {e}") from None
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise GenerationError(f"max_tokens must be an integer of at least 1, got {max_tokens!r}")
-        if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
+            raise GenerationError(
+                f"max_tokens must be an integer of at least 1, got {max_tokens!r}"
+            )
+        if (
+            not isinstance(temperature, (int, float))
+            or not math.isfinite(temperature)
+            or temperature < 0
+        ):
             raise GenerationError(f"temperature must be a finite number >= 0, got {temperature!r}")
-        return self._encoded(prompt, max_tokens, float(temperature), stop, seed, index, SamplingControls(**given),
-                             **prompt_options)
+        return self._encoded(
+            prompt,
+            max_tokens,
+            float(temperature),
+            stop,
+            seed,
+            index,
+            SamplingControls(**given),
+            **prompt_options,
+        )
 
-    def _encoded(self, prompt: Prompt, max_tokens: int, temperature: float, stop: Optional[Sequence[str]],
-                 seed: Optional[int], index: int, controls: SamplingControls, **prompt_options) -> EncodedRequest:
+    def _encoded(
+        self,
+        prompt: Prompt,
+        max_tokens: int,
+        temperature: float,
+        stop: Optional[Sequence[str]],
+        seed: Optional[int],
+        index: int,
+        controls: SamplingControls,
+        **prompt_options,
+    ) -> EncodedRequest:
         """Encode one prompt whose options are checked: by ``request``, or as the runner read its
         row and job (``request.Options``: ``row_options``, ``runner.spec.validate``). Refuses only
         what depends on the model: an empty prompt, one too long for its context."""
@@ -257,13 +309,22 @@ class Engine:
         if not ids:
             raise EmptyPromptError("prompt encodes to no tokens")
         if self.max_context and len(ids) >= self.max_context:
-            raise PromptTooLongError(f"prompt has {len(ids)} tokens; the target's context is {self.max_context}")
+            raise PromptTooLongError(
+                f"prompt has {len(ids)} tokens; the target's context is {self.max_context}"
+            )
         if self.max_context:
             max_tokens = min(max_tokens, self.max_context - len(ids))
         want_logprobs = controls.logprobs or controls.top_logprobs > 0
         return EncodedRequest(
-            ids, max_tokens, temperature, seed, tuple(stop or ()), index, controls=controls,
-            logprobs=controls.top_logprobs if want_logprobs else None, grammar=constraints.grammar(controls.response_format),
+            ids,
+            max_tokens,
+            temperature,
+            seed,
+            tuple(stop or ()),
+            index,
+            controls=controls,
+            logprobs=controls.top_logprobs if want_logprobs else None,
+            grammar=constraints.grammar(controls.response_format),
         )
 
     def stream_batch(
@@ -292,8 +353,15 @@ class Engine:
         requests = []
         for i, prompt in enumerate(prompts):
             try:
-                first = self.request(prompt, max_tokens[i], temperature[i], stop, None if seed is None else seed + i,
-                                     index=i * n, **prompt_options)
+                first = self.request(
+                    prompt,
+                    max_tokens[i],
+                    temperature[i],
+                    stop,
+                    None if seed is None else seed + i,
+                    index=i * n,
+                    **prompt_options,
+                )
             except GenerationError as e:
                 raise type(e)(f"prompt {i}: {e}") from None
             requests += _samples(first, n)
@@ -301,8 +369,9 @@ class Engine:
             completion.sample_index = index % n
             yield index // n, completion
 
-    def run(self, requests: Sequence[EncodedRequest],
-            batch_size: Optional[int] = None) -> Iterator[Tuple[int, Completion]]:
+    def run(
+        self, requests: Sequence[EncodedRequest], batch_size: Optional[int] = None
+    ) -> Iterator[Tuple[int, Completion]]:
         """Decode checked requests (see ``request``); yield ``(request.index, Completion)`` as each
         finishes. ``prefill_counts`` then holds the run's prefill passes, prompt tokens run through
         them and padding tokens; ``decode_counts`` its cycles per verify width T:
@@ -312,7 +381,9 @@ class Engine:
         if not requests:
             return
         slots = self.plan_batch(requests, batch_size)
-        decoder = self._decoder(requests, slots, self._width_policy(slots, requests), capacity=self._positions(requests))
+        decoder = self._decoder(
+            requests, slots, self._width_policy(slots, requests), capacity=self._positions(requests)
+        )
         for index, completion in self._completions(decoder):
             if isinstance(completion, Exception):
                 raise completion  # one request's failure ends a call that yields only completions
@@ -331,15 +402,18 @@ class Engine:
     def _routes(self, width_policy: WidthPolicy) -> switch.Routes:
         return self.settings.routes(width_policy.cost.route)
 
-    def _completions(self, decoder: BatchDecoder,
-                     on_piece: Optional[Callable[[int, Piece], None]] = None) -> Iterator[Tuple[Optional[int], Any]]:
+    def _completions(
+        self, decoder: BatchDecoder, on_piece: Optional[Callable[[int, Piece], None]] = None
+    ) -> Iterator[Tuple[Optional[int], Any]]:
         """``(request index, Completion)`` as the decoder finishes each request, ``(request index,
         error)`` for one that failed alone, and the decoder's ``(None, None)`` marks (a stream
         refused a request); its counts become the engine's. ``on_piece(index, piece)`` sees every
         piece as it is committed."""
         self.prefill_counts = decoder.group.counts
         self.decode_counts = decoder.decode_counts
-        self.context_counts = decoder.context_counts  # the drafter's prompt context, written when it first drafts
+        self.context_counts = (
+            decoder.context_counts
+        )  # the drafter's prompt context, written when it first drafts
         parts: Dict[int, List[Piece]] = {}
         for index, piece in self._steps(decoder):
             if index is None:
@@ -359,8 +433,11 @@ class Engine:
                 yield index, _completion(parts.pop(index))
 
     def generate_requests(
-        self, requests: Iterable[Request], batch_size: Optional[int] = None,
-        lookahead: Optional[int] = None, inbox=None,
+        self,
+        requests: Iterable[Request],
+        batch_size: Optional[int] = None,
+        lookahead: Optional[int] = None,
+        inbox=None,
     ) -> Iterator[Tuple[Request, Union[Completion, Exception]]]:
         """The runner's interface (``dflash_batch.request.CompletionEngine``): one stream, decoded
         together (``batch_size`` rows at most) and yielded as each request finishes, a request of
@@ -378,13 +455,17 @@ class Engine:
         cap = self._batch_cap(batch_size)
         plan = memory.Plan(self, cap)  # rows in flight: the cap, or fewer once a long request comes
         refused: List[Tuple[Any, Exception]] = []
-        owners: Dict[int, Tuple[Any, int]] = {}  # engine request index -> (runner's request or ticket, sample)
+        owners: Dict[
+            int, Tuple[Any, int]
+        ] = {}  # engine request index -> (runner's request or ticket, sample)
         prompt_ids: Dict[int, List[int]] = {}  # engine request index -> its prompt's ids, in flight
         count = itertools.count()
 
         def encode(req) -> List[EncodedRequest]:
             first = self._checked(req, 0)
-            first.control = getattr(req, "control", False)  # decoded plainly, as a check (docs/runner.md)
+            first.control = getattr(
+                req, "control", False
+            )  # decoded plainly, as a check (docs/runner.md)
             plan.take(self._positions([first]))
             samples = _samples(first, getattr(req.options, "n", 1), item=str(req.id))
             for sample in samples:
@@ -426,8 +507,12 @@ class Engine:
             if isinstance(owner, Ticket):
                 owner.on_piece(sample, piece)
 
-        waiting = Waiting(encoded(), lookahead or 2 * cap, self.prefixes.granularity if self.prefixes else None)
-        while len(waiting) < waiting.ahead and not waiting.done:  # the first look-ahead plans the batch
+        waiting = Waiting(
+            encoded(), lookahead or 2 * cap, self.prefixes.granularity if self.prefixes else None
+        )
+        while (
+            len(waiting) < waiting.ahead and not waiting.done
+        ):  # the first look-ahead plans the batch
             waiting.refill()
             yield from _drain(refused)
         if inbox is not None:
@@ -436,10 +521,18 @@ class Engine:
             return
         slots = min(plan.rows, len(waiting)) if waiting.done and inbox is None else plan.rows
         hooks = dict(urgent=urgent, cancelled=cancelled) if inbox is not None else {}
-        decoder = self._decoder(waiting, slots, self._width_policy(slots, waiting.peeked(), inbox is not None), plan=plan,
-                               capacity=plan.longest, **hooks)
+        decoder = self._decoder(
+            waiting,
+            slots,
+            self._width_policy(slots, waiting.peeked(), inbox is not None),
+            plan=plan,
+            capacity=plan.longest,
+            **hooks,
+        )
         try:
-            for index, completion in self._completions(decoder, on_piece if inbox is not None else None):
+            for index, completion in self._completions(
+                decoder, on_piece if inbox is not None else None
+            ):
                 yield from _drain(refused)
                 if index is None:
                     continue
@@ -452,7 +545,9 @@ class Engine:
                     owner.finish(sample, completion)
                 else:
                     yield owner, completion
-        except BaseException as e:  # the call failed or its caller stopped it: no ticket waits forever
+        except (
+            BaseException
+        ) as e:  # the call failed or its caller stopped it: no ticket waits forever
             for owner, _ in list(owners.values()):
                 if isinstance(owner, Ticket):
                     owner.fail(e if isinstance(e, Exception) else Cancelled("the batch stopped"))
@@ -462,11 +557,22 @@ class Engine:
     def _checked(self, req: Request, index: int) -> EncodedRequest:
         """A runner's request encoded: its options were checked as its row and job were read."""
         options = req.options
-        return self._encoded(req.prompt, options.max_tokens, float(options.temperature), options.stop, options.seed,
-                             index, options.controls(), system=options.system, chat_template=options.chat_template,
-                             chat_template_kwargs=options.chat_template_kwargs)
+        return self._encoded(
+            req.prompt,
+            options.max_tokens,
+            float(options.temperature),
+            options.stop,
+            options.seed,
+            index,
+            options.controls(),
+            system=options.system,
+            chat_template=options.chat_template,
+            chat_template_kwargs=options.chat_template_kwargs,
+        )
 
-    def generate_batch(self, prompts: Sequence[Prompt], *args, n: int = 1, **kwargs) -> List[Completion]:
+    def generate_batch(
+        self, prompts: Sequence[Prompt], *args, n: int = 1, **kwargs
+    ) -> List[Completion]:
         """``stream_batch`` collected in input order: prompt i's samples at ``i * n .. i * n + n - 1``."""
         out: List[Optional[Completion]] = [None] * (len(prompts) * n)
         for i, c in self.stream_batch(prompts, *args, n=n, **kwargs):
@@ -500,11 +606,14 @@ class Engine:
         **prompt_options,
     ) -> Completion:
         """Run one prompt to the end: text, token ids, finish reason and statistics (a batch of one)."""
-        return _completion(list(self.stream(prompt, max_tokens, temperature, stop, seed, **prompt_options)))
+        return _completion(
+            list(self.stream(prompt, max_tokens, temperature, stop, seed, **prompt_options))
+        )
 
     # -- batch size, pass costs ----------------------------------------------------------
-    def plan_batch(self, requests: Sequence[EncodedRequest],
-                   batch_size: Optional[int] = None) -> int:
+    def plan_batch(
+        self, requests: Sequence[EncodedRequest], batch_size: Optional[int] = None
+    ) -> int:
         """Rows in flight: the asked (or configured) cap, at most what memory holds for the
         longest request. Too little memory for even one row is an error before any work."""
         plan = memory.Plan(self, self._batch_cap(batch_size))
@@ -521,16 +630,25 @@ class Engine:
             raise ValueError(f"batch_size must be at least 1, got {cap}")
         return cap
 
-    def _width_policy(self, slots: int, requests: Sequence[EncodedRequest] = (), waits: bool = False) -> WidthPolicy:
+    def _width_policy(
+        self, slots: int, requests: Sequence[EncodedRequest] = (), waits: bool = False
+    ) -> WidthPolicy:
         if not self.adaptive_block or self.drafter is None:
             return WidthPolicy(self.block_size, CostModel(), fixed=True)
         cost = self.cost_model
         if cost is None:
             cost = self._measured_cost(slots, requests, waits)
-        return WidthPolicy(self.block_size, cost, job=self.acceptance, nodes=self.node_calibration,
-                         plain=self.plain_probes)
+        return WidthPolicy(
+            self.block_size,
+            cost,
+            job=self.acceptance,
+            nodes=self.node_calibration,
+            plain=self.plain_probes,
+        )
 
-    def _measured_cost(self, slots: int, requests: Sequence[EncodedRequest], waits: bool = False) -> CostModel:
+    def _measured_cost(
+        self, slots: int, requests: Sequence[EncodedRequest], waits: bool = False
+    ) -> CostModel:
         """The pass costs timed for this batch size at these requests' context (warm_up). ``waits``:
         someone waits for the first token (an interactive request): costs timed at another
         context serve rather than a warm-up on its path."""
@@ -538,12 +656,17 @@ class Engine:
         cost = self.cost.get(slots)
         if cost is not None and waits:
             return cost
-        if cost is None or (cost.context is not None and context and
-                            warmup.context_bucket(cost.context) != warmup.context_bucket(context)):
+        if cost is None or (
+            cost.context is not None
+            and context
+            and warmup.context_bucket(cost.context) != warmup.context_bucket(context)
+        ):
             cost = self.warm_up(slots, context)
         return cost
 
-    def prepare(self, batch_size: Optional[int] = None, max_tokens: int = 0) -> Optional[Dict[str, Any]]:
+    def prepare(
+        self, batch_size: Optional[int] = None, max_tokens: int = 0
+    ) -> Optional[Dict[str, Any]]:
         """Warm up ahead of a job of this batch size (None: the engine's cap) and budget, unless
         nothing is to be warmed up (no drafter, a fixed width or given costs) or it is done
         already. Returns what it did: ``{"batch_size", "context", "seconds", "read"}`` (``read``:
@@ -555,15 +678,23 @@ class Engine:
         rows = self._batch_cap(batch_size)
         context = warmup.SHORT_CONTEXT + max_tokens // 2
         done = self.cost.get(rows)
-        if done is not None and warmup.context_bucket(done.context or 0) == warmup.context_bucket(context):
+        if done is not None and warmup.context_bucket(done.context or 0) == warmup.context_bucket(
+            context
+        ):
             return None
         started = time.perf_counter()
         measured = self.measured_passes
         self.warm_up(rows, context)
-        return {"batch_size": rows, "context": context, "seconds": time.perf_counter() - started,
-                "read": self.measured_passes == measured}
+        return {
+            "batch_size": rows,
+            "context": context,
+            "seconds": time.perf_counter() - started,
+            "read": self.measured_passes == measured,
+        }
 
-    def warm_up(self, batch_size: int = 1, context: Optional[int] = None, *, measure: bool = False) -> CostModel:
+    def warm_up(
+        self, batch_size: int = 1, context: Optional[int] = None, *, measure: bool = False
+    ) -> CostModel:
         """Compile and time the passes a job of this batch size runs: target passes of 1, half the
         block's and the block's rows, and drafter passes, at batch 1 and ``batch_size``, the rows
         holding about ``context`` tokens (a job's prompt and half its budget; default: a short
@@ -574,7 +705,11 @@ class Engine:
         instead (engine/cost_tables.py; ``keep_costs`` False: neither read nor kept), unless
         ``measure``."""
         with switch.use(self.settings.routes()):  # the key names this engine's routes
-            table = cost_tables.key(self, batch_size, warmup.context_bucket(context or 0)) if self.keep_costs else None
+            table = (
+                cost_tables.key(self, batch_size, warmup.context_bucket(context or 0))
+                if self.keep_costs
+                else None
+            )
             cost = cost_tables.load(table) if table is not None and not measure else None
             if cost is None:
                 cost = warmup.measure_costs(self, batch_size, context)
@@ -582,7 +717,9 @@ class Engine:
                 if table is not None:
                     cost_tables.save(table, cost)
         earlier = self.cost.get(batch_size)
-        if earlier is not None:  # what widths cost beyond their model follows their shapes, not the context
+        if (
+            earlier is not None
+        ):  # what widths cost beyond their model follows their shapes, not the context
             cost.width_excess = earlier.width_excess
         self.cost[batch_size] = cost
         return cost
@@ -609,7 +746,9 @@ def _typical_context(requests: Sequence[EncodedRequest]) -> int:
 def _samples(first: EncodedRequest, n: int, item: str = "") -> List[EncodedRequest]:
     """``first`` and its n - 1 siblings: the same prompt, sample k seeded ``sample_seed(seed, k, item)``."""
     return [
-        dataclasses.replace(first, seed=sample_seed(first.seed, k, item), index=first.index + k, sample=k)
+        dataclasses.replace(
+            first, seed=sample_seed(first.seed, k, item), index=first.index + k, sample=k
+        )
         for k in range(n)
     ]
 

@@ -29,7 +29,9 @@ class Grammars:
         eos = sorted(tokenizer.eos_token_ids) or None
         self.tokenizer = llguidance.hf.from_tokenizer(hf, eos_token=eos)
         self.vocab_size = vocab_size  # of the logits (may exceed the tokenizer's)
-        self.words = (max(vocab_size, self.tokenizer.vocab_size) + 31) // 32  # 32-bit words per mask
+        self.words = (
+            max(vocab_size, self.tokenizer.vocab_size) + 31
+        ) // 32  # 32-bit words per mask
         self.executor = llguidance.LLExecutor()
         self._llguidance = llguidance
 
@@ -44,7 +46,10 @@ class Grammars:
         v is allowed (engine/sampling.py: ``masked`` applies them). ``walks``: (row, matcher, the
         row's drafts d_1..d_(T-1)) for the constrained rows; the other rows allow everything, and
         so do positions past a draft the grammar forbids (llguidance stops the walk there)."""
-        from llguidance.numpy import fill_next_token_bitmask_par, fill_next_token_bitmask_par_with_draft_tokens
+        from llguidance.numpy import (
+            fill_next_token_bitmask_par,
+            fill_next_token_bitmask_par_with_draft_tokens,
+        )
 
         bits = np.full((B * T, self.words), -1, np.int32)
         along = [(m, b * T, list(d)) for b, m, d in walks if len(d)]
@@ -78,10 +83,14 @@ class Grammars:
                 if not (words[tok >> 5] >> (tok & 31)) & 1:
                     if not words.any():
                         break
-                    allowed = np.flatnonzero(np.unpackbits(bits[0].view(np.uint8), bitorder="little")[: self.vocab_size])
+                    allowed = np.flatnonzero(
+                        np.unpackbits(bits[0].view(np.uint8), bitorder="little")[: self.vocab_size]
+                    )
                     if host is None:
                         host = np.array(logits.astype(mx.float32))
-                    tok = int(allowed[np.argmax(host[c, i, allowed])])  # ties: the lowest id, as mx.argmax
+                    tok = int(
+                        allowed[np.argmax(host[c, i, allowed])]
+                    )  # ties: the lowest id, as mx.argmax
                 if not matcher.consume_token(tok):
                     break
                 walked.append(tok)
@@ -96,10 +105,11 @@ class Grammars:
         where the grammar library cannot follow (that row's error: engine/batch.py)."""
         if not matcher.consume_tokens(tokens) or matcher.is_error():
             why = _first_line(matcher.get_error())
-            raise RuntimeError(f"response_format: the grammar library refused tokens {tokens}: {why}")
+            raise RuntimeError(
+                f"response_format: the grammar library refused tokens {tokens}: {why}"
+            )
 
 
 def _first_line(error: str) -> str:
     """llguidance's message without the parser state dump that follows it."""
     return error.strip().splitlines()[0] if error.strip() else "no reason given"
-

@@ -18,21 +18,33 @@ class RowOutput:
     """Feeds one row's Steps through EOS, stop strings and ``max_tokens``; ``feed`` returns the
     Piece to emit (``finish_reason`` set on the last one)."""
 
-    def __init__(self, tokenizer, prompt_tokens: int, max_tokens: int, stops: Sequence[str], block_size: int,
-                 control: bool = False):
+    def __init__(
+        self,
+        tokenizer,
+        prompt_tokens: int,
+        max_tokens: int,
+        stops: Sequence[str],
+        block_size: int,
+        control: bool = False,
+    ):
         self.max_tokens = max_tokens
         self.tokenizer = tokenizer
         self.eos = frozenset(tokenizer.eos_token_ids)
         self.detok = tokenizer.detokenizer
         self.text = StopText(stops)
         self.stats = GenerationStats(
-            prompt_tokens=prompt_tokens, block_size=block_size, acceptance_histogram=[0] * (max(block_size, 1) + 1),
-            plain_seconds_est=0.0, control=control,
+            prompt_tokens=prompt_tokens,
+            block_size=block_size,
+            acceptance_histogram=[0] * (max(block_size, 1) + 1),
+            plain_seconds_est=0.0,
+            control=control,
         )
         self.started = self.decode_started = time.perf_counter()
         self.done = False
         self.cycle_share: float = 0.0  # the current cycle's seconds per row in flight (``timed``)
-        self.plain_token: Optional[float] = None  # and a plain cycle's, per row: one token's plain cost
+        self.plain_token: Optional[float] = (
+            None  # and a plain cycle's, per row: one token's plain cost
+        )
 
     def timed(self, share: float, plain_token: Optional[float]) -> None:
         """The cycle whose step comes next took ``share`` seconds per row in flight; a plain cycle
@@ -85,8 +97,14 @@ class RowOutput:
         (the detokenizer's segments of one token at a time join to the same text): the step ends
         at its first EOS (counted, not emitted) or at the token that spends the budget."""
         stats = self.stats
-        eos = None if self.eos.isdisjoint(tokens) else next(i for i, t in enumerate(tokens) if t in self.eos)
-        last = max(self.max_tokens - stats.generated_tokens - 1, 0)  # index of the budget's last token
+        eos = (
+            None
+            if self.eos.isdisjoint(tokens)
+            else next(i for i, t in enumerate(tokens) if t in self.eos)
+        )
+        last = max(
+            self.max_tokens - stats.generated_tokens - 1, 0
+        )  # index of the budget's last token
         finish = stop_reason = None
         if eos is not None and eos <= last:
             used, ids, finish, stop_reason = eos + 1, tokens[:eos], "stop", "eos"
@@ -131,5 +149,7 @@ class RowOutput:
     def _logprob(self, token: int, logprob: float, top) -> dict:
         """One token's entry of ``Completion.logprobs``."""
         entry = {"token": self.tokenizer.decode([token]), "token_id": token, "logprob": logprob}
-        entry["top_logprobs"] = [{"token": self.tokenizer.decode([t]), "token_id": t, "logprob": v} for t, v in top]
+        entry["top_logprobs"] = [
+            {"token": self.tokenizer.decode([t]), "token_id": t, "logprob": v} for t, v in top
+        ]
         return entry

@@ -143,7 +143,9 @@ class Joiner:
     ids: List[int]
     done: int  # prompt tokens in the group's cache
     marks: List[int] = field(default_factory=list)  # prefix lengths still to keep (ascending)
-    hidden: List[mx.array] = field(default_factory=list)  # tapped rows of those tokens, in pieces [1, c, taps*H]
+    hidden: List[mx.array] = field(
+        default_factory=list
+    )  # tapped rows of those tokens, in pieces [1, c, taps*H]
 
     def piece_end(self, width: int) -> int:
         """Where this row's next piece ends: ``width`` tokens on, cut at its next mark."""
@@ -160,7 +162,9 @@ class JoinGroup:
         self.joiners: List[Joiner] = []
         self.lengths = Lengths([])
         self.cache = target.make_cache(self.lengths)
-        self.producing: Dict[Tuple[int, ...], Joiner] = {}  # prefix ids -> the row that will keep them
+        self.producing: Dict[
+            Tuple[int, ...], Joiner
+        ] = {}  # prefix ids -> the row that will keep them
         # passes run, prompt tokens and pad tokens in them, seconds they took (plain-data stats)
         self.counts = {"passes": 0, "tokens": 0, "padding": 0, "seconds": 0.0}
 
@@ -200,7 +204,9 @@ class JoinGroup:
         pieces = [j.ids[j.done : j.done + min(r, C)] for j, r in zip(js, room)]
         counts = [len(p) for p in pieces]
         tokens = mx.array([p + [0] * (C - len(p)) for p in pieces], dtype=mx.int32)
-        at = mx.array(counts, dtype=mx.int32) - 1  # logits after each row's last valid token: row j, column c_j - 1
+        at = (
+            mx.array(counts, dtype=mx.int32) - 1
+        )  # logits after each row's last valid token: row j, column c_j - 1
         if len(set(counts)) > 1:  # ragged: recurrent rows keep their own c_j steps (tape replay)
             last, hidden = self.target.verify(tokens, self.cache, at)
             self.target.rollback(self.cache, counts)
@@ -235,8 +241,14 @@ class JoinGroup:
         n = self.lengths.host[b]
         j = self.joiners[b]
         hidden = None
-        if j.hidden:  # one array of its own from here on: a piece (a slice) keeps its whole pass's rows alive
-            hidden = mx.contiguous(j.hidden[0]) if len(j.hidden) == 1 else mx.concatenate(j.hidden, axis=1)
+        if (
+            j.hidden
+        ):  # one array of its own from here on: a piece (a slice) keeps its whole pass's rows alive
+            hidden = (
+                mx.contiguous(j.hidden[0])
+                if len(j.hidden) == 1
+                else mx.concatenate(j.hidden, axis=1)
+            )
             j.hidden = [hidden]
         state = Prefix(n, [c.row_state(b, n) for c in self.cache], hidden, logits, context)
         mx.eval(state.arrays())

@@ -37,11 +37,18 @@ def penalized(request) -> bool:
 
 def filtered(request) -> bool:
     c = request.controls
-    return request.temperature > 0 and any(getattr(c, name) != getattr(OFF, name) for name in FILTERS)
+    return request.temperature > 0 and any(
+        getattr(c, name) != getattr(OFF, name) for name in FILTERS
+    )
 
 
-def process(logits: mx.array, requests: Sequence, histories: Sequence[List[int]], drafted: Optional[mx.array],
-            allowed: Optional[mx.array]) -> mx.array:
+def process(
+    logits: mx.array,
+    requests: Sequence,
+    histories: Sequence[List[int]],
+    drafted: Optional[mx.array],
+    allowed: Optional[mx.array],
+) -> mx.array:
     """The logits each row samples from [B, T, V] (fp32 where a control applies, else the logits as
     they are); ``requests[b]`` None for a free slot.
 
@@ -103,8 +110,12 @@ def _penalize(logits: mx.array, requests, histories, drafted) -> mx.array:
         running = mx.cumsum(onehot, axis=1)
         counts = counts + mx.concatenate([mx.zeros((B, 1, V), mx.float32), running], axis=1)
     counts = mx.broadcast_to(counts, (B, T, V))
+
     def per_row(name):
-        return mx.array([getattr(r.controls if r is not None else OFF, name) for r in requests], mx.float32)[:, None, None]
+        return mx.array(
+            [getattr(r.controls if r is not None else OFF, name) for r in requests], mx.float32
+        )[:, None, None]
+
     rep = per_row("repetition_penalty")
     seen = (counts > 0) | seen_prompt[:, None, :]
     out = mx.where(seen, mx.where(logits > 0, logits / rep, logits * rep), logits)
@@ -116,7 +127,9 @@ def _scatter(B: int, V: int, rows: List[int], tokens: List[int], values: List[fl
     out = mx.zeros((B, V), mx.float32)
     if not rows:
         return out
-    return out.at[mx.array(rows, mx.int32), mx.array(tokens, mx.int32)].add(mx.array(values, mx.float32))
+    return out.at[mx.array(rows, mx.int32), mx.array(tokens, mx.int32)].add(
+        mx.array(values, mx.float32)
+    )
 
 
 def _filter(logits: mx.array, requests) -> mx.array:
@@ -124,12 +137,18 @@ def _filter(logits: mx.array, requests) -> mx.array:
     together one threshold per position; a token is kept if its logit reaches it (ties at the
     threshold all kept). Greedy rows and rows without filters keep everything."""
     B, T, V = logits.shape
+
     def per_row(fn):
-        return mx.array([fn(r) if r is not None and filtered(r) else fn(None) for r in requests], mx.float32)[:, None, None]
+        return mx.array(
+            [fn(r) if r is not None and filtered(r) else fn(None) for r in requests], mx.float32
+        )[:, None, None]
+
     scale = per_row(lambda r: 1.0 / r.temperature if r else 1.0)
     k = per_row(lambda r: (r.controls.top_k or V) if r else V)
     p = per_row(lambda r: r.controls.top_p if r else 1.0)
-    log_min_p = per_row(lambda r: math.log(r.controls.min_p) if r and r.controls.min_p > 0 else NEG_INF)
+    log_min_p = per_row(
+        lambda r: math.log(r.controls.min_p) if r and r.controls.min_p > 0 else NEG_INF
+    )
     scaled = logits * scale
     ordered = mx.sort(scaled, axis=-1)[..., ::-1]  # descending
     rank = mx.arange(V, dtype=mx.float32)
@@ -155,4 +174,8 @@ def logprobs(logits: mx.array, chosen: mx.array, top: int):
     best = mx.argpartition(-lp, kth=top - 1, axis=-1)[..., :top]  # the top k, unordered
     values = mx.take_along_axis(lp, best, axis=-1)
     order = mx.argsort(-values, axis=-1)  # best first
-    return picked, mx.take_along_axis(best, order, axis=-1), mx.take_along_axis(values, order, axis=-1)
+    return (
+        picked,
+        mx.take_along_axis(best, order, axis=-1),
+        mx.take_along_axis(values, order, axis=-1),
+    )

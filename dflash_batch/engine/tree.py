@@ -56,7 +56,11 @@ class Trees:
                 sees[b, i, i] = True
                 if p >= 0:
                     sees[b, i] |= sees[b, p]
-        return mx.array(self.tokens, dtype=mx.int32), mx.array(self.depths, dtype=mx.int32), mx.array(sees)
+        return (
+            mx.array(self.tokens, dtype=mx.int32),
+            mx.array(self.depths, dtype=mx.int32),
+            mx.array(sees),
+        )
 
 
 @dataclass
@@ -77,7 +81,9 @@ class Prefixes:
         return max(1, min(L, len(self.tokens)))
 
 
-def best_first(last: Sequence[int], ids: np.ndarray, logprobs: np.ndarray, reach: Sequence[int]) -> List[Prefixes]:
+def best_first(
+    last: Sequence[int], ids: np.ndarray, logprobs: np.ndarray, reach: Sequence[int]
+) -> List[Prefixes]:
     """Each row's best-scoring prefixes under its root ``last[b]`` (module doc) over the candidates
     ``ids`` [B, P, C] (each position's best first) with their log-probabilities ``logprobs``
     [B, P, C]: ``reach[b]`` of them at most, none longer."""
@@ -100,7 +106,9 @@ def best_first(last: Sequence[int], ids: np.ndarray, logprobs: np.ndarray, reach
             if d < deepest:
                 heapq.heappush(heap, (neg - float(logprobs[b, d, 0]), r + (0,)))
             if r[-1] + 1 < ids.shape[2]:
-                sibling = neg + float(logprobs[b, d - 1, r[-1]]) - float(logprobs[b, d - 1, r[-1] + 1])
+                sibling = (
+                    neg + float(logprobs[b, d - 1, r[-1]]) - float(logprobs[b, d - 1, r[-1] + 1])
+                )
                 heapq.heappush(heap, (sibling, r[:-1] + (r[-1] + 1,)))
         out.append(row)
     return out
@@ -134,8 +142,11 @@ def _chain_first(tokens: List[int], parents: List[int], depths: List[int]):
     on = set(chain)
     new = chain + [i for i in range(len(tokens)) if i not in on]
     index = {old: k for k, old in enumerate(new)}
-    return ([tokens[i] for i in new], [index[parents[i]] if parents[i] >= 0 else -1 for i in new],
-            [depths[i] for i in new])
+    return (
+        [tokens[i] for i in new],
+        [index[parents[i]] if parents[i] >= 0 else -1 for i in new],
+        [depths[i] for i in new],
+    )
 
 
 def walk(trees: Trees, chosen: Sequence[Sequence[int]]) -> List[List[int]]:

@@ -27,7 +27,9 @@ class Waiting:
     are, so that a long run of refused requests is reported as it goes). ``ahead`` None: pull
     everything at once."""
 
-    def __init__(self, source: Iterable, ahead: Optional[int] = None, granularity: Optional[int] = None):
+    def __init__(
+        self, source: Iterable, ahead: Optional[int] = None, granularity: Optional[int] = None
+    ):
         if ahead is not None and ahead < 1:
             raise ValueError(f"the look-ahead must be at least 1 request, got {ahead}")
         self.source = iter(source)
@@ -70,7 +72,7 @@ class Waiting:
         if not new:
             return
         queued = [r for r, _ in self.queue]
-        self._arrange(queued[: self.urgent] + new + queued[self.urgent:])
+        self._arrange(queued[: self.urgent] + new + queued[self.urgent :])
         if urgent:
             self.urgent += len(new)
 
@@ -85,7 +87,9 @@ class Waiting:
 
     def _arrange(self, requests: List[object]) -> None:
         """The queue as ``requests``, each with its share marks among them."""
-        marks = share_marks([r.ids for r in requests], self.granularity) if self.granularity else None
+        marks = (
+            share_marks([r.ids for r in requests], self.granularity) if self.granularity else None
+        )
         self.queue = deque((r, marks[i] if marks else []) for i, r in enumerate(requests))
 
     def peek(self) -> Optional[Tuple[object, List[int]]]:

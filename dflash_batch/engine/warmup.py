@@ -45,13 +45,14 @@ import mlx.core as mx
 
 from . import decode
 from .models import hybrid
-from .ops import attention, compiled, switch
-from .ops import device
+from .ops import attention, compiled, device, switch
 from .ops.batch_cache import Lengths, round_up
-from .widths import CostModel, PROBE_WIDTH, bucket, buckets
+from .widths import PROBE_WIDTH, CostModel, bucket, buckets
 
 SHORT_CONTEXT = 64  # tokens per row when the job's context is not known
-CHEAP_PASS = 0.02  # seconds: a CPU pass this quick is timed as on a GPU (repeating it costs nothing)
+CHEAP_PASS = (
+    0.02  # seconds: a CPU pass this quick is timed as on a GPU (repeating it costs nothing)
+)
 AGREE = 0.25  # two CPU timings of a pass this close (relative): neither was slowed much, no third
 
 
@@ -76,7 +77,10 @@ def measure_costs(engine, batch_size: int, context: Optional[int] = None) -> Cos
         for route in attention.RAGGED_ROUTES:
             with switch.modes(ragged=route):
                 passes = _Passes(engine, batch_size, n)
-                timed[route] = (passes.target(block), passes.draft() if engine.drafter is not None else 0.0)
+                timed[route] = (
+                    passes.target(block),
+                    passes.draft() if engine.drafter is not None else 0.0,
+                )
             del passes
         route = min(timed, key=lambda r: sum(timed[r]))
         targets[(batch_size, block)] = timed[route][0]  # timed already: not again below
@@ -92,8 +96,14 @@ def measure_costs(engine, batch_size: int, context: Optional[int] = None) -> Cos
     return cost
 
 
-def _time_widths(engine, batch_size: int, n: int, block: int, targets: Dict[Tuple[int, int], float],
-                 drafts: Dict[int, float]) -> None:
+def _time_widths(
+    engine,
+    batch_size: int,
+    n: int,
+    block: int,
+    targets: Dict[Tuple[int, int], float],
+    drafts: Dict[int, float],
+) -> None:
     """Time target passes at the widths chosen among, and drafter passes, at batch 1 and the job's."""
     quick = _quick()
     for i, B in enumerate(sorted({1, batch_size}, reverse=quick)):
@@ -108,7 +118,11 @@ def _time_widths(engine, batch_size: int, n: int, block: int, targets: Dict[Tupl
         # a step in T that three widths on a line can hide
         stepped = engine.target.quantized
         middle = bucket(block // 2, block)
-        if not quick and middle in widths and (stepped or not _straight([(T, targets[(B, T)]) for T in (1, middle, block)])):
+        if (
+            not quick
+            and middle in widths
+            and (stepped or not _straight([(T, targets[(B, T)]) for T in (1, middle, block)]))
+        ):
             # not linear in T (a GPU kernel's tiles of query rows, a quantized step): every width
             for T in buckets(block):
                 if (B, T) not in targets:
@@ -161,10 +175,15 @@ class _Passes:
         target = engine.target
         block = max(engine.block_size, 2)
         self.rows = [max(n - b % 4, 1) for b in range(B)]
-        self.capacity = compiled.capacity(B, round_up(n + 2 * block))  # as the job's batch allocates it
+        self.capacity = compiled.capacity(
+            B, round_up(n + 2 * block)
+        )  # as the job's batch allocates it
         self.lengths = Lengths(self.rows)
         self.cache = target.make_cache(self.lengths, self.capacity)
-        self.ids = mx.array([[(7 * i + b) % target.vocab_size for i in range(block)] for b in range(B)], dtype=mx.int32)
+        self.ids = mx.array(
+            [[(7 * i + b) % target.vocab_size for i in range(block)] for b in range(B)],
+            dtype=mx.int32,
+        )
         # the drafter's new context: rows tapped by a verify of this width (the widest timed)
         self.context_rows = min(PROBE_WIDTH, block) if self.quick else block
         self.hidden = None
@@ -191,7 +210,13 @@ class _Passes:
             target.rollback(cache, keep)
             if T == self.context_rows and hidden is not None:
                 self.hidden = hidden  # kept for the drafter's timed pass
-            return [out] + [x for c in cache if isinstance(c, hybrid.TapeCache) for x in c.cache if x is not None]
+            return [out] + [
+                x
+                for c in cache
+                if isinstance(c, hybrid.TapeCache)
+                for x in c.cache
+                if x is not None
+            ]
 
         return run
 

@@ -175,7 +175,9 @@ class NodeCalibration:
         and the drafts it accepted."""
         d = self.decay
         for k in range(len(self.predicted)):
-            self.predicted[k] = d * self.predicted[k] + (predicted[k] if k < len(predicted) else 0.0)
+            self.predicted[k] = d * self.predicted[k] + (
+                predicted[k] if k < len(predicted) else 0.0
+            )
             self.accepted[k] = d * self.accepted[k] + (1.0 if k < accepted else 0.0)
 
     def scales(self) -> List[float]:
@@ -196,7 +198,9 @@ class PlainProbes:
 WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 TRUSTED = 3  # cycles of a kind before its learnt overhead is used
 PROBE_WIDTH = 4  # rows a probe verifies: a drafter of unknown worth is tried at this width
-REPLAN = 16  # plain cycles a plain choice stands while nothing is learnt, before it is weighed again
+REPLAN = (
+    16  # plain cycles a plain choice stands while nothing is learnt, before it is weighed again
+)
 
 
 def buckets(block: int) -> List[int]:
@@ -232,11 +236,17 @@ class CostModel:
     t2: float = 0.0
     window: int = 16  # cycles per kind in the running median (0: the passes alone)
     excess: Dict[bool, List[float]] = field(default_factory=lambda: {False: [], True: []})
-    width_excess: Dict[Tuple[int, int], List[float]] = field(default_factory=dict)  # (B, T) -> the last cycles' excess
+    width_excess: Dict[Tuple[int, int], List[float]] = field(
+        default_factory=dict
+    )  # (B, T) -> the last cycles' excess
     context: Optional[int] = None  # tokens per row the passes were timed at (None: any)
-    route: Optional[str] = None  # the ragged attention route chosen with them (engine/ops/attention.py)
+    route: Optional[str] = (
+        None  # the ragged attention route chosen with them (engine/ops/attention.py)
+    )
     rows: int = 0  # the batch size of ``timed`` (0: none timed)
-    timed: Dict[int, float] = field(default_factory=dict)  # T -> seconds of a target pass at ``rows``
+    timed: Dict[int, float] = field(
+        default_factory=dict
+    )  # T -> seconds of a target pass at ``rows``
 
     def target(self, B: int, T: int) -> float:
         line = self.t0 + self.t1 * B * T + self.t2 * B
@@ -276,11 +286,15 @@ class CostModel:
                 del seen[: -self.window]
 
     @classmethod
-    def fit(cls, target_times: Dict[Tuple[int, int], float], draft_times: Dict[int, float]) -> "CostModel":
+    def fit(
+        cls, target_times: Dict[Tuple[int, int], float], draft_times: Dict[int, float]
+    ) -> "CostModel":
         """Non-negative least squares of target(B, T) over measured (B, T) -> seconds, and of the
         line draft(B) over B -> seconds."""
         t0, t1, t2 = _fit([((1.0, B * T, B), s) for (B, T), s in target_times.items()])
-        d0, d1 = _fit([((1.0, B), s) for B, s in draft_times.items()]) if draft_times else (0.0, 0.0)
+        d0, d1 = (
+            _fit([((1.0, B), s) for B, s in draft_times.items()]) if draft_times else (0.0, 0.0)
+        )
         return cls(t0=max(t0, 1e-9), t1=t1, d0=d0, d1=d1, t2=t2)
 
 
@@ -324,7 +338,10 @@ def _solve(points, used: List[int]) -> Optional[List[float]]:
     """Least squares on the features ``used`` (normal equations, Gaussian elimination); None if
     the points do not determine them."""
     k = len(used)
-    a = [[sum(x[i] * x[j] for x, _ in points) for j in used] + [sum(x[i] * y for x, y in points)] for i in used]
+    a = [
+        [sum(x[i] * x[j] for x, _ in points) for j in used] + [sum(x[i] * y for x, y in points)]
+        for i in used
+    ]
     for col in range(k):
         pivot = max(range(col, k), key=lambda r: abs(a[r][col]))
         if abs(a[pivot][col]) < 1e-12 * max(1.0, max(abs(v) for row in a for v in row[:k])):
@@ -349,9 +366,18 @@ class WidthPolicy:
     otherwise send it to plain decoding).
     """
 
-    def __init__(self, block: int, cost: CostModel, fixed: bool = False, probe_share: float = 0.05, probe_width: int = PROBE_WIDTH,
-                 backoff: int = 8, job: Optional[Acceptance] = None, nodes: Optional[NodeCalibration] = None,
-                 plain: Optional[PlainProbes] = None):
+    def __init__(
+        self,
+        block: int,
+        cost: CostModel,
+        fixed: bool = False,
+        probe_share: float = 0.05,
+        probe_width: int = PROBE_WIDTH,
+        backoff: int = 8,
+        job: Optional[Acceptance] = None,
+        nodes: Optional[NodeCalibration] = None,
+        plain: Optional[PlainProbes] = None,
+    ):
         self.block, self.cost, self.fixed = block, cost, fixed
         self.probe_share, self.probe_width = probe_share, min(probe_width, block)
         self.backoff = backoff  # the most a run of failed probes divides the probe share by
@@ -359,7 +385,9 @@ class WidthPolicy:
         self.job = job if job is not None else pooled_acceptance(block)  # every row's cycles
         self.plain_seconds = 0.0  # spent in plain cycles since the last drafting cycle
         self.plain = plain if plain is not None else PlainProbes()  # the engine's, from job to job
-        self.nodes = nodes if nodes is not None else NodeCalibration(max(block - 1, 0))  # draft trees' nodes
+        self.nodes = (
+            nodes if nodes is not None else NodeCalibration(max(block - 1, 0))
+        )  # draft trees' nodes
         # what the last plain choice was made from (the job's and the rows' estimates), and the
         # cycles it has stood: ``width`` does not weigh the widths again while nothing is learnt
         self.plain_from: Optional[Tuple[int, Tuple[int, ...]]] = None
@@ -389,7 +417,10 @@ class WidthPolicy:
         if self.fixed:
             return bucket(min(self.block, longest), self.block)
         B = len(budgets)
-        learnt = (self.job.updates, tuple(map(id, estimates)))  # a row joined or left, or a draft was verified
+        learnt = (
+            self.job.updates,
+            tuple(map(id, estimates)),
+        )  # a row joined or left, or a draft was verified
         if learnt == self.plain_from and self.plain_cycles < REPLAN:
             self.plain_cycles += 1  # still plain (module doc: what a plain cycle does not change)
         else:
@@ -409,15 +440,18 @@ class WidthPolicy:
         self.plain_seconds += plain
         probe = bucket(min(self.probe_width, longest), self.block)
         ahead = (longest - 1) * plain if self.job.seen[0] == 0 else 0.0
-        share = self.probe_share / min(2 ** max(self.failed - 1, 0), self.backoff)  # halved per failed probe after the first
+        share = self.probe_share / min(
+            2 ** max(self.failed - 1, 0), self.backoff
+        )  # halved per failed probe after the first
         if (self.plain_seconds + ahead) * share >= self.cost.cycle(B, probe) - plain:
             self.plain_seconds = 0.0
             self.failed += 1  # until a cycle drafts by choice (above)
             return probe
         return 1
 
-    def _best_width(self, estimates: Sequence[Acceptance], budgets: Sequence[int],
-                    longest: int) -> Tuple[int, float]:
+    def _best_width(
+        self, estimates: Sequence[Acceptance], budgets: Sequence[int], longest: int
+    ) -> Tuple[int, float]:
         """The width of most tokens per second by the cost model (1: plain decoding), and the
         tokens it commits on average."""
         B = len(budgets)
@@ -454,7 +488,9 @@ class WidthPolicy:
         spent.drafting += drafting
         return False
 
-    def tree_width(self, trees: Sequence[Tuple[Sequence[int], Sequence[float]]], budgets: Sequence[int]) -> int:
+    def tree_width(
+        self, trees: Sequence[Tuple[Sequence[int], Sequence[float]]], budgets: Sequence[int]
+    ) -> int:
         """The verify width of a tree cycle, chosen once the drafts are known: row b's trees are the
         first L_b - 1 of its best-first prefixes (``trees[b]``: their depths and scores, node 0
         the root), L_b = min(T, budget_b), and commit on average
@@ -493,7 +529,9 @@ class WidthPolicy:
         self.nodes.update(predicted, accepted)
 
 
-def _committed(estimates: Sequence[Acceptance], budgets: Sequence[int], job: Sequence[float], widths: List[int]) -> List[float]:
+def _committed(
+    estimates: Sequence[Acceptance], budgets: Sequence[int], job: Sequence[float], widths: List[int]
+) -> List[float]:
     """Tokens the rows commit on average at each width T: sum_b E_b(min(T, budget_b)), with row
     b's p_bk = (kept_bk + w * job_k) / (seen_bk + w) (``Acceptance.probabilities(job)``).
     One pass per row over its positions, E_b(L) = sum_{i < L} prod_{j < i} p_bj, added to the

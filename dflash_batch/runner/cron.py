@@ -24,7 +24,9 @@ def utcnow() -> datetime.datetime:
     return datetime.datetime.now(datetime.timezone.utc).replace(tzinfo=None)
 
 
-def last_due(expression: str, since: datetime.datetime, now: datetime.datetime) -> Optional[datetime.datetime]:
+def last_due(
+    expression: str, since: datetime.datetime, now: datetime.datetime
+) -> Optional[datetime.datetime]:
     """The latest minute in (since, now] that the cron expression matches, looking back at most
     CATCH_UP_DAYS; None if there is none."""
     from huey import crontab
@@ -100,7 +102,9 @@ class Cron:
         def submit_scheduled():
             self.fire(name, Path(path))
 
-        self.queue.huey.periodic_task(crontab(**cron_fields(spec.schedule)), name=f"dflash_batch.cron.{name}")(submit_scheduled)
+        self.queue.huey.periodic_task(
+            crontab(**cron_fields(spec.schedule)), name=f"dflash_batch.cron.{name}"
+        )(submit_scheduled)
         self.schedules[name] = (spec.schedule, Path(path))
         log.info("schedule registered: %s at %r (UTC) from %s", name, spec.schedule, path)
         return name, spec.schedule
@@ -110,8 +114,11 @@ class Cron:
         catch-up did this minute. A schedule removed or broken since the worker started is one
         log line (the task fires again next time), not a traceback."""
         if not path.exists():
-            log.info("schedule %s was removed (%s is gone): skipped; restart the worker to drop it",
-                     name, path)
+            log.info(
+                "schedule %s was removed (%s is gone): skipped; restart the worker to drop it",
+                name,
+                path,
+            )
             return
         now = utcnow()
         ran = self.recorded_run(name)

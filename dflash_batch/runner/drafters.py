@@ -107,7 +107,8 @@ def adapt_due(record) -> bool:
 def ok_rows(record) -> int:
     table = record.store().read(["status"])
     return table.column("status").to_pylist().count("ok") + sum(
-        r.get("status") == "ok" for r in record.store().journal_rows())
+        r.get("status") == "ok" for r in record.store().journal_rows()
+    )
 
 
 def use_in_force(engine, record) -> Any:
@@ -150,13 +151,19 @@ def summary_lines(summary_: Dict[str, Any]) -> List[str]:
     lines = []
     for h in summary_["history"]:
         before, after = h.get("held_out_before"), h.get("held_out_after")
-        scores = f": held-out acceptance {before:.3f} -> {after:.3f}" if before is not None and after is not None else ""
+        scores = (
+            f": held-out acceptance {before:.3f} -> {after:.3f}"
+            if before is not None and after is not None
+            else ""
+        )
         lines.append(f"  drafter {h.get('revision') or '-'} {h.get('outcome')}{scores}"
                      + (f" ({h['note']})" if h.get("note") else ""))  # fmt: skip
     if summary_["history"] or len(summary_["drafted"]) > 1:
         for name, d in summary_["drafted"].items():
             tau = d["mean_tokens_per_cycle"]
-            lines.append(f"  rows drafted by {name}: {d['rows']}, tau {'-' if tau is None else f'{tau:.2f}'}")
+            lines.append(
+                f"  rows drafted by {name}: {d['rows']}, tau {'-' if tau is None else f'{tau:.2f}'}"
+            )
         lines.append(f"  drafter in force: {summary_['in_force'] or OWN}")
     return lines
 

@@ -65,7 +65,11 @@ def run_job(
     ``LeaseLost``)."""
     if record.cancelled():
         return RunResult(stopped=True)
-    wanted = [c for c in (record.pending_chunks() if chunks is None else chunks) if not record.chunk_done(c)]
+    wanted = [
+        c
+        for c in (record.pending_chunks() if chunks is None else chunks)
+        if not record.chunk_done(c)
+    ]
     result = RunResult()
     if wanted:
         spec = record.spec
@@ -78,7 +82,9 @@ def run_job(
     return result
 
 
-def run_chunk(record: JobRecord, chunk: int, engines: EngineSource, should_stop=lambda: False, on_row=None) -> RunResult:
+def run_chunk(
+    record: JobRecord, chunk: int, engines: EngineSource, should_stop=lambda: False, on_row=None
+) -> RunResult:
     """``run_job`` for one chunk."""
     return run_job(record, [chunk], engines, should_stop, on_row)
 
@@ -92,7 +98,9 @@ def _check_config(record: JobRecord) -> None:
         )
 
 
-def _feed(record, chunks, engines, result: RunResult, should_stop, on_row, part_rows: int, lease=None) -> None:
+def _feed(
+    record, chunks, engines, result: RunResult, should_stop, on_row, part_rows: int, lease=None
+) -> None:
     """The loop itself (the lock is held)."""
     spec = record.spec
     store = record.store()
@@ -102,7 +110,10 @@ def _feed(record, chunks, engines, result: RunResult, should_stop, on_row, part_
     def held() -> bool:  # may this process still write rows of these chunks?
         if lease is None or lease():
             return True
-        raise LeaseLost(f"lease on chunk(s) {chunks} of {record.id} lost: another worker has them now")
+        raise LeaseLost(
+            f"lease on chunk(s) {chunks} of {record.id} lost: another worker has them now"
+        )
+
     done = store.done_ids()
     only = record.retry_ids()
     config_hash = record.data["config_hash"]
@@ -151,8 +162,16 @@ def _feed(record, chunks, engines, result: RunResult, should_stop, on_row, part_
                 handed[item.id] = time.time()
                 options = spec.options(item.options)
                 options = replace(options, n=1, seed=sample_seed(options.seed, k, item.id))
-                yield Request(item.id, item.prompt, options, item.metadata, item.index, item.where, sample_index=k,
-                              control=control_row(spec.control, item.id, k))
+                yield Request(
+                    item.id,
+                    item.prompt,
+                    options,
+                    item.metadata,
+                    item.index,
+                    item.where,
+                    sample_index=k,
+                    control=control_row(spec.control, item.id, k),
+                )
 
     try:
         for c in chunks:
@@ -166,11 +185,21 @@ def _feed(record, chunks, engines, result: RunResult, should_stop, on_row, part_
                 commit(item_error_row(item, record.id, config_hash))
         if any(item.error is None for _, item, _k in todo):
             engine = engines(spec)
-            revision = getattr(engine, "drafter_revision", None)  # one drafter per stream (drafters.py)
+            revision = getattr(
+                engine, "drafter_revision", None
+            )  # one drafter per stream (drafters.py)
             for request, outcome in engine.generate_requests(requests(), spec.batch_size):
                 if isinstance(outcome, Exception) and not isinstance(outcome, GenerationError):
-                    log.error("item %s (%s) failed: %s: %s", request.id, request.where, type(outcome).__name__, outcome)
-                row = outcome_row(request, outcome, handed.get(request.id, time.time()), record.id, config_hash)
+                    log.error(
+                        "item %s (%s) failed: %s: %s",
+                        request.id,
+                        request.where,
+                        type(outcome).__name__,
+                        outcome,
+                    )
+                row = outcome_row(
+                    request, outcome, handed.get(request.id, time.time()), record.id, config_hash
+                )
                 commit(dict(row, drafter_revision=revision))
                 if any(left.values()) and should_stop():
                     result.stopped = True
@@ -181,7 +210,9 @@ def _feed(record, chunks, engines, result: RunResult, should_stop, on_row, part_
             journal = journals.pop(c)
             store.commit_journal(journal, c) if keep else journal.close()
     if any(left.values()) and not result.stopped:
-        result.stopped = True  # the engine yielded fewer rows than it was given: never finish a chunk short
+        result.stopped = (
+            True  # the engine yielded fewer rows than it was given: never finish a chunk short
+        )
         log.error("job %s: the engine returned %d rows too few", record.id, sum(left.values()))
 
 

@@ -34,7 +34,10 @@ def openai_samples(rows: List[Dict[str, Any]], model: Optional[str] = None) -> D
         }
     prompt = first["prompt_tokens"] or 0
     completion = sum(r["completion_tokens"] or 0 for r in rows)
-    created = max((r["finished_at"] for r in rows), key=lambda t: t.timestamp() if isinstance(t, datetime) else 0)
+    created = max(
+        (r["finished_at"] for r in rows),
+        key=lambda t: t.timestamp() if isinstance(t, datetime) else 0,
+    )
     text = _url(first) == "/v1/completions"  # answered in that endpoint's own shape
     body = {
         "id": f"{'cmpl' if text else 'chatcmpl'}-{first['id']}",
@@ -42,7 +45,11 @@ def openai_samples(rows: List[Dict[str, Any]], model: Optional[str] = None) -> D
         "created": int(created.timestamp()) if isinstance(created, datetime) else None,
         "model": model,
         "choices": [_text_choice(r) if text else _chat_choice(r) for r in rows],
-        "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion},
+        "usage": {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        },
     }
     return {
         "id": f"batch_req_{first['id']}",
@@ -91,8 +98,9 @@ def text_logprobs(entries: Optional[List[Dict[str, Any]]]) -> Optional[Dict[str,
     return {
         "tokens": [e["token"] for e in entries],
         "token_logprobs": [e["logprob"] for e in entries],
-        "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"] or []}
-                         for e in entries],
+        "top_logprobs": [
+            {t["token"]: t["logprob"] for t in e["top_logprobs"] or []} for e in entries
+        ],
         "text_offset": offsets,
     }
 
@@ -105,10 +113,16 @@ def openai_logprobs(entries: Optional[List[Dict[str, Any]]]) -> Optional[Dict[st
     def one(e):
         return {"token": e["token"], "logprob": e["logprob"], "bytes": list(e["token"].encode())}
 
-    return {"content": [dict(one(e), top_logprobs=[one(t) for t in e["top_logprobs"] or []]) for e in entries]}
+    return {
+        "content": [
+            dict(one(e), top_logprobs=[one(t) for t in e["top_logprobs"] or []]) for e in entries
+        ]
+    }
 
 
-def write_lines(table: pa.Table, out: IO[bytes], fmt: str = "jsonl", model: Optional[str] = None) -> int:
+def write_lines(
+    table: pa.Table, out: IO[bytes], fmt: str = "jsonl", model: Optional[str] = None
+) -> int:
     """Write every row as one JSON line: ``jsonl`` (the row itself) or ``openai`` (one line per
     item, its samples as choices, in the order items first appear)."""
     rows = table.to_pylist()

@@ -33,7 +33,9 @@ class Item:
     index: int  # 0-based position among the input's rows (blank JSONL lines are not rows)
     where: str  # "line 7" (JSONL: the file's line number) or "row 7" (Parquet: the 7th row); both from 1
     prompt: Optional[Prompt] = None
-    options: Dict[str, Any] = field(default_factory=dict)  # per-row max_tokens, temperature, stop, system
+    options: Dict[str, Any] = field(
+        default_factory=dict
+    )  # per-row max_tokens, temperature, stop, system
     metadata: Dict[str, Any] = field(default_factory=dict)
     error: Optional[str] = None
     cursor: Optional[Tuple[int, int]] = None  # JSONL: (byte offset, line number) of the row
@@ -46,7 +48,9 @@ class Fields:
     id_field: Optional[str] = None  # None: "id", then "custom_id"
     prompt_field: str = "prompt"
     messages_field: str = "messages"
-    prompt_template: Optional[str] = None  # string.Template over the row's fields: "Summarize: $text"
+    prompt_template: Optional[str] = (
+        None  # string.Template over the row's fields: "Summarize: $text"
+    )
 
 
 def detect_format(path: Path, fmt: str = "auto") -> str:
@@ -59,7 +63,9 @@ def detect_format(path: Path, fmt: str = "auto") -> str:
         return "parquet"
     if suffix in (".jsonl", ".json", ".ndjson"):
         return "jsonl"
-    raise InputError(f"{path}: cannot tell the format from the suffix {suffix!r}; set input_format to jsonl or parquet")
+    raise InputError(
+        f"{path}: cannot tell the format from the suffix {suffix!r}; set input_format to jsonl or parquet"
+    )
 
 
 def read_items(
@@ -104,7 +110,9 @@ def read_items(
         yield item
 
 
-def count_rows(path: Union[str, Path], fmt: str = "auto", fields: Optional[Fields] = None) -> Tuple[int, int]:
+def count_rows(
+    path: Union[str, Path], fmt: str = "auto", fields: Optional[Fields] = None
+) -> Tuple[int, int]:
     """(rows, rows with an error), reading the whole input once; raises ``InputError`` as
     ``read_items`` does. Used at submit time so bad input is reported before any work."""
     n = bad = 0
@@ -183,7 +191,9 @@ def _parquet_rows(path: Path, fields: Fields, start: int = 0):
         raise InputError(f"{path}: not a readable Parquet file: {e}") from e
     columns = handle.schema_arrow.names
     if fields.id_field and fields.id_field not in columns:
-        raise InputError(f"{path}: id_field {fields.id_field!r} is not a column (columns: {', '.join(columns)})")
+        raise InputError(
+            f"{path}: id_field {fields.id_field!r} is not a column (columns: {', '.join(columns)})"
+        )
     prompts = (fields.prompt_field, fields.messages_field, "body")  # body: OpenAI Batch requests
     if fields.prompt_template is None and not any(name in columns for name in prompts):
         raise InputError(
@@ -209,7 +219,9 @@ def _parquet_rows(path: Path, fields: Fields, start: int = 0):
         return
     for batch in handle.iter_batches(batch_size=1024, row_groups=groups):
         for row in batch.to_pylist():
-            raw = orjson.dumps(row, default=str, option=orjson.OPT_SORT_KEYS | orjson.OPT_NON_STR_KEYS)
+            raw = orjson.dumps(
+                row, default=str, option=orjson.OPT_SORT_KEYS | orjson.OPT_NON_STR_KEYS
+            )
             yield number, f"row {number + 1}", raw, row, None, None
             number += 1
 
@@ -386,7 +398,10 @@ def _template_keys(template: str) -> List[str]:
 
 
 def _fill(template: str, row: dict) -> str:
-    values = {k: v if isinstance(v, str) else orjson.dumps(v, default=str).decode() for k, v in row.items()}
+    values = {
+        k: v if isinstance(v, str) else orjson.dumps(v, default=str).decode()
+        for k, v in row.items()
+    }
     missing = [k for k in _template_keys(template) if row.get(k) is None]
     if missing:
         raise RowError(f"prompt_template needs field {missing[0]!r}, which the row lacks")

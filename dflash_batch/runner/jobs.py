@@ -23,8 +23,7 @@ from .. import checks
 from ..errors import AmbiguousJob, JobActive, JobNotFound, OutputDirClaimed
 from ..files import write_atomic
 from ..paths import home_dir  # noqa: F401  (the name the front ends import from here)
-from . import drafters
-from . import saved
+from . import drafters, saved
 from .items import read_items
 from .lock import is_locked
 from .spec import JobSpec, SpecError, default_name
@@ -170,7 +169,9 @@ class JobRecord:
         start, end = self.chunk_range(chunk)
         cursors = self.data.get("chunk_cursors") or []
         cursor = tuple(cursors[chunk]) if chunk < len(cursors) and cursors[chunk] else None
-        return read_items(spec.input, spec.input_format, spec.fields, start=start, stop=end, cursor=cursor)
+        return read_items(
+            spec.input, spec.input_format, spec.fields, start=start, stop=end, cursor=cursor
+        )
 
     # -- status ---------------------------------------------------------------------------
     def status(self) -> Dict[str, Any]:
@@ -184,8 +185,12 @@ class JobRecord:
         rows += [r for r in store.journal_rows() if r["id"] in ids and key_of(r) not in seen]
         ok = [r for r in rows if r["status"] == "ok"]
         failed = len(rows) - len(ok)
-        done = len({r["id"] for r in rows})  # items with a row (each of an item's n samples has one)
-        if done >= self.total and not self.pending_chunks():  # every row, and every chunk's part committed
+        done = len(
+            {r["id"] for r in rows}
+        )  # items with a row (each of an item's n samples has one)
+        if (
+            done >= self.total and not self.pending_chunks()
+        ):  # every row, and every chunk's part committed
             state = "completed"
         elif self.cancelled():
             state = "cancelled"
@@ -232,12 +237,15 @@ def counts_text(status: Dict[str, Any]) -> str:
     """A status's counts with their units: items (input rows) done, and the result rows they
     gave (one per sample), ok and failed."""
     rows = status["ok"] + status["failed"]
-    return (f"{status['done']}/{status['total']} items done; {rows} rows: "
-            f"{status['ok']} ok, {status['failed']} failed")
+    return (
+        f"{status['done']}/{status['total']} items done; {rows} rows: "
+        f"{status['ok']} ok, {status['failed']} failed"
+    )
 
 
-def create_job(spec: JobSpec, home: Path, job_id: Optional[str] = None,
-               foreground: bool = False) -> JobRecord:
+def create_job(
+    spec: JobSpec, home: Path, job_id: Optional[str] = None, foreground: bool = False
+) -> JobRecord:
     """Validate the input (whole-input problems raise ``InputError``), check the output dir's
     config hash (a different one raises ``OutputDirClaimed``, a ``SpecError``, unless
     ``spec.force``), write the record.
@@ -308,8 +316,9 @@ def check_claim(store: ResultStore, spec: JobSpec) -> None:
         )
 
 
-def same_job(home: Path, spec: JobSpec, output_dir: Path, ids: List[str], finished: bool,
-             stopped: bool) -> Optional[JobRecord]:
+def same_job(
+    home: Path, spec: JobSpec, output_dir: Path, ids: List[str], finished: bool, stopped: bool
+) -> Optional[JobRecord]:
     """The latest job with this very spec, output dir and ids that is completed (if
     ``finished``) or a foreground run that stopped with work left (if ``stopped``)."""
     wanted = spec.to_dict()
@@ -335,7 +344,11 @@ def load_job(home: Path, job_id: str) -> JobRecord:
     if (record.dir / "job.json").exists():
         return record
     jobs_dir = Path(home) / "jobs"
-    matches = [p.name for p in jobs_dir.glob(f"{glob_escape(job_id)}*") if (p / "job.json").exists()] if jobs_dir.is_dir() else []
+    matches = (
+        [p.name for p in jobs_dir.glob(f"{glob_escape(job_id)}*") if (p / "job.json").exists()]
+        if jobs_dir.is_dir()
+        else []
+    )
     if len(matches) == 1:
         return JobRecord(home, matches[0])
     if len(matches) > 1:
@@ -355,8 +368,9 @@ def check_removable(record: JobRecord) -> None:
                         f"are removed; `dflash-batch cancel {record.id}` first")  # fmt: skip
 
 
-def remove_job(record: JobRecord, files: bool = False,
-               going: Set[str] = frozenset()) -> Optional[str]:
+def remove_job(
+    record: JobRecord, files: bool = False, going: Set[str] = frozenset()
+) -> Optional[str]:
     """Delete a finished job's record; with ``files``, also its output dir's result files,
     unless the record of another job (not among ``going``, removed with it) names that dir.
     Returns why files were kept, if some were. The caller has checked it (``check_removable``)."""

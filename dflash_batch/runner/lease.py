@@ -74,7 +74,9 @@ class Lease:
 class Leases:
     """Leases and worker records in a Huey storage (``huey.storage``)."""
 
-    def __init__(self, storage, ttl: Optional[float] = None, clock: Callable[[], float] = time.time):
+    def __init__(
+        self, storage, ttl: Optional[float] = None, clock: Callable[[], float] = time.time
+    ):
         self.storage = storage
         self.ttl = lease_ttl() if ttl is None else ttl
         self.guard = self.ttl / 3  # the holder stops writing this long before the lease expires
@@ -167,7 +169,9 @@ class Leases:
 
     # -- worker records ------------------------------------------------------------------------
     def put_worker(self, worker_id: str, **info) -> None:
-        self.storage.put_data(WORKER_PREFIX + worker_id, orjson.dumps(dict(info, id=worker_id, seen=self.clock())))
+        self.storage.put_data(
+            WORKER_PREFIX + worker_id, orjson.dumps(dict(info, id=worker_id, seen=self.clock()))
+        )
 
     def drop_worker(self, worker_id: str) -> None:
         self.storage.delete_data(WORKER_PREFIX + worker_id)
@@ -175,7 +179,10 @@ class Leases:
     def workers(self, within: Optional[float] = None) -> List[Dict[str, Any]]:
         """Worker records seen within ``within`` seconds (default 3 lease lengths), by id."""
         horizon = self.clock() - (3 * self.ttl if within is None else within)
-        return sorted((w for w in self._records(WORKER_PREFIX) if w.get("seen", 0) >= horizon), key=lambda w: w["id"])
+        return sorted(
+            (w for w in self._records(WORKER_PREFIX) if w.get("seen", 0) >= horizon),
+            key=lambda w: w["id"],
+        )
 
 
 class Rate:
@@ -201,7 +208,11 @@ class Rate:
         if not events:
             return {"rows": self.rows, "rows_per_s": 0.0, "tokens_per_s": 0.0}
         span = max(now - events[0][0], 1.0)  # at least a second: one row is not infinitely fast
-        return {"rows": self.rows, "rows_per_s": len(events) / span, "tokens_per_s": sum(t for _, t in events) / span}
+        return {
+            "rows": self.rows,
+            "rows_per_s": len(events) / span,
+            "tokens_per_s": sum(t for _, t in events) / span,
+        }
 
 
 class Heartbeat(threading.Thread):
@@ -224,13 +235,20 @@ class Heartbeat(threading.Thread):
             try:
                 for lease in self.current():
                     if not lease.lost and not self.leases.renew(lease):
-                        log.warning("lease on chunk %d of %s lost", lease.record["chunk"], lease.record["job"])
+                        log.warning(
+                            "lease on chunk %d of %s lost",
+                            lease.record["chunk"],
+                            lease.record["job"],
+                        )
                 self.leases.put_worker(self.worker_id, **self.record())
                 if time.monotonic() >= next_reap:
                     next_reap = time.monotonic() + reap_every
                     n = self.reap()
                     if n:
-                        log.info("requeued %d unfinished chunk(s) with no task waiting and no live lease", n)
+                        log.info(
+                            "requeued %d unfinished chunk(s) with no task waiting and no live lease",
+                            n,
+                        )
             except Exception as e:  # the queue is down for a moment: try again next beat
                 log.warning("heartbeat: %s: %s", type(e).__name__, e)
 

@@ -18,7 +18,9 @@ BAR_FORMAT = "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} items [{elap
 
 
 class Progress:
-    def __init__(self, total: int, done: int, desc: str, tokens: int = 0, file: Optional[TextIO] = None):
+    def __init__(
+        self, total: int, done: int, desc: str, tokens: int = 0, file: Optional[TextIO] = None
+    ):
         from tqdm import tqdm
         from tqdm.contrib.logging import logging_redirect_tqdm
 

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Callable, Iterable, Optional
 
 from .. import environment
-from ..extras import install_hint
 from ..errors import SetupError
+from ..extras import install_hint
 from .jobs import JobRecord, list_jobs
 from .scaleout import check_sqlite_home, claim_home
 from .spec import SpecError
@@ -100,10 +100,14 @@ class Queue:
 
             check_sqlite_home(self.home)
             # filename= must be given by keyword: the first positional argument is the queue name.
-            self.huey = SqliteHuey(name="dflash-batch", filename=str(self.home / "queue.db"), results=False, timeout=30)
+            self.huey = SqliteHuey(
+                name="dflash-batch", filename=str(self.home / "queue.db"), results=False, timeout=30
+            )
             self.broker = str(self.home / "queue.db")
         self.chunk_task = self.huey.task(name=CHUNK_TASK, context=True)(self._dispatch)
-        self.on_chunk: Optional[Callable[..., None]] = None  # (job_id, chunk, task): set by the worker
+        self.on_chunk: Optional[Callable[..., None]] = (
+            None  # (job_id, chunk, task): set by the worker
+        )
 
     def _dispatch(self, job_id: str, chunk: int, task=None) -> None:
         if self.on_chunk is None:
@@ -114,11 +118,21 @@ class Queue:
         retries = record.spec.retries
         if delay:
             self.chunk_task.schedule(
-                args=(record.id, chunk), delay=delay, id=task_id(record.id, chunk), retries=retries, retry_delay=RETRY_DELAY_S
+                args=(record.id, chunk),
+                delay=delay,
+                id=task_id(record.id, chunk),
+                retries=retries,
+                retry_delay=RETRY_DELAY_S,
             )
         else:
             self.huey.enqueue(
-                self.chunk_task.s(record.id, chunk, id=task_id(record.id, chunk), retries=retries, retry_delay=RETRY_DELAY_S)
+                self.chunk_task.s(
+                    record.id,
+                    chunk,
+                    id=task_id(record.id, chunk),
+                    retries=retries,
+                    retry_delay=RETRY_DELAY_S,
+                )
             )
 
     def enqueue_job(self, record: JobRecord, chunks: Optional[Iterable[int]] = None) -> int:
@@ -142,7 +156,9 @@ class Queue:
         """Whether a task of another job waits in the queue or the schedule."""
         return any(not t.startswith(f"{job_id}:") for t in self.queued_task_ids())
 
-    def requeue_unfinished(self, held: Callable[[JobRecord, int], bool] = lambda record, chunk: False) -> int:
+    def requeue_unfinished(
+        self, held: Callable[[JobRecord, int], bool] = lambda record, chunk: False
+    ) -> int:
         """Put back every unfinished chunk of every live job that has no task waiting and is not
         ``held`` (under a live lease): the recovery after a killed or hung worker. Extra copies are
         harmless (a held chunk's task is dropped, done ids are skipped). A foreground run's job is

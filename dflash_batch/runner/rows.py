@@ -18,7 +18,9 @@ from .items import Item
 WORKER = f"{socket.gethostname()}:{os.getpid()}"
 
 
-def _row(item, status: str, started: float, job_id: str, config_hash: str, **fields) -> Dict[str, Any]:
+def _row(
+    item, status: str, started: float, job_id: str, config_hash: str, **fields
+) -> Dict[str, Any]:
     """The fields every result row carries, plus the status-specific ones (``item``: an ``Item``
     or a ``Request``, both have id, index and metadata)."""
     return {
@@ -44,10 +46,18 @@ def item_error_row(item: Item, job_id: str, config_hash: str) -> Dict[str, Any]:
     return error_row(item, item.error, time.time(), job_id, config_hash)
 
 
-def outcome_row(request: Request, outcome, started: float, job_id: str, config_hash: str) -> Dict[str, Any]:
+def outcome_row(
+    request: Request, outcome, started: float, job_id: str, config_hash: str
+) -> Dict[str, Any]:
     """The row of one request: its completion, or its error named by the row's place."""
     if not isinstance(outcome, Completion):
-        return error_row(request, f"{request.where}: {type(outcome).__name__}: {outcome}", started, job_id, config_hash)
+        return error_row(
+            request,
+            f"{request.where}: {type(outcome).__name__}: {outcome}",
+            started,
+            job_id,
+            config_hash,
+        )
     s = outcome.stats
     # A batch decodes rows together: a row started when it was handed over, or later when it
     # waited for a free slot (its own prefill and decode time before it finished).
@@ -84,4 +94,3 @@ def outcome_row(request: Request, outcome, started: float, job_id: str, config_h
         prompt_token_ids=getattr(outcome, "prompt_token_ids", None),
         token_ids=outcome.token_ids,
     )
-

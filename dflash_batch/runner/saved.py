@@ -48,13 +48,17 @@ def text(f: Dict[str, Any]) -> Optional[str]:
     """The figures as the run summary and ``status`` say them (None: nothing was drafted)."""
     if f["speedup"] is None:
         return None
-    lines = [f"speculation: {f['speedup']:.2f}x plain decoding on this job ({f['decode_s']:.2f} s of decoding "
-             f"against {f['plain_s_est']:.2f} s estimated for plain decoding, {f['rows']} rows)"]
+    lines = [
+        f"speculation: {f['speedup']:.2f}x plain decoding on this job ({f['decode_s']:.2f} s of decoding "
+        f"against {f['plain_s_est']:.2f} s estimated for plain decoding, {f['rows']} rows)"
+    ]
     if f["control_tokens_per_s"] is not None:
-        lines.append(f"control: {f['control_rows']} rows decoded plainly in the same batch ran at "
-                     f"{f['control_tokens_per_s']:.1f} tok/s, the drafted rows at {f['tokens_per_s']:.1f} "
-                     f"({_times(f['control_speedup'])}); plain decoding estimated at "
-                     f"{f['plain_tokens_per_s_est']:.1f}")
+        lines.append(
+            f"control: {f['control_rows']} rows decoded plainly in the same batch ran at "
+            f"{f['control_tokens_per_s']:.1f} tok/s, the drafted rows at {f['tokens_per_s']:.1f} "
+            f"({_times(f['control_speedup'])}); plain decoding estimated at "
+            f"{f['plain_tokens_per_s_est']:.1f}"
+        )
     return "\n".join(lines)
 
 

@@ -23,11 +23,10 @@ from typing import Optional
 
 import orjson
 
-from .jobs import list_jobs
 from ..errors import SetupError
 from ..files import write_atomic
+from .jobs import list_jobs
 from .spec import JobSpec
-
 
 HOME_MANIFEST = ".shared-home.json"
 HOME_KEY = "dflash-batch:home"
@@ -61,7 +60,9 @@ def fs_type(path: os.PathLike, mountinfo: Optional[str] = None) -> Optional[str]
 def check_sqlite_home(home: os.PathLike, mountinfo: Optional[str] = None) -> None:
     """Refuse a SQLite queue in a home on a network file system."""
     kind = fs_type(home, mountinfo)
-    if kind in NETWORK_FS:  # (not every FUSE file system: fuse-overlayfs of rootless containers is local)
+    if (
+        kind in NETWORK_FS
+    ):  # (not every FUSE file system: fuse-overlayfs of rootless containers is local)
         raise SetupError(
             f"the queue {Path(home) / 'queue.db'} would be SQLite on a network file system ({kind}), where "
             f"its locking is unsafe: put the home on a local disk (--home; home= in Python), "
@@ -73,7 +74,9 @@ def check_flock(directory: os.PathLike) -> None:
     """Refuse an output dir whose file system has no working ``flock`` (an NFS mount without lock
     support answers ENOLCK): the foreground run could not exclude workers there."""
     directory = Path(directory)
-    while not directory.is_dir() and directory.parent != directory:  # probe where it will be, creating nothing
+    while (
+        not directory.is_dir() and directory.parent != directory
+    ):  # probe where it will be, creating nothing
         directory = directory.parent
     probe = directory / f".flock-probe-{secrets.token_hex(3)}"
     try:
@@ -127,11 +130,15 @@ def claim_home(storage, home: os.PathLike) -> str:
             return mine
         stored = storage.peek_data(HOME_KEY)  # another machine bound it first
         mine = None
-    if stored is EmptyData:  # our manifest, and a queue that lost its record (a Redis without persistence)
+    if (
+        stored is EmptyData
+    ):  # our manifest, and a queue that lost its record (a Redis without persistence)
         storage.put_if_empty(HOME_KEY, manifest.read_bytes())
         return mine
     theirs = orjson.loads(stored)
-    if mine is None:  # the process that bound the queue writes the manifest just after: give it a moment
+    if (
+        mine is None
+    ):  # the process that bound the queue writes the manifest just after: give it a moment
         mine = _await_manifest(manifest)
     if mine is None:
         raise SetupError(
@@ -164,7 +171,9 @@ def _read_id(manifest: Path) -> Optional[str]:
     except FileNotFoundError:
         return None
     except (orjson.JSONDecodeError, KeyError, TypeError):
-        raise SetupError(f"{manifest} is not a shared-home manifest (delete it to bind this home again)") from None
+        raise SetupError(
+            f"{manifest} is not a shared-home manifest (delete it to bind this home again)"
+        ) from None
 
 
 def device_env(device: int) -> dict:

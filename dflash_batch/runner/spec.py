@@ -36,7 +36,9 @@ from .items import Fields, _template_keys
 
 MODEL_KEYS = ("target", "target_revision", "draft", "draft_revision", "dtype", "block_size", "max_context",
               "prefix_cache_mb")  # fmt: skip
-SAMPLING_KEYS = ("max_tokens", "max_tokens_cap", "temperature", "seed", "stop", "n") + tuple(CONTROLS)
+SAMPLING_KEYS = ("max_tokens", "max_tokens_cap", "temperature", "seed", "stop", "n") + tuple(
+    CONTROLS
+)
 OUTPUT_DIR_FIELDS = ("home", "name", "date", "time")
 # The name OpenAI-format output gives the embedded default target (engine/models/default_model.py).
 DEFAULT_TARGET_NAME = "SmolLM2-135M-Instruct"
@@ -59,6 +61,7 @@ CRON_ALIASES = {"@hourly": "0 * * * *", "@daily": "0 0 * * *", "@midnight": "0 0
 # -- each field's check ----------------------------------------------------------------------
 # A check takes a field's value and returns it as the job keeps it, or raises ``checks.BadValue``
 # with a message that does not name the key (``validate`` names it).
+
 
 def _string(value):
     if value is not None and not isinstance(value, str):
@@ -88,8 +91,11 @@ def _revision(value):
 def _one_of(*choices: str):
     def check(value):
         if value not in choices:
-            raise checks.BadValue(f"must be {', '.join(choices[:-1])} or {choices[-1]}, got {value!r}")
+            raise checks.BadValue(
+                f"must be {', '.join(choices[:-1])} or {choices[-1]}, got {value!r}"
+            )
         return value
+
     return check
 
 
@@ -99,6 +105,7 @@ def _dtype(value):
 
 def _integer(low: int, null: Optional[str] = None):
     """An integer >= ``low``; None too where ``null`` says what it means."""
+
     def check(value):
         if value is None and null is not None:
             return None
@@ -106,6 +113,7 @@ def _integer(low: int, null: Optional[str] = None):
             says = f" (or null: {null})" if null is not None else ""
             raise checks.BadValue(f"must be an integer >= {low}{says}, got {checks.show(value)}")
         return value
+
     return check
 
 
@@ -117,9 +125,14 @@ def _count(value):
 
 
 def _megabytes(value):
-    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                              or not 0 <= value < float("inf")):
-        raise checks.BadValue(f"must be a number >= 0 (0: no prefix sharing; null: the default), got {checks.show(value)}")
+    if value is not None and (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not 0 <= value < float("inf")
+    ):
+        raise checks.BadValue(
+            f"must be a number >= 0 (0: no prefix sharing; null: the default), got {checks.show(value)}"
+        )
     return value
 
 
@@ -163,7 +176,9 @@ def _prompt_template(value):
     try:
         string.Template(value).substitute({k: "" for k in _template_keys(value)})
     except (ValueError, KeyError) as e:
-        raise checks.BadValue(f"is malformed ({e}); use $field or ${{field}}, and $$ for a dollar sign") from None
+        raise checks.BadValue(
+            f"is malformed ({e}); use $field or ${{field}}, and $$ for a dollar sign"
+        ) from None
     if not _template_keys(value):
         raise checks.BadValue("uses no $field: every row would get the same prompt")
     return value
@@ -173,7 +188,9 @@ def _output_dir(value):
     if _filled(value) is None:
         return None
     try:
-        placeholders = [(f, s, c) for _, f, s, c in string.Formatter().parse(value) if f is not None]
+        placeholders = [
+            (f, s, c) for _, f, s, c in string.Formatter().parse(value) if f is not None
+        ]
     except ValueError:  # an unmatched brace
         placeholders = [(None, "", None)]
     if any(f not in OUTPUT_DIR_FIELDS or s or c for f, s, c in placeholders):
@@ -198,6 +215,7 @@ def _control(name: str):
     def check(value):
         value = off if value is None else SamplingControls.check(name, value)
         return _json(value) if name == "response_format" else value
+
     return check
 
 
@@ -208,8 +226,10 @@ def _share(value):
     except checks.BadValue:
         share = -1.0
     if not 0 <= share <= 1:
-        raise checks.BadValue("must be a number from 0 to 1 (the share of rows decoded plainly as a check of "
-                              f"what speculation saved, e.g. 0.1), got {checks.show(value)}")
+        raise checks.BadValue(
+            "must be a number from 0 to 1 (the share of rows decoded plainly as a check of "
+            f"what speculation saved, e.g. 0.1), got {checks.show(value)}"
+        )
     return share
 
 
@@ -224,9 +244,15 @@ def _adapt(plan):
         if key not in ADAPT_KEYS:
             raise checks.BadValue(f"has an unknown key {key!r}{_suggest(key, ADAPT_KEYS)}")
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if not number or value < ADAPT_KEYS[key] or (key != "time_budget" and not isinstance(value, int)):
+        if (
+            not number
+            or value < ADAPT_KEYS[key]
+            or (key != "time_budget" and not isinstance(value, int))
+        ):
             kind = "a number of seconds" if key == "time_budget" else "an integer"
-            raise checks.BadValue(f"{key} must be {kind} >= {ADAPT_KEYS[key]}, got {checks.show(value)}")
+            raise checks.BadValue(
+                f"{key} must be {kind} >= {ADAPT_KEYS[key]}, got {checks.show(value)}"
+            )
     return plan
 
 
@@ -255,12 +281,16 @@ class JobSpec(SamplingControls):
     system_prompt: Optional[str] = _option(None, _string)
     # string.Template over row fields: "Summarize:\n\n$text"
     prompt_template: Optional[str] = _option(None, _prompt_template)
-    chat_template: Optional[bool] = _option(None, _chat_template)  # None: the tokenizer's, if it has one
+    chat_template: Optional[bool] = _option(
+        None, _chat_template
+    )  # None: the tokenizer's, if it has one
     chat_template_kwargs: Dict[str, Any] = _option({}, _template_kwargs)
     # model
     target: Optional[str] = _option(None, _filled)  # None: the embedded default pair
     target_revision: Optional[str] = _option(None, _revision)
-    draft: Optional[str] = _option("auto", _string)  # "auto": the registered drafter; None: plain AR
+    draft: Optional[str] = _option(
+        "auto", _string
+    )  # "auto": the registered drafter; None: plain AR
     draft_revision: Optional[str] = _option(None, _revision)
     dtype: str = _option("auto", _dtype)
     block_size: Optional[int] = _option(None, _count)
@@ -284,11 +314,17 @@ class JobSpec(SamplingControls):
     # (``request.control_row`` picks them; docs/runner.md); their output is the same: not in the hash
     control: float = _option(0.0, _share)
     schedule: Optional[str] = _option(None, _schedule)  # cron expression (UTC)
-    catch_up: bool = _option(True, _flag)  # a run missed while no worker was up: submitted at start-up
+    catch_up: bool = _option(
+        True, _flag
+    )  # a run missed while no worker was up: submitted at start-up
     retries: int = _option(0, _integer(0))
-    export_openai: bool = _option(False, _flag)  # also write _openai_output.jsonl as a job completes
+    export_openai: bool = _option(
+        False, _flag
+    )  # also write _openai_output.jsonl as a job completes
     force: bool = _option(False, _flag)  # accept an output dir written with another config hash
-    adapt: Optional[Dict[str, Any]] = _option(None, _adapt)  # {after_rows, time_budget, steps, min_rows}: ADAPT_KEYS
+    adapt: Optional[Dict[str, Any]] = _option(
+        None, _adapt
+    )  # {after_rows, time_budget, steps, min_rows}: ADAPT_KEYS
 
     # -- derived ---------------------------------------------------------------------------
     @property
@@ -363,7 +399,10 @@ class JobSpec(SamplingControls):
                 raise SpecError(f"job {name!r}: {e}; set output_dir to write elsewhere") from None
         stamp = time.gmtime(now if now is not None else time.time())
         text = self.output_dir.format(
-            name=name, home=home, date=time.strftime("%Y-%m-%d", stamp), time=time.strftime("%H%M%S", stamp)
+            name=name,
+            home=home,
+            date=time.strftime("%Y-%m-%d", stamp),
+            time=time.strftime("%H%M%S", stamp),
         )
         return Path(text).expanduser().resolve()
 
@@ -396,7 +435,11 @@ def default_name(input_path: Optional[str]) -> str:
         return "job"
     path = Path(input_path).expanduser().resolve()
     try:
-        stem = checks.plain_name(path.stem) if len(path.stem.encode()) <= 100 else checks.slug(path.stem, 60)
+        stem = (
+            checks.plain_name(path.stem)
+            if len(path.stem.encode()) <= 100
+            else checks.slug(path.stem, 60)
+        )
     except checks.BadValue:
         stem = checks.slug(path.stem, 60)
     return f"{stem or 'input'}-{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
@@ -508,7 +551,9 @@ def _flatten(raw: Dict[str, Any], where: str) -> Dict[str, Any]:
     data: Dict[str, Any] = {}
     for key, value in raw.items():
         if key not in TOP_KEYS:
-            raise SpecError(f"{where}: unknown key {key!r}{_suggest(key, TOP_KEYS + MODEL_KEYS + SAMPLING_KEYS)}")
+            raise SpecError(
+                f"{where}: unknown key {key!r}{_suggest(key, TOP_KEYS + MODEL_KEYS + SAMPLING_KEYS)}"
+            )
         if key == "model":
             if isinstance(value, str):
                 value = {"target": value}
@@ -548,7 +593,9 @@ def validate(spec: JobSpec, where: str = "spec") -> JobSpec:
     for f in fields:  # job records and hashes store integers in 64 bits
         value = getattr(spec, f.name)
         if isinstance(value, int) and not isinstance(value, bool) and abs(value) > checks.MAX_SEED:
-            raise SpecError(f"{where}: {f.name!r} must be at most 2**64 - 1, got {checks.show(value)}")
+            raise SpecError(
+                f"{where}: {f.name!r} must be at most 2**64 - 1, got {checks.show(value)}"
+            )
     checked = {}
     for f in fields:
         try:
@@ -557,12 +604,15 @@ def validate(spec: JobSpec, where: str = "spec") -> JobSpec:
             raise SpecError(f"{where}: {f.name!r} {e}") from None
     checked.update(recorded_model({key: checked[key] for key in MODEL_KEYS}))
     if checked["control"] > 0 and checked["draft"] is None:
-        raise SpecError(f"{where}: 'control' needs a drafter: with no draft every row is decoded plainly already")
+        raise SpecError(
+            f"{where}: 'control' needs a drafter: with no draft every row is decoded plainly already"
+        )
     return dataclasses.replace(spec, **checked)
 
 
 _CHECKS: Dict[str, Callable[[Any], Any]] = {
-    **{f.name: f.metadata["check"] for f in dataclasses.fields(JobSpec)}, **{name: _control(name) for name in CONTROLS},
+    **{f.name: f.metadata["check"] for f in dataclasses.fields(JobSpec)},
+    **{name: _control(name) for name in CONTROLS},
 }
 
 
@@ -576,7 +626,9 @@ def cron_fields(expression) -> Dict[str, str]:
     parts = text.split()
     names = ("minute", "hour", "day", "month", "day_of_week")
     if len(parts) != 5:
-        raise ValueError(f"{expression!r} is not a cron expression: need 5 fields (minute hour day month day_of_week), got {len(parts)}")
+        raise ValueError(
+            f"{expression!r} is not a cron expression: need 5 fields (minute hour day month day_of_week), got {len(parts)}"
+        )
     kwargs = dict(zip(names, parts))
     for name, value in kwargs.items():
         try:

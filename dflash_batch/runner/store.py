@@ -30,7 +30,9 @@ from ..checks import BadValue
 from ..files import fsync_dir, write_atomic, write_file_atomic
 
 SCHEMA_VERSION = 1
-LOGPROB = pa.field("item", pa.struct([("token", pa.string()), ("token_id", pa.int64()), ("logprob", pa.float64())]))
+LOGPROB = pa.field(
+    "item", pa.struct([("token", pa.string()), ("token_id", pa.int64()), ("logprob", pa.float64())])
+)
 RESULT_SCHEMA = pa.schema(
     [
         pa.field("id", pa.string(), nullable=False),
@@ -51,12 +53,16 @@ RESULT_SCHEMA = pa.schema(
         pa.field("acceptance_drafted", pa.float64()),  # accepted / drafted
         pa.field("acceptance_generated", pa.float64()),  # accepted / completion tokens
         pa.field("tokens_per_cycle", pa.float64()),  # committed tokens per verify cycle
-        pa.field("acceptance_histogram", pa.list_(pa.int64())),  # [k] = cycles that committed k tokens
+        pa.field(
+            "acceptance_histogram", pa.list_(pa.int64())
+        ),  # [k] = cycles that committed k tokens
         pa.field("block_size", pa.int64()),  # 0: plain autoregressive
         pa.field("peak_memory_gb", pa.float64()),
         # what speculation saved (docs/runner.md); null in parts from before
         pa.field("decode_share_s", pa.float64()),  # the row's share of the decode cycles it rode in
-        pa.field("plain_seconds_est", pa.float64()),  # its tokens at a measured plain cycle's share each
+        pa.field(
+            "plain_seconds_est", pa.float64()
+        ),  # its tokens at a measured plain cycle's share each
         pa.field("speedup_vs_plain", pa.float64()),  # plain_seconds_est / decode_share_s
         pa.field("control", pa.bool_()),  # decoded plainly in the batch, as a check (--control)
         pa.field("started_at", pa.timestamp("us", tz="UTC")),
@@ -65,10 +71,20 @@ RESULT_SCHEMA = pa.schema(
         pa.field("job_id", pa.string()),
         pa.field("config_hash", pa.string()),
         pa.field("metadata", pa.string()),  # the row's metadata as JSON text
-        pa.field("sample_index", pa.int64()),  # which of the row's n samples (null in parts from before n)
+        pa.field(
+            "sample_index", pa.int64()
+        ),  # which of the row's n samples (null in parts from before n)
         # per output token, when asked: its raw logprob and the top alternatives' (docs/sampling.md)
-        pa.field("logprobs", pa.list_(LOGPROB.with_type(pa.struct(list(LOGPROB.type) + [
-            pa.field("top_logprobs", pa.list_(LOGPROB.type))])))),
+        pa.field(
+            "logprobs",
+            pa.list_(
+                LOGPROB.with_type(
+                    pa.struct(
+                        list(LOGPROB.type) + [pa.field("top_logprobs", pa.list_(LOGPROB.type))]
+                    )
+                )
+            ),
+        ),
         # what training a drafter on the job needs (training/adapt.py): the prompt as the target
         # read it and the completion, as token ids (the EOS that ended it not among them), and the
         # drafter revision that drafted the row (null: the job's own drafter)
@@ -89,6 +105,8 @@ def row_key(item_id: str, sample_index: Optional[int] = 0):
 
 def key_of(row: Dict[str, Any]):
     return row_key(row["id"], row.get("sample_index"))
+
+
 _ID_CACHE: Dict[str, Dict[str, Any]] = {}  # output dir -> part name -> ((size, mtime_ns), ids)
 
 
@@ -116,7 +134,9 @@ class Journal:
         if self._file is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             if self.path.parent.is_symlink():
-                raise BadValue(f"{self.path.parent} is a symlink; refusing to write through it (remove it)")
+                raise BadValue(
+                    f"{self.path.parent} is a symlink; refusing to write through it (remove it)"
+                )
             fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o644)
             self._file = os.fdopen(fd, "ab")
         self._file.write(orjson.dumps(row) + b"\n")
@@ -157,7 +177,9 @@ class ResultStore:
     def ensure(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
         if self.inflight.is_symlink():  # journals stay inside the output dir
-            raise BadValue(f"{self.inflight} is a symlink; refusing to write through it (remove it)")
+            raise BadValue(
+                f"{self.inflight} is a symlink; refusing to write through it (remove it)"
+            )
 
     # -- parts ----------------------------------------------------------------------------
     def parts(self) -> List[Path]:
@@ -208,7 +230,10 @@ class ResultStore:
 
     # -- journals ---------------------------------------------------------------------------
     def journal(self, chunk: int) -> Journal:
-        return Journal(self.inflight / f"c{chunk:05d}-{int(time.time() * 1000):013d}-{secrets.token_hex(3)}.jsonl")
+        return Journal(
+            self.inflight
+            / f"c{chunk:05d}-{int(time.time() * 1000):013d}-{secrets.token_hex(3)}.jsonl"
+        )
 
     def journals(self) -> List[Path]:
         return sorted(self.inflight.glob("*.jsonl")) if self.inflight.is_dir() else []
@@ -301,7 +326,9 @@ class ResultStore:
 
     def write_manifest(self, **fields) -> None:
         self.ensure()
-        data = dict(self.manifest(), schema_version=SCHEMA_VERSION, updated_at=time.time(), **fields)
+        data = dict(
+            self.manifest(), schema_version=SCHEMA_VERSION, updated_at=time.time(), **fields
+        )
         write_atomic(self.manifest_path, orjson.dumps(data, option=orjson.OPT_INDENT_2))
 
 

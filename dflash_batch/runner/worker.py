@@ -54,7 +54,9 @@ class EngineSlot:
             if self.engine is not None:
                 log.info("releasing engine %s for a job with another model", self.key.decode())
             self.engine = None  # drop the old model before loading the next
-            log.info("loading engine %s in thread %s", key.decode(), threading.current_thread().name)
+            log.info(
+                "loading engine %s in thread %s", key.decode(), threading.current_thread().name
+            )
             self.engine = self.factory(**model)
             self.key, self.thread = key, threading.current_thread().name
             log.info("engine ready: %s", getattr(self.engine, "description", model))
@@ -64,8 +66,13 @@ class EngineSlot:
 class Worker:
     """One queue consumer with one thread and one resident engine."""
 
-    def __init__(self, queue: Queue, engine_factory: Callable[..., Any], device: Optional[str] = None,
-                 adapter: Optional[Callable[..., Any]] = None):
+    def __init__(
+        self,
+        queue: Queue,
+        engine_factory: Callable[..., Any],
+        device: Optional[str] = None,
+        adapter: Optional[Callable[..., Any]] = None,
+    ):
         self.queue = queue
         self.engine_slot = EngineSlot(engine_factory)
         # training/adapt.py's ``adapt_job`` (the runner imports no training code): runs a job
@@ -73,13 +80,17 @@ class Worker:
         self.adapter = adapter
         self.cron = Cron(queue)
         self.stop_flag: Optional[threading.Event] = None
-        queue.on_chunk = lambda job_id, chunk, task: self.run_chunk(job_id, chunk, task)  # late-bound: wrappable
+        queue.on_chunk = lambda job_id, chunk, task: self.run_chunk(
+            job_id, chunk, task
+        )  # late-bound: wrappable
         self.id = new_worker_id()
         self.device = device if device is not None else environment.get("CUDA_VISIBLE_DEVICES")
         self.leases = Leases(queue.huey.storage)
         self.rate = Rate()
         self.held: List[Lease] = []  # the leases of the chunks this worker runs now
-        self.heartbeat = Heartbeat(self.leases, self.id, lambda: list(self.held), self.record, self.reap)
+        self.heartbeat = Heartbeat(
+            self.leases, self.id, lambda: list(self.held), self.record, self.reap
+        )
 
     def stopping(self) -> bool:
         return self.stop_flag is not None and self.stop_flag.is_set()
@@ -101,7 +112,9 @@ class Worker:
             return
         lease = self._acquire(record, chunk)
         if lease is None:  # another worker has it; its lease brings the chunk back if it dies
-            log.info("chunk %d of %s is held by %s: dropped", chunk, job_id, self._holder(record, chunk))
+            log.info(
+                "chunk %d of %s is held by %s: dropped", chunk, job_id, self._holder(record, chunk)
+            )
             return
         self.held = [lease]
         try:
@@ -114,7 +127,12 @@ class Worker:
         """A job spec's ``adapt:``, once its rows are in: between tasks, with no chunk held, so
         rows are all committed and a kill -9 here loses none (drafters.py). A failure is
         recorded in the job's drafter history and never fails the job."""
-        if self.adapter is None or self.stopping() or record.cancelled() or not drafters.adapt_due(record):
+        if (
+            self.adapter is None
+            or self.stopping()
+            or record.cancelled()
+            or not drafters.adapt_due(record)
+        ):
             return
         try:
             with drafters.adapt_lock(record):
@@ -162,8 +180,13 @@ class Worker:
         prepare = getattr(self.engine_slot(spec), "prepare", None)
         done = prepare(spec.batch_size, spec.max_tokens) if prepare is not None else None
         if done:
-            log.info("warmed up for batch size %d (context %d) in %.1f s: pass costs %s", done["batch_size"],
-                     done["context"], done["seconds"], "read from the model cache" if done["read"] else "measured")
+            log.info(
+                "warmed up for batch size %d (context %d) in %.1f s: pass costs %s",
+                done["batch_size"],
+                done["context"],
+                done["seconds"],
+                "read from the model cache" if done["read"] else "measured",
+            )
 
     def _run_leased(self, record: JobRecord, chunk: int, task=None) -> None:
         job_id = record.id
@@ -185,8 +208,17 @@ class Worker:
             record.mark_failed(str(e))
             return
         except Exception as e:
-            if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):  # transient: wait for space
-                log.error("chunk %d of %s: disk full (%s); requeued in %.0f s", chunk, job_id, e, DISK_FULL_RETRY_S)
+            if isinstance(e, OSError) and e.errno in (
+                errno.ENOSPC,
+                errno.EDQUOT,
+            ):  # transient: wait for space
+                log.error(
+                    "chunk %d of %s: disk full (%s); requeued in %.0f s",
+                    chunk,
+                    job_id,
+                    e,
+                    DISK_FULL_RETRY_S,
+                )
                 self._requeue(record, chunk, DISK_FULL_RETRY_S)
                 return
             if task is not None and task.retries:
@@ -200,7 +232,12 @@ class Worker:
         elif result.stopped and not record.cancelled():
             pending = record.pending_chunks()
             again = chunk if chunk in pending or not pending else pending[0]
-            log.info("chunk %d of %s checkpointed (%d items done); requeued", again, job_id, result.generated)
+            log.info(
+                "chunk %d of %s checkpointed (%d items done); requeued",
+                again,
+                job_id,
+                result.generated,
+            )
             self._requeue(record, again)
         else:
             log.info(
@@ -222,7 +259,12 @@ class Worker:
         spec, pending = record.spec, record.pending_chunks()
         live = len({w["id"] for w in self.leases.workers(within=self.leases.ttl)} | {self.id})
         share = -(-len(pending) // max(live, 2))  # ceil
-        most = max(1, min(share, STREAM_BATCHES * (spec.batch_size or STREAM_BATCH_DEFAULT) // spec.chunk_size))
+        most = max(
+            1,
+            min(
+                share, STREAM_BATCHES * (spec.batch_size or STREAM_BATCH_DEFAULT) // spec.chunk_size
+            ),
+        )
         chunks = [chunk]
         for c in pending:
             if len(chunks) >= most:
@@ -240,7 +282,9 @@ class Worker:
         def load_engine_in_worker_thread():
             self.engine_slot.get(model)
 
-    def run(self, *, periodic: bool = True, shutdown_timeout: float = 30.0, poll_max_delay: float = 2.0) -> None:
+    def run(
+        self, *, periodic: bool = True, shutdown_timeout: float = 30.0, poll_max_delay: float = 2.0
+    ) -> None:
         """The worker loop: requeue lost chunks, catch up missed cron runs, then consume tasks
         until SIGINT or SIGTERM (both graceful: the current item finishes, its chunk is
         checkpointed and requeued)."""
@@ -264,7 +308,9 @@ class Worker:
         self.stop_flag = consumer.stop_flag
         log.info("worker started: queue %s, home %s, id %s, device %s, leases of %.0f s",
                  self.queue.broker, self.queue.home, self.id, self.device, self.leases.ttl)  # fmt: skip
-        self.leases.put_worker(self.id, **self.record())  # seen at once: other workers count it in their shares
+        self.leases.put_worker(
+            self.id, **self.record()
+        )  # seen at once: other workers count it in their shares
         self.heartbeat.start()
         try:
             consumer.run()
@@ -280,7 +326,11 @@ class Worker:
     def record(self) -> Dict[str, Any]:
         """What ``status`` shows of this worker."""
         live = [lease for lease in list(self.held) if not lease.lost]
-        held = f"{live[0].record['job']}:{','.join(str(l.record['chunk']) for l in live)}" if live else None
+        held = (
+            f"{live[0].record['job']}:{','.join(str(l.record['chunk']) for l in live)}"
+            if live
+            else None
+        )
         return dict(host=socket.gethostname(), pid=os.getpid(), device=self.device, broker=self.queue.broker,
                     chunk=held, **self.rate.rates())  # fmt: skip
 

@@ -37,11 +37,16 @@ MAX_FILES_PAGE = 10_000
 FORM_SLACK = 2**16  # multipart framing around the file's own bytes
 
 
-def create_app(home: Path, *, submit: Callable[..., Any], api_key: Optional[str] = None,
-               limits: Limits = Limits(),
-               overrides: Optional[Dict[str, Any]] = None,
-               clock: Callable[[], float] = time.time,
-               resident: Optional[Resident] = None) -> Starlette:
+def create_app(
+    home: Path,
+    *,
+    submit: Callable[..., Any],
+    api_key: Optional[str] = None,
+    limits: Limits = Limits(),
+    overrides: Optional[Dict[str, Any]] = None,
+    clock: Callable[[], float] = time.time,
+    resident: Optional[Resident] = None,
+) -> Starlette:
     """The app over ``home``: batches become jobs queued by ``submit`` (``api.submit``, passed
     in: this package never imports the engine's side of api) with ``overrides`` (flat spec
     names: target, draft, max_tokens, chunk_size...). ``resident``: the engine that answers
@@ -52,8 +57,14 @@ def create_app(home: Path, *, submit: Callable[..., Any], api_key: Optional[str]
     if resident is not None:
         routes.interactive = Interactive(resident, served_spec(overrides or {}),
                                          model_list(overrides or {})[0]["id"])  # fmt: skip
-    app = Starlette(routes=routes.table(), exception_handlers={
-        ApiError: _api_error, HTTPException: _http_error, Exception: _server_error})
+    app = Starlette(
+        routes=routes.table(),
+        exception_handlers={
+            ApiError: _api_error,
+            HTTPException: _http_error,
+            Exception: _server_error,
+        },
+    )
     if api_key:
         app.add_middleware(KeyCheck, api_key=api_key)
     app.state.batches = batches
@@ -61,18 +72,28 @@ def create_app(home: Path, *, submit: Callable[..., Any], api_key: Optional[str]
 
 
 class Routes:
-    def __init__(self, home: Path, files: FileStore, batches: Batches, limits: Limits,
-                 overrides: Dict[str, Any]):
+    def __init__(
+        self,
+        home: Path,
+        files: FileStore,
+        batches: Batches,
+        limits: Limits,
+        overrides: Dict[str, Any],
+    ):
         self.home, self.files, self.batches = home, files, batches
         self.limits, self.overrides = limits, overrides
         self.interactive: Optional[Interactive] = None
 
     def table(self):
         answer = self.interactive
-        interactive = [
-            Route("/v1/chat/completions", answer.chat, methods=["POST"]),
-            Route("/v1/completions", answer.completions, methods=["POST"]),
-        ] if answer is not None else []
+        interactive = (
+            [
+                Route("/v1/chat/completions", answer.chat, methods=["POST"]),
+                Route("/v1/completions", answer.completions, methods=["POST"]),
+            ]
+            if answer is not None
+            else []
+        )
         return interactive + [
             Route("/", self.page),
             Route("/status.json", self.status),
@@ -93,8 +114,9 @@ class Routes:
         by_job = {b[EXTENSION]["job_id"]: b for b in self.batches.refreshed()}
         out = figures(self.home, by_job)
         if self.interactive is not None:
-            out["interactive"] = dict(self.interactive.counts,
-                                      waiting=len(self.interactive.resident.inbox))
+            out["interactive"] = dict(
+                self.interactive.counts, waiting=len(self.interactive.resident.inbox)
+            )
         return out
 
     def page(self, request: Request) -> Response:
@@ -182,7 +204,7 @@ def _page(items, after: Optional[str], limit: int) -> Dict[str, Any]:
         ids = [i["id"] for i in items]
         if after not in ids:
             raise bad_request(f"after: no such id {after!r}", "after", "invalid_cursor")
-        items = items[ids.index(after) + 1:]
+        items = items[ids.index(after) + 1 :]
     page = items[:limit]
     return {"object": "list", "data": page, "has_more": len(items) > limit,
             "first_id": page[0]["id"] if page else None,
@@ -192,7 +214,11 @@ def _page(items, after: Optional[str], limit: int) -> Dict[str, Any]:
 def served_spec(overrides: Dict[str, Any]) -> JobSpec:
     """The job settings interactive requests are answered with: the served model and
     ``--max-tokens``, else the defaults (a job of the same flags loads the same model)."""
-    given = {k: overrides[k] for k in ("target", "draft", "max_tokens", "max_tokens_cap") if k in overrides}
+    given = {
+        k: overrides[k]
+        for k in ("target", "draft", "max_tokens", "max_tokens_cap")
+        if k in overrides
+    }
     spec = JobSpec(**given)
     # the model named as a job of these flags records it (``--draft none``: no drafter), so the
     # in-process worker's jobs of this model share its engine
@@ -205,12 +231,26 @@ def model_list(overrides: Dict[str, Any]) -> list:
     name = DEFAULT_TARGET_NAME if target is None else Path(target).name if Path(
         target).is_absolute() else target  # fmt: skip
     draft = overrides.get("draft", "auto")
-    out = [{"id": name, "object": "model", "created": 0, "owned_by": "dflash-batch",
-            EXTENSION: {"role": "target", "draft": draft}}]
+    out = [
+        {
+            "id": name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "dflash-batch",
+            EXTENSION: {"role": "target", "draft": draft},
+        }
+    ]
     if draft not in (None, "auto", "none"):
         drafter = Path(draft).name if Path(draft).is_absolute() else draft
-        out.append({"id": drafter, "object": "model", "created": 0, "owned_by": "dflash-batch",
-                    EXTENSION: {"role": "drafter", "target": name}})
+        out.append(
+            {
+                "id": drafter,
+                "object": "model",
+                "created": 0,
+                "owned_by": "dflash-batch",
+                EXTENSION: {"role": "drafter", "target": name},
+            }
+        )
     return out
 
 
@@ -225,8 +265,11 @@ class KeyCheck:
         if scope["type"] == "http":
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
-                error = ApiError(401, "a valid API key is required: Authorization: Bearer KEY",
-                                 code="invalid_api_key")
+                error = ApiError(
+                    401,
+                    "a valid API key is required: Authorization: Bearer KEY",
+                    code="invalid_api_key",
+                )
                 response = await _api_error(None, error)
                 await response(scope, receive, send)
                 return
@@ -265,11 +308,17 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(home: Path, *, submit: Callable[..., Any], sock: socket.socket,
-          api_key: Optional[str] = None, limits: Limits = Limits(),
-          overrides: Optional[Dict[str, Any]] = None,
-          worker: Optional[Callable[[], None]] = None,
-          resident: Optional[Resident] = None) -> None:
+def serve(
+    home: Path,
+    *,
+    submit: Callable[..., Any],
+    sock: socket.socket,
+    api_key: Optional[str] = None,
+    limits: Limits = Limits(),
+    overrides: Optional[Dict[str, Any]] = None,
+    worker: Optional[Callable[[], None]] = None,
+    resident: Optional[Resident] = None,
+) -> None:
     """Serve on ``sock`` (from ``bind``) until stopped. ``worker``: a queue worker loop to run in
     this process's main thread (where its signal handling works), the server then running
     beside it until it returns; ``resident``: the engine of interactive requests."""

@@ -40,9 +40,14 @@ Submit = Callable[..., Any]  # api.submit's signature: (input, *, home, **overri
 
 
 class Batches:
-    def __init__(self, home: Path, files: FileStore, submit: Submit,
-                 overrides: Optional[Dict[str, Any]] = None,
-                 clock: Callable[[], float] = time.time):
+    def __init__(
+        self,
+        home: Path,
+        files: FileStore,
+        submit: Submit,
+        overrides: Optional[Dict[str, Any]] = None,
+        clock: Callable[[], float] = time.time,
+    ):
         self.home = Path(home)
         self.root = self.home / "serve" / "batches"
         self.files = files
@@ -90,8 +95,9 @@ class Batches:
         with self.lock:
             return self._refresh(self._load(batch_id))
 
-    def list(self, after: Optional[str] = None,
-             limit: int = 20) -> Tuple[List[Dict[str, Any]], bool]:
+    def list(
+        self, after: Optional[str] = None, limit: int = 20
+    ) -> Tuple[List[Dict[str, Any]], bool]:
         """A page of batches, newest first, after the batch ``after``; and whether more follow."""
         with self.lock:
             batches = sorted(self._all(), key=lambda b: (b[EXTENSION]["created"], b["id"]),
@@ -100,7 +106,7 @@ class Batches:
                 ids = [b["id"] for b in batches]
                 if after not in ids:
                     raise bad_request(f"after: no batch {after!r}", "after", "invalid_cursor")
-                batches = batches[ids.index(after) + 1:]
+                batches = batches[ids.index(after) + 1 :]
             page = [self._refresh(b) for b in batches[:limit]]
             return page, len(batches) > limit
 
@@ -110,8 +116,12 @@ class Batches:
             if batch["status"] in FINAL or batch["status"] == "cancelling":
                 if batch["status"] in ("cancelling", "cancelled"):
                     return batch
-                raise bad_request(f"batch {batch_id} is {batch['status']}: only a batch in "
-                                  "progress can be cancelled", "batch_id", "invalid_state")
+                raise bad_request(
+                    f"batch {batch_id} is {batch['status']}: only a batch in "
+                    "progress can be cancelled",
+                    "batch_id",
+                    "invalid_state",
+                )
             self._job(batch).mark_cancelled()
             batch["status"], batch["cancelling_at"] = "cancelling", int(self.clock())
             return self._refresh(self._save(batch))
@@ -166,8 +176,12 @@ class Batches:
             self._finalize(batch, record, "completed")
         elif state["state"] == "failed":
             self._finalize(batch, record, "failed")
-            batch["errors"] = {"object": "list", "data": [
-                {"code": "job_failed", "message": state["error"], "param": None, "line": None}]}
+            batch["errors"] = {
+                "object": "list",
+                "data": [
+                    {"code": "job_failed", "message": state["error"], "param": None, "line": None}
+                ],
+            }
         elif record.cancelled() or expiring:
             if is_locked(record.output_dir):  # a worker still finishes its current item
                 if batch["status"] != "cancelling" and not expiring:
@@ -200,8 +214,9 @@ class Batches:
 
     def _load(self, batch_id: str) -> Dict[str, Any]:
         if not isinstance(batch_id, str) or not BATCH_ID.fullmatch(batch_id):
-            raise not_found(f"no batch {batch_id!r}: batch ids look like batch_<24 hex digits>",
-                            "batch_id")
+            raise not_found(
+                f"no batch {batch_id!r}: batch ids look like batch_<24 hex digits>", "batch_id"
+            )
         path = self.root / batch_id / "batch.json"
         if not path.is_file():
             raise not_found(f"no batch {batch_id!r}", "batch_id")
@@ -223,19 +238,32 @@ def _create_params(body: Any) -> Dict[str, Any]:
         raise bad_request("the request body must be a JSON object")
     file_id = body.get("input_file_id")
     if not isinstance(file_id, str):
-        raise bad_request("input_file_id is required: the id of a file uploaded with "
-                          "purpose 'batch'", "input_file_id", "missing_required_parameter")
+        raise bad_request(
+            "input_file_id is required: the id of a file uploaded with purpose 'batch'",
+            "input_file_id",
+            "missing_required_parameter",
+        )
     endpoint = body.get("endpoint")
     if endpoint not in OPENAI_URLS:
         use = " or ".join(sorted(OPENAI_URLS))
-        raise bad_request(f"endpoint {endpoint!r} is not supported here: use {use}", "endpoint",
-                          "unsupported_endpoint")
+        raise bad_request(
+            f"endpoint {endpoint!r} is not supported here: use {use}",
+            "endpoint",
+            "unsupported_endpoint",
+        )
     window = body.get("completion_window")
     if window not in WINDOWS:
-        raise bad_request(f"completion_window {window!r} is not supported: use '24h'",
-                          "completion_window", "invalid_completion_window")
-    return {"input_file_id": file_id, "endpoint": endpoint, "window": window,
-            "metadata": _metadata(body.get("metadata"))}
+        raise bad_request(
+            f"completion_window {window!r} is not supported: use '24h'",
+            "completion_window",
+            "invalid_completion_window",
+        )
+    return {
+        "input_file_id": file_id,
+        "endpoint": endpoint,
+        "window": window,
+        "metadata": _metadata(body.get("metadata")),
+    }
 
 
 def _metadata(value: Any) -> Optional[Dict[str, str]]:
@@ -281,8 +309,9 @@ def request_counts(record: JobRecord) -> Dict[str, int]:
     return {"total": record.total, "completed": len(done - failed), "failed": len(failed)}
 
 
-def output_lines(record: JobRecord, model: Optional[str],
-                 expired: bool = False) -> Tuple[List[bytes], List[bytes]]:
+def output_lines(
+    record: JobRecord, model: Optional[str], expired: bool = False
+) -> Tuple[List[bytes], List[bytes]]:
     """(output lines, error lines) in input order: a request whose samples are all ok goes to
     the output file with its DFlash statistics under ``body["dflash"]``, one with an error to
     the error file; with ``expired``, a request that never ran too, as ``batch_expired``."""
@@ -307,14 +336,19 @@ def output_lines(record: JobRecord, model: Optional[str],
 
 def expired_line(item_id: str) -> Dict[str, Any]:
     message = "the batch's completion window passed before this request ran"
-    return {"id": f"batch_req_{item_id}", "custom_id": item_id, "response": None,
-            "error": {"code": "batch_expired", "message": message}}
+    return {
+        "id": f"batch_req_{item_id}",
+        "custom_id": item_id,
+        "response": None,
+        "error": {"code": "batch_expired", "message": message},
+    }
 
 
 def dflash_stats(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
     """One request's speculative decoding figures, over its samples: acceptance, tokens per
     verify cycle, decode tok/s, and the target forward passes speculation saved (tokens
     decoded beyond the first, less the verify cycles that committed them)."""
+
     def total(key):
         return sum(r.get(key) or 0 for r in rows)
 

@@ -16,33 +16,62 @@ EXIT_REFUSED = 2
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("serve", help="serve OpenAI's Files, Batches and (chat) completions API and a status page",
-                       description="Serve OpenAI's Files and Batches API (/v1/files, /v1/batches, "
-                       "/v1/models) and a status page (/) on this home's queue: each batch is a "
-                       "job that `dflash-batch worker` (or --worker) runs. /v1/chat/completions "
-                       "and /v1/completions answer at once on the served model, joining the "
-                       "running batch with --worker. See docs/serve.md.")
-    p.add_argument("--host", default="127.0.0.1",
-                   help="address to bind (default 127.0.0.1; any other needs --api-key)")
+    p = sub.add_parser(
+        "serve",
+        help="serve OpenAI's Files, Batches and (chat) completions API and a status page",
+        description="Serve OpenAI's Files and Batches API (/v1/files, /v1/batches, "
+        "/v1/models) and a status page (/) on this home's queue: each batch is a "
+        "job that `dflash-batch worker` (or --worker) runs. /v1/chat/completions "
+        "and /v1/completions answer at once on the served model, joining the "
+        "running batch with --worker. See docs/serve.md.",
+    )
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to bind (default 127.0.0.1; any other needs --api-key)",
+    )
     p.add_argument("--port", type=_port, default=8000, help="port (default 8000)")
-    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every request "
-                   f"(default: ${API_KEY_ENV})")
-    p.add_argument("--worker", action="store_true",
-                   help="also run a queue worker in this process, so one command serves")
+    p.add_argument(
+        "--api-key",
+        help=f"require 'Authorization: Bearer KEY' on every request (default: ${API_KEY_ENV})",
+    )
+    p.add_argument(
+        "--worker",
+        action="store_true",
+        help="also run a queue worker in this process, so one command serves",
+    )
     g = p.add_argument_group("job settings of every batch")
-    g.add_argument("--target", "--model", dest="target", help="target model (default: the "
-                   "embedded default pair)")
+    g.add_argument(
+        "--target",
+        "--model",
+        dest="target",
+        help="target model (default: the embedded default pair)",
+    )
     g.add_argument("--draft", help="DFlash drafter: folder, hub repo id, 'auto' or 'none'")
-    g.add_argument("--max-tokens", type=_positive,
-                   help="completion tokens for requests without their own max_tokens")
-    g.add_argument("--max-tokens-cap", type=_positive,
-                   help="no request (batch line or interactive) generates more, whatever it asks")
+    g.add_argument(
+        "--max-tokens",
+        type=_positive,
+        help="completion tokens for requests without their own max_tokens",
+    )
+    g.add_argument(
+        "--max-tokens-cap",
+        type=_positive,
+        help="no request (batch line or interactive) generates more, whatever it asks",
+    )
     g.add_argument("--chunk-size", type=_positive, help="requests per queue task (default 64)")
     g = p.add_argument_group("interactive requests (/v1/chat/completions, /v1/completions)")
-    g.add_argument("--interactive-slots", type=_positive, help="rows decoded together when no "
-                   "batch job is running (default: the engine's batch size)")
-    g.add_argument("--max-waiting", type=_positive, default=256, help="interactive requests "
-                   "waiting at once; more are refused with 429 (default 256)")
+    g.add_argument(
+        "--interactive-slots",
+        type=_positive,
+        help="rows decoded together when no "
+        "batch job is running (default: the engine's batch size)",
+    )
+    g.add_argument(
+        "--max-waiting",
+        type=_positive,
+        default=256,
+        help="interactive requests waiting at once; more are refused with 429 (default 256)",
+    )
     g = p.add_argument_group("input file limits (OpenAI's by default)")
     g.add_argument("--max-requests-per-file", type=_positive, default=Limits.max_requests)
     g.add_argument("--max-file-bytes", type=_positive, default=Limits.max_bytes)
@@ -107,12 +136,22 @@ def run(args) -> int:
     try:
         sock = bind(args.host, args.port)
     except OSError as e:
-        raise CliError(f"--host {args.host} --port {args.port}: cannot listen there "
-                       f"({e.strerror or e})", EXIT_REFUSED) from None
+        raise CliError(
+            f"--host {args.host} --port {args.port}: cannot listen there ({e.strerror or e})",
+            EXIT_REFUSED,
+        ) from None
     from ..api import submit
 
-    serve(home, submit=submit, sock=sock, api_key=api_key, limits=limits, overrides=overrides,
-          worker=worker, resident=resident)
+    serve(
+        home,
+        submit=submit,
+        sock=sock,
+        api_key=api_key,
+        limits=limits,
+        overrides=overrides,
+        worker=worker,
+        resident=resident,
+    )
     if worker is not None:  # as `dflash-batch worker` ends: past MLX's teardown, which can abort
         import logging
         import sys

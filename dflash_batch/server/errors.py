@@ -8,8 +8,15 @@ from typing import Any, Dict, Optional
 class ApiError(Exception):
     """A refused request: its HTTP status and OpenAI's error fields."""
 
-    def __init__(self, status: int, message: str, *, param: Optional[str] = None,
-                 code: Optional[str] = None, kind: str = "invalid_request_error"):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: Optional[str] = None,
+        code: Optional[str] = None,
+        kind: str = "invalid_request_error",
+    ):
         super().__init__(message)
         self.status = status
         self.message = message
@@ -18,8 +25,14 @@ class ApiError(Exception):
         self.kind = kind
 
     def body(self) -> Dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
-                          "code": self.code}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.kind,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
 
 def bad_request(message: str, param: Optional[str] = None, code: Optional[str] = None) -> ApiError:

@@ -55,8 +55,12 @@ def check_filename(name: Optional[str]) -> str:
         raise bad_request("the uploaded file has no file name", "file", "invalid_file_name")
     bad = any(c in name for c in "/\\\0") or name in (".", "..") or not name.isprintable()
     if bad or len(name) > MAX_FILENAME:
-        raise bad_request(f"file name {name[:80]!r} must be a plain name (no path, at most "
-                          f"{MAX_FILENAME} characters)", "file", "invalid_file_name")
+        raise bad_request(
+            f"file name {name[:80]!r} must be a plain name (no path, at most "
+            f"{MAX_FILENAME} characters)",
+            "file",
+            "invalid_file_name",
+        )
     return name
 
 
@@ -68,8 +72,9 @@ class FileStore:
     def folder(self, file_id: str) -> Path:
         """The folder of an existing file; ``not_found`` for any other id, path-like or not."""
         if not isinstance(file_id, str) or not FILE_ID.fullmatch(file_id):
-            raise not_found(f"no file {file_id!r}: file ids look like file-<24 hex digits>",
-                            "file_id")
+            raise not_found(
+                f"no file {file_id!r}: file ids look like file-<24 hex digits>", "file_id"
+            )
         folder = self.root / file_id
         if not (folder / "file.json").is_file():
             raise not_found(f"no file {file_id!r}", "file_id")
@@ -99,12 +104,16 @@ class FileStore:
         shutil.rmtree(self.folder(file_id))
         return {"id": file_id, "object": "file", "deleted": True}
 
-    def upload(self, source: BinaryIO, filename: Optional[str], purpose: Optional[str],
-               limits: Limits) -> Dict[str, Any]:
+    def upload(
+        self, source: BinaryIO, filename: Optional[str], purpose: Optional[str], limits: Limits
+    ) -> Dict[str, Any]:
         """Store an upload after checking it whole; a refused one leaves nothing behind."""
         if purpose not in UPLOAD_PURPOSES:
-            raise bad_request(f"purpose {purpose!r} is not supported here: use 'batch'",
-                              "purpose", "invalid_purpose")
+            raise bad_request(
+                f"purpose {purpose!r} is not supported here: use 'batch'",
+                "purpose",
+                "invalid_purpose",
+            )
         filename = check_filename(filename)
         self.root.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=".upload-", dir=self.root))
@@ -125,8 +134,9 @@ class FileStore:
         finally:
             shutil.rmtree(staging, ignore_errors=True)
 
-    def _commit(self, staging: Path, filename: str, purpose: str, size: int,
-                checked: Optional[Checked]) -> Dict[str, Any]:
+    def _commit(
+        self, staging: Path, filename: str, purpose: str, size: int, checked: Optional[Checked]
+    ) -> Dict[str, Any]:
         file_id = new_id("file-")
         created = self.clock()
         obj = {"id": file_id, "object": "file", "bytes": size, "created_at": int(created),
@@ -149,8 +159,12 @@ def _copy_bounded(source: BinaryIO, target: Path, max_bytes: int) -> int:
                 return size
             size += len(block)
             if size > max_bytes:
-                raise bad_request(f"the file is larger than {max_bytes} bytes, the most a batch "
-                                  "input file may hold", "file", "file_too_large")
+                raise bad_request(
+                    f"the file is larger than {max_bytes} bytes, the most a batch "
+                    "input file may hold",
+                    "file",
+                    "file_too_large",
+                )
             out.write(block)
 
 
@@ -173,8 +187,12 @@ def check_batch_input(path: Path, limits: Limits) -> Checked:
             seen[custom_id] = number
             urls.add(line["url"])
             if len(seen) > limits.max_requests:
-                raise bad_request(f"the file holds more than {limits.max_requests} requests, "
-                                  "the most one batch may hold", "file", "too_many_requests")
+                raise bad_request(
+                    f"the file holds more than {limits.max_requests} requests, "
+                    "the most one batch may hold",
+                    "file",
+                    "too_many_requests",
+                )
     if not seen:
         raise bad_request("the file holds no requests", "file", "empty_file")
     return Checked(len(seen), urls)
@@ -185,14 +203,19 @@ def _request_line(raw: bytes, number: int) -> Dict[str, Any]:
     try:
         line = orjson.loads(raw)
     except orjson.JSONDecodeError as e:
-        raise bad_request(f"{where}: not valid JSON ({e.msg}); a batch input is JSON Lines, "
-                          "one request object per line", "file", "invalid_jsonl") from None
+        raise bad_request(
+            f"{where}: not valid JSON ({e.msg}); a batch input is JSON Lines, "
+            "one request object per line",
+            "file",
+            "invalid_jsonl",
+        ) from None
     if not isinstance(line, dict):
         raise bad_request(f"{where}: not a JSON object", "file", "invalid_jsonl")
     custom_id = line.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id.strip():
-        raise bad_request(f"{where}: 'custom_id' must be a non-empty string", "file",
-                          "invalid_custom_id")
+        raise bad_request(
+            f"{where}: 'custom_id' must be a non-empty string", "file", "invalid_custom_id"
+        )
     if line.get("method") != "POST":
         raise bad_request(f"{where}: 'method' must be 'POST'", "file", "invalid_method")
     if line.get("url") not in OPENAI_URLS:

@@ -30,7 +30,9 @@ from .errors import ApiError, bad_request
 from .resident import Resident
 
 EXTENSION = "dflash"  # the key of each answer's speculative statistics
-MAX_PROMPT_CHARS = 1 << 22  # a body's prompt or messages, at most (the engine refuses long prompts itself)
+MAX_PROMPT_CHARS = (
+    1 << 22
+)  # a body's prompt or messages, at most (the engine refuses long prompts itself)
 
 
 class Interactive:
@@ -52,18 +54,25 @@ class Interactive:
         body = await _json_body(request)
         engine_request = self.parse(body, url)
         stream = body.get("stream") is True
-        include_usage = stream and isinstance(body.get("stream_options"), dict) and \
-            body["stream_options"].get("include_usage") is True
+        include_usage = (
+            stream
+            and isinstance(body.get("stream_options"), dict)
+            and body["stream_options"].get("include_usage") is True
+        )
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
-        ticket = Ticket(engine_request,
-                        on_piece=lambda k, piece: loop.call_soon_threadsafe(events.put_nowait, (k, piece)),
-                        on_done=lambda: loop.call_soon_threadsafe(events.put_nowait, None))
+        ticket = Ticket(
+            engine_request,
+            on_piece=lambda k, piece: loop.call_soon_threadsafe(events.put_nowait, (k, piece)),
+            on_done=lambda: loop.call_soon_threadsafe(events.put_nowait, None),
+        )
         try:
             self.resident.submit(ticket)
         except InboxFull as e:
             self.counts["refused"] += 1
-            raise ApiError(429, str(e), code="rate_limit_exceeded", kind="rate_limit_error") from None
+            raise ApiError(
+                429, str(e), code="rate_limit_exceeded", kind="rate_limit_error"
+            ) from None
         self.counts["requests"] += 1
         answer = _Answer(url, self.model_name, ticket)
         if stream:
@@ -83,8 +92,9 @@ class Interactive:
             raise
         return JSONResponse(answer.whole())
 
-    async def _events(self, answer: "_Answer", events: asyncio.Queue, include_usage: bool,
-                      request: Request) -> AsyncIterator[bytes]:
+    async def _events(
+        self, answer: "_Answer", events: asyncio.Queue, include_usage: bool, request: Request
+    ) -> AsyncIterator[bytes]:
         """Server-sent events: a chunk per piece of each choice, a last one per choice with its
         finish reason, the usage when asked, then ``[DONE]``."""
         try:
@@ -116,7 +126,9 @@ class Interactive:
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise bad_request("'seed' must be an integer", param="seed")
         if len(orjson.dumps(body.get("messages") or body.get("prompt"))) > MAX_PROMPT_CHARS:
-            raise bad_request(f"the prompt is longer than {MAX_PROMPT_CHARS} bytes", param="messages")
+            raise bad_request(
+                f"the prompt is longer than {MAX_PROMPT_CHARS} bytes", param="messages"
+            )
         item = Item(id=f"req-{uuid.uuid4().hex[:12]}", index=0, where="the request")
         try:
             _openai_row(item, {"custom_id": item.id, "url": url, "body": body})
@@ -161,8 +173,12 @@ class _Answer:
 
     def _choice(self, k: int, c: Completion) -> Dict[str, Any]:
         if self.chat:
-            return {"index": k, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": openai_logprobs(c.logprobs), "finish_reason": c.finish_reason}
+            return {
+                "index": k,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": openai_logprobs(c.logprobs),
+                "finish_reason": c.finish_reason,
+            }
         return {"index": k, "text": c.text, "logprobs": text_logprobs(c.logprobs),
                 "finish_reason": c.finish_reason}  # fmt: skip
 
@@ -182,8 +198,12 @@ class _Answer:
 
     def chunk(self, k: int, piece: Piece) -> Dict[str, Any]:
         if self.chat:
-            choice = {"index": k, "delta": {"content": piece.text},
-                      "logprobs": openai_logprobs(piece.logprobs), "finish_reason": piece.finish_reason}
+            choice = {
+                "index": k,
+                "delta": {"content": piece.text},
+                "logprobs": openai_logprobs(piece.logprobs),
+                "finish_reason": piece.finish_reason,
+            }
         else:
             choice = {"index": k, "text": piece.text, "logprobs": text_logprobs(piece.logprobs),
                       "finish_reason": piece.finish_reason}  # fmt: skip
@@ -198,7 +218,11 @@ class _Answer:
 def _usage(done: List[Completion]) -> Dict[str, int]:
     prompt = done[0].stats.prompt_tokens if done else 0
     completion = sum(c.stats.generated_tokens for c in done)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
 
 
 def _stats(c: Completion) -> Dict[str, Any]:

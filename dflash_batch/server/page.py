@@ -5,7 +5,6 @@ page reloads itself while a job runs."""
 
 from __future__ import annotations
 
-
 from html import escape
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -55,7 +54,7 @@ def whole_job_rate(rows: List[Dict[str, Any]]) -> Optional[float]:
              if r["started_at"] and r["finished_at"]]  # fmt: skip
     if not spans:
         return None
-    seconds = (max(e for _, e in spans) - min(s for s, _ in spans))
+    seconds = max(e for _, e in spans) - min(s for s, _ in spans)
     seconds = seconds.total_seconds() if not isinstance(seconds, (int, float)) else seconds
     tokens = sum(r["completion_tokens"] or 0 for r in rows)
     return tokens / seconds if seconds > 0 else None
@@ -84,8 +83,10 @@ def svg_histogram(counts: List[int], width: int = 180, height: int = 64) -> str:
         bars.append(f'<rect x="{x + 1:.1f}" y="{height - 14 - h:.1f}" width="{step - 2:.1f}" '
                     f'height="{h:.1f}"><title>{k} tokens: {n} cycles</title></rect>'
                     f'<text x="{x + step / 2:.1f}" y="{height - 2}">{k}</text>')  # fmt: skip
-    return (f'<svg class="hist" width="{width}" height="{height}" role="img" '
-            f'aria-label="acceptance-length histogram">{"".join(bars)}</svg>')
+    return (
+        f'<svg class="hist" width="{width}" height="{height}" role="img" '
+        f'aria-label="acceptance-length histogram">{"".join(bars)}</svg>'
+    )
 
 
 STYLE = """
@@ -119,14 +120,16 @@ def _interactive(counts: Optional[Dict[str, Any]]) -> str:
         return ""
     cells = "".join(f'<td class="num" data-name="{k}">{counts[k]}</td>'
                     for k in ("requests", "streams", "cancelled", "refused", "waiting"))  # fmt: skip
-    return ('<h2>Interactive requests</h2><table id="interactive"><thead><tr><th>requests</th>'
-            "<th>streamed</th><th>cancelled</th><th>refused</th><th>waiting now</th></tr></thead>"
-            f"<tbody><tr>{cells}</tr></tbody></table>")
+    return (
+        '<h2>Interactive requests</h2><table id="interactive"><thead><tr><th>requests</th>'
+        "<th>streamed</th><th>cancelled</th><th>refused</th><th>waiting now</th></tr></thead>"
+        f"<tbody><tr>{cells}</tr></tbody></table>"
+    )
 
 
 def _row(job: Dict[str, Any]) -> str:
     batch = job["batch"]
-    batch_text = f'{escape(batch["id"])} ({escape(batch["status"])})' if batch else "-"
+    batch_text = f"{escape(batch['id'])} ({escape(batch['status'])})" if batch else "-"
     pct = 100 * job["progress"]
     return (
         f'<tr class="job" data-state="{escape(job["state"])}"><td class="id">{escape(job["id"])}'
@@ -143,6 +146,3 @@ def _row(job: Dict[str, Any]) -> str:
 
 def _fmt(value: Optional[float], spec: str) -> str:
     return "-" if value is None else format(value, spec)
-
-
-

@@ -34,8 +34,14 @@ class Resident:
     served model; ``slots``: rows the interactive loop decodes together (None: the engine's
     batch size)."""
 
-    def __init__(self, factory: Callable[..., Any], model: Dict[str, Any], *,
-                 slots: Optional[int] = None, inbox: Optional[Inbox] = None):
+    def __init__(
+        self,
+        factory: Callable[..., Any],
+        model: Dict[str, Any],
+        *,
+        slots: Optional[int] = None,
+        inbox: Optional[Inbox] = None,
+    ):
         self.factory, self.model, self.slots = factory, model, slots
         self.inbox = inbox if inbox is not None else Inbox()
         # one decoding loop (or other use: a drafter switch, a warm-up) on the engine at a time;

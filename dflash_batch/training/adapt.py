@@ -50,13 +50,20 @@ class AdaptConfig:
     seed: int = 0
 
 
-def adapt_job(record, trigger: str = "cli", clock: Optional[Callable[[], float]] = None,
-              log: Callable[[str], None] = lambda _: None, after_rows: Optional[int] = None,
-              **options) -> Dict[str, Any]:
+def adapt_job(
+    record,
+    trigger: str = "cli",
+    clock: Optional[Callable[[], float]] = None,
+    log: Callable[[str], None] = lambda _: None,
+    after_rows: Optional[int] = None,
+    **options,
+) -> Dict[str, Any]:
     """Adapt ``record``'s drafter once (the caller holds ``drafters.adapt_lock``); returns the
     attempt as recorded in the job's drafter history. Raises ``AdaptRefused`` for a job too small
     or without a drafter. ``clock``: the time budget's clock (tests give their own)."""
-    cfg = AdaptConfig(**{k: v for k, v in options.items() if v is not None})  # after_rows: the spec's trigger
+    cfg = AdaptConfig(
+        **{k: v for k, v in options.items() if v is not None}
+    )  # after_rows: the spec's trigger
     if not cfg.steps and not cfg.time_budget:
         raise AdaptRefused("give a time budget or a number of steps to adapt for")
     rows = finished_rows(record)
@@ -72,7 +79,9 @@ def adapt_job(record, trigger: str = "cli", clock: Optional[Callable[[], float]]
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _adapt(record, rows, current, source: Path, work: Path, cfg: AdaptConfig, trigger, clock, log) -> Dict[str, Any]:
+def _adapt(
+    record, rows, current, source: Path, work: Path, cfg: AdaptConfig, trigger, clock, log
+) -> Dict[str, Any]:
     from .trainer import Trainer
 
     started = time.time()
@@ -82,7 +91,9 @@ def _adapt(record, rows, current, source: Path, work: Path, cfg: AdaptConfig, tr
         trainer.clock = clock
     trainer.setup()
     if not trainer.eval_samples:
-        raise AdaptRefused(f"job {record.id}: no held-out row long enough to judge an adapted drafter")
+        raise AdaptRefused(
+            f"job {record.id}: no held-out row long enough to judge an adapted drafter"
+        )
     before = trainer.evaluate()
     exported = trainer.run(resume=False)
     after = trainer.evaluate()
@@ -93,10 +104,14 @@ def _adapt(record, rows, current, source: Path, work: Path, cfg: AdaptConfig, tr
         "eval_before": before, "eval_after": after,
     }  # fmt: skip
     if not after["tau_follow"] > before["tau_follow"] * (1 + cfg.min_gain):
-        log(f"held-out acceptance {before['tau_follow']:.3f} -> {after['tau_follow']:.3f}: the current drafter stays")
+        log(
+            f"held-out acceptance {before['tau_follow']:.3f} -> {after['tau_follow']:.3f}: the current drafter stays"
+        )
         return drafters.record_attempt(record, dict(entry, outcome="rejected"))
     entry["revision"] = name = drafters.next_name(record)
-    training = dict(entry, config=asdict(cfg), source=str(source), train_config=_plain(asdict(train_cfg)))
+    training = dict(
+        entry, config=asdict(cfg), source=str(source), train_config=_plain(asdict(train_cfg))
+    )
     folder = write_revision(drafters.folder(record) / name, exported, source, training)
     try:
         from ..engine.models.loading import load_drafter
@@ -104,8 +119,12 @@ def _adapt(record, rows, current, source: Path, work: Path, cfg: AdaptConfig, tr
         load_drafter(folder)
     except Exception as e:  # never put in force what does not load
         shutil.rmtree(folder, ignore_errors=True)
-        return drafters.record_attempt(record, dict(entry, outcome="refused", refused=f"{type(e).__name__}: {e}"))
-    log(f"held-out acceptance {before['tau_follow']:.3f} -> {after['tau_follow']:.3f}: {name} in force")
+        return drafters.record_attempt(
+            record, dict(entry, outcome="refused", refused=f"{type(e).__name__}: {e}")
+        )
+    log(
+        f"held-out acceptance {before['tau_follow']:.3f} -> {after['tau_follow']:.3f}: {name} in force"
+    )
     return drafters.record_attempt(record, dict(entry, outcome="adopted"), adopt=True)
 
 
@@ -116,7 +135,12 @@ def finished_rows(record) -> List[Dict[str, Any]]:
     found = store.read(ROW_COLUMNS).to_pylist() + store.journal_rows()
     out, seen = [], set()
     for r in found:
-        if r.get("status") != "ok" or r["id"] not in ids or not r.get("prompt_token_ids") or not r.get("token_ids"):
+        if (
+            r.get("status") != "ok"
+            or r["id"] not in ids
+            or not r.get("prompt_token_ids")
+            or not r.get("token_ids")
+        ):
             continue
         if key_of(r) not in seen:
             seen.add(key_of(r))
@@ -134,7 +158,11 @@ def current_drafter(record) -> Tuple[Optional[str], Path]:
 
     draft, revision = spec.draft, spec.draft_revision
     if draft == "auto":
-        found = registry.default_pair()[1] if spec.target is None else registry.auto_drafter(spec.target)
+        found = (
+            registry.default_pair()[1]
+            if spec.target is None
+            else registry.auto_drafter(spec.target)
+        )
         draft, revision = (found, None) if isinstance(found, str) else (found or (None, None))
     if draft is None:
         raise AdaptRefused(f"job {record.id} decodes without a drafter: there is none to adapt")
@@ -143,7 +171,9 @@ def current_drafter(record) -> Tuple[Optional[str], Path]:
 
 def split_prompts(keys: List[int], share: float) -> set:
     """The held-out prompt keys: a fixed share, by a hash of the key (the same rows every time)."""
-    order = sorted(set(keys), key=lambda k: hashlib.blake2b(k.to_bytes(8, "little"), digest_size=8).digest())
+    order = sorted(
+        set(keys), key=lambda k: hashlib.blake2b(k.to_bytes(8, "little"), digest_size=8).digest()
+    )
     return set(order[: max(1, round(len(order) * share))])
 
 
@@ -165,7 +195,9 @@ def training_config(record, rows, source: Path, work: Path, cfg: AdaptConfig):
         for key, r in zip(keys, rows):
             prompts.setdefault(key, {"id": str(key), "kind": "job", "split": "eval" if key in held else "train",
                                      "key": key, "prompt": list(r["prompt_token_ids"])})  # fmt: skip
-            writer.append(key, r.get("sample_index") or 0, r["token_ids"], r.get("stop_reason") == "eos", 0.0)
+            writer.append(
+                key, r.get("sample_index") or 0, r["token_ids"], r.get("stop_reason") == "eos", 0.0
+            )
     data.save_samples(folder / "prompts.jsonl", prompts.values())
     (folder / "meta.json").write_text(json.dumps(meta))
     longest = max(len(r["prompt_token_ids"]) + len(r["token_ids"]) + 1 for r in rows)

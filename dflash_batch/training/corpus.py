@@ -62,7 +62,16 @@ CODE_TASKS = [
     "Add comments to this code.",
     "What is the time complexity of this function?",
 ]
-SKIP_PARTS = {"test", "tests", "idlelib", "lib2to3", "site-packages", "dist-packages", "__pycache__", "turtledemo"}
+SKIP_PARTS = {
+    "test",
+    "tests",
+    "idlelib",
+    "lib2to3",
+    "site-packages",
+    "dist-packages",
+    "__pycache__",
+    "turtledemo",
+}
 PASSAGE_CHARS = (160, 1500)  # a passage is a paragraph group of this many characters
 CODE_LINES, CODE_CHARS = (5, 40), 1600
 
@@ -179,7 +188,9 @@ def _unique(pairs: Iterator[Tuple[str, str]]) -> List[Tuple[str, str]]:
     return out
 
 
-def _tasks(units: List[Tuple[str, str]], tasks: List[str], kind: str, fence: bool, rng: random.Random) -> List[dict]:
+def _tasks(
+    units: List[Tuple[str, str]], tasks: List[str], kind: str, fence: bool, rng: random.Random
+) -> List[dict]:
     """Every (unit, task) pair as a prompt, in a seeded order that visits units round-robin: the
     first len(units) prompts use each unit once, the next each unit again with another task."""
     per_unit = []
@@ -192,11 +203,15 @@ def _tasks(units: List[Tuple[str, str]], tasks: List[str], kind: str, fence: boo
     for round_ in range(len(tasks)):
         for made in per_unit:
             source, content = made[round_]
-            out.append({"kind": kind, "source": source, "messages": [{"role": "user", "content": content}]})
+            out.append(
+                {"kind": kind, "source": source, "messages": [{"role": "user", "content": content}]}
+            )
     return out
 
 
-def offline_sources(seed: int, stdlib_root: Optional[Path] = None, template_count: int = 6000) -> Dict[str, List[dict]]:
+def offline_sources(
+    seed: int, stdlib_root: Optional[Path] = None, template_count: int = 6000
+) -> Dict[str, List[dict]]:
     """Candidate prompts per kind, each kind in its seeded order (earlier ones are used first)."""
     rng = random.Random(seed)
     files = stdlib_files(stdlib_root)
@@ -223,7 +238,9 @@ def build_corpus(
     """``count`` distinct prompts ``{"id", "kind", "source", "split", "messages"}``, mixing the
     offline kinds by ``shares`` (a kind that runs out leaves its place to the others)."""
     shares = shares or {"passage": 0.45, "code": 0.35, "template": 0.20}
-    pools = offline_sources(seed, stdlib_root, template_count=max(1000, int(count * shares.get("template", 0)) + 500))
+    pools = offline_sources(
+        seed, stdlib_root, template_count=max(1000, int(count * shares.get("template", 0)) + 500)
+    )
     want = {k: int(round(count * shares.get(k, 0))) for k in pools}
     taken: Dict[str, List[dict]] = {k: [] for k in pools}
     seen: set = set()

@@ -24,7 +24,9 @@ def encode_prompts(tokenizer, prompts: Iterable[dict]) -> List[dict]:
     """Prompts with their chat-templated token ids (``prompt``), ready for generation."""
     out = []
     for p in prompts:
-        ids = tokenizer.apply_chat_template(p["messages"], add_generation_prompt=True, tokenize=True)
+        ids = tokenizer.apply_chat_template(
+            p["messages"], add_generation_prompt=True, tokenize=True
+        )
         out.append({"id": p["id"], "kind": p["kind"], "prompt": [int(t) for t in ids]})
     return out
 
@@ -63,7 +65,9 @@ def generate_answers(
         if log:
             done = first + len(chunk)
             tokens = sum(len(s["answer"]) for s in samples)
-            log(f"generated {done}/{len(prompts)} answers, {tokens} tokens, {time.perf_counter() - start:.1f}s")
+            log(
+                f"generated {done}/{len(prompts)} answers, {tokens} tokens, {time.perf_counter() - start:.1f}s"
+            )
         mx.clear_cache()
     return samples
 

@@ -69,7 +69,12 @@ def save_drafter(
     model.set_dtype(getattr(mx, dtype))
     config = dict(config, torch_dtype=dtype)
     if quantize_bits:
-        nn.quantize(model, group_size=group_size, bits=quantize_bits, class_predicate=lambda p, m: isinstance(m, nn.Linear))
+        nn.quantize(
+            model,
+            group_size=group_size,
+            bits=quantize_bits,
+            class_predicate=lambda p, m: isinstance(m, nn.Linear),
+        )
         config["quantization"] = {"group_size": group_size, "bits": quantize_bits}
     else:
         config.pop("quantization", None)
@@ -79,13 +84,17 @@ def save_drafter(
     return folder
 
 
-def draft_vocab(answers: Iterable[Sequence[int]], vocab_size: int, size: int, always: Sequence[int] = ()) -> dict:
+def draft_vocab(
+    answers: Iterable[Sequence[int]], vocab_size: int, size: int, always: Sequence[int] = ()
+) -> dict:
     """The ``size`` tokens the target writes most in ``answers`` (ties: the lower id), with
     ``always`` (its EOS ids) among them: ``{"token_ids": sorted ids, "answers", "answer_tokens",
     "coverage"}``, coverage being the share of the answers' tokens the ids hold."""
     answers = [np.asarray(a, dtype=np.int64) for a in answers]
     n = len(answers)
-    counts = np.bincount(np.concatenate(answers) if answers else np.zeros(0, np.int64), minlength=vocab_size)[:vocab_size]
+    counts = np.bincount(
+        np.concatenate(answers) if answers else np.zeros(0, np.int64), minlength=vocab_size
+    )[:vocab_size]
     forced = sorted({int(i) for i in always if 0 <= int(i) < vocab_size})
     taken = set(forced)
     rest = [int(i) for i in np.argsort(-counts, kind="stable") if int(i) not in taken]

@@ -50,7 +50,9 @@ def sample_seed(seed: int, key: int, sample: int) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
-def pending_jobs(prompts: Sequence[dict], samples: Sequence[int], done: set) -> List[Tuple[dict, int]]:
+def pending_jobs(
+    prompts: Sequence[dict], samples: Sequence[int], done: set
+) -> List[Tuple[dict, int]]:
     """(prompt, sample) pairs not in the store yet, prompt by prompt in the given order."""
     return [(p, k) for p in prompts for k in samples if (p["key"], k) not in done]
 
@@ -84,8 +86,15 @@ def generate_to_store(
             for i, (p, k) in enumerate(chunk):
                 temp = 0.0 if k == 0 else temperature
                 try:
-                    requests.append(engine.request(p["prompt"], max_tokens=max_tokens, temperature=temp,
-                                                   seed=None if k == 0 else sample_seed(seed, p["key"], k), index=i))
+                    requests.append(
+                        engine.request(
+                            p["prompt"],
+                            max_tokens=max_tokens,
+                            temperature=temp,
+                            seed=None if k == 0 else sample_seed(seed, p["key"], k),
+                            index=i,
+                        )
+                    )
                 except GenerationError as e:  # too long for the target, say: skipped, named
                     skipped += 1
                     if log:
@@ -93,15 +102,24 @@ def generate_to_store(
             for i, completion in engine.run(requests, batch_size):
                 p, k = chunk[i]
                 ended = completion.finish_reason == "stop"
-                writer.append(p["key"], k, completion.token_ids, ended, 0.0 if k == 0 else temperature)
+                writer.append(
+                    p["key"], k, completion.token_ids, ended, 0.0 if k == 0 else temperature
+                )
                 written += 1
                 tokens += len(completion.token_ids)
                 if deadline is not None and time.perf_counter() >= deadline:
                     break  # the rows in flight are dropped; a resumed run generates them again
             writer.sync()
             if log:
-                log(f"stored {written}/{len(jobs)} answers, {tokens} tokens, {time.perf_counter() - start:.1f}s")
-    return {"written": written, "tokens": tokens, "left": len(jobs) - written - skipped, "skipped": skipped}
+                log(
+                    f"stored {written}/{len(jobs)} answers, {tokens} tokens, {time.perf_counter() - start:.1f}s"
+                )
+    return {
+        "written": written,
+        "tokens": tokens,
+        "left": len(jobs) - written - skipped,
+        "skipped": skipped,
+    }
 
 
 # -- the target's own user turns -------------------------------------------------------------
@@ -112,7 +130,9 @@ def turn_prompt(chat: dict, turn: Sequence[int]) -> List[int]:
     return list(chat["user_header"]) + list(turn) + list(chat["turn_suffix"])
 
 
-def keep_turn(turn: Sequence[int], ended: bool, special_ids: set, min_tokens: int, min_distinct: float) -> bool:
+def keep_turn(
+    turn: Sequence[int], ended: bool, special_ids: set, min_tokens: int, min_distinct: float
+) -> bool:
     """A usable user turn: ended on its own, long enough, no special tokens, not a loop."""
     if not ended or len(turn) < min_tokens:
         return False
@@ -167,5 +187,14 @@ def sample_user_turns(
     ending at the end of its turn (the template's end-of-turn id is an EOS of ``engine``)."""
     header = {"key": prompt_key(chat["user_header"]), "prompt": list(chat["user_header"])}
     return generate_to_store(
-        engine, [header], store, range(1, count + 1), temperature, max_tokens, seed, batch_size, deadline, log=log
+        engine,
+        [header],
+        store,
+        range(1, count + 1),
+        temperature,
+        max_tokens,
+        seed,
+        batch_size,
+        deadline,
+        log=log,
     )

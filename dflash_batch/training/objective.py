@@ -30,7 +30,9 @@ import numpy as np
 
 
 # -- batches (numpy: host-side sampling) ------------------------------------------------------
-def sample_anchors(rng: np.random.Generator, prompt_len: int, total_len: int, count: int) -> np.ndarray:
+def sample_anchors(
+    rng: np.random.Generator, prompt_len: int, total_len: int, count: int
+) -> np.ndarray:
     """``count`` anchor positions p in the answer with at least one label (p + 1 < total_len).
 
     The first anchor is the last prompt position's successor, as after prefill; distinct
@@ -64,13 +66,21 @@ def make_batch(
         tokens[i, : len(seq)] = seq
     lengths = np.array([len(x) for x in seqs], dtype=np.int64)
     anchors = np.stack(
-        [sample_anchors(rng, min(len(s["prompt"]), len(x)), len(x), anchors_per_seq) for s, x in zip(samples, seqs)]
+        [
+            sample_anchors(rng, min(len(s["prompt"]), len(x)), len(x), anchors_per_seq)
+            for s, x in zip(samples, seqs)
+        ]
     )
     return blocks_at(tokens, lengths, anchors, block_size, mask_token_id, gamma)
 
 
 def blocks_at(
-    tokens: np.ndarray, lengths: np.ndarray, anchors: np.ndarray, block_size: int, mask_token_id: int, gamma: float
+    tokens: np.ndarray,
+    lengths: np.ndarray,
+    anchors: np.ndarray,
+    block_size: int,
+    mask_token_id: int,
+    gamma: float,
 ) -> Dict[str, np.ndarray]:
     """The blocks, labels and weights of anchors [N, A] (-1: none, every weight zero) over
     tokens [N, T] whose first ``lengths`` ids are the sequence."""
@@ -106,7 +116,9 @@ def leading_matches(drafts: mx.array, labels: mx.array, weights: mx.array) -> mx
     return mx.cumprod(correct.astype(mx.int32), axis=-1).sum(axis=-1)
 
 
-def follow_up_anchors(anchors: np.ndarray, accepted: np.ndarray, valid: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+def follow_up_anchors(
+    anchors: np.ndarray, accepted: np.ndarray, valid: np.ndarray, lengths: np.ndarray
+) -> np.ndarray:
     """Where decoding anchors its next block after a block at p accepted a drafts: p + a + 1,
     the target's bonus token, right after the draft it overruled. -1 where the block had no label
     or no label would follow the new anchor (p' + 1 >= length)."""
@@ -142,15 +154,21 @@ def _rope_blocks(rope, x: mx.array, anchors: mx.array, block_size: int) -> mx.ar
     return x.reshape(N, A, H, block_size, D).transpose(0, 2, 1, 3, 4).reshape(N, H, L, D)
 
 
-def _attention(attn, x: mx.array, ctx: mx.array, anchors: mx.array, mask: mx.array, block_size: int) -> mx.array:
+def _attention(
+    attn, x: mx.array, ctx: mx.array, anchors: mx.array, mask: mx.array, block_size: int
+) -> mx.array:
     """The drafter layer's attention with every anchor block at once (same maths as
     drafter.Attention with a fresh cache holding the anchor's context)."""
     N, L, _ = x.shape
     hd, nh, nkv = attn.head_dim, attn.n_heads, attn.n_kv_heads
     q = _rope_blocks(attn.rope, attn.q_norm(_heads(attn.q_proj(x), nh, hd)), anchors, block_size)
-    k_blk = _rope_blocks(attn.rope, attn.k_norm(_heads(attn.k_proj(x), nkv, hd)), anchors, block_size)
+    k_blk = _rope_blocks(
+        attn.rope, attn.k_norm(_heads(attn.k_proj(x), nkv, hd)), anchors, block_size
+    )
     v_blk = _heads(attn.v_proj(x), nkv, hd)
-    k_ctx = attn.rope(attn.k_norm(_heads(attn.k_proj(ctx), nkv, hd)), offset=0)  # context row s at position s
+    k_ctx = attn.rope(
+        attn.k_norm(_heads(attn.k_proj(ctx), nkv, hd)), offset=0
+    )  # context row s at position s
     v_ctx = _heads(attn.v_proj(ctx), nkv, hd)
     keys = mx.concatenate([k_ctx, k_blk], axis=2)
     values = mx.concatenate([v_ctx, v_blk], axis=2)
@@ -164,7 +182,9 @@ def _attention(attn, x: mx.array, ctx: mx.array, anchors: mx.array, mask: mx.arr
     return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(N, L, -1))
 
 
-def packed_forward(drafter, block_embeddings: mx.array, context: mx.array, anchors: mx.array) -> mx.array:
+def packed_forward(
+    drafter, block_embeddings: mx.array, context: mx.array, anchors: mx.array
+) -> mx.array:
     """Drafter hidden states [N, A*B, H] for all anchor blocks of a batch."""
     B = drafter.args.block_size
     if any(t != "full_attention" for t in drafter.args.layer_types):
@@ -187,7 +207,9 @@ def block_logits(drafter, lm_head, block_embeddings, context, anchors) -> mx.arr
     return lm_head(h[:, :, 1:, :])
 
 
-def dflash_loss(drafter, lm_head, block_embeddings, context, anchors, labels, weights, teacher=None, distill=0.0):
+def dflash_loss(
+    drafter, lm_head, block_embeddings, context, anchors, labels, weights, teacher=None, distill=0.0
+):
     """Position-weighted cross-entropy (the DFlash objective) and the weight total; with
     ``teacher`` (the target's logits [N, A, B-1, V] where it predicts each label: ``teacher_positions``),
     a share ``distill`` of each position's loss is the cross-entropy to the target's distribution."""
@@ -195,7 +217,9 @@ def dflash_loss(drafter, lm_head, block_embeddings, context, anchors, labels, we
     ce = nn.losses.cross_entropy(logits, labels, reduction="none")
     if teacher is not None and distill > 0:
         t = mx.softmax(mx.stop_gradient(teacher).astype(mx.float32), axis=-1)
-        soft = -(t * (logits - mx.logsumexp(logits, axis=-1, keepdims=True))).sum(axis=-1)  # H(t, q)
+        soft = -(t * (logits - mx.logsumexp(logits, axis=-1, keepdims=True))).sum(
+            axis=-1
+        )  # H(t, q)
         ce = (1.0 - distill) * ce + distill * soft
     total = weights.sum()
     return (ce * weights).sum() / mx.maximum(total, 1e-6), total
@@ -227,4 +251,3 @@ def tap_ids_for(num_target_layers: int, count: int) -> List[int]:
 
 def to_mx(batch: Dict[str, np.ndarray]) -> Dict[str, mx.array]:
     return {k: mx.array(v) for k, v in batch.items()}
-

@@ -110,8 +110,13 @@ CHAT = [
     "Can you tell me something fun about {t}?",
 ]
 CODE_STYLES = [
-    "", " Include a short explanation.", " Add comments to the code.", " Keep it short.",
-    " Show an example call.", " Explain its time complexity.", " Write it step by step.",
+    "",
+    " Include a short explanation.",
+    " Add comments to the code.",
+    " Keep it short.",
+    " Show an example call.",
+    " Explain its time complexity.",
+    " Write it step by step.",
 ]
 KINDS = ("instruction", "summary", "code", "arithmetic", "chat")
 
@@ -119,7 +124,12 @@ KINDS = ("instruction", "summary", "code", "arithmetic", "chat")
 def _instruction(rng: random.Random) -> str:
     p, q = rng.choice(PAIRS)
     return rng.choice(INSTRUCTIONS).format(
-        t=rng.choice(TOPICS), n=rng.randint(3, 7), a=rng.choice(ACTIVITIES), b=rng.choice(THINGS), p=p, q=q
+        t=rng.choice(TOPICS),
+        n=rng.randint(3, 7),
+        a=rng.choice(ACTIVITIES),
+        b=rng.choice(THINGS),
+        p=p,
+        q=q,
     )
 
 
@@ -141,10 +151,22 @@ def _summary(rng: random.Random) -> str:
 def _code(rng: random.Random) -> str:
     choice = rng.random()
     if choice < 0.6:
-        verb = rng.choice(["Write a {l} function that {t}.", "Show me {l} code that {t}.", "How would you write a {l} function that {t}?"])
+        verb = rng.choice(
+            [
+                "Write a {l} function that {t}.",
+                "Show me {l} code that {t}.",
+                "How would you write a {l} function that {t}?",
+            ]
+        )
         return verb.format(l=rng.choice(LANGS), t=rng.choice(CODE_TASKS)) + rng.choice(CODE_STYLES)
     snippet = rng.choice(SNIPPETS)
-    ask = rng.choice(["What does this code do?", "Explain this Python code line by line.", "Can this code be improved?"])
+    ask = rng.choice(
+        [
+            "What does this code do?",
+            "Explain this Python code line by line.",
+            "Can this code be improved?",
+        ]
+    )
     return f"{ask}\n\n```python\n{snippet}\n```"
 
 
@@ -167,16 +189,37 @@ def _arithmetic(rng: random.Random) -> str:
 
 
 def _chat(rng: random.Random) -> List[Dict[str, str]]:
-    first = rng.choice(CHAT).format(e=rng.choice(EMOTIONS), t=rng.choice(TOPICS), a=rng.choice(ACTIVITIES))
+    first = rng.choice(CHAT).format(
+        e=rng.choice(EMOTIONS), t=rng.choice(TOPICS), a=rng.choice(ACTIVITIES)
+    )
     if rng.random() < 0.7:
         return [{"role": "user", "content": first}]
     # A two-turn conversation: the earlier reply is short and generic on purpose.
-    follow = rng.choice(["Thanks! Can you say more?", "Why is that?", "Could you give an example?", "Make it shorter, please."])
-    reply = rng.choice(["Sure, happy to help.", "Of course! Here is a quick answer.", "That's a great question."])
-    return [{"role": "user", "content": first}, {"role": "assistant", "content": reply}, {"role": "user", "content": follow}]
+    follow = rng.choice(
+        [
+            "Thanks! Can you say more?",
+            "Why is that?",
+            "Could you give an example?",
+            "Make it shorter, please.",
+        ]
+    )
+    reply = rng.choice(
+        ["Sure, happy to help.", "Of course! Here is a quick answer.", "That's a great question."]
+    )
+    return [
+        {"role": "user", "content": first},
+        {"role": "assistant", "content": reply},
+        {"role": "user", "content": follow},
+    ]
 
 
-_MAKERS = {"instruction": _instruction, "summary": _summary, "code": _code, "arithmetic": _arithmetic, "chat": _chat}
+_MAKERS = {
+    "instruction": _instruction,
+    "summary": _summary,
+    "code": _code,
+    "arithmetic": _arithmetic,
+    "chat": _chat,
+}
 
 
 def is_eval(text: str, eval_percent: int) -> bool:

@@ -87,10 +87,14 @@ class AnswerStore:
         if meta_path.exists():
             meta = json.loads(meta_path.read_text())
             if meta.get("version") != VERSION:
-                raise ValueError(f"{meta_path}: store version {meta.get('version')} is not {VERSION}")
+                raise ValueError(
+                    f"{meta_path}: store version {meta.get('version')} is not {VERSION}"
+                )
         else:
             if vocab_size is None:
-                raise FileNotFoundError(f"{meta_path} is missing (a new store needs the vocabulary size)")
+                raise FileNotFoundError(
+                    f"{meta_path} is missing (a new store needs the vocabulary size)"
+                )
             meta = {"version": VERSION, "dtype": "uint16" if vocab_size <= 1 << 16 else "uint32"}
             self.folder.mkdir(parents=True, exist_ok=True)
             write_atomic(meta_path, json.dumps(meta))
@@ -141,14 +145,25 @@ class ShardWriter:
                     pass
             number += 1
 
-    def append(self, key: int, sample: int, tokens: Sequence[int], ended: bool, temperature: float) -> None:
+    def append(
+        self, key: int, sample: int, tokens: Sequence[int], ended: bool, temperature: float
+    ) -> None:
         payload = np.asarray(tokens, dtype=np.int64)
         if payload.size and (payload.min() < 0 or payload.max() > np.iinfo(self.store.dtype).max):
             raise ValueError(f"token id out of range for a {self.store.dtype.name} store")
         payload = payload.astype(self.store.dtype).tobytes()
-        fields = (MAGIC, key, sample, len(tokens), ENDED_ON_EOS if ended else 0, round(temperature * 1000))
+        fields = (
+            MAGIC,
+            key,
+            sample,
+            len(tokens),
+            ENDED_ON_EOS if ended else 0,
+            round(temperature * 1000),
+        )
         crc = _crc(HEADER.pack(*fields, 0), payload)
-        self.file.write(HEADER.pack(*fields, crc) + payload)  # one write: the record is whole or torn
+        self.file.write(
+            HEADER.pack(*fields, crc) + payload
+        )  # one write: the record is whole or torn
         self.file.flush()
 
     def sync(self) -> None:

@@ -31,12 +31,18 @@ from .trainer import TrainConfig, Trainer, answer_samples, data_dir, load_target
 Config = Tuple[int, int, int]  # (training answers, layers, block size)
 
 
-def configurations(answers: List[int], layers: List[int], blocks: List[int], full_grid: bool) -> List[Config]:
+def configurations(
+    answers: List[int], layers: List[int], blocks: List[int], full_grid: bool
+) -> List[Config]:
     """The sweep's (answers, layers, block) runs, smallest data first."""
     if full_grid:
         return sorted(itertools.product(answers, layers, blocks))
     base = (max(answers), max(layers), max(blocks))
-    runs = {(a, base[1], base[2]) for a in answers} | {(base[0], n, base[2]) for n in layers} | {(base[0], base[1], b) for b in blocks}
+    runs = (
+        {(a, base[1], base[2]) for a in answers}
+        | {(base[0], n, base[2]) for n in layers}
+        | {(base[0], base[1], b) for b in blocks}
+    )
     return sorted(runs)
 
 
@@ -49,18 +55,30 @@ def finished(folder: Path, steps: int) -> Optional[dict]:
     log = folder / "train.log.jsonl"
     if not log.exists():
         return None
-    finals = [e for e in map(json.loads, log.read_text().splitlines()) if "final_eval" in e and e["step"] >= steps]
+    finals = [
+        e
+        for e in map(json.loads, log.read_text().splitlines())
+        if "final_eval" in e and e["step"] >= steps
+    ]
     return finals[-1] if finals else None
 
 
-def decode_acceptance(cfg: TrainConfig, drafter: Path, prompts: List[dict], max_tokens: int, batch_size: int) -> dict:
+def decode_acceptance(
+    cfg: TrainConfig, drafter: Path, prompts: List[dict], max_tokens: int, batch_size: int
+) -> dict:
     """Committed tokens per verify cycle of greedy DFlash decoding of ``prompts`` (ids) with the
     exported ``drafter``, the adaptive verify width off (every cycle verifies the whole block)."""
     from ..engine import Engine, load_drafter
 
     meta = json.loads((data_dir(cfg) / "meta.json").read_text())
     model, config = load_target_model(cfg.target, cfg.dtype)
-    engine = Engine(model, IdsTokenizer(meta["eos_token_ids"]), load_drafter(drafter), config=config, adaptive_block=False)
+    engine = Engine(
+        model,
+        IdsTokenizer(meta["eos_token_ids"]),
+        load_drafter(drafter),
+        config=config,
+        adaptive_block=False,
+    )
     run = decode_rows(engine, prompts, max_tokens, batch_size)
     committed, cycles = run["committed"], run["cycles"]
     return {"prompts": len(prompts), "max_tokens": max_tokens, "cycles": cycles,
@@ -72,7 +90,9 @@ def decode_rows(engine, prompts: List[dict], max_tokens: int, batch_size: int) -
     (``outputs``, by position), the verify cycles of all rows (``cycles``) and their histogram
     of committed tokens per cycle (``hist``), and the tokens those cycles committed (``committed``,
     the prefills' first tokens aside)."""
-    requests = [engine.request(p["prompt"], max_tokens=max_tokens, index=i) for i, p in enumerate(prompts)]
+    requests = [
+        engine.request(p["prompt"], max_tokens=max_tokens, index=i) for i, p in enumerate(prompts)
+    ]
     outputs, hist, cycles = {}, [0] * (max(engine.block_size, 1) + 1), 0
     for index, done in engine.run(requests, batch_size):
         if index is None:  # a refusal mark: never for these checked requests
@@ -81,7 +101,12 @@ def decode_rows(engine, prompts: List[dict], max_tokens: int, batch_size: int) -
         for k, n in enumerate(done.stats.acceptance_histogram):
             hist[k] += n
         cycles += done.stats.cycles
-    return {"outputs": outputs, "hist": hist, "cycles": cycles, "committed": sum(k * n for k, n in enumerate(hist))}
+    return {
+        "outputs": outputs,
+        "hist": hist,
+        "cycles": cycles,
+        "committed": sum(k * n for k, n in enumerate(hist)),
+    }
 
 
 def write_curve(out: Path, rows: List[dict]) -> None:
@@ -92,38 +117,60 @@ def write_curve(out: Path, rows: List[dict]) -> None:
     ]
     for r in rows:
         e = r["final_eval"]
-        lines.append(f"| {r['answers']} | {r['answer_tokens']} | {r['layers']} | {r['block_size']} | {r['steps']} | "
-                     f"{e['loss']:.3f} | {e['tau']:.3f} | {e['acc_pos1']:.3f} | {r['decode']['tokens_per_cycle']:.3f} |")
+        lines.append(
+            f"| {r['answers']} | {r['answer_tokens']} | {r['layers']} | {r['block_size']} | {r['steps']} | "
+            f"{e['loss']:.3f} | {e['tau']:.3f} | {e['acc_pos1']:.3f} | {r['decode']['tokens_per_cycle']:.3f} |"
+        )
     (out / "curve.md").write_text("\n".join(lines) + "\n")
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dflash_batch.training.sweep", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m dflash_batch.training.sweep", description=__doc__.split("\n\n")[0]
+    )
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
-    p.add_argument("--data", required=True, help="data folder with stored answers (train-drafter --generate-only)")
-    p.add_argument("--out", required=True, help="sweep folder: one run folder per configuration, curve.jsonl, curve.md")
-    p.add_argument("--target", help="as train-drafter's --target (default: the embedded SmolLM2 GGUF)")
+    p.add_argument(
+        "--data",
+        required=True,
+        help="data folder with stored answers (train-drafter --generate-only)",
+    )
+    p.add_argument(
+        "--out",
+        required=True,
+        help="sweep folder: one run folder per configuration, curve.jsonl, curve.md",
+    )
+    p.add_argument(
+        "--target", help="as train-drafter's --target (default: the embedded SmolLM2 GGUF)"
+    )
     p.add_argument("--answers", type=ints, default=[5000, 20000, 50000])
     p.add_argument("--layers", type=ints, default=[2, 4])
     p.add_argument("--blocks", type=ints, default=[8, 16])
     p.add_argument("--full-grid", action="store_true")
     p.add_argument("--steps", type=int, default=3000)
     p.add_argument("--call-budget", type=float, default=540, help="seconds this call may work")
-    p.add_argument("--samples", type=int, default=1, help="sampled answers per prompt stored (as generated)")
+    p.add_argument(
+        "--samples", type=int, default=1, help="sampled answers per prompt stored (as generated)"
+    )
     p.add_argument("--self-prompts", type=int, default=0, help="as generated")
     p.add_argument("--eval-percent", type=int, default=3, help="as prepared")
     p.add_argument("--eval-samples", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--anchors", type=int, default=32)
-    p.add_argument("--follow-anchors", type=float, default=0.0, help="as train-drafter's (every configuration)")
-    p.add_argument("--distill", type=float, default=0.0, help="as train-drafter's (every configuration)")
+    p.add_argument(
+        "--follow-anchors", type=float, default=0.0, help="as train-drafter's (every configuration)"
+    )
+    p.add_argument(
+        "--distill", type=float, default=0.0, help="as train-drafter's (every configuration)"
+    )
     p.add_argument("--max-len", type=int, default=448)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--taps", type=int, default=5)
     p.add_argument("--checkpoint-every", type=int, default=250)
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--decode-prompts", type=int, default=64, help="held-out prompts decoded with each drafter")
+    p.add_argument(
+        "--decode-prompts", type=int, default=64, help="held-out prompts decoded with each drafter"
+    )
     p.add_argument("--decode-tokens", type=int, default=128)
     args = p.parse_args(argv)
     out = Path(args.out)
@@ -159,7 +206,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         measured = folder / "decode.json"
         if not measured.exists():
             greedy = [s for s in held if s["sample"] == 0][: args.decode_prompts]
-            result = decode_acceptance(cfg, folder / "drafter", greedy, args.decode_tokens, args.batch_size)
+            result = decode_acceptance(
+                cfg, folder / "drafter", greedy, args.decode_tokens, args.batch_size
+            )
             measured.write_text(json.dumps(result))
         rows.append({"answers": len(train), "answer_tokens": sum(len(s["answer"]) for s in train), "layers": layers,
                      "block_size": block, "steps": done["step"], "final_eval": done["final_eval"],

@@ -89,7 +89,9 @@ class TrainConfig:
     log_every: int = 25
     keep_checkpoints: int = 2
     quantize_bits: Optional[int] = 8
-    draft_vocab: int = 16384  # export a draft vocabulary of this many tokens (0: the whole vocabulary)
+    draft_vocab: int = (
+        16384  # export a draft vocabulary of this many tokens (0: the whole vocabulary)
+    )
     export_dtype: str = "bfloat16"
     extra: dict = field(default_factory=dict)
     # a drafter config to train as it is (its shape, taps and rope), rather than one made from the
@@ -130,7 +132,9 @@ def load_tokenizer_for(target: Optional[str]):
         target = str(gguf_path())
     if str(target).endswith(".gguf"):
         meta = mx.load(str(target), return_metadata=True)[1]
-        return gguf.load_gguf_tokenizer(meta, int(gguf.scalar(meta.get("tokenizer.ggml.eos_token_id", 2))))
+        return gguf.load_gguf_tokenizer(
+            meta, int(gguf.scalar(meta.get("tokenizer.ggml.eos_token_id", 2)))
+        )
     from mlx_lm.utils import load_config, load_tokenizer
 
     from ..engine.models.loading import resolve_model_path
@@ -158,17 +162,27 @@ def pick_mask_token(tokenizer) -> int:
     """A special token that the chat template and ordinary text never produce: the highest
     added/special id other than BOS, EOS, PAD and UNK (and the template's own tokens)."""
     hf = getattr(tokenizer, "_tokenizer", tokenizer)
-    reserved = set(tokenizer.eos_token_ids) | {getattr(hf, n, None) for n in ("bos_token_id", "pad_token_id", "unk_token_id")}
+    reserved = set(tokenizer.eos_token_ids) | {
+        getattr(hf, n, None) for n in ("bos_token_id", "pad_token_id", "unk_token_id")
+    }
     sample = tokenizer.apply_chat_template(
-        [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}],
+        [
+            {"role": "system", "content": "s"},
+            {"role": "user", "content": "u"},
+            {"role": "assistant", "content": "a"},
+        ],
         add_generation_prompt=True,
         tokenize=True,
     )
     reserved |= set(sample)
-    candidates = sorted(set(hf.all_special_ids) | set(getattr(hf, "added_tokens_decoder", {}) or {}))
+    candidates = sorted(
+        set(hf.all_special_ids) | set(getattr(hf, "added_tokens_decoder", {}) or {})
+    )
     free = [i for i in candidates if i not in reserved]
     if not free:
-        raise ValueError("the tokenizer has no unused special token to serve as MASK; pass --mask-token-id")
+        raise ValueError(
+            "the tokenizer has no unused special token to serve as MASK; pass --mask-token-id"
+        )
     return free[-1]
 
 
@@ -182,7 +196,9 @@ def chat_pieces(tokenizer) -> dict:
     user's text, with the template's default system turn), ``turn_suffix`` (end of turn and the
     assistant header), and the ids no ordinary text contains (``special_ids``)."""
     mark = "XQZ-TURN-XQZ"
-    text = tokenizer.apply_chat_template([{"role": "user", "content": mark}], add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": mark}], add_generation_prompt=True, tokenize=False
+    )
     before, after = text.split(mark)
     hf = getattr(tokenizer, "_tokenizer", tokenizer)
     special = set(hf.all_special_ids) | set(getattr(hf, "added_tokens_decoder", {}) or {})
@@ -214,7 +230,9 @@ def prepare_prompts(cfg: TrainConfig, log: Callable[[str], None]) -> None:
     built = build_prompt_set(cfg)
     encoded = []
     for p, enc in zip(built, data.encode_prompts(tokenizer, built)):
-        encoded.append(dict(enc, source=p["source"], split=p["split"], key=prompt_key(enc["prompt"])))
+        encoded.append(
+            dict(enc, source=p["source"], split=p["split"], key=prompt_key(enc["prompt"]))
+        )
     mask = cfg.mask_token_id if cfg.mask_token_id is not None else pick_mask_token(tokenizer)
     chat = chat_pieces(tokenizer)
     eos = sorted(int(e) for e in tokenizer.eos_token_ids)
@@ -224,8 +242,12 @@ def prepare_prompts(cfg: TrainConfig, log: Callable[[str], None]) -> None:
         # The label that ends an answer stopped by EOS: the template's end of turn when it is an EOS.
         "answer_eos_id": turn_end if turn_end in eos else eos[0],
         "mask_token_id": int(mask),
-        "mask_token": tokenizer.convert_ids_to_tokens(int(mask)) if hasattr(tokenizer, "convert_ids_to_tokens") else None,
-        "vocab_size": int(len(tokenizer.get_vocab()) if hasattr(tokenizer, "get_vocab") else 1 << 32),
+        "mask_token": tokenizer.convert_ids_to_tokens(int(mask))
+        if hasattr(tokenizer, "convert_ids_to_tokens")
+        else None,
+        "vocab_size": int(
+            len(tokenizer.get_vocab()) if hasattr(tokenizer, "get_vocab") else 1 << 32
+        ),
         "chat": chat,
         "corpus": dict(corpus.describe(), kind=cfg.corpus),
         "num_prompts": len(encoded),
@@ -239,9 +261,13 @@ def prepare_prompts(cfg: TrainConfig, log: Callable[[str], None]) -> None:
     with ids.open_writer() as w:
         for p in encoded:
             w.append(p["key"], 0, p["prompt"], False, 0.0)
-    data.save_samples(folder / "prompts.jsonl", [{k: v for k, v in p.items() if k != "prompt"} for p in encoded])
+    data.save_samples(
+        folder / "prompts.jsonl", [{k: v for k, v in p.items() if k != "prompt"} for p in encoded]
+    )
     (folder / "meta.json").write_text(json.dumps(meta, indent=2))
-    log(f"encoded {meta['train_prompts']} training and {meta['eval_prompts']} held-out prompts; mask token {mask} ({meta['mask_token']})")
+    log(
+        f"encoded {meta['train_prompts']} training and {meta['eval_prompts']} held-out prompts; mask token {mask} ({meta['mask_token']})"
+    )
 
 
 def prompt_order(p: dict) -> tuple:
@@ -262,7 +288,13 @@ def all_prompts(cfg: TrainConfig, meta: dict) -> List[dict]:
         found = [dict(p, prompt=ids[p["key"]]) for p in found]
     if (folder / "turns" / "store.json").exists():
         turns = AnswerStore(folder / "turns")
-        made = gen.self_prompts(turns, meta["chat"], meta["chat"]["special_ids"], cfg.self_prompts or None, cfg.eval_percent)
+        made = gen.self_prompts(
+            turns,
+            meta["chat"],
+            meta["chat"]["special_ids"],
+            cfg.self_prompts or None,
+            cfg.eval_percent,
+        )
         taken = {p["key"] for p in found}
         found += [p for p in made if p["key"] not in taken]
     return sorted(found, key=prompt_order)
@@ -283,8 +315,16 @@ def answer_samples(cfg: TrainConfig) -> Tuple[int, List[dict], List[dict]]:
             r = stored.get((p["key"], k))
             if r is None:
                 continue
-            answer = r.tokens + ([meta.get("answer_eos_id", meta["eos_token_ids"][0])] if r.ended else [])
-            sample = {"id": p["id"], "kind": p["kind"], "sample": k, "prompt": p["prompt"], "answer": answer}
+            answer = r.tokens + (
+                [meta.get("answer_eos_id", meta["eos_token_ids"][0])] if r.ended else []
+            )
+            sample = {
+                "id": p["id"],
+                "kind": p["kind"],
+                "sample": k,
+                "prompt": p["prompt"],
+                "answer": answer,
+            }
             (held if p["split"] == "eval" else train).append(sample)
     if cfg.max_answers:
         train = train[: cfg.max_answers]
@@ -301,10 +341,14 @@ def generation_engine(cfg: TrainConfig, model, config: dict, eos_ids):
 
         path = ensure_drafter(cfg.dtype) if cfg.gen_drafter == "default" else cfg.gen_drafter
         drafter = load_drafter(path) if path else None
-    return Engine(model, gen.IdsTokenizer(eos_ids), drafter, config=config, batch_size=cfg.gen_batch)
+    return Engine(
+        model, gen.IdsTokenizer(eos_ids), drafter, config=config, batch_size=cfg.gen_batch
+    )
 
 
-def prepare_answers(cfg: TrainConfig, model, log: Callable[[str], None], config: Optional[dict] = None) -> bool:
+def prepare_answers(
+    cfg: TrainConfig, model, log: Callable[[str], None], config: Optional[dict] = None
+) -> bool:
     """Sample the self-written user turns (``self_prompts``), then store greedy and ``samples``
     sampled answers to every prompt in data/answers/, within ``gen_time_budget``; True when
     nothing is left to generate. Resumes where a previous run stopped."""
@@ -312,7 +356,9 @@ def prepare_answers(cfg: TrainConfig, model, log: Callable[[str], None], config:
     meta = json.loads((folder / "meta.json").read_text())
     deadline = time.perf_counter() + cfg.gen_time_budget if cfg.gen_time_budget else None
     config = config or {}
-    vocab = max(int(config.get("vocab_size") or 0), meta["vocab_size"])  # the model may pad its vocabulary
+    vocab = max(
+        int(config.get("vocab_size") or 0), meta["vocab_size"]
+    )  # the model may pad its vocabulary
     if cfg.self_prompts:
         chat = meta["chat"]
         # A user turn ends at the template's end of turn: an EOS while the turns are sampled.
@@ -320,18 +366,40 @@ def prepare_answers(cfg: TrainConfig, model, log: Callable[[str], None], config:
         engine = generation_engine(cfg, model, config, eos)
         # Oversample: filters and duplicates drop some turns.
         turns = AnswerStore(folder / "turns", vocab)
-        got = gen.sample_user_turns(engine, chat, turns, int(cfg.self_prompts * cfg.self_oversample), cfg.self_temperature,
-                                    cfg.self_max_tokens, cfg.seed, cfg.gen_batch, deadline, log)
+        got = gen.sample_user_turns(
+            engine,
+            chat,
+            turns,
+            int(cfg.self_prompts * cfg.self_oversample),
+            cfg.self_temperature,
+            cfg.self_max_tokens,
+            cfg.seed,
+            cfg.gen_batch,
+            deadline,
+            log,
+        )
         if got["left"]:
             log(f"time budget: {got['left']} user turns left to sample")
             return False
     engine = generation_engine(cfg, model, config, meta["eos_token_ids"])
     todo = all_prompts(cfg, meta)
     store = AnswerStore(folder / "answers", vocab)
-    got = gen.generate_to_store(engine, todo, store, range(1 + cfg.samples), cfg.sample_temperature, cfg.max_answer_tokens,
-                                cfg.seed, cfg.gen_batch, deadline, log=log)
+    got = gen.generate_to_store(
+        engine,
+        todo,
+        store,
+        range(1 + cfg.samples),
+        cfg.sample_temperature,
+        cfg.max_answer_tokens,
+        cfg.seed,
+        cfg.gen_batch,
+        deadline,
+        log=log,
+    )
     _, _, held = answer_samples(cfg)
-    data.save_samples(folder / "eval.jsonl", [s for s in held if s["sample"] == 0])  # for benchmarks/default_pair.py
+    data.save_samples(
+        folder / "eval.jsonl", [s for s in held if s["sample"] == 0]
+    )  # for benchmarks/default_pair.py
     if got["left"]:
         log(f"time budget: {got['left']} answers left to generate")
     return not got["left"]
@@ -343,7 +411,9 @@ def learning_rate(cfg: TrainConfig, step: int, total: int) -> float:
     if step < cfg.warmup:
         return cfg.lr * (step + 1) / cfg.warmup
     progress = min(1.0, (step - cfg.warmup) / max(1, total - cfg.warmup))
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+    return cfg.lr * (
+        cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    )
 
 
 def batch_indices(cfg: TrainConfig, step: int, n: int) -> np.ndarray:
@@ -360,7 +430,9 @@ class Trainer:
         self.cfg, self.log = cfg, log
         self.out = Path(cfg.out)
         self.log_file = self.out / "train.log.jsonl"
-        self.clock: Callable[[], float] = time.perf_counter  # the time budget's clock (a test's own)
+        self.clock: Callable[[], float] = (
+            time.perf_counter
+        )  # the time budget's clock (a test's own)
         self.ready = False  # set up (``setup``): ``run`` does it only if not
 
     def record(self, entry: dict) -> None:
@@ -373,14 +445,22 @@ class Trainer:
         cfg = self.cfg
         prepare_prompts(cfg, self.log)
         self.model, self.target_config = load_target_model(cfg.target, cfg.dtype)
-        if not cfg.train_only and not prepare_answers(cfg, self.model, self.log, self.target_config):
-            self.log("training on the answers stored so far (generation stopped at its time budget)")
+        if not cfg.train_only and not prepare_answers(
+            cfg, self.model, self.log, self.target_config
+        ):
+            self.log(
+                "training on the answers stored so far (generation stopped at its time budget)"
+            )
         self.meta = json.loads((data_dir(cfg) / "meta.json").read_text())
         stored, train, held = answer_samples(cfg)
         self.train_samples = [s for s in train if len(s["answer"]) >= 2]
-        self.eval_samples = [s for s in held if s["sample"] == 0 and len(s["answer"]) >= 2]  # greedy acceptance
+        self.eval_samples = [
+            s for s in held if s["sample"] == 0 and len(s["answer"]) >= 2
+        ]  # greedy acceptance
         if not self.train_samples:
-            raise ValueError(f"no training answers in {data_dir(cfg) / 'answers'} ({stored} stored): generate them first")
+            raise ValueError(
+                f"no training answers in {data_dir(cfg) / 'answers'} ({stored} stored): generate them first"
+            )
         n_layers = self.target_config["num_hidden_layers"]
         taps = cfg.taps or objective.tap_ids_for(n_layers, cfg.num_taps)
         self.drafter_config = cfg.drafter_config or export.drafter_config(
@@ -401,7 +481,9 @@ class Trainer:
         if cfg.init:
             self.warm_start(cfg.init)
         mx.eval(self.drafter.parameters())
-        self.optimizer = optim.AdamW(learning_rate=cfg.lr, betas=[0.9, 0.95], weight_decay=cfg.weight_decay)
+        self.optimizer = optim.AdamW(
+            learning_rate=cfg.lr, betas=[0.9, 0.95], weight_decay=cfg.weight_decay
+        )
         self.optimizer.init(self.drafter.trainable_parameters())
         self.step, self.total_steps, self.elapsed = 0, cfg.steps or None, 0.0
         self._grad = nn.value_and_grad(self.drafter, self._loss)
@@ -425,26 +507,50 @@ class Trainer:
         config, weights = plain_drafter_weights(folder, "float32")
         layers, mine = config.get("num_hidden_layers"), self.drafter_config.get("num_hidden_layers")
         grows = isinstance(layers, int) and isinstance(mine, int) and 0 < layers < mine
-        differ = [k for k in self.SHAPE_KEYS if config.get(k) != self.drafter_config.get(k)
-                  and not (grows and k == "num_hidden_layers")]
+        differ = [
+            k
+            for k in self.SHAPE_KEYS
+            if config.get(k) != self.drafter_config.get(k)
+            and not (grows and k == "num_hidden_layers")
+        ]
         if differ:
-            raise ValueError(f"--init {folder}: its {', '.join(differ)} differ from this run's drafter")
+            raise ValueError(
+                f"--init {folder}: its {', '.join(differ)} differ from this run's drafter"
+            )
         self.drafter.load_weights(list(weights.items()), strict=not grows)
         for layer in self.drafter.layers[layers:] if grows else ():
             layer.self_attn.o_proj.weight = mx.zeros_like(layer.self_attn.o_proj.weight)
             layer.mlp.down_proj.weight = mx.zeros_like(layer.mlp.down_proj.weight)
-        grown = f", grown from {layers} to {mine} layers (the new ones the identity)" if grows else ""
+        grown = (
+            f", grown from {layers} to {mine} layers (the new ones the identity)" if grows else ""
+        )
         self.log(f"starting from the drafter in {folder}{grown}")
 
     def _loss(self, emb, context, anchors, labels, weights, teacher=None):
-        return objective.dflash_loss(self.drafter, self.target.lm_head, emb, context, anchors, labels, weights,
-                                     teacher, self.cfg.distill)
+        return objective.dflash_loss(
+            self.drafter,
+            self.target.lm_head,
+            emb,
+            context,
+            anchors,
+            labels,
+            weights,
+            teacher,
+            self.cfg.distill,
+        )
 
     # -- one step ---------------------------------------------------------------------------
     def _host(self, samples, rng, anchors: int) -> dict:
         cfg = self.cfg
         return objective.make_batch(
-            samples, rng, anchors, cfg.block_size, self.meta["mask_token_id"], cfg.gamma, cfg.max_len, cfg.max_len
+            samples,
+            rng,
+            anchors,
+            cfg.block_size,
+            self.meta["mask_token_id"],
+            cfg.gamma,
+            cfg.max_len,
+            cfg.max_len,
         )
 
     def _blocks(self, host: dict):
@@ -457,13 +563,24 @@ class Trainer:
     def _at(self, host: dict, anchors: np.ndarray) -> dict:
         """``host``'s sequences with blocks at ``anchors`` instead (-1: none)."""
         cfg = self.cfg
-        return objective.blocks_at(host["tokens"], host["lengths"], anchors, cfg.block_size, self.meta["mask_token_id"], cfg.gamma)
+        return objective.blocks_at(
+            host["tokens"],
+            host["lengths"],
+            anchors,
+            cfg.block_size,
+            self.meta["mask_token_id"],
+            cfg.gamma,
+        )
 
-    def _follow_ups(self, host: dict, logits: mx.array, labels: mx.array, weights: mx.array) -> np.ndarray:
+    def _follow_ups(
+        self, host: dict, logits: mx.array, labels: mx.array, weights: mx.array
+    ) -> np.ndarray:
         """Anchors [N, A] where decoding would anchor its next block after each of ``host``'s
         (p + accepted + 1, accepted from the drafter's ``logits`` there; -1 where none)."""
         accepted = np.array(objective.accepted_drafts(logits, labels, weights))
-        return objective.follow_up_anchors(host["anchors"], accepted, host["weights"][..., 0] > 0, host["lengths"])
+        return objective.follow_up_anchors(
+            host["anchors"], accepted, host["weights"][..., 0] > 0, host["lengths"]
+        )
 
     def _inputs(self, samples, rng):
         """A step's inputs. With ``follow_anchors`` = f, a share f of the anchors (at most half)
@@ -482,10 +599,18 @@ class Trainer:
         if follow:
             drawn = np.where(host["weights"][..., 0] > 0, host["anchors"], -1)
             chosen = np.sort(rng.choice(drawn.shape[1], follow, replace=False))
-            some = {k: (v[:, chosen] if k in ("anchors", "block", "labels", "weights") else v) for k, v in host.items()}
+            some = {
+                k: (v[:, chosen] if k in ("anchors", "block", "labels", "weights") else v)
+                for k, v in host.items()
+            }
             emb, anchors, labels, weights = self._blocks(some)
-            logits = objective.block_logits(self.drafter, self.target.lm_head, emb, context, anchors)
-            host = self._at(host, np.concatenate([drawn, self._follow_ups(some, logits, labels, weights)], axis=1))
+            logits = objective.block_logits(
+                self.drafter, self.target.lm_head, emb, context, anchors
+            )
+            host = self._at(
+                host,
+                np.concatenate([drawn, self._follow_ups(some, logits, labels, weights)], axis=1),
+            )
         emb, anchors, labels, weights = self._blocks(host)
         return emb, context, anchors, labels, weights, self._teacher(final, anchors)
 
@@ -502,7 +627,9 @@ class Trainer:
         cfg = self.cfg
         idx = batch_indices(cfg, step, len(self.train_samples))
         rng = np.random.default_rng([cfg.seed, step, 1])
-        emb, context, anchors, labels, weights, teacher = self._inputs([self.train_samples[i] for i in idx], rng)
+        emb, context, anchors, labels, weights, teacher = self._inputs(
+            [self.train_samples[i] for i in idx], rng
+        )
         (loss, _), grads = self._grad(emb, context, anchors, labels, weights, teacher)
         grads, _ = optim.clip_grad_norm(grads, cfg.grad_clip)
         self.optimizer.learning_rate = learning_rate(cfg, step, self.total_steps or cfg.warmup * 10)
@@ -524,13 +651,19 @@ class Trainer:
             host = self._host(samples[first : first + cfg.batch_size], rng, cfg.anchors)
             context = tapped_hidden(self.target, mx.array(host["tokens"])).astype(mx.float32)
             emb, anchors, labels, weights = self._blocks(host)
-            logits = objective.block_logits(self.drafter, self.target.lm_head, emb, context, anchors).astype(mx.float32)
+            logits = objective.block_logits(
+                self.drafter, self.target.lm_head, emb, context, anchors
+            ).astype(mx.float32)
             ce = nn.losses.cross_entropy(logits, labels, reduction="none")
             totals["loss"] += float(((ce * weights).sum() / mx.maximum(weights.sum(), 1e-6)).item())
             for k, v in objective.acceptance_stats(logits, labels, weights).items():
                 totals[k] += v
-            emb, anchors, labels, weights = self._blocks(self._at(host, self._follow_ups(host, logits, labels, weights)))
-            logits = objective.block_logits(self.drafter, self.target.lm_head, emb, context, anchors)
+            emb, anchors, labels, weights = self._blocks(
+                self._at(host, self._follow_ups(host, logits, labels, weights))
+            )
+            logits = objective.block_logits(
+                self.drafter, self.target.lm_head, emb, context, anchors
+            )
             totals["tau_follow"] += objective.acceptance_stats(logits, labels, weights)["tau"]
             batches += 1
         return {k: v / max(batches, 1) for k, v in totals.items()}
@@ -550,26 +683,38 @@ class Trainer:
         }
 
         def write(tmp: Path) -> None:
-            mx.save_safetensors(str(tmp / "drafter.safetensors"), dict(tree_flatten(self.drafter.parameters())))
-            mx.save_safetensors(str(tmp / "optimizer.safetensors"), dict(tree_flatten(self.optimizer.state)))
+            mx.save_safetensors(
+                str(tmp / "drafter.safetensors"), dict(tree_flatten(self.drafter.parameters()))
+            )
+            mx.save_safetensors(
+                str(tmp / "optimizer.safetensors"), dict(tree_flatten(self.optimizer.state))
+            )
             (tmp / "state.json").write_text(json.dumps(state, indent=2))
 
         write_folder_atomic(folder, write, replace=True)
-        kept = sorted(p for p in self.checkpoint_dir().glob("step-*") if not p.name.endswith(".tmp"))
+        kept = sorted(
+            p for p in self.checkpoint_dir().glob("step-*") if not p.name.endswith(".tmp")
+        )
         for old in kept[: -self.cfg.keep_checkpoints]:
             shutil.rmtree(old, ignore_errors=True)
         return folder
 
     def latest_checkpoint(self) -> Optional[Path]:
-        found = sorted(p for p in self.checkpoint_dir().glob("step-*") if (p / "state.json").exists())
+        found = sorted(
+            p for p in self.checkpoint_dir().glob("step-*") if (p / "state.json").exists()
+        )
         return found[-1] if found else None
 
     def resume(self, folder: Path) -> None:
         state = json.loads((folder / "state.json").read_text())
         if state["drafter_config"] != self.drafter_config:
             raise ValueError(f"checkpoint {folder} is for a different drafter configuration")
-        self.drafter.load_weights(list(mx.load(str(folder / "drafter.safetensors")).items()), strict=True)
-        self.optimizer.state = tree_unflatten(list(mx.load(str(folder / "optimizer.safetensors")).items()))
+        self.drafter.load_weights(
+            list(mx.load(str(folder / "drafter.safetensors")).items()), strict=True
+        )
+        self.optimizer.state = tree_unflatten(
+            list(mx.load(str(folder / "optimizer.safetensors")).items())
+        )
         mx.eval(self.drafter.parameters(), self.optimizer.state)
         self.step, self.elapsed = state["step"], state["elapsed_s"]
         self.total_steps = self.cfg.steps or state["total_steps"]  # a new --steps extends the run
@@ -587,7 +732,9 @@ class Trainer:
             raise ValueError("give a step count (steps) or a time budget (time_budget)")
         n_params = sum(p.size for _, p in tree_flatten(self.drafter.parameters()))
         self.log(f"drafter: {n_params / 1e6:.2f}M parameters, taps {self.target.tap_ids}")
-        self.log(f"training on {len(self.train_samples)} sequences, evaluating on {len(self.eval_samples)}")
+        self.log(
+            f"training on {len(self.train_samples)} sequences, evaluating on {len(self.eval_samples)}"
+        )
         session_start = self.clock()
         timed_from, timed_steps = None, 0
         losses: List[float] = []
@@ -607,9 +754,16 @@ class Trainer:
                         per_step = (now - timed_from) / timed_steps
                         left = cfg.time_budget - (now - session_start)
                         self.total_steps = self.step + max(1, int(left * 0.95 / per_step))
-                        self.log(f"{per_step * 1000:.0f} ms/step: training {self.total_steps} steps in the budget")
+                        self.log(
+                            f"{per_step * 1000:.0f} ms/step: training {self.total_steps} steps in the budget"
+                        )
             if self.step % cfg.log_every == 0:
-                entry = {"step": self.step, "loss": float(np.mean(losses)), "lr": learning_rate(cfg, self.step - 1, self.total_steps or 1), "elapsed_s": round(self.elapsed, 1)}
+                entry = {
+                    "step": self.step,
+                    "loss": float(np.mean(losses)),
+                    "lr": learning_rate(cfg, self.step - 1, self.total_steps or 1),
+                    "elapsed_s": round(self.elapsed, 1),
+                }
                 self.record(entry)
                 self.log(json.dumps(entry))
                 losses = []
@@ -623,7 +777,11 @@ class Trainer:
                 self.log(f"time budget reached at step {self.step}")
                 break
         self.save_checkpoint()
-        final = {"step": self.step, "final_eval": self.evaluate(), "elapsed_s": round(self.elapsed, 1)}
+        final = {
+            "step": self.step,
+            "final_eval": self.evaluate(),
+            "elapsed_s": round(self.elapsed, 1),
+        }
         self.record(final)
         self.log(json.dumps(final))
         return self.export()
@@ -632,7 +790,11 @@ class Trainer:
         cfg = self.cfg
         out = self.out / "drafter"
         export.save_drafter(
-            out, self.drafter, self.drafter_config, dtype=cfg.export_dtype, quantize_bits=cfg.quantize_bits
+            out,
+            self.drafter,
+            self.drafter_config,
+            dtype=cfg.export_dtype,
+            quantize_bits=cfg.quantize_bits,
         )
         if cfg.draft_vocab:
             write_draft_vocab(cfg, out, self.log, self.train_samples)
@@ -640,8 +802,12 @@ class Trainer:
         return out
 
 
-def write_draft_vocab(cfg: TrainConfig, folder: Path, log: Callable[[str], None] = print,
-                      samples: Optional[List[dict]] = None) -> Optional[Path]:
+def write_draft_vocab(
+    cfg: TrainConfig,
+    folder: Path,
+    log: Callable[[str], None] = print,
+    samples: Optional[List[dict]] = None,
+) -> Optional[Path]:
     """Write ``folder``'s draft vocabulary (engine/decode.py: ``DraftHead``): the ``draft_vocab``
     tokens the target writes most in the training answers (held-out answers never count), its
     EOS ids among them. None (and no file) when that would be the whole vocabulary."""
@@ -652,8 +818,12 @@ def write_draft_vocab(cfg: TrainConfig, folder: Path, log: Callable[[str], None]
         _, samples, _ = answer_samples(cfg)
     if not samples:
         raise ValueError(f"no training answers in {data_dir(cfg) / 'answers'}: generate them first")
-    vocab = export.draft_vocab((s["answer"] for s in samples), meta["vocab_size"], cfg.draft_vocab, meta["eos_token_ids"])
+    vocab = export.draft_vocab(
+        (s["answer"] for s in samples), meta["vocab_size"], cfg.draft_vocab, meta["eos_token_ids"]
+    )
     path = export.save_draft_vocab(folder, vocab)
-    log(f"draft vocabulary: {len(vocab['token_ids'])} of {meta['vocab_size']} tokens, "
-        f"{vocab['coverage']:.2%} of {vocab['answer_tokens']} training answer tokens ({vocab['answers']} answers) -> {path}")
+    log(
+        f"draft vocabulary: {len(vocab['token_ids'])} of {meta['vocab_size']} tokens, "
+        f"{vocab['coverage']:.2%} of {vocab['answer_tokens']} training answer tokens ({vocab['answers']} answers) -> {path}"
+    )
     return path

@@ -70,11 +70,17 @@ def plain_drafter_weights(src: Path, dtype: str) -> Tuple[dict, dict]:
     quant = config.pop("quantization", None)
     plain = {}
     for name, value in weights.items():
-        if name.endswith((".scales", ".biases")) and quant and name.rsplit(".", 1)[0] + ".weight" in weights:
+        if (
+            name.endswith((".scales", ".biases"))
+            and quant
+            and name.rsplit(".", 1)[0] + ".weight" in weights
+        ):
             continue
         base = name[: -len(".weight")]
         if quant and f"{base}.scales" in weights:  # w = q * scale + bias, computed in fp32
-            scales, biases = (weights[f"{base}.{k}"].astype(mx.float32) for k in ("scales", "biases"))
+            scales, biases = (
+                weights[f"{base}.{k}"].astype(mx.float32) for k in ("scales", "biases")
+            )
             value = mx.dequantize(value, scales, biases, quant["group_size"], quant["bits"])
         plain[name] = value.astype(getattr(mx, dtype))
     return dict(config, torch_dtype=dtype), plain
@@ -111,7 +117,11 @@ def ensure_drafter(dtype: Optional[str] = None) -> Optional[Path]:
     if not (DRAFTER_ASSET / "config.json").exists():
         return None
     dtype = dtype or default_dtype()
-    out = cache_dir() / "drafters" / f"{NAME}-dflash-{_fingerprint(DRAFTER_ASSET)}-{CONVERSION}-{dtype}"
+    out = (
+        cache_dir()
+        / "drafters"
+        / f"{NAME}-dflash-{_fingerprint(DRAFTER_ASSET)}-{CONVERSION}-{dtype}"
+    )
     if not (out / "config.json").exists():
         convert_drafter(DRAFTER_ASSET, out, dtype)
     return out

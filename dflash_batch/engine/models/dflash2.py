@@ -39,7 +39,9 @@ from . import drafter
 
 ARCHITECTURE = "DFlash2DraftModel"
 REQUIRED_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
-DEFAULT_RUNTIME_BLOCK = 5  # the runtime ceiling when a config names none (the reference loaders' rule)
+DEFAULT_RUNTIME_BLOCK = (
+    5  # the runtime ceiling when a config names none (the reference loaders' rule)
+)
 
 
 @dataclass
@@ -61,11 +63,17 @@ class ModelArgs(drafter.ModelArgs):
             raise ValueError("a DFlash 2 drafter config.json needs a dflash_config object")
         missing = [k for k in REQUIRED_KEYS if k not in nested]
         if missing:
-            raise KeyError(f"DFlash 2 drafter config.json: dflash_config is missing {', '.join(missing)}")
+            raise KeyError(
+                f"DFlash 2 drafter config.json: dflash_config is missing {', '.join(missing)}"
+            )
         if config.get("vocab_size") is None:
-            raise KeyError("DFlash 2 drafter config.json is missing 'vocab_size' (it sizes the selector's codebooks)")
+            raise KeyError(
+                "DFlash 2 drafter config.json is missing 'vocab_size' (it sizes the selector's codebooks)"
+            )
         if config.get("is_causal", False):
-            raise ValueError("DFlash 2 drafter config.json sets is_causal: DFlash 2 blocks are bidirectional")
+            raise ValueError(
+                "DFlash 2 drafter config.json sets is_causal: DFlash 2 blocks are bidirectional"
+            )
         base = drafter.ModelArgs.from_config(config)
         args = cls(**{f.name: getattr(base, f.name) for f in fields(base)},
                    conv_kernel_size=int(nested["conv_kernel_size"]), conv_group_size=int(nested["conv_group_size"]),
@@ -74,7 +82,9 @@ class ModelArgs(drafter.ModelArgs):
                    input_embedding_scale=float(nested.get("input_embedding_scale", 1.0)),
                    output_multiplier=float(nested.get("output_multiplier", 1.0)))  # fmt: skip
         runtime = nested.get("runtime_block_size")
-        args.runtime_block_size = int(runtime) if runtime is not None else min(DEFAULT_RUNTIME_BLOCK, args.block_size)
+        args.runtime_block_size = (
+            int(runtime) if runtime is not None else min(DEFAULT_RUNTIME_BLOCK, args.block_size)
+        )
         args.check()
         return args
 
@@ -83,11 +93,17 @@ class ModelArgs(drafter.ModelArgs):
         if self.conv_kernel_size < 1 or self.selector_rank < 1:
             problems.append("conv_kernel_size and selector_rank must be positive")
         if self.conv_group_size < 1 or self.hidden_size % self.conv_group_size:
-            problems.append(f"conv_group_size {self.conv_group_size} must divide hidden_size {self.hidden_size}")
+            problems.append(
+                f"conv_group_size {self.conv_group_size} must divide hidden_size {self.hidden_size}"
+            )
         if not 0 < self.selector_top_k <= self.vocab_size:
-            problems.append(f"selector_top_k {self.selector_top_k} must be in 1..vocab_size ({self.vocab_size})")
+            problems.append(
+                f"selector_top_k {self.selector_top_k} must be in 1..vocab_size ({self.vocab_size})"
+            )
         if not 2 <= self.runtime_block_size <= self.block_size:
-            problems.append(f"runtime_block_size {self.runtime_block_size} must be in 2..block_size ({self.block_size})")
+            problems.append(
+                f"runtime_block_size {self.runtime_block_size} must be in 2..block_size ({self.block_size})"
+            )
         if "sliding_attention" in self.layer_types and not self.sliding_window:
             problems.append("sliding_attention layers need sliding_window")
         if problems:
@@ -114,7 +130,9 @@ class DynamicConv(nn.Module):
 
     def _convolve(self, v: mx.array, dynamic: mx.array, which: int) -> mx.array:
         L = v.shape[1]
-        taps = self.base_kernel[which].astype(v.dtype) + mx.repeat(dynamic, self.group, axis=-1)  # [B, L, K, H]
+        taps = self.base_kernel[which].astype(v.dtype) + mx.repeat(
+            dynamic, self.group, axis=-1
+        )  # [B, L, K, H]
         out = taps[:, :, 0] * v
         for t in range(1, min(self.kernel, L)):
             # v shifted down t positions, zeros before the block's start: nothing from earlier cycles
@@ -127,14 +145,20 @@ class DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs, sliding: bool):
         super().__init__()
         self.self_attn = drafter.Attention(args, sliding)
-        self.self_attn.causal = False  # the window bounds the context; the block stays bidirectional
+        self.self_attn.causal = (
+            False  # the window bounds the context; the block stays bidirectional
+        )
         self.mlp = drafter.MLP(args.hidden_size, args.intermediate_size)
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.attention_conv = DynamicConv(args.hidden_size, args.conv_kernel_size, args.conv_group_size)
+        self.attention_conv = DynamicConv(
+            args.hidden_size, args.conv_kernel_size, args.conv_group_size
+        )
         self.mlp_conv = DynamicConv(args.hidden_size, args.conv_kernel_size, args.conv_group_size)
 
-    def __call__(self, x: mx.array, ctx: mx.array, cache, counts: Optional[mx.array] = None) -> mx.array:
+    def __call__(
+        self, x: mx.array, ctx: mx.array, cache, counts: Optional[mx.array] = None
+    ) -> mx.array:
         u, kernel = self.attention_conv.prepare(self.input_layernorm(x))
         x = x + self.attention_conv.finish(self.self_attn(u, ctx, cache, counts), kernel)
         u, kernel = self.mlp_conv.prepare(self.post_attention_layernorm(x))
@@ -179,7 +203,9 @@ class Model(drafter.Model):
         super().__init__(args, target_hidden_size)
         self.candidate_selector = CandidateSelector(args)
 
-    def __call__(self, x: mx.array, context: mx.array, cache: list, counts: Optional[mx.array] = None) -> mx.array:
+    def __call__(
+        self, x: mx.array, context: mx.array, cache: list, counts: Optional[mx.array] = None
+    ) -> mx.array:
         if self.args.input_embedding_scale != 1.0:
             x = x * self.args.input_embedding_scale
         return super().__call__(x, context, cache, counts)

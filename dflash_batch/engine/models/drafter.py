@@ -80,7 +80,9 @@ class ModelArgs:
         layers = config["num_hidden_layers"]
         mask_token_id = pick("mask_token_id")
         if mask_token_id is None:
-            raise KeyError("drafter config.json is missing required key 'mask_token_id' (top level or dflash_config)")
+            raise KeyError(
+                "drafter config.json is missing required key 'mask_token_id' (top level or dflash_config)"
+            )
         taps = pick("target_layer_ids")
         if taps is None:
             n_target = config.get("num_target_layers")
@@ -123,7 +125,11 @@ class Attention(nn.Module):
     def __init__(self, args: ModelArgs, sliding: bool):
         super().__init__()
         dim, hd = args.hidden_size, args.head_dim
-        self.n_heads, self.n_kv_heads, self.head_dim = args.num_attention_heads, args.num_key_value_heads, hd
+        self.n_heads, self.n_kv_heads, self.head_dim = (
+            args.num_attention_heads,
+            args.num_key_value_heads,
+            hd,
+        )
         self.scale = hd**-0.5
         bias = args.attention_bias
         self.q_proj = nn.Linear(dim, self.n_heads * hd, bias=bias)
@@ -132,7 +138,9 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * hd, dim, bias=bias)
         self.q_norm = nn.RMSNorm(hd, eps=args.rms_norm_eps)
         self.k_norm = nn.RMSNorm(hd, eps=args.rms_norm_eps)
-        self.rope = initialize_rope(hd, args.rope_theta, False, args.rope_scaling, args.max_position_embeddings)
+        self.rope = initialize_rope(
+            hd, args.rope_theta, False, args.rope_scaling, args.max_position_embeddings
+        )
         self.window = args.sliding_window if sliding else None
         self.causal = sliding  # a sliding layer's block is causal (DFlash 2's is not: engine/models/dflash2.py)
 
@@ -140,13 +148,17 @@ class Attention(nn.Module):
         B, L, _ = x.shape
         return x.reshape(B, L, n, self.head_dim).transpose(0, 2, 1, 3)
 
-    def __call__(self, x: mx.array, ctx: mx.array, cache: RaggedKVCache, counts: Optional[mx.array] = None) -> mx.array:
+    def __call__(
+        self, x: mx.array, ctx: mx.array, cache: RaggedKVCache, counts: Optional[mx.array] = None
+    ) -> mx.array:
         """Attend the block ``x`` [B, L] over the cached context, first adding ``ctx`` [B, S]
         (new context rows; with ``counts``, row b brings only its first counts[b] of them)."""
         B, L, _ = x.shape
         S = ctx.shape[1]
         if counts is not None or not cache.lengths.uniform:
-            return self._ragged(x, ctx, cache, counts if counts is not None else mx.full((B,), S, mx.int32))
+            return self._ragged(
+                x, ctx, cache, counts if counts is not None else mx.full((B,), S, mx.int32)
+            )
         start = cache.offset  # absolute position of the first new context row
         # The new context rows (positions start..start+S-1) and the block rows (start+S..) are
         # contiguous: one K/V projection, one norm and one RoPE serve both (fewer ops per pass).
@@ -161,10 +173,14 @@ class Attention(nn.Module):
         # Full layers: every query sees all context and the whole block (bidirectional).
         # Sliding layers: causal inside the block, context limited to the window.
         # (stock SDPA with that mask, or the two-pass block attention on GPU: engine/ops/attention.py)
-        out = drafter_attention(q, keys, values, scale=self.scale, window=self.window, causal=self.causal)
+        out = drafter_attention(
+            q, keys, values, scale=self.scale, window=self.window, causal=self.causal
+        )
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
-    def _ragged(self, x: mx.array, ctx: mx.array, cache: RaggedKVCache, counts: mx.array) -> mx.array:
+    def _ragged(
+        self, x: mx.array, ctx: mx.array, cache: RaggedKVCache, counts: mx.array
+    ) -> mx.array:
         """Rows with their own context lengths n_b and new-context counts c_b.
 
         Where each row sits, and what each query sees:
@@ -182,13 +198,27 @@ class Attention(nn.Module):
         rows = mx.concatenate([ctx, x], axis=1)
         k = self.k_norm(self._heads(self.k_proj(rows), self.n_kv_heads))
         k_block = self.rope(k[:, :, S:], offset=first)
-        k = mx.concatenate([self.rope(k[:, :, :S], offset=start), k_block], axis=2) if S else k_block
+        k = (
+            mx.concatenate([self.rope(k[:, :, :S], offset=start), k_block], axis=2)
+            if S
+            else k_block
+        )
         v = self._heads(self.v_proj(rows), self.n_kv_heads)
         j = mx.arange(S, dtype=mx.int32)[None]
         ctx_cols = mx.where(j < counts[:, None], start[:, None] + j, start[:, None] + L + j)
         blk_cols = first[:, None] + mx.arange(L, dtype=mx.int32)[None]
-        keys, values = cache.write_columns(mx.concatenate([ctx_cols, blk_cols], axis=1), k, v, S + L)
-        out = drafter_attention(q, keys, values, scale=self.scale, window=self.window, kv_len=first + L, causal=self.causal)
+        keys, values = cache.write_columns(
+            mx.concatenate([ctx_cols, blk_cols], axis=1), k, v, S + L
+        )
+        out = drafter_attention(
+            q,
+            keys,
+            values,
+            scale=self.scale,
+            window=self.window,
+            kv_len=first + L,
+            causal=self.causal,
+        )
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
     def context_kv(self, ctx: mx.array, start) -> tuple:
@@ -216,7 +246,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
-    def __call__(self, x: mx.array, ctx: mx.array, cache: RaggedKVCache, counts: Optional[mx.array] = None) -> mx.array:
+    def __call__(
+        self, x: mx.array, ctx: mx.array, cache: RaggedKVCache, counts: Optional[mx.array] = None
+    ) -> mx.array:
         # ctx is shared by all layers and is not passed through input_layernorm.
         h = x + self.self_attn(self.input_layernorm(x), ctx, cache, counts)
         return h + self.mlp(self.post_attention_layernorm(h))
@@ -239,14 +271,20 @@ class Model(nn.Module):
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.passes = compiled.CompiledDraft(self)  # a plain attribute: not in the parameter tree
 
-    def make_cache(self, lengths: Optional[Lengths] = None, capacity: int = 0) -> List[RaggedKVCache]:
+    def make_cache(
+        self, lengths: Optional[Lengths] = None, capacity: int = 0
+    ) -> List[RaggedKVCache]:
         """Context K/V per layer (``capacity`` positions allocated at first use); ``lengths``
         (context rows per batch row) is advanced by the caller. None: one empty row, for a single pass."""
         lengths = Lengths([0]) if lengths is None else lengths
         return [RaggedKVCache(lengths, capacity) for _ in self.layers]
 
     def __call__(
-        self, x: mx.array, context: mx.array, cache: List[RaggedKVCache], counts: Optional[mx.array] = None
+        self,
+        x: mx.array,
+        context: mx.array,
+        cache: List[RaggedKVCache],
+        counts: Optional[mx.array] = None,
     ) -> mx.array:
         """Block embeddings [B, L, H] and new context rows [B, S, taps*H] -> hidden [B, L, H].
 
@@ -260,7 +298,11 @@ class Model(nn.Module):
         return self.norm(x)
 
     def draft_pass(
-        self, x: mx.array, context: mx.array, cache: List[RaggedKVCache], counts: Optional[mx.array] = None
+        self,
+        x: mx.array,
+        context: mx.array,
+        cache: List[RaggedKVCache],
+        counts: Optional[mx.array] = None,
     ) -> mx.array:
         """A decoding cycle's drafter pass: ``__call__``, replayed from a trace where it can be
         (engine/ops/compiled.py)."""

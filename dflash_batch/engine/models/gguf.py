@@ -38,7 +38,12 @@ _RENAMES = (
     (r"^blk\.(\d+)\.attn_norm\.", r"model.layers.\1.input_layernorm."),
     (r"^blk\.(\d+)\.ffn_norm\.", r"model.layers.\1.post_attention_layernorm."),
 )
-DTYPE_NAMES = {None: "as-stored", mx.float32: "float32", mx.bfloat16: "bfloat16", mx.float16: "float16"}
+DTYPE_NAMES = {
+    None: "as-stored",
+    mx.float32: "float32",
+    mx.bfloat16: "bfloat16",
+    mx.float16: "float16",
+}
 
 
 def scalar(value):
@@ -145,16 +150,26 @@ def tokenizer_files(meta: dict) -> Dict[str, str]:
     tokens = list(meta["tokenizer.ggml.tokens"])
     types = meta["tokenizer.ggml.token_type"].tolist()
     merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
-    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
+    tok = Tokenizer(
+        models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False)
+    )
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     pre = scalar(meta.get("tokenizer.ggml.pre", "default"))
     if pre == "smollm":  # StarCoder-family: digits split one by one before byte-level BPE
-        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), byte_level]
+        )
     else:
         tok.pre_tokenizer = byte_level
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == CONTROL])
+    tok.add_special_tokens(
+        [
+            AddedToken(t, special=True, normalized=False)
+            for t, k in zip(tokens, types)
+            if k == CONTROL
+        ]
+    )
 
     def token(key):
         value = meta.get(f"tokenizer.ggml.{key}_token_id")
@@ -187,7 +202,9 @@ def load_gguf_tokenizer(meta: dict, eos_token_id: int):
 
 
 # -- public entry points ---------------------------------------------------------------------
-def load_gguf_target(path: str | Path, dtype: Optional[mx.Dtype] = None) -> Tuple[nn.Module, object, dict]:
+def load_gguf_target(
+    path: str | Path, dtype: Optional[mx.Dtype] = None
+) -> Tuple[nn.Module, object, dict]:
     """(model, TokenizerWrapper, config) straight from a GGUF file.
 
     ``dtype`` None keeps the file's quantization; a float dtype dequantizes (fp32 on CPU,
@@ -212,7 +229,9 @@ def convert_gguf(path: str | Path, out: str | Path, dtype: Optional[mx.Dtype] = 
     out = Path(out)
     model, tokenizer, config = load_gguf_target(path, dtype)
     _, meta = mx.load(str(path), return_metadata=True)
-    config = dict(config, source_gguf=Path(path).name, torch_dtype=DTYPE_NAMES.get(dtype, str(dtype)))
+    config = dict(
+        config, source_gguf=Path(path).name, torch_dtype=DTYPE_NAMES.get(dtype, str(dtype))
+    )
 
     def write(tmp: Path) -> None:
         save_model(tmp, model, donate_model=False)
@@ -221,4 +240,3 @@ def convert_gguf(path: str | Path, out: str | Path, dtype: Optional[mx.Dtype] = 
             (tmp / name).write_text(text)
 
     return write_folder_atomic(out, write)  # a concurrent conversion that finished first is kept
-

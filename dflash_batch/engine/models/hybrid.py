@@ -46,7 +46,9 @@ class TapeCache(ArraysCache):
     def arm(self) -> None:
         self.armed, self.tape = True, None
 
-    def record(self, state: mx.array, delta: mx.array, k: mx.array, g: mx.array, conv_input: mx.array) -> None:
+    def record(
+        self, state: mx.array, delta: mx.array, k: mx.array, g: mx.array, conv_input: mx.array
+    ) -> None:
         """Keep (by reference: MLX arrays are immutable) what ``trim`` needs to replay."""
         self.tape = (state, delta, k, g, conv_input)
 
@@ -81,12 +83,16 @@ class TapeCache(ArraysCache):
             return
         steps = max(keep)
         if len(set(keep)) == 1:
-            self[0] = mx.contiguous(conv_input[:, steps : steps + width, :])  # the last K-1 kept inputs
+            self[0] = mx.contiguous(
+                conv_input[:, steps : steps + width, :]
+            )  # the last K-1 kept inputs
             self[1] = gated_delta.replay(delta[:, :steps], k[:, :steps], g[:, :steps], state)
         else:
             n = mx.array(list(keep), dtype=mx.int32)[:, None]
             kept = mx.arange(steps, dtype=mx.int32)[None] < n  # [B, steps]
-            rows = (n + mx.arange(width, dtype=mx.int32)[None])[..., None]  # conv inputs keep_b .. keep_b+K-2
+            rows = (n + mx.arange(width, dtype=mx.int32)[None])[
+                ..., None
+            ]  # conv inputs keep_b .. keep_b+K-2
             self[0] = mx.take_along_axis(conv_input, rows, axis=1)
             g_kept = mx.where(kept[..., None], g[:, :steps], mx.array(1, g.dtype))
             d_kept = mx.where(kept[..., None, None], delta[:, :steps], mx.array(0, delta.dtype))
@@ -95,7 +101,9 @@ class TapeCache(ArraysCache):
 
     def _tape(self):
         if self.tape is None:
-            raise RuntimeError("this GatedDeltaNet cache recorded no tape: verify with Target.verify()")
+            raise RuntimeError(
+                "this GatedDeltaNet cache recorded no tape: verify with Target.verify()"
+            )
         return self.tape
 
     # -- rows of a batch (engine/batch.py) ----------------------------------------------------
@@ -124,7 +132,11 @@ class TapeCache(ArraysCache):
         like = self.cache if self[0] is not None else present[0]
         for i in (0, 1):
             zero = mx.zeros((1,) + like[i].shape[1:], like[i].dtype)
-            old = self[i] if self[i] is not None else mx.zeros((have,) + like[i].shape[1:], like[i].dtype)
+            old = (
+                self[i]
+                if self[i] is not None
+                else mx.zeros((have,) + like[i].shape[1:], like[i].dtype)
+            )
             self[i] = mx.concatenate([old] + [zero if s is None else s[i] for s in states], axis=0)
 
     def take_rows(self, rows: mx.array) -> None:
@@ -144,7 +156,9 @@ class TapeGatedDeltaNet(qwen3_5.GatedDeltaNet):
     def __call__(self, inputs: mx.array, mask: Optional[mx.array] = None, cache=None) -> mx.array:
         armed = isinstance(cache, TapeCache) and cache.armed
         own = armed or gated_delta.backend() == "cuda"
-        batched = cache is not None and (cache.lengths is not None or cache.left_padding is not None)
+        batched = cache is not None and (
+            cache.lengths is not None or cache.left_padding is not None
+        )
         if not own or mask is not None or batched or self.sharding_group is not None:
             if armed:
                 raise RuntimeError("tape recording supports one unpadded, unsharded sequence")
@@ -177,7 +191,9 @@ class TapeGatedDeltaNet(qwen3_5.GatedDeltaNet):
 
         start = cache[1] if cache is not None else None
         if start is None:
-            start = mx.zeros((B, self.num_v_heads, self.head_v_dim, self.head_k_dim), dtype=mx.float32)
+            start = mx.zeros(
+                (B, self.num_v_heads, self.head_v_dim, self.head_k_dim), dtype=mx.float32
+            )
         y, state, delta = gated_delta.recurrence(q, k, v, g, beta, start, record=armed)
         if cache is not None:
             cache[1] = state
@@ -190,7 +206,11 @@ class TapeGatedDeltaNet(qwen3_5.GatedDeltaNet):
 
 def _gdn_layers(model: nn.Module) -> list:
     layers = getattr(model, "layers", None) or []
-    return [getattr(layer, "linear_attn", None) for layer in layers if getattr(layer, "is_linear", False)]
+    return [
+        getattr(layer, "linear_attn", None)
+        for layer in layers
+        if getattr(layer, "is_linear", False)
+    ]
 
 
 def attach(model: nn.Module) -> int:
@@ -208,7 +228,9 @@ def make_cache(model: nn.Module) -> list:
     cache = make_prompt_cache(model)
     layers = model.layers
     for i, c in enumerate(cache):
-        if type(c) is ArraysCache and isinstance(getattr(layers[i], "linear_attn", None), TapeGatedDeltaNet):
+        if type(c) is ArraysCache and isinstance(
+            getattr(layers[i], "linear_attn", None), TapeGatedDeltaNet
+        ):
             cache[i] = TapeCache()
     return cache
 

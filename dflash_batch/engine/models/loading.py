@@ -18,7 +18,9 @@ DRAFTER_PATTERNS = ("*.json", "*.safetensors")
 
 
 def resolve_model_path(
-    name_or_path: str | Path, revision: Optional[str] = None, allow_patterns: Sequence[str] = MODEL_PATTERNS
+    name_or_path: str | Path,
+    revision: Optional[str] = None,
+    allow_patterns: Sequence[str] = MODEL_PATTERNS,
 ) -> Path:
     """A local folder as it is, else a snapshot of the Hugging Face repo (cached; offline-aware).
 
@@ -32,10 +34,16 @@ def resolve_model_path(
     from huggingface_hub import snapshot_download
 
     try:
-        return Path(snapshot_download(str(name_or_path), revision=revision, allow_patterns=list(allow_patterns)))
+        return Path(
+            snapshot_download(
+                str(name_or_path), revision=revision, allow_patterns=list(allow_patterns)
+            )
+        )
     except Exception as e:  # network, auth, missing repo: one clear message
         rev = f" at revision {revision}" if revision else ""
-        raise FileNotFoundError(f"could not get {name_or_path}{rev} from the Hugging Face hub: {e}") from e
+        raise FileNotFoundError(
+            f"could not get {name_or_path}{rev} from the Hugging Face hub: {e}"
+        ) from e
 
 
 def load_safetensors(folder: Path) -> dict:
@@ -92,13 +100,19 @@ def load_drafter(
     config = json.loads(config_file.read_text())
     kind = drafter_format(config, str(config_file))
     args = kind.ModelArgs.from_config(config)
-    if kind is drafter_model:  # a draft vocabulary cuts v1's head; DFlash 2 selects over the whole one
+    if (
+        kind is drafter_model
+    ):  # a draft vocabulary cuts v1's head; DFlash 2 selects over the whole one
         args.draft_vocab = read_draft_vocab(folder, config.get("vocab_size"))
     weights = load_safetensors(folder)
     fc = weights.get("fc.weight")
     if fc is None:
         raise KeyError(f"drafter weights in {folder} have no fc.weight: not a DFlash drafter")
-    fc_in = fc.shape[1] if "fc.scales" not in weights else fc.shape[1] * 32 // config["quantization"]["bits"]
+    fc_in = (
+        fc.shape[1]
+        if "fc.scales" not in weights
+        else fc.shape[1] * 32 // config["quantization"]["bits"]
+    )
     model = kind.Model(args, target_hidden_size=fc_in // len(args.target_layer_ids))
     quantize_like(model, weights, config.get("quantization"))
     model.load_weights(list(weights.items()), strict=True)
@@ -121,13 +135,19 @@ def read_draft_vocab(folder: Path, vocab_size: Optional[int] = None) -> Optional
     try:
         ids = json.loads(path.read_text())["token_ids"]
     except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{path}: expected {{\"token_ids\": [ids...]}} ({e})") from e
-    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ValueError(f'{path}: expected {{"token_ids": [ids...]}} ({e})') from e
+    if (
+        not isinstance(ids, list)
+        or not ids
+        or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids)
+    ):
         raise ValueError(f"{path}: token_ids must be a non-empty list of integers")
     if len(set(ids)) != len(ids):
         raise ValueError(f"{path}: token_ids repeat an id")
     if min(ids) < 0 or (vocab_size and max(ids) >= vocab_size):
-        raise ValueError(f"{path}: token id {min(ids) if min(ids) < 0 else max(ids)} is outside the vocabulary ({vocab_size})")
+        raise ValueError(
+            f"{path}: token id {min(ids) if min(ids) < 0 else max(ids)} is outside the vocabulary ({vocab_size})"
+        )
     return sorted(ids)
 
 

@@ -103,7 +103,9 @@ def _longest_match(base: str, names) -> Optional[str]:
     continue a number (qwen3-4b is not qwen3-4b5, nor qwen3.5-4b.1)."""
     best = None
     for key in names:
-        if base.startswith(key) and (len(base) == len(key) or not base[len(key)].isdigit() and base[len(key)] != "."):
+        if base.startswith(key) and (
+            len(base) == len(key) or not base[len(key)].isdigit() and base[len(key)] != "."
+        ):
             if best is None or len(key) > len(best):
                 best = key
     return best
@@ -125,7 +127,11 @@ def auto_drafter(target: str) -> Optional[Tuple[str, Optional[str]]]:
     if found is None and target not in _warned:
         _warned.add(target)
         published = published_for(target)
-        also = (f" Published for this target, untested here: {', '.join(published)}." if published else "")
+        also = (
+            f" Published for this target, untested here: {', '.join(published)}."
+            if published
+            else ""
+        )
         log.warning(
             "no DFlash drafter is registered for target %s: it decodes without speculation "
             "(plain autoregressive).%s Give one with --draft FOLDER|REPO (YAML model.draft, "
@@ -141,7 +147,9 @@ def pairs() -> List[Dict[str, Any]]:
     a note; no model is loaded or fetched."""
     from . import default_model
 
-    known = {drafter: (generation, block, note) for _, drafter, generation, block, note in PUBLISHED}
+    known = {
+        drafter: (generation, block, note) for _, drafter, generation, block, note in PUBLISHED
+    }
     out = []
     for target, (drafter, revision) in DRAFTERS.items():
         generation, block, note = known.get(drafter, (V1, None, ""))

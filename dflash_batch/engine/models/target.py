@@ -48,8 +48,10 @@ class _Tap(nn.Module):
 
 # mlx-lm model files whose logits are the LM head (or the tied embedding) applied to the backbone's
 # output, nothing else (no logit scaling or soft-capping); others run their own forward whole.
-HEAD_AFTER_BACKBONE = {f"mlx_lm.models.{name}" for name in
-                       ("qwen3", "qwen2", "llama", "qwen3_5", "qwen3_moe", "gpt_oss", "laguna")}
+HEAD_AFTER_BACKBONE = {
+    f"mlx_lm.models.{name}"
+    for name in ("qwen3", "qwen2", "llama", "qwen3_5", "qwen3_moe", "gpt_oss", "laguna")
+}
 # gemma4_text is not one: its logits are soft-capped (tanh) after the head. Its layers also turn the
 # cache's offset into an array themselves, which a draft tree's per-token positions cannot pass.
 NO_TREES = {"mlx_lm.models.gemma4_text"}
@@ -89,8 +91,12 @@ class Target:
         self._windows: Optional[List[Optional[int]]] = None
         # draft trees need one RoPE position per token (engine/ops/rope.py); recurrent layers cannot
         # branch; a tree's mask has no sliding window
-        self.trees = (not self.hybrid and type(self._outer).__module__ not in NO_TREES
-                      and self._full_attention() and rope.wrap_ropes(self.layers))
+        self.trees = (
+            not self.hybrid
+            and type(self._outer).__module__ not in NO_TREES
+            and self._full_attention()
+            and rope.wrap_ropes(self.layers)
+        )
         if tap_ids:
             self.set_taps(tap_ids)
 
@@ -118,7 +124,9 @@ class Target:
     def set_taps(self, tap_ids: Sequence[int]) -> None:
         bad = [i for i in tap_ids if not 0 <= i < self.num_layers]
         if bad:
-            raise ValueError(f"tap layer {bad[0]} does not exist: the target has {self.num_layers} layers")
+            raise ValueError(
+                f"tap layer {bad[0]} does not exist: the target has {self.num_layers} layers"
+            )
         for i, layer in enumerate(self.layers):  # undo an earlier set of taps
             if isinstance(layer, _Tap):
                 self.layers[i] = layer.layer
@@ -138,7 +146,9 @@ class Target:
         for i, c in enumerate(caches):
             if type(c) is KVCache:
                 out.append(RaggedKVCache(lengths, capacity))
-            elif type(c) is RotatingKVCache and c.keep == 0:  # a sliding window: every key kept, masked
+            elif (
+                type(c) is RotatingKVCache and c.keep == 0
+            ):  # a sliding window: every key kept, masked
                 out.append(RaggedKVCache(lengths, capacity, window=c.max_size))
             elif isinstance(c, hybrid.TapeCache):
                 out.append(c)
@@ -227,13 +237,17 @@ class Target:
         (engine/ops/compiled.py)."""
         return self.passes(tokens, cache)
 
-    def verify(self, tokens: mx.array, cache: list, at: Optional[mx.array] = None) -> Tuple[mx.array, Optional[mx.array]]:
+    def verify(
+        self, tokens: mx.array, cache: list, at: Optional[mx.array] = None
+    ) -> Tuple[mx.array, Optional[mx.array]]:
         """A pass that ``rollback`` may cut short: recurrent layers record a tape for it."""
         if self.hybrid:
             hybrid.arm(cache)
         return self(tokens, cache, at)
 
-    def __call__(self, tokens: mx.array, cache: list, at: Optional[mx.array] = None) -> Tuple[mx.array, Optional[mx.array]]:
+    def __call__(
+        self, tokens: mx.array, cache: list, at: Optional[mx.array] = None
+    ) -> Tuple[mx.array, Optional[mx.array]]:
         """logits [B, L, V] and the tapped hidden states concatenated on the last axis. With ``at``
         (int [B]) only row b's logits at position at[b], [B, 1, V]: a prefill pass needs just its
         last ones, and the LM head over every position costs memory (B x L x V) and about a tenth of

@@ -43,8 +43,7 @@ import mlx.nn as nn
 from mlx_lm.models import base as mlx_lm_base
 from mlx_lm.models.base import create_causal_mask
 
-from . import switch
-from . import device
+from . import device, switch
 from .batch_cache import RaggedKVCache
 from .kernels import attention as block
 from .kernels import cpu
@@ -88,17 +87,31 @@ def _route(q: mx.array, k: mx.array, v: mx.array, min_rows: int = 2) -> Optional
 
 
 def _block_attention(
-    impl: str, q, k, v, scale: float, causal: bool, window: Optional[int], kv_len: Optional[mx.array] = None,
+    impl: str,
+    q,
+    k,
+    v,
+    scale: float,
+    causal: bool,
+    window: Optional[int],
+    kv_len: Optional[mx.array] = None,
     sinks: Optional[mx.array] = None,
 ) -> mx.array:
     _counts["routed"] += 1
-    if impl == "kernel" and block.kernel_verified(q, causal=causal, window=window, kv_start=None, kv_len=kv_len):
-        return block.block_attention_kernel(q, k, v, scale=scale, causal=causal, window=window, kv_len=kv_len, checked=True)
-    return block.block_attention_reference(q, k, v, scale=scale, causal=causal, window=window, kv_len=kv_len,
-                                           sinks=sinks)
+    if impl == "kernel" and block.kernel_verified(
+        q, causal=causal, window=window, kv_start=None, kv_len=kv_len
+    ):
+        return block.block_attention_kernel(
+            q, k, v, scale=scale, causal=causal, window=window, kv_len=kv_len, checked=True
+        )
+    return block.block_attention_reference(
+        q, k, v, scale=scale, causal=causal, window=window, kv_len=kv_len, sinks=sinks
+    )
 
 
-def _route_sinks(q: mx.array, k: mx.array, v: mx.array, sinks: Optional[mx.array], min_rows: int = 2):
+def _route_sinks(
+    q: mx.array, k: mx.array, v: mx.array, sinks: Optional[mx.array], min_rows: int = 2
+):
     """``_route``, where attention sinks (gpt-oss) go to the reference only: the kernels take none,
     and stock SDPA handles them on every backend."""
     impl = _route(q, k, v, min_rows)
@@ -119,22 +132,47 @@ def target_sdpa(queries, keys, values, cache, scale: float, mask, sinks=None) ->
     # A plain step (one query row) takes the block route whatever the warm-up chose: the choice
     # is timed on drafting passes, and a plain cycle with a drafter attached must run as it runs
     # without one (where no warm-up ever sets the route). A draft tree's pass attends by its mask.
-    if ours and not cache.lengths.uniform and (switch.current().ragged == "block" or queries.shape[2] == 1):
+    if (
+        ours
+        and not cache.lengths.uniform
+        and (switch.current().ragged == "block" or queries.shape[2] == 1)
+    ):
         impl = _route_sinks(queries, keys, values, sinks, min_rows=1)
         if impl is not None:
             kv_len = cache.lengths.device + queries.shape[2]
-            return _block_attention(impl, queries, keys, values, scale, causal=True, window=cache.window,
-                                    kv_len=kv_len, sinks=sinks)
-    if ours and cache.window and cache.lengths.uniform:  # keys end at the last query, as the window counts
+            return _block_attention(
+                impl,
+                queries,
+                keys,
+                values,
+                scale,
+                causal=True,
+                window=cache.window,
+                kv_len=kv_len,
+                sinks=sinks,
+            )
+    if (
+        ours and cache.window and cache.lengths.uniform
+    ):  # keys end at the last query, as the window counts
         impl = _route_sinks(queries, keys, values, sinks)
         if impl is not None:
-            return _block_attention(impl, queries, keys, values, scale, causal=True, window=cache.window, sinks=sinks)
+            return _block_attention(
+                impl, queries, keys, values, scale, causal=True, window=cache.window, sinks=sinks
+            )
     plain_mask = mask is None or (isinstance(mask, str) and mask == "causal")
     if plain_mask and not hasattr(cache, "bits"):
         impl = _route_sinks(queries, keys, values, sinks)
         if impl is not None:
-            return _block_attention(impl, queries, keys, values, scale, causal=mask is not None, window=None,
-                                    sinks=sinks)
+            return _block_attention(
+                impl,
+                queries,
+                keys,
+                values,
+                scale,
+                causal=mask is not None,
+                window=None,
+                sinks=sinks,
+            )
     _counts["stock"] += 1
     if isinstance(cache, RaggedKVCache) and sinks is None and cpu.active():
         return cpu.sdpa(queries, keys, values, scale, mask)
@@ -166,7 +204,9 @@ def drafter_attention(
     if kv_len is not None:
         impl = _route(q, keys, values) if switch.current().ragged == "block" else None
         if impl is not None:
-            return _block_attention(impl, q, keys, values, scale, causal=causal, window=window, kv_len=kv_len)
+            return _block_attention(
+                impl, q, keys, values, scale, causal=causal, window=window, kv_len=kv_len
+            )
         _counts["stock"] += 1
         mask = _ragged_mask(kv_len, q.shape[2], keys.shape[2], causal, window)
         return _sdpa(q, keys, values, scale, mask)
@@ -179,11 +219,15 @@ def drafter_attention(
     if window is not None and causal:
         mask = create_causal_mask(L, offset=keys.shape[2] - L, window_size=window)
     elif window is not None:
-        mask = _ragged_mask(mx.array([keys.shape[2]], dtype=mx.int32), L, keys.shape[2], False, window)
+        mask = _ragged_mask(
+            mx.array([keys.shape[2]], dtype=mx.int32), L, keys.shape[2], False, window
+        )
     return _sdpa(q, keys, values, scale, mask)
 
 
-def _ragged_mask(kv_len: mx.array, L: int, width: int, causal: bool, window: Optional[int]) -> mx.array:
+def _ragged_mask(
+    kv_len: mx.array, L: int, width: int, causal: bool, window: Optional[int]
+) -> mx.array:
     """Bool [B, 1, L, width]: row b's query i sits at key position kv_len[b] - L + i and sees
     keys before kv_len[b] (and, causal, none after itself; with a window, the last ``window``)."""
     key = mx.arange(width, dtype=mx.int32)[None, None, None, :]

@@ -80,7 +80,9 @@ class RaggedKVCache:
 
     def __init__(self, lengths: Lengths, capacity: int = 0, window: Optional[int] = None):
         self.lengths = lengths
-        self.capacity = capacity  # key positions to allocate at once (the job's longest row): no growth copies
+        self.capacity = (
+            capacity  # key positions to allocate at once (the job's longest row): no growth copies
+        )
         self.window = window  # a sliding-window layer's: each query sees its last ``window`` keys
         self.keys: Optional[mx.array] = None
         self.values: Optional[mx.array] = None
@@ -118,7 +120,9 @@ class RaggedKVCache:
         window = window_size or self.window
         if self.lengths.tree is not None:
             if window:
-                raise ValueError("draft trees are verified on full-attention layers only (no sliding window)")
+                raise ValueError(
+                    "draft trees are verified on full-attention layers only (no sliding window)"
+                )
             width = self.lengths.max + N if self.lengths.uniform else round_up(self.lengths.max + N)
             return tree_visible(self.lengths.device, self.lengths.tree[1], width)
         if not self.lengths.uniform:  # bucketed key width (few distinct shapes), masked per row
@@ -152,7 +156,9 @@ class RaggedKVCache:
         """A copy of row b's first ``n`` key columns (keys, values), each [1, H, n, D]; None if empty."""
         if self.keys is None or n == 0:
             return None
-        return mx.contiguous(self.keys[b : b + 1, :, :n, :]), mx.contiguous(self.values[b : b + 1, :, :n, :])
+        return mx.contiguous(self.keys[b : b + 1, :, :n, :]), mx.contiguous(
+            self.values[b : b + 1, :, :n, :]
+        )
 
     def put_row(self, b: int, state: Optional[tuple], batch_size: int) -> None:
         """Place a row state (``row_state``: a prefilled prompt) in row ``b`` at columns 0..n-1."""
@@ -171,15 +177,22 @@ class RaggedKVCache:
         if self.keys is None and not present:
             return  # all rows empty: ``reserve`` allocates on the next write
         k_like, v_like = (self.keys, self.values) if self.keys is not None else present[0]
-        width = max([0 if self.keys is None else self.keys.shape[2]] + [round_up(s[0].shape[2]) for s in present])
+        width = max(
+            [0 if self.keys is None else self.keys.shape[2]]
+            + [round_up(s[0].shape[2]) for s in present]
+        )
         old_k, old_v = self.keys, self.values
         if old_k is None:
             old_k = mx.zeros((have,) + k_like.shape[1:2] + (width, k_like.shape[3]), k_like.dtype)
             old_v = mx.zeros((have,) + v_like.shape[1:2] + (width, v_like.shape[3]), v_like.dtype)
         elif old_k.shape[2] < width:
             grow = width - old_k.shape[2]
-            old_k = mx.concatenate([old_k, mx.zeros(old_k.shape[:2] + (grow, old_k.shape[3]), old_k.dtype)], axis=2)
-            old_v = mx.concatenate([old_v, mx.zeros(old_v.shape[:2] + (grow, old_v.shape[3]), old_v.dtype)], axis=2)
+            old_k = mx.concatenate(
+                [old_k, mx.zeros(old_k.shape[:2] + (grow, old_k.shape[3]), old_k.dtype)], axis=2
+            )
+            old_v = mx.concatenate(
+                [old_v, mx.zeros(old_v.shape[:2] + (grow, old_v.shape[3]), old_v.dtype)], axis=2
+            )
         new_k = mx.zeros((len(states),) + old_k.shape[1:], old_k.dtype)
         new_v = mx.zeros((len(states),) + old_v.shape[1:], old_v.dtype)
         for i, s in enumerate(states):
@@ -227,7 +240,9 @@ class RaggedKVCache:
         return self.keys is None
 
 
-def visible(lengths: mx.array, N: int, width: int, extra: int = 0, window: Optional[int] = None) -> mx.array:
+def visible(
+    lengths: mx.array, N: int, width: int, extra: int = 0, window: Optional[int] = None
+) -> mx.array:
     """Bool mask [B, 1, N, width]: query i of row b sees key j iff j <= lengths[b] + extra + i
     (and, with a window, j > lengths[b] + extra + i - window)."""
     last = lengths[:, None, None, None] + extra + mx.arange(N, dtype=mx.int32)[None, None, :, None]
@@ -243,7 +258,9 @@ def tree_visible(lengths: mx.array, ancestors: mx.array, width: int) -> mx.array
     B, T, _ = ancestors.shape
     rel = mx.arange(width, dtype=mx.int32)[None] - lengths[:, None]  # [B, width]: m = j - n_b
     inside = (rel >= 0) & (rel < T)
-    picked = mx.take_along_axis(ancestors, mx.broadcast_to(mx.clip(rel, 0, T - 1)[:, None, :], (B, T, width)), axis=2)
+    picked = mx.take_along_axis(
+        ancestors, mx.broadcast_to(mx.clip(rel, 0, T - 1)[:, None, :], (B, T, width)), axis=2
+    )
     return ((rel < 0)[:, None, :] | (inside[:, None, :] & picked))[:, None]
 
 

@@ -68,10 +68,17 @@ ROUTE = switch.BY_FIELD["passes"]
 MODES = tuple(ROUTE.modes)
 ENV = ROUTE.env
 MAX_ROWS = 8  # wider batches are device-bound: building their graph is a small part of a pass
-MIN_WIDTH = 2  # a plain step (T = 1) stays eager: stock SDPA's one-row kernel over the live keys costs
-               # the device less than the routed attention over the whole buffer, by more than
-               # the host would save (docs/batched.md, "Compiled passes")
-LADDER = (512, 1024, 2048, 4096)  # buffer widths a compiling batch allocates; wider caches stay eager
+MIN_WIDTH = (
+    2  # a plain step (T = 1) stays eager: stock SDPA's one-row kernel over the live keys costs
+)
+# the device less than the routed attention over the whole buffer, by more than
+# the host would save (docs/batched.md, "Compiled passes")
+LADDER = (
+    512,
+    1024,
+    2048,
+    4096,
+)  # buffer widths a compiling batch allocates; wider caches stay eager
 
 default_mode = ROUTE.default  # the variable if set, else "compiled" on CUDA and "eager" elsewhere
 
@@ -79,7 +86,6 @@ default_mode = ROUTE.default  # the variable if set, else "compiled" on CUDA and
 def mode() -> str:
     """The mode in force (``switch.current``)."""
     return switch.current().passes
-
 
 
 def capacity(rows: int, positions: int) -> int:
@@ -107,7 +113,9 @@ class _Lengths:
 class _FixedWidthView(RaggedKVCache):
     """One attention layer's K/V inside a compiled pass: the whole buffer, written by scatter."""
 
-    def __init__(self, lengths: _Lengths, keys: mx.array, values: mx.array, window: Optional[int] = None):
+    def __init__(
+        self, lengths: _Lengths, keys: mx.array, values: mx.array, window: Optional[int] = None
+    ):
         super().__init__(lengths, window=window)
         self.keys, self.values = keys, values
 
@@ -132,7 +140,9 @@ class _FixedWidthView(RaggedKVCache):
         window = window_size or self.window
         if self.lengths.tree is not None:
             if window:
-                raise ValueError("draft trees are verified on full-attention layers only (no sliding window)")
+                raise ValueError(
+                    "draft trees are verified on full-attention layers only (no sliding window)"
+                )
             return tree_visible(self.lengths.device, self.lengths.tree[1], self.keys.shape[2])
         return visible(self.lengths.device, N, self.keys.shape[2], window=window)
 
@@ -144,8 +154,12 @@ def _fixed_width(cache: list, reach: int) -> bool:
     if not cache or not all(type(c) is RaggedKVCache and c.keys is not None for c in cache):
         return False
     lengths, width = cache[0].lengths, cache[0].keys.shape[2]
-    return (len(lengths) <= MAX_ROWS and width in LADDER and lengths.max + reach <= width
-            and all(c.keys.shape[2] == width for c in cache))
+    return (
+        len(lengths) <= MAX_ROWS
+        and width in LADDER
+        and lengths.max + reach <= width
+        and all(c.keys.shape[2] == width for c in cache)
+    )
 
 
 class _Traces:
@@ -153,7 +167,10 @@ class _Traces:
 
     def __init__(self):
         self._compiled: Dict[tuple, object] = {}  # routing -> mx.compile(self._pass)
-        self.calls = {"compiled": 0, "eager": 0}  # passes run each way (the first of a routing: eager)
+        self.calls = {
+            "compiled": 0,
+            "eager": 0,
+        }  # passes run each way (the first of a routing: eager)
         self.traced = 0  # times the pass's Python ran: traces, and the eager first passes
 
     def _run(self, kind: str = ""):
@@ -181,7 +198,12 @@ class CompiledPasses(_Traces):
 
     def applies(self, cache: list, T: int) -> bool:
         """Whether a pass of T rows over ``cache`` runs compiled (module doc)."""
-        return mode() == "compiled" and T >= MIN_WIDTH and not self.target.hybrid and _fixed_width(cache, T)
+        return (
+            mode() == "compiled"
+            and T >= MIN_WIDTH
+            and not self.target.hybrid
+            and _fixed_width(cache, T)
+        )
 
     def __call__(self, tokens: mx.array, cache: list) -> Tuple[mx.array, Optional[mx.array]]:
         """logits [B, T, V] and the tapped hidden states, as ``Target.verify`` gives them; the
@@ -197,14 +219,26 @@ class CompiledPasses(_Traces):
         _reassign(cache, keys, values)
         return logits, (hidden[0] if hidden else None)
 
-    def _pass(self, tokens: mx.array, lengths: mx.array, keys: List[mx.array], values: List[mx.array],
-              depth: Optional[mx.array] = None, ancestors: Optional[mx.array] = None):
+    def _pass(
+        self,
+        tokens: mx.array,
+        lengths: mx.array,
+        keys: List[mx.array],
+        values: List[mx.array],
+        depth: Optional[mx.array] = None,
+        ancestors: Optional[mx.array] = None,
+    ):
         self.traced += 1
         view = _Lengths(lengths, None if depth is None else (depth, ancestors))
         windows = self.target.windows()
         cache = [_FixedWidthView(view, k, v, w) for k, v, w in zip(keys, values, windows)]
         logits, hidden = self.target(tokens, cache)
-        return logits, ([] if hidden is None else [hidden]), [c.keys for c in cache], [c.values for c in cache]
+        return (
+            logits,
+            ([] if hidden is None else [hidden]),
+            [c.keys for c in cache],
+            [c.values for c in cache],
+        )
 
 
 class CompiledDraft(_Traces):
@@ -219,9 +253,15 @@ class CompiledDraft(_Traces):
         """Whether the pass of block ``x`` [B, L, H] with new ``context`` rows [B, S, .] runs
         compiled: at most P rows, and room for the furthest write, row b's last padding row at
         n_b + L + P - 1."""
-        return mode() == "compiled" and context.shape[1] <= self.rows and _fixed_width(cache, x.shape[1] + self.rows)
+        return (
+            mode() == "compiled"
+            and context.shape[1] <= self.rows
+            and _fixed_width(cache, x.shape[1] + self.rows)
+        )
 
-    def __call__(self, x: mx.array, context: mx.array, cache: list, counts: Optional[mx.array] = None) -> mx.array:
+    def __call__(
+        self, x: mx.array, context: mx.array, cache: list, counts: Optional[mx.array] = None
+    ) -> mx.array:
         """hidden [B, L, H], as ``drafter(x, context, cache, counts)`` gives it; the cache's buffers
         hold the pass's context rows after it (the caller advances the lengths by the counts)."""
         if not self.applies(x, context, cache):
@@ -231,17 +271,32 @@ class CompiledDraft(_Traces):
             counts = mx.full((B,), S, dtype=mx.int32)
         if S < self.rows:  # padding rows: never counted (module doc), so zeros do
             context = mx.pad(context, [(0, 0), (0, self.rows - S), (0, 0)])
-        hidden, keys, values = self._run()(x, context, counts, cache[0].lengths.device, [c.keys for c in cache],
-                                           [c.values for c in cache])
+        hidden, keys, values = self._run()(
+            x,
+            context,
+            counts,
+            cache[0].lengths.device,
+            [c.keys for c in cache],
+            [c.values for c in cache],
+        )
         _reassign(cache, keys, values)
         return hidden
 
-    def _pass(self, x: mx.array, context: mx.array, counts: mx.array, lengths: mx.array,
-              keys: List[mx.array], values: List[mx.array]):
+    def _pass(
+        self,
+        x: mx.array,
+        context: mx.array,
+        counts: mx.array,
+        lengths: mx.array,
+        keys: List[mx.array],
+        values: List[mx.array],
+    ):
         self.traced += 1
         view = _Lengths(lengths)
         cache = [_FixedWidthView(view, k, v) for k, v in zip(keys, values)]
-        hidden = self.drafter(x, context, cache, counts)  # counts given: the ragged path, write_columns
+        hidden = self.drafter(
+            x, context, cache, counts
+        )  # counts given: the ragged path, write_columns
         return hidden, [c.keys for c in cache], [c.values for c in cache]
 
 
@@ -252,5 +307,15 @@ def _reassign(cache: list, keys: List[mx.array], values: List[mx.array]) -> None
         c.keys, c.values = k, v
 
 
-__all__ = ["CompiledDraft", "CompiledPasses", "ENV", "LADDER", "MAX_ROWS", "MIN_WIDTH", "MODES", "capacity",
-           "default_mode", "mode"]
+__all__ = [
+    "CompiledDraft",
+    "CompiledPasses",
+    "ENV",
+    "LADDER",
+    "MAX_ROWS",
+    "MIN_WIDTH",
+    "MODES",
+    "capacity",
+    "default_mode",
+    "mode",
+]

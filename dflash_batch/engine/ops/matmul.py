@@ -30,8 +30,7 @@ from typing import Dict, Optional
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import switch
-from . import device
+from . import device, switch
 from .kernels import matmul as kernel
 
 ROUTE = switch.BY_FIELD["matmul"]
@@ -62,8 +61,15 @@ def _routed(x: mx.array, w: mx.array) -> bool:
     if switch.current().matmul != "kernel":
         return False
     rows = x.size // x.shape[-1] if x.ndim else 0
-    return (MIN_ROWS <= rows <= MAX_ROWS and w.ndim == 2 and w.shape[0] <= MAX_OUTPUTS and x.dtype == w.dtype
-            and x.dtype in kernel.DTYPES and device.backend() == "cuda" and kernel.kernel_verified(x.dtype))
+    return (
+        MIN_ROWS <= rows <= MAX_ROWS
+        and w.ndim == 2
+        and w.shape[0] <= MAX_OUTPUTS
+        and x.dtype == w.dtype
+        and x.dtype in kernel.DTYPES
+        and device.backend() == "cuda"
+        and kernel.kernel_verified(x.dtype)
+    )
 
 
 def linear(x: mx.array, w: mx.array, bias: Optional[mx.array] = None) -> mx.array:
@@ -93,5 +99,16 @@ def install(model: nn.Module) -> int:
     return count
 
 
-__all__ = ["ENV", "MAX_OUTPUTS", "MAX_ROWS", "MIN_ROWS", "MODES", "RoutedLinear", "counters", "default_mode", "install", "linear",
-           "mode"]
+__all__ = [
+    "ENV",
+    "MAX_OUTPUTS",
+    "MAX_ROWS",
+    "MIN_ROWS",
+    "MODES",
+    "RoutedLinear",
+    "counters",
+    "default_mode",
+    "install",
+    "linear",
+    "mode",
+]

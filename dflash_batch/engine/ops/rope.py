@@ -40,8 +40,9 @@ def wrap_ropes(layers: Sequence[nn.Module]) -> bool:
     """Give every attention layer a ``TokenRoPE``; returns whether all of them could take one (a
     target whose layers keep RoPE elsewhere verifies chains only)."""
     attentions = [getattr(getattr(layer, "layer", layer), "self_attn", None) for layer in layers]
-    if not attentions or any(a is None or not isinstance(getattr(a, "rope", None), nn.Module)
-                             for a in attentions):
+    if not attentions or any(
+        a is None or not isinstance(getattr(a, "rope", None), nn.Module) for a in attentions
+    ):
         return False
     for a in attentions:
         if not isinstance(a.rope, TokenRoPE):

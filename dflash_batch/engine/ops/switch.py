@@ -50,14 +50,18 @@ class Switch:
 
     def default(self) -> str:
         """The environment variable if set, else the backend's default."""
-        return environment.get(self.env) or (self.cuda if device.backend() == "cuda" else self.elsewhere)
+        return environment.get(self.env) or (
+            self.cuda if device.backend() == "cuda" else self.elsewhere
+        )
 
     def resolve(self, mode: Optional[str]) -> str:
         """``mode`` checked, or the default for None."""
         if mode is None:
             return self.default()
         if mode not in self.modes:
-            raise ValueError(f"{self.field} must be one of {tuple(self.modes)} or None, got {mode!r}")
+            raise ValueError(
+                f"{self.field} must be one of {tuple(self.modes)} or None, got {mode!r}"
+            )
         return mode
 
 
@@ -169,5 +173,16 @@ def repoint(model, name: str, stock: Callable, routed: Callable) -> List[str]:
     return patched
 
 
-__all__ = ["BY_FIELD", "RAGGED_ROUTES", "Routes", "SWITCHES", "Switch", "current", "modes", "repoint",
-           "stepping", "stock_ops", "use"]
+__all__ = [
+    "BY_FIELD",
+    "RAGGED_ROUTES",
+    "Routes",
+    "SWITCHES",
+    "Switch",
+    "current",
+    "modes",
+    "repoint",
+    "stepping",
+    "stock_ops",
+    "use",
+]

@@ -80,7 +80,9 @@ def visible_keys(
     With ``kv_len`` row b's key length is ``row_lengths(kv_len, Lk)[b]``: its keys past that are
     hidden and its query row i sits at that length - Lq + i."""
     lengths = mx.array(Lk) if kv_len is None else row_lengths(kv_len, Lk).reshape(-1, 1, 1, 1)
-    rows = mx.arange(Lq)[None, None, :, None] + (lengths - Lq)  # absolute position of each query row
+    rows = mx.arange(Lq)[None, None, :, None] + (
+        lengths - Lq
+    )  # absolute position of each query row
     keys = mx.arange(width)[None, None, None, :]
     ok = keys < lengths
     if causal:
@@ -120,8 +122,12 @@ def block_attention_reference(
         widths = [(0, 0), (0, 0), (0, pad), (0, 0)]
         kf, vf = mx.pad(kf, widths), mx.pad(vf, widths)
     s = qf @ kf.transpose(0, 1, 3, 2)  # [B, Hk, R, Lk + pad] (natural log base; kernels use base 2)
-    ok = visible_keys(Lq, Lk, causal=causal, window=window, kv_start=kv_start, width=Lk + pad, kv_len=kv_len)
-    ok = mx.broadcast_to(ok[:, :, None], (ok.shape[0], 1, G, Lq, Lk + pad)).reshape(ok.shape[0], 1, G * Lq, -1)
+    ok = visible_keys(
+        Lq, Lk, causal=causal, window=window, kv_start=kv_start, width=Lk + pad, kv_len=kv_len
+    )
+    ok = mx.broadcast_to(ok[:, :, None], (ok.shape[0], 1, G, Lq, Lk + pad)).reshape(
+        ok.shape[0], 1, G * Lq, -1
+    )
     s = mx.where(ok, s, -mx.inf).reshape(B, Hk, G * Lq, n_chunks, chunk)
     # pass 1: per chunk, m_c = max s, p = e^(s - m_c), l_c = sum p, o_c = p @ v
     m = s.max(axis=-1)
@@ -132,7 +138,9 @@ def block_attention_reference(
     # pass 2: M = max_c m_c, w_c = e^(m_c - M), out = sum w_c o_c / sum w_c l_c
     M = m.max(axis=-1, keepdims=True)
     if sinks is not None:  # head h = kv head * G + g, its rows g * Lq + i
-        sink = mx.repeat(sinks.astype(mx.float32).reshape(1, Hk, G, 1), Lq, axis=3).reshape(1, Hk, G * Lq, 1)
+        sink = mx.repeat(sinks.astype(mx.float32).reshape(1, Hk, G, 1), Lq, axis=3).reshape(
+            1, Hk, G * Lq, 1
+        )
         M = mx.maximum(M, sink)
     w = mx.where(m == -mx.inf, 0.0, mx.exp(m - mx.where(M == -mx.inf, 0.0, M)))
     L = (l * w).sum(axis=-1)
@@ -195,11 +203,19 @@ class KernelConfig:
         D, DK, WR = self.head_dim, self.k_tile_dims, self.rows_per_warp
         k_tile = TILE * (DK + 4)
         v_tile = TILE * D if self.v_in_smem else 0
-        return k_tile + v_tile + self.rows * (D + 4) + self.warps * TILE * (WR + 4) + self.warps * WR
+        return (
+            k_tile + v_tile + self.rows * (D + 4) + self.warps * TILE * (WR + 4) + self.warps * WR
+        )
 
     def template(self):
-        return [("D", self.head_dim), ("DK", self.k_tile_dims), ("WR", self.rows_per_warp),
-                ("DG", self.dim_groups), ("NW", self.warps), ("V_SMEM", self.v_in_smem)]
+        return [
+            ("D", self.head_dim),
+            ("DK", self.k_tile_dims),
+            ("WR", self.rows_per_warp),
+            ("DG", self.dim_groups),
+            ("NW", self.warps),
+            ("V_SMEM", self.v_in_smem),
+        ]
 
 
 def kernel_config(backend: str, head_dim: int) -> KernelConfig:
@@ -234,12 +250,22 @@ class MmaConfig:
         return max(tiles, combine)
 
     def template(self):
-        return [("D", self.head_dim), ("NW", self.warps), ("KT", self.tile_keys), ("STAGES", self.stages),
-                ("FUSED", self.fused)]
+        return [
+            ("D", self.head_dim),
+            ("NW", self.warps),
+            ("KT", self.tile_keys),
+            ("STAGES", self.stages),
+            ("FUSED", self.fused),
+        ]
 
 
-def mma_config(head_dim: int, warps: int = 0, fused: Optional[bool] = None, tile_keys: int = 16,
-               stages: int = 2) -> MmaConfig:
+def mma_config(
+    head_dim: int,
+    warps: int = 0,
+    fused: Optional[bool] = None,
+    tile_keys: int = 16,
+    stages: int = 2,
+) -> MmaConfig:
     """Defaults: MMA_WARPS warps, 16-key tiles, 2 stages (D=128: 139 KB with 8 warps); at D=256
     4 warps (the same bytes)."""
     warps = warps or (MMA_WARPS if head_dim <= 128 else MMA_WARPS // 2)
@@ -277,8 +303,15 @@ def _kernel(backend: str, which: str, cfg):
         source, header, inputs, outputs, row_contiguous, smem = KERNELS[backend, which]
         make = mx.fast.cuda_kernel if backend == "cuda" else mx.fast.metal_kernel
         extra = {"shared_memory": smem(cfg)} if smem else {}
-        _kernels[key] = make(name=f"dflash_block_attn_{which}", input_names=inputs, output_names=outputs,
-                             source=source, header=header, ensure_row_contiguous=row_contiguous, **extra)
+        _kernels[key] = make(
+            name=f"dflash_block_attn_{which}",
+            input_names=inputs,
+            output_names=outputs,
+            source=source,
+            header=header,
+            ensure_row_contiguous=row_contiguous,
+            **extra,
+        )
     return _kernels[key]
 
 
@@ -363,7 +396,10 @@ def _plan(backend, q, Hk, scale, causal, window, config) -> _Plan:
         target_blocks=target_blocks,
         template1=template1,
         template2=[("T", q.dtype), ("D", D)],
-        flags=_const(("flags", bool(causal), int(window or 0)), lambda: mx.array([int(causal), int(window or 0)], dtype=mx.int32)),
+        flags=_const(
+            ("flags", bool(causal), int(window or 0)),
+            lambda: mx.array([int(causal), int(window or 0)], dtype=mx.int32),
+        ),
         qscale=_const(("scale", float(scale)), lambda: mx.array([scale * LOG2E], dtype=mx.float32)),
         zeros=_const(("zeros", B), lambda: mx.zeros((B,), dtype=mx.int32)),
         shape=(B, H, Lq, D),
@@ -400,14 +436,29 @@ def block_attention_kernel(
     ``kernel_verified`` first, as ``block_attention`` and the engine's routing do."""
     backend = backend or gpu_backend()
     if backend is None:
-        raise RuntimeError("block_attention_kernel needs the CUDA or Metal backend as the default device")
+        raise RuntimeError(
+            "block_attention_kernel needs the CUDA or Metal backend as the default device"
+        )
     if not checked:
         check_supported(q, k, v)
-    return LAUNCHERS[backend](q, k, v, scale=scale, causal=causal, window=window, kv_start=kv_start,
-                              kv_len=kv_len, backend=backend, config=config, splits=splits)
+    return LAUNCHERS[backend](
+        q,
+        k,
+        v,
+        scale=scale,
+        causal=causal,
+        window=window,
+        kv_start=kv_start,
+        kv_len=kv_len,
+        backend=backend,
+        config=config,
+        splits=splits,
+    )
 
 
-def _launch(q, k, v, *, scale, causal, window, kv_start, kv_len=None, backend, config, splits) -> mx.array:
+def _launch(
+    q, k, v, *, scale, causal, window, kv_start, kv_len=None, backend, config, splits
+) -> mx.array:
     """Plan (once per signature) and launch the kernels of ``backend``. The chunk count comes from
     k's length (the longest a row may have): with ``kv_len``, shorter rows get fewer tiles per
     chunk, or none."""
@@ -479,8 +530,18 @@ def _check_case(dtype, D: int, causal: bool, windowed: bool, padded: bool, ragge
     v = mx.random.normal((B, Hk, buffer, D), key=keys[2]).astype(dtype)[:, :, :width]
     kv_start = mx.array([0, 21], dtype=mx.int32) if padded else None
     kv_len = mx.array(CHECK_LENGTHS, dtype=mx.int32) if ragged else None
-    return q, k, v, dict(scale=D**-0.5, causal=causal, window=CHECK_WINDOW if windowed else None, kv_start=kv_start,
-                         kv_len=kv_len)
+    return (
+        q,
+        k,
+        v,
+        dict(
+            scale=D**-0.5,
+            causal=causal,
+            window=CHECK_WINDOW if windowed else None,
+            kv_start=kv_start,
+            kv_len=kv_len,
+        ),
+    )
 
 
 def kernel_verified(
@@ -499,22 +560,37 @@ def kernel_verified(
     has been given."""
     backend = backend or gpu_backend()
     D = q.shape[-1]
-    key = (("dtype", q.dtype), ("head_dim", D), ("causal", bool(causal)), ("window", bool(window)),
-           ("kv_start", kv_start is not None), ("kv_len", kv_len is not None), ("config", config))
+    key = (
+        ("dtype", q.dtype),
+        ("head_dim", D),
+        ("causal", bool(causal)),
+        ("window", bool(window)),
+        ("kv_start", kv_start is not None),
+        ("kv_len", kv_len is not None),
+        ("config", config),
+    )
     ok = selfcheck.known("block attention", backend, key)
     if ok is not None:
         return ok
 
-    q_, k_, v_, kw = _check_case(q.dtype, D, causal, bool(window), kv_start is not None, kv_len is not None)
+    q_, k_, v_, kw = _check_case(
+        q.dtype, D, causal, bool(window), kv_start is not None, kv_len is not None
+    )
 
     def kernel():
-        return {"out": LAUNCHERS[backend](q_, k_, v_, **kw, backend=backend, config=config, splits=CHECK_SPLITS)}
+        return {
+            "out": LAUNCHERS[backend](
+                q_, k_, v_, **kw, backend=backend, config=config, splits=CHECK_SPLITS
+            )
+        }
 
     def reference():
         with mx.stream(mx.cpu):  # an fp32 oracle: MLX's fp32 matmuls on CUDA round through TF32
             return {"out": block_attention_reference(q_, k_, v_, **kw)}
 
-    return selfcheck.verified("block attention", backend, key, kernel, reference, selfcheck.tolerance(q.dtype))
+    return selfcheck.verified(
+        "block attention", backend, key, kernel, reference, selfcheck.tolerance(q.dtype)
+    )
 
 
 def check_supported(q: mx.array, k: mx.array, v: mx.array) -> None:
@@ -524,7 +600,9 @@ def check_supported(q: mx.array, k: mx.array, v: mx.array) -> None:
         raise ValueError(reason)
 
 
-def unsupported(q: mx.array, k: mx.array, v: mx.array, head_dims: Optional[tuple] = HEAD_DIMS) -> Optional[str]:
+def unsupported(
+    q: mx.array, k: mx.array, v: mx.array, head_dims: Optional[tuple] = HEAD_DIMS
+) -> Optional[str]:
     """Why the kernels (or, with head_dims=None, the reference) cannot run these arrays, or None."""
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         return "q, k and v must be [B, heads, length, head_dim]"
@@ -537,7 +615,11 @@ def unsupported(q: mx.array, k: mx.array, v: mx.array, head_dims: Optional[tuple
         return f"{H} query heads are not a multiple of {k.shape[1]} KV heads"
     if k.shape[2] < Lq:
         return f"{Lq} query rows need at least as many keys, got {k.shape[2]}"
-    if (head_dims is not None and q.dtype not in DTYPES) or k.dtype != q.dtype or v.dtype != q.dtype:
+    if (
+        (head_dims is not None and q.dtype not in DTYPES)
+        or k.dtype != q.dtype
+        or v.dtype != q.dtype
+    ):
         return f"dtypes {q.dtype}, {k.dtype}, {v.dtype}: need one of {DTYPES}, all the same"
     return None
 
@@ -556,12 +638,28 @@ def block_attention(
     """The kernel on a GPU backend if it passed its self-check (``kernel_verified``), else the
     reference."""
     backend = gpu_backend()
-    if (backend is not None and unsupported(q, k, v) is None
-            and kernel_verified(q, causal=causal, window=window, kv_start=kv_start, kv_len=kv_len, backend=backend)):
-        return block_attention_kernel(q, k, v, scale=scale, causal=causal, window=window, kv_start=kv_start,
-                                      kv_len=kv_len, backend=backend, checked=True)
-    return block_attention_reference(q, k, v, scale=scale, causal=causal, window=window, kv_start=kv_start,
-                                     kv_len=kv_len)
+    if (
+        backend is not None
+        and unsupported(q, k, v) is None
+        and kernel_verified(
+            q, causal=causal, window=window, kv_start=kv_start, kv_len=kv_len, backend=backend
+        )
+    ):
+        return block_attention_kernel(
+            q,
+            k,
+            v,
+            scale=scale,
+            causal=causal,
+            window=window,
+            kv_start=kv_start,
+            kv_len=kv_len,
+            backend=backend,
+            checked=True,
+        )
+    return block_attention_reference(
+        q, k, v, scale=scale, causal=causal, window=window, kv_start=kv_start, kv_len=kv_len
+    )
 
 
 def kernel_sources(backend: str) -> Tuple[str, ...]:

@@ -40,8 +40,7 @@ import mlx.core as mx
 
 from .... import environment, files
 from ....paths import cache_dir
-from .. import switch
-from .. import device
+from .. import device, switch
 from . import selfcheck
 
 SOURCE = Path(__file__).with_name("cpu.cpp")
@@ -88,6 +87,7 @@ def in_force() -> Optional[str]:
 
 # -- build -----------------------------------------------------------------------------------------
 
+
 def _compiler() -> Optional[str]:
     for name in (environment.get("CXX"), "g++", "c++", "clang++"):
         if name and shutil.which(name):
@@ -99,7 +99,11 @@ def _cpu_signature() -> str:
     """What the binary's -march=native depends on: the CPU's model and flags."""
     try:
         text = Path("/proc/cpuinfo").read_text()
-        lines = [ln for ln in text.splitlines() if ln.split(":")[0].strip() in ("model name", "flags", "Features")]
+        lines = [
+            ln
+            for ln in text.splitlines()
+            if ln.split(":")[0].strip() in ("model name", "flags", "Features")
+        ]
         return "\n".join(sorted(set(lines)))
     except OSError:
         return platform.processor()
@@ -125,8 +129,18 @@ def _target(paths, compiler: str, defines: Sequence[str] = ()) -> Path:
 
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256(
-        "\n".join([SOURCE.read_text(), mx.__version__, paths["nanobind"], sys.version, platform.machine(),
-                   version, _cpu_signature(), *defines]).encode()
+        "\n".join(
+            [
+                SOURCE.read_text(),
+                mx.__version__,
+                paths["nanobind"],
+                sys.version,
+                platform.machine(),
+                version,
+                _cpu_signature(),
+                *defines,
+            ]
+        ).encode()
     ).hexdigest()[:16]
     suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
     return cache_dir() / "kernels" / f"cpu-{key}" / f"{MODULE}{suffix}"
@@ -137,14 +151,37 @@ def _build(paths, compiler: str, target: Path, defines: Sequence[str] = ()) -> N
     if not (paths["python_include"] / "Python.h").exists():
         raise RuntimeError(f"no Python headers in {paths['python_include']} (install python3-dev)")
     target.parent.mkdir(parents=True, exist_ok=True)
-    base = [compiler, "-std=c++20", "-O3", "-ffp-contract=off", "-fPIC", "-shared", "-fvisibility=hidden",
-            "-DNB_DOMAIN=mlx", "-DNDEBUG", *(f"-D{d}" for d in defines)]
-    includes = [f"-I{paths[k]}" for k in ("nb_include", "robin_map", "python_include", "mlx_include")]
-    sources = [str(SOURCE), str(paths["nb_source"]), f"-L{paths['mlx_lib']}", "-lmlx", f"-Wl,-rpath,{paths['mlx_lib']}"]
+    base = [
+        compiler,
+        "-std=c++20",
+        "-O3",
+        "-ffp-contract=off",
+        "-fPIC",
+        "-shared",
+        "-fvisibility=hidden",
+        "-DNB_DOMAIN=mlx",
+        "-DNDEBUG",
+        *(f"-D{d}" for d in defines),
+    ]
+    includes = [
+        f"-I{paths[k]}" for k in ("nb_include", "robin_map", "python_include", "mlx_include")
+    ]
+    sources = [
+        str(SOURCE),
+        str(paths["nb_source"]),
+        f"-L{paths['mlx_lib']}",
+        "-lmlx",
+        f"-Wl,-rpath,{paths['mlx_lib']}",
+    ]
 
     def compile_to(tmp: Path) -> None:
-        for arch in (["-march=native"], []):  # a compiler without -march=native still gets a scalar build
-            done = subprocess.run(base + arch + includes + sources + ["-o", str(tmp)], capture_output=True, text=True)
+        for arch in (
+            ["-march=native"],
+            [],
+        ):  # a compiler without -march=native still gets a scalar build
+            done = subprocess.run(
+                base + arch + includes + sources + ["-o", str(tmp)], capture_output=True, text=True
+            )
             if done.returncode == 0:
                 return
         raise RuntimeError(f"{Path(compiler).name} failed: {done.stderr.strip()[-600:]}")
@@ -161,7 +198,9 @@ def build(defines: Sequence[str] = ()):
     try:
         paths = _paths()
     except ImportError:
-        raise RuntimeError("nanobind is not installed (pip install nanobind; the cpu extra has it)") from None
+        raise RuntimeError(
+            "nanobind is not installed (pip install nanobind; the cpu extra has it)"
+        ) from None
     target = _target(paths, compiler, defines)
     if not target.exists():
         _build(paths, compiler, target, defines)
@@ -196,12 +235,15 @@ def failure() -> Optional[str]:
 
 # -- ops: the extension where the ops are active, built and agree with MLX; else MLX's own -------
 
+
 def _case(shape, scale: float = 8.0) -> mx.array:
     """A seeded check case with special values in it: exp's cut-offs at +-88, signed zeros, tiny values."""
     x = mx.random.normal(shape, key=mx.random.key(selfcheck.SEED)) * scale
-    specials = mx.array([0.0, -0.0, 88.0, 88.5, -88.0, -88.5, 87.9, -87.9, 1e-30, -1e-30, 100.0, -100.0])
+    specials = mx.array(
+        [0.0, -0.0, 88.0, 88.5, -88.0, -88.5, 87.9, -87.9, 1e-30, -1e-30, 100.0, -100.0]
+    )
     flat = x.reshape(-1)
-    flat = mx.concatenate([specials, flat[specials.size:]])
+    flat = mx.concatenate([specials, flat[specials.size :]])
     return flat.reshape(shape)
 
 
@@ -234,12 +276,20 @@ def _run(name: str, *xs: mx.array) -> mx.array:
     op, reference, case = _OPS[name]
     if not active():
         return reference(*xs)
-    verdict = selfcheck.known(name, "cpu", _KEY) if all(x.dtype == mx.float32 for x in xs) else False
+    verdict = (
+        selfcheck.known(name, "cpu", _KEY) if all(x.dtype == mx.float32 for x in xs) else False
+    )
     if verdict is None:
         ext = load()
         args = case()
         verdict = ext is not None and selfcheck.verified(
-            name, "cpu", _KEY, lambda: {"out": op(ext)(*args)}, lambda: {"out": reference(*args)}, 0.0)
+            name,
+            "cpu",
+            _KEY,
+            lambda: {"out": op(ext)(*args)},
+            lambda: {"out": reference(*args)},
+            0.0,
+        )
     if verdict and _module is not None:
         _counts[name] += 1
         return op(_module)(*xs)
@@ -278,7 +328,11 @@ def sdpa(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=None) -> mx.a
             N = k.shape[-2]
             mask = mx.arange(N - L, N)[:, None] >= mx.arange(N)[None]
         elif rep > 1 and mask.ndim >= 3:
-            mask = mask[..., None, :, :] if mask.shape[-3] == 1 else mask.reshape(*mask.shape[:-3], Hk, rep, *mask.shape[-2:])
+            mask = (
+                mask[..., None, :, :]
+                if mask.shape[-3] == 1
+                else mask.reshape(*mask.shape[:-3], Hk, rep, *mask.shape[-2:])
+            )
         if mask.dtype == mx.bool_:
             scores = mx.where(mask, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
         else:
@@ -287,5 +341,20 @@ def sdpa(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=None) -> mx.a
     return out.reshape(B, H, L, -1) if rep > 1 else out
 
 
-__all__ = ["ENV", "MODES", "active", "build", "counters", "default_mode", "failure", "in_force", "load", "logsumexp", "mode",
-           "reference_swiglu", "sdpa", "softmax", "swiglu"]
+__all__ = [
+    "ENV",
+    "MODES",
+    "active",
+    "build",
+    "counters",
+    "default_mode",
+    "failure",
+    "in_force",
+    "load",
+    "logsumexp",
+    "mode",
+    "reference_swiglu",
+    "sdpa",
+    "softmax",
+    "swiglu",
+]

@@ -121,7 +121,10 @@ _SOURCES = {
     for impl, ext in (("metal", "metal"), ("cuda", "cuh"))
     for which in ("recurrence", "replay")
 }
-_INPUTS = {"recurrence": ["q", "k", "v", "g", "beta", "state_in"], "replay": ["tape", "k", "g", "state_in"]}
+_INPUTS = {
+    "recurrence": ["q", "k", "v", "g", "beta", "state_in"],
+    "replay": ["tape", "k", "g", "state_in"],
+}
 _OUTPUTS = {"recurrence": ["y", "state_out", "tape"], "replay": ["state_out"]}
 _built = {}
 
@@ -210,8 +213,19 @@ def _check_case(dtypes, Hk, Hv, Dk, Dv):
 def _recurrence_verified(impl, q, k, v, g, beta, state, record) -> bool:
     _, _, Hk, Dk = k.shape
     _, _, Hv, Dv = v.shape
-    key = (("q", q.dtype), ("k", k.dtype), ("v", v.dtype), ("g", g.dtype), ("beta", beta.dtype),
-           ("state", state.dtype), ("Hk", Hk), ("Hv", Hv), ("Dk", Dk), ("Dv", Dv), ("record", bool(record)))
+    key = (
+        ("q", q.dtype),
+        ("k", k.dtype),
+        ("v", v.dtype),
+        ("g", g.dtype),
+        ("beta", beta.dtype),
+        ("state", state.dtype),
+        ("Hk", Hk),
+        ("Hv", Hv),
+        ("Dk", Dk),
+        ("Dv", Dv),
+        ("record", bool(record)),
+    )
     ok = selfcheck.known("gated_delta recurrence", impl, key)
     if ok is not None:
         return ok
@@ -223,10 +237,15 @@ def _recurrence_verified(impl, q, k, v, g, beta, state, record) -> bool:
 
     # y is rounded to q's dtype from a state rounded to its own dtype every step; state and tape
     # (fp32) carry only the state's roundings
-    tol = {"y": selfcheck.tolerance(q.dtype, state.dtype), "state": selfcheck.tolerance(state.dtype),
-           "tape": selfcheck.tolerance(state.dtype)}
+    tol = {
+        "y": selfcheck.tolerance(q.dtype, state.dtype),
+        "state": selfcheck.tolerance(state.dtype),
+        "tape": selfcheck.tolerance(state.dtype),
+    }
     return selfcheck.verified(
-        "gated_delta recurrence", impl, key,
+        "gated_delta recurrence",
+        impl,
+        key,
         run_kernel=lambda: run(lambda *a: LAUNCHERS[(impl, "recurrence")](impl, *a)),
         run_reference=lambda: run(_reference_recurrence),
         tolerance=tol,
@@ -236,20 +255,32 @@ def _recurrence_verified(impl, q, k, v, g, beta, state, record) -> bool:
 def _replay_verified(impl, tape, k, g, state) -> bool:
     _, _, Hk, Dk = k.shape
     _, _, Hv, Dv = tape.shape
-    key = (("tape", tape.dtype), ("k", k.dtype), ("g", g.dtype), ("state", state.dtype), ("Hk", Hk), ("Hv", Hv),
-           ("Dk", Dk), ("Dv", Dv))
+    key = (
+        ("tape", tape.dtype),
+        ("k", k.dtype),
+        ("g", g.dtype),
+        ("state", state.dtype),
+        ("Hk", Hk),
+        ("Hv", Hv),
+        ("Dk", Dk),
+        ("Dv", Dv),
+    )
     ok = selfcheck.known("gated_delta replay", impl, key)
     if ok is not None:
         return ok
 
-    q_, k_, v_, g_, beta_, s0 = _check_case((k.dtype, k.dtype, k.dtype, g.dtype, k.dtype, state.dtype), Hk, Hv, Dk, Dv)
+    q_, k_, v_, g_, beta_, s0 = _check_case(
+        (k.dtype, k.dtype, k.dtype, g.dtype, k.dtype, state.dtype), Hk, Hv, Dk, Dv
+    )
     tape_ = _reference_recurrence(q_, k_, v_, g_, beta_, s0, True)[2].astype(tape.dtype)
 
     def run(fn):
         return {"state": fn(tape_, k_, g_, s0)}
 
     return selfcheck.verified(
-        "gated_delta replay", impl, key,
+        "gated_delta replay",
+        impl,
+        key,
         run_kernel=lambda: run(lambda *a: LAUNCHERS[(impl, "replay")](impl, *a)),
         run_reference=lambda: run(_reference_replay),
         tolerance=selfcheck.tolerance(state.dtype),
@@ -284,7 +315,9 @@ def recurrence(
     return _reference_recurrence(q, k, v, g, beta, state, record)
 
 
-def replay(tape: mx.array, k: mx.array, g: mx.array, state: mx.array, impl: Optional[str] = None) -> mx.array:
+def replay(
+    tape: mx.array, k: mx.array, g: mx.array, state: mx.array, impl: Optional[str] = None
+) -> mx.array:
     """Rebuild the state after the taped steps: S_t = g_t * S_{t-1} + delta_t k_t^T, from ``state``.
 
     tape: [B, n, Hv, Dv] fp32; k: [B, n, Hk, Dk]; g: [B, n, Hv]; n may be 0. ``impl`` as for

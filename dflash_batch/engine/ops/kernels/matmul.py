@@ -89,7 +89,9 @@ def _kernel():
     return _kernel_object
 
 
-_launches: Dict[tuple, tuple] = {}  # (dtype, rows, N) -> (grid, template): the host's per-call work, once
+_launches: Dict[
+    tuple, tuple
+] = {}  # (dtype, rows, N) -> (grid, template): the host's per-call work, once
 
 
 def matmul_kernel(x: mx.array, w: mx.array) -> mx.array:
@@ -99,10 +101,18 @@ def matmul_kernel(x: mx.array, w: mx.array) -> mx.array:
     launch = _launches.get(key)
     if launch is None:
         blocks = -(-N // (WARPS * COLS))
-        launch = _launches[key] = ((blocks * WARPS * 32, 1, 1),
-                                   [("T", x.dtype), ("ROWS", row_bucket(key[1])), ("WARPS", WARPS), ("COLS", COLS)])
-    return _kernel()(inputs=[x, w], output_shapes=[x.shape[:-1] + (N,)], output_dtypes=[x.dtype], grid=launch[0],
-                     threadgroup=(WARPS * 32, 1, 1), template=launch[1])[0]
+        launch = _launches[key] = (
+            (blocks * WARPS * 32, 1, 1),
+            [("T", x.dtype), ("ROWS", row_bucket(key[1])), ("WARPS", WARPS), ("COLS", COLS)],
+        )
+    return _kernel()(
+        inputs=[x, w],
+        output_shapes=[x.shape[:-1] + (N,)],
+        output_dtypes=[x.dtype],
+        grid=launch[0],
+        threadgroup=(WARPS * 32, 1, 1),
+        template=launch[1],
+    )[0]
 
 
 # The self-check case: 5 rows (bucket 8) over K = 202 (the scalar path: 202 is no multiple of 4)
@@ -119,8 +129,13 @@ def kernel_verified(dtype, backend: str = "cuda") -> bool:
     if ok is not None:
         return ok
     keys = mx.random.split(mx.random.key(selfcheck.SEED), 2 * len(CHECK_KS))
-    cases = [(mx.random.normal((CHECK_ROWS, K), key=keys[2 * i]).astype(dtype),
-              mx.random.normal((CHECK_N, K), key=keys[2 * i + 1]).astype(dtype)) for i, K in enumerate(CHECK_KS)]
+    cases = [
+        (
+            mx.random.normal((CHECK_ROWS, K), key=keys[2 * i]).astype(dtype),
+            mx.random.normal((CHECK_N, K), key=keys[2 * i + 1]).astype(dtype),
+        )
+        for i, K in enumerate(CHECK_KS)
+    ]
 
     def kernel():
         return {f"K{x.shape[1]}": matmul_kernel(x, w) for x, w in cases}
@@ -129,7 +144,9 @@ def kernel_verified(dtype, backend: str = "cuda") -> bool:
         with mx.stream(mx.cpu):  # an fp32 oracle: MLX's fp32 matmuls on CUDA round through TF32
             return {f"K{x.shape[1]}": matmul_reference(x, w) for x, w in cases}
 
-    return selfcheck.verified("few-row matmul", backend, key, kernel, reference, selfcheck.tolerance(dtype))
+    return selfcheck.verified(
+        "few-row matmul", backend, key, kernel, reference, selfcheck.tolerance(dtype)
+    )
 
 
 __all__ = [

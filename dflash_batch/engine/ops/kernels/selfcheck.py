@@ -148,8 +148,10 @@ def _problem(run_kernel, run_reference, tolerance) -> Optional[str]:
         diff = mx.abs(a32 - b32).max().item()
         scale = mx.abs(b32).max().item()
         if not diff <= tol * scale:  # NaN fails here too
-            return (f"max difference {diff:.3g} in {out!r}, above the tolerance {tol:g} x max |reference| "
-                    f"{scale:.3g}")
+            return (
+                f"max difference {diff:.3g} in {out!r}, above the tolerance {tol:g} x max |reference| "
+                f"{scale:.3g}"
+            )
     return None
 
 
@@ -161,4 +163,14 @@ def _describe(key) -> str:
     return ", ".join(f"{label}={_name(value)}" for label, value in key if value is not None)
 
 
-__all__ = ["ENV", "TOLERANCE", "enabled", "known", "reset", "tolerance", "unchecked", "verdicts", "verified"]
+__all__ = [
+    "ENV",
+    "TOLERANCE",
+    "enabled",
+    "known",
+    "reset",
+    "tolerance",
+    "unchecked",
+    "verdicts",
+    "verified",
+]
