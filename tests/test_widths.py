@@ -354,3 +354,36 @@ def test_node_calibration_learns_how_far_the_drafter_is_right():
     for c in policy.nodes.scales()[:8]:
         assert c == pytest.approx(0.3, abs=0.06)
     assert policy.tree_width([(depths, scores)], [200]) < trusting
+
+
+def test_a_shrinking_batch_learns_what_an_untimed_width_costs():
+    """Issue 36, finding 2, replayed: a GPU's warm-up timed widths 1, 8 and 16 at batch 32 and the
+    line put the widths between far below what they cost (a drafting cycle of width 4 or 6 costs
+    about 2.3 plain cycles, drafts a third accepted). Rows finish one by one, so a width never
+    runs TRUSTED cycles at one live-row count, and untimed widths do not feed their kind's excess:
+    costed per live-row count, the width policy drafted the whole job, over twice plain decoding's
+    time. Costed per batch rung (the pass shape the cycles run at) it learns in the first rung.
+    The rows' acceptance is scripted, the costs fixed: no timing."""
+    cost = CostModel(t0=0.85, t1=0.0002, d0=0.3, window=16)
+    cost.rows, cost.timed = 32, {1: 0.9, 8: 1.1, 16: 1.4}
+    real = {1: 1.03, 8: 2.6, 16: 3.0}  # seconds a cycle of each width costs, the others 2.4
+    rng = random.Random(0)
+    policy = WidthPolicy(BLOCK, cost)
+    live = [policy.new_row() for _ in range(32)]
+    spent = plain = 0.0
+    widths = []
+    for c in range(64):
+        if c > 1 and c % 2 == 0 and len(live) > 1:
+            live.pop()  # a row finishes every other cycle
+        T = policy.width(live, [64 - c] * len(live))
+        spent += real.get(T, 2.4)
+        widths.append(T)
+        plain += real[1]
+        cost.observe(len(live), T, real.get(T, 2.4))
+        for row in live:
+            a = 0
+            while a < T - 1 and rng.random() < (0.5, 0.4, 0.3)[min(a, 2)]:
+                a += 1
+            policy.accepted(row, a, T)
+    assert sum(T > 1 for T in widths[32:]) <= 2, widths  # plain once learnt, but for a probe
+    assert spent <= 1.4 * plain  # the first rung's cycles learn what its widths cost

@@ -13,7 +13,8 @@ The requests come as a list or as a stream (engine/waiting.py: pulled as slots f
 small look-ahead encoded ahead). The batch holds ``slots`` rows of device state. A free slot's
 row still rides along in the passes (its length is 0 and nothing is read from it) until a
 waiting request takes it; once no request can come any more, the batch shrinks to its live rows
-whenever a quarter of it is idle. A stream's memory plan (engine/memory.py: ``Plan``) may lower
+whenever a quarter of it is idle, where the rows dropped pay for any new shape's compile
+(engine/widths.py, "What a new shape costs"). A stream's memory plan (engine/memory.py: ``Plan``) may lower
 the rows in flight when a longer request arrives: then no request joins until the batch has
 narrowed to that many rows.
 """
@@ -36,7 +37,7 @@ from .ops import compiled
 from .ops.batch_cache import Lengths, round_up
 from .output import RowOutput
 from .waiting import Waiting
-from .widths import Acceptance, WidthPolicy, bucket
+from .widths import Acceptance, WidthPolicy, batch_rung, bucket
 
 # Pending drafter context (prompts' tapped rows and plain cycles' pieces) is bounded: beyond this
 # many packed prefill passes' worth of rows (``prefill_tokens`` each) it is written into the
@@ -135,6 +136,7 @@ class BatchDecoder:
             1, min(slots, len(requests)) if requests.done and urgent is None else slots
         )
         self.width_policy = width_policy
+        width_policy.new_shape = self._new_shape  # a shape's first pass compiles (engine/widths.py)
         self.rows: List[Optional[Row]] = [None] * self.slots
         self.group = prefill.JoinGroup(self.target, self.drafter, self.prefixes)
         # Device state of the batch: target cache rows, drafter context rows, pending context.
@@ -158,6 +160,7 @@ class BatchDecoder:
         self.context_counts = {"writes": 0, "rows": 0, "seconds": 0.0}
         # Decoding cycles, plain data: per verify width T, [cycles, seconds, rows in flight summed]
         self.decode_counts: Dict[int, List[float]] = {}
+        self.last_width = 1  # the verify width of the last cycle's pass
 
     def _capacity(self, positions: int) -> int:
         """``positions``, or the compiled passes' rung above it where the memory holds that."""
@@ -433,7 +436,7 @@ class BatchDecoder:
         # the pass runs at a bucket width (engine/widths.py: ``buckets``), compiled once: near
         # the end of their budgets the rows' limits would make any width; a row's positions past
         # its L_b are verified and discarded, as a short-budget row's beside a long one's are
-        T = bucket(max(limits), self.width_policy.block)
+        T = self.last_width = bucket(max(limits), self.width_policy.block)
         # reach_b: the deepest draft position row b's pass could accept, plus one (the width policy's
         # "verified": a chain's L_b; a tree's deepest node + 1, so that depths it never held do
         # not count as rejected)
@@ -456,6 +459,9 @@ class BatchDecoder:
         seconds = time.perf_counter() - started
         if shapes in self.engine.shapes_seen:
             self.width_policy.cost.observe(live, T, seconds)
+        elif self._new_shape(T):  # what compiling it cost (engine/widths.py: ``CompileCost``)
+            self.width_policy.compile.observe(seconds - self.width_policy.cost.cycle(live, T))
+        self.engine.passes_run.add((B, T))
         counts = self.decode_counts.setdefault(T, [0, 0.0, 0])
         counts[0] += 1
         counts[1] += seconds
@@ -475,6 +481,14 @@ class BatchDecoder:
             step = Step(committed[b], a, limits[b] - 1, True, logprobs)
             steps[b] = self._commit(r, committed[b]) or step
         return steps
+
+    def _new_shape(self, T: int, rows: int = 0) -> bool:
+        """Whether a pass of width T at ``rows`` (the batch's) would be the process's first of
+        that shape: neither run nor timed at warm-up."""
+        rows = rows or self.slots
+        cost = self.width_policy.cost
+        timed = rows == cost.rows and T in cost.timed
+        return (rows, T) not in self.engine.passes_run and not timed
 
     def _plain_cycle(self, live: int, seconds: float) -> Optional[float]:
         """What a plain cycle over ``live`` rows costs, for what speculation saved: without a
@@ -789,16 +803,29 @@ class BatchDecoder:
         """With nothing left to come, drop idle rows from the batch once its live rows fit a
         smaller batch size of the ladder (``batch_rung``), keeping idle rows up to that size: a
         job's tail then runs a handful of batch shapes, each compiled and costed once per
-        machine, not one shape per row that finishes. Interactive requests may come at any time
-        (``urgent``): their slots are kept."""
+        machine, not one shape per row that finishes; and only where the rows dropped save more
+        than a rung not yet run costs to compile (``_shrink_pays``). Interactive requests may come
+        at any time (``urgent``): their slots are kept."""
         if self.waiting or self.group.joiners or self.urgent is not None:
             return
         live = [b for b, r in enumerate(self.rows) if r is not None]
         rung = batch_rung(len(live))
-        if not live or rung >= self.slots:
+        if not live or rung >= self.slots or not self._shrink_pays(rung, live):
             return
         idle = [b for b, r in enumerate(self.rows) if r is None]
         self._keep(sorted(live + idle[: rung - len(live)]))
+
+    def _shrink_pays(self, rung: int, live: List[int]) -> bool:
+        """Whether dropping to ``rung`` rows saves more than a new shape's compile (engine/widths.py,
+        "What a new shape costs"): target(slots, T) - target(rung, T) a cycle at the width last
+        run, for about the live rows' mean budget in cycles. Where nothing compiles (K = 0) or
+        that shape has run, it always does."""
+        compile, T = self.width_policy.compile.estimate(), self.last_width
+        if not compile or not self._new_shape(T, rung):
+            return True
+        cost = self.width_policy.cost
+        cycles = sum(self.rows[b].cycle_budget for b in live) / len(live)
+        return (cost.target(self.slots, T) - cost.target(rung, T)) * cycles >= compile
 
     def narrow(self, rows: int) -> bool:
         """Cut the batch to ``rows`` slots (its live rows and idle ones) once no more than that
@@ -824,16 +851,6 @@ class BatchDecoder:
         self.pending = [(rows[index], [counts[b] for b in keep]) for rows, counts in self.pending]
         self.prompts = {i: self.prompts[b] for i, b in enumerate(keep) if b in self.prompts}
         self.slots = len(keep)
-
-
-def batch_rung(rows: int) -> int:
-    """The batch size a batch of ``rows`` live rows shrinks to: the smallest of 1, 2, 3, 4, 6, 8,
-    12, 16, 24, ... (powers of two and one and a half times them) that holds them."""
-    power = 1
-    while power < rows:
-        power *= 2
-    between = 3 * power // 4  # one and a half times the power of two below
-    return between if power >= 4 and between >= rows else power
 
 
 def _packs(items: List[int], size: Callable[[int], int], tokens: int) -> Iterator[List[int]]:

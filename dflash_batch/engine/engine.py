@@ -29,10 +29,18 @@ from .batch import BatchDecoder, EncodedRequest
 from .config import EngineConfig
 from .models import loading, registry
 from .models.target import Target
-from .ops import activations, attention, device, matmul, switch
+from .ops import activations, attention, compiled, device, matmul, switch
 from .ops.kernels import cpu
 from .waiting import Waiting
-from .widths import CostModel, NodeCalibration, PlainProbes, WidthPolicy, pooled_acceptance
+from .widths import (
+    COMPILE_PRIOR,
+    CompileCost,
+    CostModel,
+    NodeCalibration,
+    PlainProbes,
+    WidthPolicy,
+    pooled_acceptance,
+)
 
 Prompt = Union[str, List[Dict[str, Any]], List[int]]
 NO_LENGTH_LIMIT = int(1e30)  # what transformers itself sets for a tokenizer without a limit
@@ -108,7 +116,12 @@ class Engine:
         )  # draft trees' nodes, likewise
         self.plain_probes = PlainProbes()  # and what the plain probes spent
         self.shapes_seen: set = set()  # (rows, width, key bucket) of the cycles run so far
+        self.passes_run: set = set()  # and their (rows, width)
         with switch.use(settings.routes()):
+            # what a pass shape's first cycle costs (engine/widths.py): compiling, on a GPU; on the
+            # CPU nothing unless its passes are traced (engine/ops/compiled.py)
+            on_gpu, traced = device.gpu() is not None, compiled.mode() == "compiled"
+            self.compile_cost = CompileCost(COMPILE_PRIOR) if on_gpu else CompileCost(learns=traced)
             cpu_ops = cpu.in_force()
         self.description = dict(
             description or {},
@@ -644,6 +657,7 @@ class Engine:
             job=self.acceptance,
             nodes=self.node_calibration,
             plain=self.plain_probes,
+            compile=self.compile_cost,
         )
 
     def _measured_cost(

@@ -75,6 +75,24 @@ plain probes lose at most probe_share of the drafting cycles' cost (5%), and ove
 little more than 1/8 of that (tests/test_plain_probes.py counts them). A cost model that learns
 nothing from cycles (``window`` 0) is not probed.
 
+What a new shape costs. A pass of a shape (rows, width) the process has not run compiles on a
+GPU, at many times a cycle's cost; on the CPU an eager pass compiles nothing. The decoder keeps
+such cycles out of what the cost model learns and records their excess over the modelled
+cycle instead (``CompileCost``: K, the mean of the recorded excesses and, on a GPU only, a
+prior worth one of them). A width whose pass at the batch's rows has not run (nor been timed at
+warm-up) is charged K once, spread over the cycles the job has left at it: with S = sum_b
+budget_b still allowed and E(T) committed a cycle, about S / E(T) cycles, so it is weighed at
+
+    E(T) / (cost(B, T) + K * min(1, E(T) / S))
+
+S / E(T) overstates the cycles left where rows end early (EOS) or the batch shrinks, and the
+compiled pass serves the process's later jobs too: the two errors pull opposite ways, and a
+simpler rule has no better claim. Where K is 0 (a CPU's eager passes) the choice is the one
+above. The batch's tail shrink is weighed likewise (engine/batch.py: ``BatchDecoder.shrink``):
+dropping to a rung of R rows from S_rows saves target(S_rows, T) - target(R, T) a cycle at the
+width last run, for about the live rows' mean budget in cycles, and goes ahead only where that
+covers K for a (R, T) not yet run (a launch-bound model on a GPU saves next to nothing).
+
 A plain cycle with a drafter attached must cost what it costs without one. The widths are not
 weighed again while a plain choice stands and nothing is learnt (no row joins or leaves, no
 cycle verifies a draft), for up to REPLAN cycles (what cycles cost beyond their passes drifts):
@@ -95,7 +113,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 NEUTRAL_P = 0.5  # a draft position's acceptance before anything is known of it
 
@@ -195,6 +213,31 @@ class PlainProbes:
     failed: int = 0  # plain probes since the width policy last chose a plain cycle itself
 
 
+@dataclass
+class CompileCost:
+    """K: what a pass shape's first cycle in a process costs beyond the modelled cycle (module
+    doc), the mean of the last ``window`` such excesses recorded and the prior, worth one of
+    them. The engine keeps one from job to job: a GPU's starts from COMPILE_PRIOR, a CPU's from 0
+    and, where its passes run eagerly (nothing compiles), learns nothing (``learns``)."""
+
+    prior: float = 0.0
+    learns: bool = True
+    window: int = 16
+    seen: List[float] = field(default_factory=list)
+
+    def observe(self, excess: float) -> None:
+        if self.learns:
+            self.seen.append(max(excess, 0.0))
+            del self.seen[: -self.window]
+
+    def estimate(self) -> float:
+        if not self.prior:
+            return _mean(self.seen)
+        return (self.prior + sum(self.seen)) / (1 + len(self.seen))
+
+
+# seconds: a GPU pass shape's first cycle beyond its cost (docs/results/new-shapes-2026-11-28.md)
+COMPILE_PRIOR = 0.05
 WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 TRUSTED = 3  # cycles of a kind before its learnt overhead is used
 PROBE_WIDTH = 4  # rows a probe verifies: a drafter of unknown worth is tried at this width
@@ -214,15 +257,30 @@ def bucket(width: int, block: int) -> int:
     return next((w for w in buckets(block) if w >= width), width)
 
 
+def batch_rung(rows: int) -> int:
+    """The batch size a batch of ``rows`` live rows shrinks to: the smallest of 1, 2, 3, 4, 6, 8,
+    12, 16, 24, ... (powers of two and one and a half times them) that holds them."""
+    power = 1
+    while power < rows:
+        power *= 2
+    between = 3 * power // 4  # one and a half times the power of two below
+    return between if power >= 4 and between >= rows else power
+
+
 @dataclass
 class CostModel:
     """Seconds per cycle: target(B, T) = t0 + t1 * B * T + t2 * B, draft(B) = d0 + d1 * B
     (measured at warm-up), plus what a cycle costs beyond its passes (host work, scatter, sync),
     learnt from the cycles the engine times: the median excess of the last ``window`` cycles of
     each kind (plain, drafting), so that a cycle slowed by a one-off compilation does not steer
-    the rest; and, once a width has run TRUSTED cycles at a batch size, the median excess of
-    that width's own. Widths read between timed ones can be far off: on a 2-core CPU (OpenBLAS)
-    the default pair's pass at T = 12 cost more than at T = 16, where the line through the timed
+    the rest; and, once a width has run TRUSTED cycles at a batch size's rung (``batch_rung``:
+    the batch size the batch shrinks to, so the pass shape its cycles ran at), the median excess
+    of that width's own. The rung, not the live rows: rows finish one by one, and a shrinking
+    batch rarely runs TRUSTED cycles at one live-row count, so a width costed per count kept the
+    price the line gave it for a whole job (the default pair on a GPU at batch 32 drafted most of
+    a job at a width dearer per token than plain decoding: tests/test_widths.py replays it).
+    Widths read between timed ones can be far off: on a 2-core CPU (OpenBLAS) the default pair's
+    pass at T = 12 cost more than at T = 16, where the line through the timed
     T = 4 and 16 put it below, so the width policy kept choosing 12. A width that costs more than
     modelled is chosen, runs and is then costed as it ran. Its cycles do not count in its kind's
     excess (where widths have been timed, only theirs do): that would make the widths not yet
@@ -236,9 +294,8 @@ class CostModel:
     t2: float = 0.0
     window: int = 16  # cycles per kind in the running median (0: the passes alone)
     excess: Dict[bool, List[float]] = field(default_factory=lambda: {False: [], True: []})
-    width_excess: Dict[Tuple[int, int], List[float]] = field(
-        default_factory=dict
-    )  # (B, T) -> the last cycles' excess
+    # (batch_rung(B), T) -> the last cycles' excess
+    width_excess: Dict[Tuple[int, int], List[float]] = field(default_factory=dict)
     context: Optional[int] = None  # tokens per row the passes were timed at (None: any)
     route: Optional[str] = (
         None  # the ragged attention route chosen with them (engine/ops/attention.py)
@@ -273,7 +330,7 @@ class CostModel:
         return _median(seen)
 
     def cycle(self, B: int, T: int) -> float:
-        own = self.width_excess.get((B, T), ())
+        own = self.width_excess.get((batch_rung(B), T), ())
         excess = _median(own) if len(own) >= TRUSTED else self.overhead(T > 1)
         return max(self.passes(B, T) + excess, 1e-9)
 
@@ -281,7 +338,7 @@ class CostModel:
         if self.window:
             excess = seconds - self.passes(B, T)
             kinds = [self.excess[T > 1]] if T in self.timed or not self.timed else []
-            for seen in kinds + [self.width_excess.setdefault((B, T), [])]:
+            for seen in kinds + [self.width_excess.setdefault((batch_rung(B), T), [])]:
                 seen.append(excess)
                 del seen[: -self.window]
 
@@ -296,6 +353,10 @@ class CostModel:
             _fit([((1.0, B), s) for B, s in draft_times.items()]) if draft_times else (0.0, 0.0)
         )
         return cls(t0=max(t0, 1e-9), t1=t1, d0=d0, d1=d1, t2=t2)
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
 
 
 def _median(values: Sequence[float]) -> float:
@@ -377,8 +438,12 @@ class WidthPolicy:
         job: Optional[Acceptance] = None,
         nodes: Optional[NodeCalibration] = None,
         plain: Optional[PlainProbes] = None,
+        compile: Optional[CompileCost] = None,
     ):
         self.block, self.cost, self.fixed = block, cost, fixed
+        self.compile = compile if compile is not None else CompileCost(learns=False)  # the engine's
+        # whether a pass of width T at the batch's rows would be the process's first (the decoder's)
+        self.new_shape: Callable[[int], bool] = lambda T: False
         self.probe_share, self.probe_width = probe_share, min(probe_width, block)
         self.backoff = backoff  # the most a run of failed probes divides the probe share by
         self.failed = 0  # probes since the width policy last chose to draft on its own
@@ -457,9 +522,12 @@ class WidthPolicy:
         B = len(budgets)
         widths = self.widths(longest)
         committed = _committed(estimates, budgets, self.job.probabilities(), widths)
+        compile, allowed = self.compile.estimate(), sum(budgets)
         best, best_tokens, best_rate = 1, float(B), -1.0
         for T, tokens in zip(widths, committed):
-            rate = tokens / self.cost.cycle(B, T)
+            # a shape not yet run: K over the about allowed / tokens cycles left at it (module doc)
+            first = compile * min(1.0, tokens / allowed) if compile and self.new_shape(T) else 0.0
+            rate = tokens / (self.cost.cycle(B, T) + first)
             if rate > best_rate * (1 + 1e-9):
                 best, best_tokens, best_rate = T, tokens, rate
         return best, best_tokens
