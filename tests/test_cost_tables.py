@@ -141,3 +141,23 @@ def test_prepare_warms_up_once_and_says_where_the_costs_came_from(tiny_pair, qwe
     assert (
         load_engine(str(qwen3_target), None).prepare(4) is None
     )  # nothing to warm up without a drafter
+
+
+def test_the_key_names_the_hardware_not_the_moment(monkeypatch):
+    """CUDA's device_info carries the device's free memory, which every other process changes,
+    and the card's UUID and bus: a machine's second process must find the first one's table, and
+    another card of the same model serves as well; another model of card does not."""
+    card = {
+        "device_name": "NVIDIA H100 80GB HBM3",
+        "architecture": "sm_90",
+        "memory_size": 85 << 30,
+    }
+
+    def on(**extra):
+        monkeypatch.setattr(cost_tables.mx, "device_info", lambda: {**card, **extra})
+        return cost_tables.machine()
+
+    first = on(free_memory=80 << 30, uuid="GPU-1", pci_bus_id="0000:18:00.0")
+    assert on(free_memory=61 << 30, uuid="GPU-2", pci_bus_id="0000:2a:00.0") == first
+    card["device_name"] = "NVIDIA H200"
+    assert on(free_memory=80 << 30) != first
