@@ -143,9 +143,8 @@ def draft_block(
     only the LM head is cut to the rows verified.
     """
     h = _drafted_hidden(drafter, target, last, context, counts, cache, rows)
-    if (
-        drafter.selects
-    ):  # DFlash 2: one path through each position's top candidates (engine/models/dflash2.py)
+    # DFlash 2: one path through each position's top candidates (engine/models/dflash2.py)
+    if drafter.selects:
         logits = target.lm_head(h)
         ids = drafter.propose(h, logits, last).astype(last.dtype)
         return (ids, logits) if with_logits else ids
