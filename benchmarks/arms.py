@@ -11,6 +11,7 @@ tokenizer has no EOS). Figures are timed the same way for every arm:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import json
 import statistics
@@ -77,20 +78,13 @@ def build_setup(name: str, dtype: mx.Dtype, with_ar_draft: bool = True) -> Setup
     )
 
 
-def engine_setup(setup: Setup) -> Setup:
-    """The same shape with a second copy of the target (same seed, same weights) for the engine,
-    which wraps layers of the model it is given; the drafter is shared."""
-    model = build_target(setup.shape.target, setup.dtype, seed=0)
-    return Setup(
-        setup.shape,
-        model,
-        setup.tokenizer,
-        setup.drafter,
-        None,
-        setup.dtype,
-        setup.target_bytes,
-        setup.drafter_bytes,
-    )
+def engine_setup(setup: Setup, model: Optional[nn.Module] = None) -> Setup:
+    """The same shape with a second copy of the target (same seed, same weights; ``model``: one
+    built otherwise, such as quantized) for the engine, which wraps layers of the model it is
+    given; the drafter is shared."""
+    if model is None:
+        model = build_target(setup.shape.target, setup.dtype, seed=0)
+    return dataclasses.replace(setup, model=model, ar_draft=None)
 
 
 class zeroed_final_norm:

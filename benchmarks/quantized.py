@@ -126,17 +126,7 @@ def build_setup(shape: Shape, dtype: mx.Dtype, quant: dict) -> arms.Setup:
 
 def engine_copy(setup: arms.Setup, quant: dict) -> arms.Setup:
     """The same weights again (same seed) for the engine, which wraps its model's layers."""
-    model = build_quantized(setup.shape.target, setup.dtype, quant)
-    return arms.Setup(
-        setup.shape,
-        model,
-        setup.tokenizer,
-        setup.drafter,
-        None,
-        setup.dtype,
-        setup.target_bytes,
-        setup.drafter_bytes,
-    )
+    return arms.engine_setup(setup, build_quantized(setup.shape.target, setup.dtype, quant))
 
 
 # -- divergence -----------------------------------------------------------------------------------
