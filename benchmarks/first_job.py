@@ -10,7 +10,9 @@ Three fresh processes, one after the other, share a model cache folder that star
 kernels live there): the first is a machine that has never run this model, the next two one that
 has. Each process builds the engine, runs the job twice and reports both wall times and what the
 warm-up did (``Engine.prepare``: timed passes or read them). The engine without a drafter runs the
-same job in the first process, for scale. Goals: warm-up <= 20 s on a fresh machine, <= 5 s after.
+same job in the first process, for scale, and first of all alone in a process of its own on a cache
+of its own that starts empty (``plain_fresh``): what any engine's first job pays on a fresh machine
+(MLX compiling its own kernels). Goals: warm-up <= 20 s on a fresh machine, <= 5 s after.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 SMOKE = dict(model="qwen3-tiny", batch=2, prompts=2, context=16, max_tokens=8)
@@ -44,16 +46,22 @@ def child(args) -> Dict[str, Any]:
 
     started = time.perf_counter()
     if args.model == "default-pair":
-        drafting = load_engine(prefix_cache_mb=0)
-        plain = load_engine(draft=None, prefix_cache_mb=0) if args.plain else None
+        drafting = None if args.plain_only else load_engine(prefix_cache_mb=0)
+        plain = (
+            load_engine(draft=None, prefix_cache_mb=0) if args.plain or args.plain_only else None
+        )
         prompts = never_loses.chat_prompts(args.prompts)
     else:
         setup = arms.build_setup(
             args.model, mx.bfloat16 if args.dtype == "bfloat16" else mx.float32, with_ar_draft=False
         )
         config = arms.text_config(setup.shape.target)
-        drafting = Engine(
-            setup.model, setup.tokenizer, setup.drafter, config=config, prefix_cache_mb=0
+        drafting = (
+            None
+            if args.plain_only
+            else Engine(
+                setup.model, setup.tokenizer, setup.drafter, config=config, prefix_cache_mb=0
+            )
         )
         plain = (
             Engine(
@@ -63,7 +71,7 @@ def child(args) -> Dict[str, Any]:
                 config=config,
                 prefix_cache_mb=0,
             )
-            if args.plain
+            if args.plain or args.plain_only
             else None
         )
         prompts = batched.job_prompts(args.prompts, args.context, setup.vocab_size)
@@ -77,7 +85,8 @@ def child(args) -> Dict[str, Any]:
             engine.generate_batch(prompts, max_tokens=args.max_tokens, batch_size=args.batch)
             walls.append(time.perf_counter() - t)
         out[name] = {"first_s": walls[0], "again_s": walls[1], "warm_up_s": walls[0] - walls[1]}
-    out["measured_passes"] = drafting.measured_passes  # 0: every cost table was read from the cache
+    if drafting is not None:  # 0: every cost table was read from the cache
+        out["measured_passes"] = drafting.measured_passes
     return out
 
 
@@ -103,6 +112,7 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true", help="a tiny shape, to check the script runs")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--plain", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--plain-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.smoke:
         for key, value in SMOKE.items():
@@ -125,23 +135,20 @@ def main(argv=None) -> int:
         str(args.max_tokens),
     ]
     runs = []
+    with tempfile.TemporaryDirectory(prefix="first-job-plain-") as cache:
+        plain_fresh = _process(flags + ["--plain-only"], dict(os.environ, DFLASH_BATCH_CACHE=cache))
+    if plain_fresh is None:
+        return 1
+    p = plain_fresh["plain"]
+    print(f"plain alone, fresh cache: first job {p['first_s']:.2f} s, again {p['again_s']:.2f} s")
     with tempfile.TemporaryDirectory(prefix="first-job-cache-") as cache:
-        env = dict(
-            os.environ, DFLASH_BATCH_CACHE=cache
-        )  # converting a model lands in load_s, not the job
+        # converting a model lands in load_s, not the job
+        env = dict(os.environ, DFLASH_BATCH_CACHE=cache)
         for i in range(args.processes):
-            extra = ["--plain"] if i == 0 else []
-            done = subprocess.run(
-                [sys.executable, "-m", "benchmarks.first_job", "--child", *flags, *extra],
-                cwd=ROOT,
-                env=env,
-                capture_output=True,
-                text=True,
-            )
-            if done.returncode != 0:
-                sys.stderr.write(done.stderr[-4000:])
-                return done.returncode
-            runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+            done = _process(flags + (["--plain"] if i == 0 else []), env)
+            if done is None:
+                return 1
+            runs.append(done)
             d = runs[-1]["drafter"]
             print(
                 f"process {i + 1}: first job {d['first_s']:.2f} s, again {d['again_s']:.2f} s, "
@@ -153,7 +160,10 @@ def main(argv=None) -> int:
         "machine": args.machine,
         "command": "python -m benchmarks.first_job "
         + " ".join(argv if argv is not None else sys.argv[1:]),
-        "options": {k: v for k, v in vars(args).items() if k not in ("child", "plain", "out")},
+        "options": {
+            k: v for k, v in vars(args).items() if k not in ("child", "plain", "plain_only", "out")
+        },
+        "plain_fresh": plain_fresh,
         "processes": runs,
     }
     if args.out is not None:
@@ -164,6 +174,21 @@ def main(argv=None) -> int:
         path.write_text(json.dumps(doc, indent=1) + "\n")
         print(path)
     return 0
+
+
+def _process(flags, env) -> Optional[Dict[str, Any]]:
+    """One child process's figures, None (its error written out) if it failed."""
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.first_job", "--child", *flags],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0:
+        sys.stderr.write(done.stderr[-4000:])
+        return None
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 if __name__ == "__main__":
