@@ -474,3 +474,26 @@ def test_cpu_ops_benchmark_times_both_arms_of_every_measure(qwen3_target, tmp_pa
         result["prefill"]["tokens"] == 48
         and min(result["prefill"][k] for k in ("native_s", "mlx_s", "mlx_lm_s")) > 0
     )
+
+
+def test_warm_up_breakdown_records_each_step_and_puts_the_engine_back(tmp_path, monkeypatch):
+    from benchmarks import warm_up_breakdown
+
+    from dflash_batch.engine import batch, warmup
+
+    monkeypatch.setenv("DFLASH_BATCH_CACHE", str(tmp_path / "cache"))
+    run, run_once = batch.BatchDecoder.run, warmup._run_once
+    out = tmp_path / "breakdown.json"
+    assert warm_up_breakdown.main(["--smoke", "--out", str(out)]) == 0
+    figures = json.loads(out.read_text())
+    assert figures["prepare"]["read"] is False and figures["prepare_passes"]
+    # passes timed at batch 1 and at the job's batch size (engine/warmup.py)
+    labels = {label for label, _ in figures["prepare_passes"]}
+    assert {"t B2 T1", "d B2"} <= labels and all(
+        label[:4] in ("t B1", "t B2", "d B1", "d B2") for label in labels
+    )
+    assert len(figures["jobs"]) == 2
+    for job in figures["jobs"]:
+        cycles = {k: v for k, v in job["steps"].items() if k.startswith("cycle B2 T")}
+        assert cycles and all(count >= 1 and total > 0 for count, total, _ in cycles.values())
+    assert batch.BatchDecoder.run is run and warmup._run_once is run_once
