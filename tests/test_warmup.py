@@ -285,3 +285,30 @@ def test_a_gpu_warm_up_times_bucket_widths_only(engine, monkeypatch, block, line
     warmup.measure_costs(engine, 4, 128)
     assert asked <= set(buckets(block)) and block in asked
     assert asked == set(buckets(block)) or (line and len(asked) == 3)
+
+
+@pytest.mark.parametrize(
+    "mode,batch_size,sizes",
+    [("compiled", 16, {9, 16}), ("compiled", 8, {1, 8}), ("eager", 16, {1, 16})],
+)
+def test_a_gpu_job_wider_than_compiled_passes_times_no_compiled_batch(
+    engine, monkeypatch, mode, batch_size, sizes
+):
+    """On a GPU whose passes compile at compiled.MAX_ROWS rows or fewer, a wider job's passes are
+    timed at the narrowest eager batch size, not at batch 1: tracing a one-row pass was most of a
+    fresh machine's warm-up, for a pass shape such a job does not run."""
+    from dflash_batch.engine.ops import compiled
+
+    monkeypatch.setattr(warmup, "_quick", lambda: False)
+    monkeypatch.setattr(compiled, "mode", lambda: mode)
+    asked = set()
+
+    def target(B, T):
+        asked.add(B)
+        return 0.001 * (1 + B * T)
+
+    fake_passes(monkeypatch, target)
+    cost = warmup.measure_costs(engine, batch_size, 128)
+    assert asked == sizes
+    assert cost.target(batch_size, 4) == pytest.approx(0.001 * (1 + batch_size * 4))
+    assert cost.target(1, 4) == pytest.approx(0.001 * 5, rel=0.05)  # the line reaches batch 1

@@ -1,10 +1,11 @@
 """Warm-up: compile the passes a job runs and time them, for the width policy's cost model.
 
-Passes are timed where the job will run them: at batch 1 and at the job's batch size, with the
-rows holding about the job's typical context (prompt and half its budget), of slightly different
-lengths as in a job. The cache is allocated for that context without a prefill: what the keys
-hold does not change what a pass costs. Timed on a GPU (each once to compile, then the fastest
-of three: other work on the machine only ever adds time):
+Passes are timed where the job will run them: at batch 1 (on a GPU, for a job wider than the
+rows whose passes compile, at the narrowest eager batch instead: ``_batch_sizes``) and at the
+job's batch size, with the rows holding about the job's typical context (prompt and half its
+budget), of slightly different lengths as in a job. The cache is allocated for that context
+without a prefill: what the keys hold does not change what a pass costs. Timed on a GPU (each
+once to compile, then the fastest of three: other work on the machine only ever adds time):
 
     target(B, T)   verify passes of 1, block / 2 (a bucket: up) and block rows at the job's batch size (of 1
                    and block at batch 1 for a wider job); where the middle one is off the line
@@ -106,7 +107,7 @@ def _time_widths(
 ) -> None:
     """Time target passes at the widths chosen among, and drafter passes, at batch 1 and the job's."""
     quick = _quick()
-    for i, B in enumerate(sorted({1, batch_size}, reverse=quick)):
+    for i, B in enumerate(sorted(_batch_sizes(batch_size, quick), reverse=quick)):
         passes = _Passes(engine, B, n)
         if quick and i == 0:
             passes.prime()
@@ -130,6 +131,17 @@ def _time_widths(
         if engine.drafter is not None and B not in drafts:
             drafts[B] = passes.draft()
         del passes
+
+
+def _batch_sizes(batch_size: int, quick: bool) -> set:
+    """The batch sizes passes are timed at: 1 and the job's. Where passes compile at
+    ``compiled.MAX_ROWS`` rows or fewer (a GPU's: engine/ops/compiled.py), a wider job's second size is the narrowest that
+    runs eagerly instead of 1: tracing a pass of so few rows is most of a fresh machine's warm-up
+    (docs/results/warm-up-breakdown.md), and such a job runs none unless its tail shrinks there,
+    where its cycles teach the cost model what they cost (engine/widths.py)."""
+    if quick or compiled.mode() != "compiled" or batch_size <= compiled.MAX_ROWS:
+        return {1, batch_size}
+    return {compiled.MAX_ROWS + 1, batch_size}
 
 
 def _quick() -> bool:
