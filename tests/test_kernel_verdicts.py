@@ -56,6 +56,7 @@ def kept_files():
 def test_a_pass_is_kept_and_a_new_process_trusts_it():
     verdict, kernel, reference, _ = check()
     assert verdict and kernel.calls == reference.calls == 1
+    assert selfcheck.counters() == {"checked": 1, "kept": 0}
     (path,) = kept_files()
     kept = json.loads(path.read_text())
     assert kept["passed"] is True
@@ -77,6 +78,7 @@ def test_a_pass_is_kept_and_a_new_process_trusts_it():
     verdict, kernel, reference, _ = check()
     assert verdict and kernel.calls == reference.calls == 0
     assert selfcheck.verdicts() == {("block attention", "cuda") + KEY: True}
+    assert selfcheck.counters() == {"checked": 0, "kept": 1}
     # another check key of the same kernel was never checked: it is checked
     verdict, kernel, _, _ = check(key=(("dtype", mx.float16),) + KEY[1:])
     assert verdict and kernel.calls == 1 and len(kept_files()) == 2

@@ -82,6 +82,7 @@ _verdicts: Dict[tuple, bool] = {}
 _read: Set[tuple] = set()  # the keys whose kept verdict was looked for
 _machine: Optional[Dict[str, Any]] = None  # sources, compilers and device: once per process
 _unwritable = False  # warned that the folder cannot be written
+_counts = {"checked": 0, "kept": 0}  # checks run; passes read from disk instead
 _skip = 0
 
 
@@ -117,6 +118,12 @@ def reset() -> None:
     _verdicts.clear()
     _read.clear()
     _machine, _unwritable = None, False
+    _counts.update(checked=0, kept=0)
+
+
+def counters() -> Dict[str, int]:
+    """This process's checks: "checked" (run), "kept" (a kept pass trusted instead)."""
+    return dict(_counts)
 
 
 def known(name: str, backend: str, key: Tuple[Tuple[str, object], ...]) -> Optional[bool]:
@@ -132,6 +139,7 @@ def known(name: str, backend: str, key: Tuple[Tuple[str, object], ...]) -> Optio
             _read.add(full)
             if backend in KEPT_BACKENDS and _kept(stored_key(name, backend, key)):
                 _verdicts[full] = verdict = True
+                _counts["kept"] += 1
     return verdict
 
 
@@ -154,6 +162,7 @@ def verified(
     if verdict is not None:
         return verdict
     problem = _problem(run_kernel, run_reference, tolerance)
+    _counts["checked"] += 1
     full = (name, backend) + key
     _verdicts[full] = problem is None
     if problem is None and backend in KEPT_BACKENDS:
@@ -305,6 +314,7 @@ __all__ = [
     "KEPT_BACKENDS",
     "TOLERANCE",
     "compilers",
+    "counters",
     "enabled",
     "known",
     "machine",
