@@ -1,5 +1,5 @@
 """Kernels check themselves against the pure-MLX reference before first use: once per process,
-and a GPU kernel that passed once per machine.
+and once per machine for a GPU kernel that passes.
 
 No machine this project uses has Apple silicon: its Metal kernels (block attention, the
 GatedDeltaNet recurrence and replay) have never been compiled or run, and its CUDA kernels were
