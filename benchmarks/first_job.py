@@ -6,9 +6,10 @@ machine"): the first job's wall time less the same job's again in the same proce
     python -m benchmarks.first_job --smoke
 
 Three fresh processes, one after the other, share a model cache folder that starts empty
-(``DFLASH_BATCH_CACHE``: the measured pass costs, engine/cost_tables.py, and MLX's compiled CUDA
-kernels live there): the first is a machine that has never run this model, the next two one that
-has. Each process builds the engine, runs the job twice and reports both wall times and what the
+(``DFLASH_BATCH_CACHE``: the measured pass costs, engine/cost_tables.py, MLX's compiled CUDA
+kernels and the custom kernels' passed self-checks, engine/ops/kernels/selfcheck.py, live
+there): the first is a machine that has never run this model, the next two one that has. Each
+process builds the engine, runs the job twice and reports both wall times and what the
 warm-up did (``Engine.prepare``: timed passes or read them). The engine without a drafter runs the
 same job in the first process, for scale, and first of all alone in a process of its own on a cache
 of its own that starts empty (``plain_fresh``): what any engine's first job pays on a fresh machine
@@ -39,6 +40,7 @@ def child(args) -> Dict[str, Any]:
         Engine,
         load_engine,
     )  # first: the BLAS preload before mlx on Linux CPU
+    from dflash_batch.engine.ops.kernels import selfcheck
 
     import mlx.core as mx
 
@@ -87,6 +89,8 @@ def child(args) -> Dict[str, Any]:
         out[name] = {"first_s": walls[0], "again_s": walls[1], "warm_up_s": walls[0] - walls[1]}
     if drafting is not None:  # 0: every cost table was read from the cache
         out["measured_passes"] = drafting.measured_passes
+    # kernel self-checks run in this process, and passes an earlier one kept (trusted instead)
+    out["kernel_checks"] = selfcheck.counters()
     return out
 
 
@@ -152,7 +156,9 @@ def main(argv=None) -> int:
             d = runs[-1]["drafter"]
             print(
                 f"process {i + 1}: first job {d['first_s']:.2f} s, again {d['again_s']:.2f} s, "
-                f"warm-up {d['warm_up_s']:.2f} s, passes timed {runs[-1]['measured_passes']}",
+                f"warm-up {d['warm_up_s']:.2f} s, passes timed {runs[-1]['measured_passes']}, "
+                f"kernel checks run {runs[-1]['kernel_checks']['checked']} "
+                f"(kept passes trusted {runs[-1]['kernel_checks']['kept']})",
                 flush=True,
             )
     doc = {

@@ -206,7 +206,7 @@ _TABLE = (
         "engine",
         "all backends",
         "1",
-        "0 skips the kernels' self-check (the GPU kernels, the native CPU ops)",
+        "0 skips the kernels' self-check (the GPU kernels, the native CPU ops); a GPU kernel's pass is kept in the model cache",
         _one_of("0", "1"),
         literal=True,
     ),
@@ -223,7 +223,7 @@ _TABLE = (
         "engine",
         "all backends",
         "$XDG_CACHE_HOME/dflash-batch (macOS: ~/Library/Caches/dflash-batch)",
-        "where converted models, measured pass costs and built ops live",
+        "where converted models, measured pass costs, kernels' passed self-checks and built ops live",
         _folder,
     ),
     Variable(

@@ -41,4 +41,10 @@ def costs_dir() -> Path:
     return cache_dir() / "costs"
 
 
-__all__ = ["CACHE_ENV", "HOME_ENV", "cache_dir", "costs_dir", "home_dir"]
+def kernel_checks_dir() -> Path:
+    """The GPU kernels' passed self-checks kept per machine (engine/ops/kernels/selfcheck.py): in
+    the model cache."""
+    return cache_dir() / "kernel-checks"
+
+
+__all__ = ["CACHE_ENV", "HOME_ENV", "cache_dir", "costs_dir", "home_dir", "kernel_checks_dir"]

@@ -39,6 +39,16 @@ def _own_cost_tables(tmp_path, monkeypatch):
     monkeypatch.setattr(paths, "costs_dir", lambda: tmp_path / "pass-costs")
 
 
+@pytest.fixture(autouse=True)
+def _own_kernel_checks(tmp_path, monkeypatch):
+    """Every test keeps the kernels' passed self-checks in a folder of its own
+    (engine/ops/kernels/selfcheck.py): a pass an earlier test kept must not stand in for a check
+    a test counts."""
+    from dflash_batch import paths
+
+    monkeypatch.setattr(paths, "kernel_checks_dir", lambda: tmp_path / "kernel-checks")
+
+
 REAL_ENGINE_FIXTURES = {"tiny_models", "real_engine"}  # tests/runner_fixtures.py: they load MLX
 
 

@@ -24,6 +24,7 @@ from dflash_batch.engine.ops.kernels import selfcheck
 import mlx.core as mx
 import pytest
 
+from dflash_batch import paths
 from tests.helpers import gated_delta_inputs as hybrid_inputs
 
 pytestmark = pytest.mark.usefixtures("fresh_verdicts")
@@ -209,11 +210,16 @@ def test_correct_metal_recurrence_passes_and_serves_the_calls(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
-def test_reduced_precision_tolerance_passes_one_rounding_and_fails_a_fault(monkeypatch, dtype):
+def test_reduced_precision_tolerance_passes_one_rounding_and_fails_a_fault(
+    monkeypatch, tmp_path, dtype
+):
     """bf16 / fp16 y: one extra rounding step of y (what a kernel's different summation order can
     give) passes; y scaled by 1.1 fails."""
     for scale, passes in ((1.0, True), (1.1, False)):
+        # each stand-in is another kernel under one source hash: a folder of its own, so that
+        # the first one's kept pass does not stand for the second
         selfcheck.reset()
+        monkeypatch.setattr(paths, "kernel_checks_dir", lambda scale=scale: tmp_path / str(scale))
 
         def kernel(impl, q, k, v, g, beta, state, record, scale=scale):
             y, s, tape = gd._reference_recurrence(q, k, v, g, beta, state, record)

@@ -56,22 +56,11 @@ def folder() -> Path:
     return paths.costs_dir()
 
 
-# What MLX's ``device_info`` says of one card or one moment, not of the hardware: CUDA reports the
-# device's free memory (another process's allocations change it) and the card's own UUID and bus.
-NOT_HARDWARE = ("free_memory", "uuid", "pci_bus_id")
-
-
 def machine() -> Dict[str, Any]:
     """The hardware, not the host name: a container's name changes with every start, and two
     hosts of the same hardware pay the same for a pass."""
     info = {"arch": platform.machine(), "cpus": os.cpu_count(), "backend": device.backend()}
-    info.update(
-        {
-            k: v
-            for k, v in mx.device_info().items()
-            if isinstance(v, (str, int, float)) and k not in NOT_HARDWARE
-        }
-    )
+    info.update(device.hardware())
     return info
 
 

@@ -8,6 +8,10 @@ import mlx.core as mx
 
 BACKENDS = ("cpu", "cuda", "metal")
 
+# What MLX's ``device_info`` says of one card or one moment, not of the hardware: CUDA reports the
+# device's free memory (another process's allocations change it) and the card's own UUID and bus.
+NOT_HARDWARE = ("free_memory", "uuid", "pci_bus_id")
+
 _known: Dict[object, str] = {}  # per default device type: asked on every routed call
 
 
@@ -29,6 +33,16 @@ def on_cpu() -> bool:
     return backend() == "cpu"
 
 
+def hardware() -> Dict[str, object]:
+    """The default device as MLX describes it (name, architecture, memory size), less what
+    describes one card or one moment (``NOT_HARDWARE``): two cards of one model match."""
+    return {
+        k: v
+        for k, v in mx.device_info().items()
+        if isinstance(v, (str, int, float)) and k not in NOT_HARDWARE
+    }
+
+
 def _detect(device) -> str:
     if device != mx.gpu:
         return "cpu"
@@ -40,4 +54,4 @@ def _detect(device) -> str:
     return "cpu"
 
 
-__all__ = ["BACKENDS", "backend", "gpu", "on_cpu"]
+__all__ = ["BACKENDS", "NOT_HARDWARE", "backend", "gpu", "hardware", "on_cpu"]
