@@ -29,6 +29,23 @@ decoding); later jobs start from the estimates pooled over the jobs before them,
 from the pooled estimates. A position never verified takes the estimate of the
 one before it, so blocks widen as runs of accepted drafts show that wider ones pay.
 
+The job's tail. Tokens per second over the live rows is the right objective while requests wait
+to take the slots that rows free. Once none can join (the decoder says so, and passes each row's
+tokens left n_b), the job ends when its slowest row does, and drafting makes rows finish
+raggedly: a row's commits per cycle are random, and rows differ. Where a cycle of a few rows
+costs about what one of the whole batch does (a launch-bound GPU), plain decoding's max(n_b)
+cycles can beat drafting at a better rate. So at the tail the width policy picks the T that
+finishes every row soonest were every remaining cycle run at T (re-decided each cycle). At
+width T row b commits X_b a cycle, L = min(T, budget_b), with S_j = P(X_b >= j) = p_b1 ...
+p_b(j-1), mean mu_b = E_b(L) and variance v_b = sum_{j <= L} (2j - 1) S_j - mu_b^2; it finishes
+after about n_b / mu_b cycles, with a spread of sqrt(n_b v_b / mu_b^3) (a renewal count). The
+rows ranked by that mean finish at it plus the spread times Blom's expected order statistics of
+B normals, z_k = inv_cdf((k - 0.375) / (B + 0.25)): exact in the mean for rows alike, and for
+rows that differ it gives the slowest a z nearer B's, an estimate late rather than early (plain
+decoding has no spread: the error leans its way). Between two finishes each cycle costs
+cost(rows still live, T), and a width not yet run adds K once (below). T = 1 is exact: n_b
+cycles. One row has z = 0 and so the rate's choice. Rows that stop early (EOS) are not foreseen.
+
 Which widths. On a GPU a pass of a shape not run before compiles (its trace, its kernels) at
 many times a pass's cost, so a job must run few shapes, the same ones job after job, and the
 warm-up times (and so compiles) widths of this set (engine/warmup.py). Every verify pass runs at
@@ -97,7 +114,9 @@ A plain cycle with a drafter attached must cost what it costs without one. The w
 weighed again while a plain choice stands and nothing is learnt (no row joins or leaves, no
 cycle verifies a draft), for up to REPLAN cycles (what cycles cost beyond their passes drifts):
 in a plain cycle the estimates stay where they are and the budgets only fall, which never makes
-a wider cycle pay better, so the choice is the one the full weighing would make.
+a wider cycle pay better, so the choice is the one the full weighing would make. At the tail
+too: drafting saves cycles in proportion to the budgets, its spread falls only as their square
+root and the compile charge not at all.
 
 A draft tree (engine/tree.py) is worth more per width than a chain, since its branches repair
 first misses: a tree cycle chooses its width again once the drafts are known, from the nodes'
@@ -113,8 +132,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from statistics import NormalDist
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+_NORMAL = NormalDist()
 NEUTRAL_P = 0.5  # a draft position's acceptance before anything is known of it
 
 
@@ -473,8 +494,16 @@ class WidthPolicy:
         if verified > 1 and accepted == verified - 1:
             self.failed = 0  # every draft right: the drafter may be turning good, probe as at first
 
-    def width(self, estimates: Sequence[Acceptance], budgets: Sequence[int]) -> int:
-        """The verify width for the next cycle over rows with these estimates and token budgets."""
+    def width(
+        self,
+        estimates: Sequence[Acceptance],
+        budgets: Sequence[int],
+        tail: Optional[Sequence[int]] = None,
+    ) -> int:
+        """The verify width for the next cycle over rows with these estimates and cycle budgets
+        (the most a cycle may commit to each row). ``tail``: no request can join the batch (the
+        job's tail), and these are the tokens each row has left; the width is then the one that
+        finishes every row soonest, not the one of most tokens per second (module doc)."""
         longest = max(budgets)
         if self.block < 2 or longest < 2:
             self.plain.drafting = 0.0  # a plain cycle runs, as a plain probe would
@@ -482,14 +511,12 @@ class WidthPolicy:
         if self.fixed:
             return bucket(min(self.block, longest), self.block)
         B = len(budgets)
-        learnt = (
-            self.job.updates,
-            tuple(map(id, estimates)),
-        )  # a row joined or left, or a draft was verified
+        # a row joined or left, a draft was verified, or the job's tail began
+        learnt = (self.job.updates, tuple(map(id, estimates)), tail is not None)
         if learnt == self.plain_from and self.plain_cycles < REPLAN:
             self.plain_cycles += 1  # still plain (module doc: what a plain cycle does not change)
         else:
-            best, tokens = self._best_width(estimates, budgets, longest)
+            best, tokens = self._best_width(estimates, budgets, longest, tail)
             if best > 1:
                 self.plain_seconds, self.failed, self.plain_from = 0.0, 0, None
                 return 1 if self._plain_probe(B, best, tokens) else best
@@ -500,14 +527,14 @@ class WidthPolicy:
         # at least the bonus token, as the plain cycle it replaces does). Before the engine has
         # drafted at all, the plain cycles ahead count too (at most the longest budget's), so a
         # long job learns its drafter's worth at once and a short one does not pay to. Each probe
-        # that did not lead to drafting halves the share (module doc).
+        # that did not lead to drafting halves the share (module doc); at the job's tail, once
+        # the engine has drafted, it is the least share (module doc, "The job's tail").
         plain = self.cost.cycle(B, 1)
         self.plain_seconds += plain
         probe = bucket(min(self.probe_width, longest), self.block)
         ahead = (longest - 1) * plain if self.job.seen[0] == 0 else 0.0
-        share = self.probe_share / min(
-            2 ** max(self.failed - 1, 0), self.backoff
-        )  # halved per failed probe after the first
+        halved = min(2 ** max(self.failed - 1, 0), self.backoff)
+        share = self.probe_share / (self.backoff if tail is not None and not ahead else halved)
         if (self.plain_seconds + ahead) * share >= self.cost.cycle(B, probe) - plain:
             self.plain_seconds = 0.0
             self.failed += 1  # until a cycle drafts by choice (above)
@@ -515,14 +542,23 @@ class WidthPolicy:
         return 1
 
     def _best_width(
-        self, estimates: Sequence[Acceptance], budgets: Sequence[int], longest: int
+        self,
+        estimates: Sequence[Acceptance],
+        budgets: Sequence[int],
+        longest: int,
+        tail: Optional[Sequence[int]] = None,
     ) -> Tuple[int, float]:
-        """The width of most tokens per second by the cost model (1: plain decoding), and the
-        tokens it commits on average."""
+        """The width of most tokens per second by the cost model (1: plain decoding), or at the
+        job's tail the one that finishes every row soonest, and the tokens it commits on average.
+        One row's time to finish, n / E(T) cycles of cost(1, T) and K once, is its budget over
+        the rate weighed here (K over n / E(T) cycles): the same choice, so it takes this path."""
         B = len(budgets)
         widths = self.widths(longest)
         committed = _committed(estimates, budgets, self.job.probabilities(), widths)
         compile, allowed = self.compile.estimate(), sum(budgets)
+        if tail is not None and B > 1:
+            best = self._soonest(estimates, budgets, tail, widths)
+            return best, committed[widths.index(best)]
         best, best_tokens, best_rate = 1, float(B), -1.0
         for T, tokens in zip(widths, committed):
             # a shape not yet run: K over the about allowed / tokens cycles left at it (module doc)
@@ -531,6 +567,54 @@ class WidthPolicy:
             if rate > best_rate * (1 + 1e-9):
                 best, best_tokens, best_rate = T, tokens, rate
         return best, best_tokens
+
+    def _soonest(
+        self,
+        estimates: Sequence[Acceptance],
+        budgets: Sequence[int],
+        left: Sequence[int],
+        widths: List[int],
+    ) -> int:
+        """The width whose cycles, every one run at it, finish all the rows soonest by the cost
+        model (module doc, "The job's tail"), a width not yet run charged its compile once."""
+        B, compile = len(left), self.compile.estimate()
+        # Blom's approximation to the expected k-th smallest of B standard normals
+        z = [_NORMAL.inv_cdf((k - 0.375) / (B + 0.25)) for k in range(1, B + 1)]
+        moments = _moments(estimates, budgets, self.job.probabilities(), widths)
+        best, best_time = 1, math.inf
+        for T, rows in zip(widths, moments):
+            time = self._finish_time(T, rows, budgets, left, z)
+            time += compile if compile and self.new_shape(T) else 0.0
+            if time < best_time * (1 - 1e-9):
+                best, best_time = T, time
+        return best
+
+    def _finish_time(
+        self,
+        T: int,
+        moments: Sequence[Tuple[float, float]],
+        budgets: Sequence[int],
+        left: Sequence[int],
+        z: Sequence[float],
+    ) -> float:
+        """Seconds until the last row finishes, every cycle of width T (module doc, "The job's
+        tail"): each stretch between two rows' finishes paid at the cost of the rows still live."""
+        rows = sorted(
+            (n / mu, n * var / mu**3, n / min(T, cap), n)
+            for (mu, var), n, cap in zip(moments, left, budgets)
+        )
+        # the last finish within what the rows can do: n_b / L_b cycles at least, n_b at most
+        least, most = max(r[2] for r in rows), max(r[3] for r in rows)
+        last = min(max(_expected_max([(mean, var) for mean, var, _, _ in rows]), least), most)
+        finishes = sorted(
+            min(max(mean + zk * math.sqrt(var), least), most, last)
+            for zk, (mean, var, least, most) in zip(z, rows[:-1])
+        ) + [last]
+        time, before, B = 0.0, 0.0, len(finishes)
+        for k, finish in enumerate(finishes):
+            time += (finish - before) * self.cost.cycle(B - k, T)
+            before = finish
+        return time
 
     def _plain_probe(self, B: int, T: int, tokens: float) -> bool:
         """Whether to run a plain cycle in place of the drafting cycle of width T chosen, which
@@ -625,3 +709,39 @@ def _committed(
         for i in range(at, len(widths)):
             totals[i] += E  # widths past the row's reach commit E_b(reach)
     return totals
+
+
+def _moments(
+    estimates: Sequence[Acceptance], budgets: Sequence[int], job: Sequence[float], widths: List[int]
+) -> List[List[Tuple[float, float]]]:
+    """Per width T, each row's (mean, variance) of X_b, the tokens a cycle of width T commits to
+    it: with L = min(T, budget_b) and S_j = P(X_b >= j) = p_b1 ... p_b(j-1), mean = E_b(L) =
+    sum_{j <= L} S_j and E[X_b^2] = sum_{j <= L} (2j - 1) S_j."""
+    top, rows = widths[-1], []
+    for e, n in zip(estimates, budgets):
+        p, reach = e.probabilities(job), min(top, n)
+        mean, square, survive, table = 0.0, 0.0, 1.0, [(0.0, 0.0)]
+        for j in range(1, reach + 1):
+            mean, square = mean + survive, square + (2 * j - 1) * survive
+            table.append((mean, max(square - mean * mean, 0.0)))
+            survive *= p[j - 1] if j - 1 < len(p) else 0.0
+        rows.append(table)
+    return [[table[min(T, len(table) - 1)] for table in rows] for T in widths]
+
+
+def _expected_max(normals: Sequence[Tuple[float, float]]) -> float:
+    """E[max] of independent normals (mean, variance), by Clark's fold: the max of the first ones
+    is taken as a normal of that max's own mean and variance (exact for two normals), and maxed
+    with the next."""
+    mean, var = normals[0]
+    for m, v in normals[1:]:
+        a = math.sqrt(var + v)
+        if a == 0:
+            mean = max(mean, m)
+            continue
+        alpha = (mean - m) / a
+        P, d = _NORMAL.cdf(alpha), _NORMAL.pdf(alpha)
+        first = mean * P + m * (1 - P) + a * d
+        second = (mean * mean + var) * P + (m * m + v) * (1 - P) + (mean + m) * a * d
+        mean, var = first, max(second - first * first, 0.0)
+    return mean
