@@ -612,8 +612,9 @@ class WidthPolicy:
         ) + [last]
         time, before, B = 0.0, 0.0, len(finishes)
         for k, finish in enumerate(finishes):
-            time += (finish - before) * self.cost.cycle(B - k, T)
-            before = finish
+            if finish > before:  # rows finishing together (plain decoding's): one stretch
+                time += (finish - before) * self.cost.cycle(B - k, T)
+                before = finish
         return time
 
     def _plain_probe(self, B: int, T: int, tokens: float) -> bool:
