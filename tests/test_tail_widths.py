@@ -138,6 +138,16 @@ def test_one_row_at_the_tail_chooses_what_the_rate_chooses():
         assert policy._best_width([row], [n], n, [n])[0] == rate
 
 
+@pytest.mark.parametrize("costs", [GPU, CPU], ids=["gpu", "cpu"])
+@pytest.mark.parametrize("p", [0.1, 0.4, 0.9])
+def test_a_job_of_one_row_runs_the_same_widths_told_it_is_the_tail_or_not(costs, p):
+    """Probes included: a probe at one row's tail brings its end closer as anywhere."""
+    told, not_told = [], []
+    job(costs, p, 3, tail=True, rows=1, tokens=300, widths=told)
+    job(costs, p, 3, tail=False, rows=1, tokens=300, widths=not_told)
+    assert told == not_told
+
+
 def test_the_last_rows_finish_is_foreseen():
     """32 rows alike, width 6 every cycle: the time to finish them all (flat costs: cycles)
     foreseen within 5% of the mean of 200 seeded jobs; plain decoding's exactly."""

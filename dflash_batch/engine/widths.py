@@ -38,13 +38,18 @@ cycles can beat drafting at a better rate. So at the tail the width policy picks
 finishes every row soonest were every remaining cycle run at T (re-decided each cycle). At
 width T row b commits X_b a cycle, L = min(T, budget_b), with S_j = P(X_b >= j) = p_b1 ...
 p_b(j-1), mean mu_b = E_b(L) and variance v_b = sum_{j <= L} (2j - 1) S_j - mu_b^2; it finishes
-after about n_b / mu_b cycles, with a spread of sqrt(n_b v_b / mu_b^3) (a renewal count). The
-rows ranked by that mean finish at it plus the spread times Blom's expected order statistics of
-B normals, z_k = inv_cdf((k - 0.375) / (B + 0.25)): exact in the mean for rows alike, and for
-rows that differ it gives the slowest a z nearer B's, an estimate late rather than early (plain
-decoding has no spread: the error leans its way). Between two finishes each cycle costs
-cost(rows still live, T), and a width not yet run adds K once (below). T = 1 is exact: n_b
-cycles. One row has z = 0 and so the rate's choice. Rows that stop early (EOS) are not foreseen.
+after about n_b / mu_b cycles, with a spread of sqrt(n_b v_b / mu_b^3) (a renewal count), taken
+as normal. The last row finishes at the expected maximum of these, by Clark's fold (the max of
+two normals taken as a normal of its own mean and variance, maxed with the next: exact for two
+rows, right for one row far behind the rest, which alone decides the end, and within 1% of the
+expected maximum of 32 rows alike). The others finish, ranked by their means, at the mean plus
+the spread times Blom's expected order statistics of B normals, z_k = inv_cdf((k - 0.375) /
+(B + 0.25)), capped at the last. Between two finishes each cycle costs cost(rows still live, T),
+and a width not yet run adds K once (below). T = 1 is exact: n_b cycles. One row (z = 0) gets
+the rate's choice: n / E(T) cycles at cost(1, T), and K once, is n over the rate weighed below.
+Rows that stop early (EOS) are not foreseen.
+A drafting probe (below) at a batch's tail brings its end closer only through its slowest row,
+so once the engine has drafted, probes there run at the least share (probe_share / backoff).
 
 Which widths. On a GPU a pass of a shape not run before compiles (its trace, its kernels) at
 many times a pass's cost, so a job must run few shapes, the same ones job after job, and the
@@ -527,14 +532,15 @@ class WidthPolicy:
         # at least the bonus token, as the plain cycle it replaces does). Before the engine has
         # drafted at all, the plain cycles ahead count too (at most the longest budget's), so a
         # long job learns its drafter's worth at once and a short one does not pay to. Each probe
-        # that did not lead to drafting halves the share (module doc); at the job's tail, once
+        # that did not lead to drafting halves the share (module doc); at a batch's tail, once
         # the engine has drafted, it is the least share (module doc, "The job's tail").
         plain = self.cost.cycle(B, 1)
         self.plain_seconds += plain
         probe = bucket(min(self.probe_width, longest), self.block)
         ahead = (longest - 1) * plain if self.job.seen[0] == 0 else 0.0
-        halved = min(2 ** max(self.failed - 1, 0), self.backoff)
-        share = self.probe_share / (self.backoff if tail is not None and not ahead else halved)
+        least = tail is not None and B > 1 and not ahead
+        halved = self.backoff if least else min(2 ** max(self.failed - 1, 0), self.backoff)
+        share = self.probe_share / halved
         if (self.plain_seconds + ahead) * share >= self.cost.cycle(B, probe) - plain:
             self.plain_seconds = 0.0
             self.failed += 1  # until a cycle drafts by choice (above)
