@@ -7,15 +7,15 @@ prompts of 64 tokens: the rate favoured drafting by a few percent, the rows then
 raggedly, and a cycle of 9 rows cost what one of 32 did: the job took 1.37 times plain decoding's
 time."""
 
+import math
 import random
 import statistics
 
-from dflash_batch.engine import load_engine, widths
+from dflash_batch.engine import finish, load_engine, widths
 from dflash_batch.engine.widths import (
     CompileCost,
     CostModel,
     WidthPolicy,
-    _moments,
     expected_committed,
 )
 
@@ -148,19 +148,26 @@ def test_a_job_of_one_row_runs_the_same_widths_told_it_is_the_tail_or_not(costs,
     assert told == not_told
 
 
+class _Known:
+    """A row whose every draft is accepted with probability p (a known drafter)."""
+
+    def __init__(self, p: float):
+        self.p = p
+
+    def probabilities(self, prior):
+        return [self.p] * (BLOCK - 1)
+
+
 def test_the_last_rows_finish_is_foreseen():
-    """32 rows alike, width 6 every cycle: the time to finish them all (flat costs: cycles)
-    foreseen within 5% of the mean of 200 seeded jobs; plain decoding's exactly."""
-    policy = WidthPolicy(BLOCK, CostModel(t0=1.0, window=0))
+    """32 rows alike, width 6 every cycle, a cycle's cost 1 whatever its rows: the last row's
+    finish foreseen within 5% of its mean over 200 seeded jobs; plain decoding's exactly."""
     rows, n, p = 32, 64, 0.6
-    for row in [policy.job]:
-        row.seen, row.kept = [1e6] * (BLOCK - 1), [p * 1e6] * (BLOCK - 1)
-    estimates = [policy.new_row() for _ in range(rows)]
     pair = [1, 6]  # the widths compared
-    moments = _moments(estimates, [n] * rows, policy.job.probabilities(), pair)
-    z = [statistics.NormalDist().inv_cdf((k - 0.375) / (rows + 0.25)) for k in range(1, rows + 1)]
+    moments = finish.moments([_Known(p)] * rows, [n] * rows, [], pair)
+    z = finish.order_statistics(rows)
     plain, six = (
-        policy._finish_time(T, m, [n] * rows, [n] * rows, z) for T, m in zip(pair, moments)
+        finish.finish_time(lambda live: 1.0, T, m, [n] * rows, [n] * rows, z)
+        for T, m in zip(pair, moments)
     )
     assert plain == n
     rng, ends = random.Random(0), []
@@ -176,6 +183,17 @@ def test_the_last_rows_finish_is_foreseen():
             cycles.append(c)
         ends.append(max(cycles))
     assert six == pytest.approx(statistics.mean(ends), rel=0.05)
+
+
+def test_the_expected_maximum_of_normals():
+    """Clark's fold: exact for two normals (E[max] of two standard ones: 1 / sqrt(pi)), near
+    Blom's for many alike, and a row far behind the rest finishes at its own mean."""
+    assert finish.expected_max([(0.0, 1.0), (0.0, 1.0)]) == pytest.approx(1 / math.sqrt(math.pi))
+    for rows in (4, 16, 32, 64):
+        blom = finish.order_statistics(rows)[-1]
+        assert finish.expected_max([(0.0, 1.0)] * rows) == pytest.approx(blom, rel=0.03)
+    assert finish.expected_max([(0.0, 1.0)] * 31 + [(50.0, 1.0)]) == pytest.approx(50.0)
+    assert finish.expected_max([(3.0, 0.0), (5.0, 0.0), (4.0, 0.0)]) == 5.0
 
 
 def test_the_decoder_says_when_no_request_can_join(tiny_pair, chain_drafts, monkeypatch):

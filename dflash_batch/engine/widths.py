@@ -1,5 +1,6 @@
 """How wide each cycle verifies: a cost model of target and drafter passes, and each row's
-acceptance, choose the width T that commits the most tokens per second.
+acceptance, choose the width T that commits the most tokens per second (at a job's tail, the one
+that finishes its rows soonest).
 
 For row b, p_bk is the chance that draft k is accepted given drafts 1..k-1 were (estimated per
 position k: a drafter is often wrong at its first token and, once right, right for a run, so one
@@ -135,12 +136,13 @@ from every cycle the engine times.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
-from statistics import NormalDist
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-_NORMAL = NormalDist()
+from . import finish
+
 NEUTRAL_P = 0.5  # a draft position's acceptance before anything is known of it
 
 
@@ -583,45 +585,16 @@ class WidthPolicy:
     ) -> int:
         """The width whose cycles, every one run at it, finish all the rows soonest by the cost
         model (module doc, "The job's tail"), a width not yet run charged its compile once."""
-        B, compile = len(left), self.compile.estimate()
-        # Blom's approximation to the expected k-th smallest of B standard normals
-        z = [_NORMAL.inv_cdf((k - 0.375) / (B + 0.25)) for k in range(1, B + 1)]
-        moments = _moments(estimates, budgets, self.job.probabilities(), widths)
+        z, compile = finish.order_statistics(len(left)), self.compile.estimate()
+        moments = finish.moments(estimates, budgets, self.job.probabilities(), widths)
         best, best_time = 1, math.inf
         for T, rows in zip(widths, moments):
-            time = self._finish_time(T, rows, budgets, left, z)
+            cycle = functools.partial(self.cost.cycle, T=T)
+            time = finish.finish_time(cycle, T, rows, budgets, left, z)
             time += compile if compile and self.new_shape(T) else 0.0
             if time < best_time * (1 - 1e-9):
                 best, best_time = T, time
         return best
-
-    def _finish_time(
-        self,
-        T: int,
-        moments: Sequence[Tuple[float, float]],
-        budgets: Sequence[int],
-        left: Sequence[int],
-        z: Sequence[float],
-    ) -> float:
-        """Seconds until the last row finishes, every cycle of width T (module doc, "The job's
-        tail"): each stretch between two rows' finishes paid at the cost of the rows still live."""
-        rows = sorted(
-            (n / mu, n * var / mu**3, n / min(T, cap), n)
-            for (mu, var), n, cap in zip(moments, left, budgets)
-        )
-        # the last finish within what the rows can do: n_b / L_b cycles at least, n_b at most
-        least, most = max(r[2] for r in rows), max(r[3] for r in rows)
-        last = min(max(_expected_max([(mean, var) for mean, var, _, _ in rows]), least), most)
-        finishes = sorted(
-            min(max(mean + zk * math.sqrt(var), least), most, last)
-            for zk, (mean, var, least, most) in zip(z, rows[:-1])
-        ) + [last]
-        time, before, B = 0.0, 0.0, len(finishes)
-        for k, finish in enumerate(finishes):
-            if finish > before:  # rows finishing together (plain decoding's): one stretch
-                time += (finish - before) * self.cost.cycle(B - k, T)
-                before = finish
-        return time
 
     def _plain_probe(self, B: int, T: int, tokens: float) -> bool:
         """Whether to run a plain cycle in place of the drafting cycle of width T chosen, which
@@ -716,39 +689,3 @@ def _committed(
         for i in range(at, len(widths)):
             totals[i] += E  # widths past the row's reach commit E_b(reach)
     return totals
-
-
-def _moments(
-    estimates: Sequence[Acceptance], budgets: Sequence[int], job: Sequence[float], widths: List[int]
-) -> List[List[Tuple[float, float]]]:
-    """Per width T, each row's (mean, variance) of X_b, the tokens a cycle of width T commits to
-    it: with L = min(T, budget_b) and S_j = P(X_b >= j) = p_b1 ... p_b(j-1), mean = E_b(L) =
-    sum_{j <= L} S_j and E[X_b^2] = sum_{j <= L} (2j - 1) S_j."""
-    top, rows = widths[-1], []
-    for e, n in zip(estimates, budgets):
-        p, reach = e.probabilities(job), min(top, n)
-        mean, square, survive, table = 0.0, 0.0, 1.0, [(0.0, 0.0)]
-        for j in range(1, reach + 1):
-            mean, square = mean + survive, square + (2 * j - 1) * survive
-            table.append((mean, max(square - mean * mean, 0.0)))
-            survive *= p[j - 1] if j - 1 < len(p) else 0.0
-        rows.append(table)
-    return [[table[min(T, len(table) - 1)] for table in rows] for T in widths]
-
-
-def _expected_max(normals: Sequence[Tuple[float, float]]) -> float:
-    """E[max] of independent normals (mean, variance), by Clark's fold: the max of the first ones
-    is taken as a normal of that max's own mean and variance (exact for two normals), and maxed
-    with the next."""
-    mean, var = normals[0]
-    for m, v in normals[1:]:
-        a = math.sqrt(var + v)
-        if a == 0:
-            mean = max(mean, m)
-            continue
-        alpha = (mean - m) / a
-        P, d = _NORMAL.cdf(alpha), _NORMAL.pdf(alpha)
-        first = mean * P + m * (1 - P) + a * d
-        second = (mean * mean + var) * P + (m * m + v) * (1 - P) + (mean + m) * a * d
-        mean, var = first, max(second - first * first, 0.0)
-    return mean
