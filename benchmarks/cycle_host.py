@@ -170,9 +170,12 @@ def instrument(pieces: Pieces, side: widths.WidthPolicy, cycles: List[int]) -> E
         live = [
             r for r in self.rows if r is not None
         ]  # the adaptive choice over these rows, on the side
+        budgets = [r.budget for r in live]
+        # at the job's tail the width policy weighs the time to finish (engine/widths.py)
+        left = budgets if self._closed() else None
         pieces.time(
             "width_policy.width (adaptive, on the side)",
-            lambda: side.width([r.acceptance for r in live], [r.budget for r in live]),
+            lambda: side.width([r.acceptance for r in live], budgets, left),
         )
         cycles.append(len(live))
         try:

@@ -244,7 +244,9 @@ def test_default_pair_acceptance_is_the_drafters_even_when_the_adaptive_width_st
 
     plain_width = WidthPolicy.width
     monkeypatch.setattr(
-        WidthPolicy, "width", lambda self, e, b: plain_width(self, e, b) if self.fixed else 1
+        WidthPolicy,
+        "width",
+        lambda self, e, b, tail=None: plain_width(self, e, b, tail) if self.fixed else 1,
     )
     argv = ["--target", str(zero_head_target), "--draft", str(draft), "--samples", str(samples), "--prompts", "2",
             "--speed-prompts", "1", "--runs", "1", "--max-tokens", "30", "--machine", "t", "--out-dir", str(tmp_path)]  # fmt: skip

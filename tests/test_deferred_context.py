@@ -66,7 +66,7 @@ class _Late(WidthPolicy):
         super().__init__(block, CostModel())
         self.plain, self.draft_width, self.cycles = plain, width, 0
 
-    def width(self, estimates, budgets):
+    def width(self, estimates, budgets, tail=None):
         self.cycles += 1
         return 1 if self.cycles <= self.plain else min(self.draft_width, max(budgets))
 

@@ -57,7 +57,7 @@ class _Widths(WidthPolicy):
         super().__init__(block, CostModel())
         self.script = list(widths)
 
-    def width(self, estimates, budgets):
+    def width(self, estimates, budgets, tail=None):
         return min(self.script.pop(0) if self.script else 1, max(budgets))
 
 

@@ -280,9 +280,8 @@ def test_tree_runs_equal_the_targets_greedy_output_at_any_width_chosen(
         picked.append(rng.choice([T for T in self.widths(max(budgets)) if T > 1]))
         return picked[-1]
 
-    monkeypatch.setattr(
-        WidthPolicy, "width", lambda self, estimates, budgets: 4
-    )  # every cycle drafts
+    # every cycle drafts
+    monkeypatch.setattr(WidthPolicy, "width", lambda self, estimates, budgets, tail=None: 4)
     monkeypatch.setattr(WidthPolicy, "tree_width", any_width)
     batched = engine.generate_batch(ids, max_tokens=MAX_TOKENS, batch_size=3)
     assert [c.token_ids for c in batched] == refs

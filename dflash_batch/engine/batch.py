@@ -193,8 +193,11 @@ class BatchDecoder:
             live = [b for b, r in enumerate(self.rows) if r is not None]
             if not live:
                 continue
+            rows = [self.rows[b] for b in live]
             width = self.width_policy.width(
-                [self.rows[b].acceptance for b in live], [self.rows[b].cycle_budget for b in live]
+                [r.acceptance for r in rows],
+                [r.cycle_budget for r in rows],
+                [r.budget for r in rows] if self._closed() else None,
             )
             yield from self.postprocess(self.run(width))
             self.shrink()
@@ -806,7 +809,7 @@ class BatchDecoder:
         machine, not one shape per row that finishes; and only where the rows dropped save more
         than a rung not yet run costs to compile (``_shrink_pays``). Interactive requests may come
         at any time (``urgent``): their slots are kept."""
-        if self.waiting or self.group.joiners or self.urgent is not None:
+        if not self._closed():
             return
         live = [b for b, r in enumerate(self.rows) if r is not None]
         rung = batch_rung(len(live))
@@ -814,6 +817,12 @@ class BatchDecoder:
             return
         idle = [b for b, r in enumerate(self.rows) if r is None]
         self._keep(sorted(live + idle[: rung - len(live)]))
+
+    def _closed(self) -> bool:
+        """Whether no request can join the batch any more: none waits or joins, the stream has
+        ended, and no interactive request may come (``urgent``). The job's tail: it ends when its
+        slowest row does (engine/widths.py, "The job's tail")."""
+        return not (self.waiting or self.group.joiners or self.urgent is not None)
 
     def _shrink_pays(self, rung: int, live: List[int]) -> bool:
         """Whether dropping to ``rung`` rows saves more than a new shape's compile (engine/widths.py,

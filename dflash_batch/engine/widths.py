@@ -1,5 +1,6 @@
 """How wide each cycle verifies: a cost model of target and drafter passes, and each row's
-acceptance, choose the width T that commits the most tokens per second.
+acceptance, choose the width T that commits the most tokens per second (at a job's tail, the one
+that finishes its rows soonest).
 
 For row b, p_bk is the chance that draft k is accepted given drafts 1..k-1 were (estimated per
 position k: a drafter is often wrong at its first token and, once right, right for a run, so one
@@ -28,6 +29,28 @@ p_1 = 0.5, so from the width the cost model justifies for a drafter of unknown w
 decoding); later jobs start from the estimates pooled over the jobs before them, and each row
 from the pooled estimates. A position never verified takes the estimate of the
 one before it, so blocks widen as runs of accepted drafts show that wider ones pay.
+
+The job's tail. Tokens per second over the live rows is the right objective while requests wait
+to take the slots that rows free. Once none can join (the decoder says so, and passes each row's
+tokens left n_b), the job ends when its slowest row does, and drafting makes rows finish
+raggedly: a row's commits per cycle are random, and rows differ. Where a cycle of a few rows
+costs about what one of the whole batch does (a launch-bound GPU), plain decoding's max(n_b)
+cycles can beat drafting at a better rate. So at the tail the width policy picks the T that
+finishes every row soonest were every remaining cycle run at T (re-decided each cycle). At
+width T row b commits X_b a cycle, L = min(T, budget_b), with S_j = P(X_b >= j) = p_b1 ...
+p_b(j-1), mean mu_b = E_b(L) and variance v_b = sum_{j <= L} (2j - 1) S_j - mu_b^2; it finishes
+after about n_b / mu_b cycles, with a spread of sqrt(n_b v_b / mu_b^3) (a renewal count), taken
+as normal. The last row finishes at the expected maximum of these, by Clark's fold (the max of
+two normals taken as a normal of its own mean and variance, maxed with the next: exact for two
+rows, right for one row far behind the rest, which alone decides the end, and within 1% of the
+expected maximum of 32 rows alike). The others finish, ranked by their means, at the mean plus
+the spread times Blom's expected order statistics of B normals, z_k = inv_cdf((k - 0.375) /
+(B + 0.25)), capped at the last. Between two finishes each cycle costs cost(rows still live, T),
+and a width not yet run adds K once (below). T = 1 is exact: n_b cycles. One row (z = 0) gets
+the rate's choice: n / E(T) cycles at cost(1, T), and K once, is n over the rate weighed below.
+Rows that stop early (EOS) are not foreseen.
+A drafting probe (below) at a batch's tail brings its end closer only through its slowest row,
+so once the engine has drafted, probes there run at the least share (probe_share / backoff).
 
 Which widths. On a GPU a pass of a shape not run before compiles (its trace, its kernels) at
 many times a pass's cost, so a job must run few shapes, the same ones job after job, and the
@@ -97,7 +120,9 @@ A plain cycle with a drafter attached must cost what it costs without one. The w
 weighed again while a plain choice stands and nothing is learnt (no row joins or leaves, no
 cycle verifies a draft), for up to REPLAN cycles (what cycles cost beyond their passes drifts):
 in a plain cycle the estimates stay where they are and the budgets only fall, which never makes
-a wider cycle pay better, so the choice is the one the full weighing would make.
+a wider cycle pay better, so the choice is the one the full weighing would make. At the tail
+too: drafting saves cycles in proportion to the budgets, its spread falls only as their square
+root and the compile charge not at all.
 
 A draft tree (engine/tree.py) is worth more per width than a chain, since its branches repair
 first misses: a tree cycle chooses its width again once the drafts are known, from the nodes'
@@ -111,9 +136,12 @@ from every cycle the engine times.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+from . import finish
 
 NEUTRAL_P = 0.5  # a draft position's acceptance before anything is known of it
 
@@ -473,8 +501,16 @@ class WidthPolicy:
         if verified > 1 and accepted == verified - 1:
             self.failed = 0  # every draft right: the drafter may be turning good, probe as at first
 
-    def width(self, estimates: Sequence[Acceptance], budgets: Sequence[int]) -> int:
-        """The verify width for the next cycle over rows with these estimates and token budgets."""
+    def width(
+        self,
+        estimates: Sequence[Acceptance],
+        budgets: Sequence[int],
+        tail: Optional[Sequence[int]] = None,
+    ) -> int:
+        """The verify width for the next cycle over rows with these estimates and cycle budgets
+        (the most a cycle may commit to each row). ``tail``: no request can join the batch (the
+        job's tail), and these are the tokens each row has left; the width is then the one that
+        finishes every row soonest, not the one of most tokens per second (module doc)."""
         longest = max(budgets)
         if self.block < 2 or longest < 2:
             self.plain.drafting = 0.0  # a plain cycle runs, as a plain probe would
@@ -482,14 +518,12 @@ class WidthPolicy:
         if self.fixed:
             return bucket(min(self.block, longest), self.block)
         B = len(budgets)
-        learnt = (
-            self.job.updates,
-            tuple(map(id, estimates)),
-        )  # a row joined or left, or a draft was verified
+        # a row joined or left, a draft was verified, or the job's tail began
+        learnt = (self.job.updates, tuple(map(id, estimates)), tail is not None)
         if learnt == self.plain_from and self.plain_cycles < REPLAN:
             self.plain_cycles += 1  # still plain (module doc: what a plain cycle does not change)
         else:
-            best, tokens = self._best_width(estimates, budgets, longest)
+            best, tokens = self._best_width(estimates, budgets, longest, tail)
             if best > 1:
                 self.plain_seconds, self.failed, self.plain_from = 0.0, 0, None
                 return 1 if self._plain_probe(B, best, tokens) else best
@@ -500,14 +534,15 @@ class WidthPolicy:
         # at least the bonus token, as the plain cycle it replaces does). Before the engine has
         # drafted at all, the plain cycles ahead count too (at most the longest budget's), so a
         # long job learns its drafter's worth at once and a short one does not pay to. Each probe
-        # that did not lead to drafting halves the share (module doc).
+        # that did not lead to drafting halves the share (module doc); at a batch's tail, once
+        # the engine has drafted, it is the least share (module doc, "The job's tail").
         plain = self.cost.cycle(B, 1)
         self.plain_seconds += plain
         probe = bucket(min(self.probe_width, longest), self.block)
         ahead = (longest - 1) * plain if self.job.seen[0] == 0 else 0.0
-        share = self.probe_share / min(
-            2 ** max(self.failed - 1, 0), self.backoff
-        )  # halved per failed probe after the first
+        least = tail is not None and B > 1 and not ahead
+        halved = self.backoff if least else min(2 ** max(self.failed - 1, 0), self.backoff)
+        share = self.probe_share / halved
         if (self.plain_seconds + ahead) * share >= self.cost.cycle(B, probe) - plain:
             self.plain_seconds = 0.0
             self.failed += 1  # until a cycle drafts by choice (above)
@@ -515,14 +550,23 @@ class WidthPolicy:
         return 1
 
     def _best_width(
-        self, estimates: Sequence[Acceptance], budgets: Sequence[int], longest: int
+        self,
+        estimates: Sequence[Acceptance],
+        budgets: Sequence[int],
+        longest: int,
+        tail: Optional[Sequence[int]] = None,
     ) -> Tuple[int, float]:
-        """The width of most tokens per second by the cost model (1: plain decoding), and the
-        tokens it commits on average."""
+        """The width of most tokens per second by the cost model (1: plain decoding), or at the
+        job's tail the one that finishes every row soonest, and the tokens it commits on average.
+        One row's time to finish, n / E(T) cycles of cost(1, T) and K once, is its budget over
+        the rate weighed here (K over n / E(T) cycles): the same choice, so it takes this path."""
         B = len(budgets)
         widths = self.widths(longest)
         committed = _committed(estimates, budgets, self.job.probabilities(), widths)
         compile, allowed = self.compile.estimate(), sum(budgets)
+        if tail is not None and B > 1:
+            best = self._soonest(estimates, budgets, tail, widths)
+            return best, committed[widths.index(best)]
         best, best_tokens, best_rate = 1, float(B), -1.0
         for T, tokens in zip(widths, committed):
             # a shape not yet run: K over the about allowed / tokens cycles left at it (module doc)
@@ -531,6 +575,26 @@ class WidthPolicy:
             if rate > best_rate * (1 + 1e-9):
                 best, best_tokens, best_rate = T, tokens, rate
         return best, best_tokens
+
+    def _soonest(
+        self,
+        estimates: Sequence[Acceptance],
+        budgets: Sequence[int],
+        left: Sequence[int],
+        widths: List[int],
+    ) -> int:
+        """The width whose cycles, every one run at it, finish all the rows soonest by the cost
+        model (module doc, "The job's tail"), a width not yet run charged its compile once."""
+        z, compile = finish.order_statistics(len(left)), self.compile.estimate()
+        moments = finish.moments(estimates, budgets, self.job.probabilities(), widths)
+        best, best_time = 1, math.inf
+        for T, rows in zip(widths, moments):
+            cycle = functools.partial(self.cost.cycle, T=T)
+            time = finish.finish_time(cycle, T, rows, budgets, left, z)
+            time += compile if compile and self.new_shape(T) else 0.0
+            if time < best_time * (1 - 1e-9):
+                best, best_time = T, time
+        return best
 
     def _plain_probe(self, B: int, T: int, tokens: float) -> bool:
         """Whether to run a plain cycle in place of the drafting cycle of width T chosen, which
