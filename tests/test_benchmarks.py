@@ -479,9 +479,9 @@ def test_cpu_ops_benchmark_times_both_arms_of_every_measure(qwen3_target, tmp_pa
 
 
 def test_warm_up_breakdown_records_each_step_and_puts_the_engine_back(tmp_path, monkeypatch):
-    from benchmarks import warm_up_breakdown
-
     from dflash_batch.engine import batch, warmup
+
+    from benchmarks import warm_up_breakdown
 
     monkeypatch.setenv("DFLASH_BATCH_CACHE", str(tmp_path / "cache"))
     run, run_once = batch.BatchDecoder.run, warmup._run_once
