@@ -387,3 +387,25 @@ def test_a_shrinking_batch_learns_what_an_untimed_width_costs():
             policy.accepted(row, a, T)
     assert sum(T > 1 for T in widths[32:]) <= 2, widths  # plain once learnt, but for a probe
     assert spent <= 1.4 * plain  # the first rung's cycles learn what its widths cost
+
+
+def test_a_wide_batch_backs_off_its_probes_though_some_row_gets_a_probe_right():
+    """16 rows on the CPU costs whose drafts are accepted half the time (drafting does not pay
+    there): in a probe of 3 drafts some row accepts all three by chance (12.5% a row, 88% a
+    probe). A probe restores the whole share only where most of its rows got every draft right,
+    so the probes back off as a lone row's do: 6 probes over 2000 cycles (when any one row
+    restored it: 31)."""
+    rng = random.Random(2)
+    cost = CostModel(**CPU)
+    policy = WidthPolicy(BLOCK, cost)
+    rows = [policy.new_row() for _ in range(16)]
+    probes = 0
+    for _ in range(2000):
+        T = policy.width(rows, [10**6] * len(rows))
+        probes += T > 1
+        for row in rows:
+            a = 0
+            while a < T - 1 and rng.random() < 0.5:
+                a += 1
+            policy.accepted(row, a, T)
+    assert probes <= 12, probes

@@ -70,8 +70,9 @@ cost(B, probe) - cost(B, 1)); before the engine has drafted at all, the plain cy
 longest budget still allows count as spent, so a long first job probes at its start. Each probe after the
 first that leaves the width policy still not drafting halves that share (to 1/8 of it at most): a
 drafter that keeps failing is tried ever more rarely (the README's job on a 2-core CPU, whose
-drafts are accepted about 15% of the time, is such a case), and a row accepting every draft of a
-drafting cycle the width policy chooses on its own, restores the share. A drafter that always
+drafts are accepted about 15% of the time, is such a case), and a cycle in which most rows that
+verified drafts accepted every one, or a drafting cycle the width policy chooses on its own,
+restores the share (``_restore_probes``). A drafter that always
 fails makes a job at most about 5% slower, and a long one under 1% (for a job whose rows end
 well before their budgets, the first probe can cost more than 5% of it).
 
@@ -475,6 +476,8 @@ class WidthPolicy:
         self.probe_share, self.probe_width = probe_share, min(probe_width, block)
         self.backoff = backoff  # the most a run of failed probes divides the probe share by
         self.failed = 0  # probes since the width policy last chose to draft on its own
+        # rows of the last cycle that verified drafts, and those that accepted every one
+        self.cycle_rows = self.cycle_right = 0
         self.job = job if job is not None else pooled_acceptance(block)  # every row's cycles
         self.plain_seconds = 0.0  # spent in plain cycles since the last drafting cycle
         self.plain = plain if plain is not None else PlainProbes()  # the engine's, from job to job
@@ -498,8 +501,18 @@ class WidthPolicy:
     def accepted(self, row: Acceptance, accepted: int, verified: int) -> None:
         row.update(accepted, verified)
         self.job.update(accepted, verified)
-        if verified > 1 and accepted == verified - 1:
-            self.failed = 0  # every draft right: the drafter may be turning good, probe as at first
+        if verified > 1:  # read by the next ``width`` (``_restore_probes``)
+            self.cycle_rows += 1
+            self.cycle_right += accepted == verified - 1
+
+    def _restore_probes(self) -> None:
+        """After a cycle in which most rows that verified drafts accepted every one, the drafter
+        may be turning good: probe at the whole share again. Most, not any: in a wide batch some
+        row gets a short probe all right by chance (at 32 rows and p = 0.45 nearly every probe
+        has one), and the probes would never back off."""
+        if self.cycle_rows and 2 * self.cycle_right > self.cycle_rows:
+            self.failed = 0
+        self.cycle_rows = self.cycle_right = 0
 
     def width(
         self,
@@ -511,6 +524,7 @@ class WidthPolicy:
         (the most a cycle may commit to each row). ``tail``: no request can join the batch (the
         job's tail), and these are the tokens each row has left; the width is then the one that
         finishes every row soonest, not the one of most tokens per second (module doc)."""
+        self._restore_probes()
         longest = max(budgets)
         if self.block < 2 or longest < 2:
             self.plain.drafting = 0.0  # a plain cycle runs, as a plain probe would
