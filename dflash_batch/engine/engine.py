@@ -710,7 +710,8 @@ class Engine:
         self, batch_size: int = 1, context: Optional[int] = None, *, measure: bool = False
     ) -> CostModel:
         """Compile and time the passes a job of this batch size runs: target passes of 1, half the
-        block's and the block's rows, and drafter passes, at batch 1 and ``batch_size``, the rows
+        block's and the block's rows, and drafter passes, at batch 1 (a GPU job wider than its compiled
+        passes: the narrowest eager batch, engine/warmup.py) and ``batch_size``, the rows
         holding about ``context`` tokens (a job's prompt and half its budget; default: a short
         context). On a GPU it also picks the faster attention for ragged batches. A job's first
         use of a batch size (and of a context of another power of two) does this by itself; call

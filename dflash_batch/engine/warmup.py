@@ -105,7 +105,8 @@ def _time_widths(
     targets: Dict[Tuple[int, int], float],
     drafts: Dict[int, float],
 ) -> None:
-    """Time target passes at the widths chosen among, and drafter passes, at batch 1 and the job's."""
+    """Time target passes at the widths chosen among, and drafter passes, at the two batch sizes
+    of ``_batch_sizes``."""
     quick = _quick()
     for i, B in enumerate(sorted(_batch_sizes(batch_size, quick), reverse=quick)):
         passes = _Passes(engine, B, n)

@@ -10,7 +10,7 @@ Single-row decode steps and long prefill chunks keep stock SDPA.
 Modes (``Routes.attention``: ``EngineConfig(attention=...)``, else DFLASH_BATCH_ATTENTION):
     stock      stock SDPA everywhere (default on CPU, and on Metal, where the kernels are untested)
     kernel     the CUDA / Metal kernels (default on CUDA), each after its self-check
-               (``block.kernel_verified``: once per process and kind of call; a kernel that fails
+               (``block.kernel_verified``: once per machine and kind of call; a kernel that fails
                it warns once and the reference runs in its place)
     reference  the same two passes in MLX ops (any backend; used by the tests)
 

@@ -10,7 +10,7 @@ chunks, wide batches, LM heads, quantized layers) runs as before, through the la
 Modes (``Routes.matmul``: ``EngineConfig(matmul=...)``, else DFLASH_BATCH_MATMUL):
     stock    MLX's matmul everywhere (the default on the CPU and on Metal)
     kernel   the CUDA kernel for few-row products (the default on CUDA), after its self-check
-             (``kernels.matmul.kernel_verified``: once per process and dtype; a kernel that fails
+             (``kernels.matmul.kernel_verified``: once per machine and dtype; a kernel that fails
              it warns once and MLX's matmul runs in its place)
 
 Why it is the default on CUDA (docs/results/batched.md, "A few-row matmul kernel", with the figures):

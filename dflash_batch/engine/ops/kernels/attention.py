@@ -31,9 +31,9 @@ CPU emulator) defines.
 
 ``block_attention_kernel`` runs the kernels as they are (what the GPU tests and benchmarks
 compare and time). ``block_attention`` and the engine's routing first ask ``kernel_verified``:
-once per process and kind of call (backend, dtype, head dim, mask flags), the kernel runs a
-small seeded case against the reference (``selfcheck``); after a compile error or a mismatch
-they warn once and use the reference. The Metal kernels have never run on Apple hardware.
+once per machine and kind of call (backend, dtype, head dim, mask flags; a pass is kept in the
+model cache), the kernel runs a small seeded case against the reference (``selfcheck``); after a
+compile error or a mismatch they warn once and use the reference. The Metal kernels have never run on Apple hardware.
 """
 
 from __future__ import annotations
@@ -513,7 +513,7 @@ LAUNCHERS: Dict[str, Callable[..., mx.array]] = {"cuda": _launch, "metal": _laun
 # 3 tiles, the last one partial), window 24 when the call has one, in 2 chunks (pass 2 or the
 # fused reduction runs). With kv_len: B = 2, k is the first 96 keys of a 128-key buffer (a
 # ragged cache's bucketed width), rows of 83 and 61 keys (CHECK_LENGTHS; the second row's chunks
-# hold fewer tiles). The reference runs on the CPU. A few ms, once per process and kind of call.
+# hold fewer tiles). The reference runs on the CPU. A few ms, once per machine and kind of call.
 CHECK_SHAPE = (4, 2, 16, 83, 96)  # H, Hk, Lq, Lk, buffer length
 CHECK_WINDOW = 24
 CHECK_SPLITS = 2

@@ -23,7 +23,7 @@ oracle. ``metal``: ``mx.fast.metal_kernel`` (one simdgroup per state row). ``cud
 scalar gates and no mask; other shapes use the reference.
 
 Before a kernel serves its first call of a kind (dtypes, head counts and dims, ``record``), it
-checks itself once per process against the reference on a small seeded case of that kind
+checks itself once per machine against the reference on a small seeded case of that kind
 (``selfcheck``: T = CHECK_STEPS, B = 1); on a compile error or a mismatch it warns once and the
 reference serves those calls instead. The Metal kernels have never run on Apple hardware: this
 check is what stands between them and a wrong result there. ``LAUNCHERS`` holds the function

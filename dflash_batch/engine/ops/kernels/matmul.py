@@ -18,7 +18,7 @@ verify pass at batch 1 is as much host as device). fp32 stays fp32 throughout (n
 rounded once. Any K and alignment: 16-byte loads where x, W and K allow, scalar ones otherwise.
 
 ``matmul_reference`` is ``x @ W.T`` in MLX ops (the oracle; the CPU path). ``matmul_kernel`` runs
-the CUDA kernel as it is (tests and benchmarks). ``kernel_verified`` checks it once per process
+the CUDA kernel as it is (tests and benchmarks). ``kernel_verified`` checks it once per machine
 and dtype against the reference on the CPU (``selfcheck``); ``engine/ops/matmul.py`` routes products
 to it. There is no Metal kernel: MLX's Metal matmul has its own few-row path, and nothing here
 can run Metal to measure whether one would help. The body is written against a few macros that
