@@ -114,15 +114,13 @@ class SamplingControls:
     top_p: float = _control(1.0, _number(lambda x: 0 < x <= 1, "in (0, 1]"))
     min_p: float = _control(0.0, _number(lambda x: 0 <= x < 1, "in [0, 1)"))
     repetition_penalty: float = _control(1.0, _number(lambda x: x > 0, "> 0"))
-    presence_penalty: float = _control(
-        0.0, _number(lambda x: -2 <= x <= 2, "in [-2, 2]")
-    )  # OpenAI's range
+    # OpenAI's range
+    presence_penalty: float = _control(0.0, _number(lambda x: -2 <= x <= 2, "in [-2, 2]"))
     frequency_penalty: float = _control(0.0, _number(lambda x: -2 <= x <= 2, "in [-2, 2]"))
     logprobs: bool = _control(False, _boolean)
     top_logprobs: int = _control(0, _integer(MAX_TOP_LOGPROBS))
-    response_format: Optional[Dict[str, Any]] = _control(
-        None, _response_format
-    )  # constraints.grammar's input
+    # constraints.grammar's input
+    response_format: Optional[Dict[str, Any]] = _control(None, _response_format)
 
     @staticmethod
     def defaults() -> Dict[str, Any]:
@@ -192,9 +190,8 @@ class Request:
     index: int = 0  # the row's 0-based position in the input
     where: str = ""  # "line 7" / "row 7": how messages name the row
     sample_index: int = 0  # which of the row's n samples (the runner gives each its own request)
-    control: bool = (
-        False  # decode it plainly in the batch (no draft verified), as a check (docs/runner.md)
-    )
+    # decode it plainly in the batch (no draft verified), as a check (docs/runner.md)
+    control: bool = False
 
 
 # What a completion engine yields per request: its completion, or why it has none (a

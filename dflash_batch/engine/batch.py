@@ -61,13 +61,11 @@ class EncodedRequest:
     # the filters and penalties (engine/sampling.py), checked; off by default
     controls: SamplingControls = field(default_factory=SamplingControls)
     # from the controls (Engine.request): logprobs and top_logprobs, response_format
-    logprobs: Optional[int] = (
-        None  # None: none; k: the emitted token's and the k best alternatives'
-    )
+    # None: none; k: the emitted token's and the k best alternatives'
+    logprobs: Optional[int] = None
     grammar: Optional[str] = None  # llguidance grammar (dflash_batch/constraints.py)
-    control: bool = (
-        False  # decoded plainly in the batch, drafts never verified: a check (docs/runner.md)
-    )
+    # decoded plainly in the batch, drafts never verified: a check (docs/runner.md)
+    control: bool = False
 
 
 @dataclass
@@ -81,12 +79,10 @@ class Row:
     produced: int = 0  # tokens committed so far (the prefill's first one included)
     acceptance: Acceptance = field(default_factory=Acceptance)
     history: List[int] = field(default_factory=list)  # committed output tokens (for penalties)
-    matcher: Optional[object] = (
-        None  # the grammar state at the committed output (engine/grammar.py)
-    )
-    plain: bool = (
-        False  # no penalty, filter or grammar: chooses from the target's logits as they are
-    )
+    # the grammar state at the committed output (engine/grammar.py)
+    matcher: Optional[object] = None
+    # no penalty, filter or grammar: chooses from the target's logits as they are
+    plain: bool = False
 
     @property
     def budget(self) -> int:
@@ -369,9 +365,8 @@ class BatchDecoder:
         the rows that asked for them (None if none did)."""
         B, T, _ = logits.shape
         if all(r is None or r.plain for r in rows):
-            processed = (
-                logits  # what sampling.process returns when no row has a control or a grammar
-            )
+            # what sampling.process returns when no row has a control or a grammar
+            processed = logits
         else:
             walks = [
                 (b, r.matcher, drafts[b] if drafts else [])
@@ -433,9 +428,8 @@ class BatchDecoder:
             width = self.width_policy.tree_width(
                 [(p.depths, p.scores) for p, _ in live], [r.cycle_budget for _, r in live]
             )
-        limits = [
-            min(width, r.cycle_budget) if r is not None else 1 for r in rows
-        ]  # L_b: what row b may commit
+        # L_b: what row b may commit
+        limits = [min(width, r.cycle_budget) if r is not None else 1 for r in rows]
         # the pass runs at a bucket width (engine/widths.py: ``buckets``), compiled once: near
         # the end of their budgets the rows' limits would make any width; a row's positions past
         # its L_b are verified and discarded, as a short-budget row's beside a long one's are
@@ -454,11 +448,12 @@ class BatchDecoder:
         if hidden is not None:
             self.pending.append((hidden, list(keep)))  # a piece: packed when the drafter runs
         live = sum(r is not None for r in rows)
+        # a cycle of shapes not run before includes compiling them
         shapes = (
             B,
             T,
             round_up(self.lengths.max),
-        )  # a cycle of shapes not run before includes compiling them
+        )
         seconds = time.perf_counter() - started
         if shapes in self.engine.shapes_seen:
             self.width_policy.cost.observe(live, T, seconds)
@@ -559,9 +554,8 @@ class BatchDecoder:
         chooses the cycle's width from them. A fixed width drafts only the positions it verifies."""
         block = self.engine.block_size
         longest = max(r.cycle_budget for r in self.rows if r is not None)
-        top = bucket(
-            min(width if self.width_policy.fixed else block, longest), block
-        )  # the drafter's head rows too
+        # the drafter's head rows too
+        top = bucket(min(width if self.width_policy.fixed else block, longest), block)
         P = min(top - 1, block - 1)
         ids, logprobs = self.draft(last, P, candidates=tree.CANDIDATES)
         mx.eval(ids, logprobs)  # the tree is grown on the host
@@ -652,9 +646,8 @@ class BatchDecoder:
             for b, n in zip(pack, counts)
         ]
         lengths = Lengths([])
-        cache = self.drafter.make_cache(
-            lengths
-        )  # empty at first, as the joining group's (engine/prefill.py)
+        # empty at first, as the joining group's (engine/prefill.py)
+        cache = self.drafter.make_cache(lengths)
         lengths.set([0] * len(pack))
         self.drafter.add_context(mx.concatenate(rows, axis=0) if len(rows) > 1 else rows[0], cache)
         for i, (b, n) in enumerate(zip(pack, counts)):

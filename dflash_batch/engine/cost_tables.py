@@ -37,16 +37,8 @@ from .ops.kernels import cpu
 from .widths import CostModel
 
 FORMAT = 1  # bump when the stored fields change: older files no longer match any key
-FIELDS = (
-    "t0",
-    "t1",
-    "d0",
-    "d1",
-    "t2",
-    "context",
-    "route",
-    "rows",
-)  # a CostModel's measured part, with ``timed``
+# a CostModel's measured part, with ``timed``
+FIELDS = ("t0", "t1", "d0", "d1", "t2", "context", "route", "rows")
 
 log = logging.getLogger("dflash_batch.engine")
 

@@ -64,9 +64,8 @@ def choose(
     if all(t <= 0 for t in temperatures):
         return greedy
     B, T, V = logits.shape
-    positions = (
-        first if first.ndim == 2 else first[:, None] + mx.arange(T, dtype=mx.int32)[None]
-    )  # [B, T]
+    # [B, T]
+    positions = first if first.ndim == 2 else first[:, None] + mx.arange(T, dtype=mx.int32)[None]
     seed = mx.array([s & 0xFFFFFFFF for s in seeds], dtype=mx.uint32)[:, None]
     keys = mx.stack([mx.broadcast_to(seed, (B, T)), positions.astype(mx.uint32)], axis=-1).reshape(
         B * T, 2

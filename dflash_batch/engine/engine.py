@@ -77,9 +77,8 @@ class Engine:
         # which ask the routes in force (this engine's, while it steps: engine/ops/switch.py).
         attention.install(model)  # verify passes: multi-row attention routed per backend
         matmul.install(model)  # and few-row products (engine/ops/matmul.py)
-        activations.install(
-            model
-        )  # SwiGLU by the CPU ops where they run (engine/ops/activations.py)
+        # SwiGLU by the CPU ops where they run (engine/ops/activations.py)
+        activations.install(model)
         self.config = config or {}
         chunk, tokens = memory.default_prefill()
         self.prefill_chunk = chunk if settings.prefill_chunk is None else settings.prefill_chunk
@@ -93,9 +92,8 @@ class Engine:
         )
         self.max_context = settings.max_context or self.config.get("max_position_embeddings")
         self.block_size = 0
-        self.draft_head: Optional[decode.DraftHead] = (
-            None  # set with a drafter that has a draft vocabulary
-        )
+        # set with a drafter that has a draft vocabulary
+        self.draft_head: Optional[decode.DraftHead] = None
         self.target.check_cache()
         if drafter is not None:
             self._attach(drafter, settings.block_size)
@@ -104,16 +102,14 @@ class Engine:
         self.adaptive_block = True if settings.adaptive_block is None else settings.adaptive_block
         self.batch_cap = settings.batch_size
         self.cost: Dict[int, CostModel] = {}  # batch size -> measured pass costs (warm_up)
-        self.cost_model = (
-            settings.cost_model
-        )  # given pass costs: no warm-up, any batch size (load_engine)
+        # given pass costs: no warm-up, any batch size (load_engine)
+        self.cost_model = settings.cost_model
         self.measured_passes = 0  # warm-ups that timed passes (not read from the model cache)
         self.keep_costs = True  # measured pass costs read from and kept in the model cache (engine/cost_tables.py)
         # the drafter's acceptance over every job's cycles: each job's prior (engine/widths.py)
         self.acceptance = pooled_acceptance(self.block_size)
-        self.node_calibration = NodeCalibration(
-            max(self.block_size - 1, 0)
-        )  # draft trees' nodes, likewise
+        # draft trees' nodes, likewise
+        self.node_calibration = NodeCalibration(max(self.block_size - 1, 0))
         self.plain_probes = PlainProbes()  # and what the plain probes spent
         self.shapes_seen: set = set()  # (rows, width, key bucket) of the cycles run so far
         self.passes_run: set = set()  # and their (rows, width)
@@ -424,9 +420,8 @@ class Engine:
         piece as it is committed."""
         self.prefill_counts = decoder.group.counts
         self.decode_counts = decoder.decode_counts
-        self.context_counts = (
-            decoder.context_counts
-        )  # the drafter's prompt context, written when it first drafts
+        # the drafter's prompt context, written when it first drafts
+        self.context_counts = decoder.context_counts
         parts: Dict[int, List[Piece]] = {}
         for index, piece in self._steps(decoder):
             if index is None:
@@ -476,9 +471,8 @@ class Engine:
 
         def encode(req) -> List[EncodedRequest]:
             first = self._checked(req, 0)
-            first.control = getattr(
-                req, "control", False
-            )  # decoded plainly, as a check (docs/runner.md)
+            # decoded plainly, as a check (docs/runner.md)
+            first.control = getattr(req, "control", False)
             plan.take(self._positions([first]))
             samples = _samples(first, getattr(req.options, "n", 1), item=str(req.id))
             for sample in samples:

@@ -88,9 +88,8 @@ class Grammars:
                     )
                     if host is None:
                         host = np.array(logits.astype(mx.float32))
-                    tok = int(
-                        allowed[np.argmax(host[c, i, allowed])]
-                    )  # ties: the lowest id, as mx.argmax
+                    # ties: the lowest id, as mx.argmax
+                    tok = int(allowed[np.argmax(host[c, i, allowed])])
                 if not matcher.consume_token(tok):
                     break
                 walked.append(tok)

@@ -42,9 +42,8 @@ class RowOutput:
         self.started = self.decode_started = time.perf_counter()
         self.done = False
         self.cycle_share: float = 0.0  # the current cycle's seconds per row in flight (``timed``)
-        self.plain_token: Optional[float] = (
-            None  # and a plain cycle's, per row: one token's plain cost
-        )
+        # and a plain cycle's, per row: one token's plain cost
+        self.plain_token: Optional[float] = None
 
     def timed(self, share: float, plain_token: Optional[float]) -> None:
         """The cycle whose step comes next took ``share`` seconds per row in flight; a plain cycle
@@ -102,9 +101,8 @@ class RowOutput:
             if self.eos.isdisjoint(tokens)
             else next(i for i, t in enumerate(tokens) if t in self.eos)
         )
-        last = max(
-            self.max_tokens - stats.generated_tokens - 1, 0
-        )  # index of the budget's last token
+        # index of the budget's last token
+        last = max(self.max_tokens - stats.generated_tokens - 1, 0)
         finish = stop_reason = None
         if eos is not None and eos <= last:
             used, ids, finish, stop_reason = eos + 1, tokens[:eos], "stop", "eos"

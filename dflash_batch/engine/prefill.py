@@ -143,9 +143,8 @@ class Joiner:
     ids: List[int]
     done: int  # prompt tokens in the group's cache
     marks: List[int] = field(default_factory=list)  # prefix lengths still to keep (ascending)
-    hidden: List[mx.array] = field(
-        default_factory=list
-    )  # tapped rows of those tokens, in pieces [1, c, taps*H]
+    # tapped rows of those tokens, in pieces [1, c, taps*H]
+    hidden: List[mx.array] = field(default_factory=list)
 
     def piece_end(self, width: int) -> int:
         """Where this row's next piece ends: ``width`` tokens on, cut at its next mark."""
@@ -204,9 +203,8 @@ class JoinGroup:
         pieces = [j.ids[j.done : j.done + min(r, C)] for j, r in zip(js, room)]
         counts = [len(p) for p in pieces]
         tokens = mx.array([p + [0] * (C - len(p)) for p in pieces], dtype=mx.int32)
-        at = (
-            mx.array(counts, dtype=mx.int32) - 1
-        )  # logits after each row's last valid token: row j, column c_j - 1
+        # logits after each row's last valid token: row j, column c_j - 1
+        at = mx.array(counts, dtype=mx.int32) - 1
         if len(set(counts)) > 1:  # ragged: recurrent rows keep their own c_j steps (tape replay)
             last, hidden = self.target.verify(tokens, self.cache, at)
             self.target.rollback(self.cache, counts)

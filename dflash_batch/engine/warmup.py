@@ -51,9 +51,8 @@ from .ops.batch_cache import Lengths, round_up
 from .widths import PROBE_WIDTH, CostModel, bucket, buckets
 
 SHORT_CONTEXT = 64  # tokens per row when the job's context is not known
-CHEAP_PASS = (
-    0.02  # seconds: a CPU pass this quick is timed as on a GPU (repeating it costs nothing)
-)
+# seconds: a CPU pass this quick is timed as on a GPU (repeating it costs nothing)
+CHEAP_PASS = 0.02
 AGREE = 0.25  # two CPU timings of a pass this close (relative): neither was slowed much, no third
 
 
@@ -188,9 +187,8 @@ class _Passes:
         target = engine.target
         block = max(engine.block_size, 2)
         self.rows = [max(n - b % 4, 1) for b in range(B)]
-        self.capacity = compiled.capacity(
-            B, round_up(n + 2 * block)
-        )  # as the job's batch allocates it
+        # as the job's batch allocates it
+        self.capacity = compiled.capacity(B, round_up(n + 2 * block))
         self.lengths = Lengths(self.rows)
         self.cache = target.make_cache(self.lengths, self.capacity)
         self.ids = mx.array(

@@ -270,9 +270,8 @@ COMPILE_PRIOR = 0.05
 WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 TRUSTED = 3  # cycles of a kind before its learnt overhead is used
 PROBE_WIDTH = 4  # rows a probe verifies: a drafter of unknown worth is tried at this width
-REPLAN = (
-    16  # plain cycles a plain choice stands while nothing is learnt, before it is weighed again
-)
+# plain cycles a plain choice stands while nothing is learnt, before it is weighed again
+REPLAN = 16
 
 
 def buckets(block: int) -> List[int]:
@@ -326,13 +325,11 @@ class CostModel:
     # (batch_rung(B), T) -> the last cycles' excess
     width_excess: Dict[Tuple[int, int], List[float]] = field(default_factory=dict)
     context: Optional[int] = None  # tokens per row the passes were timed at (None: any)
-    route: Optional[str] = (
-        None  # the ragged attention route chosen with them (engine/ops/attention.py)
-    )
+    # the ragged attention route chosen with them (engine/ops/attention.py)
+    route: Optional[str] = None
     rows: int = 0  # the batch size of ``timed`` (0: none timed)
-    timed: Dict[int, float] = field(
-        default_factory=dict
-    )  # T -> seconds of a target pass at ``rows``
+    # T -> seconds of a target pass at ``rows``
+    timed: Dict[int, float] = field(default_factory=dict)
 
     def target(self, B: int, T: int) -> float:
         line = self.t0 + self.t1 * B * T + self.t2 * B
@@ -481,9 +478,8 @@ class WidthPolicy:
         self.job = job if job is not None else pooled_acceptance(block)  # every row's cycles
         self.plain_seconds = 0.0  # spent in plain cycles since the last drafting cycle
         self.plain = plain if plain is not None else PlainProbes()  # the engine's, from job to job
-        self.nodes = (
-            nodes if nodes is not None else NodeCalibration(max(block - 1, 0))
-        )  # draft trees' nodes
+        # draft trees' nodes
+        self.nodes = nodes if nodes is not None else NodeCalibration(max(block - 1, 0))
         # what the last plain choice was made from (the job's and the rows' estimates), and the
         # cycles it has stood: ``width`` does not weigh the widths again while nothing is learnt
         self.plain_from: Optional[Tuple[int, Tuple[int, ...]]] = None

@@ -185,9 +185,8 @@ def _feed(
                 commit(item_error_row(item, record.id, config_hash))
         if any(item.error is None for _, item, _k in todo):
             engine = engines(spec)
-            revision = getattr(
-                engine, "drafter_revision", None
-            )  # one drafter per stream (drafters.py)
+            # one drafter per stream (drafters.py)
+            revision = getattr(engine, "drafter_revision", None)
             for request, outcome in engine.generate_requests(requests(), spec.batch_size):
                 if isinstance(outcome, Exception) and not isinstance(outcome, GenerationError):
                     log.error(
@@ -210,9 +209,8 @@ def _feed(
             journal = journals.pop(c)
             store.commit_journal(journal, c) if keep else journal.close()
     if any(left.values()) and not result.stopped:
-        result.stopped = (
-            True  # the engine yielded fewer rows than it was given: never finish a chunk short
-        )
+        # the engine yielded fewer rows than it was given: never finish a chunk short
+        result.stopped = True
         log.error("job %s: the engine returned %d rows too few", record.id, sum(left.values()))
 
 

@@ -33,9 +33,8 @@ class Item:
     index: int  # 0-based position among the input's rows (blank JSONL lines are not rows)
     where: str  # "line 7" (JSONL: the file's line number) or "row 7" (Parquet: the 7th row); both from 1
     prompt: Optional[Prompt] = None
-    options: Dict[str, Any] = field(
-        default_factory=dict
-    )  # per-row max_tokens, temperature, stop, system
+    # per-row max_tokens, temperature, stop, system
+    options: Dict[str, Any] = field(default_factory=dict)
     metadata: Dict[str, Any] = field(default_factory=dict)
     error: Optional[str] = None
     cursor: Optional[Tuple[int, int]] = None  # JSONL: (byte offset, line number) of the row
@@ -48,9 +47,8 @@ class Fields:
     id_field: Optional[str] = None  # None: "id", then "custom_id"
     prompt_field: str = "prompt"
     messages_field: str = "messages"
-    prompt_template: Optional[str] = (
-        None  # string.Template over the row's fields: "Summarize: $text"
-    )
+    # string.Template over the row's fields: "Summarize: $text"
+    prompt_template: Optional[str] = None
 
 
 def detect_format(path: Path, fmt: str = "auto") -> str:

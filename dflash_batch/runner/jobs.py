@@ -185,9 +185,8 @@ class JobRecord:
         rows += [r for r in store.journal_rows() if r["id"] in ids and key_of(r) not in seen]
         ok = [r for r in rows if r["status"] == "ok"]
         failed = len(rows) - len(ok)
-        done = len(
-            {r["id"] for r in rows}
-        )  # items with a row (each of an item's n samples has one)
+        # items with a row (each of an item's n samples has one)
+        done = len({r["id"] for r in rows})
         if (
             done >= self.total and not self.pending_chunks()
         ):  # every row, and every chunk's part committed

@@ -105,9 +105,8 @@ class Queue:
             )
             self.broker = str(self.home / "queue.db")
         self.chunk_task = self.huey.task(name=CHUNK_TASK, context=True)(self._dispatch)
-        self.on_chunk: Optional[Callable[..., None]] = (
-            None  # (job_id, chunk, task): set by the worker
-        )
+        # (job_id, chunk, task): set by the worker
+        self.on_chunk: Optional[Callable[..., None]] = None
 
     def _dispatch(self, job_id: str, chunk: int, task=None) -> None:
         if self.on_chunk is None:

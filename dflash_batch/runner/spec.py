@@ -281,16 +281,14 @@ class JobSpec(SamplingControls):
     system_prompt: Optional[str] = _option(None, _string)
     # string.Template over row fields: "Summarize:\n\n$text"
     prompt_template: Optional[str] = _option(None, _prompt_template)
-    chat_template: Optional[bool] = _option(
-        None, _chat_template
-    )  # None: the tokenizer's, if it has one
+    # None: the tokenizer's, if it has one
+    chat_template: Optional[bool] = _option(None, _chat_template)
     chat_template_kwargs: Dict[str, Any] = _option({}, _template_kwargs)
     # model
     target: Optional[str] = _option(None, _filled)  # None: the embedded default pair
     target_revision: Optional[str] = _option(None, _revision)
-    draft: Optional[str] = _option(
-        "auto", _string
-    )  # "auto": the registered drafter; None: plain AR
+    # "auto": the registered drafter; None: plain AR
+    draft: Optional[str] = _option("auto", _string)
     draft_revision: Optional[str] = _option(None, _revision)
     dtype: str = _option("auto", _dtype)
     block_size: Optional[int] = _option(None, _count)
@@ -314,17 +312,14 @@ class JobSpec(SamplingControls):
     # (``request.control_row`` picks them; docs/runner.md); their output is the same: not in the hash
     control: float = _option(0.0, _share)
     schedule: Optional[str] = _option(None, _schedule)  # cron expression (UTC)
-    catch_up: bool = _option(
-        True, _flag
-    )  # a run missed while no worker was up: submitted at start-up
+    # a run missed while no worker was up: submitted at start-up
+    catch_up: bool = _option(True, _flag)
     retries: int = _option(0, _integer(0))
-    export_openai: bool = _option(
-        False, _flag
-    )  # also write _openai_output.jsonl as a job completes
+    # also write _openai_output.jsonl as a job completes
+    export_openai: bool = _option(False, _flag)
     force: bool = _option(False, _flag)  # accept an output dir written with another config hash
-    adapt: Optional[Dict[str, Any]] = _option(
-        None, _adapt
-    )  # {after_rows, time_budget, steps, min_rows}: ADAPT_KEYS
+    # {after_rows, time_budget, steps, min_rows}: ADAPT_KEYS
+    adapt: Optional[Dict[str, Any]] = _option(None, _adapt)
 
     # -- derived ---------------------------------------------------------------------------
     @property

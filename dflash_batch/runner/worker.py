@@ -80,9 +80,8 @@ class Worker:
         self.adapter = adapter
         self.cron = Cron(queue)
         self.stop_flag: Optional[threading.Event] = None
-        queue.on_chunk = lambda job_id, chunk, task: self.run_chunk(
-            job_id, chunk, task
-        )  # late-bound: wrappable
+        # late-bound: wrappable
+        queue.on_chunk = lambda job_id, chunk, task: self.run_chunk(job_id, chunk, task)
         self.id = new_worker_id()
         self.device = device if device is not None else environment.get("CUDA_VISIBLE_DEVICES")
         self.leases = Leases(queue.huey.storage)
@@ -308,9 +307,8 @@ class Worker:
         self.stop_flag = consumer.stop_flag
         log.info("worker started: queue %s, home %s, id %s, device %s, leases of %.0f s",
                  self.queue.broker, self.queue.home, self.id, self.device, self.leases.ttl)  # fmt: skip
-        self.leases.put_worker(
-            self.id, **self.record()
-        )  # seen at once: other workers count it in their shares
+        # seen at once: other workers count it in their shares
+        self.leases.put_worker(self.id, **self.record())
         self.heartbeat.start()
         try:
             consumer.run()

@@ -30,9 +30,8 @@ from .errors import ApiError, bad_request
 from .resident import Resident
 
 EXTENSION = "dflash"  # the key of each answer's speculative statistics
-MAX_PROMPT_CHARS = (
-    1 << 22
-)  # a body's prompt or messages, at most (the engine refuses long prompts itself)
+# a body's prompt or messages, at most (the engine refuses long prompts itself)
+MAX_PROMPT_CHARS = 1 << 22
 
 
 class Interactive:

@@ -61,9 +61,8 @@ def adapt_job(
     """Adapt ``record``'s drafter once (the caller holds ``drafters.adapt_lock``); returns the
     attempt as recorded in the job's drafter history. Raises ``AdaptRefused`` for a job too small
     or without a drafter. ``clock``: the time budget's clock (tests give their own)."""
-    cfg = AdaptConfig(
-        **{k: v for k, v in options.items() if v is not None}
-    )  # after_rows: the spec's trigger
+    # after_rows: the spec's trigger
+    cfg = AdaptConfig(**{k: v for k, v in options.items() if v is not None})
     if not cfg.steps and not cfg.time_budget:
         raise AdaptRefused("give a time budget or a number of steps to adapt for")
     rows = finished_rows(record)

@@ -290,14 +290,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0
     if args.generate_only:
         model, config = load_target_model(cfg.target, cfg.dtype)
-        return (
-            0 if prepare_answers(cfg, model, log, config) else 3
-        )  # 3: time budget reached, rerun to resume
+        # 3: time budget reached, rerun to resume
+        return 0 if prepare_answers(cfg, model, log, config) else 3
     trainer = Trainer(cfg, log)
     print(trainer.run(resume=not args.no_resume))
-    return (
-        3 if args.steps and trainer.step < args.steps else 0
-    )  # 3: stopped by --time-budget, rerun to go on
+    # 3: stopped by --time-budget, rerun to go on
+    return 3 if args.steps and trainer.step < args.steps else 0
 
 
 def evaluate(cfg, drafter: str, log) -> int:

@@ -166,9 +166,8 @@ def _attention(
         attn.rope, attn.k_norm(_heads(attn.k_proj(x), nkv, hd)), anchors, block_size
     )
     v_blk = _heads(attn.v_proj(x), nkv, hd)
-    k_ctx = attn.rope(
-        attn.k_norm(_heads(attn.k_proj(ctx), nkv, hd)), offset=0
-    )  # context row s at position s
+    # context row s at position s
+    k_ctx = attn.rope(attn.k_norm(_heads(attn.k_proj(ctx), nkv, hd)), offset=0)
     v_ctx = _heads(attn.v_proj(ctx), nkv, hd)
     keys = mx.concatenate([k_ctx, k_blk], axis=2)
     values = mx.concatenate([v_ctx, v_blk], axis=2)
@@ -217,9 +216,8 @@ def dflash_loss(
     ce = nn.losses.cross_entropy(logits, labels, reduction="none")
     if teacher is not None and distill > 0:
         t = mx.softmax(mx.stop_gradient(teacher).astype(mx.float32), axis=-1)
-        soft = -(t * (logits - mx.logsumexp(logits, axis=-1, keepdims=True))).sum(
-            axis=-1
-        )  # H(t, q)
+        # H(t, q)
+        soft = -(t * (logits - mx.logsumexp(logits, axis=-1, keepdims=True))).sum(axis=-1)
         ce = (1.0 - distill) * ce + distill * soft
     total = weights.sum()
     return (ce * weights).sum() / mx.maximum(total, 1e-6), total

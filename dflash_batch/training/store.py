@@ -161,9 +161,8 @@ class ShardWriter:
             round(temperature * 1000),
         )
         crc = _crc(HEADER.pack(*fields, 0), payload)
-        self.file.write(
-            HEADER.pack(*fields, crc) + payload
-        )  # one write: the record is whole or torn
+        # one write: the record is whole or torn
+        self.file.write(HEADER.pack(*fields, crc) + payload)
         self.file.flush()
 
     def sync(self) -> None:

@@ -89,9 +89,8 @@ class TrainConfig:
     log_every: int = 25
     keep_checkpoints: int = 2
     quantize_bits: Optional[int] = 8
-    draft_vocab: int = (
-        16384  # export a draft vocabulary of this many tokens (0: the whole vocabulary)
-    )
+    # export a draft vocabulary of this many tokens (0: the whole vocabulary)
+    draft_vocab: int = 16384
     export_dtype: str = "bfloat16"
     extra: dict = field(default_factory=dict)
     # a drafter config to train as it is (its shape, taps and rope), rather than one made from the
@@ -356,9 +355,8 @@ def prepare_answers(
     meta = json.loads((folder / "meta.json").read_text())
     deadline = time.perf_counter() + cfg.gen_time_budget if cfg.gen_time_budget else None
     config = config or {}
-    vocab = max(
-        int(config.get("vocab_size") or 0), meta["vocab_size"]
-    )  # the model may pad its vocabulary
+    # the model may pad its vocabulary
+    vocab = max(int(config.get("vocab_size") or 0), meta["vocab_size"])
     if cfg.self_prompts:
         chat = meta["chat"]
         # A user turn ends at the template's end of turn: an EOS while the turns are sampled.
@@ -397,9 +395,8 @@ def prepare_answers(
         log=log,
     )
     _, _, held = answer_samples(cfg)
-    data.save_samples(
-        folder / "eval.jsonl", [s for s in held if s["sample"] == 0]
-    )  # for benchmarks/default_pair.py
+    # for benchmarks/default_pair.py
+    data.save_samples(folder / "eval.jsonl", [s for s in held if s["sample"] == 0])
     if got["left"]:
         log(f"time budget: {got['left']} answers left to generate")
     return not got["left"]
@@ -430,9 +427,8 @@ class Trainer:
         self.cfg, self.log = cfg, log
         self.out = Path(cfg.out)
         self.log_file = self.out / "train.log.jsonl"
-        self.clock: Callable[[], float] = (
-            time.perf_counter
-        )  # the time budget's clock (a test's own)
+        # the time budget's clock (a test's own)
+        self.clock: Callable[[], float] = time.perf_counter
         self.ready = False  # set up (``setup``): ``run`` does it only if not
 
     def record(self, entry: dict) -> None:
@@ -454,9 +450,8 @@ class Trainer:
         self.meta = json.loads((data_dir(cfg) / "meta.json").read_text())
         stored, train, held = answer_samples(cfg)
         self.train_samples = [s for s in train if len(s["answer"]) >= 2]
-        self.eval_samples = [
-            s for s in held if s["sample"] == 0 and len(s["answer"]) >= 2
-        ]  # greedy acceptance
+        # greedy acceptance
+        self.eval_samples = [s for s in held if s["sample"] == 0 and len(s["answer"]) >= 2]
         if not self.train_samples:
             raise ValueError(
                 f"no training answers in {data_dir(cfg) / 'answers'} ({stored} stored): generate them first"

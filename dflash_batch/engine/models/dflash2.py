@@ -39,9 +39,8 @@ from . import drafter
 
 ARCHITECTURE = "DFlash2DraftModel"
 REQUIRED_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
-DEFAULT_RUNTIME_BLOCK = (
-    5  # the runtime ceiling when a config names none (the reference loaders' rule)
-)
+# the runtime ceiling when a config names none (the reference loaders' rule)
+DEFAULT_RUNTIME_BLOCK = 5
 
 
 @dataclass
@@ -130,9 +129,8 @@ class DynamicConv(nn.Module):
 
     def _convolve(self, v: mx.array, dynamic: mx.array, which: int) -> mx.array:
         L = v.shape[1]
-        taps = self.base_kernel[which].astype(v.dtype) + mx.repeat(
-            dynamic, self.group, axis=-1
-        )  # [B, L, K, H]
+        # [B, L, K, H]
+        taps = self.base_kernel[which].astype(v.dtype) + mx.repeat(dynamic, self.group, axis=-1)
         out = taps[:, :, 0] * v
         for t in range(1, min(self.kernel, L)):
             # v shifted down t positions, zeros before the block's start: nothing from earlier cycles
@@ -145,9 +143,8 @@ class DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs, sliding: bool):
         super().__init__()
         self.self_attn = drafter.Attention(args, sliding)
-        self.self_attn.causal = (
-            False  # the window bounds the context; the block stays bidirectional
-        )
+        # the window bounds the context; the block stays bidirectional
+        self.self_attn.causal = False
         self.mlp = drafter.MLP(args.hidden_size, args.intermediate_size)
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)

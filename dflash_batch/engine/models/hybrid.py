@@ -83,16 +83,14 @@ class TapeCache(ArraysCache):
             return
         steps = max(keep)
         if len(set(keep)) == 1:
-            self[0] = mx.contiguous(
-                conv_input[:, steps : steps + width, :]
-            )  # the last K-1 kept inputs
+            # the last K-1 kept inputs
+            self[0] = mx.contiguous(conv_input[:, steps : steps + width, :])
             self[1] = gated_delta.replay(delta[:, :steps], k[:, :steps], g[:, :steps], state)
         else:
             n = mx.array(list(keep), dtype=mx.int32)[:, None]
             kept = mx.arange(steps, dtype=mx.int32)[None] < n  # [B, steps]
-            rows = (n + mx.arange(width, dtype=mx.int32)[None])[
-                ..., None
-            ]  # conv inputs keep_b .. keep_b+K-2
+            # conv inputs keep_b .. keep_b+K-2
+            rows = (n + mx.arange(width, dtype=mx.int32)[None])[..., None]
             self[0] = mx.take_along_axis(conv_input, rows, axis=1)
             g_kept = mx.where(kept[..., None], g[:, :steps], mx.array(1, g.dtype))
             d_kept = mx.where(kept[..., None, None], delta[:, :steps], mx.array(0, delta.dtype))

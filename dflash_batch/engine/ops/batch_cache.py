@@ -80,9 +80,8 @@ class RaggedKVCache:
 
     def __init__(self, lengths: Lengths, capacity: int = 0, window: Optional[int] = None):
         self.lengths = lengths
-        self.capacity = (
-            capacity  # key positions to allocate at once (the job's longest row): no growth copies
-        )
+        # key positions to allocate at once (the job's longest row): no growth copies
+        self.capacity = capacity
         self.window = window  # a sliding-window layer's: each query sees its last ``window`` keys
         self.keys: Optional[mx.array] = None
         self.values: Optional[mx.array] = None

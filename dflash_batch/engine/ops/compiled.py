@@ -68,17 +68,12 @@ ROUTE = switch.BY_FIELD["passes"]
 MODES = tuple(ROUTE.modes)
 ENV = ROUTE.env
 MAX_ROWS = 8  # wider batches are device-bound: building their graph is a small part of a pass
-MIN_WIDTH = (
-    2  # a plain step (T = 1) stays eager: stock SDPA's one-row kernel over the live keys costs
-)
+# a plain step (T = 1) stays eager: stock SDPA's one-row kernel over the live keys costs
 # the device less than the routed attention over the whole buffer, by more than
 # the host would save (docs/batched.md, "Compiled passes")
-LADDER = (
-    512,
-    1024,
-    2048,
-    4096,
-)  # buffer widths a compiling batch allocates; wider caches stay eager
+MIN_WIDTH = 2
+# buffer widths a compiling batch allocates; wider caches stay eager
+LADDER = (512, 1024, 2048, 4096)
 
 default_mode = ROUTE.default  # the variable if set, else "compiled" on CUDA and "eager" elsewhere
 
@@ -167,10 +162,8 @@ class _Traces:
 
     def __init__(self):
         self._compiled: Dict[tuple, object] = {}  # routing -> mx.compile(self._pass)
-        self.calls = {
-            "compiled": 0,
-            "eager": 0,
-        }  # passes run each way (the first of a routing: eager)
+        # passes run each way (the first of a routing: eager)
+        self.calls = {"compiled": 0, "eager": 0}
         self.traced = 0  # times the pass's Python ran: traces, and the eager first passes
 
     def _run(self, kind: str = ""):
@@ -294,9 +287,8 @@ class CompiledDraft(_Traces):
         self.traced += 1
         view = _Lengths(lengths)
         cache = [_FixedWidthView(view, k, v) for k, v in zip(keys, values)]
-        hidden = self.drafter(
-            x, context, cache, counts
-        )  # counts given: the ragged path, write_columns
+        # counts given: the ragged path, write_columns
+        hidden = self.drafter(x, context, cache, counts)
         return hidden, [c.keys for c in cache], [c.values for c in cache]
 
 

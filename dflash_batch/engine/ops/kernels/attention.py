@@ -80,9 +80,8 @@ def visible_keys(
     With ``kv_len`` row b's key length is ``row_lengths(kv_len, Lk)[b]``: its keys past that are
     hidden and its query row i sits at that length - Lq + i."""
     lengths = mx.array(Lk) if kv_len is None else row_lengths(kv_len, Lk).reshape(-1, 1, 1, 1)
-    rows = mx.arange(Lq)[None, None, :, None] + (
-        lengths - Lq
-    )  # absolute position of each query row
+    # absolute position of each query row
+    rows = mx.arange(Lq)[None, None, :, None] + (lengths - Lq)
     keys = mx.arange(width)[None, None, None, :]
     ok = keys < lengths
     if causal:
