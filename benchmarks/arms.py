@@ -394,6 +394,16 @@ def release() -> None:
 WARM_TOKENS = 32  # new tokens per prompt of an arm's warm-up job
 
 
+def apply_smoke(args, smoke: Dict[str, Any]) -> None:
+    """A benchmark's ``--smoke``: its tiny shape and job in place of the options given; and an
+    unset ``--dtype`` (where it has one) float32 on the CPU, bfloat16 on a GPU."""
+    if args.smoke:
+        for key, value in smoke.items():
+            setattr(args, key, value)
+    if getattr(args, "dtype", "") is None:
+        args.dtype = "float32" if mx.default_device() == mx.cpu else "bfloat16"
+
+
 def median_of(
     run: Callable[[list, int], Dict[str, Any]],
     prompts: list,

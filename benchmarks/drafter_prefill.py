@@ -133,11 +133,7 @@ def main(argv=None) -> Path:
     ap.add_argument("--machine", default=platform.node() or "machine")
     ap.add_argument("--out", default=str(ROOT / "docs" / "results"))
     args = ap.parse_args(argv)
-    if args.smoke:
-        for key, value in SMOKE.items():
-            setattr(args, key, value)
-    if args.dtype is None:
-        args.dtype = "float32" if mx.default_device() == mx.cpu else "bfloat16"
+    arms.apply_smoke(args, SMOKE)
     built, vocab = engines(args)
     prompts = batched.job_prompts(args.prompts, args.context, vocab)
     figures = {name: measure(engine, prompts, args) for name, engine in built.items()}

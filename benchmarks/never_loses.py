@@ -250,11 +250,7 @@ def main(argv=None) -> Path:
     ap.add_argument("--machine", default=platform.node() or "machine")
     ap.add_argument("--out", default=str(ROOT / "docs" / "results"))
     args = ap.parse_args(argv)
-    if args.smoke:
-        for key, value in SMOKE.items():
-            setattr(args, key, value)
-    if args.dtype is None:
-        args.dtype = "float32" if mx.default_device() == mx.cpu else "bfloat16"
+    arms.apply_smoke(args, SMOKE)
     date = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d")
     doc = {
         "machine": args.machine,

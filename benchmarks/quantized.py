@@ -48,7 +48,16 @@ import mlx.core as mx
 from . import arms
 from .batched import engine_arm, job_prompts, run_engine, run_mlx_lm
 from .divergence import compare
-from .shapes import Shape, build_drafter, build_tokenizer, dflash_drafter, qwen3_5, weight_bytes
+from .shapes import (
+    Shape,
+    build_drafter,
+    build_tokenizer,
+    dflash_drafter,
+    qwen3_5,
+    tiny_hybrid_drafter,
+    tiny_qwen3_5,
+    weight_bytes,
+)
 
 
 def qwen35_27b(layers: int = 64) -> Shape:
@@ -74,20 +83,10 @@ def qwen35_27b(layers: int = 64) -> Shape:
 
 def tiny_hybrid() -> Shape:
     """A tiny hybrid of the same layout (every width a multiple of 64, so every layer quantizes)."""
-    config = qwen3_5(128, 256, tied=False, layers=4)
-    config["text_config"].update(
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=32,
-        linear_value_head_dim=32,
-        vocab_size=512,
-        max_position_embeddings=4096,
+    config = tiny_qwen3_5(tied=False)
+    return Shape(
+        "qwen3.5-tiny-hybrid", config, tiny_hybrid_drafter(), source="tiny hybrid for the smoke run"
     )
-    drafter = dflash_drafter(128, 256, 2, [1, 2], 4, 3, 512, 1e7, window=64, heads=(4, 2, 32))
-    return Shape("qwen3.5-tiny-hybrid", config, drafter, source="tiny hybrid for the smoke run")
 
 
 def _taps(layers: int, count: int) -> List[int]:

@@ -90,6 +90,29 @@ def qwen3_5(hidden, inter, tied, layers=32) -> dict:
     }
 
 
+def tiny_qwen3_5(tied: bool, layers: int = 4) -> dict:
+    """The tiny Qwen3.5 hybrid of the smoke runs: the layout of ``qwen3_5``, every width a
+    multiple of 32 (of 64 where a quantized run needs it: hidden 128, intermediate 256)."""
+    config = qwen3_5(128, 256, tied=tied, layers=layers)
+    config["text_config"].update(
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=32,
+        linear_value_head_dim=32,
+        vocab_size=512,
+        max_position_embeddings=4096,
+    )
+    return config
+
+
+def tiny_hybrid_drafter() -> dict:
+    """The DFlash drafter of ``tiny_qwen3_5``."""
+    return dflash_drafter(128, 256, 2, [1, 2], 4, 3, 512, 1e7, window=64, heads=(4, 2, 32))
+
+
 def dflash_drafter(
     hidden,
     inter,
@@ -192,22 +215,8 @@ SHAPES: Dict[str, Shape] = {
         ),
         Shape(
             "qwen3.5-tiny",
-            {
-                "model_type": "qwen3_5",
-                "text_config": dict(
-                    qwen3_5(128, 256, tied=True, layers=4)["text_config"],
-                    num_attention_heads=4,
-                    num_key_value_heads=2,
-                    head_dim=32,
-                    linear_num_key_heads=2,
-                    linear_num_value_heads=4,
-                    linear_key_head_dim=32,
-                    linear_value_head_dim=32,
-                    vocab_size=512,
-                    max_position_embeddings=4096,
-                ),
-            },
-            dflash_drafter(128, 256, 2, [1, 2], 4, 3, 512, 1e7, window=64, heads=(4, 2, 32)),
+            tiny_qwen3_5(tied=True),
+            tiny_hybrid_drafter(),
             source="tiny Qwen3.5 hybrid layout for smoke tests",
         ),
     ]
