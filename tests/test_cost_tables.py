@@ -161,3 +161,27 @@ def test_the_key_names_the_hardware_not_the_moment(monkeypatch):
     assert on(free_memory=61 << 30, uuid="GPU-2", pci_bus_id="0000:2a:00.0") == first
     card["device_name"] = "NVIDIA H200"
     assert on(free_memory=80 << 30) != first
+
+
+@pytest.mark.parametrize("below,timed_again", [(0.5, True), (0.1, False)])
+def test_a_table_dearer_than_the_plain_cycles_show_is_timed_again(
+    tiny_pair, timed, below, timed_again
+):
+    """Timings only err high (a load spike adds time): a table read from the model cache whose
+    width-1 pass costs more than this process's plain cycles by over STALE of it is timed again
+    at the next job, and kept in its place; a table the cycles roughly agree with is not."""
+    from dflash_batch.engine.widths import STALE, TRUSTED
+
+    _engine(tiny_pair).warm_up(4, context=300)
+    passes = len(timed)
+    engine = _engine(tiny_pair)
+    cost = engine.warm_up(4, context=300)
+    assert cost.read and len(timed) == passes and engine.measured_passes == 0
+    # this process's plain cycles, below their modelled passes by ``below`` of a width-1 pass
+    cost.excess[False][:] = [-below * cost.passes(4, 1)] * TRUSTED
+    assert cost.stale() == (below > STALE)
+    prompts = [engine.encode("Count: one two three " * 20)] * 4
+    engine.generate_batch(prompts, max_tokens=8, batch_size=4)
+    assert (len(timed) > passes) == timed_again
+    assert engine.measured_passes == int(timed_again)
+    assert engine.cost[4].read == (not timed_again) and len(_tables()) == 1

@@ -664,6 +664,9 @@ class Engine:
         cost = self.cost.get(slots)
         if cost is not None and waits:
             return cost
+        if cost is not None and cost.read and cost.stale():
+            # a table timed under a load that has passed: time the passes again, and keep them
+            return self.warm_up(slots, context or cost.context, measure=True)
         if cost is None or (
             cost.context is not None
             and context
@@ -725,10 +728,12 @@ class Engine:
                 self.measured_passes += 1
                 if table is not None:
                     cost_tables.save(table, cost)
+            else:
+                cost.read = True
         earlier = self.cost.get(batch_size)
-        if (
-            earlier is not None
-        ):  # what widths cost beyond their model follows their shapes, not the context
+        # what widths cost beyond their model follows their shapes, not the context (but not
+        # beyond a stale table's: that excess made up for its passes)
+        if earlier is not None and not (measure and earlier.read):
             cost.width_excess = earlier.width_excess
         self.cost[batch_size] = cost
         return cost

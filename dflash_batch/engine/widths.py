@@ -269,6 +269,7 @@ class CompileCost:
 COMPILE_PRIOR = 0.05
 WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 TRUSTED = 3  # cycles of a kind before its learnt overhead is used
+STALE = 0.25  # plain cycles this much below the timed passes: the timings were spiked (stale)
 PROBE_WIDTH = 4  # rows a probe verifies: a drafter of unknown worth is tried at this width
 # plain cycles a plain choice stands while nothing is learnt, before it is weighed again
 REPLAN = 16
@@ -330,6 +331,20 @@ class CostModel:
     rows: int = 0  # the batch size of ``timed`` (0: none timed)
     # T -> seconds of a target pass at ``rows``
     timed: Dict[int, float] = field(default_factory=dict)
+    # read from the model cache (engine/cost_tables.py), not timed by this process
+    read: bool = False
+
+    def stale(self) -> bool:
+        """Whether the passes as timed are dearer than this process's plain cycles show: its last
+        TRUSTED or more plain cycles ran below their modelled passes by more than STALE of a
+        width-1 pass at the timed batch size. Timings only err high (other work on the machine
+        adds time, never takes it away), and a table timed in a load spike would price drafting
+        as dear for every later process on the machine: one that reads such a table times its
+        passes again (``Engine._measured_cost``)."""
+        seen = self.excess[False]
+        if len(seen) < TRUSTED:
+            return False
+        return _median(seen) < -STALE * self.passes(max(self.rows, 1), 1)
 
     def target(self, B: int, T: int) -> float:
         line = self.t0 + self.t1 * B * T + self.t2 * B
