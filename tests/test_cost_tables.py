@@ -168,8 +168,8 @@ def test_a_table_dearer_than_the_plain_cycles_show_is_timed_again(
     tiny_pair, timed, below, timed_again
 ):
     """Timings only err high (a load spike adds time): a table read from the model cache whose
-    width-1 pass costs more than this process's plain cycles by over STALE of it is timed again
-    at the next job, and kept in its place; a table the cycles roughly agree with is not."""
+    passes cost more than this process's cycles at timed widths by over STALE of them is timed
+    again at the next job, and kept in its place; a table the cycles roughly agree with is not."""
     from dflash_batch.engine.widths import STALE, TRUSTED
 
     _engine(tiny_pair).warm_up(4, context=300)
@@ -177,8 +177,8 @@ def test_a_table_dearer_than_the_plain_cycles_show_is_timed_again(
     engine = _engine(tiny_pair)
     cost = engine.warm_up(4, context=300)
     assert cost.read and len(timed) == passes and engine.measured_passes == 0
-    # this process's plain cycles, below their modelled passes by ``below`` of a width-1 pass
-    cost.excess[False][:] = [-below * cost.passes(4, 1)] * TRUSTED
+    # this process's cycles at timed widths, below their modelled passes by ``below`` of them
+    cost.relative[:] = [-below] * TRUSTED
     assert cost.stale() == (below > STALE)
     prompts = [engine.encode("Count: one two three " * 20)] * 4
     engine.generate_batch(prompts, max_tokens=8, batch_size=4)

@@ -409,3 +409,18 @@ def test_a_wide_batch_backs_off_its_probes_though_some_row_gets_a_probe_right():
                 a += 1
             policy.accepted(row, a, T)
     assert probes <= 12, probes
+
+
+def test_cycles_well_below_their_timed_passes_mark_the_costs_stale():
+    """Cycles at timed widths, plain or drafting, that ran well below their modelled passes say
+    the timings were spiked; cycles at widths read between timed ones say nothing of them."""
+    cost = CostModel(t0=0.1, t1=0.01, d0=0.05, window=16, rows=8, timed={1: 0.2, 8: 0.4})
+    for T in [1, 8, 1]:
+        assert not cost.stale()  # fewer than TRUSTED cycles yet
+        cost.observe(8, T, 0.5 * cost.passes(8, T))  # half its passes (the draft pass included)
+    assert cost.stale()
+    fresh = CostModel(t0=0.1, t1=0.01, d0=0.05, window=16, rows=8, timed={1: 0.2, 8: 0.4})
+    for _ in range(TRUSTED):
+        fresh.observe(8, 1, 0.21)  # a little host work above the pass: as it should be
+        fresh.observe(8, 4, 0.05)  # an untimed width: not a check on the timings
+    assert not fresh.stale() and len(fresh.relative) == TRUSTED

@@ -269,7 +269,7 @@ class CompileCost:
 COMPILE_PRIOR = 0.05
 WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 TRUSTED = 3  # cycles of a kind before its learnt overhead is used
-STALE = 0.25  # plain cycles this much below the timed passes: the timings were spiked (stale)
+STALE = 0.25  # cycles this much below their timed passes: the timings were spiked (stale)
 PROBE_WIDTH = 4  # rows a probe verifies: a drafter of unknown worth is tried at this width
 # plain cycles a plain choice stands while nothing is learnt, before it is weighed again
 REPLAN = 16
@@ -333,18 +333,17 @@ class CostModel:
     timed: Dict[int, float] = field(default_factory=dict)
     # read from the model cache (engine/cost_tables.py), not timed by this process
     read: bool = False
+    # the last cycles' excess at timed widths over their modelled passes, relative to them
+    relative: List[float] = field(default_factory=list)
 
     def stale(self) -> bool:
-        """Whether the passes as timed are dearer than this process's plain cycles show: its last
-        TRUSTED or more plain cycles ran below their modelled passes by more than STALE of a
-        width-1 pass at the timed batch size. Timings only err high (other work on the machine
-        adds time, never takes it away), and a table timed in a load spike would price drafting
-        as dear for every later process on the machine: one that reads such a table times its
-        passes again (``Engine._measured_cost``)."""
-        seen = self.excess[False]
-        if len(seen) < TRUSTED:
-            return False
-        return _median(seen) < -STALE * self.passes(max(self.rows, 1), 1)
+        """Whether the passes as timed are dearer than this process's cycles show: the median of
+        its last cycles at timed widths (TRUSTED at least, plain or drafting) ran below their
+        modelled passes by more than STALE of them. Timings only err high (other work on the
+        machine adds time, never takes it away), and a table timed in a load spike would price
+        every width too dear for every later process on the machine: one that reads such a
+        table times its passes again (``Engine._measured_cost``)."""
+        return len(self.relative) >= TRUSTED and _median(self.relative) < -STALE
 
     def target(self, B: int, T: int) -> float:
         line = self.t0 + self.t1 * B * T + self.t2 * B
@@ -377,11 +376,15 @@ class CostModel:
 
     def observe(self, B: int, T: int, seconds: float) -> None:
         if self.window:
-            excess = seconds - self.passes(B, T)
+            passes = self.passes(B, T)
+            excess = seconds - passes
             kinds = [self.excess[T > 1]] if T in self.timed or not self.timed else []
             for seen in kinds + [self.width_excess.setdefault((batch_rung(B), T), [])]:
                 seen.append(excess)
                 del seen[: -self.window]
+            if kinds:
+                self.relative.append(excess / max(passes, 1e-9))
+                del self.relative[: -self.window]
 
     @classmethod
     def fit(
