@@ -5,14 +5,23 @@ engine, the training code and the runner all use it."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import secrets
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Callable, Union
+from typing import Any, Callable, Dict, Union
 
 Data = Union[bytes, str]
+
+
+def keyed_path(folder: Path, key: Dict[str, Any]) -> Path:
+    """``<folder>/<hash of key>.json``: the file a JSON record kept under ``key`` lives in (the
+    cost tables, the kernels' kept self-checks); the record holds its key, to tell a collision."""
+    text = json.dumps(key, sort_keys=True)
+    return folder / f"{hashlib.sha256(text.encode()).hexdigest()[:24]}.json"
 
 
 def fsync_dir(path: Path) -> None:

@@ -31,7 +31,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from .. import paths
-from ..files import write_atomic
+from ..files import keyed_path, write_atomic
 from .ops import attention, compiled, device, matmul
 from .ops.kernels import cpu
 from .widths import CostModel
@@ -89,8 +89,7 @@ def key(engine, batch_size: int, context_bucket: int) -> Dict[str, Any]:
 
 
 def path_of(table_key: Dict[str, Any]) -> Path:
-    text = json.dumps(table_key, sort_keys=True)
-    return folder() / f"{hashlib.sha256(text.encode()).hexdigest()[:24]}.json"
+    return keyed_path(folder(), table_key)
 
 
 def save(table_key: Dict[str, Any], cost: CostModel) -> Optional[Path]:

@@ -51,7 +51,7 @@ from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Set, Tuple,
 import mlx.core as mx
 
 from .... import environment, paths
-from ....files import write_atomic
+from ....files import keyed_path, write_atomic
 from .. import device
 
 ENV = "DFLASH_BATCH_KERNEL_CHECK"
@@ -254,8 +254,7 @@ def stored_key(name: str, backend: str, key: Tuple[Tuple[str, object], ...]) -> 
 
 
 def path_of(stored: Dict[str, Any]) -> Path:
-    text = json.dumps(stored, sort_keys=True)
-    return paths.kernel_checks_dir() / f"{hashlib.sha256(text.encode()).hexdigest()[:24]}.json"
+    return keyed_path(paths.kernel_checks_dir(), stored)
 
 
 def _kept(stored: Dict[str, Any]) -> bool:
