@@ -324,7 +324,8 @@ def profile(shape: str, batches: List[int], context: int, widths=(1, 4, 8, 16)) 
     )
     out: Dict[str, Any] = {"context": context, "attention_mode": engine.settings.attention}
     for route in attention.RAGGED_ROUTES:
-        with switch.use(engine.settings.routes(route)):  # the engine's routes, this ragged route
+        # the engine's routes, this ragged route
+        with switch.use(engine.settings.routes().replace(ragged=route)):
             for B in batches:
                 passes = warmup._Passes(engine, B, context)
                 for T in widths:
@@ -336,6 +337,7 @@ def profile(shape: str, batches: List[int], context: int, widths=(1, 4, 8, 16)) 
         cost = engine.warm_up(B, context)
         out[f"warmup_B{B}"] = {
             "route": cost.route,
+            "matmul": cost.matmul,
             "t0_ms": cost.t0 * 1e3,
             "t1_us": cost.t1 * 1e6,
             "t2_us": cost.t2 * 1e6,

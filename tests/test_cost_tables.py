@@ -73,6 +73,22 @@ def test_measure_times_again_and_replaces_the_table(tiny_pair, timed):
     assert len(timed) == 2 * passes and len(_tables()) == 1
 
 
+def test_the_routes_chosen_with_the_costs_are_read_back(tiny_pair, timed, monkeypatch):
+    """The ragged route and the few-row matmul a GPU's warm-up chose (faked here) come back with
+    the table: a later process runs its jobs under what its passes were timed under."""
+    measure = warmup.measure_costs
+
+    def chosen(engine, batch_size, context=None):
+        cost = measure(engine, batch_size, context)
+        cost.route, cost.matmul = "sdpa", "stock"
+        return cost
+
+    monkeypatch.setattr(warmup, "measure_costs", chosen)
+    _engine(tiny_pair).warm_up(2)
+    read = _engine(tiny_pair).warm_up(2)
+    assert (read.route, read.matmul) == ("sdpa", "stock")
+
+
 @pytest.mark.parametrize("damage", ["not json", "key", "field"])
 def test_an_unreadable_or_stale_table_is_ignored_with_a_warning(tiny_pair, timed, damage):
     engine = _engine(tiny_pair)

@@ -96,7 +96,36 @@ def test_the_faster_ragged_route_is_kept(engine, monkeypatch):
         with switch.modes(ragged="sdpa" if fast == "block" else "block"):
             cost = warmup.measure_costs(engine, 8, 256)
         assert cost.route == fast
-        assert engine.settings.routes(cost.route).ragged == fast  # the job's steps run under it
+        assert engine.settings.routes(cost).ragged == fast  # the job's steps run under it
+
+
+@pytest.mark.parametrize("fast", ["kernel", "stock"])
+def test_the_faster_few_row_matmul_is_kept(engine, monkeypatch, fast):
+    """Where the few-row matmul is a kernel (CUDA), the warm-up times the job's most frequent pass
+    that it would take both ways; here the timings are faked: whichever mode is faster must be the
+    one the job's steps run under, at batch 1 (the drafting cycle, drafter included) and at a batch
+    of a few rows (the plain cycle). A batch too wide for the kernel times nothing twice."""
+
+    def slow(seconds):
+        return seconds if switch.current().matmul == fast else 2 * seconds
+
+    monkeypatch.setattr(warmup, "_matmul_differs", lambda: True)
+    for B in (1, 8):
+        timings = []
+        fake_passes(
+            monkeypatch,
+            lambda B, T: timings.append((B, T, switch.current().matmul)) or slow(0.01 * T),
+            draft=lambda B: slow(0.5) if B == 1 else 0.5,
+        )
+        with switch.modes(matmul="kernel"):
+            cost = warmup.measure_costs(engine, B, 256)
+        assert cost.matmul == fast
+        assert engine.settings.routes(cost).matmul == fast
+        # the widths are timed under the mode kept
+        assert {mode for _, _, mode in timings[2:]} == {fast}
+    fake_passes(monkeypatch, lambda B, T: 0.01 * T)
+    with switch.modes(matmul="kernel"):
+        assert warmup.measure_costs(engine, 32, 256).matmul is None  # nothing chosen
 
 
 def test_every_width_is_timed_where_cost_is_not_linear_in_the_width(engine, monkeypatch):

@@ -74,14 +74,16 @@ class EngineConfig:
         """Memory for shared prompt prefixes, the default resolved; 0: none kept."""
         return PREFIX_CACHE_MB if self.prefix_cache_mb is None else self.prefix_cache_mb
 
-    def routes(self, ragged: Optional[str] = None) -> switch.Routes:
-        """The routing modes, with ``ragged`` the ragged route (None: the cost model's, else
-        "block")."""
-        if ragged is None:
-            ragged = (self.cost_model.route if self.cost_model is not None else None) or "block"
-        return switch.Routes(
-            **{route.field: getattr(self, route.field) for route in switch.SWITCHES}, ragged=ragged
-        )
+    def routes(self, costs: Optional[CostModel] = None) -> switch.Routes:
+        """The routing modes, with the ragged route and the few-row matmul that ``costs`` (else
+        the given cost model) were measured under, where they chose one (else "block" and this
+        config's matmul)."""
+        costs = costs if costs is not None else self.cost_model
+        ragged = (costs.route if costs is not None else None) or "block"
+        modes = {route.field: getattr(self, route.field) for route in switch.SWITCHES}
+        if costs is not None and costs.matmul is not None:
+            modes["matmul"] = costs.matmul
+        return switch.Routes(**modes, ragged=ragged)
 
 
 FIELDS = tuple(f.name for f in fields(EngineConfig))

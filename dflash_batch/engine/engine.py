@@ -409,7 +409,7 @@ class Engine:
         return switch.stepping(self._routes(decoder.width_policy), decoder.steps())
 
     def _routes(self, width_policy: WidthPolicy) -> switch.Routes:
-        return self.settings.routes(width_policy.cost.route)
+        return self.settings.routes(width_policy.cost)
 
     def _completions(
         self, decoder: BatchDecoder, on_piece: Optional[Callable[[int, Piece], None]] = None

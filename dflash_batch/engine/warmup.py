@@ -35,6 +35,12 @@ chosen here too: the target and drafter passes at the job's batch size are timed
 attention and with stock SDPA over the bucketed cache, and the faster is kept for the job. The
 first job of a process no longer pays for compilation inside its first items, and the width policy
 gets costs measured on this machine, for this model, in this dtype, at this context.
+
+Where the few-row matmul is a kernel (engine/ops/matmul.py, CUDA), whether it or MLX's matmul
+serves the job is chosen here as well: the job's most frequent pass whose products it would take
+(a plain cycle at a batch of a few rows; at batch 1 a drafting cycle, target and drafter) is
+timed both ways and the faster kept for the job. The kernel beats cuBLAS on a small model's
+layers and loses to it on a large one's, and the crossing is the machine's and the model's.
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ import mlx.core as mx
 
 from . import decode
 from .models import hybrid
-from .ops import attention, compiled, device, switch
+from .ops import attention, compiled, device, matmul, switch
 from .ops.batch_cache import Lengths, round_up
 from .widths import PROBE_WIDTH, CostModel, bucket, buckets
 
@@ -66,7 +72,8 @@ def context_bucket(context: int) -> int:
 
 
 def measure_costs(engine, batch_size: int, context: Optional[int] = None) -> CostModel:
-    """Time the passes (module doc) and fit the cost model, with the ragged route chosen (a GPU's)."""
+    """Time the passes (module doc) and fit the cost model, with the ragged route and the few-row
+    matmul chosen (a GPU's)."""
     n = max(int(context or SHORT_CONTEXT), 4)
     block = max(engine.block_size, 2)
     targets: Dict[Tuple[int, int], float] = {}
@@ -86,14 +93,41 @@ def measure_costs(engine, batch_size: int, context: Optional[int] = None) -> Cos
         targets[(batch_size, block)] = timed[route][0]  # timed already: not again below
         if engine.drafter is not None:
             drafts[batch_size] = timed[route][1]
-    with switch.modes(ragged=route):
+    few_rows = None  # the few-row matmul's mode, where chosen
+    width = _few_row_width(batch_size, block)
+    if width is not None and _matmul_differs():
+        few_rows = _faster_matmul(engine, batch_size, n, width, route)
+    with switch.modes(ragged=route, matmul=few_rows or matmul.mode()):
         _time_widths(engine, batch_size, n, block, targets, drafts)
     mx.clear_cache()  # the timing batches' buffers: the job allocates its own (see batch.py: steps)
     cost = CostModel.fit(targets, drafts)
     cost.context = n
-    cost.route = route
+    cost.route, cost.matmul = route, few_rows
     cost.rows, cost.timed = batch_size, {T: s for (B, T), s in targets.items() if B == batch_size}
     return cost
+
+
+def _few_row_width(batch_size: int, block: int) -> Optional[int]:
+    """The width of the job's most frequent pass whose products the few-row matmul would take
+    (engine/ops/matmul.py): at batch 1 the block (a drafting cycle), at a batch of a few rows the
+    plain cycle; None where the job's batch is too wide for any of them."""
+    if batch_size == 1:
+        return block if matmul.MIN_ROWS <= block <= matmul.MAX_ROWS else None
+    return 1 if batch_size <= matmul.MAX_ROWS else None
+
+
+def _faster_matmul(engine, batch_size: int, n: int, T: int, route: str) -> str:
+    """The few-row matmul mode under which that pass (and at batch 1 the drafter's, a block of
+    rows too) is faster: the kernel's device time grows with the weight faster than cuBLAS's,
+    so it wins on a small model's layers and loses on a large one's."""
+    timed = {}
+    for mode in ("kernel", "stock"):
+        with switch.modes(ragged=route, matmul=mode):
+            passes = _Passes(engine, batch_size, n)
+            draft = passes.draft() if batch_size == 1 and engine.drafter is not None else 0.0
+            timed[mode] = passes.target(T) + draft
+        del passes
+    return min(timed, key=timed.get)
 
 
 def _time_widths(
@@ -175,6 +209,11 @@ def _straight(points, tolerance: float = 0.1) -> bool:
 def _routes_differ() -> bool:
     """Whether the two ragged routes run different code here (a kernel against stock SDPA)."""
     return attention.mode() == "kernel" and device.gpu() is not None
+
+
+def _matmul_differs() -> bool:
+    """Whether the few-row matmul runs a kernel here, where MLX's matmul would run otherwise."""
+    return matmul.mode() == "kernel" and device.backend() == "cuda"
 
 
 class _Passes:

@@ -328,6 +328,8 @@ class CostModel:
     context: Optional[int] = None  # tokens per row the passes were timed at (None: any)
     # the ragged attention route chosen with them (engine/ops/attention.py)
     route: Optional[str] = None
+    # the few-row matmul mode chosen with them (engine/ops/matmul.py; None: the engine's own)
+    matmul: Optional[str] = None
     rows: int = 0  # the batch size of ``timed`` (0: none timed)
     # T -> seconds of a target pass at ``rows``
     timed: Dict[int, float] = field(default_factory=dict)

@@ -17,7 +17,9 @@ Why it is the default on CUDA (docs/results/batched.md, "A few-row matmul kernel
 the kernel takes less device time per product than cuBLAS but more host time per call, and a
 verify pass at batch 1 is as much host as device, so a pass timed alone costs about the same; in
 decoding, where the host builds the verify graph while the device drafts, the engine at batch 1
-was faster with it, and a batch of 8 ran the same.
+was faster with it, and a batch of 8 ran the same. On a larger model's layers cuBLAS is faster
+at the same rows, so the warm-up times the job's few-row pass both ways and the job runs under the
+faster (engine/warmup.py; docs/results/never-loses.md has the figures).
 
 ``install`` re-classes, in place, the ``nn.Linear`` layers of a model as ``RoutedLinear``: the same
 parameters, the same module tree; only ``__call__`` asks the route first.
