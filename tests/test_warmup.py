@@ -6,6 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from dflash_batch.engine import load_engine, warmup
+from dflash_batch.engine.batch import EncodedRequest
 from dflash_batch.engine.ops import attention, switch
 from dflash_batch.engine.widths import buckets
 
@@ -126,6 +127,29 @@ def test_the_faster_few_row_matmul_is_kept(engine, monkeypatch, fast):
     fake_passes(monkeypatch, lambda B, T: 0.01 * T)
     with switch.modes(matmul="kernel"):
         assert warmup.measure_costs(engine, 32, 256).matmul is None  # nothing chosen
+
+
+@pytest.mark.parametrize("fast", ["kernel", "stock"])
+def test_an_engine_without_a_drafter_runs_the_faster_few_row_matmul_too(
+    qwen3_target, monkeypatch, fast
+):
+    """Plain decoding at a batch of a few rows is where the kernel's cost shows most: an engine
+    without a drafter (no cost model) has its plain cycle timed both ways once a batch size and
+    context, and its steps run under the faster."""
+    plain = load_engine(str(qwen3_target), matmul="kernel")
+    timings = []
+    fake_passes(
+        monkeypatch,
+        lambda B, T: timings.append((B, T)) or (0.01 if switch.current().matmul == fast else 0.02),
+    )
+    monkeypatch.setattr(warmup, "_matmul_differs", lambda: True)
+    requests = [EncodedRequest(plain.encode("Count: one two three"), max_tokens=8)] * 8
+    policy = plain._width_policy(8, requests)
+    assert plain._routes(policy).matmul == fast
+    assert timings == [(8, 1), (8, 1)]
+    plain._width_policy(8, requests)
+    assert len(timings) == 2  # once a process
+    assert plain._routes(plain._width_policy(1, requests[:1])).matmul == "kernel"  # one row: none
 
 
 def test_every_width_is_timed_where_cost_is_not_linear_in_the_width(engine, monkeypatch):

@@ -102,6 +102,8 @@ class Engine:
         self.adaptive_block = True if settings.adaptive_block is None else settings.adaptive_block
         self.batch_cap = settings.batch_size
         self.cost: Dict[int, CostModel] = {}  # batch size -> measured pass costs (warm_up)
+        # (batch size, context bucket) -> the few-row matmul a fixed width runs under (_fixed_cost)
+        self.fixed_matmul: Dict[Tuple[int, int], Optional[str]] = {}
         # given pass costs: no warm-up, any batch size (load_engine)
         self.cost_model = settings.cost_model
         self.measured_passes = 0  # warm-ups that timed passes (not read from the model cache)
@@ -641,7 +643,7 @@ class Engine:
         self, slots: int, requests: Sequence[EncodedRequest] = (), waits: bool = False
     ) -> WidthPolicy:
         if not self.adaptive_block or self.drafter is None:
-            return WidthPolicy(self.block_size, CostModel(), fixed=True)
+            return WidthPolicy(self.block_size, self._fixed_cost(slots, requests), fixed=True)
         cost = self.cost_model
         if cost is None:
             cost = self._measured_cost(slots, requests, waits)
@@ -653,6 +655,17 @@ class Engine:
             plain=self.plain_probes,
             compile=self.compile_cost,
         )
+
+    def _fixed_cost(self, slots: int, requests: Sequence[EncodedRequest]) -> CostModel:
+        """No cost model steers a fixed width, but on CUDA the few-row matmul is chosen for it as
+        for a drafting job (engine/warmup.py), once per batch size and context bucket a process."""
+        context = max(_typical_context(requests), warmup.SHORT_CONTEXT)
+        key = (slots, warmup.context_bucket(context))
+        if key not in self.fixed_matmul:
+            width = 1 if self.drafter is None else self.block_size  # every cycle's
+            with switch.use(self.settings.routes()):
+                self.fixed_matmul[key] = warmup.choose_matmul(self, slots, context, width)
+        return CostModel(matmul=self.fixed_matmul[key])
 
     def _measured_cost(
         self, slots: int, requests: Sequence[EncodedRequest], waits: bool = False

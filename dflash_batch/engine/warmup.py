@@ -93,10 +93,8 @@ def measure_costs(engine, batch_size: int, context: Optional[int] = None) -> Cos
         targets[(batch_size, block)] = timed[route][0]  # timed already: not again below
         if engine.drafter is not None:
             drafts[batch_size] = timed[route][1]
-    few_rows = None  # the few-row matmul's mode, where chosen
-    width = _few_row_width(batch_size, block)
-    if width is not None and _matmul_differs():
-        few_rows = _faster_matmul(engine, batch_size, n, width, route)
+    # a drafting job's most frequent few-row pass: at batch 1 a drafting cycle, else a plain one
+    few_rows = choose_matmul(engine, batch_size, n, block if batch_size == 1 else 1, route)
     with switch.modes(ragged=route, matmul=few_rows or matmul.mode()):
         _time_widths(engine, batch_size, n, block, targets, drafts)
     mx.clear_cache()  # the timing batches' buffers: the job allocates its own (see batch.py: steps)
@@ -107,13 +105,15 @@ def measure_costs(engine, batch_size: int, context: Optional[int] = None) -> Cos
     return cost
 
 
-def _few_row_width(batch_size: int, block: int) -> Optional[int]:
-    """The width of the job's most frequent pass whose products the few-row matmul would take
-    (engine/ops/matmul.py): at batch 1 the block (a drafting cycle), at a batch of a few rows the
-    plain cycle; None where the job's batch is too wide for any of them."""
-    if batch_size == 1:
-        return block if matmul.MIN_ROWS <= block <= matmul.MAX_ROWS else None
-    return 1 if batch_size <= matmul.MAX_ROWS else None
+def choose_matmul(
+    engine, batch_size: int, context: int, width: int, route: Optional[str] = None
+) -> Optional[str]:
+    """The few-row matmul mode a job should run under (module doc), from its most frequent pass
+    whose products the kernel would take: ``width`` rows at ``batch_size``; None where there is
+    no choice (no kernel here, or that pass is not a few rows)."""
+    if not matmul.MIN_ROWS <= batch_size * width <= matmul.MAX_ROWS or not _matmul_differs():
+        return None
+    return _faster_matmul(engine, batch_size, context, width, route or switch.current().ragged)
 
 
 def _faster_matmul(engine, batch_size: int, n: int, T: int, route: str) -> str:
