@@ -144,10 +144,12 @@ width and any number of rows, so a job that drafts only at widths the table does
 checks it. A cycle at a timed width over the table's own rows is held to a timing; anywhere else
 its passes are read off lines between timed points, which err both ways (a GPU's tiles of query
 rows; a batch's cost is not a line in its rows), so such a cycle is held to its modelled passes
-less INTERPOLATION of them. Why this is safe: an honest table whose reading between timed points
-overprices a width by INTERPOLATION still sits STALE above the line there, so it is not timed
-again job after job; a table priced too dear throughout is caught whatever widths the job runs,
-by a wider margin where it runs none of the timed ones.
+less INTERPOLATION of them. Why this is safe: where an honest table's lines overprice a pass by
+INTERPOLATION, its cycles count as right on their passes, still STALE short of marking it, so an
+honest table is not timed again process after process (and timing one again keeps the faster
+timings: cost_tables.py); a table priced too dear throughout is caught whatever widths the job
+runs, and where it runs none of the timed ones, once the table prices them above
+1 / ((1 - STALE) (1 - INTERPOLATION)) times what they cost.
 """
 
 from __future__ import annotations
