@@ -17,8 +17,13 @@ from dflash_batch import paths
 @pytest.fixture
 def timed(monkeypatch):
     """Fake timed passes: a verify pass of T rows at batch B 'takes' 0.01 (1 + B T) s, a drafter
-    pass 0.005 B s; returns the list of passes timed so far."""
-    runs = []
+    pass 0.005 B s, each times ``load`` (1 unless a test sets it: other work on the machine);
+    returns the list of passes timed so far."""
+
+    class Runs(list):
+        load = 1.0
+
+    runs = Runs()
 
     class Passes:
         def __init__(self, engine, B, n):
@@ -29,11 +34,11 @@ def timed(monkeypatch):
 
         def target(self, T):
             runs.append(("target", self.B, T))
-            return 0.01 * (1 + self.B * T)
+            return 0.01 * (1 + self.B * T) * runs.load
 
         def draft(self):
             runs.append(("draft", self.B))
-            return 0.005 * self.B
+            return 0.005 * self.B * runs.load
 
     monkeypatch.setattr(warmup, "_Passes", Passes)
     return runs
@@ -201,3 +206,65 @@ def test_a_table_dearer_than_the_plain_cycles_show_is_timed_again(
     assert (len(timed) > passes) == timed_again
     assert engine.measured_passes == int(timed_again)
     assert engine.cost[4].read == (not timed_again) and len(_tables()) == 1
+
+
+@pytest.mark.parametrize("load", [2.0, 0.5])
+def test_a_table_timed_again_keeps_the_faster_timings(tiny_pair, timed, load):
+    """Timings only err high. Timed again while other work doubles every pass, a quiet table is
+    kept as it was (the process too uses it); timed again quietly where the table had been timed
+    under load (``load`` 0.5: the stored passes were twice their cost), the new timings replace
+    it."""
+    quiet = _engine(tiny_pair).warm_up(4, context=300)
+    (path,) = _tables()
+    timed.load = load
+    engine = _engine(tiny_pair)
+    again = engine.warm_up(4, context=300, measure=True)
+    cheaper = min(load, 1.0)
+    assert again.timed == pytest.approx({T: cheaper * s for T, s in quiet.timed.items()})
+    for name in ("t0", "t1", "t2", "d0", "d1"):
+        assert getattr(again, name) == pytest.approx(cheaper * getattr(quiet, name)), name
+    stored = cost_tables.load(json.loads(path.read_text())["key"])
+    for name in cost_tables.FIELDS + ("timed",):
+        assert getattr(stored, name) == pytest.approx(getattr(again, name)), name
+
+
+def test_each_pass_keeps_its_own_faster_timing():
+    """A load spike hits single passes: the stored table's width-1 pass and the drafter, the new
+    timing's width-4 pass and its batch-1 line. Each entry keeps its faster timing."""
+    from dflash_batch.engine.widths import CostModel
+
+    stored = CostModel(t0=0.1, t1=0.02, d0=0.2, d1=0.02, rows=8, timed={1: 0.9, 4: 0.8})
+    new = CostModel(t0=0.3, t1=0.05, d0=0.05, d1=0.01, rows=8, timed={1: 0.3, 4: 1.6})
+    kept = cost_tables.kept(stored, new)
+    assert kept.timed == {1: 0.3, 4: 0.8}
+    assert (kept.t0, kept.t1, kept.d0, kept.d1) == (0.1, 0.02, 0.05, 0.01)
+    # under another attention route the passes are others: the cheaper table whole
+    new.route, new.timed = "sdpa", {1: 0.3, 4: 0.7}
+    assert cost_tables.kept(stored, new) is new
+    new.timed = {1: 0.3, 4: 1.6}
+    assert cost_tables.kept(stored, new) is stored
+
+
+def test_a_stale_table_is_timed_again_once_a_process(tiny_pair, timed):
+    """A table this process timed again and still finds stale (say its second timing came under
+    load too, or its cycles misjudge it) is not timed again at every job: once per table and
+    process, whatever jobs at other contexts come between."""
+    from dflash_batch.engine.widths import TRUSTED
+
+    _engine(tiny_pair).warm_up(4, context=300)
+    passes = len(timed)
+    engine = _engine(tiny_pair)
+    prompts = [engine.encode("Count: one two three " * 20)] * 4
+
+    def job_after_stale_cycles():
+        cost = engine.warm_up(4, context=300)
+        assert cost.read  # read from the model cache, as a later job's warm-up would
+        cost.relative[:] = [-0.5] * TRUSTED
+        engine.generate_batch(prompts, max_tokens=8, batch_size=4)
+
+    job_after_stale_cycles()
+    assert len(timed) == 2 * passes and engine.measured_passes == 1  # timed again
+    engine.warm_up(4, context=5000)  # a job in another context bucket
+    assert engine.measured_passes == 2
+    job_after_stale_cycles()
+    assert engine.measured_passes == 2  # not again

@@ -413,7 +413,8 @@ def test_a_wide_batch_backs_off_its_probes_though_some_row_gets_a_probe_right():
 
 def test_cycles_well_below_their_timed_passes_mark_the_costs_stale():
     """Cycles at timed widths, plain or drafting, that ran well below their modelled passes say
-    the timings were spiked; cycles at widths read between timed ones say nothing of them."""
+    the timings were spiked; cycles at widths read between timed ones count too, held to their
+    passes less INTERPOLATION of them (the tests below)."""
     cost = CostModel(t0=0.1, t1=0.01, d0=0.05, window=16, rows=8, timed={1: 0.2, 8: 0.4})
     for T in [1, 8, 1]:
         assert not cost.stale()  # fewer than TRUSTED cycles yet
@@ -422,5 +423,53 @@ def test_cycles_well_below_their_timed_passes_mark_the_costs_stale():
     fresh = CostModel(t0=0.1, t1=0.01, d0=0.05, window=16, rows=8, timed={1: 0.2, 8: 0.4})
     for _ in range(TRUSTED):
         fresh.observe(8, 1, 0.21)  # a little host work above the pass: as it should be
-        fresh.observe(8, 4, 0.05)  # an untimed width: not a check on the timings
-    assert not fresh.stale() and len(fresh.relative) == TRUSTED
+        # an untimed width whose reading off the line is 20% dear: no sign of a spike
+        fresh.observe(8, 4, 0.8 * fresh.passes(8, 4))
+    assert not fresh.stale() and len(fresh.relative) == 2 * TRUSTED
+
+
+def _scaled(cost: CostModel, factor: float) -> CostModel:
+    """``cost`` with every pass ``factor`` times as dear (a table timed under that much load)."""
+    lines = {n: factor * getattr(cost, n) for n in ("t0", "t1", "t2", "d0", "d1")}
+    timed = {T: factor * s for T, s in cost.timed.items()}
+    return CostModel(**lines, window=cost.window, rows=cost.rows, timed=timed)
+
+
+def _batch_12() -> CostModel:
+    """A CPU's table at batch 12: widths 1 and 4 timed (engine/warmup.py), the others read off
+    lines."""
+    return CostModel(
+        t0=0.1, t1=0.01, d0=0.05, d1=0.01, window=16, rows=12, timed={1: 0.25, 4: 0.55}
+    )
+
+
+@pytest.mark.parametrize("dear", [1.7, 2.4])
+@pytest.mark.parametrize(
+    "cycles",
+    [[(12, 6), (12, 8), (12, 16), (12, 3)], [(9, 12), (7, 4), (5, 1), (11, 2)]],
+    ids=["untimed widths", "fewer rows"],
+)
+def test_a_table_too_dear_throughout_is_stale_whatever_widths_the_job_runs(dear, cycles):
+    """Last session's batch-12 table stayed: its job drafted at widths the table does not time
+    (and at its tail ran fewer rows than the table's). Cycles there, each a little host work
+    above what the passes really cost, now show a table priced ``dear`` times too high."""
+    honest = _batch_12()
+    table = _scaled(honest, dear)
+    for B, T in cycles * 4:  # none is a width timed at the table's rows
+        seconds = 1.02 * honest.passes(B, T)
+        table.observe(B, T, seconds)
+        honest.observe(B, T, seconds)
+    assert table.stale()
+    assert not honest.stale()  # the same cycles leave the honest table alone
+
+
+@pytest.mark.parametrize("off", [0.15, 0.3])
+def test_a_table_right_where_timed_is_not_stale_for_what_it_reads_between(off):
+    """An honest table whose line between timed widths overprices a width by ``off`` (a GPU's
+    tiles of query rows make the true costs a staircase) is not timed again, even by a job that
+    drafts at that width alone: its cycles there run ``off`` below the modelled passes, and
+    only ``STALE`` beyond INTERPOLATION marks a table stale."""
+    cost = CostModel(t0=0.1, t1=0.01, d0=0.05, window=16, rows=12, timed={1: 0.25, 16: 1.0})
+    for _ in range(40):
+        cost.observe(12, 8, (1 - off) * cost.passes(12, 8))
+    assert len(cost.relative) == 16 and not cost.stale()

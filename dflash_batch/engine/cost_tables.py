@@ -14,7 +14,15 @@ A table is kept per key, and a key names everything the costs depend on:
 The file is ``<model cache>/costs/<hash of the key>.json`` and holds the key itself: a file whose
 key does not match what was asked (a collision, a hand edit, an older format) is ignored with a
 warning, as is one that cannot be read; the passes are then timed again and the file replaced.
-What a cycle costs beyond its passes is learnt afresh by every process (engine/widths.py)."""
+What a cycle costs beyond its passes is learnt afresh by every process (engine/widths.py).
+
+Timed again. A process times a table's passes again where its cycles show the table too dear
+(engine/widths.py, "Stale tables"), or when asked to (``Engine.warm_up``'s ``measure``). Timings
+only err high, so of two timings of a pass the faster is nearer the truth: the table then keeps,
+per width timed, the faster of the stored and the new timing, and each fitted line from the table
+that prices it lower (``kept``). A re-timing under load so leaves a quiet table as it was, and a
+quiet one replaces a stale one. Timings under another attention route are of other passes: there
+the cheaper table is kept whole."""
 
 from __future__ import annotations
 
@@ -24,6 +32,7 @@ import logging
 import os
 import platform
 import warnings
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Dict, Optional
 
@@ -115,16 +124,7 @@ def load(table_key: Dict[str, Any]) -> Optional[CostModel]:
     if not path.exists():
         return None
     try:
-        stored = json.loads(path.read_text())
-        if stored.get("key") != table_key:
-            raise ValueError("its key is not this model's, machine's or batch's")
-        measured = stored["cost"]
-        cost = CostModel(**{name: measured[name] for name in FIELDS})
-        cost.timed = {int(T): float(s) for T, s in measured["timed"].items()}
-        if not all(
-            isinstance(getattr(cost, n), (int, float)) for n in ("t0", "t1", "d0", "d1", "t2")
-        ):
-            raise ValueError("a cost is not a number")
+        cost = _read(path, table_key)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         warnings.warn(
             f"ignoring the pass costs kept in {path} ({e}); timing the passes again", stacklevel=2
@@ -134,4 +134,46 @@ def load(table_key: Dict[str, Any]) -> Optional[CostModel]:
     return cost
 
 
-__all__ = ["folder", "key", "load", "save"]
+def keep(table_key: Dict[str, Any], measured: CostModel) -> CostModel:
+    """Keep passes just timed under ``table_key``, with what a table already kept there timed
+    faster (module doc, "Timed again"); returns the costs kept."""
+    try:
+        stored = _read(path_of(table_key), table_key)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        # none kept, or one that load warned of: replaced
+        stored = None
+    cost = measured if stored is None else kept(stored, measured)
+    save(table_key, cost)
+    return cost
+
+
+def kept(stored: CostModel, measured: CostModel) -> CostModel:
+    """The faster of two timings of each pass (module doc): per width timed at the table's rows,
+    and per fitted line, the target's where it is read (at one row, over the widths timed) and
+    the drafter's at the table's rows."""
+    if stored.route != measured.route or stored.rows != measured.rows:
+        return min(measured, stored, key=lambda c: c.passes(c.rows, max(c.timed, default=1)))
+    cost = replace(measured, timed=dict(measured.timed))
+    for T, seconds in stored.timed.items():
+        cost.timed[T] = min(seconds, cost.timed.get(T, seconds))
+    widths = sorted(cost.timed) or [1]
+    if sum(map(stored.line, widths)) < sum(map(measured.line, widths)):
+        cost.t0, cost.t1, cost.t2 = stored.t0, stored.t1, stored.t2
+    if stored.d0 + stored.d1 * stored.rows < measured.d0 + measured.d1 * measured.rows:
+        cost.d0, cost.d1 = stored.d0, stored.d1
+    return cost
+
+
+def _read(path: Path, table_key: Dict[str, Any]) -> CostModel:
+    stored = json.loads(path.read_text())
+    if stored.get("key") != table_key:
+        raise ValueError("its key is not this model's, machine's or batch's")
+    measured = stored["cost"]
+    cost = CostModel(**{name: measured[name] for name in FIELDS})
+    cost.timed = {int(T): float(s) for T, s in measured["timed"].items()}
+    if not all(isinstance(getattr(cost, n), (int, float)) for n in ("t0", "t1", "d0", "d1", "t2")):
+        raise ValueError("a cost is not a number")
+    return cost
+
+
+__all__ = ["folder", "keep", "kept", "key", "load", "save"]

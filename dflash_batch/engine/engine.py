@@ -107,6 +107,8 @@ class Engine:
         # given pass costs: no warm-up, any batch size (load_engine)
         self.cost_model = settings.cost_model
         self.measured_passes = 0  # warm-ups that timed passes (not read from the model cache)
+        # (batch size, context bucket) of the tables timed again (``_measured_cost``): once each
+        self.timed_again: set = set()
         self.keep_costs = True  # measured pass costs read from and kept in the model cache (engine/cost_tables.py)
         # the drafter's acceptance over every job's cycles: each job's prior (engine/widths.py)
         self.acceptance = pooled_acceptance(self.block_size)
@@ -678,8 +680,12 @@ class Engine:
         if cost is not None and waits:
             return cost
         if cost is not None and cost.read and cost.stale():
-            # a table timed under a load that has passed: time the passes again, and keep them
-            return self.warm_up(slots, context or cost.context, measure=True)
+            # a table timed under a load that has passed: time the passes again, and keep the
+            # faster timings (engine/cost_tables.py). Once a table: an honest one that this
+            # job's cycles misjudge would otherwise be timed again at every job
+            again = (slots, warmup.context_bucket(context or cost.context or 0))
+            if again not in self.timed_again:
+                return self.warm_up(slots, context or cost.context, measure=True)
         if cost is None or (
             cost.context is not None
             and context
@@ -728,7 +734,8 @@ class Engine:
         it ahead to keep it out of a job's first items. Costs an earlier process measured on this
         machine for this model, batch size and context bucket are read from the model cache
         instead (engine/cost_tables.py; ``keep_costs`` False: neither read nor kept), unless
-        ``measure``."""
+        ``measure``: then the passes are timed again, and the table keeps the faster of its
+        timings and the new ones (cost_tables.py, "Timed again")."""
         with switch.use(self.settings.routes()):  # the key names this engine's routes
             table = (
                 cost_tables.key(self, batch_size, warmup.context_bucket(context or 0))
@@ -740,9 +747,12 @@ class Engine:
                 cost = warmup.measure_costs(self, batch_size, context)
                 self.measured_passes += 1
                 if table is not None:
-                    cost_tables.save(table, cost)
+                    # with what a table kept there timed faster (engine/cost_tables.py)
+                    cost = cost_tables.keep(table, cost)
             else:
                 cost.read = True
+        if measure:
+            self.timed_again.add((batch_size, warmup.context_bucket(context or 0)))
         earlier = self.cost.get(batch_size)
         # what widths cost beyond their model follows their shapes, not the context (but not
         # beyond a stale table's: that excess made up for its passes)

@@ -133,6 +133,23 @@ own scores corrected per depth by what tree cycles accepted (``WidthPolicy.tree_
 The pass costs come from timing real passes at warm-up, at the job's batch size and typical
 context (``Engine.warm_up``, engine/warmup.py); what a cycle costs beyond its passes is learnt
 from every cycle the engine times.
+
+Stale tables. Those timings are kept in the model cache for later processes
+(engine/cost_tables.py), and timings only err high: a table timed while other work loaded the
+machine prices every pass too dear for every process that reads it. So a process checks the
+table it read against its own cycles (``CostModel.stale``): where the median of its last cycles
+ran more than STALE below their modelled passes, the next job times the passes again (once per
+table and process: ``Engine._measured_cost``). Every cycle counts, plain or drafting, at any
+width and any number of rows, so a job that drafts only at widths the table does not time still
+checks it. A cycle at a timed width over the table's own rows is held to a timing; anywhere else
+its passes are read off lines between timed points, which err both ways (a GPU's tiles of query
+rows; a batch's cost is not a line in its rows), so such a cycle is held to its modelled passes
+less INTERPOLATION of them. Why this is safe: where an honest table's lines overprice a pass by
+INTERPOLATION, its cycles count as right on their passes, still STALE short of marking it, so an
+honest table is not timed again process after process (and timing one again keeps the faster
+timings: cost_tables.py); a table priced too dear throughout is caught whatever widths the job
+runs, and where it runs none of the timed ones, once the table prices them above
+1 / ((1 - STALE) (1 - INTERPOLATION)) times what they cost.
 """
 
 from __future__ import annotations
@@ -270,6 +287,8 @@ COMPILE_PRIOR = 0.05
 WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 TRUSTED = 3  # cycles of a kind before its learnt overhead is used
 STALE = 0.25  # cycles this much below their timed passes: the timings were spiked (stale)
+# how far below its passes as read between timed widths and rows an honest table's cycle may run
+INTERPOLATION = 0.15
 PROBE_WIDTH = 4  # rows a probe verifies: a drafter of unknown worth is tried at this width
 # plain cycles a plain choice stands while nothing is learnt, before it is weighed again
 REPLAN = 16
@@ -335,16 +354,15 @@ class CostModel:
     timed: Dict[int, float] = field(default_factory=dict)
     # read from the model cache (engine/cost_tables.py), not timed by this process
     read: bool = False
-    # the last cycles' excess at timed widths over their modelled passes, relative to them
+    # the last cycles' excess over their modelled passes (less INTERPOLATION of them where
+    # those were read between timed points), relative to them
     relative: List[float] = field(default_factory=list)
 
     def stale(self) -> bool:
-        """Whether the passes as timed are dearer than this process's cycles show: the median of
-        its last cycles at timed widths (TRUSTED at least, plain or drafting) ran below their
-        modelled passes by more than STALE of them. Timings only err high (other work on the
-        machine adds time, never takes it away), and a table timed in a load spike would price
-        every width too dear for every later process on the machine: one that reads such a
-        table times its passes again (``Engine._measured_cost``)."""
+        """Whether the passes as timed are dearer than this process's cycles show (module doc,
+        "Stale tables"): the median of its last cycles (TRUSTED at least, plain or drafting, at
+        any width and rows) ran below their modelled passes, less INTERPOLATION of them where
+        those were read between timed points, by more than STALE of them."""
         return len(self.relative) >= TRUSTED and _median(self.relative) < -STALE
 
     def target(self, B: int, T: int) -> float:
@@ -354,8 +372,13 @@ class CostModel:
         at_rows = _interpolate(self.timed, T)
         if self.rows < 2:  # timed at batch 1 itself
             return max(at_rows, 1e-9)
-        at_one = self.t0 + self.t1 * T + self.t2
+        at_one = self.line(T)
         return max(at_one + (at_rows - at_one) * (B - 1) / (self.rows - 1), 1e-9)
+
+    def line(self, T: int) -> float:
+        """The fitted target pass of T rows at batch 1 (what ``target`` reads between it and the
+        widths timed at ``rows``)."""
+        return self.t0 + self.t1 * T + self.t2
 
     def passes(self, B: int, T: int) -> float:
         return self.target(B, T) + (self.d0 + self.d1 * B if T > 1 else 0.0)
@@ -384,9 +407,11 @@ class CostModel:
             for seen in kinds + [self.width_excess.setdefault((batch_rung(B), T), [])]:
                 seen.append(excess)
                 del seen[: -self.window]
-            if kinds:
-                self.relative.append(excess / max(passes, 1e-9))
-                del self.relative[: -self.window]
+            # timed at these rows and this width, or read between timed points (``stale``)
+            measured = not self.timed or (T in self.timed and B == self.rows)
+            floor = passes if measured else (1 - INTERPOLATION) * passes
+            self.relative.append(seconds / max(floor, 1e-9) - 1)
+            del self.relative[: -self.window]
 
     @classmethod
     def fit(
