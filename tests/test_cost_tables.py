@@ -243,6 +243,9 @@ def test_each_pass_keeps_its_own_faster_timing():
     assert cost_tables.kept(stored, new) is new
     new.timed = {1: 0.3, 4: 1.6}
     assert cost_tables.kept(stored, new) is stored
+    # likewise under another few-row matmul (engine/warmup.py)
+    new.route, new.matmul, new.timed = None, "stock", {1: 0.3, 4: 0.7}
+    assert cost_tables.kept(stored, new) is new
 
 
 def test_a_stale_table_is_timed_again_once_a_process(tiny_pair, timed):

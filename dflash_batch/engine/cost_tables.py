@@ -21,8 +21,8 @@ Timed again. A process times a table's passes again where its cycles show the ta
 only err high, so of two timings of a pass the faster is nearer the truth: the table then keeps,
 per width timed, the faster of the stored and the new timing, and each fitted line from the table
 that prices it lower (``kept``). A re-timing under load so leaves a quiet table as it was, and a
-quiet one replaces a stale one. Timings under another attention route are of other passes: there
-the cheaper table is kept whole."""
+quiet one replaces a stale one. Timings under another attention route or few-row matmul are of
+other passes: there the cheaper table is kept whole."""
 
 from __future__ import annotations
 
@@ -151,7 +151,11 @@ def kept(stored: CostModel, measured: CostModel) -> CostModel:
     """The faster of two timings of each pass (module doc): per width timed at the table's rows,
     and per fitted line, the target's where it is read (at one row, over the widths timed) and
     the drafter's at the table's rows."""
-    if stored.route != measured.route or stored.rows != measured.rows:
+    if (stored.route, stored.matmul, stored.rows) != (
+        measured.route,
+        measured.matmul,
+        measured.rows,
+    ):
         return min(measured, stored, key=lambda c: c.passes(c.rows, max(c.timed, default=1)))
     cost = replace(measured, timed=dict(measured.timed))
     for T, seconds in stored.timed.items():
