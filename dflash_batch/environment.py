@@ -174,7 +174,8 @@ _TABLE = (
         ("stock", "kernel"),
         "kernel",
         "stock",
-        "few-row products of linear layers: MLX's matmul or the few-row kernel",
+        "few-row products of linear layers: MLX's matmul, or the few-row kernel where the warm-up"
+        " times it faster",
     ),
     _route(
         "DFLASH_BATCH_PASSES",
