@@ -149,6 +149,9 @@ def test_an_engine_without_a_drafter_runs_the_faster_few_row_matmul_too(
     assert timings == [(8, 1), (8, 1)]
     plain._width_policy(8, requests)
     assert len(timings) == 2  # once a process
+    again = load_engine(str(qwen3_target), matmul="kernel")  # a later process
+    assert again._routes(again._width_policy(8, requests)).matmul == fast
+    assert len(timings) == 2  # and once a machine: the choice is kept in the model cache
     assert plain._routes(plain._width_policy(1, requests[:1])).matmul == "kernel"  # one row: none
 
 

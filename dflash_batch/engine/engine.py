@@ -660,13 +660,22 @@ class Engine:
 
     def _fixed_cost(self, slots: int, requests: Sequence[EncodedRequest]) -> CostModel:
         """No cost model steers a fixed width, but on CUDA the few-row matmul is chosen for it as
-        for a drafting job (engine/warmup.py), once per batch size and context bucket a process."""
+        for a drafting job (engine/warmup.py), once per batch size and context bucket a machine:
+        the choice is kept in the model cache beside the cost tables."""
         context = max(_typical_context(requests), warmup.SHORT_CONTEXT)
         key = (slots, warmup.context_bucket(context))
         if key not in self.fixed_matmul:
             width = 1 if self.drafter is None else self.block_size  # every cycle's
             with switch.use(self.settings.routes()):
-                self.fixed_matmul[key] = warmup.choose_matmul(self, slots, context, width)
+                table = cost_tables.key(self, *key) if self.keep_costs else None
+                kept = cost_tables.load({**table, "fixed_width": True}) if table else None
+                if kept is not None:
+                    self.fixed_matmul[key] = kept.matmul
+                else:
+                    chosen = warmup.choose_matmul(self, slots, context, width)
+                    if table is not None and chosen is not None:
+                        cost_tables.save({**table, "fixed_width": True}, CostModel(matmul=chosen))
+                    self.fixed_matmul[key] = chosen
         return CostModel(matmul=self.fixed_matmul[key])
 
     def _measured_cost(
