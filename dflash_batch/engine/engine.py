@@ -660,23 +660,32 @@ class Engine:
 
     def _fixed_cost(self, slots: int, requests: Sequence[EncodedRequest]) -> CostModel:
         """No cost model steers a fixed width, but on CUDA the few-row matmul is chosen for it as
-        for a drafting job (engine/warmup.py), once per batch size and context bucket a machine:
-        the choice is kept in the model cache beside the cost tables."""
+        for a drafting job (engine/warmup.py), once per batch size and context bucket a machine."""
         context = max(_typical_context(requests), warmup.SHORT_CONTEXT)
         key = (slots, warmup.context_bucket(context))
         if key not in self.fixed_matmul:
-            width = 1 if self.drafter is None else self.block_size  # every cycle's
-            with switch.use(self.settings.routes()):
-                table = cost_tables.key(self, *key) if self.keep_costs else None
-                kept = cost_tables.load({**table, "fixed_width": True}) if table else None
-                if kept is not None:
-                    self.fixed_matmul[key] = kept.matmul
-                else:
-                    chosen = warmup.choose_matmul(self, slots, context, width)
-                    if table is not None and chosen is not None:
-                        cost_tables.save({**table, "fixed_width": True}, CostModel(matmul=chosen))
-                    self.fixed_matmul[key] = chosen
+            self.fixed_matmul[key] = self._fixed_matmul(slots, context)
         return CostModel(matmul=self.fixed_matmul[key])
+
+    def _fixed_matmul(self, slots: int, context: int) -> Optional[str]:
+        """The few-row matmul a fixed width's job of this batch size runs under: timed (a plain
+        cycle, or a whole-block one with a drafter) and kept in the model cache beside the cost
+        tables, or read from there; None where there is nothing to choose."""
+        width = 1 if self.drafter is None else self.block_size  # every cycle's
+        with switch.use(self.settings.routes()):
+            if not warmup.matmul_choice(slots, width):
+                return None
+            table = None
+            if self.keep_costs:
+                bucket = warmup.context_bucket(context)
+                table = {**cost_tables.key(self, slots, bucket), "fixed_width": True}
+            kept = cost_tables.load(table) if table is not None else None
+            if kept is not None:
+                return kept.matmul
+            chosen = warmup.choose_matmul(self, slots, context, width)
+            if table is not None:
+                cost_tables.save(table, CostModel(matmul=chosen))
+            return chosen
 
     def _measured_cost(
         self, slots: int, requests: Sequence[EncodedRequest], waits: bool = False

@@ -111,9 +111,15 @@ def choose_matmul(
     """The few-row matmul mode a job should run under (module doc), from its most frequent pass
     whose products the kernel would take: ``width`` rows at ``batch_size``; None where there is
     no choice (no kernel here, or that pass is not a few rows)."""
-    if not matmul.MIN_ROWS <= batch_size * width <= matmul.MAX_ROWS or not _matmul_differs():
+    if not matmul_choice(batch_size, width):
         return None
     return _faster_matmul(engine, batch_size, context, width, route or switch.current().ragged)
+
+
+def matmul_choice(batch_size: int, width: int) -> bool:
+    """Whether the few-row matmul is to be chosen for passes of ``width`` rows at ``batch_size``:
+    a kernel runs here, and those passes are a few rows."""
+    return matmul.MIN_ROWS <= batch_size * width <= matmul.MAX_ROWS and _matmul_differs()
 
 
 def _faster_matmul(engine, batch_size: int, n: int, T: int, route: str) -> str:
