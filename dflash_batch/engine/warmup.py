@@ -39,8 +39,8 @@ gets costs measured on this machine, for this model, in this dtype, at this cont
 Where the few-row matmul is a kernel (engine/ops/matmul.py, CUDA), whether it or MLX's matmul
 serves the job is chosen here as well: the job's most frequent pass whose products it would take
 (a plain cycle at a batch of a few rows; at batch 1 a drafting cycle, target and drafter) is
-timed both ways and the faster kept for the job. The kernel beats cuBLAS on a small model's
-layers and loses to it on a large one's, and the crossing is the machine's and the model's.
+timed both ways and the faster kept for the job: the kernel was made for a small model's layers
+at batch 1, and on a larger model's it can cost twice what MLX's matmul does.
 """
 
 from __future__ import annotations
@@ -124,8 +124,8 @@ def matmul_choice(batch_size: int, width: int) -> bool:
 
 def _faster_matmul(engine, batch_size: int, n: int, T: int, route: str) -> str:
     """The few-row matmul mode under which that pass (and at batch 1 the drafter's, a block of
-    rows too) is faster: the kernel's device time grows with the weight faster than cuBLAS's,
-    so it wins on a small model's layers and loses on a large one's."""
+    rows too) is faster: which one is depends on the model's layers and the machine
+    (docs/results/never-loses.md, session 22)."""
     timed = {}
     for mode in ("kernel", "stock"):
         with switch.modes(ragged=route, matmul=mode):
