@@ -134,7 +134,9 @@ class BatchDecoder:
         self.width_policy = width_policy
         width_policy.new_shape = self._new_shape  # a shape's first pass compiles (engine/widths.py)
         self.rows: List[Optional[Row]] = [None] * self.slots
-        self.group = prefill.JoinGroup(self.target, self.drafter, self.prefixes)
+        self.group = prefill.JoinGroup(
+            self.target, self.drafter, self.prefixes, engine.prefill_cost
+        )
         # Device state of the batch: target cache rows, drafter context rows, pending context.
         self.lengths = Lengths([0] * self.slots)
         # allocated once for the longest row the memory plan allows for (``capacity`` positions):
@@ -206,6 +208,8 @@ class BatchDecoder:
         to hold up, a pass mostly wasted) fills at once."""
         if self.waiting.urgent:
             yield from self._preempt()
+        if self._gather():
+            return
         free = sum(r is None for r in self.rows)
         budget = self.engine.prefill_chunk * max(free, 1)
         while True:
@@ -213,6 +217,26 @@ class BatchDecoder:
             if not self.group.joiners or budget <= 0:
                 return
             budget -= yield from self._prefill_pass(self._pass_width())
+
+    def _gather(self) -> bool:
+        """Whether to leave the free slots empty for one more cycle, so that the requests joining
+        now join with those joining after it in one prefill pass. A row with one token of budget
+        left ends in the next cycle, whatever its width: admitting now and again then runs two
+        passes where waiting runs one, and saves the fixed part of a pass (``PrefillCost``),
+        which every decoding row waits for; the free slots left empty lose their share of the
+        cycle, free / slots of its measured seconds. It waits where the pass saved costs more.
+        Not while rows are part prefilled, an urgent request waits (its first token would come a
+        cycle later), or before a pass's fixed part or a cycle's seconds are known (this job's
+        cycles: the rows then in flight decide what a cycle costs)."""
+        free = sum(r is None for r in self.rows)
+        ending = any(r is not None and r.budget <= 1 for r in self.rows)
+        if not (free and ending and len(self.waiting)) or self.group.joiners or self.waiting.urgent:
+            return False
+        fixed, cycles = self.group.cost.fixed(), self.decode_counts.values()
+        count = sum(n for n, _, _ in cycles)
+        if fixed is None or not count:
+            return False
+        return fixed > free / self.slots * sum(s for _, s, _ in cycles) / count
 
     def _preempt(self) -> Iterator[Tuple[int, Exception]]:
         """Urgent requests wait and no slot is free: as many batch rows as they need give their

@@ -113,6 +113,8 @@ class Engine:
         self.node_calibration = NodeCalibration(max(self.block_size - 1, 0))
         # and what the plain and the drafting probes spent
         self.plain_probes, self.drafting_probes = PlainProbes(), DraftingProbes()
+        # what a packed prefill pass costs, from the passes timed (engine/prefill.py)
+        self.prefill_cost = prefill.PrefillCost()
         self.shapes_seen: set = set()  # (rows, width, key bucket) of the cycles run so far
         self.passes_run: set = set()  # and their (rows, width)
         with switch.use(settings.routes()):
