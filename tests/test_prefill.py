@@ -333,9 +333,9 @@ def test_prefill_cost_fits_its_fixed_part():
 def test_rows_ending_a_cycle_apart_join_in_one_prefill_pass(
     pair, monkeypatch, pass_s, cycle_s, passes
 ):
-    """Four slots, eight prompts; the first four end after 6, 8, 9 and 10 tokens. Where a prefill
-    pass costs 1 s (a scripted clock) and a cycle a few tenths of one, a free slot whose
-    neighbour ends in the next cycle waits that cycle rather than paying a pass of its own
+    """Four slots, eight prompts; the first four end after 6, 8, 10 and 12 tokens, two cycles
+    apart. Where a prefill pass costs 1 s (a scripted clock) and a cycle a tenth or so of one,
+    a free slot waits for the next row to end rather than paying a pass of its own
     (engine/batch.py: ``_gather``): the last three prompts join in one pass, three passes in
     all (each join at once: five). Where a pass costs less than the empty slots' share of a
     cycle, each joins at once. Every row is the target's greedy decoding of its prompt."""
@@ -344,11 +344,11 @@ def test_rows_ending_a_cycle_apart_join_in_one_prefill_pass(
     monkeypatch.setattr(prefill, "time", _Clock(pass_s))
     monkeypatch.setattr(batch, "time", _Clock(cycle_s))
     engine = load_engine(str(pair[0]), None, prefill_chunk=64, prefix_cache_mb=0)
-    budgets = [6, 8, 9, 10, 10, 10, 10, 10]
+    budgets = [6, 8, 10, 12, 12, 12, 12, 12]
     eos = engine.tokenizer.eos_token_ids
     # prompts whose greedy decoding has no EOS in its budget: the rows end at their budgets
     prompts = (_ids(12, seed) for seed in range(100))
-    prompts = [p for p in prompts if len(greedy_reference(pair[0], p, 10, eos)) == 10][:8]
+    prompts = [p for p in prompts if len(greedy_reference(pair[0], p, 12, eos)) == 12][:8]
     refs = [greedy_reference(pair[0], p, n, eos) for p, n in zip(prompts, budgets)]
     out = engine.generate_batch(prompts, max_tokens=budgets, batch_size=4)
     assert [c.token_ids for c in out] == refs

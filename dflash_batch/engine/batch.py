@@ -4,7 +4,9 @@
 
     schedule:    admit waiting requests into free rows (chunked prefill, the joining prompts packed
                  into shared passes and shared prefixes reused: engine/prefill.py; per step, about
-                 one chunk per free slot), then choose the cycle's verify width (engine/widths.py)
+                 one chunk per free slot; free slots wait for a row about to end where a pass of
+                 their own costs more: ``_gather``), then choose the cycle's verify width
+                 (engine/widths.py)
     run:         one cycle over all rows: draft, verify, accept, roll back (engine/decode.py)
     postprocess: feed each row's committed tokens to its output (EOS, stop strings, budget);
                  finished rows free their slot at once
@@ -220,23 +222,25 @@ class BatchDecoder:
 
     def _gather(self) -> bool:
         """Whether to leave the free slots empty for one more cycle, so that the requests joining
-        now join with those joining after it in one prefill pass. A row with one token of budget
-        left ends in the next cycle, whatever its width: admitting now and again then runs two
+        now join with those joining later in one prefill pass. A row with d tokens of budget
+        left ends within d cycles, whatever their widths: admitting now and again then runs two
         passes where waiting runs one, and saves the fixed part of a pass (``PrefillCost``),
-        which every decoding row waits for; the free slots left empty lose their share of the
-        cycle, free / slots of its measured seconds. It waits where the pass saved costs more.
-        Not while rows are part prefilled, an urgent request waits (its first token would come a
-        cycle later), or before a pass's fixed part or a cycle's seconds are known (this job's
-        cycles: the rows then in flight decide what a cycle costs)."""
+        which every decoding row waits for; the free slots left empty lose their share of up to
+        d cycles, free / slots of d cycles' measured seconds. It waits where the pass saved
+        costs more, for the row that ends soonest, and weighs again every cycle. Not while rows
+        are part prefilled, an urgent request waits (its first token would come later), or
+        before a pass's fixed part or a cycle's seconds are known (this job's cycles: the rows
+        then in flight decide what a cycle costs). Rows that end early (EOS) are not foreseen."""
         free = sum(r is None for r in self.rows)
-        ending = any(r is not None and r.budget <= 1 for r in self.rows)
-        if not (free and ending and len(self.waiting)) or self.group.joiners or self.waiting.urgent:
+        live = [r.budget for r in self.rows if r is not None]
+        if not (free and live and len(self.waiting)) or self.group.joiners or self.waiting.urgent:
             return False
         fixed, cycles = self.group.cost.fixed(), self.decode_counts.values()
         count = sum(n for n, _, _ in cycles)
         if fixed is None or not count:
             return False
-        return fixed > free / self.slots * sum(s for _, s, _ in cycles) / count
+        cycle = sum(s for _, s, _ in cycles) / count
+        return fixed > free / self.slots * min(live) * cycle
 
     def _preempt(self) -> Iterator[Tuple[int, Exception]]:
         """Urgent requests wait and no slot is free: as many batch rows as they need give their

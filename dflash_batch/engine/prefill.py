@@ -21,8 +21,9 @@ c_j - 1, from which the batch copies it into its slot and chooses its first toke
 **What a pass costs.** Every decoding row waits while a pass runs, and a pass costs a fixed part
 (reading the weights, launching its work) and a part per token (rows x C, padding included):
 ``PrefillCost`` fits seconds = fixed + per_token * tokens to the passes the engine timed. Rows that
-leave the batch one cycle apart would each pay the fixed part in a pass of their own; the batch
-weighs that against leaving the free slots empty for a cycle (engine/batch.py: ``_gather``).
+leave the batch a few cycles apart would each pay the fixed part in a pass of their own; the batch
+weighs that against leaving the free slots empty until the next row ends (engine/batch.py:
+``_gather``).
 
 **Shared prefixes.** ``share_marks`` finds, before a run, the prefixes its prompts share (the
 longest common prefix with a neighbour in sorted order, cut to a multiple of ``granularity``
