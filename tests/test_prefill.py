@@ -327,6 +327,10 @@ def test_prefill_cost_fits_its_fixed_part():
     for tokens in (16, 128, 640):
         cost.observe(tokens, 0.1 + 0.002 * tokens)
     assert cost.fixed() == pytest.approx(0.1, rel=1e-9)
+    # a small pass that compiled its shape (seconds): the line's fixed part is 1.42 s, but no
+    # pass shows a fixed part above the cheapest one's 0.132 s
+    cost.observe(8, 5.0)
+    assert cost.fixed() == pytest.approx(0.1 + 0.002 * 16, rel=1e-9)
 
 
 @pytest.mark.parametrize("pass_s, cycle_s, passes", [(1.0, 0.05, 3), (0.01, 1.0, 5)])

@@ -156,7 +156,9 @@ class PrefillCost:
 
     def fixed(self) -> Optional[float]:
         """The fixed part; None until passes of two sizes have been timed (nothing tells it apart
-        from the part per token before)."""
+        from the part per token before). At most the cheapest pass: a pass slowed by other work
+        or by compiling a new shape (a GPU's first pass of a size) could tilt the line to a
+        fixed part no pass shows, and the batch would leave its slots empty for it."""
         n = len(self.passes)
         mean_x = sum(x for x, _ in self.passes) / max(n, 1)
         mean_y = sum(y for _, y in self.passes) / max(n, 1)
@@ -164,7 +166,7 @@ class PrefillCost:
         if not sxx:
             return None
         slope = max(sum((x - mean_x) * (y - mean_y) for x, y in self.passes) / sxx, 0.0)
-        return max(mean_y - slope * mean_x, 0.0)
+        return min(max(mean_y - slope * mean_x, 0.0), min(y for _, y in self.passes))
 
 
 @dataclass
