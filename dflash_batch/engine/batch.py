@@ -227,13 +227,17 @@ class BatchDecoder:
         passes where waiting runs one, and saves the fixed part of a pass (``PrefillCost``),
         which every decoding row waits for; the free slots left empty lose their share of up to
         d cycles, free / slots of d cycles' measured seconds. It waits where the pass saved
-        costs more, for the row that ends soonest, and weighs again every cycle. Not while rows
+        costs more, for the row that ends soonest, and weighs again every cycle. Not where no
+        more requests wait than the free slots take (no later pass to save), nor while rows
         are part prefilled, an urgent request waits (its first token would come later), or
         before a pass's fixed part or a cycle's seconds are known (this job's cycles: the rows
         then in flight decide what a cycle costs). Rows that end early (EOS) are not foreseen."""
         free = sum(r is None for r in self.rows)
         live = [r.budget for r in self.rows if r is not None]
-        if not (free and live and len(self.waiting)) or self.group.joiners or self.waiting.urgent:
+        # no more waiting than the free slots take: one pass admits them all now
+        if not (free and live and len(self.waiting) > free) or self.group.joiners:
+            return False
+        if self.waiting.urgent:
             return False
         fixed, cycles = self.group.cost.fixed(), self.decode_counts.values()
         count = sum(n for n, _, _ in cycles)
