@@ -359,25 +359,35 @@ def test_rows_ending_a_cycle_apart_join_in_one_prefill_pass(
     assert engine.prefill_counts["passes"] == passes, engine.prefill_counts
 
 
-def test_no_wait_where_the_free_slots_take_every_waiting_request(pair, monkeypatch):
+@pytest.mark.parametrize("count, rows", [(6, None), (8, 1)])
+def test_no_wait_where_no_pass_is_saved(pair, monkeypatch, count, rows):
     """As above (a pass dear, cycles cheap), but six prompts: when the second row ends one
-    request waits and the free slot takes it; waiting for the next row to end would save no
-    pass and only delay it. Passes and cycles are those of never waiting."""
+    request waits and the free slot takes it; or eight, with one prompt per pass
+    (``prefill_rows`` 1): each join needs a pass of its own. Waiting for the next row to end
+    would save no pass and only delay them: the batch never waits, and its passes, cycles and
+    rows are those of never waiting."""
     from dflash_batch.engine import batch
 
     monkeypatch.setattr(prefill, "time", _Clock(1.0))
     monkeypatch.setattr(batch, "time", _Clock(0.05))
-    engine = load_engine(str(pair[0]), None, prefill_chunk=64, prefix_cache_mb=0)
-    budgets = [6, 8, 10, 12, 12, 12]
+    engine = load_engine(str(pair[0]), None, prefill_chunk=64, prefix_cache_mb=0, prefill_rows=rows)
+    budgets = [6, 8, 10, 12, 12, 12, 12, 12][:count]
     eos = engine.tokenizer.eos_token_ids
-    prompts = (_ids(12, seed) for seed in range(100))
-    prompts = [p for p in prompts if len(greedy_reference(pair[0], p, 12, eos)) == 12][:6]
+    # of two lengths: one-prompt passes of two sizes, from which the pass's fixed part is known
+    prompts = (_ids(12 + 4 * (seed % 2), seed) for seed in range(100))
+    prompts = [p for p in prompts if len(greedy_reference(pair[0], p, 12, eos)) == 12][:count]
+    waited, real = [], batch.BatchDecoder._gather
+
+    def spy(self):
+        waited.append(real(self))
+        return waited[-1]
+
     runs = []
-    for gather in (True, False):
-        if not gather:
-            monkeypatch.setattr(batch.BatchDecoder, "_gather", lambda self: False)
+    for gather in (spy, lambda self: False):
+        monkeypatch.setattr(batch.BatchDecoder, "_gather", gather)
         out = engine.generate_batch(prompts, max_tokens=budgets, batch_size=4)
         cycles = sum(n for n, _, _ in engine.decode_counts.values())
         runs.append((engine.prefill_counts["passes"], cycles, [c.token_ids for c in out]))
-    assert runs[0] == runs[1], runs[0][:2]
-    assert runs[0][0] == 3  # the first four together, then one each
+    assert waited and not any(waited)
+    assert runs[0] == runs[1], (runs[0][:2], runs[1][:2])
+    assert runs[0][0] == (3 if rows is None else count)  # the first four together, or one each

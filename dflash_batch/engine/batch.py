@@ -228,14 +228,18 @@ class BatchDecoder:
         which every decoding row waits for; the free slots left empty lose their share of up to
         d cycles, free / slots of d cycles' measured seconds. It waits where the pass saved
         costs more, for the row that ends soonest, and weighs again every cycle. Not where no
-        more requests wait than the free slots take (no later pass to save), nor while rows
+        more requests wait than the free slots take, or a pass takes no more prompts than there
+        are free slots (``prefill_rows``): no later pass to save. Nor while rows
         are part prefilled, an urgent request waits (its first token would come later), or
         before a pass's fixed part or a cycle's seconds are known (this job's cycles: the rows
         then in flight decide what a cycle costs). Rows that end early (EOS) are not foreseen."""
         free = sum(r is None for r in self.rows)
         live = [r.budget for r in self.rows if r is not None]
-        # no more waiting than the free slots take: one pass admits them all now
+        # no more waiting than the free slots take (one pass admits them all now), or a pass
+        # takes no more prompts than there are free slots (the later ones would need their own)
         if not (free and live and len(self.waiting) > free) or self.group.joiners:
+            return False
+        if (self.engine.prefill_rows or self.slots) <= free:
             return False
         if self.waiting.urgent:
             return False
