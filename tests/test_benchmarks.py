@@ -499,3 +499,23 @@ def test_warm_up_breakdown_records_each_step_and_puts_the_engine_back(tmp_path, 
         cycles = {k: v for k, v in job["steps"].items() if k.startswith("cycle B2 T")}
         assert cycles and all(count >= 1 and total > 0 for count, total, _ in cycles.values())
     assert batch.BatchDecoder.run is run and warmup._run_once is run_once
+
+
+def test_prefill_joins_times_every_arm_of_both_parts(tmp_path, monkeypatch):
+    """benchmarks/prefill_joins.py --smoke (the embedded default pair): the taps part prefills
+    one group by each engine, the joins part runs the job in four arms, and gathering is put
+    back after the arms that turned it off."""
+    from dflash_batch.engine import batch
+
+    from benchmarks import prefill_joins
+
+    real = batch.BatchDecoder._gather
+    out = tmp_path / "joins.json"
+    doc = prefill_joins.main(["--smoke", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(doc))
+    assert set(doc["taps"]) == {"drafter", "plain"}
+    assert all(r["passes"] >= 1 and r["seconds"] > 0 for r in doc["taps"].values())
+    arms = {"drafter", "drafter gathered", "plain", "plain gathered"}
+    assert set(doc["joins"]) == arms
+    assert all(r["passes"] >= 1 and r["cycles"] for r in doc["joins"].values())
+    assert batch.BatchDecoder._gather is real

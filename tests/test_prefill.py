@@ -304,3 +304,90 @@ def test_logits_at_chosen_positions_equal_the_full_pass(kind, tmp_path):
     target.head_after_backbone = False  # the whole forward, then the positions picked
     logits, _ = target(tokens, target.make_cache(Lengths([0, 0, 0])), at)
     assert mx.allclose(full, logits, rtol=1e-5, atol=1e-5).item()
+
+
+# -- joins gathered into one pass ----------------------------------------------------------------
+
+
+class _Clock:
+    """``time`` for a module: each reading ``step`` seconds after the one before."""
+
+    def __init__(self, step: float):
+        self.now, self.step = 0.0, step
+
+    def perf_counter(self) -> float:
+        self.now += self.step
+        return self.now
+
+
+def test_prefill_cost_fits_its_fixed_part():
+    cost = prefill.PrefillCost()
+    cost.observe(64, 0.1 + 0.002 * 64)
+    assert cost.fixed() is None  # one size: fixed and per-token parts not told apart
+    for tokens in (16, 128, 640):
+        cost.observe(tokens, 0.1 + 0.002 * tokens)
+    assert cost.fixed() == pytest.approx(0.1, rel=1e-9)
+    # a small pass that compiled its shape (seconds): the line's fixed part is 1.42 s, but no
+    # pass shows a fixed part above the cheapest one's 0.132 s
+    cost.observe(8, 5.0)
+    assert cost.fixed() == pytest.approx(0.1 + 0.002 * 16, rel=1e-9)
+
+
+@pytest.mark.parametrize("pass_s, cycle_s, passes", [(1.0, 0.05, 3), (0.01, 1.0, 5)])
+def test_rows_ending_a_cycle_apart_join_in_one_prefill_pass(
+    pair, monkeypatch, pass_s, cycle_s, passes
+):
+    """Four slots, eight prompts; the first four end after 6, 8, 10 and 12 tokens, two cycles
+    apart. Where a prefill pass costs 1 s (a scripted clock) and a cycle a tenth or so of one,
+    a free slot waits for the next row to end rather than paying a pass of its own
+    (engine/batch.py: ``_gather``): the last three prompts join in one pass, three passes in
+    all (each join at once: five). Where a pass costs less than the empty slots' share of a
+    cycle, each joins at once. Every row is the target's greedy decoding of its prompt."""
+    from dflash_batch.engine import batch
+
+    monkeypatch.setattr(prefill, "time", _Clock(pass_s))
+    monkeypatch.setattr(batch, "time", _Clock(cycle_s))
+    engine = load_engine(str(pair[0]), None, prefill_chunk=64, prefix_cache_mb=0)
+    budgets = [6, 8, 10, 12, 12, 12, 12, 12]
+    eos = engine.tokenizer.eos_token_ids
+    # prompts whose greedy decoding has no EOS in its budget: the rows end at their budgets
+    prompts = (_ids(12, seed) for seed in range(100))
+    prompts = [p for p in prompts if len(greedy_reference(pair[0], p, 12, eos)) == 12][:8]
+    refs = [greedy_reference(pair[0], p, n, eos) for p, n in zip(prompts, budgets)]
+    out = engine.generate_batch(prompts, max_tokens=budgets, batch_size=4)
+    assert [c.token_ids for c in out] == refs
+    assert engine.prefill_counts["passes"] == passes, engine.prefill_counts
+
+
+@pytest.mark.parametrize("count, rows", [(6, None), (8, 1)])
+def test_no_wait_where_no_pass_is_saved(pair, monkeypatch, count, rows):
+    """As above (a pass dear, cycles cheap), but six prompts: when the second row ends one
+    request waits and the free slot takes it; or eight, with one prompt per pass
+    (``prefill_rows`` 1): each join needs a pass of its own. Waiting for the next row to end
+    would save no pass and only delay them: the batch never waits, and its passes, cycles and
+    rows are those of never waiting."""
+    from dflash_batch.engine import batch
+
+    monkeypatch.setattr(prefill, "time", _Clock(1.0))
+    monkeypatch.setattr(batch, "time", _Clock(0.05))
+    engine = load_engine(str(pair[0]), None, prefill_chunk=64, prefix_cache_mb=0, prefill_rows=rows)
+    budgets = [6, 8, 10, 12, 12, 12, 12, 12][:count]
+    eos = engine.tokenizer.eos_token_ids
+    # of two lengths: one-prompt passes of two sizes, from which the pass's fixed part is known
+    prompts = (_ids(12 + 4 * (seed % 2), seed) for seed in range(100))
+    prompts = [p for p in prompts if len(greedy_reference(pair[0], p, 12, eos)) == 12][:count]
+    waited, real = [], batch.BatchDecoder._gather
+
+    def spy(self):
+        waited.append(real(self))
+        return waited[-1]
+
+    runs = []
+    for gather in (spy, lambda self: False):
+        monkeypatch.setattr(batch.BatchDecoder, "_gather", gather)
+        out = engine.generate_batch(prompts, max_tokens=budgets, batch_size=4)
+        cycles = sum(n for n, _, _ in engine.decode_counts.values())
+        runs.append((engine.prefill_counts["passes"], cycles, [c.token_ids for c in out]))
+    assert waited and not any(waited)
+    assert runs[0] == runs[1], (runs[0][:2], runs[1][:2])
+    assert runs[0][0] == (3 if rows is None else count)  # the first four together, or one each

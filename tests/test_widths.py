@@ -8,6 +8,7 @@ import math
 import random
 import statistics
 
+from dflash_batch.engine import load_engine
 from dflash_batch.engine.widths import (
     TRUSTED,
     Acceptance,
@@ -276,6 +277,48 @@ def test_a_drafter_that_keeps_failing_is_probed_ever_more_rarely():
     probes = sum(T > 1 for T in widths)
     assert probes <= 25, probes
     assert ratio <= 1.015, ratio
+
+
+def _probes_per_job(policy_for_job, jobs: int, rows: int = 16, tokens: int = 128):
+    """``jobs`` jobs one after another, each of ``rows`` rows of ``tokens`` tokens whose drafts
+    are all rejected, on the CPU costs (drafting at 16 rows never pays there): each job a width
+    policy of its own from ``policy_for_job(rows)``, as the engine makes one per job. The
+    drafting probes each job ran, and its cost over plain decoding's."""
+    probes, ratios = [], []
+    for _ in range(jobs):
+        policy = policy_for_job(rows)
+        live = [(policy.new_row(), tokens) for _ in range(rows)]
+        ran, spent = 0, 0.0
+        while live:
+            T = policy.width([e for e, _ in live], [n for _, n in live])
+            ran += T > 1
+            spent += policy.cost.cycle(len(live), T)
+            for estimate, n in live:
+                policy.accepted(estimate, 0, min(T, n))
+            live = [(e, n - 1) for e, n in live if n > 1]
+        probes.append(ran)
+        ratios.append(spent / (tokens * policy.cost.cycle(rows, 1)))
+    return probes, ratios
+
+
+def test_a_drafter_that_keeps_failing_is_probed_ever_more_rarely_across_jobs(tiny_pair):
+    """The engine keeps what its drafting probes spent from job to job (``DraftingProbes``), as
+    it keeps the plain probes': a worker's jobs, each too short to back its probes off far,
+    would otherwise each begin at the whole share and pay its first probes again. Twelve jobs
+    of 128 cycles through one engine's width policies: the probes per job fall from the first
+    job's to one in every few jobs (each job its own: two in every job), and the later
+    jobs cost under 1% over plain decoding."""
+    target, draft = map(str, tiny_pair)
+    engine = load_engine(target, draft, cost_model=CostModel(**CPU), drafts="chain")
+    probes, ratios = _probes_per_job(engine._width_policy, 12)
+    assert probes[0] >= 2, probes  # the first job probes at its start and at the whole share
+    # here 2, 1, 0, 1, 0, 0, 1, 0, 0, 0, 1, 0 (each job its own: 2 in every job)
+    assert sum(probes[4:]) <= 3, probes
+    assert sum(ratios[4:]) / len(ratios[4:]) <= 1.01, ratios
+    assert engine.drafting_probes.failed >= 4  # backed off to the least share, kept
+    # a new drafter starts afresh: nothing learnt of the old one's probes holds for it
+    engine.use_drafter(None)
+    assert engine.drafting_probes.failed == 0
 
 
 def test_a_drafter_that_turns_good_is_still_found():

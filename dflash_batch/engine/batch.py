@@ -4,7 +4,9 @@
 
     schedule:    admit waiting requests into free rows (chunked prefill, the joining prompts packed
                  into shared passes and shared prefixes reused: engine/prefill.py; per step, about
-                 one chunk per free slot), then choose the cycle's verify width (engine/widths.py)
+                 one chunk per free slot; free slots wait for a row about to end where a pass of
+                 their own costs more: ``_gather``), then choose the cycle's verify width
+                 (engine/widths.py)
     run:         one cycle over all rows: draft, verify, accept, roll back (engine/decode.py)
     postprocess: feed each row's committed tokens to its output (EOS, stop strings, budget);
                  finished rows free their slot at once
@@ -134,7 +136,9 @@ class BatchDecoder:
         self.width_policy = width_policy
         width_policy.new_shape = self._new_shape  # a shape's first pass compiles (engine/widths.py)
         self.rows: List[Optional[Row]] = [None] * self.slots
-        self.group = prefill.JoinGroup(self.target, self.drafter, self.prefixes)
+        self.group = prefill.JoinGroup(
+            self.target, self.drafter, self.prefixes, engine.prefill_cost
+        )
         # Device state of the batch: target cache rows, drafter context rows, pending context.
         self.lengths = Lengths([0] * self.slots)
         # allocated once for the longest row the memory plan allows for (``capacity`` positions):
@@ -206,6 +210,8 @@ class BatchDecoder:
         to hold up, a pass mostly wasted) fills at once."""
         if self.waiting.urgent:
             yield from self._preempt()
+        if self._gather():
+            return
         free = sum(r is None for r in self.rows)
         budget = self.engine.prefill_chunk * max(free, 1)
         while True:
@@ -213,6 +219,36 @@ class BatchDecoder:
             if not self.group.joiners or budget <= 0:
                 return
             budget -= yield from self._prefill_pass(self._pass_width())
+
+    def _gather(self) -> bool:
+        """Whether to leave the free slots empty for one more cycle, so that the requests joining
+        now join with those joining later in one prefill pass. A row with d tokens of budget
+        left ends within d cycles, whatever their widths: admitting now and again then runs two
+        passes where waiting runs one, and saves the fixed part of a pass (``PrefillCost``),
+        which every decoding row waits for; the free slots left empty lose their share of up to
+        d cycles, free / slots of d cycles' measured seconds. It waits where the pass saved
+        costs more, for the row that ends soonest, and weighs again every cycle. Not where no
+        more requests wait than the free slots take, or a pass takes no more prompts than there
+        are free slots (``prefill_rows``): no later pass to save. Nor while rows
+        are part prefilled, an urgent request waits (its first token would come later), or
+        before a pass's fixed part or a cycle's seconds are known (this job's cycles: the rows
+        then in flight decide what a cycle costs). Rows that end early (EOS) are not foreseen."""
+        free = sum(r is None for r in self.rows)
+        live = [r.budget for r in self.rows if r is not None]
+        # no more waiting than the free slots take (one pass admits them all now), or a pass
+        # takes no more prompts than there are free slots (the later ones would need their own)
+        if not (free and live and len(self.waiting) > free) or self.group.joiners:
+            return False
+        if (self.engine.prefill_rows or self.slots) <= free:
+            return False
+        if self.waiting.urgent:
+            return False
+        fixed, cycles = self.group.cost.fixed(), self.decode_counts.values()
+        count = sum(n for n, _, _ in cycles)
+        if fixed is None or not count:
+            return False
+        cycle = sum(s for _, s, _ in cycles) / count
+        return fixed > free / self.slots * min(live) * cycle
 
     def _preempt(self) -> Iterator[Tuple[int, Exception]]:
         """Urgent requests wait and no slot is free: as many batch rows as they need give their

@@ -36,6 +36,7 @@ from .widths import (
     COMPILE_PRIOR,
     CompileCost,
     CostModel,
+    DraftingProbes,
     NodeCalibration,
     PlainProbes,
     WidthPolicy,
@@ -114,7 +115,10 @@ class Engine:
         self.acceptance = pooled_acceptance(self.block_size)
         # draft trees' nodes, likewise
         self.node_calibration = NodeCalibration(max(self.block_size - 1, 0))
-        self.plain_probes = PlainProbes()  # and what the plain probes spent
+        # and what the plain and the drafting probes spent
+        self.plain_probes, self.drafting_probes = PlainProbes(), DraftingProbes()
+        # what a packed prefill pass costs, from the passes timed (engine/prefill.py)
+        self.prefill_cost = prefill.PrefillCost()
         self.shapes_seen: set = set()  # (rows, width, key bucket) of the cycles run so far
         self.passes_run: set = set()  # and their (rows, width)
         with switch.use(settings.routes()):
@@ -206,8 +210,10 @@ class Engine:
             self._attach(old, self.settings.block_size)
             raise
         self.drafter, self.drafter_revision = drafter, None if folder is None else revision
-        # what was learnt about the old drafter's acceptance, and the prefixes' drafter states, go
+        # what was learnt about the old drafter's acceptance (its probes' failures too), and the
+        # prefixes' drafter states, go
         self.acceptance = pooled_acceptance(self.block_size)
+        self.drafting_probes = DraftingProbes()
         self.node_calibration = NodeCalibration(max(self.block_size - 1, 0))
         if self.prefixes is not None:
             self.prefixes = prefill.PrefixCache(self.prefixes.limit, self.prefixes.granularity)
@@ -656,6 +662,7 @@ class Engine:
             nodes=self.node_calibration,
             plain=self.plain_probes,
             compile=self.compile_cost,
+            drafting=self.drafting_probes,
         )
 
     def _fixed_cost(self, slots: int, requests: Sequence[EncodedRequest]) -> CostModel:

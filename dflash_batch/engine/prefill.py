@@ -18,6 +18,13 @@ less left pads less than a quarter of the width:
 A row whose prompt is complete leaves the group with its state (``Prefix``) and its logits at
 c_j - 1, from which the batch copies it into its slot and chooses its first token.
 
+**What a pass costs.** Every decoding row waits while a pass runs, and a pass costs a fixed part
+(reading the weights, launching its work) and a part per token (rows x C, padding included):
+``PrefillCost`` fits seconds = fixed + per_token * tokens to the passes the engine timed. Rows that
+leave the batch a few cycles apart would each pay the fixed part in a pass of their own; the batch
+weighs that against leaving the free slots empty until the next row ends (engine/batch.py:
+``_gather``).
+
 **Shared prefixes.** ``share_marks`` finds, before a run, the prefixes its prompts share (the
 longest common prefix with a neighbour in sorted order, cut to a multiple of ``granularity``
 tokens; the whole prompt where two prompts are the same, as the n samples of one prompt are).
@@ -135,6 +142,34 @@ def _common_prefix(p: Sequence[int], q: Sequence[int]) -> int:
 
 
 @dataclass
+class PrefillCost:
+    """Seconds of a packed prefill pass, fixed + per_token * tokens (tokens: rows x C), fitted by
+    least squares to the last ``window`` passes timed (``observe``), both parts at least 0. The
+    engine keeps one from job to job: a job's first joins are priced by the jobs before it."""
+
+    window: int = 32
+    passes: List[Tuple[int, float]] = field(default_factory=list)  # (tokens, seconds)
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        self.passes.append((tokens, seconds))
+        del self.passes[: -self.window]
+
+    def fixed(self) -> Optional[float]:
+        """The fixed part; None until passes of two sizes have been timed (nothing tells it apart
+        from the part per token before). At most the cheapest pass: a pass slowed by other work
+        or by compiling a new shape (a GPU's first pass of a size) could tilt the line to a
+        fixed part no pass shows, and the batch would leave its slots empty for it."""
+        n = len(self.passes)
+        mean_x = sum(x for x, _ in self.passes) / max(n, 1)
+        mean_y = sum(y for _, y in self.passes) / max(n, 1)
+        sxx = sum((x - mean_x) ** 2 for x, _ in self.passes)
+        if not sxx:
+            return None
+        slope = max(sum((x - mean_x) * (y - mean_y) for x, y in self.passes) / sxx, 0.0)
+        return min(max(mean_y - slope * mean_x, 0.0), min(y for _, y in self.passes))
+
+
+@dataclass
 class Joiner:
     """A prompt being prefilled in row of a ``JoinGroup``, for slot ``slot`` of the batch."""
 
@@ -156,8 +191,16 @@ class JoinGroup:
     """The joining prompts' rows: their own caches and lengths, prefilled one packed pass at a
     time. The drafter runs no pass here: each row keeps its tapped rows (``Joiner.hidden``)."""
 
-    def __init__(self, target, drafter, prefixes: Optional[PrefixCache]):
+    def __init__(
+        self,
+        target,
+        drafter,
+        prefixes: Optional[PrefixCache],
+        cost: Optional[PrefillCost] = None,
+    ):
         self.target, self.drafter, self.prefixes = target, drafter, prefixes
+        # what its passes cost: the engine's, from job to job
+        self.cost = cost if cost is not None else PrefillCost()
         self.joiners: List[Joiner] = []
         self.lengths = Lengths([])
         self.cache = target.make_cache(self.lengths)
@@ -231,7 +274,9 @@ class JoinGroup:
                 if j.done == len(j.ids):
                     finished.append((b, j, state))
         self._remove([b for b, _, _ in finished])
-        self.counts["seconds"] += time.perf_counter() - started
+        seconds = time.perf_counter() - started
+        self.counts["seconds"] += seconds
+        self.cost.observe(C * len(counts), seconds)
         return [(j, state) for _, j, state in finished]
 
     def state(self, b: int, logits: mx.array, context: Optional[mx.array]) -> Prefix:

@@ -72,9 +72,16 @@ first that leaves the width policy still not drafting halves that share (to 1/8 
 drafter that keeps failing is tried ever more rarely (the README's job on a 2-core CPU, whose
 drafts are accepted about 15% of the time, is such a case), and a cycle in which most rows that
 verified drafts accepted every one, or a drafting cycle the width policy chooses on its own,
-restores the share (``_restore_probes``). A drafter that always
-fails makes a job at most about 5% slower, and a long one under 1% (for a job whose rows end
-well before their budgets, the first probe can cost more than 5% of it).
+restores the share (``_restore_probes``). What the drafting probes spent (the plain cycles
+since the last drafting cycle, the probes since the last restore) is the engine's, kept from job
+to job (``DraftingProbes``), as the plain probes' is: a job too short for a probe of its own adds
+its plain cycles to the next one's, and a drafter whose probes failed in the jobs before is tried
+as rarely in the next, where a count begun afresh every job would pay the whole share's first
+probes in each (a long-running worker's short jobs then each paid one or two). So the bounds hold
+over the engine's run of plain decoding, across its jobs, not job by job (one job may probe for
+the plain cycles of the jobs before it): a drafter that always fails makes that run at most
+about 5% slower, and a long one under 1% (tests/test_widths.py counts them; for a first job
+whose rows end well before their budgets, the first probe can cost more than 5% of it).
 
 Drafting learns nothing about plain cycles either, and the width-1 cost is learnt only from
 plain cycles that run: a width-1 pass timed in a load spike at warm-up (a CPU's timings) would
@@ -247,6 +254,17 @@ class NodeCalibration:
     def scales(self) -> List[float]:
         w = self.prior_weight
         return [(a + w) / (p + w) for a, p in zip(self.accepted, self.predicted)]
+
+
+@dataclass
+class DraftingProbes:
+    """What the drafting probes have spent (module doc). The engine keeps one from job to job,
+    as it keeps ``PlainProbes``: a drafter whose probes failed in the jobs before is tried as
+    rarely in the next one, where a count begun afresh every job would pay the whole share's
+    first probes again in each (a long-running worker's jobs each paid one or two)."""
+
+    plain: float = 0.0  # seconds of plain cycles since the last drafting cycle
+    failed: int = 0  # drafting probes since the width policy last chose to draft on its own
 
 
 @dataclass
@@ -510,6 +528,7 @@ class WidthPolicy:
         nodes: Optional[NodeCalibration] = None,
         plain: Optional[PlainProbes] = None,
         compile: Optional[CompileCost] = None,
+        drafting: Optional[DraftingProbes] = None,
     ):
         self.block, self.cost, self.fixed = block, cost, fixed
         self.compile = compile if compile is not None else CompileCost(learns=False)  # the engine's
@@ -517,11 +536,11 @@ class WidthPolicy:
         self.new_shape: Callable[[int], bool] = lambda T: False
         self.probe_share, self.probe_width = probe_share, min(probe_width, block)
         self.backoff = backoff  # the most a run of failed probes divides the probe share by
-        self.failed = 0  # probes since the width policy last chose to draft on its own
+        # what the drafting probes spent: the engine's, from job to job
+        self.drafting = drafting if drafting is not None else DraftingProbes()
         # rows of the last cycle that verified drafts, and those that accepted every one
         self.cycle_rows = self.cycle_right = 0
         self.job = job if job is not None else pooled_acceptance(block)  # every row's cycles
-        self.plain_seconds = 0.0  # spent in plain cycles since the last drafting cycle
         self.plain = plain if plain is not None else PlainProbes()  # the engine's, from job to job
         # draft trees' nodes
         self.nodes = nodes if nodes is not None else NodeCalibration(max(block - 1, 0))
@@ -552,7 +571,7 @@ class WidthPolicy:
         row gets a short probe all right by chance (at 32 rows and p = 0.45 nearly every probe
         has one), and the probes would never back off."""
         if self.cycle_rows and 2 * self.cycle_right > self.cycle_rows:
-            self.failed = 0
+            self.drafting.failed = 0
         self.cycle_rows = self.cycle_right = 0
 
     def width(
@@ -580,7 +599,7 @@ class WidthPolicy:
         else:
             best, tokens = self._best_width(estimates, budgets, longest, tail)
             if best > 1:
-                self.plain_seconds, self.failed, self.plain_from = 0.0, 0, None
+                self.drafting.plain, self.drafting.failed, self.plain_from = 0.0, 0, None
                 return 1 if self._plain_probe(B, best, tokens) else best
             self.plain_from, self.plain_cycles = learnt, 0
             self.plain.drafting, self.plain.failed = 0.0, 0
@@ -591,16 +610,16 @@ class WidthPolicy:
         # long job learns its drafter's worth at once and a short one does not pay to. Each probe
         # that did not lead to drafting halves the share (module doc); at a batch's tail, once
         # the engine has drafted, it is the least share (module doc, "The job's tail").
-        plain = self.cost.cycle(B, 1)
-        self.plain_seconds += plain
+        plain, spent = self.cost.cycle(B, 1), self.drafting
+        spent.plain += plain
         probe = bucket(min(self.probe_width, longest), self.block)
         ahead = (longest - 1) * plain if self.job.seen[0] == 0 else 0.0
         least = tail is not None and B > 1 and not ahead
-        halved = self.backoff if least else min(2 ** max(self.failed - 1, 0), self.backoff)
+        halved = self.backoff if least else min(2 ** max(spent.failed - 1, 0), self.backoff)
         share = self.probe_share / halved
-        if (self.plain_seconds + ahead) * share >= self.cost.cycle(B, probe) - plain:
-            self.plain_seconds = 0.0
-            self.failed += 1  # until a cycle drafts by choice (above)
+        if (spent.plain + ahead) * share >= self.cost.cycle(B, probe) - plain:
+            spent.plain = 0.0
+            spent.failed += 1  # until a cycle drafts by choice (above)
             return probe
         return 1
 
