@@ -196,16 +196,18 @@ def test_the_expected_maximum_of_normals():
     assert finish.expected_max([(3.0, 0.0), (5.0, 0.0), (4.0, 0.0)]) == 5.0
 
 
-def test_the_decoder_says_when_no_request_can_join(tiny_pair, chain_drafts, monkeypatch):
-    """6 prompts at batch 2: while some wait the width policy weighs the rate (no ``tail``), once
-    the last has joined it is given each row's tokens left; greedy decoding stays exact."""
+def test_the_decoder_says_when_the_jobs_end_is_in_sight(tiny_pair, chain_drafts, monkeypatch):
+    """6 prompts at batch 2: while more wait than there are rows the width policy weighs the rate
+    (no ``tail``); in the last wave (two waiting, each to take a slot a row frees) it is given
+    each slot's tokens left, the waiting requests' budgets included; once the last has joined,
+    each row's tokens left. Greedy decoding stays exact."""
     target, drafter = map(str, tiny_pair)
     engine = load_engine(target, drafter, cost_model=CostModel(t0=1.0, d0=0.1, window=0))
     seen = []
     width = WidthPolicy.width
 
     def told(self, estimates, budgets, tail=None):
-        seen.append(None if tail is None else list(tail) == list(budgets))
+        seen.append(None if tail is None else sum(tail) - sum(budgets))
         return width(self, estimates, budgets, tail)
 
     monkeypatch.setattr(WidthPolicy, "width", told)
@@ -215,5 +217,36 @@ def test_the_decoder_says_when_no_request_can_join(tiny_pair, chain_drafts, monk
     assert [c.token_ids for c in done] == [
         greedy_reference(tiny_pair[0], i, n) for i, n in zip(ids, budgets)
     ]
-    first = seen.index(True)
-    assert first > 0 and None not in seen[first:] and all(s is None for s in seen[:first])
+    first = next(i for i, s in enumerate(seen) if s is not None)
+    assert first > 0 and None not in seen[first:]
+    # the last wave: the waiting requests' budgets on top; then none waits
+    assert seen[first] > 0 and seen[-1] == 0
+
+
+def test_in_the_last_wave_the_rows_that_finish_first_take_the_waiting_requests():
+    """Rows with 9, 3 and 6 tokens left, two requests waiting of 20 and 10: the row with 3 left
+    takes the first, the one with 6 the second. More waiting than rows, a stream not yet ended,
+    a prompt joining or an interactive request to come: not the last wave."""
+    from types import SimpleNamespace
+
+    from dflash_batch.engine.batch import BatchDecoder, EncodedRequest
+    from dflash_batch.engine.waiting import Waiting
+
+    def decoder(waiting, joiners=(), urgent=None, done=True):
+        queue = Waiting([[EncodedRequest([1, 2], max_tokens=n)] for n in waiting])
+        queue.peek()
+        queue.done = done
+        return SimpleNamespace(
+            waiting=queue,
+            group=SimpleNamespace(joiners=list(joiners)),
+            urgent=urgent,
+            _closed=lambda: False,
+        )
+
+    rows = [SimpleNamespace(budget=n) for n in (9, 3, 6)]
+    assert BatchDecoder._tail(decoder([20, 10]), rows) == [9, 23, 16]
+    assert BatchDecoder._tail(decoder([20, 10, 5]), rows) == [14, 23, 16]
+    assert BatchDecoder._tail(decoder([20, 10, 5, 1]), rows) is None
+    assert BatchDecoder._tail(decoder([20], done=False), rows) is None
+    assert BatchDecoder._tail(decoder([20], joiners=[object()]), rows) is None
+    assert BatchDecoder._tail(decoder([20], urgent=lambda: []), rows) is None

@@ -195,9 +195,7 @@ class BatchDecoder:
                 continue
             rows = [self.rows[b] for b in live]
             width = self.width_policy.width(
-                [r.acceptance for r in rows],
-                [r.cycle_budget for r in rows],
-                [r.budget for r in rows] if self._closed() else None,
+                [r.acceptance for r in rows], [r.cycle_budget for r in rows], self._tail(rows)
             )
             yield from self.postprocess(self.run(width))
             self.shrink()
@@ -852,6 +850,24 @@ class BatchDecoder:
         ended, and no interactive request may come (``urgent``). The job's tail: it ends when its
         slowest row does (engine/widths.py, "The job's tail")."""
         return not (self.waiting or self.group.joiners or self.urgent is not None)
+
+    def _tail(self, rows: List[Row]) -> Optional[List[int]]:
+        """The tokens each live row's slot has left to decode once the job's end is in sight
+        (engine/widths.py, "The job's tail"), else None: none can join any more, or the last
+        wave, where every request still waiting takes a slot one of these rows frees (all of
+        them known, none joining, no interactive one to come, no more than there are rows). The
+        rows with the fewest tokens left free their slots first and take them in turn."""
+        left = [r.budget for r in rows]
+        if self._closed():
+            return left
+        waiting = self.waiting.peeked()
+        if not self.waiting.done or self.urgent is not None or self.group.joiners:
+            return None
+        if len(waiting) > len(rows):
+            return None
+        for b, request in zip(sorted(range(len(rows)), key=left.__getitem__), waiting):
+            left[b] += request.max_tokens
+        return left
 
     def _shrink_pays(self, rung: int, live: List[int]) -> bool:
         """Whether dropping to ``rung`` rows saves more than a new shape's compile (engine/widths.py,
