@@ -235,12 +235,19 @@ def test_the_cpu_warm_up_times_each_pass_twice_at_two_widths(engine, monkeypatch
         clock[0] += 0.01 * (1 + tokens.shape[0] * tokens.shape[1])
         return verify(target, tokens, cache, *args, **kwargs)
 
+    draft_candidates = warmup.decode.draft_candidates
+
     def spy_draft(*args, **kwargs):
         drafts.append(args[2].shape[0])
         return draft_block(*args, **kwargs)
 
+    def spy_candidates(*args, **kwargs):  # a tree cycle's drafting (the CPU's default)
+        drafts.append(args[2].shape[0])
+        return draft_candidates(*args, **kwargs)
+
     monkeypatch.setattr(type(engine.target), "verify", spy_verify)
     monkeypatch.setattr(warmup.decode, "draft_block", spy_draft)
+    monkeypatch.setattr(warmup.decode, "draft_candidates", spy_candidates)
     monkeypatch.setattr(
         warmup, "CHEAP_PASS", 0.0
     )  # the tiny pair's passes, as slow as the default pair's
@@ -368,3 +375,29 @@ def test_a_gpu_job_wider_than_compiled_passes_times_no_compiled_batch(
     assert asked == sizes
     assert cost.target(batch_size, 4) == pytest.approx(0.001 * (1 + batch_size * 4))
     assert cost.target(1, 4) == pytest.approx(0.001 * 5, rel=0.05)  # the line reaches batch 1
+
+
+@pytest.mark.parametrize("mode", ["tree", "chain"])
+def test_the_drafter_is_timed_as_the_jobs_drafting_cycles_draft(tiny_pair, monkeypatch, mode):
+    """A tree cycle drafts each position's candidates and grows the trees on the host, which costs
+    more than a chain's drafting: the warm-up times the drafting the engine's cycles do, or the
+    cost model prices tree cycles below what they cost."""
+    monkeypatch.setenv("DFLASH_BATCH_DRAFTS", mode)
+    engine = load_engine(*map(str, tiny_pair))
+    called = []
+    for name in ("draft_block", "draft_candidates"):
+        real = getattr(warmup.decode, name)
+        monkeypatch.setattr(
+            warmup.decode,
+            name,
+            lambda *a, real=real, name=name, **k: called.append(name) or real(*a, **k),
+        )
+    grown = []
+    best_first = warmup.tree.best_first
+    monkeypatch.setattr(
+        warmup.tree, "best_first", lambda *a: grown.append(len(a[0])) or best_first(*a)
+    )
+    warmup.measure_costs(engine, 4, 64)
+    assert called and set(called) == {"draft_candidates" if mode == "tree" else "draft_block"}
+    # the trees of every row of each batch size timed (the job's, and batch 1)
+    assert set(grown) == ({4, 1} if mode == "tree" else set())

@@ -16,7 +16,9 @@ once to compile, then the fastest of three: other work on the machine only ever 
                    path (qmv) up to a row count that depends on the chip and the layer, and its
                    general one (qmm) above, a step in T that three widths on a line can hide
     draft(B)       one drafter pass over a block of new context rows (those the widest timed
-                   verify pass tapped), compiled where the job's are (engine/ops/compiled.py)
+                   verify pass tapped), compiled where the job's are (engine/ops/compiled.py);
+                   where the job's cycles draft trees (engine/tree.py), with each position's
+                   candidates and the trees grown on the host, as theirs do
 
 On the CPU a pass compiles nothing (its first run costs what later ones do, but for a process's
 first pass at a wide batch, run untimed) and costs a line in the rows it verifies, while each
@@ -49,8 +51,9 @@ import time
 from typing import Callable, Dict, Optional, Tuple
 
 import mlx.core as mx
+import numpy as np
 
-from . import decode
+from . import decode, tree
 from .models import hybrid
 from .ops import attention, compiled, device, matmul, switch
 from .ops.batch_cache import Lengths, round_up
@@ -295,9 +298,42 @@ class _Passes:
         drafter.add_context(self.hidden, draft_cache)  # as a joining prompt does
         mx.eval(self.hidden, [c.arrays() for c in draft_cache])  # not part of the timed pass
         last, block = self.ids[:, :1], max(engine.block_size, 2)
-        return lambda: decode.draft_block(
-            drafter, target, last, self.hidden, None, draft_cache, block - 1, head=engine.draft_head
-        )
+        if not _drafts_trees(engine):
+            return lambda: decode.draft_block(
+                drafter,
+                target,
+                last,
+                self.hidden,
+                None,
+                draft_cache,
+                block - 1,
+                head=engine.draft_head,
+            )
+
+        def grow():
+            # a tree cycle's drafting: each position's candidates, and the trees grown on the host
+            ids, logprobs = decode.draft_candidates(
+                drafter,
+                target,
+                last,
+                self.hidden,
+                None,
+                draft_cache,
+                block - 1,
+                tree.CANDIDATES,
+                head=engine.draft_head,
+            )
+            mx.eval(ids, logprobs)
+            tree.best_first([0] * self.B, np.array(ids), np.array(logprobs), [block - 1] * self.B)
+            return ids
+
+        return grow
+
+
+def _drafts_trees(engine) -> bool:
+    """Whether the engine's drafting cycles draft trees (engine/batch.py ``_trees``, as far as the
+    engine, not its rows, decides it)."""
+    return engine.settings.drafts == "tree" and not engine.drafter.selects and engine.target.trees
 
 
 def _time(run: Callable, reps: int = 3, enough: float = 0.25, quick: bool = False) -> float:
