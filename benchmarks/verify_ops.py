@@ -129,7 +129,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out")
     args = ap.parse_args(argv)
 
-    engine = load_engine(args.target, args.draft)
+    # chain drafting: the drafter's pass as one graph (a tree cycle's drafting also grows its
+    # trees on the host, outside any graph)
+    engine = load_engine(args.target, args.draft, drafts="chain")
     modes = [
         m for m in args.modes.split(",") if m != "kernel" or attention.default_mode() == "kernel"
     ]
