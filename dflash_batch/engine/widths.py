@@ -39,8 +39,8 @@ cycles can beat drafting at a better rate. The same holds in a job's last wave, 
 request still waiting will take a slot that a live row frees: the job ends when the slowest slot
 has decoded its row and the request it takes, so the decoder passes, as each row's n_b, its
 tokens left and, for the rows that will finish first, the budget of the request each takes
-(``BatchDecoder._tail``). So at the tail the width policy picks the T that
-finishes every row soonest were every remaining cycle run at T (re-decided each cycle). At
+(``BatchDecoder._tail``). So at the tail the width policy picks the T that finishes every row
+soonest were every remaining cycle run at T (re-decided each cycle). At
 width T row b commits X_b a cycle, L = min(T, budget_b), with S_j = P(X_b >= j) = p_b1 ...
 p_b(j-1), mean mu_b = E_b(L) and variance v_b = sum_{j <= L} (2j - 1) S_j - mu_b^2; it finishes
 after about n_b / mu_b cycles, with a spread of sqrt(n_b v_b / mu_b^3) (a renewal count), taken
