@@ -24,7 +24,7 @@ from ..completion import (
 from ..errors import Cancelled, Requeued
 from ..inbox import Ticket
 from ..request import CONTROLS, Request, SamplingControls, sample_seed
-from . import cost_tables, decode, memory, prefill, warmup
+from . import cost_tables, decode, memory, prefill, tree, warmup
 from .batch import BatchDecoder, EncodedRequest
 from .config import EngineConfig
 from .models import loading, registry
@@ -132,7 +132,7 @@ class Engine:
             block_size=self.block_size,
             adaptive_block=self.adaptive_block,
             draft_vocab=None if self.draft_head is None else len(self.draft_head),
-            drafts=_drafts(self.drafter, self.target, settings.drafts),
+            drafts=tree.drafts(self.drafter, self.target, settings.drafts),
             cpu_ops=cpu_ops,
         )
         self.loaded_draft = self.description.get("draft")
@@ -785,14 +785,6 @@ class Engine:
             cost.width_excess = earlier.width_excess
         self.cost[batch_size] = cost
         return cost
-
-
-def _drafts(drafter, target, mode: str) -> Optional[str]:
-    """What a drafting cycle verifies, as the engine was loaded (engine/tree.py): "tree" or "chain",
-    None without a drafter."""
-    if drafter is None:
-        return None
-    return mode if target.trees and not drafter.selects else "chain"
 
 
 def _typical_context(requests: Sequence[EncodedRequest]) -> int:

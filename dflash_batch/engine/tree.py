@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -79,6 +79,15 @@ class Prefixes:
         """Nodes, the root included, that a row allowed to commit L tokens verifies: its first
         L - 1 prefixes and the root."""
         return max(1, min(L, len(self.tokens)))
+
+
+def drafts(drafter, target, mode: str) -> Optional[str]:
+    """What a drafting cycle verifies, as the engine was loaded: "tree" (``mode`` says trees, and
+    the target can verify them and the drafter does not select its own path) or "chain", None
+    without a drafter."""
+    if drafter is None:
+        return None
+    return mode if target.trees and not drafter.selects else "chain"
 
 
 def best_first(

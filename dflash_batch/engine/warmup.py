@@ -298,42 +298,21 @@ class _Passes:
         drafter.add_context(self.hidden, draft_cache)  # as a joining prompt does
         mx.eval(self.hidden, [c.arrays() for c in draft_cache])  # not part of the timed pass
         last, block = self.ids[:, :1], max(engine.block_size, 2)
-        if not _drafts_trees(engine):
-            return lambda: decode.draft_block(
-                drafter,
-                target,
-                last,
-                self.hidden,
-                None,
-                draft_cache,
-                block - 1,
-                head=engine.draft_head,
-            )
+        # the arguments of a cycle's drafting, chain or tree
+        drafting = (drafter, target, last, self.hidden, None, draft_cache, block - 1)
+        if tree.drafts(drafter, target, engine.settings.drafts) != "tree":
+            return lambda: decode.draft_block(*drafting, head=engine.draft_head)
 
         def grow():
             # a tree cycle's drafting: each position's candidates, and the trees grown on the host
             ids, logprobs = decode.draft_candidates(
-                drafter,
-                target,
-                last,
-                self.hidden,
-                None,
-                draft_cache,
-                block - 1,
-                tree.CANDIDATES,
-                head=engine.draft_head,
+                *drafting, tree.CANDIDATES, head=engine.draft_head
             )
             mx.eval(ids, logprobs)
             tree.best_first([0] * self.B, np.array(ids), np.array(logprobs), [block - 1] * self.B)
             return ids
 
         return grow
-
-
-def _drafts_trees(engine) -> bool:
-    """Whether the engine's drafting cycles draft trees (engine/batch.py ``_trees``, as far as the
-    engine, not its rows, decides it)."""
-    return engine.settings.drafts == "tree" and not engine.drafter.selects and engine.target.trees
 
 
 def _time(run: Callable, reps: int = 3, enough: float = 0.25, quick: bool = False) -> float:
