@@ -7,6 +7,7 @@ each row accepts each draft with probability p, independently, until its first r
 import math
 import random
 import statistics
+from typing import List
 
 from dflash_batch.engine import load_engine
 from dflash_batch.engine.widths import (
@@ -430,6 +431,77 @@ def test_a_shrinking_batch_learns_what_an_untimed_width_costs():
             policy.accepted(row, a, T)
     assert sum(T > 1 for T in widths[32:]) <= 2, widths  # plain once learnt, but for a probe
     assert spent <= 1.4 * plain  # the first rung's cycles learn what its widths cost
+
+
+def _loaded_job(cost: CostModel, load: float, p: float, rows: int, cycles: int) -> List[int]:
+    """A job of ``cycles`` cycles over ``rows`` rows on a machine whose load stretches every pass
+    ``load`` times (each cycle runs that many times its modelled passes, and the cost model
+    observes it), every draft position's acceptance known to be p (scripted, not learnt): the
+    widths chosen."""
+    policy = WidthPolicy(BLOCK, cost)
+    live = [policy.new_row() for _ in range(rows)]
+    for acceptance in live + [policy.job]:
+        acceptance.seen, acceptance.kept = [1000.0] * (BLOCK - 1), [1000.0 * p] * (BLOCK - 1)
+    widths = []
+    for _ in range(cycles):
+        T = policy.width(live, [100] * rows)
+        widths.append(T)
+        cost.observe(rows, T, load * cost.passes(rows, T))
+    return widths
+
+
+def test_under_load_drafting_is_not_priced_below_its_share_of_the_excess():
+    """docs/results/never-loses.md, "Under load the width policy drafts where it does not pay",
+    replayed: load stretches every pass by a factor, so the plain cycles' learnt excess grows in
+    seconds, and the widths between the timed 1 and 16 borrow it until each has TRUSTED cycles
+    of its own at the rung. Borrowed as seconds, a drafting cycle (several plain passes' cost on
+    the CPU costs) was charged a plain cycle's stretch, and drafting at p = 0.6, which loses to
+    plain decoding at any load, looked as if it paid: the job drafted at 4, 6, 3 and 8 in turn,
+    TRUSTED cycles each. Charged at least the plain excess relative to its passes, it decodes
+    plainly but for its probes."""
+    costs = dict(CPU, window=16)
+    cost, rows, load, p = CostModel(**costs), 4, 1.5, 0.6
+    cost.rows, cost.timed = rows, {1: cost.target(rows, 1), 16: cost.target(rows, 16)}
+    E = expected_committed([p] * (BLOCK - 1), BLOCK)
+    plain = rows / (load * cost.passes(rows, 1))
+    for T in range(2, BLOCK + 1):  # at this load every drafting width loses to plain decoding
+        assert rows * E[T] / (load * cost.passes(rows, T)) < plain
+    widths = _loaded_job(cost, load, p, rows, 64)
+    assert sum(T > 1 for T in widths) <= 3, widths  # the probes (one every ~29 plain cycles)
+    assert cost.overhead(True) == pytest.approx((load - 1) * cost.passes(rows, 1))  # borrowed
+
+
+def test_a_borrowed_excess_prices_drafting_at_least_its_share_of_the_passes():
+    """``CostModel.cycle`` (module doc, "Borrowed excess"): a drafting width without TRUSTED
+    cycles of its own at the rung is charged the greater of the lender's median excess in
+    seconds and its median excess relative to the lender's passes times its own passes; the
+    plain kind keeps its seconds; a width's own cycles price it as they ran."""
+    cost = CostModel(**dict(CPU, window=16))
+    for _ in range(TRUSTED):
+        cost.observe(4, 1, 1.5 * cost.passes(4, 1))  # plain cycles, every pass stretched 1.5x
+    assert cost.overhead(True) == pytest.approx(0.5 * cost.passes(4, 1))
+    assert cost.cycle(4, 1) == pytest.approx(1.5 * cost.passes(4, 1))  # its own
+    # plain at another rung: the seconds, not the share
+    assert cost.cycle(16, 1) == pytest.approx(cost.passes(16, 1) + 0.5 * cost.passes(4, 1))
+    for T in (2, 4, 16):  # drafting passes dearer than the plain ones: stretched alike
+        assert cost.cycle(4, T) == pytest.approx(1.5 * cost.passes(4, T))
+    # the drafting kind's own cycles (no widths timed: every cycle is its kind's) lend to its
+    # widths alike: a wider one its share, a narrower one the seconds
+    for _ in range(TRUSTED):
+        cost.observe(4, 4, 1.5 * cost.passes(4, 4))
+    assert cost.cycle(4, 8) == pytest.approx(1.5 * cost.passes(4, 8))
+    assert cost.cycle(4, 2) == pytest.approx(cost.passes(4, 2) + 0.5 * cost.passes(4, 4))
+    # host work alone (a fixed excess): where the borrower's passes are the cheaper, the seconds
+    fixed = CostModel(**dict(CPU, window=16))
+    for _ in range(TRUSTED):
+        fixed.observe(16, 1, fixed.passes(16, 1) + 0.5)
+    assert fixed.passes(1, 2) < fixed.passes(16, 1)
+    assert fixed.cycle(1, 2) == pytest.approx(fixed.passes(1, 2) + 0.5)
+    share = 0.5 / fixed.passes(16, 1)
+    assert fixed.cycle(16, 4) == pytest.approx(fixed.passes(16, 4) * (1 + share))
+    for _ in range(TRUSTED):  # its own cycles: as they ran, below the share
+        fixed.observe(16, 4, fixed.passes(16, 4) + 0.1)
+    assert fixed.cycle(16, 4) == pytest.approx(fixed.passes(16, 4) + 0.1)
 
 
 def test_a_wide_batch_backs_off_its_probes_though_some_row_gets_a_probe_right():

@@ -145,6 +145,25 @@ The pass costs come from timing real passes at warm-up, at the job's batch size 
 context (``Engine.warm_up``, engine/warmup.py); what a cycle costs beyond its passes is learnt
 from every cycle the engine times.
 
+Borrowed excess. What a cycle costs beyond its passes has two parts: host work, about the same
+every cycle, and, while other work loads the machine, a stretch of every pass in proportion to
+its cost. A width with too few cycles of its own at the batch's rung borrows its kind's learnt
+excess, and drafting, until it has TRUSTED cycles of its own, the plain kind's (``CostModel``).
+Borrowed as seconds, the excess prices the host work right and the stretch at the lender's
+passes: a drafting cycle, a target pass at width T and a drafter pass, several plain cycles'
+cost on a CPU, was charged a plain cycle's stretch, so under load drafting looked cheaper than
+it was and the width policy drafted where it did not pay. Borrowed relative to the lender's
+passes and scaled by the borrower's own, it prices the stretch right and the host work in
+proportion. A drafting width is charged the greater of the two, never below what the two parts
+come to, whatever their mix: where its passes are dearer than the lender's the relative reading
+holds it (overpricing only the host work), where cheaper the seconds do (overpricing only the
+stretch). The same holds where the drafting kind lends to its own widths: its excess is learnt
+from the widths timed, and a wider width's passes are dearer, so its stretch is larger.
+Overpricing drafting is the safe way: the width policy then decodes plainly, which is the
+baseline; the drafting probes still run, and a width that runs is costed from its own cycles
+after TRUSTED of them. The plain kind keeps its seconds: a plain cycle priced dearer would make
+drafting look cheaper.
+
 Stale tables. Those timings are kept in the model cache for later processes
 (engine/cost_tables.py), and timings only err high: a table timed while other work loaded the
 machine prices every pass too dear for every process that reads it. So a process checks the
@@ -355,7 +374,9 @@ class CostModel:
     modelled is chosen, runs and is then costed as it ran. Its cycles do not count in its kind's
     excess (where widths have been timed, only theirs do): that would make the widths not yet
     run look dear, and they would never run to show otherwise. A warm-up at another context
-    keeps what the widths learnt (``Engine.warm_up``)."""
+    keeps what the widths learnt (``Engine.warm_up``). A drafting width that borrows its kind's
+    excess, or the plain kind's, is charged at least that excess relative to the lender's
+    passes, scaled by its own (module doc, "Borrowed excess")."""
 
     t0: float = 1.0
     t1: float = 0.0
@@ -379,6 +400,8 @@ class CostModel:
     # the last cycles' excess over their modelled passes (less INTERPOLATION of them where
     # those were read between timed points), relative to them
     relative: List[float] = field(default_factory=list)
+    # the cycles of ``excess``, each one's excess relative to its modelled passes
+    stretch: Dict[bool, List[float]] = field(default_factory=lambda: {False: [], True: []})
 
     def stale(self) -> bool:
         """Whether the passes as timed are dearer than this process's cycles show (module doc,
@@ -405,35 +428,57 @@ class CostModel:
     def passes(self, B: int, T: int) -> float:
         return self.target(B, T) + (self.d0 + self.d1 * B if T > 1 else 0.0)
 
+    def _lender(self, drafting: bool) -> Optional[bool]:
+        """The kind whose learnt excess a cycle of this kind borrows: its own once it has TRUSTED
+        cycles; until then, for drafting, the plain kind's (a job that drafts rarely must not let
+        one slow drafting cycle, such as the first of a process, keep it from drafting); None
+        where neither has."""
+        if len(self.excess[drafting]) >= TRUSTED:
+            return drafting
+        return False if drafting and len(self.excess[False]) >= TRUSTED else None
+
     def overhead(self, drafting: bool) -> float:
-        """The median excess of this kind; until a kind has TRUSTED cycles, the plain kind's (a
-        job that drafts rarely must not let one slow drafting cycle, such as the first of a
-        process, keep it from drafting)."""
-        seen = self.excess[drafting]
-        if len(seen) < TRUSTED:
-            seen = self.excess[False] if drafting else seen
-            if len(seen) < TRUSTED:
-                return 0.0
-        return _median(seen)
+        """The median excess, in seconds, of the kind this kind borrows from (``_lender``)."""
+        kind = self._lender(drafting)
+        return 0.0 if kind is None else _median(self.excess[kind])
+
+    def stretched(self, drafting: bool) -> float:
+        """The median excess of the kind this kind borrows from, relative to those cycles'
+        modelled passes."""
+        kind = self._lender(drafting)
+        return 0.0 if kind is None else _median(self.stretch[kind])
 
     def cycle(self, B: int, T: int) -> float:
+        passes = self.passes(B, T)
         own = self.width_excess.get((batch_rung(B), T), ())
-        excess = _median(own) if len(own) >= TRUSTED else self.overhead(T > 1)
-        return max(self.passes(B, T) + excess, 1e-9)
+        if len(own) >= TRUSTED:
+            excess = _median(own)
+        elif T > 1:
+            # borrowed by a drafting width: the greater of its seconds and its share of the
+            # passes (module doc, "Borrowed excess"); the plain kind keeps its seconds
+            excess = max(self.overhead(True), self.stretched(True) * passes)
+        else:
+            excess = self.overhead(False)
+        return max(passes + excess, 1e-9)
 
     def observe(self, B: int, T: int, seconds: float) -> None:
-        if self.window:
-            passes = self.passes(B, T)
-            excess = seconds - passes
-            kinds = [self.excess[T > 1]] if T in self.timed or not self.timed else []
-            for seen in kinds + [self.width_excess.setdefault((batch_rung(B), T), [])]:
-                seen.append(excess)
-                del seen[: -self.window]
-            # timed at these rows and this width, or read between timed points (``stale``)
-            measured = not self.timed or (T in self.timed and B == self.rows)
-            floor = passes if measured else (1 - INTERPOLATION) * passes
-            self.relative.append(seconds / max(floor, 1e-9) - 1)
-            del self.relative[: -self.window]
+        if not self.window:
+            return
+        passes = self.passes(B, T)
+        excess = seconds - passes
+        if T in self.timed or not self.timed:
+            self._keep(self.excess[T > 1], excess)
+            self._keep(self.stretch[T > 1], excess / max(passes, 1e-9))
+        self._keep(self.width_excess.setdefault((batch_rung(B), T), []), excess)
+        # timed at these rows and this width, or read between timed points (``stale``)
+        measured = not self.timed or (T in self.timed and B == self.rows)
+        floor = passes if measured else (1 - INTERPOLATION) * passes
+        self._keep(self.relative, seconds / max(floor, 1e-9) - 1)
+
+    def _keep(self, seen: List[float], value: float) -> None:
+        """Append to one of the running windows, keeping its last ``window``."""
+        seen.append(value)
+        del seen[: -self.window]
 
     @classmethod
     def fit(
