@@ -37,6 +37,45 @@ def test_a_new_width_is_chosen_only_where_its_compile_pays(budget, new):
     assert free.width(_good_rows(free, 8), [budget] * 8) > 4
 
 
+def _probes(policy: WidthPolicy, rows: int = 8, cycles: int = 400) -> list:
+    """The widths of the probes a drafter that fails every draft gets over ``cycles`` cycles."""
+    estimates = [policy.new_row() for _ in range(rows)]
+    probes = []
+    for _ in range(cycles):
+        T = policy.width(estimates, [200] * rows)
+        if T > 1:
+            probes.append(T)
+            for row in estimates:  # every first draft rejected
+                policy.accepted(row, 0, T)
+    return probes
+
+
+def test_a_probe_runs_at_a_width_whose_pass_has_compiled():
+    """Drafting never pays here; the warm-up timed (so compiled) widths 1, 8 and 16 at these rows.
+    Where a new shape compiles, every probe runs at 8, not at PROBE_WIDTH (4): its compile costs
+    many probes' bound. On a CPU (K = 0) the probes run at 4."""
+    costs = dict(t0=1.0, t1=0.002, d0=3.0, d1=0.0, window=0)
+    gpu = WidthPolicy(BLOCK, CostModel(**costs), compile=CompileCost(prior=20.0, learns=False))
+    gpu.new_shape = lambda T: T not in (1, 8, 16)
+    probes = _probes(gpu)
+    assert probes and set(probes) == {8}
+    cpu = WidthPolicy(BLOCK, CostModel(**costs))
+    cpu.new_shape = gpu.new_shape
+    assert set(_probes(cpu)) == {4}
+
+
+def test_a_probe_that_would_compile_counts_its_compile_in_what_it_can_lose():
+    """No drafting width has run at these rows: the probes run at PROBE_WIDTH, rarer by what
+    its compile adds to what each can lose."""
+    costs = dict(t0=1.0, t1=0.002, d0=3.0, d1=0.0, window=0)
+    gpu = WidthPolicy(BLOCK, CostModel(**costs), compile=CompileCost(prior=20.0, learns=False))
+    gpu.new_shape = lambda T: T > 1
+    free = WidthPolicy(BLOCK, CostModel(**costs))
+    free.new_shape = gpu.new_shape
+    compiling, eager = _probes(gpu, cycles=8000), _probes(free, cycles=8000)
+    assert set(compiling) == {4} and 0 < len(compiling) < len(eager) / 3
+
+
 def test_what_a_compile_costs_is_learnt_from_new_shapes_first_cycles():
     gpu = CompileCost(prior=0.05)
     assert gpu.estimate() == pytest.approx(0.05)

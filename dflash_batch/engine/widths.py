@@ -123,7 +123,11 @@ budget_b still allowed and E(T) committed a cycle, about S / E(T) cycles, so it 
 S / E(T) overstates the cycles left where rows end early (EOS) or the batch shrinks, and the
 compiled pass serves the process's later jobs too: the two errors pull opposite ways, and a
 simpler rule has no better claim. Where K is 0 (a CPU's eager passes) the choice is the one
-above. The batch's tail shrink is weighed likewise (engine/batch.py: ``BatchDecoder.shrink``):
+above. A probe must not compile either: its bound is a few plain cycles' worth, and a compile of
+a large target's pass costs many jobs' probes. So where K is not 0 and the probe's width would
+be a new shape, the probe runs at the narrowest drafting width that has run or was timed at the
+batch's rows (the warm-up's widths: engine/warmup.py), and where there is none, what it can
+lose includes K. The batch's tail shrink is weighed likewise (engine/batch.py: ``BatchDecoder.shrink``):
 dropping to a rung of R rows from S_rows saves target(S_rows, T) - target(R, T) a cycle at the
 width last run, for about the live rows' mean budget in cycles, and goes ahead only where that
 covers K for a (R, T) not yet run (a launch-bound model on a GPU saves next to nothing).
@@ -661,16 +665,29 @@ class WidthPolicy:
         # the engine has drafted, it is the least share (module doc, "The job's tail").
         plain, spent = self.cost.cycle(B, 1), self.drafting
         spent.plain += plain
-        probe = bucket(min(self.probe_width, longest), self.block)
+        probe = self._probe_width(longest)
         ahead = (longest - 1) * plain if self.job.seen[0] == 0 else 0.0
         least = tail is not None and B > 1 and not ahead
         halved = self.backoff if least else min(2 ** max(spent.failed - 1, 0), self.backoff)
         share = self.probe_share / halved
-        if (spent.plain + ahead) * share >= self.cost.cycle(B, probe) - plain:
+        # what the probe can lose: its cycle over a plain one, and its compile where it is new
+        compile = self.compile.estimate() if self.new_shape(probe) else 0.0
+        if (spent.plain + ahead) * share >= self.cost.cycle(B, probe) - plain + compile:
             spent.plain = 0.0
             spent.failed += 1  # until a cycle drafts by choice (above)
             return probe
         return 1
+
+    def _probe_width(self, longest: int) -> int:
+        """A probe's width (module doc, "What a new shape costs"): PROBE_WIDTH, or where a
+        pass of a new shape compiles and that one would be new, the narrowest drafting width
+        whose pass has run or been timed at the batch's rows (none: PROBE_WIDTH, its compile
+        counted in what the probe can lose)."""
+        probe = bucket(min(self.probe_width, longest), self.block)
+        if not self.compile.estimate() or not self.new_shape(probe):
+            return probe
+        ready = [w for w in self.widths(longest) if w > 1 and not self.new_shape(w)]
+        return ready[0] if ready else probe
 
     def _best_width(
         self,
