@@ -11,6 +11,7 @@ from typing import List
 
 from dflash_batch.engine import load_engine
 from dflash_batch.engine.widths import (
+    PROBE_WIDTH,
     TRUSTED,
     Acceptance,
     CostModel,
@@ -178,6 +179,18 @@ def test_a_long_job_probes_at_its_start():
     assert widths[0] > 1 and statistics.median(widths) == BLOCK
     assert ratio < 0.2
     assert simulate(costs, 1.0, 1, 10, seed=0)[1] == [1] * 10
+
+
+def test_rows_about_to_end_are_not_probed():
+    """A probe is due (a long run of plain cycles, the whole share) but every row has fewer
+    tokens left than the probe's width: nothing it learnt could be drafted on, so no probe; the
+    next rows with room get it."""
+    cost = CostModel(t0=1.0, t1=0.01, d0=1.0, d1=0.0, window=0)
+    policy = WidthPolicy(BLOCK, cost)
+    rows = [policy.new_row() for _ in range(4)]
+    policy.drafting.plain = 1e6
+    assert [policy.width(rows, [n] * 4) for n in (3, 2, 1)] == [1, 1, 1]
+    assert policy.width(rows, [40] * 4) == PROBE_WIDTH
 
 
 def test_cost_fit_recovers_per_token_and_per_row_costs():

@@ -71,7 +71,10 @@ Rows in plain decoding learn nothing about their drafts, so they are probed at a
 once the plain cycles since the last drafting cycle have cost 20 times what a probe can lose (a
 probe commits at least the bonus token, as a plain cycle does, so it loses at most
 cost(B, probe) - cost(B, 1)); before the engine has drafted at all, the plain cycles the job's
-longest budget still allows count as spent, so a long first job probes at its start. Each probe after the
+longest budget still allows count as spent, so a long first job probes at its start. Rows whose
+longest budget is below the probe's width are not probed: what the probe would learn could not be
+drafted on before they end, and its pass, narrower than any other, is a shape to compile on a GPU
+(the plain cycles count on, for the next job's rows). Each probe after the
 first that leaves the width policy still not drafting halves that share (to 1/8 of it at most): a
 drafter that keeps failing is tried ever more rarely (the README's job on a 2-core CPU, whose
 drafts are accepted about 15% of the time, is such a case), and a cycle in which most rows that
@@ -665,6 +668,8 @@ class WidthPolicy:
         # the engine has drafted, it is the least share (module doc, "The job's tail").
         plain, spent = self.cost.cycle(B, 1), self.drafting
         spent.plain += plain
+        if longest < self.probe_width:  # the rows end before a probe could pay (module doc)
+            return 1
         probe = self._probe_width(longest)
         ahead = (longest - 1) * plain if self.job.seen[0] == 0 else 0.0
         least = tail is not None and B > 1 and not ahead
