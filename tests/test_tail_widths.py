@@ -230,6 +230,7 @@ def test_in_the_last_wave_the_rows_that_finish_first_take_the_waiting_requests()
     from types import SimpleNamespace
 
     from dflash_batch.engine.batch import BatchDecoder, EncodedRequest
+    from dflash_batch.engine.finish import Ends
     from dflash_batch.engine.waiting import Waiting
 
     def decoder(waiting, joiners=(), urgent=None, done=True):
@@ -241,6 +242,7 @@ def test_in_the_last_wave_the_rows_that_finish_first_take_the_waiting_requests()
             group=SimpleNamespace(joiners=list(joiners)),
             urgent=urgent,
             _closed=lambda: False,
+            engine=SimpleNamespace(ends=Ends()),
         )
 
     rows = [SimpleNamespace(budget=n) for n in (9, 3, 6)]
@@ -250,3 +252,52 @@ def test_in_the_last_wave_the_rows_that_finish_first_take_the_waiting_requests()
     assert BatchDecoder._tail(decoder([20], done=False), rows) is None
     assert BatchDecoder._tail(decoder([20], joiners=[object()]), rows) is None
     assert BatchDecoder._tail(decoder([20], urgent=lambda: []), rows) is None
+
+
+def test_a_last_wave_of_rows_that_stop_early_is_weighed_by_the_rate():
+    """Rows mostly ending at EOS: the budgets the last wave would add are not what the slots
+    have left, so it is not the tail; once the stream is closed it is, and once rows run to
+    their budgets again so is the last wave."""
+    from types import SimpleNamespace
+
+    from dflash_batch.engine.batch import BatchDecoder, EncodedRequest
+    from dflash_batch.engine.finish import Ends
+    from dflash_batch.engine.waiting import Waiting
+
+    ends = Ends()
+    assert ends.run_to_budgets()  # the prior: budgets
+    for _ in range(3):
+        ends.observe(False)
+    assert not ends.run_to_budgets()
+
+    def decoder(closed=False):
+        queue = Waiting([[EncodedRequest([1, 2], max_tokens=20)]])
+        queue.peek()
+        queue.done = True
+        return SimpleNamespace(
+            waiting=queue,
+            group=SimpleNamespace(joiners=[]),
+            urgent=None,
+            _closed=lambda: closed,
+            engine=SimpleNamespace(ends=ends),
+        )
+
+    rows = [SimpleNamespace(budget=n) for n in (9, 3)]
+    assert BatchDecoder._tail(decoder(), rows) is None
+    assert BatchDecoder._tail(decoder(closed=True), rows) == [9, 3]
+    for _ in range(10):
+        ends.observe(True)
+    assert BatchDecoder._tail(decoder(), rows) == [9, 23]
+
+
+def test_the_engine_counts_how_its_rows_end(tiny_pair, chain_drafts):
+    """Every finished row is counted once, at its budget or not, from job to job."""
+    target, drafter = map(str, tiny_pair)
+    engine = load_engine(target, drafter, cost_model=CostModel(t0=1.0, d0=0.1, window=0))
+    engine.ends.decay = 1.0  # plain counts
+    prior = engine.ends.rows
+    ids = [engine.encode(f"Row {i}: count slowly") for i in range(5)]
+    done = engine.generate_batch(ids, max_tokens=[3, 40, 6, 60, 9], batch_size=2)
+    done += engine.generate_batch(ids[:2], max_tokens=4, batch_size=2)
+    assert engine.ends.rows == prior + 7
+    assert engine.ends.at_budget == prior + sum(c.finish_reason == "length" for c in done)

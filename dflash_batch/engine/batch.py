@@ -794,6 +794,8 @@ class BatchDecoder:
         piece = step if isinstance(step, Exception) else row.output.feed(step)
         yield row.request.index, piece
         if isinstance(piece, Exception) or piece.finish_reason is not None:
+            if not isinstance(piece, Exception):
+                self.engine.ends.observe(piece.finish_reason == "length")
             self.rows[b] = None  # the slot is free
             if finished is None:
                 self._free([b])
@@ -856,14 +858,16 @@ class BatchDecoder:
         (engine/widths.py, "The job's tail"), else None: none can join any more, or the last
         wave, where every request still waiting takes a slot one of these rows frees (all of
         them known, none joining, no interactive one to come, no more than there are rows). The
-        rows with the fewest tokens left free their slots first and take them in turn."""
+        rows with the fewest tokens left free their slots first and take them in turn. The last
+        wave only where most rows run to their budgets (``finish.Ends``): its slots' tokens left
+        are budgets."""
         left = [r.budget for r in rows]
         if self._closed():
             return left
         waiting = self.waiting.peeked()
         if not self.waiting.done or self.urgent is not None or self.group.joiners:
             return None
-        if len(waiting) > len(rows):
+        if len(waiting) > len(rows) or not self.engine.ends.run_to_budgets():
             return None
         for b, request in zip(sorted(range(len(rows)), key=left.__getitem__), waiting):
             left[b] += request.max_tokens

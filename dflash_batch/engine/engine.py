@@ -24,7 +24,7 @@ from ..completion import (
 from ..errors import Cancelled, Requeued
 from ..inbox import Ticket
 from ..request import CONTROLS, Request, SamplingControls, sample_seed
-from . import cost_tables, decode, memory, prefill, tree, warmup
+from . import cost_tables, decode, finish, memory, prefill, tree, warmup
 from .batch import BatchDecoder, EncodedRequest
 from .config import EngineConfig
 from .models import loading, registry
@@ -115,6 +115,8 @@ class Engine:
         self.acceptance = pooled_acceptance(self.block_size)
         # draft trees' nodes, likewise
         self.node_calibration = NodeCalibration(max(self.block_size - 1, 0))
+        # how rows end, at their budgets or before (the job's last wave: engine/finish.py)
+        self.ends = finish.Ends()
         # and what the plain and the drafting probes spent
         self.plain_probes, self.drafting_probes = PlainProbes(), DraftingProbes()
         # what a packed prefill pass costs, from the passes timed (engine/prefill.py)

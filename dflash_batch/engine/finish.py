@@ -12,6 +12,27 @@ from typing import Callable, List, Sequence, Tuple
 _NORMAL = NormalDist()
 
 
+class Ends:
+    """How rows end: the decayed count of finished rows that ran to their budgets, of all
+    finished rows, each over a prior of ``prior_weight`` rows that did. The finish model takes a
+    row's budget as the tokens it has left; where most rows stop early (at EOS, or a stop
+    string), the slot that ends last is the one whose answers run longest, which no width
+    changes, and a job's last wave is weighed by the rate instead (engine/widths.py, "The job's
+    tail")."""
+
+    def __init__(self, decay: float = 0.98, prior_weight: float = 2.0):
+        self.decay = decay
+        self.at_budget = self.rows = prior_weight
+
+    def observe(self, at_budget: bool) -> None:
+        self.at_budget = self.decay * self.at_budget + at_budget
+        self.rows = self.decay * self.rows + 1.0
+
+    def run_to_budgets(self) -> bool:
+        """Whether most rows run to their budgets."""
+        return 2 * self.at_budget >= self.rows
+
+
 def order_statistics(rows: int) -> List[float]:
     """Blom's approximation to the expected k-th smallest of ``rows`` standard normals, k = 1..rows."""
     return [_NORMAL.inv_cdf((k - 0.375) / (rows + 0.25)) for k in range(1, rows + 1)]

@@ -39,7 +39,10 @@ cycles can beat drafting at a better rate. The same holds in a job's last wave, 
 request still waiting will take a slot that a live row frees: the job ends when the slowest slot
 has decoded its row and the request it takes, so the decoder passes, as each row's n_b, its
 tokens left and, for the rows that will finish first, the budget of the request each takes
-(``BatchDecoder._tail``). So at the tail the width policy picks the T that finishes every row
+(``BatchDecoder._tail``), where most rows run to their budgets (``finish.Ends``): where most stop
+early at EOS, the slot that ends last is the one whose answers run longest, which no width
+changes, and the budgets the decoder would pass overstate by a second answer what each slot has
+left, so a last wave of such rows is weighed by the rate. So at the tail the width policy picks the T that finishes every row
 soonest were every remaining cycle run at T (re-decided each cycle). At
 width T row b commits X_b a cycle, L = min(T, budget_b), with S_j = P(X_b >= j) = p_b1 ...
 p_b(j-1), mean mu_b = E_b(L) and variance v_b = sum_{j <= L} (2j - 1) S_j - mu_b^2; it finishes
