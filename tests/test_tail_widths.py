@@ -11,7 +11,7 @@ import math
 import random
 import statistics
 
-from dflash_batch.engine import batch, finish, load_engine, prefill, widths
+from dflash_batch.engine import finish, load_engine, widths
 from dflash_batch.engine.widths import (
     CompileCost,
     CostModel,
@@ -21,7 +21,7 @@ from dflash_batch.engine.widths import (
 
 import pytest
 
-from tests.helpers import StepClock, greedy_reference
+from tests.helpers import greedy_reference
 
 BLOCK = 16
 # a launch-bound GPU: rows nearly free, a drafting cycle of width 6 about 1.6 plain cycles
@@ -196,17 +196,15 @@ def test_the_expected_maximum_of_normals():
     assert finish.expected_max([(3.0, 0.0), (5.0, 0.0), (4.0, 0.0)]) == 5.0
 
 
-def test_the_decoder_says_when_the_jobs_end_is_in_sight(tiny_pair, chain_drafts, monkeypatch):
+def test_the_decoder_says_when_the_jobs_end_is_in_sight(
+    tiny_pair, chain_drafts, joins_at_once, monkeypatch
+):
     """6 prompts at batch 2: while more wait than there are rows the width policy weighs the rate
     (no ``tail``); in the last wave (two waiting, each to take a slot a row frees) it is given
     each slot's tokens left, the waiting requests' budgets included; once the last has joined,
-    each row's tokens left. Greedy decoding stays exact. The clocks are scripted, a prefill pass
-    a hundredth of a cycle, so each free slot takes a waiting request at once: whether a slot
-    waits for a later join is decided from the passes' and cycles' seconds (engine/batch.py:
-    ``_gather``), and measured ones, on a loaded machine, once left a slot empty in the last
-    wave, where two waiting requests and one live row are not the tail."""
-    monkeypatch.setattr(prefill, "time", StepClock(0.01))
-    monkeypatch.setattr(batch, "time", StepClock(1.0))
+    each row's tokens left. Greedy decoding stays exact. Each free slot takes a waiting request
+    at once (``joins_at_once``): on measured seconds, on a loaded machine, a slot once waited
+    for a later join in the last wave, where one live row and two waiting are not the tail."""
     target, drafter = map(str, tiny_pair)
     engine = load_engine(target, drafter, cost_model=CostModel(t0=1.0, d0=0.1, window=0))
     seen = []
