@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import make_drafter
+from tests.helpers import StepClock, make_drafter
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a model hub
 
@@ -121,6 +121,18 @@ def chain_drafts(monkeypatch):
 def tree_drafts(monkeypatch):
     """Engines made in the test verify draft trees whatever the backend's default (tests/test_tree.py)."""
     monkeypatch.setenv("DFLASH_BATCH_DRAFTS", "tree")
+
+
+@pytest.fixture
+def joins_at_once(monkeypatch):
+    """Scripted clocks for engine/prefill.py and engine/batch.py (``StepClock``): a prefill pass
+    costs a hundredth of a decoding cycle, so a free slot never waits for a later join
+    (engine/batch.py: ``_gather``), however loaded the machine. On measured seconds whether one
+    waits varies with the load, and with it which rows share each cycle."""
+    from dflash_batch.engine import batch, prefill
+
+    monkeypatch.setattr(prefill, "time", StepClock(0.01))
+    monkeypatch.setattr(batch, "time", StepClock(1.0))
 
 
 @pytest.fixture

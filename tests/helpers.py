@@ -36,6 +36,20 @@ def fixed_costs():
     return CostModel(t0=1.0, t1=0.05, d0=0.5, window=0)
 
 
+class StepClock:
+    """``time`` for an engine module that times its work (engine/batch.py: a decoding cycle,
+    engine/prefill.py: a prefill pass): each reading ``step`` seconds after the one before, so
+    what it times from one reading to the next takes ``step`` seconds, however loaded the
+    machine."""
+
+    def __init__(self, step: float):
+        self.now, self.step = 0.0, step
+
+    def perf_counter(self) -> float:
+        self.now += self.step
+        return self.now
+
+
 PROMPTS = [
     "Hi",
     "Write a haiku about the sea.",

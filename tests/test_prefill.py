@@ -15,7 +15,7 @@ import pytest
 from dflash_batch.completion import GenerationError
 from dflash_batch.request import sample_seed
 from tests import synthetic
-from tests.helpers import greedy_reference
+from tests.helpers import StepClock, greedy_reference
 
 LENGTHS = [3, 41, 150, 333]  # very different prompt lengths, most over the 64-token chunk below
 
@@ -309,17 +309,6 @@ def test_logits_at_chosen_positions_equal_the_full_pass(kind, tmp_path):
 # -- joins gathered into one pass ----------------------------------------------------------------
 
 
-class _Clock:
-    """``time`` for a module: each reading ``step`` seconds after the one before."""
-
-    def __init__(self, step: float):
-        self.now, self.step = 0.0, step
-
-    def perf_counter(self) -> float:
-        self.now += self.step
-        return self.now
-
-
 def test_prefill_cost_fits_its_fixed_part():
     cost = prefill.PrefillCost()
     cost.observe(64, 0.1 + 0.002 * 64)
@@ -345,8 +334,8 @@ def test_rows_ending_a_cycle_apart_join_in_one_prefill_pass(
     cycle, each joins at once. Every row is the target's greedy decoding of its prompt."""
     from dflash_batch.engine import batch
 
-    monkeypatch.setattr(prefill, "time", _Clock(pass_s))
-    monkeypatch.setattr(batch, "time", _Clock(cycle_s))
+    monkeypatch.setattr(prefill, "time", StepClock(pass_s))
+    monkeypatch.setattr(batch, "time", StepClock(cycle_s))
     engine = load_engine(str(pair[0]), None, prefill_chunk=64, prefix_cache_mb=0)
     budgets = [6, 8, 10, 12, 12, 12, 12, 12]
     eos = engine.tokenizer.eos_token_ids
@@ -368,8 +357,8 @@ def test_no_wait_where_no_pass_is_saved(pair, monkeypatch, count, rows):
     rows are those of never waiting."""
     from dflash_batch.engine import batch
 
-    monkeypatch.setattr(prefill, "time", _Clock(1.0))
-    monkeypatch.setattr(batch, "time", _Clock(0.05))
+    monkeypatch.setattr(prefill, "time", StepClock(1.0))
+    monkeypatch.setattr(batch, "time", StepClock(0.05))
     engine = load_engine(str(pair[0]), None, prefill_chunk=64, prefix_cache_mb=0, prefill_rows=rows)
     budgets = [6, 8, 10, 12, 12, 12, 12, 12][:count]
     eos = engine.tokenizer.eos_token_ids

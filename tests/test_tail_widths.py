@@ -196,11 +196,15 @@ def test_the_expected_maximum_of_normals():
     assert finish.expected_max([(3.0, 0.0), (5.0, 0.0), (4.0, 0.0)]) == 5.0
 
 
-def test_the_decoder_says_when_the_jobs_end_is_in_sight(tiny_pair, chain_drafts, monkeypatch):
+def test_the_decoder_says_when_the_jobs_end_is_in_sight(
+    tiny_pair, chain_drafts, joins_at_once, monkeypatch
+):
     """6 prompts at batch 2: while more wait than there are rows the width policy weighs the rate
     (no ``tail``); in the last wave (two waiting, each to take a slot a row frees) it is given
     each slot's tokens left, the waiting requests' budgets included; once the last has joined,
-    each row's tokens left. Greedy decoding stays exact."""
+    each row's tokens left. Greedy decoding stays exact. Each free slot takes a waiting request
+    at once (``joins_at_once``): on measured seconds, on a loaded machine, a slot once waited
+    for a later join in the last wave, where one live row and two waiting are not the tail."""
     target, drafter = map(str, tiny_pair)
     engine = load_engine(target, drafter, cost_model=CostModel(t0=1.0, d0=0.1, window=0))
     seen = []

@@ -262,11 +262,14 @@ def test_sampled_tree_runs_equal_plain_sampled_decoding(
 
 
 def test_tree_runs_equal_the_targets_greedy_output_at_any_width_chosen(
-    qwen3_target, qwen3_b8, monkeypatch, tree_drafts
+    qwen3_target, qwen3_b8, monkeypatch, tree_drafts, joins_at_once
 ):
     """The adaptive width policy chooses a tree cycle's width after the drafts
     (WidthPolicy.tree_width, each row's tree its first L_b - 1 prefixes): output stays the
-    target's own whatever width it picks, here a random one each cycle."""
+    target's own whatever width it picks, here a random one each cycle. Each free slot takes a
+    waiting request at once (``joins_at_once``): where slots waited for a later join (measured
+    seconds, on a loaded machine), a row with one token left ran a cycle alone, and this test's
+    cycles, every one drafting, found no width above 1 to pick."""
     engine, script, ids, refs = scripted_batch(
         qwen3_target, qwen3_b8, monkeypatch, PROMPTS_B, MAX_TOKENS, adaptive_block=True
     )
