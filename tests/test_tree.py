@@ -387,3 +387,38 @@ def test_the_engine_says_what_its_drafting_cycles_verify(tiny_pair, tree_drafts)
         load_engine(str(target), None).description["drafts"] is None
     )  # no drafter: no drafting cycles
     assert load_engine(str(target), str(draft), drafts="chain").description["drafts"] == "chain"
+
+
+def test_a_probe_drafts_and_verifies_no_wider_than_the_probe(tiny_pair, monkeypatch, tree_drafts):
+    """Drafts always wrong, the drafter sure of them: a tree grown from them would go wide, and
+    the chain model never drafts by choice, so every drafting cycle is a probe. Each drafts the
+    probe's positions alone, verifies no wider than the probe, and teaches the cost model
+    nothing (its drafter pass is not a tree cycle's); output unchanged."""
+    from dflash_batch.engine.batch import BatchDecoder
+    from dflash_batch.engine.widths import PROBE_WIDTH
+
+    target, draft = tiny_pair
+    engine = load_engine(str(target), str(draft))
+    engine.cost[1] = CostModel(t0=1.0, t1=0.001, d0=2.0, window=0)  # as if measured
+    ids = engine.encode(PROMPTS_B[2])
+    ref = greedy_reference(target, ids, 200, engine.tokenizer.eos_token_ids)
+    ScriptedDrafts(monkeypatch)(ids + ref + [0] * 16, p_wrong=1.0, seed=5)
+    drafted, observed, verified = [], [], []
+    scripted, observe = BatchDecoder.draft, CostModel.observe
+    monkeypatch.setattr(
+        BatchDecoder,
+        "draft",
+        lambda self, last, rows, **k: drafted.append(rows) or scripted(self, last, rows, **k),
+    )
+    monkeypatch.setattr(
+        CostModel, "observe", lambda self, B, T, s: observed.append(T) or observe(self, B, T, s)
+    )
+    real = WidthPolicy.tree_width
+    monkeypatch.setattr(
+        WidthPolicy, "tree_width", lambda self, *a: verified.append(real(self, *a)) or verified[-1]
+    )
+    out = engine.generate(ids, max_tokens=200)
+    assert out.token_ids == ref
+    assert verified and max(verified) <= PROBE_WIDTH
+    assert drafted and max(drafted) <= PROBE_WIDTH - 1
+    assert observed and set(observed) == {1}

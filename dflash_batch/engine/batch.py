@@ -490,7 +490,10 @@ class BatchDecoder:
         )
         seconds = time.perf_counter() - started
         if shapes in self.engine.shapes_seen:
-            self.width_policy.cost.observe(live, T, seconds)
+            # a tree probe drafted the probe's positions alone, where the tree cycles the cost
+            # model prices draft the block's: not what a cycle of its width costs
+            if not (prefixes is not None and self.width_policy.probe):
+                self.width_policy.cost.observe(live, T, seconds)
         elif self._new_shape(T):  # what compiling it cost (engine/widths.py: ``CompileCost``)
             self.width_policy.compile.observe(seconds - self.width_policy.cost.cycle(live, T))
         self.engine.passes_run.add((B, T))
@@ -585,11 +588,13 @@ class BatchDecoder:
     def _draft_tree(self, last: mx.array, width: int) -> List[tree.Prefixes]:
         """The drafter's candidates per position, and each row's best-first prefixes over them
         (engine/tree.py), as many as any width could verify (at most L_b - 1 deep): the width policy
-        chooses the cycle's width from them. A fixed width drafts only the positions it verifies."""
+        chooses the cycle's width from them. A fixed width, or a probe, drafts only the positions
+        it verifies."""
         block = self.engine.block_size
         longest = max(r.cycle_budget for r in self.rows if r is not None)
-        # the drafter's head rows too
-        top = bucket(min(width if self.width_policy.fixed else block, longest), block)
+        # the drafter's head rows too; a probe's tree no wider than the probe (engine/widths.py)
+        wide = width if self.width_policy.fixed or self.width_policy.probe else block
+        top = bucket(min(wide, longest), block)
         P = min(top - 1, block - 1)
         ids, logprobs = self.draft(last, P, candidates=tree.CANDIDATES)
         mx.eval(ids, logprobs)  # the tree is grown on the host

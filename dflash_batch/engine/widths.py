@@ -149,7 +149,11 @@ root and the compile charge not at all.
 A draft tree (engine/tree.py) is worth more per width than a chain, since its branches repair
 first misses: a tree cycle chooses its width again once the drafts are known, from the nodes'
 own scores corrected per depth by what tree cycles accepted (``WidthPolicy.tree_width``,
-``NodeCalibration``). Whether to draft at all stays the chain model's choice above.
+``NodeCalibration``). Whether to draft at all stays the chain model's choice above. A probe's
+tree is drafted and verified no wider than the probe (its bound is what it can lose at that
+width; a sure drafter's wrong tree would otherwise take the whole block), and its cycle, whose
+drafter pass ran the probe's positions alone, is not what a tree cycle of its width costs: the
+cost model learns nothing from it.
 
 The pass costs come from timing real passes at warm-up, at the job's batch size and typical
 context (``Engine.warm_up``, engine/warmup.py); what a cycle costs beyond its passes is learnt
@@ -607,6 +611,9 @@ class WidthPolicy:
         # cycles it has stood: ``width`` does not weigh the widths again while nothing is learnt
         self.plain_from: Optional[Tuple[int, Tuple[int, ...]]] = None
         self.plain_cycles = 0
+        # the width of the drafting probe the last ``width`` chose (0: none): a tree probe drafts
+        # and verifies no wider, and its cycle is not what a drafting cycle costs (module doc)
+        self.probe = 0
 
     def widths(self, longest: int) -> List[int]:
         """The widths worth choosing among (module doc): the buckets below ``longest`` and the
@@ -644,6 +651,7 @@ class WidthPolicy:
         job's tail), and these are the tokens each row has left; the width is then the one that
         finishes every row soonest, not the one of most tokens per second (module doc)."""
         self._restore_probes()
+        self.probe = 0
         longest = max(budgets)
         if self.block < 2 or longest < 2:
             self.plain.drafting = 0.0  # a plain cycle runs, as a plain probe would
@@ -683,6 +691,7 @@ class WidthPolicy:
         if (spent.plain + ahead) * share >= self.cost.cycle(B, probe) - plain + compile:
             spent.plain = 0.0
             spent.failed += 1  # until a cycle drafts by choice (above)
+            self.probe = probe
             return probe
         return 1
 
@@ -783,7 +792,7 @@ class WidthPolicy:
         if self.fixed or self.block < 2 or longest < 2:
             return bucket(min(self.block, longest), self.block)
         c = self.nodes.scales()
-        widths = [T for T in self.widths(longest) if T > 1]
+        widths = [T for T in self.widths(longest) if 1 < T <= (self.probe or self.block)]
         totals = [0.0] * len(widths)
         for (depths, scores), n in zip(trees, budgets):
             E = [1.0]  # E[j]: what a tree of the row's first j nodes commits
