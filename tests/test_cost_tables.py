@@ -27,7 +27,7 @@ def timed(monkeypatch):
 
     class Passes:
         def __init__(self, engine, B, n):
-            self.B = B
+            self.B, self.compiles = B, []
 
         def prime(self):
             pass

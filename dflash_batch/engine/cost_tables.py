@@ -45,9 +45,9 @@ from .ops import attention, compiled, device, matmul
 from .ops.kernels import cpu
 from .widths import CostModel
 
-FORMAT = 2  # bump when the stored fields change: older files no longer match any key
+FORMAT = 3  # bump when the stored fields change: older files no longer match any key
 # a CostModel's measured part, with ``timed``
-FIELDS = ("t0", "t1", "d0", "d1", "t2", "context", "route", "matmul", "rows")
+FIELDS = ("t0", "t1", "d0", "d1", "t2", "context", "route", "matmul", "rows", "compile")
 
 log = logging.getLogger("dflash_batch.engine")
 

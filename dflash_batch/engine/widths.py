@@ -318,7 +318,8 @@ class PlainProbes:
 class CompileCost:
     """K: what a pass shape's first cycle in a process costs beyond the modelled cycle (module
     doc), the mean of the last ``window`` such excesses recorded and the prior, worth one of
-    them. The engine keeps one from job to job: a GPU's starts from COMPILE_PRIOR, a CPU's from 0
+    them. The engine keeps one from job to job: a GPU's starts from COMPILE_PRIOR, or what the
+    warm-up measured where that is more (``CostModel.compile``), a CPU's from 0
     and, where its passes run eagerly (nothing compiles), learns nothing (``learns``)."""
 
     prior: float = 0.0
@@ -411,6 +412,8 @@ class CostModel:
     timed: Dict[int, float] = field(default_factory=dict)
     # read from the model cache (engine/cost_tables.py), not timed by this process
     read: bool = False
+    # seconds a pass of a new shape cost to compile at warm-up (a GPU's; 0: none measured)
+    compile: float = 0.0
     # the last cycles' excess over their modelled passes (less INTERPOLATION of them where
     # those were read between timed points), relative to them
     relative: List[float] = field(default_factory=list)
