@@ -165,6 +165,8 @@ def kept(stored: CostModel, measured: CostModel) -> CostModel:
         cost.t0, cost.t1, cost.t2 = stored.t0, stored.t1, stored.t2
     if stored.d0 + stored.d1 * stored.rows < measured.d0 + measured.d1 * measured.rows:
         cost.d0, cost.d1 = stored.d0, stored.d1
+    if stored.compile and measured.compile:  # a fresh machine's first compiles cost the most
+        cost.compile = min(stored.compile, measured.compile)
     return cost
 
 
