@@ -30,34 +30,33 @@ decoding); later jobs start from the estimates pooled over the jobs before them,
 from the pooled estimates. A position never verified takes the estimate of the
 one before it, so blocks widen as runs of accepted drafts show that wider ones pay.
 
-The job's tail. Tokens per second over the live rows is the right objective while requests wait
-to take the slots that rows free. Once none can join (the decoder says so, and passes each row's
-tokens left n_b), the job ends when its slowest row does, and drafting makes rows finish
-raggedly: a row's commits per cycle are random, and rows differ. Where a cycle of a few rows
-costs about what one of the whole batch does (a launch-bound GPU), plain decoding's max(n_b)
-cycles can beat drafting at a better rate. The same holds in a job's last wave, where every
-request still waiting will take a slot that a live row frees: the job ends when the slowest slot
-has decoded its row and the request it takes, so the decoder passes, as each row's n_b, its
-tokens left and, for the rows that will finish first, the budget of the request each takes
-(``BatchDecoder._tail``), where most rows run to their budgets (``finish.Ends``): where most stop
-early at EOS, the slot that ends last is the one whose answers run longest, which no width
-changes, and the budgets the decoder would pass overstate by a second answer what each slot has
-left, so a last wave of such rows is weighed by the rate. So at the tail the width policy picks the T that finishes every row
-soonest were every remaining cycle run at T (re-decided each cycle). At
-width T row b commits X_b a cycle, L = min(T, budget_b), with S_j = P(X_b >= j) = p_b1 ...
-p_b(j-1), mean mu_b = E_b(L) and variance v_b = sum_{j <= L} (2j - 1) S_j - mu_b^2; it finishes
-after about n_b / mu_b cycles, with a spread of sqrt(n_b v_b / mu_b^3) (a renewal count), taken
-as normal. The last row finishes at the expected maximum of these, by Clark's fold (the max of
-two normals taken as a normal of its own mean and variance, maxed with the next: exact for two
-rows, right for one row far behind the rest, which alone decides the end, and within 1% of the
-expected maximum of 32 rows alike). The others finish, ranked by their means, at the mean plus
-the spread times Blom's expected order statistics of B normals, z_k = inv_cdf((k - 0.375) /
-(B + 0.25)), capped at the last. Between two finishes each cycle costs cost(rows still live, T),
-and a width not yet run adds K once (below). T = 1 is exact: n_b cycles. One row (z = 0) gets
-the rate's choice: n / E(T) cycles at cost(1, T), and K once, is n over the rate weighed below.
-Rows that stop early (EOS) are not foreseen.
-A drafting probe (below) at a batch's tail brings its end closer only through its slowest row,
-so once the engine has drafted, probes there run at the least share (probe_share / backoff).
+The job's tail. Tokens per second over the live rows is the right objective while requests wait to
+take the slots that rows free. Once none can join (the decoder says so, and passes each row's
+tokens left n_b), the job ends when its slowest row does, and drafting makes rows finish raggedly:
+a row's commits per cycle are random, and rows differ. Where a cycle of a few rows costs about
+what one of the whole batch does (a launch-bound GPU), plain decoding's max(n_b) cycles can beat
+drafting at a better rate. The same holds in a job's last wave, where every request still waiting
+will take a slot that a live row frees: the job ends when the slowest slot has decoded its row and
+the request it takes, so the decoder passes, as each row's n_b, its tokens left and, for the rows
+that will finish first, the budget of the request each takes (``BatchDecoder._tail``), where most
+rows run to their budgets (``finish.Ends``): where most stop early at EOS, the slot that ends last
+is the one whose answers run longest, which no width changes, and the budgets the decoder would
+pass overstate by a second answer what each slot has left, so a last wave of such rows is weighed
+by the rate. So at the tail the width policy picks the T that finishes every row soonest were
+every remaining cycle run at T (re-decided each cycle). At width T row b commits X_b a cycle, L =
+min(T, budget_b), with S_j = P(X_b >= j) = p_b1 ... p_b(j-1), mean mu_b = E_b(L) and variance v_b
+= sum_{j <= L} (2j - 1) S_j - mu_b^2; it finishes after about n_b / mu_b cycles, with a spread of
+sqrt(n_b v_b / mu_b^3) (a renewal count), taken as normal. The last row finishes at the expected
+maximum of these, by Clark's fold (the max of two normals taken as a normal of its own mean and
+variance, maxed with the next: exact for two rows, right for one row far behind the rest, which
+alone decides the end, and within 1% of the expected maximum of 32 rows alike). The others finish,
+ranked by their means, at the mean plus the spread times Blom's expected order statistics of B
+normals, z_k = inv_cdf((k - 0.375) / (B + 0.25)), capped at the last. Between two finishes each
+cycle costs cost(rows still live, T), and a width not yet run adds K once (below). T = 1 is exact:
+n_b cycles. One row (z = 0) gets the rate's choice: n / E(T) cycles at cost(1, T), and K once, is
+n over the rate weighed below. Within the tail, rows that stop early (EOS) are not foreseen. A
+drafting probe (below) at a batch's tail brings its end closer only through its slowest row, so
+once the engine has drafted, probes there run at the least share (probe_share / backoff).
 
 Which widths. On a GPU a pass of a shape not run before compiles (its trace, its kernels) at
 many times a pass's cost, so a job must run few shapes, the same ones job after job, and the
@@ -120,7 +119,8 @@ What a new shape costs. A pass of a shape (rows, width) the process has not run 
 GPU, at many times a cycle's cost; on the CPU an eager pass compiles nothing. The decoder keeps
 such cycles out of what the cost model learns and records their excess over the modelled
 cycle instead (``CompileCost``: K, the mean of the recorded excesses and, on a GPU only, a
-prior worth one of them). A width whose pass at the batch's rows has not run (nor been timed at
+prior worth one of them: COMPILE_PRIOR, or what the warm-up's passes cost to compile where that
+is more, engine/warmup.py). A width whose pass at the batch's rows has not run (nor been timed at
 warm-up) is charged K once, spread over the cycles the job has left at it: with S = sum_b
 budget_b still allowed and E(T) committed a cycle, about S / E(T) cycles, so it is weighed at
 
@@ -128,12 +128,12 @@ budget_b still allowed and E(T) committed a cycle, about S / E(T) cycles, so it 
 
 S / E(T) overstates the cycles left where rows end early (EOS) or the batch shrinks, and the
 compiled pass serves the process's later jobs too: the two errors pull opposite ways, and a
-simpler rule has no better claim. Where K is 0 (a CPU's eager passes) the choice is the one
-above. A probe must not compile either: its bound is a few plain cycles' worth, and a compile of
-a large target's pass costs many jobs' probes. So where K is not 0 and the probe's width would
-be a new shape, the probe runs at the narrowest drafting width that has run or was timed at the
-batch's rows (the warm-up's widths: engine/warmup.py), and where there is none, what it can
-lose includes K. The batch's tail shrink is weighed likewise (engine/batch.py: ``BatchDecoder.shrink``):
+simpler rule has no better claim. Where K is 0 (a CPU's eager passes) the choice is the one above.
+A probe must not compile either: its bound is a few plain cycles' worth, and a compile of a large
+target's pass costs many jobs' probes. So where K is not 0 and the probe's width would be a new
+shape, the probe runs at the narrowest drafting width that has run or was timed at the batch's
+rows (the warm-up's widths: engine/warmup.py), and where there is none, what it can lose includes
+K. The batch's tail shrink is weighed likewise (engine/batch.py: ``BatchDecoder.shrink``):
 dropping to a rung of R rows from S_rows saves target(S_rows, T) - target(R, T) a cycle at the
 width last run, for about the live rows' mean budget in cycles, and goes ahead only where that
 covers K for a (R, T) not yet run (a launch-bound model on a GPU saves next to nothing).
