@@ -295,13 +295,17 @@ def test_a_last_wave_of_rows_that_stop_early_is_weighed_by_the_rate():
 
 
 def test_the_engine_counts_how_its_rows_end(tiny_pair, chain_drafts):
-    """Every finished row is counted once, at its budget or not, from job to job."""
+    """Every finished row is counted once, at its budget or stopped before it, from job to
+    job."""
     target, drafter = map(str, tiny_pair)
     engine = load_engine(target, drafter, cost_model=CostModel(t0=1.0, d0=0.1, window=0))
-    engine.ends.decay = 1.0  # plain counts
-    prior = engine.ends.rows
     ids = [engine.encode(f"Row {i}: count slowly") for i in range(5)]
-    done = engine.generate_batch(ids, max_tokens=[3, 40, 6, 60, 9], batch_size=2)
+    text = engine.generate(ids[3], max_tokens=60).text  # a stop string inside row 3's answer
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    engine.ends.decay = 1.0  # plain counts
+    rows, at_budget = engine.ends.rows, engine.ends.at_budget
+    done = engine.generate_batch(ids, max_tokens=[3, 40, 6, 60, 9], batch_size=2, stop=[stop])
     done += engine.generate_batch(ids[:2], max_tokens=4, batch_size=2)
-    assert engine.ends.rows == prior + 7
-    assert engine.ends.at_budget == prior + sum(c.finish_reason == "length" for c in done)
+    assert "stop" in [c.finish_reason for c in done]
+    assert engine.ends.rows == rows + 7
+    assert engine.ends.at_budget == at_budget + sum(c.finish_reason == "length" for c in done)
