@@ -76,19 +76,6 @@ def test_a_probe_that_would_compile_counts_its_compile_in_what_it_can_lose():
     assert set(compiling) == {4} and 0 < len(compiling) < len(eager) / 3
 
 
-def test_a_gpu_engines_compile_charge_starts_at_what_its_warm_up_measured(tiny_pair):
-    """The table's ``compile`` (the warm-up's first runs) raises a GPU engine's K above the
-    prior, never lowers it; a CPU engine (no prior: nothing compiles) is not charged."""
-    engine = load_engine(*map(str, tiny_pair))
-    requests = [engine.request("Hello", max_tokens=8)]
-    engine.cost[2] = CostModel(t0=1.0, window=0, compile=3.0)
-    assert engine._width_policy(2, requests).compile.estimate() == 0.0  # the CPU's
-    engine.compile_cost = CompileCost(prior=0.05)  # as on a GPU
-    assert engine._width_policy(2, requests).compile.estimate() == pytest.approx(3.0)
-    engine.cost[2].compile = 0.01
-    assert engine._width_policy(2, requests).compile.estimate() == pytest.approx(3.0)
-
-
 def test_what_a_compile_costs_is_learnt_from_new_shapes_first_cycles():
     gpu = CompileCost(prior=0.05)
     assert gpu.estimate() == pytest.approx(0.05)

@@ -392,7 +392,7 @@ def test_the_warm_up_times_every_width_on_a_quantized_target(quantized, monkeypa
 
     class Timed:
         def __init__(self, engine, B, n):
-            self.B, self.compiles = B, []
+            self.B = B
 
         def target(self, T):
             asked.append((self.B, T))

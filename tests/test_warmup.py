@@ -19,16 +19,15 @@ def engine(tiny_pair):
     return load_engine(str(target_dir), str(draft_dir))
 
 
-def fake_passes(monkeypatch, target, draft=lambda B: 0.5, compile=lambda B, T: 0.0):
+def fake_passes(monkeypatch, target, draft=lambda B: 0.5):
     """Time no model: a verify pass of T rows at batch size B takes ``target(B, T)`` seconds, a
-    drafter pass ``draft(B)``, and its first run ``compile(B, T)`` more."""
+    drafter pass ``draft(B)``."""
 
     class Timed:
         def __init__(self, engine, B, n):
-            self.B, self.compiles = B, []
+            self.B = B
 
         def target(self, T):
-            self.compiles.append(compile(self.B, T))
             return target(self.B, T)
 
         def prime(self):
@@ -402,16 +401,3 @@ def test_the_drafter_is_timed_as_the_jobs_drafting_cycles_draft(tiny_pair, monke
     assert called and set(called) == {"draft_candidates" if mode == "tree" else "draft_block"}
     # the trees of every row of each batch size timed (the job's, and batch 1)
     assert set(grown) == ({4, 1} if mode == "tree" else set())
-
-
-def test_a_gpu_warm_up_measures_what_a_new_shape_costs_to_compile(engine, monkeypatch):
-    """Each timed pass's first run beyond its fastest is its compile: the cost model's ``compile``
-    is their median at the job's batch size (the first pass there also pays the batch's one-off
-    costs; the other batch size's passes are other shapes). The CPU's passes compile nothing."""
-    monkeypatch.setattr(warmup, "_quick", lambda: False)
-    firsts = {1: 7.0, 8: 2.0, 16: 3.0}  # T = 1: the batch's first pass
-    fake_passes(monkeypatch, lambda B, T: 0.01 * B * T, compile=lambda B, T: firsts[T] * B)
-    assert warmup.measure_costs(engine, 4, 128).compile == pytest.approx(3.0 * 4)
-    monkeypatch.undo()  # the real passes, timed the CPU's way: their first runs are not compiles
-    monkeypatch.setattr(warmup, "_quick", lambda: True)
-    assert warmup.measure_costs(engine, 4, 128).compile == 0.0

@@ -45,9 +45,9 @@ from .ops import attention, compiled, device, matmul
 from .ops.kernels import cpu
 from .widths import CostModel
 
-FORMAT = 3  # bump when the stored fields change: older files no longer match any key
+FORMAT = 2  # bump when the stored fields change: older files no longer match any key
 # a CostModel's measured part, with ``timed``
-FIELDS = ("t0", "t1", "d0", "d1", "t2", "context", "route", "matmul", "rows", "compile")
+FIELDS = ("t0", "t1", "d0", "d1", "t2", "context", "route", "matmul", "rows")
 
 log = logging.getLogger("dflash_batch.engine")
 
@@ -165,8 +165,6 @@ def kept(stored: CostModel, measured: CostModel) -> CostModel:
         cost.t0, cost.t1, cost.t2 = stored.t0, stored.t1, stored.t2
     if stored.d0 + stored.d1 * stored.rows < measured.d0 + measured.d1 * measured.rows:
         cost.d0, cost.d1 = stored.d0, stored.d1
-    if stored.compile and measured.compile:  # a fresh machine's first compiles cost the most
-        cost.compile = min(stored.compile, measured.compile)
     return cost
 
 

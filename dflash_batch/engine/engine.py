@@ -657,8 +657,6 @@ class Engine:
         cost = self.cost_model
         if cost is None:
             cost = self._measured_cost(slots, requests, waits)
-        if cost.compile and self.compile_cost.prior:  # a GPU's K starts at what warm-up measured
-            self.compile_cost.prior = max(self.compile_cost.prior, cost.compile)
         return WidthPolicy(
             self.block_size,
             cost,

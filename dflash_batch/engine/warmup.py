@@ -20,12 +20,6 @@ once to compile, then the fastest of three: other work on the machine only ever 
                    where the job's cycles draft trees (engine/tree.py), with each position's
                    candidates and the trees grown on the host, as theirs do
 
-Each pass timed on a GPU also tells what compiling it cost: its first run beyond the fastest.
-The median of those at the job's batch size is the cost model's ``compile``, kept with the table,
-where the engine's charge for a pass shape not yet run starts (engine/widths.py, "What a new
-shape costs"): a fixed prior priced a large target's new shapes, which compile for seconds, as a
-small one's.
-
 On the CPU a pass compiles nothing (its first run costs what later ones do, but for a process's
 first pass at a wide batch, run untimed) and costs a line in the rows it verifies, while each
 pass of even a small pair costs tens of milliseconds: there the warm-up runs each pass it times
@@ -54,7 +48,7 @@ at batch 1, and on a larger model's it can cost twice what MLX's matmul does.
 from __future__ import annotations
 
 import time
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -87,7 +81,6 @@ def measure_costs(engine, batch_size: int, context: Optional[int] = None) -> Cos
     block = max(engine.block_size, 2)
     targets: Dict[Tuple[int, int], float] = {}
     drafts: Dict[int, float] = {}
-    compiles: List[float] = []  # the first runs' excess of the passes at the job's batch size
     route = switch.current().ragged
     if batch_size > 1 and _routes_differ():
         timed = {}  # route -> (target(batch_size, block), draft(batch_size))
@@ -98,7 +91,6 @@ def measure_costs(engine, batch_size: int, context: Optional[int] = None) -> Cos
                     passes.target(block),
                     passes.draft() if engine.drafter is not None else 0.0,
                 )
-                compiles += passes.compiles
             del passes
         route = min(timed, key=lambda r: sum(timed[r]))
         targets[(batch_size, block)] = timed[route][0]  # timed already: not again below
@@ -107,15 +99,12 @@ def measure_costs(engine, batch_size: int, context: Optional[int] = None) -> Cos
     # a drafting job's most frequent few-row pass: at batch 1 a drafting cycle, else a plain one
     few_rows = choose_matmul(engine, batch_size, n, block if batch_size == 1 else 1, route)
     with switch.modes(ragged=route, matmul=few_rows or matmul.mode()):
-        _time_widths(engine, batch_size, n, block, targets, drafts, compiles)
+        _time_widths(engine, batch_size, n, block, targets, drafts)
     mx.clear_cache()  # the timing batches' buffers: the job allocates its own (see batch.py: steps)
     cost = CostModel.fit(targets, drafts)
     cost.context = n
     cost.route, cost.matmul = route, few_rows
     cost.rows, cost.timed = batch_size, {T: s for (B, T), s in targets.items() if B == batch_size}
-    # what a pass of a new shape costs to compile here: the median, as the first pass timed at a
-    # batch size also pays what that batch's first pass does once
-    cost.compile = sorted(compiles)[len(compiles) // 2] if compiles else 0.0
     return cost
 
 
@@ -157,10 +146,9 @@ def _time_widths(
     block: int,
     targets: Dict[Tuple[int, int], float],
     drafts: Dict[int, float],
-    compiles: List[float],
 ) -> None:
     """Time target passes at the widths chosen among, and drafter passes, at the two batch sizes
-    of ``_batch_sizes``; ``compiles`` gets the job's batch size's first runs' excess."""
+    of ``_batch_sizes``."""
     quick = _quick()
     for i, B in enumerate(sorted(_batch_sizes(batch_size, quick), reverse=quick)):
         passes = _Passes(engine, B, n)
@@ -185,8 +173,6 @@ def _time_widths(
                     targets[(B, T)] = passes.target(T)
         if engine.drafter is not None and B not in drafts:
             drafts[B] = passes.draft()
-        if B == batch_size:
-            compiles += passes.compiles
         del passes
 
 
@@ -260,8 +246,6 @@ class _Passes:
         # the drafter's new context: rows tapped by a verify of this width (the widest timed)
         self.context_rows = min(PROBE_WIDTH, block) if self.quick else block
         self.hidden = None
-        # what each timed verify pass's first run cost beyond its timed ones (a GPU's compile)
-        self.compiles: List[float] = []
 
     def prime(self) -> None:
         """One untimed pass: what a process pays once at its first pass of a batch this wide (up to
@@ -270,9 +254,7 @@ class _Passes:
         mx.eval(self._verify(1)())
 
     def target(self, T: int) -> float:
-        return _time(
-            self._verify(T), quick=self.quick, compiles=None if self.quick else self.compiles
-        )
+        return _time(self._verify(T), quick=self.quick)
 
     def _verify(self, T: int) -> Callable:
         """A verify pass of T rows and its rollback, as a cycle runs them."""
@@ -333,18 +315,12 @@ class _Passes:
         return grow
 
 
-def _time(
-    run: Callable,
-    reps: int = 3,
-    enough: float = 0.25,
-    quick: bool = False,
-    compiles: Optional[List[float]] = None,
-) -> float:
+def _time(run: Callable, reps: int = 3, enough: float = 0.25, quick: bool = False) -> float:
     """The fastest of ``reps`` runs after a compiling one; a pass slow enough that its runs have
     taken ``enough`` seconds stops there (a CPU warm-up must not cost a job's worth). ``quick``
     (nothing to compile: the CPU): the first run counts (``_fastest_of_few``), unless it took
     under CHEAP_PASS seconds (a tiny model, whose first run's one-off costs would swamp the
-    pass): then as above. ``compiles`` gets what the first run cost beyond the fastest."""
+    pass): then as above."""
     first = _run_once(run)  # compiles, if anything does
     if quick and first >= CHEAP_PASS:
         return _fastest_of_few(run, first)
@@ -353,8 +329,6 @@ def _time(
         times.append(_run_once(run))
         if sum(times) >= enough:
             break
-    if compiles is not None:
-        compiles.append(max(first - min(times), 0.0))
     return min(times)
 
 

@@ -119,8 +119,7 @@ What a new shape costs. A pass of a shape (rows, width) the process has not run 
 GPU, at many times a cycle's cost; on the CPU an eager pass compiles nothing. The decoder keeps
 such cycles out of what the cost model learns and records their excess over the modelled
 cycle instead (``CompileCost``: K, the mean of the recorded excesses and, on a GPU only, a
-prior worth one of them: COMPILE_PRIOR, or what the warm-up's passes cost to compile where that
-is more, engine/warmup.py). A width whose pass at the batch's rows has not run (nor been timed at
+prior worth one of them). A width whose pass at the batch's rows has not run (nor been timed at
 warm-up) is charged K once, spread over the cycles the job has left at it: with S = sum_b
 budget_b still allowed and E(T) committed a cycle, about S / E(T) cycles, so it is weighed at
 
@@ -318,8 +317,7 @@ class PlainProbes:
 class CompileCost:
     """K: what a pass shape's first cycle in a process costs beyond the modelled cycle (module
     doc), the mean of the last ``window`` such excesses recorded and the prior, worth one of
-    them. The engine keeps one from job to job: a GPU's starts from COMPILE_PRIOR, or what the
-    warm-up measured where that is more (``CostModel.compile``), a CPU's from 0
+    them. The engine keeps one from job to job: a GPU's starts from COMPILE_PRIOR, a CPU's from 0
     and, where its passes run eagerly (nothing compiles), learns nothing (``learns``)."""
 
     prior: float = 0.0
@@ -412,8 +410,6 @@ class CostModel:
     timed: Dict[int, float] = field(default_factory=dict)
     # read from the model cache (engine/cost_tables.py), not timed by this process
     read: bool = False
-    # seconds a pass of a new shape cost to compile at warm-up (a GPU's; 0: none measured)
-    compile: float = 0.0
     # the last cycles' excess over their modelled passes (less INTERPOLATION of them where
     # those were read between timed points), relative to them
     relative: List[float] = field(default_factory=list)
