@@ -12,7 +12,7 @@ from dflash_batch.engine.widths import CostModel, PlainProbes, WidthPolicy, pool
 
 import pytest
 
-from tests.helpers import greedy_reference
+from tests.helpers import StepClock, greedy_reference
 from tests.scripting import ScriptedDrafts
 
 BLOCK = 16
@@ -158,18 +158,6 @@ def test_a_cost_model_that_learns_nothing_is_not_probed():
     assert 1 not in widths and widths[3:] == [BLOCK] * 297
 
 
-class _Clock:
-    """``time`` for engine/batch.py: each reading one second after the one before, so each cycle
-    (timed from its start to its end) takes exactly one second, whatever its width."""
-
-    def __init__(self):
-        self.now = 0.0
-
-    def perf_counter(self) -> float:
-        self.now += 1.0
-        return self.now
-
-
 def test_the_per_row_plain_estimate_follows_the_width_one_cost_as_relearnt(tiny_pair, monkeypatch):
     """The engine end to end (runner/saved.py's ``plain_seconds_est``): a warm-up priced a plain
     cycle at 5 s where every cycle really takes 1 s (a scripted clock), and each draft is right
@@ -177,7 +165,7 @@ def test_the_per_row_plain_estimate_follows_the_width_one_cost_as_relearnt(tiny_
     These re-learn the width-1 cost, and the row's later tokens are priced at it: the figure each
     cycle hands the row is the cost model's at that cycle, not a copy taken at the start (which
     would price every token at 5 s), nor the warm-up's (no plain probes)."""
-    monkeypatch.setattr(batch, "time", _Clock())
+    monkeypatch.setattr(batch, "time", StepClock(1.0))  # each cycle takes 1 s
     target, draft = map(str, tiny_pair)
     engine = load_engine(target, draft, cost_model=CostModel(t0=5.0, window=16), drafts="chain")
     prompt = [(7 * i) % 90 + 4 for i in range(8)]

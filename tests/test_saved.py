@@ -11,27 +11,15 @@ from dflash_batch.engine.widths import CostModel
 import pytest
 
 from dflash_batch.request import Options, Request
-from tests.helpers import greedy_reference
+from tests.helpers import StepClock, greedy_reference
 from tests.scripting import ScriptedDrafts
 
 PROMPT = [5, 17, 3, 88, 41, 9, 23, 60]
 
 
-class _Clock:
-    """``time`` for engine/batch.py: each reading one second after the one before, so each cycle
-    (timed from its start to its end) takes exactly one second."""
-
-    def __init__(self):
-        self.now = 0.0
-
-    def perf_counter(self) -> float:
-        self.now += 1.0
-        return self.now
-
-
 @pytest.fixture
 def clock(monkeypatch):
-    monkeypatch.setattr(batch, "time", _Clock())
+    monkeypatch.setattr(batch, "time", StepClock(1.0))  # each cycle takes 1 s
 
 
 def _costs(**kw):
