@@ -15,6 +15,8 @@ from tests.helpers import greedy_reference
 
 BLOCK = 16
 GPU = dict(t0=1.0, t1=0.002, d0=0.15, d1=0.002, window=0)  # extra rows and the draft nearly free
+# a drafter pass three target passes dear: drafting never pays, only probes draft
+DEAR_DRAFTS = dict(t0=1.0, t1=0.002, d0=3.0, d1=0.0, window=0)
 
 
 def _good_rows(policy: WidthPolicy, rows: int):
@@ -54,12 +56,13 @@ def test_a_probe_runs_at_a_width_whose_pass_has_compiled():
     """Drafting never pays here; the warm-up timed (so compiled) widths 1, 8 and 16 at these rows.
     Where a new shape compiles, every probe runs at 8, not at PROBE_WIDTH (4): its compile costs
     many probes' bound. On a CPU (K = 0) the probes run at 4."""
-    costs = dict(t0=1.0, t1=0.002, d0=3.0, d1=0.0, window=0)
-    gpu = WidthPolicy(BLOCK, CostModel(**costs), compile=CompileCost(prior=20.0, learns=False))
+    gpu = WidthPolicy(
+        BLOCK, CostModel(**DEAR_DRAFTS), compile=CompileCost(prior=20.0, learns=False)
+    )
     gpu.new_shape = lambda T: T not in (1, 8, 16)
     probes = _probes(gpu)
     assert probes and set(probes) == {8}
-    cpu = WidthPolicy(BLOCK, CostModel(**costs))
+    cpu = WidthPolicy(BLOCK, CostModel(**DEAR_DRAFTS))
     cpu.new_shape = gpu.new_shape
     assert set(_probes(cpu)) == {4}
 
@@ -67,10 +70,11 @@ def test_a_probe_runs_at_a_width_whose_pass_has_compiled():
 def test_a_probe_that_would_compile_counts_its_compile_in_what_it_can_lose():
     """No drafting width has run at these rows: the probes run at PROBE_WIDTH, rarer by what
     its compile adds to what each can lose."""
-    costs = dict(t0=1.0, t1=0.002, d0=3.0, d1=0.0, window=0)
-    gpu = WidthPolicy(BLOCK, CostModel(**costs), compile=CompileCost(prior=20.0, learns=False))
+    gpu = WidthPolicy(
+        BLOCK, CostModel(**DEAR_DRAFTS), compile=CompileCost(prior=20.0, learns=False)
+    )
     gpu.new_shape = lambda T: T > 1
-    free = WidthPolicy(BLOCK, CostModel(**costs))
+    free = WidthPolicy(BLOCK, CostModel(**DEAR_DRAFTS))
     free.new_shape = gpu.new_shape
     compiling, eager = _probes(gpu, cycles=8000), _probes(free, cycles=8000)
     assert set(compiling) == {4} and 0 < len(compiling) < len(eager) / 3

@@ -227,35 +227,43 @@ def test_the_decoder_says_when_the_jobs_end_is_in_sight(
     assert seen[first] > 0 and seen[-1] == 0
 
 
+def _decoder(waiting, joiners=(), urgent=None, done=True, closed=False, ends=None):
+    """What ``BatchDecoder._tail`` reads of a decoder: requests of these budgets waiting (the
+    stream ``done`` or not), the prompts joining, an interactive source, whether the batch is
+    closed, and how the engine's rows end."""
+    from types import SimpleNamespace
+
+    from dflash_batch.engine.batch import EncodedRequest
+    from dflash_batch.engine.finish import Ends
+    from dflash_batch.engine.waiting import Waiting
+
+    queue = Waiting([[EncodedRequest([1, 2], max_tokens=n)] for n in waiting])
+    queue.peek()
+    queue.done = done
+    return SimpleNamespace(
+        waiting=queue,
+        group=SimpleNamespace(joiners=list(joiners)),
+        urgent=urgent,
+        _closed=lambda: closed,
+        engine=SimpleNamespace(ends=ends if ends is not None else Ends()),
+    )
+
+
 def test_in_the_last_wave_the_rows_that_finish_first_take_the_waiting_requests():
     """Rows with 9, 3 and 6 tokens left, two requests waiting of 20 and 10: the row with 3 left
     takes the first, the one with 6 the second. More waiting than rows, a stream not yet ended,
     a prompt joining or an interactive request to come: not the last wave."""
     from types import SimpleNamespace
 
-    from dflash_batch.engine.batch import BatchDecoder, EncodedRequest
-    from dflash_batch.engine.finish import Ends
-    from dflash_batch.engine.waiting import Waiting
-
-    def decoder(waiting, joiners=(), urgent=None, done=True):
-        queue = Waiting([[EncodedRequest([1, 2], max_tokens=n)] for n in waiting])
-        queue.peek()
-        queue.done = done
-        return SimpleNamespace(
-            waiting=queue,
-            group=SimpleNamespace(joiners=list(joiners)),
-            urgent=urgent,
-            _closed=lambda: False,
-            engine=SimpleNamespace(ends=Ends()),
-        )
+    from dflash_batch.engine.batch import BatchDecoder
 
     rows = [SimpleNamespace(budget=n) for n in (9, 3, 6)]
-    assert BatchDecoder._tail(decoder([20, 10]), rows) == [9, 23, 16]
-    assert BatchDecoder._tail(decoder([20, 10, 5]), rows) == [14, 23, 16]
-    assert BatchDecoder._tail(decoder([20, 10, 5, 1]), rows) is None
-    assert BatchDecoder._tail(decoder([20], done=False), rows) is None
-    assert BatchDecoder._tail(decoder([20], joiners=[object()]), rows) is None
-    assert BatchDecoder._tail(decoder([20], urgent=lambda: []), rows) is None
+    assert BatchDecoder._tail(_decoder([20, 10]), rows) == [9, 23, 16]
+    assert BatchDecoder._tail(_decoder([20, 10, 5]), rows) == [14, 23, 16]
+    assert BatchDecoder._tail(_decoder([20, 10, 5, 1]), rows) is None
+    assert BatchDecoder._tail(_decoder([20], done=False), rows) is None
+    assert BatchDecoder._tail(_decoder([20], joiners=[object()]), rows) is None
+    assert BatchDecoder._tail(_decoder([20], urgent=lambda: []), rows) is None
 
 
 def test_a_last_wave_of_rows_that_stop_early_is_weighed_by_the_rate():
@@ -264,9 +272,8 @@ def test_a_last_wave_of_rows_that_stop_early_is_weighed_by_the_rate():
     their budgets again so is the last wave."""
     from types import SimpleNamespace
 
-    from dflash_batch.engine.batch import BatchDecoder, EncodedRequest
+    from dflash_batch.engine.batch import BatchDecoder
     from dflash_batch.engine.finish import Ends
-    from dflash_batch.engine.waiting import Waiting
 
     ends = Ends()
     assert ends.run_to_budgets()  # the prior: budgets
@@ -274,24 +281,12 @@ def test_a_last_wave_of_rows_that_stop_early_is_weighed_by_the_rate():
         ends.observe(False)
     assert not ends.run_to_budgets()
 
-    def decoder(closed=False):
-        queue = Waiting([[EncodedRequest([1, 2], max_tokens=20)]])
-        queue.peek()
-        queue.done = True
-        return SimpleNamespace(
-            waiting=queue,
-            group=SimpleNamespace(joiners=[]),
-            urgent=None,
-            _closed=lambda: closed,
-            engine=SimpleNamespace(ends=ends),
-        )
-
     rows = [SimpleNamespace(budget=n) for n in (9, 3)]
-    assert BatchDecoder._tail(decoder(), rows) is None
-    assert BatchDecoder._tail(decoder(closed=True), rows) == [9, 3]
+    assert BatchDecoder._tail(_decoder([20], ends=ends), rows) is None
+    assert BatchDecoder._tail(_decoder([20], closed=True, ends=ends), rows) == [9, 3]
     for _ in range(10):
         ends.observe(True)
-    assert BatchDecoder._tail(decoder(), rows) == [9, 23]
+    assert BatchDecoder._tail(_decoder([20], ends=ends), rows) == [9, 23]
 
 
 def test_the_engine_counts_how_its_rows_end(tiny_pair, chain_drafts):
