@@ -401,3 +401,34 @@ def test_the_drafter_is_timed_as_the_jobs_drafting_cycles_draft(tiny_pair, monke
     assert called and set(called) == {"draft_candidates" if mode == "tree" else "draft_block"}
     # the trees of every row of each batch size timed (the job's, and batch 1)
     assert set(grown) == ({4, 1} if mode == "tree" else set())
+
+
+def test_the_drafter_is_timed_on_context_packed_as_a_cycle_packs_it(engine, monkeypatch):
+    """A cycle's drafter reads its new context packed from the pieces earlier cycles left, and
+    pieces of unequal rows are gathered (``decode.pack_context``): an op a job's first drafting
+    cycle would otherwise be the first to run (on CUDA, MLX compiles it then: seconds). Every
+    timed drafter pass packs its context that way, gathering included."""
+    packs = []
+    real = warmup.decode.pack_context
+
+    def pack_context(pieces):
+        gathers = not all(min(c) == rows.shape[1] for rows, c in pieces[:-1])
+        packs.append((gathers, [tuple(rows.shape) for rows, _ in pieces]))
+        return real(pieces)
+
+    monkeypatch.setattr(warmup.decode, "pack_context", pack_context)
+    drafted = []  # the context each timed drafter pass (chain or tree) was given
+    for name in ("draft_block", "draft_candidates"):
+        draft = getattr(warmup.decode, name)
+        monkeypatch.setattr(
+            warmup.decode,
+            name,
+            lambda *a, draft=draft, **k: drafted.append(a[3].shape) or draft(*a, **k),
+        )
+    warmup.measure_costs(engine, 4, 64)
+    assert drafted and len(packs) == len(drafted)
+    assert all(gathers for gathers, _ in packs)
+    # each row's context is the rows one timed verify pass tapped, as before
+    taps = engine.drafter.fc.weight.shape[-1]
+    for (_, shapes), context in zip(packs, drafted):
+        assert context[1] == shapes[0][1] and context[2] == taps

@@ -16,7 +16,8 @@ once to compile, then the fastest of three: other work on the machine only ever 
                    path (qmv) up to a row count that depends on the chip and the layer, and its
                    general one (qmm) above, a step in T that three widths on a line can hide
     draft(B)       one drafter pass over a block of new context rows (those the widest timed
-                   verify pass tapped), compiled where the job's are (engine/ops/compiled.py);
+                   verify pass tapped, packed from pieces as a cycle packs them: ``decode.
+                   pack_context``), compiled where the job's are (engine/ops/compiled.py);
                    where the job's cycles draft trees (engine/tree.py), with each position's
                    candidates and the trees grown on the host, as theirs do
 
@@ -298,15 +299,25 @@ class _Passes:
         drafter.add_context(self.hidden, draft_cache)  # as a joining prompt does
         mx.eval(self.hidden, [c.arrays() for c in draft_cache])  # not part of the timed pass
         last, block = self.ids[:, :1], max(engine.block_size, 2)
-        # the arguments of a cycle's drafting, chain or tree
-        drafting = (drafter, target, last, self.hidden, None, draft_cache, block - 1)
+        # the new context as a cycle hands it over, packed from the pieces earlier cycles left (a
+        # drafting cycle's, of which each row kept all but one row, and a plain cycle's): pieces
+        # of unequal rows are gathered, and on CUDA MLX compiles that gather the first time a
+        # machine runs it, seconds a job's first drafting cycle would pay instead
+        S = self.context_rows
+        pieces = [(self.hidden, [S - 1] * self.B), (self.hidden[:, :1], [1] * self.B)]
+
+        def drafting():
+            """The arguments of a cycle's drafting, chain or tree."""
+            context, _ = decode.pack_context(pieces)
+            return (drafter, target, last, context, None, draft_cache, block - 1)
+
         if tree.drafts(drafter, target, engine.settings.drafts) != "tree":
-            return lambda: decode.draft_block(*drafting, head=engine.draft_head)
+            return lambda: decode.draft_block(*drafting(), head=engine.draft_head)
 
         def grow():
             # a tree cycle's drafting: each position's candidates, and the trees grown on the host
             ids, logprobs = decode.draft_candidates(
-                *drafting, tree.CANDIDATES, head=engine.draft_head
+                *drafting(), tree.CANDIDATES, head=engine.draft_head
             )
             mx.eval(ids, logprobs)
             tree.best_first([0] * self.B, np.array(ids), np.array(logprobs), [block - 1] * self.B)
