@@ -684,10 +684,7 @@ class Engine:
         with switch.use(self.settings.routes()):
             if not warmup.matmul_choice(slots, width):
                 return None
-            table = None
-            if self.keep_costs:
-                bucket = warmup.context_bucket(context)
-                table = {**cost_tables.key(self, slots, bucket), "fixed_width": True}
+            table = self._cost_table(slots, context, fixed_width=True)
             kept = cost_tables.load(table) if table is not None else None
             if kept is not None:
                 return kept.matmul
@@ -695,6 +692,13 @@ class Engine:
             if table is not None:
                 cost_tables.save(table, CostModel(matmul=chosen))
             return chosen
+
+    def _cost_table(self, batch_size: int, context: Optional[int], **extra) -> Optional[dict]:
+        """The model cache's key for this engine's costs at this batch size and context bucket
+        (engine/cost_tables.py; under the routes in force), None where costs are not kept."""
+        if not self.keep_costs:
+            return None
+        return {**cost_tables.key(self, batch_size, warmup.context_bucket(context or 0)), **extra}
 
     def _measured_cost(
         self, slots: int, requests: Sequence[EncodedRequest], waits: bool = False
@@ -764,11 +768,7 @@ class Engine:
         ``measure``: then the passes are timed again, and the table keeps the faster of its
         timings and the new ones (cost_tables.py, "Timed again")."""
         with switch.use(self.settings.routes()):  # the key names this engine's routes
-            table = (
-                cost_tables.key(self, batch_size, warmup.context_bucket(context or 0))
-                if self.keep_costs
-                else None
-            )
+            table = self._cost_table(batch_size, context)
             cost = cost_tables.load(table) if table is not None and not measure else None
             if cost is None:
                 cost = warmup.measure_costs(self, batch_size, context)

@@ -84,15 +84,17 @@ def measure_costs(engine, batch_size: int, context: Optional[int] = None) -> Cos
     drafts: Dict[int, float] = {}
     route = switch.current().ragged
     if batch_size > 1 and _routes_differ():
-        timed = {}  # route -> (target(batch_size, block), draft(batch_size))
-        for route in attention.RAGGED_ROUTES:
-            with switch.modes(ragged=route):
-                passes = _Passes(engine, batch_size, n)
-                timed[route] = (
-                    passes.target(block),
-                    passes.draft() if engine.drafter is not None else 0.0,
-                )
-            del passes
+        # route -> (target(batch_size, block), draft(batch_size))
+        timed = _timed_under(
+            engine,
+            batch_size,
+            n,
+            {route: {"ragged": route} for route in attention.RAGGED_ROUTES},
+            lambda passes: (
+                passes.target(block),
+                passes.draft() if engine.drafter is not None else 0.0,
+            ),
+        )
         route = min(timed, key=lambda r: sum(timed[r]))
         targets[(batch_size, block)] = timed[route][0]  # timed already: not again below
         if engine.drafter is not None:
@@ -130,14 +132,27 @@ def _faster_matmul(engine, batch_size: int, n: int, T: int, route: str) -> str:
     """The few-row matmul mode under which that pass (and at batch 1 the drafter's, a block of
     rows too) is faster: which one is depends on the model's layers and the machine
     (docs/results/never-loses.md, session 22)."""
-    timed = {}
-    for mode in ("kernel", "stock"):
-        with switch.modes(ragged=route, matmul=mode):
-            passes = _Passes(engine, batch_size, n)
-            draft = passes.draft() if batch_size == 1 and engine.drafter is not None else 0.0
-            timed[mode] = passes.target(T) + draft
-        del passes
+    drafts = batch_size == 1 and engine.drafter is not None
+    timed = _timed_under(
+        engine,
+        batch_size,
+        n,
+        {mode: {"ragged": route, "matmul": mode} for mode in ("kernel", "stock")},
+        lambda passes: passes.target(T) + (passes.draft() if drafts else 0.0),
+    )
     return min(timed, key=timed.get)
+
+
+def _timed_under(engine, B: int, n: int, choices: Dict[str, dict], time: Callable) -> dict:
+    """``time(passes)`` for a batch of B rows of about n tokens built afresh under each choice's
+    routing (``switch.modes``), by choice: what the warm-up's choices between routings compare."""
+    timed = {}
+    for name, modes in choices.items():
+        with switch.modes(**modes):
+            passes = _Passes(engine, B, n)
+            timed[name] = time(passes)
+        del passes
+    return timed
 
 
 def _time_widths(
