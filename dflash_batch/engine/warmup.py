@@ -316,8 +316,8 @@ class _Passes:
         last, block = self.ids[:, :1], max(engine.block_size, 2)
         # the new context as a cycle hands it over, packed from the pieces earlier cycles left (a
         # drafting cycle's, of which each row kept all but one row, and a plain cycle's): pieces
-        # of unequal rows are gathered, and on CUDA MLX compiles that gather the first time a
-        # machine runs it, seconds a job's first drafting cycle would pay instead
+        # of unequal rows are gathered, and a process's first gather took seconds on a GPU
+        # (docs/results/slow-probe-h200-2026-11-28.md), which a job's drafting cycle paid before
         S = self.context_rows
         pieces = [(self.hidden, [S - 1] * self.B), (self.hidden[:, :1], [1] * self.B)]
 
