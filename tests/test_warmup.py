@@ -406,14 +406,13 @@ def test_the_drafter_is_timed_as_the_jobs_drafting_cycles_draft(tiny_pair, monke
 def test_the_drafter_is_timed_on_context_packed_as_a_cycle_packs_it(engine, monkeypatch):
     """A cycle's drafter reads its new context packed from the pieces earlier cycles left, and
     pieces of unequal rows are gathered (``decode.pack_context``): an op a job's first drafting
-    cycle would otherwise be the first to run (on CUDA, MLX compiles it then: seconds). Every
-    timed drafter pass packs its context that way, gathering included."""
+    cycle would otherwise be the first to run (a process's first gather took seconds on a GPU).
+    Every timed drafter pass packs its context that way, gathering included."""
     packs = []
     real = warmup.decode.pack_context
 
     def pack_context(pieces):
-        gathers = not all(min(c) == rows.shape[1] for rows, c in pieces[:-1])
-        packs.append((gathers, [tuple(rows.shape) for rows, _ in pieces]))
+        packs.append((warmup.decode.gathers(pieces), [tuple(rows.shape) for rows, _ in pieces]))
         return real(pieces)
 
     monkeypatch.setattr(warmup.decode, "pack_context", pack_context)

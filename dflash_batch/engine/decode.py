@@ -212,6 +212,12 @@ def accept_lengths(
     return out
 
 
+def gathers(pieces: Sequence[Tuple[mx.array, List[int]]]) -> bool:
+    """Whether ``pack_context`` gathers these pieces' rows: some row is not full in some piece
+    but the last (a drafting cycle's piece, whose rows kept fewer than it verified)."""
+    return not all(min(c) == rows.shape[1] for rows, c in pieces[:-1])
+
+
 def pack_context(
     pieces: Sequence[Tuple[mx.array, List[int]]],
 ) -> Tuple[Optional[mx.array], List[int]]:
@@ -229,7 +235,7 @@ def pack_context(
     width = max(counts)
     if width == 0:  # every row's pieces were dropped (its row left or a new one joined)
         return None, counts
-    if all(min(c) == rows.shape[1] for rows, c in pieces[:-1]):
+    if not gathers(pieces):
         # every row full in every piece but the last: a plain concatenation keeps rows left-aligned
         both = (
             pieces[0][0]
