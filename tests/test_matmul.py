@@ -127,11 +127,11 @@ def emulator(tmp_path_factory):
     )
     exe = emulator_build.build(src, folder, "emu")
 
-    def run(x: np.ndarray, w: np.ndarray, offset: int = 0, lead: int = 1) -> np.ndarray:
+    def run(x: np.ndarray, w: np.ndarray, offset: int = 0, lead: int = 1, rows: int = 0):
         (M, K), N = x.shape, w.shape[0]
         x.astype(np.float32).tofile(folder / "x.bin")
         w.astype(np.float32).tofile(folder / "w.bin")
-        args = [exe, folder, M, K, N, offset, km.row_bucket(M), lead]
+        args = [exe, folder, M, K, N, offset, rows or km.row_bucket(M), lead]
         subprocess.run([str(a) for a in args], check=True, timeout=300)
         return np.fromfile(folder / "y.bin", dtype=np.float32).reshape(M, N)
 
@@ -171,6 +171,42 @@ def test_kernel_body_on_emulated_gpu_matches_the_product(emulator, case):
     assert not np.isnan(got).any(), "an output was never written"
     # fp32 sums of K products: about 1e-7 relative here
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), np.abs(got - want).max()
+
+
+@pytest.mark.parametrize("M", [2, 3, 5, 8])
+def test_every_bucket_that_holds_the_rows_gives_the_same_bits(emulator, M):
+    """A product may run a larger ROWS template than it needs (``launch_rows``): each row's sums run
+    the same, so the output is the same to the bit, misaligned (scalar loads) or not."""
+    rng = np.random.default_rng(M)
+    x = rng.standard_normal((M, 202)).astype(np.float32)
+    w = rng.standard_normal((37, 202)).astype(np.float32)
+    for offset in (0, 1):
+        outs = {rows: emulator(x, w, offset, rows=rows) for rows in km.ROW_BUCKETS if rows >= M}
+        first = outs[km.row_bucket(M)]
+        for rows, y in outs.items():
+            assert np.array_equal(y, first), (M, rows, offset)
+
+
+def test_a_product_runs_the_smallest_built_bucket_that_holds_it(monkeypatch):
+    """A template not yet built compiles on its first launch, so a product of few rows borrows a
+    larger one this process has built, and builds its own only where none holds it."""
+    launched = []
+
+    def kernel(**kw):
+        launched.append(dict(kw["template"])["ROWS"])
+        return [mx.zeros(kw["output_shapes"][0], kw["output_dtypes"][0])]
+
+    monkeypatch.setattr(km, "_kernel", lambda: kernel)
+    monkeypatch.setattr(km, "_launches", {})
+    monkeypatch.setattr(km, "_built", {})
+    w = mx.zeros((8, 16))
+    km.matmul_kernel(mx.zeros((3, 16)), w)  # nothing built: its own bucket
+    km.matmul_kernel(mx.zeros((12, 16)), w)
+    km.matmul_kernel(mx.zeros((5, 16)), w)  # 16 is built, 8 is not: 16
+    km.matmul_kernel(mx.zeros((2, 16)), w)  # 4 is built
+    km.matmul_kernel(mx.zeros((2, 16), mx.float16), w.astype(mx.float16))  # per dtype
+    assert launched == [4, 16, 16, 4, 4]
+    assert km.launch_rows(mx.float32, 7) == 16 and km.launch_rows(mx.float32, 20) == 32
 
 
 def test_a_broken_body_fails_the_emulated_comparison(emulator, tmp_path_factory):

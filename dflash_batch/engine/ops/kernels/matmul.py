@@ -12,10 +12,18 @@ every row at once:
         acc[m][c] += sum_e x[m, k+e] * W[n, k+e]          (fp32, every row m < M)
     y[m, n] = sum over the 32 lanes of acc[m][c]          (a butterfly of shuffles; lane m*COLS+c writes)
 
-ROWS (a template: 4, 8, 16 or 32, the smallest >= M) sizes the accumulators; rows m >= M are not
-read. x's leading axes are its rows (no reshape: each op costs the host a few us per call, and a
-verify pass at batch 1 is as much host as device). fp32 stays fp32 throughout (no TF32), bf16 / fp16 are read as stored and summed in fp32,
-rounded once. Any K and alignment: 16-byte loads where x, W and K allow, scalar ones otherwise.
+ROWS (a template: 4, 8, 16 or 32) sizes the accumulators; rows m >= M are not read, and each
+row's sums run the same at every ROWS, so every bucket that holds M gives the same bits. Each
+template is compiled (NVRTC) once per process and not kept on disk, at seconds on a GPU, which a
+job's tail paid mid-job as its rows thinned out; so a product runs the smallest bucket this process
+has built that holds it (``launch_rows``), and builds the smallest that holds it only where none
+does. A larger bucket costs a product of few rows more where K is large (the figures:
+docs/results/tail-compiles-h200-2026-11-28.md).
+
+x's leading axes are its rows (no reshape: each op costs the host a few us per call, and a verify
+pass at batch 1 is as much host as device). fp32 stays fp32 throughout (no TF32), bf16 / fp16 are
+read as stored and summed in fp32, rounded once. Any K and alignment: 16-byte loads where x, W
+and K allow, scalar ones otherwise.
 
 ``matmul_reference`` is ``x @ W.T`` in MLX ops (the oracle; the CPU path). ``matmul_kernel`` runs
 the CUDA kernel as it is (tests and benchmarks). ``kernel_verified`` checks it once per machine
@@ -28,7 +36,7 @@ the CUDA header (and the tests' CPU emulator, which runs this exact text) define
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict, Optional, Set
 
 import mlx.core as mx
 
@@ -75,6 +83,12 @@ def unsupported(x: mx.array, w: mx.array) -> Optional[str]:
 _kernel_object = None
 
 
+def launch_rows(dtype, rows: int) -> int:
+    """The ROWS template a product of ``rows`` rows runs: the smallest bucket holding them that this
+    process has built for ``dtype``, else ``row_bucket(rows)`` (module doc)."""
+    return min((b for b in _built.get(dtype, ()) if b >= rows), default=row_bucket(rows))
+
+
 def _kernel():
     global _kernel_object
     if _kernel_object is None:
@@ -92,6 +106,7 @@ def _kernel():
 _launches: Dict[
     tuple, tuple
 ] = {}  # (dtype, rows, N) -> (grid, template): the host's per-call work, once
+_built: Dict[object, Set[int]] = {}  # dtype -> the ROWS templates launched in this process
 
 
 def matmul_kernel(x: mx.array, w: mx.array) -> mx.array:
@@ -100,10 +115,11 @@ def matmul_kernel(x: mx.array, w: mx.array) -> mx.array:
     key = (x.dtype, x.size // x.shape[-1], N)
     launch = _launches.get(key)
     if launch is None:
-        blocks = -(-N // (WARPS * COLS))
+        blocks, rows = -(-N // (WARPS * COLS)), launch_rows(x.dtype, key[1])
+        _built.setdefault(x.dtype, set()).add(rows)
         launch = _launches[key] = (
             (blocks * WARPS * 32, 1, 1),
-            [("T", x.dtype), ("ROWS", row_bucket(key[1])), ("WARPS", WARPS), ("COLS", COLS)],
+            [("T", x.dtype), ("ROWS", rows), ("WARPS", WARPS), ("COLS", COLS)],
         )
     return _kernel()(
         inputs=[x, w],
@@ -158,6 +174,7 @@ __all__ = [
     "ROW_BUCKETS",
     "WARPS",
     "kernel_verified",
+    "launch_rows",
     "matmul_kernel",
     "matmul_reference",
     "row_bucket",
