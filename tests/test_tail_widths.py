@@ -227,10 +227,10 @@ def test_the_decoder_says_when_the_jobs_end_is_in_sight(
     assert seen[first] > 0 and seen[-1] == 0
 
 
-def _decoder(waiting, joiners=(), urgent=None, done=True, closed=False, ends=None):
+def _decoder(waiting, joiners=(), urgent=None, done=True, closed=False, ends=None, empty=0):
     """What ``BatchDecoder._tail`` reads of a decoder: requests of these budgets waiting (the
     stream ``done`` or not), the prompts joining, an interactive source, whether the batch is
-    closed, and how the engine's rows end."""
+    closed, how the engine's rows end, and how many of its slots are empty."""
     from types import SimpleNamespace
 
     from dflash_batch.engine.batch import EncodedRequest
@@ -246,6 +246,7 @@ def _decoder(waiting, joiners=(), urgent=None, done=True, closed=False, ends=Non
         urgent=urgent,
         _closed=lambda: closed,
         engine=SimpleNamespace(ends=ends if ends is not None else Ends()),
+        rows=[None] * empty,  # the live rows are passed to ``_tail``; only the empty slots are read
     )
 
 
@@ -264,6 +265,22 @@ def test_in_the_last_wave_the_rows_that_finish_first_take_the_waiting_requests()
     assert BatchDecoder._tail(_decoder([20], done=False), rows) is None
     assert BatchDecoder._tail(_decoder([20], joiners=[object()]), rows) is None
     assert BatchDecoder._tail(_decoder([20], urgent=lambda: []), rows) is None
+
+
+def test_the_slots_left_empty_for_a_gathered_join_take_the_first_waiting_requests():
+    """Rows with 9, 3 and 6 tokens left and one slot left empty (``_gather`` waits to admit its
+    join with a later one): of four requests waiting, the first takes the empty slot, and the
+    three after it take the slots the rows free, fewest tokens left first. Four waiting is then
+    the last wave, which it is not with every slot live; five is not."""
+    from types import SimpleNamespace
+
+    from dflash_batch.engine.batch import BatchDecoder
+
+    rows = [SimpleNamespace(budget=n) for n in (9, 3, 6)]
+    assert BatchDecoder._tail(_decoder([40, 20, 10, 5], empty=1), rows) == [14, 23, 16]
+    assert BatchDecoder._tail(_decoder([40, 20, 10, 5]), rows) is None
+    assert BatchDecoder._tail(_decoder([40, 20, 10, 5, 1], empty=1), rows) is None
+    assert BatchDecoder._tail(_decoder([40], empty=2), rows) == [9, 3, 6]  # all take empty slots
 
 
 def test_a_last_wave_of_rows_that_stop_early_is_weighed_by_the_rate():

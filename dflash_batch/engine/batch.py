@@ -863,18 +863,21 @@ class BatchDecoder:
         (engine/widths.py, "The job's tail"), else None: none can join any more, or the last
         wave, where every request still waiting takes a slot one of these rows frees (all of
         them known, none joining, no interactive one to come, no more than there are rows). The
-        rows with the fewest tokens left free their slots first and take them in turn. The last
-        wave only where most rows run to their budgets (``finish.Ends``): its slots' tokens left
-        are budgets."""
+        rows with the fewest tokens left free their slots first and take them in turn, after the
+        slots empty now (left so for a gathered join: ``_gather``) have taken the first waiting
+        requests; those start afresh as rows of their own when they join, and the tail is weighed
+        again then. The last wave only where most rows run to their budgets (``finish.Ends``):
+        its slots' tokens left are budgets."""
         left = [r.budget for r in rows]
         if self._closed():
             return left
         waiting = self.waiting.peeked()
         if not self.waiting.done or self.urgent is not None or self.group.joiners:
             return None
-        if len(waiting) > len(rows) or not self.engine.ends.run_to_budgets():
+        queued = waiting[sum(r is None for r in self.rows) :]  # past the empty slots
+        if len(queued) > len(rows) or not self.engine.ends.run_to_budgets():
             return None
-        for b, request in zip(sorted(range(len(rows)), key=left.__getitem__), waiting):
+        for b, request in zip(sorted(range(len(rows)), key=left.__getitem__), queued):
             left[b] += request.max_tokens
         return left
 
