@@ -18,28 +18,7 @@ rows rounds fp32 through TF32).
 The verify pass of the default pair has 211 of these per pass; at batch 1 its T >= 2 passes cost
 two to three times its T = 1 pass with the same number of operations (``benchmarks/verify_ops``).
 
-Measured (H200, mlx[cuda13] 0.32.4, 2026-11-24, ``docs/results/small-matmul-h200-2026-11-24.json``),
-microseconds per product, ``matmul`` / ``gemv``:
-
-    rows  N = 576          N = 1536         N = 49152 (LM head)
-    1     5.3 / 30.9       8.1 / 47.3       32.4 / 55.7
-    2     17.6 / 41.5      26.0 / 68.8      42.6 / 72.6
-    16    17.4 / 46.2      15.8 / 52.4      47.1 / 81.3
-
-So cuBLAS costs about 10 us more than the one-row gemv per product (about 2 ms over a pass's
-211), not the whole 6-9 ms gap; and the batched one-row way is slower still (its extra copy
-and a batched gemv): not worth routing.
-
-With the few-row kernel and the host's share (another H200, the same day,
-``docs/results/small-matmul-h200-2026-11-24-kernel.json``), us per product / of them building:
-
-    rows  N = 576: matmul      kernel        N = 1536: matmul   kernel       N = 49152: matmul   kernel
-    4     13.6 / 0.5    9.3 / 4.4          17.2 / 0.9    14.6 / 7.9       47.2 / 2.0    56.2 / 10.5
-    16    17.3 / 0.9    16.3 / 8.1         18.5 / 0.9    21.3 / 8.1       47.0 / 1.6    139.2 / 11.4
-
-The kernel's device time is a third to a half of cuBLAS's; its calls cost the host 4-7 us more
-(docs/results/batched.md, "A few-row matmul kernel"). That run's kernel reshaped x to two axes and back
-(two more operations a call); it now reads x's leading axes as rows.
+What it measured, with the commands: ``docs/results/small-matmul.md``.
 """
 
 from __future__ import annotations

@@ -13,44 +13,7 @@ run, then the fastest of five, in each of ``--rounds`` rounds over every combina
 these with few-row products through MLX's matmul ("stock") and through the few-row kernel
 ("kernel", engine/ops/matmul.py).
 
-Measured (H200, mlx[cuda13] 0.32.4, default pair fp32, batch 1, 300 keys, 2026-11-24;
-``docs/results/verify-ops-h200-2026-11-24-b1.json``), ms per pass (operations):
-
-    T         1            2            4            8            16           drafter
-    kernel    4.21 (1568)  8.96 (1478)  11.92 (1478) 11.05 (1478) 12.29 (1477) 1.74
-    stock     3.65 (1568)  6.71 (1448)  13.16 (2078) 9.49 (2078)  9.24 (2077)  1.52
-
-Passes of T >= 2 cost two to three times the one-row pass with as many operations: not more
-launches but dearer ones. About 2 ms of it is cuBLAS against the one-row gemv
-(``benchmarks/small_matmul``). Stock SDPA's passes (one kernel a layer against the routed
-attention's two; it recompiles for every new key length when it has more than one row:
-engine/ops/attention.py) were 3 ms cheaper at T = 16 on this machine, but not on the next one
-(below): where the rest goes is not settled.
-
-On another H200 (faster host), ``--modes kernel,kernel-fused,stock`` at 300 and 1000 keys
-(``docs/results/verify-ops-h200-2026-11-24-b1-c*-fused.json``): kernel 3.6-3.7 ms at T = 1 and
-6.6-9.6 at T = 2-16; stock SDPA no cheaper (5.5-8.5), its logits 0.1-1.0 from the kernel's; the
-fused reduction no cheaper either, and wrong (logits off by 26-56, also at batch 8:
-``...-b8-c300-fused.json``), so that path was deleted.
-
-With the host's share and the few-row matmul kernel (a third H200, ``--modes kernel --matmul
-stock,kernel --rounds 3``, ``docs/results/verify-ops-h200-2026-11-24-b1-matmul-ab.json``),
-ms per pass / of them building the graph:
-
-    T         1            2            4             8            16
-    stock     3.92 / 1.35  8.49 / 2.53  10.46 / 2.98  7.82 / 2.13  8.41 / 2.41   (1,477 operations)
-    kernel    4.37 / 1.54  8.79 / 4.51  8.69 / 4.44   8.88 / 4.45  10.33 / 4.50  (847)
-
-The kernel halves the operations and their device time, and the host spends as much building
-the calls: a batch-1 pass is as much host as device (docs/results/batched.md, "A few-row matmul kernel").
-``--passes eager,compiled`` (engine/ops/compiled.py; a fourth H200, ``--modes kernel --matmul kernel
---rounds 3``, ``docs/results/verify-ops-h200-2026-11-24-b1-compiled.json``):
-
-    T          2            4            8            16
-    eager      7.15 / 3.55  7.14 / 3.43  7.73 / 3.39  9.32 / 3.53
-    compiled   4.05 / 0.60  4.34 / 0.75  5.31 / 0.72  6.69 / 0.69
-
-A pass traced once and replayed costs the host a fifth of building it in Python.
+What it measured, with the commands: ``docs/results/verify-ops.md``.
 """
 
 from __future__ import annotations
