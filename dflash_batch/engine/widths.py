@@ -14,10 +14,11 @@ and a cycle of width T over B rows costs
                                                          draft(B)     = d0 + d1 * B
 
 (t1: per token verified; t2: per row, whatever its width: reading the row's keys, which grows
-with the context the costs were measured at). A GPU's verify cost is not linear in T (attention
-kernels work in tiles of query rows: at B = 64 on an H100, T = 1, 4, 8, 16 cost 21, 23, 33,
-55 ms), so the widths the width policy chooses among are also timed at the job's batch size, and
-target(B, T) is read from them: interpolated in T between timed widths and in B between that
+with the context the costs were measured at). A GPU's verify cost is not linear in T: attention
+kernels work in tiles of query rows (the H100's ``block_target_B64_T*`` in
+docs/results/batched-h100-2026-11-23-qwen3-4b-profile-routes-widths.json). So the widths the
+width policy chooses among are also timed at the job's batch size, and target(B, T) is read from
+them: interpolated in T between timed widths and in B between that
 batch size and the fitted line at B = 1 (a job of one row reads its own timed widths).
 
 The width policy picks T among the bucket widths (below) maximising
