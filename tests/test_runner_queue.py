@@ -16,7 +16,15 @@ from dflash_batch.runner.cron import Cron
 from dflash_batch.runner.lock import is_locked
 from dflash_batch.runner.queue import Queue
 from dflash_batch.runner.store import ResultStore
-from tests.runner_fixtures import cli, home, tiny_models, wait_for, workers, write_jsonl  # noqa: F401
+from tests.runner_fixtures import (  # noqa: F401
+    cli,
+    fake_models,
+    home,
+    tiny_models,
+    wait_for,
+    workers,
+    write_jsonl,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -146,15 +154,24 @@ def test_graceful_stop_checkpoints_and_requeues_the_current_chunk(
     assert len(df) == n and df["id"].is_unique
 
 
-def test_cancel_stops_between_items_and_retry_finishes(tmp_path, home, tiny_models, workers):
+def test_cancel_stops_between_items_and_retry_finishes(
+    tmp_path, home, fake_models, workers, monkeypatch
+):
+    """The fake engine holds its first step while a file exists (``FAKE_ENGINE_HOLD``), so the
+    cancel lands while the job runs, however fast the machine: with the tiny real engine a
+    loaded machine's ``dflash-batch cancel`` once started after the whole job had finished."""
     n = 30
+    hold = tmp_path / "hold"
+    hold.touch()
+    monkeypatch.setenv("FAKE_ENGINE_HOLD", str(hold))
     job = dflash_batch.submit(
         write_jsonl(tmp_path / "in.jsonl", prompts(n, words=20)),
-        **model(tiny_models, max_tokens=48, chunk_size=5),
+        **model(fake_models, max_tokens=48, chunk_size=5),
     )
     w = workers()
-    wait_for(lambda: done(job) >= 1, timeout=240, interval=0.05, what="first item")
+    wait_for(lambda: any(tmp_path.glob("hold.*")), timeout=240, what="the job's first step")
     assert cli("cancel", job.id, home=home, check=True).returncode == 0
+    hold.unlink()
     status = job.wait(timeout=120)
     assert status["state"] == "cancelled" and status["done"] < n
     wait_for(
