@@ -36,7 +36,7 @@ the CUDA header (and the tests' CPU emulator, which runs this exact text) define
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Dict, Optional, Set
+from typing import Dict, Optional
 
 import mlx.core as mx
 
@@ -86,7 +86,10 @@ _kernel_object = None
 def launch_rows(dtype, rows: int) -> int:
     """The ROWS template a product of ``rows`` rows runs: the smallest bucket holding them that this
     process has built for ``dtype``, else ``row_bucket(rows)`` (module doc)."""
-    return min((b for b in _built.get(dtype, ()) if b >= rows), default=row_bucket(rows))
+    built = (
+        dict(template)["ROWS"] for (kind, _, _), (_, template) in _launches.items() if kind == dtype
+    )
+    return min((b for b in built if b >= rows), default=row_bucket(rows))
 
 
 def _kernel():
@@ -105,8 +108,7 @@ def _kernel():
 
 _launches: Dict[
     tuple, tuple
-] = {}  # (dtype, rows, N) -> (grid, template): the host's per-call work, once
-_built: Dict[object, Set[int]] = {}  # dtype -> the ROWS templates launched in this process
+] = {}  # (dtype, rows, N) -> (grid, template): the host's per-call work, once; the templates built
 
 
 def matmul_kernel(x: mx.array, w: mx.array) -> mx.array:
@@ -116,7 +118,6 @@ def matmul_kernel(x: mx.array, w: mx.array) -> mx.array:
     launch = _launches.get(key)
     if launch is None:
         blocks, rows = -(-N // (WARPS * COLS)), launch_rows(x.dtype, key[1])
-        _built.setdefault(x.dtype, set()).add(rows)
         launch = _launches[key] = (
             (blocks * WARPS * 32, 1, 1),
             [("T", x.dtype), ("ROWS", rows), ("WARPS", WARPS), ("COLS", COLS)],
